@@ -1,0 +1,115 @@
+"""Runs the angle probe at step 0 and at every scheduled checkpoint step of a training run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.loggers import WandbLogger
+
+from callbacks.checkpointing import CheckpointSchedule, after_optimizer_step
+from corpus.tokenize import first_tokens, tiktoken_batch_encoder
+from normgeo.probe import make_references, run_probe
+from normgeo.records import ANGLES_FILE, REFERENCES_FILE, save_references, statistics_rows, write_step
+
+log = logging.getLogger(__name__)
+
+
+class AngleProbe(L.Callback):
+    """Angles of the hidden vectors before/after every norm with 1, ``rand_a`` and ``rand_b``.
+
+    Every rank probes its own round-robin share of the fixed probe sequences; the statistics are merged
+    across ranks (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
+    ``angles.jsonl`` and the logger entries.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        schedule: CheckpointSchedule,
+        source,
+        model_name: str,
+        tokens: int = 1_000_000,
+        batch_size: int = 8,
+        seed: int = 1234,
+        tokenizer: str = "gpt2",
+        include_standardized: bool = False,
+        log_table: bool = True,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.schedule = schedule
+        self.source = source
+        self.model_name = model_name
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.include_standardized = include_standardized
+        self.log_table = log_table
+        self._sequences: torch.Tensor | None = None
+        self._last_seen_step = -1
+
+    def probe_sequences(self, seq_len: int) -> torch.Tensor:
+        """The same (n, seq_len) token windows at every step and in both arms."""
+        if self._sequences is None:
+            encode, eot, _ = tiktoken_batch_encoder(self.tokenizer)
+            count = self.tokens // seq_len * seq_len
+            if count == 0:
+                raise ValueError(f"probe.tokens={self.tokens} is less than one sequence of {seq_len} tokens")
+            ids = first_tokens(self.source.documents(), encode, eot, count)
+            self._sequences = torch.from_numpy(ids.reshape(-1, seq_len))
+        return self._sequences
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_seen_step = trainer.global_step
+        if trainer.global_step == 0:
+            self.probe(trainer, pl_module, step=0)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not after_optimizer_step(trainer, self._last_seen_step):
+            return
+        self._last_seen_step = trainer.global_step
+        if trainer.global_step in self.schedule:
+            self.probe(trainer, pl_module, step=trainer.global_step)
+
+    def probe(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> list[dict]:
+        model = pl_module.model
+        config = model.config
+        sequences = self.probe_sequences(config.block_size)
+        shard = sequences[trainer.global_rank :: trainer.world_size]
+        references = make_references(config.n_embd, self.seed)
+        sites, stats = run_probe(
+            model,
+            shard,
+            references,
+            batch_size=self.batch_size,
+            include_standardized=self.include_standardized,
+            autocast=trainer.precision_plugin.forward_context,
+            device=pl_module.device,
+        )
+        stats.all_reduce()
+        tokens_per_step = pl_module.hparams.global_batch * config.block_size
+        rows = statistics_rows(
+            sites, stats, model=self.model_name, norm=config.norm, step=step, tokens_seen=step * tokens_per_step
+        )
+        if trainer.is_global_zero:
+            save_references(self.run_dir / REFERENCES_FILE, references)
+            write_step(self.run_dir / ANGLES_FILE, rows)
+            self._log(trainer, rows, step)
+        return rows
+
+    def _log(self, trainer: L.Trainer, rows: list[dict], step: int) -> None:
+        """Scalar summaries (mean over layers per site and reference) and, on wandb, the full table."""
+        summary: dict[str, list[float]] = {}
+        for row in rows:
+            summary.setdefault(f"probe/{row['site']}/{row['ref']}_deg", []).append(row["mean_deg"])
+        metrics = {key: float(np.mean(values)) for key, values in summary.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            if self.log_table and isinstance(logger, WandbLogger):
+                columns = list(rows[0])
+                logger.log_table(key="probe/angles", columns=columns, data=[[r[c] for c in columns] for r in rows])
+        log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)

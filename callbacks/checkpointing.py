@@ -1,0 +1,134 @@
+"""Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``.
+
+Both are written through :class:`AtomicCheckpointIO`, so a kill mid-write never leaves a truncated file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from normgeo.atomic import atomic_open
+
+LAST = "last.ckpt"
+
+
+class CheckpointSchedule:
+    """The optimizer steps at which the experiment's checkpoints (and probes) happen.
+
+    Either an explicit list of steps, or the rule "every ``dense_every`` steps up to ``dense_until``,
+    then every ``sparse_every`` steps" (the paper: 1000 / 10000 / 10000), always capped at ``max_steps``.
+    """
+
+    def __init__(
+        self,
+        max_steps: int,
+        steps: Iterable[int] | None = None,
+        dense_every: int = 1000,
+        dense_until: int = 10000,
+        sparse_every: int = 10000,
+    ) -> None:
+        if steps is not None:
+            chosen = {int(s) for s in steps}
+        else:
+            if min(dense_every, sparse_every) <= 0:
+                raise ValueError("checkpoint intervals must be positive")
+            chosen = set(range(dense_every, min(dense_until, max_steps) + 1, dense_every))
+            chosen |= set(range(sparse_every, max_steps + 1, sparse_every))
+        bad = sorted(s for s in chosen if s <= 0)
+        if bad:
+            raise ValueError(f"checkpoint steps must be positive, got {bad}")
+        self.steps: list[int] = sorted(s for s in chosen if s <= max_steps)
+        self._lookup = frozenset(self.steps)
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._lookup
+
+    def __repr__(self) -> str:
+        return f"CheckpointSchedule({self.steps})"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to a temporary file, fsync, rename: readers see the old checkpoint or the new one."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if "://" in os.fspath(path):  # remote filesystems (s3://, gs://) keep Lightning's writer
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        with atomic_open(os.fspath(path), "wb") as handle:
+            torch.save(checkpoint, handle)
+
+
+def after_optimizer_step(trainer: L.Trainer, last_seen: int) -> bool:
+    """True on the first batch end after an optimizer step (works with gradient accumulation)."""
+    return trainer.global_step != last_seen
+
+
+class ScheduledCheckpoint(Checkpoint):
+    """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming.
+
+    Scheduled checkpoints are the experiment's data: by default they keep weights only (no optimizer
+    state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        schedule: CheckpointSchedule,
+        last_every: int = 100,
+        keep_optimizer: bool = False,
+    ) -> None:
+        self.dirpath = Path(dirpath)
+        self.schedule = schedule
+        self.last_every = last_every
+        self.keep_optimizer = keep_optimizer
+        self._last_seen_step = -1
+        self.saved_steps: list[int] = []
+
+    @staticmethod
+    def step_path(dirpath: str | Path, step: int) -> Path:
+        return Path(dirpath) / f"step-{step:07d}.ckpt"
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not after_optimizer_step(trainer, self._last_seen_step):
+            return
+        step = self._last_seen_step = trainer.global_step
+        if step in self.schedule:
+            # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
+            trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
+            self.saved_steps.append(step)
+        if step in self.schedule or (self.last_every and step % self.last_every == 0):
+            trainer.save_checkpoint(self.dirpath / LAST)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.dirpath / LAST)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_steps": list(self.saved_steps)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.saved_steps = list(state_dict.get("saved_steps", []))
+
+
+class StopAtStep(L.Callback):
+    """Ends this session cleanly after optimizer step ``step`` (last.ckpt is written on train end).
+
+    For splitting a long run into chunks that fit a scheduler's time slots: the next session
+    continues with ``resume=auto`` exactly where this one stopped.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -1,0 +1,74 @@
+"""Documents -> token ids, shared by data preparation and the angle probe."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from functools import lru_cache
+
+import numpy as np
+
+EncodeBatch = Callable[[list[str]], list[list[int]]]
+
+
+@lru_cache(maxsize=4)
+def tiktoken_encoding(name: str = "gpt2"):
+    """The tiktoken encoding; offline machines point TIKTOKEN_CACHE_DIR at a folder with its BPE files."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as err:  # network errors come in many types
+        raise RuntimeError(
+            f"could not load the tiktoken encoding {name!r} ({err}). Offline, set TIKTOKEN_CACHE_DIR to a "
+            "folder holding its BPE files (e.g. ../shared/tiktoken) or run once on a machine with internet."
+        ) from err
+
+
+def tiktoken_batch_encoder(name: str = "gpt2", threads: int | None = None) -> tuple[EncodeBatch, int, int]:
+    """(encode_batch, eot_id, vocab_size) for a tiktoken encoding; ``encode_ordinary`` ignores special tokens."""
+    encoding = tiktoken_encoding(name)
+    num_threads = threads or max(1, os.cpu_count() or 1)
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+
+    return encode_batch, encoding.eot_token, encoding.n_vocab
+
+
+def iter_document_tokens(
+    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, batch_docs: int = 256
+) -> Iterator[np.ndarray]:
+    """One int64 array per document, each followed by the end-of-text token (if the tokenizer has one)."""
+    pending: list[str] = []
+
+    def flush() -> Iterator[np.ndarray]:
+        for ids in encode_batch(pending):
+            if eot_id is not None:
+                ids = [*ids, eot_id]
+            yield np.asarray(ids, dtype=np.int64)
+        pending.clear()
+
+    for text in documents:
+        if text and text.strip():
+            pending.append(text)
+        if len(pending) >= batch_docs:
+            yield from flush()
+    if pending:
+        yield from flush()
+
+
+def first_tokens(
+    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int
+) -> np.ndarray:
+    """The first ``count`` tokens of the concatenated documents; raises if the corpus is shorter."""
+    chunks: list[np.ndarray] = []
+    total = 0
+    for ids in iter_document_tokens(documents, encode_batch, eot_id):
+        chunks.append(ids)
+        total += len(ids)
+        if total >= count:
+            break
+    if total < count:
+        raise ValueError(f"the probe corpus has only {total:,} tokens but {count:,} were asked for")
+    return np.concatenate(chunks)[:count]

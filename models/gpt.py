@@ -1,0 +1,167 @@
+"""A GPT-2 language model whose two arms differ only in the normalization layer.
+
+Pre-norm blocks as in the paper's eq. 12-16 (norm -> attention, residual; norm -> GELU MLP, residual),
+learned absolute positions, a final norm before the LM head. The norm is chosen by one string in one
+place (:func:`make_norm`); every other parameter is initialized from a generator seeded by
+(seed, parameter name), so the LayerNorm and RMSNorm arms start from bitwise-identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORM_KINDS = ("layer", "rms")
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 128
+    block_size: int = 1024
+    vocab_size: int = GPT2_VOCAB_SIZE
+    # Pad the embedding table to a multiple of this for fast matmuls; padded rows are never targets.
+    vocab_multiple: int = 64
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    bias: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_KINDS)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """The one place where the arms differ: LayerNorm (gain and bias) or RMSNorm (gain only)."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps, bias=True)
+    if kind == "rms":
+        return nn.RMSNorm(dim, eps=eps)
+    raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_KINDS)}")
+
+
+def is_norm_parameter(name: str) -> bool:
+    """Parameters owned by a norm module (the only ones allowed to differ between arms)."""
+    owner = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    return owner in ("ln1", "ln2", "ln_f")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Flash / memory-efficient kernels on GPU, the math kernel on CPU: same result either way.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 init, each tensor drawn from its own generator seeded by (seed, name).
+
+        Seeding per name (not one stream in creation order) is what makes the arms' non-norm
+        weights identical although the LN arm has extra bias tensors the RMS arm lacks.
+        """
+        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layer)
+        for name, param in self.named_parameters():
+            if is_norm_parameter(name):
+                # nn.LayerNorm / nn.RMSNorm already start at gain 1, bias 0.
+                continue
+            if name.endswith(".bias"):
+                param.zero_()
+                continue
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            std = residual_std if name.endswith("c_proj.weight") else self.config.init_std
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            param.copy_(values.to(param.dtype))
+
+    def num_parameters(self, exclude_positions: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())  # a tied matrix counts once
+        return total - self.wpe.weight.numel() if exclude_positions else total
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``idx`` (batch, seq); with ``targets``, the mean cross-entropy instead."""
+        seq = idx.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(f"sequence of {seq} tokens exceeds block_size={self.config.block_size}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6N plus attention (PaLM appendix B)."""
+        cfg = self.config
+        return 6 * self.num_parameters(exclude_positions=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len

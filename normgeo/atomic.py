@@ -1,0 +1,38 @@
+"""Atomic file writes: a reader (or a restarted job) sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Write to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,122 @@
+"""LayerNorm and RMSNorm written as geometry on the last dimension (Gupta et al., sections 2-3).
+
+LayerNorm's standardization ``(x - mean(x)) / std(x)`` is three steps: (1) remove the component of x
+along the uniform vector ``1 = [1, ..., 1]``, (2) normalize what is left to unit length, (3) scale by
+sqrt(d). RMSNorm is step 2-3 alone: ``x / rms(x) = sqrt(d) * x / ||x||``. The functions here spell out
+those steps, yet equal ``F.layer_norm`` / ``F.rms_norm`` including eps, so the probe can trust them.
+
+Every function works on tensors of any leading shape ``(..., d)``. Half-precision inputs (bf16, fp16)
+are computed in float32 and cast back, as PyTorch's own norm kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+NormKind = Literal["layer", "rms"]
+NORM_KINDS: tuple[str, ...] = ("layer", "rms")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: sums of squares in bf16/fp16 lose too many digits to be worth measuring."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def uniform_vector(
+    d: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The uniform vector ``1`` of R^d: the one direction LayerNorm throws away. Its norm is sqrt(d)."""
+    return torch.ones(d, dtype=dtype, device=device)
+
+
+def remove_uniform_component(x: torch.Tensor) -> torch.Tensor:
+    """Step 1: project x onto the hyperplane orthogonal to ``1``, i.e. ``x - (x . 1 / d) 1 = x - mean(x)``.
+
+    Shifting x by any multiple of ``1`` leaves this projection unchanged, so we first subtract the first
+    component: a constant vector then projects to exactly zero (not to rounding noise that eps=0 would
+    blow up to a random direction), and a large mean cancels before it can cost digits.
+    """
+    shifted = x - x[..., :1]
+    return shifted - shifted.mean(dim=-1, keepdim=True)
+
+
+def _scaled_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """Steps 2 and 3: ``sqrt(d) * v / sqrt(||v||^2 + d * eps)``, i.e. ``v / sqrt(mean(v^2) + eps)``.
+
+    With eps=0 this is v normalized to unit length and scaled by sqrt(d); eps softens the length exactly
+    as the norms' ``sqrt(var + eps)`` does. A zero v with eps=0 is 0/0 = NaN, as in PyTorch's kernels.
+    """
+    d = v.shape[-1]
+    length = torch.sqrt(v.square().sum(dim=-1, keepdim=True) + d * eps)
+    return math.sqrt(d) * (v / length)
+
+
+def layernorm_three_steps(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """LayerNorm as remove-``1``, normalize, scale by sqrt(d), then ``weight * y + bias``.
+
+    Since ``||x_perp|| = sqrt(d * var(x))``, dividing by ``sqrt(var + eps)`` is the same as
+    ``sqrt(d) * x_perp / sqrt(||x_perp||^2 + d * eps)``: this equals ``F.layer_norm(x, (d,), weight,
+    bias, eps)``. A constant vector has no direction off ``1``: the result is ``bias`` (zero) when
+    eps > 0, and NaN when eps = 0, like ``F.layer_norm``.
+    """
+    compute = _compute_dtype(x.dtype)
+    x_perp = remove_uniform_component(x.to(compute))  # step 1
+    y = _scaled_unit(x_perp, eps)  # steps 2 and 3
+    if weight is not None:
+        y = y * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def rmsnorm_one_step(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm as a single rescaling ``sqrt(d) * x / sqrt(||x||^2 + d * eps)``, then the gain ``weight``.
+
+    It keeps the direction of x, component along ``1`` included; equals ``F.rms_norm(x, (d,), weight,
+    eps)``. A zero vector gives zero when eps > 0 and NaN when eps = 0, like ``F.rms_norm``.
+    """
+    compute = _compute_dtype(x.dtype)
+    y = _scaled_unit(x.to(compute), eps)
+    if weight is not None:
+        y = y * weight.to(compute)
+    return y.to(x.dtype)
+
+
+def standardize(x: torch.Tensor, kind: NormKind | str, eps: float) -> torch.Tensor:
+    """The norm of ``kind`` ("layer" or "rms") without its affine part: the vector right after
+    standardization, where the probe measures the angle to ``1`` before weight and bias move it."""
+    if kind == "layer":
+        return layernorm_three_steps(x, eps=eps)
+    if kind == "rms":
+        return rmsnorm_one_step(x, eps=eps)
+    raise ValueError(f"unknown norm kind {kind!r}: choose one of {', '.join(NORM_KINDS)}")
+
+
+def angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Angle in degrees, in [0, 180], between every vector ``x[..., :]`` and the reference ``ref`` (d,).
+
+    Computed in float64 for float64 input, else float32 (bf16/fp16 are cast up). We use Kahan's
+    ``2 atan2(||a - b||, ||a + b||)`` on the unit vectors a, b rather than ``arccos(cos)``: it never
+    leaves [0, 180] (no clamp needed, so never NaN for nonzero vectors) and stays accurate near 0 and 180
+    degrees, where arccos loses half its digits. A zero vector (or a zero ``ref``) has no direction:
+    its angle is NaN, and callers count such vectors apart. Returns shape ``x.shape[:-1]``.
+    """
+    compute = _compute_dtype(x.dtype)
+    x = x.to(compute)
+    ref = ref.to(device=x.device, dtype=compute)
+    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    ref_norm = torch.linalg.vector_norm(ref)
+    a = x / x_norm
+    b = ref / ref_norm
+    half = torch.atan2(torch.linalg.vector_norm(a - b, dim=-1), torch.linalg.vector_norm(a + b, dim=-1))
+    degrees = torch.rad2deg(2.0 * half)
+    nan = torch.full_like(degrees, math.nan)
+    return torch.where((x_norm.squeeze(-1) > 0) & (ref_norm > 0), degrees, nan)

@@ -1,0 +1,144 @@
+"""The LightningModule that trains :class:`models.gpt.GPT`: loss, AdamW, warm-up + cosine schedule, metrics."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+import time
+
+import lightning as L
+import numpy as np
+import torch
+
+from models.gpt import GPT, GPTConfig
+from normgeo.hardware import peak_flops
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised on every rank at once when the (globally reduced) loss is NaN or infinite."""
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LitGPT(L.LightningModule):
+    def __init__(
+        self,
+        model: dict,
+        *,
+        seed: int,
+        max_steps: int,
+        global_batch: int,
+        lr: float,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 1000,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(GPTConfig(**model), seed=seed)
+        self._loss_sum: torch.Tensor | None = None
+        self._micro_steps = 0
+        self._last_step_time: float | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.config.block_size
+
+    def configure_model(self) -> None:
+        # nn.Module.compile keeps parameter names, so checkpoints load with or without it.
+        if self.hparams.compile and not getattr(self.model, "_compiled_call_impl", None):
+            self.model.compile()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = self.model(inputs, targets)
+        detached = loss.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._micro_steps += 1
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Once per optimizer step, after all accumulated backward passes: log the step's global loss."""
+        step_loss = self._loss_sum / self._micro_steps
+        global_loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
+        self._loss_sum, self._micro_steps = None, 0
+        step = self.trainer.global_step + 1
+        if not torch.isfinite(global_loss):
+            raise NonFiniteLossError(
+                f"the training loss is {global_loss.item()} at step {step}: stopping. The checkpoints "
+                "written so far are intact; lower the learning rate or resume from the last one."
+            )
+        tokens_per_step = self.hparams.global_batch * self.seq_len
+        metrics = {
+            "train/loss": global_loss,
+            "train/lr": optimizer.param_groups[0]["lr"],
+            "train/tokens_seen": float(step * tokens_per_step),
+        }
+        # Wall time between consecutive optimizer steps: data loading and logging included.
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            tokens_per_s = tokens_per_step / max(now - self._last_step_time, 1e-9)
+            metrics["perf/tokens_per_s"] = tokens_per_s
+            peak = peak_flops(self.device)
+            if peak:
+                flops = self.model.flops_per_token(self.seq_len) * tokens_per_s / self.trainer.world_size
+                metrics["perf/mfu"] = flops / peak
+        self._last_step_time = now
+        self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
+        self.log("loss", global_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("val/loss", self.model(inputs, targets), on_epoch=True, sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Weight decay on matrices only (embeddings included), never on gains and biases.
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = self.device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        optimizer = torch.optim.AdamW(
+            groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps, **({"fused": True} if fused else {})
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(
+                step, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps, min_lr_ratio=hp.min_lr_ratio
+            ),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning restores model, optimizer, scheduler and step; the RNGs (dropout) are ours to keep.
+        checkpoint["rng"] = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        checkpoint["gpt_config"] = self.model.config.to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rng = checkpoint.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])

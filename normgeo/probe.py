@@ -1,0 +1,122 @@
+"""The angle probe: forward hooks on every norm feed each token vector into :class:`AngleStatistics`.
+
+Used as is by the training callback (our GPT at each checkpoint step) and by ``analyze.py`` (any
+Hugging Face model). Nothing is stored but the statistics: a hook reduces its tensor and lets it go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from normgeo.geometry import standardize
+from normgeo.norm_sites import NormSite, find_norm_sites
+from normgeo.stats import AngleStatistics
+
+REFERENCE_NAMES = ("ones", "rand_a", "rand_b")
+RAND_B_NORM_RATIO = 3.0  # rand_b's norm is 3 sqrt(d): "a random vector of another norm" than 1
+
+
+def make_references(dim: int, seed: int = 1234) -> dict[str, np.ndarray]:
+    """The uniform vector 1 and two random directions, from a seed independent of any model.
+
+    ``rand_a`` has the norm of 1 (sqrt(d)); ``rand_b`` another norm. Both arms and every checkpoint
+    of an experiment share them, since they depend only on (seed, d).
+    """
+    rng = np.random.default_rng([seed, dim])
+    ones = np.ones(dim)
+    rand_a = rng.standard_normal(dim)
+    rand_a *= math.sqrt(dim) / np.linalg.norm(rand_a)
+    rand_b = rng.standard_normal(dim)
+    rand_b *= RAND_B_NORM_RATIO * math.sqrt(dim) / np.linalg.norm(rand_b)
+    return {"ones": ones, "rand_a": rand_a, "rand_b": rand_b}
+
+
+@dataclass(frozen=True)
+class ProbeSite:
+    """One measured place: the input or output (or standardized input) of one norm module."""
+
+    layer: int | str
+    site: str  # e.g. "ln1.in", "final.out"
+    kind: str
+    dim: int
+
+
+def probe_sites(norms: Sequence[NormSite], include_standardized: bool = False) -> list[ProbeSite]:
+    sites = []
+    for norm in norms:
+        suffixes = ("in", "std", "out") if include_standardized else ("in", "out")
+        sites += [ProbeSite(norm.layer, f"{norm.role}.{suffix}", norm.kind, norm.dim) for suffix in suffixes]
+    return sites
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def run_probe(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    references: dict[str, np.ndarray],
+    *,
+    forward: Callable[[torch.Tensor], object] | None = None,
+    norms: Sequence[NormSite] | None = None,
+    batch_size: int = 8,
+    include_standardized: bool = False,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> tuple[list[ProbeSite], AngleStatistics]:
+    """Stream ``sequences`` (n, T) of token ids through ``model`` and measure every norm's in/out vectors.
+
+    ``forward`` defaults to ``model(batch)``; ``autocast`` gives the precision (e.g. the training
+    precision's context). The statistics are *not* reduced across ranks: call ``all_reduce`` on them.
+    """
+    norms = list(norms) if norms is not None else find_norm_sites(model)
+    sites = probe_sites(norms, include_standardized)
+    dims = {n.dim for n in norms}
+    if len(dims) != 1:
+        raise ValueError(f"norm modules of several widths {sorted(dims)}: probe them one width at a time")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    reference_matrix = torch.from_numpy(np.stack([references[name] for name in REFERENCE_NAMES]))
+    stats = AngleStatistics(len(sites), reference_matrix, device=device)
+    site_index = {site: i for i, site in enumerate(sites)}
+
+    def make_hook(norm: NormSite):
+        in_index = site_index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)]
+        out_index = site_index[ProbeSite(norm.layer, f"{norm.role}.out", norm.kind, norm.dim)]
+        std_site = ProbeSite(norm.layer, f"{norm.role}.std", norm.kind, norm.dim)
+
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            hidden = inputs[0]
+            stats.update(in_index, hidden.to(device))
+            stats.update(out_index, (output[0] if isinstance(output, tuple) else output).to(device))
+            if include_standardized:
+                stats.update(site_index[std_site], standardize(hidden.to(device).float(), norm.kind, norm.eps))
+
+        return hook
+
+    call = forward or (lambda batch: model(batch))
+    handles = [norm.module.register_forward_hook(make_hook(norm)) for norm in norms]
+    try:
+        with _eval_mode(model), torch.no_grad(), autocast():
+            batches = sequences.split(batch_size)
+            for batch in tqdm(batches, desc="probe", unit="batch", disable=not progress):
+                call(batch.to(device, non_blocking=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sites, stats

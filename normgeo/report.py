@@ -1,0 +1,186 @@
+"""Figures in the style of the paper from ``angles.jsonl``: ``python -m normgeo.report <run_dir> [...]``.
+
+- ``layers_<model>_<norm>_step<k>.png``: mean +- std angle per layer before (``.in``) and after (``.out``)
+  each norm, one panel per reference vector (paper Figures 3, 6-13);
+- ``steps_<model>_<norm>_layer<l>.png``: angle against checkpoint step at one layer, one curve per
+  reference (Figure 4);
+- ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from normgeo.atomic import atomic_open  # noqa: E402
+from normgeo.records import ANGLES_FILE, read_rows  # noqa: E402
+
+REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random a (norm sqrt d)", "rand_b": "random b (other norm)"}
+NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm"}
+SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
+
+
+def _save(fig, path: Path) -> Path:
+    with atomic_open(path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _layer_position(layer, n_layers: int) -> float:
+    if layer == "final":
+        return n_layers
+    if layer == "embed":
+        return -1
+    return float(layer)
+
+
+def _title_step(step) -> str:
+    return "pretrained" if step is None else f"step {step:,}"
+
+
+def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
+    """Mean +- std per layer, before/after every norm, one panel per reference (one model, one step)."""
+    rows = [r for r in rows if r["step"] == step]
+    model, norm = rows[0]["model"], rows[0]["norm"]
+    refs = list(dict.fromkeys(r["ref"] for r in rows))
+    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
+    roles = roles or list(dict.fromkeys(r["site"].split(".")[0] for r in rows))
+    fig, axes = plt.subplots(1, len(refs), figsize=(5.2 * len(refs), 4), sharey=True, squeeze=False)
+    for ax, ref in zip(axes[0], refs):
+        for role_index, role in enumerate(roles):
+            for suffix, (marker, label) in SITE_STYLE.items():
+                series = sorted(
+                    (r for r in rows if r["ref"] == ref and r["site"] == f"{role}.{suffix}"),
+                    key=lambda r: _layer_position(r["layer"], n_layers),
+                )
+                if not series:
+                    continue
+                offset = (role_index * len(SITE_STYLE) + list(SITE_STYLE).index(suffix)) * 0.06
+                ax.errorbar(
+                    [_layer_position(r["layer"], n_layers) + offset for r in series],
+                    [r["mean_deg"] for r in series],
+                    yerr=[r["std_deg"] for r in series],
+                    fmt=marker, ms=4, capsize=2, lw=1, label=f"{role} {label}",
+                )
+        ax.axhline(90, color="gray", lw=0.8, ls="--")
+        ax.set_title(f"angle with {REF_LABELS.get(ref, ref)}")
+        ax.set_xlabel(f"layer (final norm at {n_layers})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
+    tag = "pretrained" if step is None else f"step{step:07d}"
+    return _save(fig, out_dir / f"layers_{_safe(model)}_{norm}_{tag}.png")
+
+
+def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
+    """Angle at one layer and site against training step, one curve per reference (Figure 4)."""
+    rows = [r for r in rows if r["layer"] == layer and r["site"] == site and r["step"] is not None]
+    model, norm = rows[0]["model"], rows[0]["norm"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ref in dict.fromkeys(r["ref"] for r in rows):
+        series = sorted((r for r in rows if r["ref"] == ref), key=lambda r: r["step"])
+        ax.errorbar(
+            [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
+            fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
+        )
+    ax.axhline(90, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("angle (degrees), mean ± std over tokens")
+    ax.set_title(f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir / f"steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
+
+
+def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in", ref: str = "ones") -> Path:
+    """Arms side by side: per-layer angle at each arm's last step, one panel per run."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4), sharey=True, squeeze=False)
+    names = []
+    for ax, (name, rows) in zip(axes[0], runs.items()):
+        steps = [r["step"] for r in rows if r["step"] is not None]
+        step = max(steps) if steps else None
+        chosen = [r for r in rows if r["step"] == step and r["ref"] == ref]
+        n_layers = 1 + max((r["layer"] for r in chosen if isinstance(r["layer"], int)), default=-1)
+        for suffix, (marker, label) in SITE_STYLE.items():
+            series = sorted(
+                (r for r in chosen if r["site"] == f"{site.split('.')[0]}.{suffix}"),
+                key=lambda r: _layer_position(r["layer"], n_layers),
+            )
+            if series:
+                ax.errorbar(
+                    [_layer_position(r["layer"], n_layers) for r in series], [r["mean_deg"] for r in series],
+                    yerr=[r["std_deg"] for r in series], fmt=marker, ms=4, capsize=2, label=label,
+                )
+        norm = chosen[0]["norm"] if chosen else "?"
+        ax.set_title(f"{chosen[0]['model'] if chosen else name} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
+        ax.axhline(90, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+        names.append(norm)
+    axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{site.split('.')[0]} before/after the norm: {' vs '.join(NORM_LABELS.get(n, n) for n in names)}")
+    return _save(fig, out_dir / f"compare_{'_'.join(names)}_{site.split('.')[0]}_{ref}.png")
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in str(name))
+
+
+def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> list[Path]:
+    """All figures for one run directory, written to ``<run_dir>/figures``."""
+    run_dir = Path(run_dir)
+    rows = read_rows(run_dir / ANGLES_FILE)
+    if not rows:
+        return []
+    out_dir = run_dir / "figures"
+    figures = []
+    by_model = defaultdict(list)
+    for row in rows:
+        by_model[(row["model"], row["norm"])].append(row)
+    for model_rows in by_model.values():
+        steps = sorted({r["step"] for r in model_rows}, key=lambda s: -1 if s is None else s)
+        figures.append(plot_layers(model_rows, out_dir, step=steps[-1]))
+        trained = [s for s in steps if s is not None]
+        if len(trained) > 1:
+            figures.append(plot_layers(model_rows, out_dir, step=trained[0]))
+            layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
+            chosen = layer if layer is not None else layers[len(layers) // 2]
+            figures.append(plot_steps(model_rows, out_dir, chosen))
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
+    parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
+    parser.add_argument("--out", type=Path, default=None, help="where comparison figures go (default: first run)")
+    args = parser.parse_args(argv)
+    layer = int(args.layer) if args.layer is not None and args.layer.isdigit() else args.layer
+    runs = {}
+    for run_dir in args.run_dirs:
+        if not (run_dir / ANGLES_FILE).exists():
+            print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)", file=sys.stderr)
+            return 2
+        for figure in write_run_figures(run_dir, layer):
+            print(figure)
+        runs[str(run_dir)] = read_rows(run_dir / ANGLES_FILE)
+    if len(runs) > 1:
+        out_dir = args.out or args.run_dirs[0] / "figures"
+        for ref in ("ones", "rand_a", "rand_b"):
+            print(plot_compare(runs, out_dir, ref=ref))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
