@@ -110,8 +110,8 @@ def prepare(
         counts = {split: 0 for split in SPLITS}
         documents = {split: 0 for split in SPLITS}
         tmp_paths = {split: directory / f".{split}.bin.tmp" for split in SPLITS}
-        handles = {split: open(tmp_paths[split], "wb") for split in SPLITS}
-        try:
+        with contextlib.ExitStack() as stack:
+            handles = {split: stack.enter_context(open(tmp_paths[split], "wb")) for split in SPLITS}
             token_stream = iter_document_tokens(source.documents(), encode_batch, eot_id)
             bar = tqdm(token_stream, desc=f"tokenizing {source.describe()}", unit="doc", disable=not progress)
             for index, ids in enumerate(bar):
@@ -122,9 +122,6 @@ def prepare(
             for handle in handles.values():
                 handle.flush()
                 os.fsync(handle.fileno())
-        finally:
-            for handle in handles.values():
-                handle.close()
         if counts["train"] == 0:
             raise PreparedDataError(f"{source.describe()} produced no training tokens")
         splits = {}

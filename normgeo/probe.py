@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,13 @@ def probe_sites(norms: Sequence[NormSite], include_standardized: bool = False) -
     return sites
 
 
+def residual_norms(norms: Sequence[NormSite]) -> list[NormSite]:
+    """The norms of the residual stream: those of the most common width (drops per-head q/k norms)."""
+    widths = Counter(norm.dim for norm in norms)
+    width = widths.most_common(1)[0][0]
+    return [norm for norm in norms if norm.dim == width]
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     was_training = model.training
@@ -85,11 +93,8 @@ def run_probe(
     ``forward`` defaults to ``model(batch)``; ``autocast`` gives the precision (e.g. the training
     precision's context). The statistics are *not* reduced across ranks: call ``all_reduce`` on them.
     """
-    norms = list(norms) if norms is not None else find_norm_sites(model)
+    norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     sites = probe_sites(norms, include_standardized)
-    dims = {n.dim for n in norms}
-    if len(dims) != 1:
-        raise ValueError(f"norm modules of several widths {sorted(dims)}: probe them one width at a time")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     reference_matrix = torch.from_numpy(np.stack([references[name] for name in REFERENCE_NAMES]))
     stats = AngleStatistics(len(sites), reference_matrix, device=device)

@@ -55,7 +55,7 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
     n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
     roles = roles or list(dict.fromkeys(r["site"].split(".")[0] for r in rows))
     fig, axes = plt.subplots(1, len(refs), figsize=(5.2 * len(refs), 4), sharey=True, squeeze=False)
-    for ax, ref in zip(axes[0], refs):
+    for ax, ref in zip(axes[0], refs, strict=True):
         for role_index, role in enumerate(roles):
             for suffix, (marker, label) in SITE_STYLE.items():
                 series = sorted(
@@ -106,7 +106,7 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
     """Arms side by side: per-layer angle at each arm's last step, one panel per run."""
     fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4), sharey=True, squeeze=False)
     names = []
-    for ax, (name, rows) in zip(axes[0], runs.items()):
+    for ax, (name, rows) in zip(axes[0], runs.items(), strict=True):
         steps = [r["step"] for r in rows if r["step"] is not None]
         step = max(steps) if steps else None
         chosen = [r for r in rows if r["step"] == step and r["ref"] == ref]
