@@ -72,7 +72,7 @@ def full_checksum(path: Path) -> str:
 @contextlib.contextmanager
 def _exclusive_lock(directory: Path) -> Iterator[None]:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".prepare.lock", "w") as lock:
+    with open(directory / ".prepare.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

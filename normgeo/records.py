@@ -28,7 +28,9 @@ FIELDS = (
 
 
 def _number(value: float) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(float(value), 6)
+    """JSON-safe float with 10 significant digits (NaN/inf, e.g. no samples, become null)."""
+    value = float(value)
+    return float(f"{value:.10g}") if math.isfinite(value) else None
 
 
 def statistics_rows(

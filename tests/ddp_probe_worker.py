@@ -1,0 +1,47 @@
+"""Run the angle probe in N gloo processes and write the merged rows (used by test_probe.py).
+
+    python tests/ddp_probe_worker.py <world_size> <out.json>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.gpt import GPT, GPTConfig  # noqa: E402
+from normgeo.probe import make_references, run_probe  # noqa: E402
+from normgeo.records import statistics_rows  # noqa: E402
+
+
+def probe_rows(rank: int, world: int) -> list[dict]:
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
+    sequences = torch.randint(0, 50257, (24, 16), generator=torch.Generator().manual_seed(5))
+    sites, stats = run_probe(model, sequences[rank::world], make_references(32), batch_size=5)
+    stats.all_reduce()
+    return statistics_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0)
+
+
+def worker(rank: int, world: int, out: str, port: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = probe_rows(rank, world)
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(rows, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, out = int(sys.argv[1]), sys.argv[2]
+    if world == 1:
+        with open(out, "w") as handle:
+            json.dump(probe_rows(0, 1), handle)
+    else:
+        mp.spawn(worker, args=(world, out, sys.argv[3] if len(sys.argv) > 3 else "29533"), nprocs=world)

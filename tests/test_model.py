@@ -1,0 +1,133 @@
+"""The model and the controlled-arms identity: only norm parameters may differ between arms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from models.gpt import GPT, GPTConfig, is_norm_parameter
+from normgeo.config import CONF_DIR
+from normgeo.lit import LitGPT, warmup_cosine
+
+SIZES = ("tiny", "70m", "160m", "410m", "1b")
+
+
+def build_from_config(*overrides: str) -> GPT:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    config = GPTConfig(
+        n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd, block_size=cfg.seq_len,
+        norm=cfg.norm.name, norm_eps=cfg.norm.eps, tie_embeddings=cfg.tie_embeddings,
+    )
+    return GPT(config, seed=cfg.seed)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
+    layer = dict(build_from_config("norm=layer", f"tie_embeddings={tie}").named_parameters())
+    rms = dict(build_from_config("norm=rms", f"tie_embeddings={tie}").named_parameters())
+    shared = [name for name in layer if not is_norm_parameter(name)]
+    assert shared == [name for name in rms if not is_norm_parameter(name)]
+    assert len(shared) > 10
+    for name in shared:
+        assert torch.equal(layer[name], rms[name]), name
+    # The norm parameters are exactly the ones that differ: LN has biases that RMS lacks.
+    assert {n for n in layer if is_norm_parameter(n)} - {n for n in rms if is_norm_parameter(n)} == {
+        n for n in layer if is_norm_parameter(n) and n.endswith(".bias")
+    }
+
+
+def test_different_seeds_give_different_weights() -> None:
+    a = build_from_config("seed=0")
+    b = build_from_config("seed=1")
+    assert not torch.equal(a.wte.weight, b.wte.weight)
+
+
+def test_norm_modules_are_torch_norms_with_the_configured_eps() -> None:
+    layer, rms = build_from_config("norm=layer"), build_from_config("norm=rms")
+    assert isinstance(layer.blocks[0].ln1, torch.nn.LayerNorm) and layer.blocks[0].ln1.bias is not None
+    assert isinstance(rms.ln_f, torch.nn.RMSNorm) and rms.ln_f.eps == 1e-5
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in rms.modules())
+
+
+def test_vocabulary_is_padded_and_tied() -> None:
+    model = build_from_config("tie_embeddings=true")
+    assert model.wte.weight.shape[0] == 50304 and 50304 % 64 == 0
+    assert model.lm_head.weight is model.wte.weight
+    untied = build_from_config()
+    assert untied.lm_head.weight is not untied.wte.weight
+
+
+# (LayerNorm arm) parameters untied / tied: the untied counts are the paper's size names.
+PARAMETERS = {
+    "70m": (70_950_912, 45_195_264),
+    "160m": (163_109_376, 124_475_904),
+    "410m": (406_382_592, 354_871_296),
+    "1b": (1_013_878_784, 910_856_192),
+}
+
+
+@pytest.mark.parametrize("size", list(PARAMETERS))
+def test_paper_sizes_compose_to_table_2(size: str) -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"size={size}"])
+    table2 = {"70m": (6, 512, 8, 1e-3), "160m": (12, 768, 12, 6e-4), "410m": (24, 1024, 16, 3e-4),
+              "1b": (16, 2048, 8, 3e-4)}
+    assert (cfg.size.n_layer, cfg.size.n_embd, cfg.size.n_head, cfg.size.lr) == table2[size]
+    assert cfg.seq_len == 1024 and cfg.global_batch == 64 and cfg.tie_embeddings is False
+    assert cfg.max_steps == (100_000 if size in ("70m", "160m") else 50_000)
+    config = GPTConfig(n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd)
+    assert (_count(config, tied=False), _count(config, tied=True)) == PARAMETERS[size]
+
+
+def _count(config: GPTConfig, tied: bool) -> int:
+    d, layers, vocab = config.n_embd, config.n_layer, config.padded_vocab_size
+    per_block = 12 * d * d + 13 * d  # attention + MLP matrices and biases, two LayerNorms (gain + bias)
+    return vocab * d * (1 if tied else 2) + config.block_size * d + layers * per_block + 2 * d
+
+
+def test_parameter_count_formula_matches_the_module() -> None:
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=128)
+    assert GPT(config).num_parameters() == _count(config, tied=True)
+    untied = GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=128, tie_embeddings=False)
+    assert GPT(untied).num_parameters() == _count(untied, tied=False)
+
+
+def test_forward_loss_and_causality() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)).eval()
+    idx = torch.randint(0, 50257, (2, 16))
+    logits = model(idx)
+    assert logits.shape == (2, 16, 50304)
+    changed = idx.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 50257
+    # Changing the last token must not change any earlier position's logits.
+    assert torch.allclose(model(changed)[:, :-1], logits[:, :-1], atol=1e-5)
+    loss = model(idx, idx)
+    assert abs(loss.item() - torch.log(torch.tensor(50304.0)).item()) < 0.5  # near-uniform at init
+
+
+def test_unknown_norm_is_rejected_with_the_valid_choices() -> None:
+    with pytest.raises(ValueError, match="layer, rms"):
+        GPTConfig(norm="batch")
+
+
+def test_lr_schedule_warmup_then_cosine_to_ten_percent() -> None:
+    kwargs = {"warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1}
+    assert warmup_cosine(0, **kwargs) == pytest.approx(0.1)
+    assert warmup_cosine(9, **kwargs) == pytest.approx(1.0)
+    assert warmup_cosine(60, **kwargs) == pytest.approx(0.55)
+    assert warmup_cosine(110, **kwargs) == pytest.approx(0.1)
+    assert warmup_cosine(500, **kwargs) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    module = LitGPT(
+        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=2, lr=1e-3
+    )
+    optimizer = module.configure_optimizers()["optimizer"]
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
+    assert sum(p.numel() for g in (decayed, plain) for p in g["params"]) == module.model.num_parameters()

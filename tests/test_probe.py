@@ -1,0 +1,150 @@
+"""The angle probe on a real model: exact against captured tensors, distributed, crash-safe output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.gpt import GPT, GPTConfig
+from normgeo.geometry import angle_deg
+from normgeo.norm_sites import find_norm_sites
+from normgeo.probe import REFERENCE_NAMES, make_references, run_probe
+from normgeo.records import FIELDS, read_rows, statistics_rows, write_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_gpt(norm: str) -> GPT:
+    return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, norm=norm), seed=0).eval()
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_probe_angles_match_a_direct_computation_on_captured_tensors(norm: str) -> None:
+    model = tiny_gpt(norm)
+    sequences = torch.randint(0, 50257, (10, 16), generator=torch.Generator().manual_seed(0))
+    references = make_references(32)
+    captured: dict[tuple, list[torch.Tensor]] = {}
+    handles = []
+    for site in find_norm_sites(model):
+        def hook(module, inputs, output, site=site):
+            captured.setdefault((site.layer, f"{site.role}.in"), []).append(inputs[0].detach().clone())
+            captured.setdefault((site.layer, f"{site.role}.out"), []).append(output.detach().clone())
+        handles.append(site.module.register_forward_hook(hook))
+    sites, stats = run_probe(model, sequences, references, batch_size=3)
+    for handle in handles:
+        handle.remove()
+    rows = statistics_rows(sites, stats, model="tiny", norm=norm, step=0, tokens_seen=0)
+    assert len(rows) == (3 * 4 + 2) * 3
+    assert {r["site"] for r in rows} == {"ln1.in", "ln1.out", "ln2.in", "ln2.out", "final.in", "final.out"}
+    for row in rows:
+        vectors = torch.cat(captured[(row["layer"], row["site"])]).reshape(-1, 32).double()
+        angles = angle_deg(vectors, torch.from_numpy(references[row["ref"]])).numpy()
+        assert row["count"] == len(angles) == 160 and row["zero_count"] == 0
+        assert row["mean_deg"] == pytest.approx(angles.mean(), abs=1e-4)
+        assert row["std_deg"] == pytest.approx(angles.std(), abs=1e-4)
+        assert row["min_deg"] == pytest.approx(angles.min(), abs=1e-3)
+        assert row["max_deg"] == pytest.approx(angles.max(), abs=1e-3)
+        # With few tokens a quantile is only defined up to the gap between neighbouring order statistics.
+        ordered = np.sort(angles)
+        assert ordered[79] - 0.025 <= row["p50"] <= ordered[80] + 0.025
+        norms = vectors.norm(dim=1)
+        assert row["norm_mean"] == pytest.approx(norms.mean().item(), rel=1e-5)
+        assert row["rms_mean"] == pytest.approx(norms.mean().item() / math.sqrt(32), rel=1e-5)
+    assert list(rows[0]) == list(FIELDS)
+
+
+def test_layernorm_standardization_is_orthogonal_to_ones_but_rms_is_not() -> None:
+    sequences = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(1))
+    for norm in ("layer", "rms"):
+        model = tiny_gpt(norm)
+        # Give every residual vector a component along 1, so that only mean subtraction removes it.
+        with torch.no_grad():
+            model.wpe.weight += 0.5
+        sites, stats = run_probe(model, sequences, make_references(32), include_standardized=True)
+        rows = statistics_rows(sites, stats, model="tiny", norm=norm, step=0, tokens_seen=0)
+        std_rows = [r for r in rows if r["site"].endswith(".std") and r["ref"] == "ones"]
+        if norm == "layer":
+            assert all(abs(r["mean_deg"] - 90) < 1e-3 and abs(r["max_deg"] - 90) < 1e-2 for r in std_rows)
+        else:
+            assert any(abs(r["mean_deg"] - 90) > 1 for r in std_rows)
+
+
+def test_references_are_model_independent_and_have_the_promised_norms() -> None:
+    refs = make_references(512, seed=1234)
+    again = make_references(512, seed=1234)
+    assert all(np.array_equal(refs[n], again[n]) for n in REFERENCE_NAMES)
+    assert np.linalg.norm(refs["ones"]) == pytest.approx(math.sqrt(512))
+    assert np.linalg.norm(refs["rand_a"]) == pytest.approx(math.sqrt(512))
+    assert abs(np.linalg.norm(refs["rand_b"]) - math.sqrt(512)) > 10
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
+    outputs = {}
+    for world in (1, 2):
+        out = tmp_path / f"rows{world}.json"
+        subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_probe_worker.py"), str(world), str(out),
+                        free_port()], check=True, timeout=300, cwd=ROOT)
+        outputs[world] = json.loads(out.read_text())
+    assert len(outputs[1]) == len(outputs[2]) > 0
+    for single, multi in zip(outputs[1], outputs[2], strict=True):
+        assert (single["layer"], single["site"], single["ref"]) == (multi["layer"], multi["site"], multi["ref"])
+        assert single["count"] == multi["count"] == 24 * 16
+        for field in ("mean_deg", "std_deg", "min_deg", "max_deg", "norm_mean", "norm_std"):
+            assert multi[field] == pytest.approx(single[field], abs=1e-5), field
+        for q in ("p01", "p05", "p25", "p50", "p75", "p95", "p99"):
+            assert multi[q] == pytest.approx(single[q], abs=1e-5), q  # histograms are summed exactly
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {root!r})
+from normgeo.records import write_step
+step = 0
+while True:
+    rows = [{{"model": "m", "norm": "layer", "step": step, "i": i, "pad": "x" * 2000}} for i in range(200)]
+    write_step({path!r}, rows)
+    step += 1
+"""
+
+
+def test_kill_mid_write_leaves_only_whole_steps(tmp_path: Path) -> None:
+    path = tmp_path / "angles.jsonl"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), path=str(path))])
+    try:
+        deadline = time.time() + 60
+        while (not path.exists() or path.stat().st_size < 2_000_000) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.137)
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    rows = read_rows(path)  # every line parses
+    steps = sorted({r["step"] for r in rows})
+    assert steps == list(range(len(steps))) and len(steps) >= 5
+    assert all(sum(r["step"] == s for r in rows) == 200 for s in steps)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["angles.jsonl"]
+
+
+def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
+    path = tmp_path / "angles.jsonl"
+    write_step(path, [{"model": "m", "norm": "rms", "step": s, "v": 1} for s in (0, 0, 1000)])
+    write_step(path, [{"model": "m", "norm": "rms", "step": 1000, "v": 2}])
+    rows = read_rows(path)
+    assert [(r["step"], r["v"]) for r in rows] == [(0, 1), (0, 1), (1000, 2)]
