@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpointing import (
     LAST,
     AtomicCheckpointIO,
+    NonFiniteError,
     CheckpointSchedule,
     ScheduledCheckpoint,
     StopAtStep,
@@ -30,7 +31,7 @@ from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from normgeo.config import CONF_DIR
 from normgeo.hardware import default_precision
-from normgeo.lit import LitGPT, NonFiniteLossError
+from normgeo.lit import LitGPT
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -195,7 +196,7 @@ def train(cfg: DictConfig) -> L.Trainer:
     return trainer
 
 
-USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, NonFiniteLossError, ValueError)
+USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

@@ -20,6 +20,10 @@ from normgeo.atomic import atomic_open
 LAST = "last.ckpt"
 
 
+class NonFiniteError(RuntimeError):
+    """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
+
+
 class CheckpointSchedule:
     """The optimizer steps at which the experiment's checkpoints (and probes) happen.
 
@@ -102,6 +106,8 @@ class ScheduledCheckpoint(Checkpoint):
         if not after_optimizer_step(trainer, self._last_seen_step):
             return
         step = self._last_seen_step = trainer.global_step
+        if step in self.schedule or (self.last_every and step % self.last_every == 0):
+            self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
             trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
@@ -110,7 +116,19 @@ class ScheduledCheckpoint(Checkpoint):
             trainer.save_checkpoint(self.dirpath / LAST)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_finite(trainer, pl_module, trainer.global_step)
         trainer.save_checkpoint(self.dirpath / LAST)
+
+    def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""
+        finite = all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
+            last = self.dirpath / LAST
+            kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+            raise NonFiniteError(
+                f"the parameters are not finite after step {step}: stopping without saving; {kept}. "
+                "Lower the learning rate (optim.lr) or check the data."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_steps": list(self.saved_steps)}

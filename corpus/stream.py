@@ -84,7 +84,9 @@ class StepSampler(Sampler[int]):
         self.start_step = start_step
 
     def __len__(self) -> int:
-        return max(0, self.max_steps - self.start_step()) * self.accumulation * self.micro_batch
+        # The whole run is one epoch of this length; a resumed session iterates only the remainder.
+        # Lightning restores the epoch's batch counter (global_step x accumulation), so the two agree.
+        return self.max_steps * self.accumulation * self.micro_batch
 
     def __iter__(self) -> Iterator[int]:
         for step in range(self.start_step(), self.max_steps):

@@ -11,12 +11,9 @@ import lightning as L
 import numpy as np
 import torch
 
+from callbacks.checkpointing import NonFiniteError
 from models.gpt import GPT, GPTConfig
 from normgeo.hardware import peak_flops
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised on every rank at once when the (globally reduced) loss is NaN or infinite."""
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -77,7 +74,7 @@ class LitGPT(L.LightningModule):
         self._loss_sum, self._micro_steps = None, 0
         step = self.trainer.global_step + 1
         if not torch.isfinite(global_loss):
-            raise NonFiniteLossError(
+            raise NonFiniteError(
                 f"the training loss is {global_loss.item()} at step {step}: stopping. The checkpoints "
                 "written so far are intact; lower the learning rate or resume from the last one."
             )
@@ -126,9 +123,11 @@ class LitGPT(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores model, optimizer, scheduler and step; the RNGs (dropout) are ours to keep.
+        # Only tensors and plain Python values: Lightning loads checkpoints with weights_only=True.
+        _, keys, position, has_gauss, cached_gauss = np.random.get_state()
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
+            "numpy": [torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gauss)],
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -138,7 +137,8 @@ class LitGPT(L.LightningModule):
         rng = checkpoint.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])
-            np.random.set_state(rng["numpy"])
+            keys, position, has_gauss, cached_gauss = rng["numpy"]
+            np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
             random.setstate(rng["python"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

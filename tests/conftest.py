@@ -58,7 +58,16 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int =
     return result
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """Every CSV logger row of a run, session after session (csv/version_0, version_1, ...)."""
+    versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    rows = []
+    for version in versions:
+        with open(version / "metrics.csv") as handle:
+            rows += list(csv.DictReader(handle))
+    return rows
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per optimizer step from the CSV logger (logged as step k-1 for the k-th update)."""
-    with open(run_dir / "csv" / "metrics.csv") as handle:
-        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")}
+    """train/loss per optimizer step (logged as step k-1 for the k-th update); a later session wins."""
+    return {int(r["step"]): float(r["train/loss"]) for r in metrics_rows(run_dir) if r.get("train/loss")}

@@ -1,0 +1,271 @@
+"""analyze.py on real weights: recorded angles equal a direct computation, LayerNorm's standardization is
+exactly 90 degrees to 1, the CLI writes its outputs (Hugging Face model and our own checkpoint), and bad
+inputs end with a clear message and exit code 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from corpus.sources import LocalFilesSource
+from models.gpt import GPT, GPTConfig
+from normgeo.analysis import (
+    hf_encoder,
+    hf_forward,
+    load_checkpoint,
+    measure,
+    pool,
+    probe_token_ids,
+)
+from normgeo.analysis import main as summary_main
+from normgeo.norm_sites import find_norm_sites
+from normgeo.pretrained import load_pretrained, minilm_path, smollm2_gguf_path
+from normgeo.probe import make_references
+from normgeo.records import read_rows, statistics_rows
+from tests.conftest import ROOT
+
+SEQ_LEN, BATCH = 64, 2
+TOKENS = 3 * SEQ_LEN + 20  # two batches of windows and a shorter remainder sequence
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_pretrained("", gguf_file=str(smollm2_gguf_path()))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_pretrained(str(minilm_path()))
+
+
+def _wiki(shared: Path) -> LocalFilesSource:
+    return LocalFilesSource(str(shared / "corpora" / "wikipedia" / "wikitext-2-raw"))
+
+
+def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tuple, dict]]:
+    """The sequences analyze.py measures and its records, by (layer, site, ref)."""
+    encode, separator = hf_encoder(tokenizer)
+    ids = probe_token_ids(_wiki(shared).documents(), encode, separator, TOKENS, "wiki")
+    norms = find_norm_sites(model)
+    references = make_references(norms[0].dim, 1234)
+    sites, stats = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
+    tokens = torch.from_numpy(ids)
+    sequences = [*tokens[: 3 * SEQ_LEN].view(3, SEQ_LEN).split(1), tokens[3 * SEQ_LEN :].unsqueeze(0)]
+    return sequences, {(r["layer"], r["site"], r["ref"]): r for r in rows}
+
+
+def _assert_angles(rows: dict[tuple, dict], layer, site: str, vectors: list[torch.Tensor], ref_name: str = "ones"):
+    """The record's count/mean/min/max against angles computed here in float64."""
+    x = torch.cat([v.reshape(-1, v.shape[-1]) for v in vectors]).double()
+    ref = torch.from_numpy(make_references(x.shape[-1], 1234)[ref_name])
+    degrees = torch.rad2deg(torch.arccos((x @ ref) / (x.norm(dim=-1) * ref.norm()))).numpy()
+    row = rows[(layer, site, ref_name)]
+    assert row["count"] == len(degrees) == TOKENS
+    assert row["mean_deg"] == pytest.approx(degrees.mean(), abs=1e-4)
+    assert row["std_deg"] == pytest.approx(degrees.std(), abs=1e-4)
+    assert row["min_deg"] == pytest.approx(degrees.min(), abs=1e-3)
+    assert row["max_deg"] == pytest.approx(degrees.max(), abs=1e-3)
+
+
+def test_smollm2_angles_match_hidden_states(smollm2, shared: Path) -> None:
+    model, tokenizer = smollm2
+    sequences, rows = _probe(model, tokenizer, shared)
+    embeddings, first_norm, middle, final_in, final_out = [], [], [], [], []
+    handle = model.norm.register_forward_hook(lambda module, inputs, output: final_in.append(inputs[0]))
+    try:
+        with torch.no_grad():
+            for sequence in sequences:
+                out = model(input_ids=sequence, output_hidden_states=True, use_cache=False)
+                # hidden_states[i] is the input of block i, whose first op is input_layernorm (ln1).
+                embeddings.append(out.hidden_states[0])
+                first_norm.append(model.layers[0].input_layernorm(out.hidden_states[0]))
+                middle.append(out.hidden_states[15])
+                final_out.append(out.last_hidden_state)
+    finally:
+        handle.remove()
+    for ref in ("ones", "rand_a", "rand_b"):
+        _assert_angles(rows, 0, "ln1.in", embeddings, ref)
+    _assert_angles(rows, 0, "ln1.out", first_norm)
+    _assert_angles(rows, 15, "ln1.in", middle)
+    _assert_angles(rows, "final", "final.in", final_in)
+    _assert_angles(rows, "final", "final.out", final_out)
+    # RMSNorm's standardization only rescales: its direction, hence its angles, are the input's.
+    for layer, site in ((0, "ln1"), (15, "ln2"), ("final", "final")):
+        assert rows[(layer, f"{site}.std", "ones")]["mean_deg"] == pytest.approx(
+            rows[(layer, f"{site}.in", "ones")]["mean_deg"], abs=1e-4
+        )
+
+
+def test_minilm_angles_match_embeddings_and_std_is_orthogonal(minilm, shared: Path) -> None:
+    model, tokenizer = minilm
+    sequences, rows = _probe(model, tokenizer, shared)
+    summed, normed, block_out = [], [], []
+    emb = model.embeddings
+    with torch.no_grad():
+        for sequence in sequences:
+            positions = torch.arange(sequence.shape[1]).unsqueeze(0)
+            # The input of the embeddings LayerNorm, spelled out: word + position + segment 0.
+            summed.append(
+                emb.word_embeddings(sequence) + emb.position_embeddings(positions)
+                + emb.token_type_embeddings(torch.zeros_like(sequence))
+            )
+            out = model(input_ids=sequence, output_hidden_states=True)
+            normed.append(out.hidden_states[0])  # = the embeddings LayerNorm's output
+            block_out.append(out.hidden_states[1])  # block 0 ends with its output LayerNorm (post-LN)
+    _assert_angles(rows, "embed", "embed.in", summed)
+    _assert_angles(rows, "embed", "embed.out", normed)
+    _assert_angles(rows, 0, "mlp_out.out", block_out)
+    eps = model.config.layer_norm_eps
+    _assert_angles(rows, "embed", "embed.std", [F.layer_norm(s, s.shape[-1:], eps=eps) for s in summed])
+    std_rows = [r for (_, site, ref), r in rows.items() if site.endswith(".std") and ref == "ones"]
+    assert len(std_rows) == len(find_norm_sites(model)) == 13
+    for row in std_rows:
+        assert abs(row["mean_deg"] - 90) < 1e-3 and row["count"] == TOKENS
+        assert abs(row["min_deg"] - 90) < 1e-2 and abs(row["max_deg"] - 90) < 1e-2
+
+
+def test_pool_is_exact() -> None:
+    rng = np.random.default_rng(0)
+    samples = [rng.normal(90 + i, 1 + i, size=n) for i, n in enumerate((5, 300, 17, 1))]
+    rows = [
+        {"count": len(s), "zero_count": 0, "mean_deg": s.mean(), "std_deg": s.std(), "min_deg": s.min(),
+         "max_deg": s.max()}
+        for s in samples
+    ]
+    everything = np.concatenate(samples)
+    pooled = pool(rows)
+    assert pooled["vectors"] == len(everything) and pooled["sites"] == 4 and pooled["tokens"] == 300
+    assert pooled["mean_deg"] == pytest.approx(everything.mean(), rel=1e-12)
+    assert pooled["std_deg"] == pytest.approx(everything.std(), rel=1e-10)
+    assert (pooled["min_deg"], pooled["max_deg"]) == (everything.min(), everything.max())
+    # A mean of means would be pulled to the small groups; the pooled mean is not.
+    assert abs(np.mean([r["mean_deg"] for r in rows]) - everything.mean()) > 0.3
+
+
+# The command line
+
+
+def _analyze(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "analyze.py"), "progress=false", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"analyze.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def our_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A train.py-style checkpoint: Lightning's state_dict under "model.", gpt_config, numpy RNG state."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, norm="rms")
+    model = GPT(config, seed=3)
+    path = tmp_path_factory.mktemp("run") / "checkpoints" / "step-0000007.ckpt"
+    path.parent.mkdir()
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "gpt_config": config.to_dict(),
+            "global_step": 7,
+            "hyper_parameters": {"global_batch": 4},
+            "rng": {"numpy": np.random.get_state()},
+        },
+        path,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory, shared: Path, our_checkpoint: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("outputs")
+    _ok(_analyze("model=minilm", "probe=local", f"probe.path={shared / 'corpora' / 'wikipedia'}",
+                 "probe.tokens=4096", "model.seq_len=4096", f"output_root={root}"))
+    _ok(_analyze("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms",
+                 "probe=pydoc", "probe.tokens=300", f"output_root={root}"))
+    return {"minilm": root / "analyze" / "minilm", "ours": root / "analyze" / "ours-rms"}
+
+
+def _summary(path: Path) -> dict[tuple, dict]:
+    with open(path) as handle:
+        return {(r["model"], r["site"], r["ref"]): r for r in csv.DictReader(handle)}
+
+
+def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
+    out = outputs["minilm"]
+    rows = read_rows(out / "angles.jsonl")
+    assert len(rows) == 13 * 3 * 3  # norms x (in, std, out) x references
+    assert {(r["model"], r["norm"], r["step"], r["tokens_seen"], r["count"]) for r in rows} == {
+        ("minilm", "layer", None, 4096, 4096)
+    }
+    assert (out / "probe_references.npz").is_file()
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["seq_len"] == 512 and info["tokens"] == 4096  # capped at MiniLM's 512 positions
+    assert [p.name for p in (out / "figures").glob("*.png")] == ["layers_minilm_layer_pretrained.png"]
+    summary = _summary(out / "summary.csv")
+    assert len(summary) == 9
+    std = summary[("minilm", "std", "ones")]
+    assert int(std["sites"]) == 13 and int(std["vectors"]) == 13 * 4096
+    assert abs(float(std["mean_deg"]) - 90) < 1e-3 and float(std["std_deg"]) < 1e-3
+    pooled = pool(r for r in rows if r["site"].endswith(".in") and r["ref"] == "ones")
+    assert float(summary[("minilm", "in", "ones")]["mean_deg"]) == pytest.approx(pooled["mean_deg"])
+    markdown = (out / "summary.md").read_text()
+    assert "| minilm | layer | std | 13 | 4,096 | 90.00 ± 0.00 |" in markdown
+
+
+def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> None:
+    rows = read_rows(outputs["ours"] / "angles.jsonl")
+    assert len(rows) == 5 * 3 * 3  # 2 blocks x (ln1, ln2) + ln_f
+    # The checkpoint's step; training tokens = step x global_batch x block_size, as the training probe.
+    assert {(r["norm"], r["step"], r["tokens_seen"], r["count"]) for r in rows} == {("rms", 7, 7 * 4 * 64, 300)}
+    model, step, _ = load_checkpoint(our_checkpoint)
+    assert step == 7 and model.config.norm == "rms" and model.config.block_size == 64
+    assert list((outputs["ours"] / "figures").glob("layers_ours-rms_rms_step0000007.png"))
+
+
+def test_cross_model_summary(outputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert summary_main(["summary", str(outputs["minilm"]), str(outputs["ours"]), "--out", str(tmp_path)]) == 0
+    combined = _summary(tmp_path / "summary.csv")
+    assert combined == {**_summary(outputs["minilm"] / "summary.csv"), **_summary(outputs["ours"] / "summary.csv")}
+    assert "ours-rms" in capsys.readouterr().out
+    assert summary_main(["summary", str(tmp_path / "nothing")]) == 2
+
+
+def test_too_few_probe_tokens(minilm, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("The uniform vector is orthogonal to almost everything.")
+    (corpus / "b.txt").write_text("LayerNorm removes it anyway.")
+    encode, separator = hf_encoder(minilm[1])
+    available = sum(len(ids) + 1 for ids in encode([p.read_text() for p in sorted(corpus.iterdir())]))
+    assert separator == minilm[1].sep_token_id
+    result = _analyze("model=minilm", "probe=local", f"probe.path={corpus}", "probe.tokens=5000",
+                      f"output_root={tmp_path / 'out'}")
+    assert result.returncode == 2, result.stderr
+    assert f"only {available} tokens but 5,000 were asked for" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "analyze" / "minilm" / "angles.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model=hub", "model.path=/no/such/model-dir"], "model not found: tried the local directory /no/such/model-dir"),
+        (["model=hub"], "model.path is required"),
+        (["model=checkpoint", "model.checkpoint=/no/such/last.ckpt"], "checkpoint not found: /no/such/last.ckpt"),
+    ],
+)
+def test_bad_model_exits_2(overrides: list[str], expected: str, tmp_path: Path) -> None:
+    result = _analyze(*overrides, "probe=pydoc", f"output_root={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("angles.jsonl"))

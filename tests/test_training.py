@@ -1,0 +1,133 @@
+"""Real training runs (real Trainer, real tiktoken, real files) in subprocesses, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from normgeo.records import read_rows
+from tests.conftest import run_train, step_losses
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def accumulated_run(tmp_path_factory) -> Path:
+    """6 steps, micro batch 2 of a global batch 8 (4 accumulation micro-steps), checkpoints at 2 and 5."""
+    run_dir = tmp_path_factory.mktemp("acc") / "run"
+    run_train(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0")
+    return run_dir
+
+
+def test_schedule_fires_at_exactly_the_listed_optimizer_steps(accumulated_run: Path) -> None:
+    ckpts = sorted(p.name for p in (accumulated_run / "checkpoints").iterdir())
+    assert ckpts == ["last.ckpt", "step-0000002.ckpt", "step-0000005.ckpt"]
+    assert load(accumulated_run / "checkpoints" / "step-0000002.ckpt")["global_step"] == 2
+    assert load(accumulated_run / "checkpoints" / "step-0000005.ckpt")["global_step"] == 5
+    assert load(accumulated_run / "checkpoints" / "last.ckpt")["global_step"] == 6
+
+
+def test_scheduled_checkpoints_keep_weights_only_and_last_keeps_everything(accumulated_run: Path) -> None:
+    scheduled = load(accumulated_run / "checkpoints" / "step-0000005.ckpt")
+    last = load(accumulated_run / "checkpoints" / "last.ckpt")
+    assert "optimizer_states" not in scheduled and "state_dict" in scheduled
+    assert last["optimizer_states"] and last["lr_schedulers"] and "rng" in last
+    assert last["gpt_config"]["norm"] == "layer"
+
+
+def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) -> None:
+    rows = read_rows(accumulated_run / "angles.jsonl")
+    assert sorted({r["step"] for r in rows}) == [0, 2, 5]
+    per_step = 3 * (2 * 4 + 2)  # refs x (layers x {ln1,ln2} x {in,out} + final in/out)
+    assert all(sum(r["step"] == s for r in rows) == per_step for s in (0, 2, 5))
+    assert {r["tokens_seen"] for r in rows if r["step"] == 5} == {5 * 8 * 64}
+    assert all(r["count"] == 512 for r in rows)  # probe.tokens=512, every token vector counted
+    figures = sorted(p.name for p in (accumulated_run / "figures").iterdir())
+    assert any(name.startswith("layers_") for name in figures) and any(name.startswith("steps_") for name in figures)
+
+
+def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> None:
+    losses = step_losses(accumulated_run)
+    assert sorted(losses) == list(range(6))
+    assert all(0 < loss < 12 for loss in losses.values())
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
+    common = ["max_steps=8", "checkpoint.steps=[3,6]", "checkpoint.last_every=1"]
+    whole = tmp_path / "whole"
+    run_train(whole, *common)
+    split = tmp_path / "split"
+    run_train(split, *common, "stop_at_step=4")
+    assert load(split / "checkpoints" / "last.ckpt")["global_step"] == 4
+    refused = run_train(split, *common, check=False)
+    assert refused.returncode == 2 and "resume=auto" in refused.stderr
+    run_train(split, *common, "resume=auto")
+    assert step_losses(split) == step_losses(whole)
+    assert len(step_losses(whole)) == 8
+    assert read_rows(split / "angles.jsonl") == read_rows(whole / "angles.jsonl")
+    for name in ("step-0000003.ckpt", "step-0000006.ckpt", "last.ckpt"):
+        a, b = load(whole / "checkpoints" / name)["state_dict"], load(split / "checkpoints" / name)["state_dict"]
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path: Path) -> None:
+    common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
+    single = tmp_path / "single"
+    run_train(single, *common)
+    ddp = tmp_path / "ddp"
+    run_train(ddp, *common, "trainer=ddp_cpu", "trainer.devices=2", "trainer.enable_progress_bar=false")
+    single_losses, ddp_losses = step_losses(single), step_losses(ddp)
+    assert sorted(ddp_losses) == [0, 1, 2]
+    for step, loss in single_losses.items():
+        # Same tokens, same weights: only the reduction order differs.
+        assert ddp_losses[step] == pytest.approx(loss, rel=1e-5), step
+    single_rows, ddp_rows = read_rows(single / "angles.jsonl"), read_rows(ddp / "angles.jsonl")
+    assert len(single_rows) == len(ddp_rows)
+    for a, b in zip(single_rows, ddp_rows, strict=True):
+        assert a["count"] == b["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
+
+
+def test_diverging_run_stops_with_a_message_and_writes_no_bad_checkpoint(tmp_path: Path) -> None:
+    result = run_train(tmp_path / "nan", "max_steps=5", "optim.lr=inf", "checkpoint.last_every=1", check=False)
+    assert result.returncode == 2
+    assert "not finite" in result.stderr and "optim.lr" in result.stderr
+    assert not (tmp_path / "nan" / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("norm=foo", ["layer", "rms"]), ("size=3b", ["1b", "410m", "70m", "tiny"]), ("trainer=tpu", ["ddp", "fsdp"])],
+)
+def test_unknown_options_list_the_valid_ones(tmp_path: Path, override: str, expected: list[str]) -> None:
+    result = run_train(tmp_path / "bad", override, check=False)
+    assert result.returncode != 0
+    assert all(choice in result.stderr for choice in expected), result.stderr[-2000:]
+
+
+def test_missing_openwebtext_names_the_prepare_command(tmp_path: Path) -> None:
+    result = run_train(tmp_path / "owt", "data=openwebtext", check=False)
+    assert result.returncode == 2
+    assert "python -m corpus data=openwebtext" in result.stderr
+
+
+def test_truncated_training_data_is_refused_before_training(tmp_path: Path) -> None:
+    run_dir = tmp_path / "first"
+    run_train(run_dir, "max_steps=1", "probe.enabled=false")
+    train_bin = tmp_path / "data" / "pydoc" / "train.bin"
+    with open(train_bin, "r+b") as handle:
+        handle.truncate(train_bin.stat().st_size // 2)
+    result = run_train(tmp_path / "second", "max_steps=1", "probe.enabled=false", check=False)
+    assert result.returncode == 2 and "truncated" in result.stderr
+    assert not (tmp_path / "second" / "checkpoints").exists()
+
+
+def test_hydra_config_is_saved_with_the_run(accumulated_run: Path) -> None:
+    config = (accumulated_run / ".hydra" / "config.yaml").read_text()
+    assert "micro_batch: 2" in config
+    hparams = json.dumps((accumulated_run / "csv" / "version_0" / "hparams.yaml").read_text())
+    assert "global_batch" in hparams
