@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from normgeo.atomic import atomic_open  # noqa: E402
 from normgeo.records import ANGLES_FILE, read_rows  # noqa: E402
@@ -74,6 +75,7 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_title(f"angle with {REF_LABELS.get(ref, ref)}")
         ax.set_xlabel(f"layer (final norm at {n_layers})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
     axes[0][-1].legend(fontsize=7, loc="best")
@@ -125,6 +127,7 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
         ax.set_title(f"{chosen[0]['model'] if chosen else name} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         names.append(norm)
     axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")

@@ -1,0 +1,94 @@
+"""Cost of the angle probe next to a plain eval forward pass over the same tokens, and its peak memory.
+
+The probe runs the model with forward hooks on every norm and streams the angles into statistics;
+the baseline is the same model in eval mode under no_grad with no hooks. Peak memory is measured in
+a fresh process per token count (ru_maxrss), to show it does not grow with N.
+
+    python bench/probe_cost.py                       # 70m model, 4096 tokens, memory at 4096 and 16384
+    python bench/probe_cost.py --size 160m --tokens 8192 --memory-tokens 8192 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.gpt import GPT, GPTConfig  # noqa: E402
+from normgeo.config import CONF_DIR  # noqa: E402
+from normgeo.probe import make_references, run_probe  # noqa: E402
+
+
+def build(size: str) -> GPT:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"size={size}"])
+    config = GPTConfig(n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd,
+                       block_size=cfg.seq_len, tie_embeddings=cfg.tie_embeddings)
+    return GPT(config, seed=0).eval()
+
+
+def token_sequences(count: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(0, 50257, (count // seq_len, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def plain_forward(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
+    with torch.no_grad():
+        for batch in sequences.split(batch_size):
+            model(batch)
+
+
+def probe(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
+    run_probe(model, sequences, make_references(model.config.n_embd), batch_size=batch_size)
+
+
+def peak_rss_child(size: str, tokens: int, batch_size: int) -> None:
+    model = build(size)
+    probe(model, token_sequences(tokens, model.config.block_size), batch_size)
+    print(json.dumps({"tokens": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="70m")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--memory-tokens", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return peak_rss_child(args.size, args.tokens, args.batch_size)
+
+    model = build(args.size)
+    sequences = token_sequences(args.tokens, model.config.block_size)
+    timings: dict[str, list[float]] = {"plain forward": [], "probe": []}
+    probe(model, sequences[:1], 1)  # warm-up: allocator, kernels
+    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+        for name, fn in (("plain forward", plain_forward), ("probe", probe)):
+            start = time.perf_counter()
+            fn(model, sequences, args.batch_size)
+            timings[name].append(time.perf_counter() - start)
+    print(f"size={args.size} tokens={sequences.numel()} batch={args.batch_size} threads={torch.get_num_threads()}")
+    for name, values in timings.items():
+        print(f"{name:14s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s")
+    print(f"probe / plain forward (best): {min(timings['probe']) / min(timings['plain forward']):.3f}")
+    for tokens in args.memory_tokens:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),
+             "--batch-size", str(args.batch_size)], capture_output=True, text=True, check=True,
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"peak RSS with probe.tokens={result['tokens']:>7d}: {result['peak_rss_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
