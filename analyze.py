@@ -99,8 +99,9 @@ def load_hf(spec: DictConfig) -> Loaded:
         revision=spec.get("revision"),
     )
     encode_batch, separator = hf_encoder(tokenizer)
-    source = f"{path} ({gguf_file})" if gguf_file else str(path)
-    return Loaded(model, hf_forward(model), encode_batch, separator, source)
+    source = str(Path(path or "", gguf_file or ""))
+    return Loaded(model=model, forward=hf_forward(model), encode_batch=encode_batch, separator=separator,
+                  source=source)
 
 
 def load_our_checkpoint(spec: DictConfig) -> Loaded:
@@ -117,7 +118,8 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
     except RuntimeError as exc:  # no BPE files offline
         raise AnalysisError(str(exc)) from exc
     tokens_per_step = hparams["global_batch"] * model.config.block_size if "global_batch" in hparams else None
-    return Loaded(model, model, encode_batch, eot, str(Path(spec.checkpoint).resolve()), step, tokens_per_step)
+    return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
+                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=tokens_per_step)
 
 
 def _check(cfg: DictConfig) -> None:

@@ -23,7 +23,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from corpus.sources import SourceError
 from corpus.tokenize import EncodeBatch, first_tokens
+from models.gpt import GPT, GPTConfig
 from normgeo.atomic import atomic_write_text
 from normgeo.norm_sites import NormSite
 from normgeo.pretrained import ModelLoadError
@@ -68,8 +70,6 @@ _RNG_STATE_GLOBALS = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype,
 
 def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
     """(GPT in eval mode, its global step, its hyper-parameters) from a checkpoint written by train.py."""
-    from models.gpt import GPT, GPTConfig
-
     file = Path(path).expanduser()
     if not file.is_file():
         raise ModelLoadError(
@@ -151,6 +151,10 @@ def probe_token_ids(
         raise AnalysisError(f"probe.tokens must be positive, not {tokens}")
     try:
         return first_tokens(documents, encode_batch, separator, tokens)
+    except SourceError as exc:  # a ValueError too, but about reading the corpus, not its size
+        raise AnalysisError(
+            f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
+        ) from exc
     except ValueError as exc:
         raise AnalysisError(f"{exc} ({source}): lower probe.tokens or give a larger corpus") from exc
 
@@ -237,25 +241,26 @@ def pool(rows: Iterable[dict]) -> dict:
     }
 
 
+def _rank(known: Sequence[str], value: str) -> tuple[int, str]:
+    """Known values in their canonical order, then any others alphabetically."""
+    return (known.index(value), "") if value in known else (len(known), value)
+
+
 def summarize(rows: Sequence[dict]) -> list[dict]:
     """One pooled row per (model, norm, step, site kind, reference), models in the order they appear."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         suffix = row["site"].rsplit(".", 1)[-1]
         groups.setdefault((row["model"], row["norm"], row["step"], suffix, row["ref"]), []).append(row)
-    runs = list(dict.fromkeys(key[:3] for key in groups))
-    summary = []
-    for run in runs:
-        suffixes = [s for s in SITE_KINDS if any(k[:4] == (*run, s) for k in groups)]
-        suffixes += sorted({k[3] for k in groups if k[:3] == run} - set(suffixes))
-        for suffix in suffixes:
-            refs = [r for r in REFERENCE_NAMES if (*run, suffix, r) in groups]
-            refs += sorted({k[4] for k in groups if k[:4] == (*run, suffix)} - set(refs))
-            for ref in refs:
-                model, norm, step = run
-                pooled = pool(groups[(*run, suffix, ref)])
-                summary.append({"model": model, "norm": norm, "step": step, "site": suffix, "ref": ref, **pooled})
-    return summary
+    runs = {run: i for i, run in enumerate(dict.fromkeys(key[:3] for key in groups))}
+
+    def order(key: tuple) -> tuple:
+        return runs[key[:3]], _rank(SITE_KINDS, key[3]), _rank(REFERENCE_NAMES, key[4])
+
+    return [
+        {"model": key[0], "norm": key[1], "step": key[2], "site": key[3], "ref": key[4], **pool(groups[key])}
+        for key in sorted(groups, key=order)
+    ]
 
 
 def _wide(summary: Sequence[dict]) -> tuple[list[str], list[list[str]]]:

@@ -22,11 +22,18 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes 0600 files; give them the usual mode
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

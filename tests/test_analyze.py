@@ -32,8 +32,8 @@ from normgeo.probe import make_references
 from normgeo.records import read_rows, statistics_rows
 from tests.conftest import ROOT
 
-SEQ_LEN, BATCH = 64, 2
-TOKENS = 3 * SEQ_LEN + 20  # two batches of windows and a shorter remainder sequence
+SEQ_LEN, BATCH = 32, 2
+TOKENS = 3 * SEQ_LEN + 12  # two batches of windows and a shorter remainder sequence
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     sites, stats = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
     tokens = torch.from_numpy(ids)
-    sequences = [*tokens[: 3 * SEQ_LEN].view(3, SEQ_LEN).split(1), tokens[3 * SEQ_LEN :].unsqueeze(0)]
+    sequences = [tokens[: 3 * SEQ_LEN].view(3, SEQ_LEN), tokens[3 * SEQ_LEN :].unsqueeze(0)]
     return sequences, {(r["layer"], r["site"], r["ref"]): r for r in rows}
 
 
@@ -112,7 +112,7 @@ def test_minilm_angles_match_embeddings_and_std_is_orthogonal(minilm, shared: Pa
     emb = model.embeddings
     with torch.no_grad():
         for sequence in sequences:
-            positions = torch.arange(sequence.shape[1]).unsqueeze(0)
+            positions = torch.arange(sequence.shape[1]).expand_as(sequence)
             # The input of the embeddings LayerNorm, spelled out: word + position + segment 0.
             summed.append(
                 emb.word_embeddings(sequence) + emb.position_embeddings(positions)
