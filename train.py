@@ -6,12 +6,77 @@ same batch stream, same probe tokens and reference vectors.
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the SLURM signal handler is installed before the slow imports, on purpose)
 import glob
 import logging
 import os
+import secrets
 import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+
+class SlurmRequeue:
+    """SLURM's USR1 (``--signal=USR1@lead`` before the time limit, preemption, ``scancel --signal=USR1``):
+    save the run, requeue the job, exit.
+
+    Python dies of a USR1 it has no handler for, so this handler goes in before the slow imports. Once
+    training runs it only records the signal: :class:`RequeueOnSignal` stops all ranks at the next
+    optimizer-step boundary, ``last.ckpt`` is written and :func:`main` requeues the job. Before training
+    starts there is nothing new to save, so the job is requeued at once.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self.training = False
+        self.stopped_at: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        if self.training:
+            return
+        print("USR1 before training started: requeueing the job", file=sys.stderr, flush=True)
+        # Every rank requeues (a duplicate request fails harmlessly): a rank that exits without it
+        # could leave the others waiting in a collective for the rest of the time limit.
+        if requeue_slurm_job():
+            raise SystemExit(0)
+        self.received = False  # SLURM refused (e.g. --no-requeue): carry on
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue`` this job: SLURM ends it and starts it again with the same id."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    try:
+        done = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        print(f"scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
+        return False
+    if done.returncode:
+        print(f"scontrol requeue {job} failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
+        return False
+    print(f"SLURM job {job} requeued", file=sys.stderr, flush=True)
+    return True
+
+
+def install_requeue_handler() -> SlurmRequeue | None:
+    """The USR1 handler of this process under SLURM (installed once); None outside SLURM."""
+    current = signal.getsignal(signal.SIGUSR1)
+    if isinstance(current, SlurmRequeue):
+        return current
+    # SLURMEnvironment.detect()'s rule: srun/sbatch tasks, not an interactive allocation's shell.
+    under_slurm = "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    if not under_slurm or threading.current_thread() is not threading.main_thread():
+        return None
+    handler = SlurmRequeue()
+    signal.signal(signal.SIGUSR1, handler)
+    return handler
+
+
+install_requeue_handler()
 
 import hydra
 import lightning as L
@@ -22,8 +87,9 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpointing import (
     LAST,
     AtomicCheckpointIO,
-    NonFiniteError,
     CheckpointSchedule,
+    NonFiniteError,
+    RequeueOnSignal,
     ScheduledCheckpoint,
     StopAtStep,
 )
@@ -35,6 +101,7 @@ from normgeo.lit import LitGPT
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
+SLURM_JOBS_FILE = "slurm_jobs.tsv"
 
 
 class RunDirectoryError(RuntimeError):
@@ -59,6 +126,19 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     return resume
 
 
+def record_slurm_job(run_dir: Path) -> None:
+    """One line per SLURM session of the run (job id, restart count, start, node) for normgeo.status."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_PROCID", "0") != "0":
+        return
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    line = f"{job}\t{os.environ.get('SLURM_RESTART_COUNT', '0')}\t{started}\t{os.uname().nodename}\n"
+    with open(run_dir / SLURM_JOBS_FILE, "a") as handle:
+        handle.write(line)
+
+
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     loggers = []
     for logger_cfg in cfg.logger or []:
@@ -71,13 +151,11 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
 
 def make_wandb_logger(logger_cfg: DictConfig, run_dir: Path):
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
-    import wandb
-
     id_file = run_dir / WANDB_ID_FILE
     if id_file.exists():
         run_id = id_file.read_text().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(4)  # OS entropy, not the seeded RNGs (wandb 0.31 has no util.generate_id)
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
             id_file.write_text(run_id + "\n")
     has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
@@ -95,9 +173,10 @@ def _netrc_has_wandb() -> bool:
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
     plugins: list = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
-        # On USR1 (sent by --signal=USR1@lead, scancel --signal=USR1 or preemption) Lightning writes
-        # hpc_ckpt_N.ckpt into the run directory and requeues the job, which then resumes from it.
-        plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
+        # Ranks and world size from SLURM. USR1 (--signal=USR1@lead, scancel --signal=USR1, preemption)
+        # is ours, not Lightning's: SlurmRequeue + RequeueOnSignal stop at a step boundary, write
+        # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     precision = cfg.trainer.precision or default_precision()
     trainer = instantiate(
         cfg.trainer,
@@ -126,7 +205,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
 def train(cfg: DictConfig) -> L.Trainer:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = resume_checkpoint(run_dir, cfg.resume)
+    requeue = install_requeue_handler()
+    resume = cfg.resume
+    if resume is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        resume = "auto"  # a requeued job continues its own run, whatever its command line says
+    ckpt_path = resume_checkpoint(run_dir, resume)
+    record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     schedule = CheckpointSchedule(
@@ -161,6 +245,8 @@ def train(cfg: DictConfig) -> L.Trainer:
                 include_standardized=cfg.probe.include_standardized,
             )
         )
+    if requeue is not None:
+        callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
     trainer = build_trainer(cfg, run_dir, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -188,6 +274,8 @@ def train(cfg: DictConfig) -> L.Trainer:
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if requeue is not None and requeue.stopped_at is not None:
+        return trainer  # main() requeues; the figures come when the run is complete
     if trainer.is_global_zero and cfg.probe.enabled:
         from normgeo.report import write_run_figures
 
@@ -201,12 +289,24 @@ USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, NonFiniteError
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    # Again here: the submitit launcher unpickles main() on the node without running this file's top.
+    requeue = install_requeue_handler()
     log.info("run directory: %s", cfg.run_dir)
     try:
-        train(cfg)
+        trainer = train(cfg)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if requeue is not None and requeue.stopped_at is not None:
+        if trainer.is_global_zero and not requeue_slurm_job():
+            print(
+                f"error: stopped after step {requeue.stopped_at} for a requeue that SLURM refused; "
+                "submit the job again with resume=auto to continue from last.ckpt",
+                file=sys.stderr,
+            )
+            sys.exit(3)
+        # Exit rather than return: under submitit a return would record the job as finished.
+        sys.exit(0)
 
 
 if __name__ == "__main__":

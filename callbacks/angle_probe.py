@@ -111,5 +111,7 @@ class AngleProbe(L.Callback):
             logger.log_metrics(metrics, step=step)
             if self.log_table and isinstance(logger, WandbLogger):
                 columns = list(rows[0])
-                logger.log_table(key="probe/angles", columns=columns, data=[[r[c] for c in columns] for r in rows])
+                # wandb tables want one type per column: layer mixes block indices and "final".
+                data = [[str(r[c]) if c == "layer" else r[c] for c in columns] for r in rows]
+                logger.log_table(key="probe/angles", columns=columns, data=data)
         log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)

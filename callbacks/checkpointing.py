@@ -5,10 +5,11 @@ Both are written through :class:`AtomicCheckpointIO`, so a kill mid-write never 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -18,6 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from normgeo.atomic import atomic_open
 
 LAST = "last.ckpt"
+log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
@@ -149,4 +151,43 @@ class StopAtStep(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class RequeueRequest(Protocol):
+    """What train.py's USR1 handler records (see ``SlurmRequeue`` there)."""
+
+    received: bool  # a requeue signal arrived on this rank
+    training: bool  # from on_train_start on, the handler only records and RequeueOnSignal acts
+    stopped_at: int | None  # the step at which training stopped so that the job can be requeued
+
+
+class RequeueOnSignal(L.Callback):
+    """Stops training at the first optimizer-step boundary after a requeue signal, on every rank at once.
+
+    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
+    makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied
+    update, and no collective that could meet another rank's all-reduce. ``last.ckpt`` is then written
+    on train end by :class:`ScheduledCheckpoint`, and train.py requeues the job.
+    """
+
+    def __init__(self, request: RequeueRequest) -> None:
+        self.request = request
+        self._last_seen_step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_seen_step = trainer.global_step
+        self.request.training = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not after_optimizer_step(trainer, self._last_seen_step):
+            return
+        self._last_seen_step = step = trainer.global_step
+        if trainer.should_stop or step >= trainer.max_steps:
+            return  # the session ends here anyway: nothing left to requeue for
+        # Ranks receive the signal at slightly different times, possibly steps apart: any rank's signal
+        # stops all of them at this same step (one scalar all-reduce per optimizer step).
+        if trainer.strategy.reduce_boolean_decision(self.request.received, all=False):
+            log.warning("requeue signal: stopping after step %d to save last.ckpt and requeue the job", step)
+            self.request.stopped_at = step
             trainer.should_stop = True

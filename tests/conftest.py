@@ -63,6 +63,8 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     rows = []
     for version in versions:
+        if not (version / "metrics.csv").exists():  # a SIGKILLed session never flushed its metrics
+            continue
         with open(version / "metrics.csv") as handle:
             rows += list(csv.DictReader(handle))
     return rows

@@ -1,0 +1,276 @@
+"""Where the runs of a sweep stand: ``python -m normgeo.status outputs/`` (or one run directory).
+
+For every run directory (one holding ``.hydra/config.yaml``) it prints the optimizer step of the newest
+resumable checkpoint, the last logged training loss, the last probed step and a state:
+
+* finished:  the checkpoint reached ``max_steps``;
+* running:   SLURM says the job runs, or (no SLURM information) a file changed in the last minutes;
+* preempted: asked to requeue (SLURM pending/requeued, PREEMPTED, or the run's own log says it stopped
+  to requeue) and not running now;
+* stopped:   ended cleanly at ``stop_at_step`` (continue with ``resume=auto``);
+* failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``).
+
+SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
+appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
+WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
+REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.checkpointing.RequeueOnSignal
+SESSION_MARKER = "run directory:"  # logged by train.py at the start of every session
+SKIP_DIRS = {".submitit", "checkpoints", "csv", "figures", "wandb", "tensorboard", ".hydra", "lightning_logs"}
+
+
+@dataclass
+class RunStatus:
+    run: str
+    state: str
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    probe_step: int | None
+    slurm_job: str | None
+    slurm_state: str | None
+    updated_s_ago: float | None
+
+
+def find_runs(root: Path) -> Iterator[Path]:
+    """Run directories at or below ``root`` (a run's own subfolders are not searched)."""
+    if (root / ".hydra" / "config.yaml").is_file():
+        yield root
+        return
+    for path, dirs, _ in os.walk(root):
+        here = Path(path)
+        if here != root and (here / ".hydra" / "config.yaml").is_file():
+            dirs.clear()
+            yield here
+            continue
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+
+
+def run_config(run_dir: Path) -> tuple[int | None, int | None]:
+    """(max_steps, stop_at_step) from the run's saved Hydra config."""
+    from omegaconf import OmegaConf
+
+    import normgeo.config  # noqa: F401  (registers the resolvers the config uses)
+
+    try:
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        return int(cfg.max_steps), (int(cfg.stop_at_step) if cfg.get("stop_at_step") else None)
+    except Exception:  # an unreadable or unresolvable config: report what the files say
+        return None, None
+
+
+def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
+    """Step of the newest resumable checkpoint (last.ckpt or Lightning's hpc_ckpt_N.ckpt), as resume=auto picks."""
+    candidates = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    if candidates:
+        newest = max(candidates, key=lambda p: p.stat().st_mtime)
+        try:
+            import torch
+
+            # mmap: only the pickled metadata is read, not gigabytes of weights.
+            ckpt = torch.load(newest, map_location="cpu", mmap=True, weights_only=True)
+            return int(ckpt["global_step"]), newest
+        except Exception:
+            pass
+    scheduled = sorted(run_dir.glob("checkpoints/step-*.ckpt"))
+    if scheduled:
+        return int(scheduled[-1].stem.split("-")[1]), scheduled[-1]
+    return None, None
+
+
+def last_loss(run_dir: Path) -> float | None:
+    """The last train/loss of the newest CSV session (csv/version_N/metrics.csv) that has one."""
+    sessions = sorted(run_dir.glob("csv/**/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in sessions:
+        with open(path, newline="") as handle:
+            losses = [row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")]
+        if losses:
+            return float(losses[-1])
+    return None
+
+
+def last_probe_step(run_dir: Path) -> int | None:
+    path = run_dir / "angles.jsonl"
+    if not path.is_file():
+        return None
+    steps = []
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                steps.append(json.loads(line)["step"])
+    return max(steps) if steps else None
+
+
+def slurm_job(run_dir: Path) -> str | None:
+    """The job id of the run's latest SLURM session."""
+    path = run_dir / "slurm_jobs.tsv"
+    if not path.is_file():
+        return None
+    lines = [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
+    return lines[-1][0] if lines else None
+
+
+def slurm_state(job: str) -> str | None:
+    """squeue's state while SLURM remembers the job, else sacct's (accounting on), else None."""
+    for command in (["squeue", "-h", "--states=all", "-j", job, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"]):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        states = out.stdout.split() if out.returncode == 0 else []
+        if states:
+            return states[-1].split()[0].rstrip("+")  # "CANCELLED by 0" -> CANCELLED
+    return None
+
+
+def asked_to_requeue(run_dir: Path) -> bool:
+    """True when the latest session logged that it stopped to requeue (train.log, all sessions appended)."""
+    log = run_dir / "train.log"
+    if not log.is_file():
+        return False
+    last_session = last_requeue = -1
+    for number, line in enumerate(log.read_text(errors="replace").splitlines()):
+        if SESSION_MARKER in line:
+            last_session = number
+        elif any(marker in line for marker in REQUEUE_MARKERS):
+            last_requeue = number
+    return last_requeue > last_session >= 0
+
+
+def newest_mtime(run_dir: Path) -> float | None:
+    newest = None
+    for path, _, files in os.walk(run_dir):
+        for name in files:
+            try:
+                mtime = os.stat(os.path.join(path, name)).st_mtime
+            except OSError:  # replaced while walking (atomic writes)
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+    return newest
+
+
+def infer_state(
+    *,
+    step: int | None,
+    max_steps: int | None,
+    stop_at_step: int | None,
+    slurm: str | None,
+    requeue_logged: bool,
+    hpc_newest: bool,
+    updated_s_ago: float | None,
+    active_s: float,
+) -> str:
+    if step is not None and max_steps is not None and step >= max_steps:
+        return "finished"
+    if slurm in ACTIVE:
+        return "running"
+    if slurm in WAITING:
+        return "preempted"  # requeued (or preempted) and waiting to continue
+    if slurm is None and updated_s_ago is not None and updated_s_ago < active_s:
+        return "running"  # no scheduler to ask: a file changed recently
+    if requeue_logged or hpc_newest:
+        return "preempted"
+    if stop_at_step is not None and step is not None and step >= stop_at_step:
+        return "stopped"
+    return "failed"
+
+
+def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
+    max_steps, stop_at_step = run_config(run_dir)
+    step, ckpt = checkpoint_step(run_dir)
+    job = slurm_job(run_dir)
+    state_from_slurm = slurm_state(job) if (job and use_slurm) else None
+    mtime = newest_mtime(run_dir)
+    updated = None if mtime is None else max(0.0, time.time() - mtime)
+    state = infer_state(
+        step=step,
+        max_steps=max_steps,
+        stop_at_step=stop_at_step,
+        slurm=state_from_slurm,
+        requeue_logged=asked_to_requeue(run_dir),
+        hpc_newest=ckpt is not None and ckpt.name.startswith("hpc_ckpt_"),
+        updated_s_ago=updated,
+        active_s=active_s,
+    )
+    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    return RunStatus(
+        run=name,
+        state=state,
+        step=step,
+        max_steps=max_steps,
+        loss=last_loss(run_dir),
+        probe_step=last_probe_step(run_dir),
+        slurm_job=job,
+        slurm_state=state_from_slurm,
+        updated_s_ago=None if updated is None else round(updated, 1),
+    )
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def format_table(rows: list[RunStatus]) -> str:
+    header = ["RUN", "STATE", "STEP", "LOSS", "PROBE", "SLURM", "UPDATED"]
+    lines = [header]
+    for r in rows:
+        step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
+        slurm = "-" if r.slurm_job is None else f"{r.slurm_job} {r.slurm_state or '(gone)'}"
+        loss = "-" if r.loss is None else f"{r.loss:.4f}"
+        probe = "-" if r.probe_step is None else str(r.probe_step)
+        lines.append([r.run, r.state, step, loss, probe, slurm, _age(r.updated_s_ago)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m normgeo.status", description=__doc__.splitlines()[0])
+    parser.add_argument("root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
+    parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")
+    parser.add_argument(
+        "--active-minutes", type=float, default=15.0,
+        help="without SLURM information, a run whose files changed this recently counts as running (15)",
+    )
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    if not root.is_dir():
+        print(f"error: {root} is not a directory", file=sys.stderr)
+        return 2
+    rows = [
+        run_status(run_dir, root, use_slurm=not args.no_slurm, active_s=args.active_minutes * 60)
+        for run_dir in find_runs(root)
+    ]
+    if not rows:
+        print(f"no runs under {root} (a run directory holds .hydra/config.yaml)", file=sys.stderr)
+        return 1
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""SIGKILL train.py at random steps, continue with resume=auto: the run must be the uninterrupted one.
+
+No SLURM here: a kill -9 is the worst a scheduler or a node failure does. The killed session loses the
+steps after its last.ckpt (written every step here) and its unflushed CSV rows; what it wrote is whole
+(atomic files), and the resumed sessions recompute the lost steps bit for bit on the same process count.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from normgeo.records import read_rows
+from normgeo.status import run_status
+from tests.conftest import FAST, ROOT
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 10
+# Every step is a scheduled checkpoint (so the test can see progress) and refreshes last.ckpt.
+COMMON = [f"max_steps={MAX_STEPS}", "checkpoint.dense_every=1", f"checkpoint.dense_until={MAX_STEPS}",
+          "checkpoint.last_every=1"]
+RNG = random.Random(20261122)  # the kill points are random but the same on every test run
+
+
+def all_step_losses(run_dir: Path) -> dict[int, float]:
+    """train/loss per step over every CSV session (csv/version_N); a later session wins a step.
+
+    A SIGKILLed session may have no metrics.csv at all (the CSV logger flushes every 100 steps).
+    """
+    versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    losses: dict[int, float] = {}
+    for version in versions:
+        if (version / "metrics.csv").is_file():
+            with open(version / "metrics.csv", newline="") as handle:
+                for row in csv.DictReader(handle):
+                    if row.get("train/loss"):
+                        losses[int(row["step"])] = float(row["train/loss"])
+    return losses
+
+
+def angle_table(run_dir: Path) -> dict[tuple, dict]:
+    """angles.jsonl keyed by (step, layer, site, ref); asserts there is no duplicate record."""
+    rows = read_rows(run_dir / "angles.jsonl")
+    table = {(r["step"], r["layer"], r["site"], r["ref"]): r for r in rows}
+    assert len(table) == len(rows), f"{run_dir}: duplicate probe records"
+    return table
+
+
+def ckpt_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+
+
+def train_args(run_dir: Path, *overrides: str) -> list[str]:
+    # Same command line as conftest.run_train, for a process the test can kill.
+    return [sys.executable, str(ROOT / "train.py"), *FAST, f"run_dir={run_dir}",
+            f"data_root={run_dir.parent / 'data'}", *overrides]
+
+
+def run_to_end(run_dir: Path, *overrides: str) -> None:
+    result = subprocess.run(train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"train.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
+
+
+def kill_during(run_dir: Path, step: int, delay: float, *overrides: str) -> int:
+    """Start train.py, SIGKILL it ``delay`` s after step ``step``'s checkpoint appears; the resume step."""
+    log_path = run_dir.parent / f"{run_dir.name}-{step}.log"
+    marker = run_dir / "checkpoints" / f"step-{step:07d}.ckpt"
+    started = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(train_args(run_dir, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not (marker.exists() and marker.stat().st_mtime >= started):  # written by this session
+                assert proc.poll() is None, f"train.py ended before step {step}:\n{log_path.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"no step {step} after 300 s:\n{log_path.read_text()[-4000:]}"
+                time.sleep(0.05)
+            time.sleep(delay)
+            assert proc.poll() is None, f"train.py finished before the kill:\n{log_path.read_text()[-3000:]}"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return ckpt_step(run_dir / "checkpoints" / "last.ckpt")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume_kill")  # one data/ folder for every run of this module
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir: Path) -> Path:
+    run_dir = workdir / "whole"
+    run_to_end(run_dir, *COMMON)
+    return run_dir
+
+
+def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
+    workdir: Path, uninterrupted: Path
+) -> None:
+    run_dir = workdir / "killed"
+    first = RNG.randrange(2, MAX_STEPS - 4)
+    second = RNG.randrange(first + 2, MAX_STEPS - 1)
+    resumed_from = []
+    for step in (first, second):
+        delay = RNG.uniform(0.0, 0.8)  # anywhere in the next step: forward, backward, a checkpoint write
+        resumed_from.append(kill_during(run_dir, step, delay, *COMMON, "resume=auto"))
+        print(f"killed {delay:.2f} s after step {step}'s checkpoint; last.ckpt at step {resumed_from[-1]}")
+        status = run_status(run_dir, workdir, use_slurm=False, active_s=0)
+        assert (status.state, status.step) == ("failed", resumed_from[-1])
+    run_to_end(run_dir, *COMMON, "resume=auto")
+    # step-k.ckpt is written just before last.ckpt: a kill in between resumes from step k-1.
+    assert resumed_from[0] >= first - 1 and resumed_from[1] >= second - 1
+
+    reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
+    assert sorted(reference) == list(range(MAX_STEPS))
+    # The last session logged every step from its checkpoint on; earlier sessions died unflushed.
+    assert set(range(resumed_from[-1], MAX_STEPS)) <= set(losses)
+    assert {step: reference[step] for step in losses} == losses  # bitwise: same floats
+    assert angle_table(run_dir) == angle_table(uninterrupted)
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
+    assert run_status(run_dir, workdir, use_slurm=False).state == "finished"
+    a = torch.load(uninterrupted / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    b = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))
+
+
+def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(workdir: Path, uninterrupted: Path) -> None:
+    run_dir = workdir / "one_then_two"
+    step = RNG.randrange(2, MAX_STEPS - 3)
+    resumed = kill_during(run_dir, step, RNG.uniform(0.0, 0.8), *COMMON, "resume=auto")
+    print(f"killed the 1-process run after step {step}; resuming from step {resumed} on 2 processes")
+    run_to_end(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")
+
+    reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
+    assert set(range(resumed, MAX_STEPS)) <= set(losses)
+    for s, loss in losses.items():
+        # Same tokens and weights; 2 ranks x 1 micro-batch instead of 1 rank x 2: only summation order differs.
+        assert loss == pytest.approx(reference[s], rel=1e-4), s
+    ref_angles, angles = angle_table(uninterrupted), angle_table(run_dir)
+    assert ref_angles.keys() == angles.keys()
+    for key, row in angles.items():
+        assert row["count"] == ref_angles[key]["count"]
+        assert row["mean_deg"] == pytest.approx(ref_angles[key]["mean_deg"], abs=1e-3), key
