@@ -131,3 +131,12 @@ def test_hydra_config_is_saved_with_the_run(accumulated_run: Path) -> None:
     assert "micro_batch: 2" in config
     hparams = json.dumps((accumulated_run / "csv" / "version_0" / "hparams.yaml").read_text())
     assert "global_batch" in hparams
+
+
+def test_wandb_logger_runs_offline_with_the_probe_table(tmp_path: Path) -> None:
+    run_dir = tmp_path / "wandb-run"
+    run_train(run_dir, "logger=wandb", "max_steps=2", "checkpoint.steps=[2]")
+    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    offline_runs = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(offline_runs) == 1, list((run_dir / "wandb").iterdir())
+    assert sorted({r["step"] for r in read_rows(run_dir / "angles.jsonl")}) == [0, 2]
