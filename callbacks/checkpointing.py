@@ -115,11 +115,11 @@ class ScheduledCheckpoint(Checkpoint):
             trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
             self.saved_steps.append(step)
         if step in self.schedule or (self.last_every and step % self.last_every == 0):
-            trainer.save_checkpoint(self.dirpath / LAST)
+            trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_finite(trainer, pl_module, trainer.global_step)
-        trainer.save_checkpoint(self.dirpath / LAST)
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
 
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""

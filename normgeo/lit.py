@@ -24,6 +24,17 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+# Name segments that FSDP, activation checkpointing and torch.compile insert into parameter names.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """The parameter's name in the bare model, whatever wrappers the strategy put around it."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
 class LitGPT(L.LightningModule):
     def __init__(
         self,
@@ -43,6 +54,9 @@ class LitGPT(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(**model), seed=seed)
+        # Decided here, on the unwrapped model: under FSDP (use_orig_params) configure_optimizers sees
+        # every parameter as a flat 1-D shard, so p.dim() there would decay nothing.
+        self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self._last_step_time: float | None = None
@@ -103,11 +117,11 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(unwrapped_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
         # Weight decay on matrices only (embeddings included), never on gains and biases.
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for n, p in named if n in self._matrix_names], "weight_decay": hp.weight_decay},
+            {"params": [p for n, p in named if n not in self._matrix_names], "weight_decay": 0.0},
         ]
         fused = self.device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         optimizer = torch.optim.AdamW(

@@ -3,7 +3,8 @@
 slurm/train.sbatch with 2 CPU tasks (DDP over gloo) runs to the end; the same job interrupted by
 ``scancel --signal=USR1``, by preemption from the ``urgent`` partition, or by USR1 during start-up
 requeues itself (Restarts=1) and ends with the uninterrupted job's losses and probe records, bit for bit;
-a 2-run Hydra sweep goes through the submitit launcher (conf/hydra/launcher/slurm.yaml).
+a 2-run Hydra sweep goes through the submitit launcher (conf/hydra/launcher/slurm.yaml), each job with its
+own size's resources.
 """
 
 from __future__ import annotations
@@ -225,29 +226,37 @@ def test_usr1_during_start_up_requeues_the_job(workdir: Path) -> None:
     assert ckpt_step(job.run_dir / "checkpoints" / "last.ckpt") == 4
 
 
-def test_two_run_sweep_through_the_submitit_launcher(workdir: Path) -> None:
+def test_sweep_through_the_submitit_launcher_gives_each_run_its_sizes_resources(workdir: Path) -> None:
+    """Two sizes with different time limits: each job's sbatch script carries its own size's --time."""
     sweep = workdir / "sweep"
-    overrides = [*FAST, "max_steps=4", "checkpoint.steps=[2,4]", f"output_root={sweep}",
-                 f"data_root={workdir / 'data'}", "resume=auto"]
-    launcher = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.gpus_per_node=null",
-                "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10"]
+    sizes = workdir / "conf" / "size"
+    sizes.mkdir(parents=True, exist_ok=True)
+    for name, minutes in (("tiny_a", 7), ("tiny_b", 9)):  # the tiny model with its own SLURM resources
+        (sizes / f"{name}.yaml").write_text(f"defaults:\n  - tiny\n  - _self_\nname: {name}\ngpus: null\nminutes: {minutes}\n")
+    overrides = [*(o for o in FAST if not o.startswith("size=")), "max_steps=4", "checkpoint.steps=[2,4]",
+                 f"output_root={sweep}", f"data_root={workdir / 'data'}", "resume=auto",
+                 f"hydra.searchpath=[file://{workdir / 'conf'}]"]
+    launcher = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=1",
+                "hydra.launcher.cpus_per_task=1"]
     started = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *launcher, "norm=layer,rms", *overrides],
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *launcher, "size=tiny_a,tiny_b", *overrides],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(sweep.glob(".submitit/*/*_log.*")))
         pytest.fail(f"the sweep did not finish in 300 s:\n{logs}")
     print(f"sweep of 2 jobs: {time.monotonic() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-6000:]
-    for norm in ("layer", "rms"):
-        run_dir = sweep / f"tiny-{norm}-s0"
+    for size in ("tiny_a", "tiny_b"):
+        run_dir = sweep / f"{size}-layer-s0"
         assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 4
         assert sorted({key[0] for key in angle_table(run_dir)}) == [0, 2, 4]
-    script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
-    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR1@300" in script
+    scripts = [p.read_text() for p in sweep.glob(".submitit/*/*_submission.sh")]
+    assert len(scripts) == 2, "one job array per distinct set of resources"
+    assert sorted(re.search(r"#SBATCH --time=(\d+)", s).group(1) for s in scripts) == ["7", "9"]
+    assert all("#SBATCH --requeue" in s and "#SBATCH --signal=USR1@300" in s for s in scripts)
     status = sh(sys.executable, "-m", "normgeo.status", str(sweep), "--json", cwd=ROOT).stdout
     rows = [json.loads(line) for line in status.splitlines()]
     assert sorted((r["run"], r["state"], r["step"]) for r in rows) == [
-        ("tiny-layer-s0", "finished", 4), ("tiny-rms-s0", "finished", 4)
+        ("tiny_a-layer-s0", "finished", 4), ("tiny_b-layer-s0", "finished", 4)
     ]
