@@ -140,3 +140,20 @@ def test_wandb_logger_runs_offline_with_the_probe_table(tmp_path: Path) -> None:
     offline_runs = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline_runs) == 1, list((run_dir / "wandb").iterdir())
     assert sorted({r["step"] for r in read_rows(run_dir / "angles.jsonl")}) == [0, 2]
+
+
+def test_compiled_model_trains_like_eager_and_probes(tmp_path: Path) -> None:
+    """compile=true (torch.compile, inductor on CPU) is a speed switch: same losses, same probe records."""
+    common = ["max_steps=3", "checkpoint.steps=[3]"]
+    run_train(tmp_path / "eager", *common)
+    run_train(tmp_path / "compiled", *common, "compile=true")
+    eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
+    assert sorted(compiled) == [0, 1, 2]
+    assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
+    eager_rows, compiled_rows = read_rows(tmp_path / "eager" / "angles.jsonl"), read_rows(tmp_path / "compiled" / "angles.jsonl")
+    assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 10
+    for a, b in zip(eager_rows, compiled_rows, strict=True):
+        assert (a["step"], a["site"], a["count"]) == (b["step"], b["site"], b["count"])
+        assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
+    state = load(tmp_path / "compiled" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert not any("_orig_mod" in name for name in state)  # checkpoints load with or without compile
