@@ -83,29 +83,53 @@ class LocalFilesSource:
 
 @dataclass
 class HubParquetSource:
-    """A Hub dataset read from its parquet files (current ``datasets`` no longer runs dataset scripts)."""
+    """A Hub dataset read from its parquet files (current ``datasets`` no longer runs dataset scripts).
 
-    data_files: str
+    ``data_files`` is one pattern (``hf://datasets/<repo>[@<revision>]/<glob>.parquet``) or a list of
+    alternatives tried in order: the first that matches any file is read. That covers a repository that
+    moves its data, e.g. from the Hub's automatic parquet conversion (``@refs%2Fconvert%2Fparquet``) to
+    parquet files on its main branch. Any other failure (network, authentication) is reported at once.
+    """
+
+    data_files: str | list[str]
     text_field: str = "text"
     num_proc: int | None = None
 
+    @property
+    def candidates(self) -> list[str]:
+        return [self.data_files] if isinstance(self.data_files, str) else list(self.data_files)
+
     def describe(self) -> str:
-        return f"hub:{self.data_files}"
+        return "hub:" + " | ".join(self.candidates)
 
     def documents(self) -> Iterator[str]:
         import datasets
+        from fsspec.core import url_to_fs
 
-        try:
-            dataset = datasets.load_dataset(
-                "parquet", data_files=self.data_files, split="train", num_proc=self.num_proc
-            )
-        except Exception as err:  # the Hub raises many types; all mean "could not fetch"
-            raise SourceError(
-                f"could not load {self.data_files}: {err}. On a machine without internet, prepare the "
-                "data on one with internet (python -m corpus data=...) and copy the prepared folder."
-            ) from err
-        for record in dataset:
-            yield record[self.text_field]
+        offline_hint = (
+            "On a machine without internet, prepare the data on one with internet (python -m corpus data=...) "
+            "and copy the prepared folder."
+        )
+        for pattern in self.candidates:
+            try:
+                filesystem, path = url_to_fs(pattern)
+                matched = filesystem.glob(path)
+            except FileNotFoundError:  # no such repository or revision: try the next alternative
+                matched = []
+            except Exception as err:  # the Hub raises many types; all mean "could not reach it"
+                raise SourceError(f"could not list {pattern}: {err}. {offline_hint}") from err
+            if not matched:
+                continue
+            try:
+                dataset = datasets.load_dataset("parquet", data_files=pattern, split="train", num_proc=self.num_proc)
+            except Exception as err:
+                raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
+            if self.text_field not in dataset.column_names:
+                raise SourceError(f"{pattern} has no {self.text_field!r} column (columns: {dataset.column_names})")
+            for record in dataset.select_columns([self.text_field]):
+                yield record[self.text_field]
+            return
+        raise SourceError(f"no parquet files match any of {self.candidates}; check the repository's file list")
 
 
 @dataclass

@@ -64,7 +64,9 @@ def test_data_options_instantiate_the_datamodule(tmp_path: Path, option, source_
 
 def test_openwebtext_reads_the_hubs_parquet_files() -> None:
     source = instantiate(compose_train("data=openwebtext").data.source)
-    assert source.data_files.startswith("hf://datasets/") and source.data_files.endswith(".parquet")
+    assert source.candidates and all(
+        c.startswith("hf://datasets/Skylion007/openwebtext") and c.endswith(".parquet") for c in source.candidates
+    )
 
 
 def test_each_local_corpus_gets_its_own_prepared_folder(tmp_path: Path) -> None:

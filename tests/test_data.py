@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
-from corpus.sources import LocalFilesSource, PydocSource, SourceError
+from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource, SourceError
 from corpus.tokenize import tiktoken_encoding
 
 
@@ -118,3 +118,32 @@ def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
 def test_pydoc_source_needs_no_download() -> None:
     docs = list(PydocSource().documents())
     assert len(docs) > 50 and sum(map(len, docs)) > 300_000
+
+
+def write_parquet(path: Path, texts: list[str], column: str = "text") -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({column: texts, "url": [f"u{i}" for i in range(len(texts))]}), path)
+
+
+def test_parquet_source_reads_the_first_alternative_that_matches(tmp_path: Path) -> None:
+    """Real ``datasets.load_dataset("parquet", ...)`` on local files, as it reads hf:// ones."""
+    write_parquet(tmp_path / "converted" / "train" / "0000.parquet", ["first doc", "second doc"])
+    source = HubParquetSource([str(tmp_path / "main" / "train-*.parquet"), str(tmp_path / "converted" / "train" / "*.parquet")])
+    assert list(source.documents()) == ["first doc", "second doc"]
+    with pytest.raises(SourceError, match="no parquet files match"):
+        list(HubParquetSource([str(tmp_path / "main" / "train-*.parquet")]).documents())
+
+
+def test_parquet_source_without_the_text_column_says_which_columns_it_has(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "data.parquet", ["a"], column="content")
+    with pytest.raises(SourceError, match="'content'"):
+        list(HubParquetSource(str(tmp_path / "data.parquet")).documents())
+
+
+def test_hub_source_offline_says_to_prepare_elsewhere() -> None:
+    source = HubParquetSource("hf://datasets/Skylion007/openwebtext/plain_text/train-*.parquet")
+    with pytest.raises(SourceError, match="prepare the data on one with internet"):
+        next(source.documents())
