@@ -133,12 +133,11 @@ class Job:
         return int(found[0])
 
 
-def assert_same_run(run_dir: Path, reference: Path, probed: bool = True) -> None:
+def assert_same_run(run_dir: Path, reference: Path) -> None:
     losses, expected = all_step_losses(run_dir), all_step_losses(reference)
     assert sorted(expected) == list(range(MAX_STEPS))
     assert losses == expected  # every step, bitwise (same 2 processes; probing does not touch training)
-    if probed:
-        assert angle_table(run_dir) == angle_table(reference)
+    assert angle_table(run_dir) == angle_table(reference)
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
     assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))  # Lightning's own requeue path stays off
     assert len(list((run_dir / "csv").glob("version_*"))) == 2  # one CSV session per SLURM run
@@ -176,10 +175,9 @@ def test_usr1_mid_training_requeues_and_resumes_exactly(workdir: Path, reference
 
 
 def test_preemption_by_the_urgent_partition_requeues_and_resumes_exactly(workdir: Path, reference: Path) -> None:
-    # Offline wandb next to the CSV logger, to check the requeued session continues the same wandb run.
-    # No probe: the probe's wandb table (int and "final" in one column) is refused by wandb 0.31.
-    job = Job(workdir, "preempted", f"hydra.searchpath=[file://{workdir / 'conf'}]", "logger=csv_wandb",
-              "probe.enabled=false")
+    # Offline wandb next to the CSV logger (probe tables included), to check the requeued session continues
+    # the same wandb run.
+    job = Job(workdir, "preempted", f"hydra.searchpath=[file://{workdir / 'conf'}]", "logger=csv_wandb")
     waited = job.wait_for(job.run_dir / "checkpoints" / "step-0000002.ckpt")
     # Both CPUs of the node: SLURM must preempt (requeue) the debug job to run this one.
     urgent = sh("sbatch", "--parsable", "-p", "urgent", "-n", "2", f"--output={workdir}/logs/urgent-%j.out",
@@ -189,7 +187,7 @@ def test_preemption_by_the_urgent_partition_requeues_and_resumes_exactly(workdir
           f"training stopped after step {job.stopped_at()}")
     assert info["Restarts"] == "1", job.explain("expected exactly one requeue")
     assert "COMPLETED" in sh("scontrol", "-o", "show", "job", urgent).stdout
-    assert_same_run(job.run_dir, reference, probed=False)
+    assert_same_run(job.run_dir, reference)
     run_id = (job.run_dir / "wandb_run_id.txt").read_text().strip()
     offline = sorted(p.name for p in (job.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline), offline
