@@ -81,6 +81,7 @@ install_requeue_handler()
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
@@ -279,8 +280,12 @@ def train(cfg: DictConfig) -> L.Trainer:
     if trainer.is_global_zero and cfg.probe.enabled:
         from normgeo.report import write_run_figures
 
-        for figure in write_run_figures(run_dir):
+        figures = write_run_figures(run_dir)
+        for figure in figures:
             log.info("figure: %s", figure)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and figures:
+                logger.log_image(key="figures", images=[str(f) for f in figures], caption=[f.stem for f in figures])
     return trainer
 
 

@@ -102,7 +102,7 @@ class AngleProbe(L.Callback):
         return rows
 
     def _log(self, trainer: L.Trainer, rows: list[dict], step: int) -> None:
-        """Scalar summaries (mean over layers per site and reference) and, on wandb, the full table."""
+        """Scalar summaries (mean over layers per site and reference); on wandb also the table and figure."""
         summary: dict[str, list[float]] = {}
         for row in rows:
             summary.setdefault(f"probe/{row['site']}/{row['ref']}_deg", []).append(row["mean_deg"])
@@ -114,4 +114,9 @@ class AngleProbe(L.Callback):
                 # wandb tables want one type per column: layer mixes block indices and "final".
                 data = [[str(r[c]) if c == "layer" else r[c] for c in columns] for r in rows]
                 logger.log_table(key="probe/angles", columns=columns, data=data)
+                # The paper-style figure of this step (also kept in <run_dir>/figures).
+                from normgeo.report import plot_layers
+
+                figure = plot_layers(rows, self.run_dir / "figures", step=step)
+                logger.log_image(key="probe/layers", images=[str(figure)], step=step, caption=[f"step {step}"])
         log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)

@@ -140,6 +140,10 @@ def test_wandb_logger_runs_offline_with_the_probe_table(tmp_path: Path) -> None:
     offline_runs = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline_runs) == 1, list((run_dir / "wandb").iterdir())
     assert sorted({r["step"] for r in read_rows(run_dir / "angles.jsonl")}) == [0, 2]
+    media = offline_runs[0] / "files" / "media" / "images"
+    images = sorted(str(p.relative_to(media)) for p in media.rglob("*.png"))
+    assert sum(name.startswith("probe/layers_") for name in images) == 2, images  # one figure per probe step
+    assert sum(name.startswith("figures_") for name in images) == 3, images  # the run's figures at the end
 
 
 def test_compiled_model_trains_like_eager_and_probes(tmp_path: Path) -> None:
