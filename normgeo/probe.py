@@ -117,10 +117,11 @@ def run_probe(
     call = forward or (lambda batch: model(batch))
     handles = [norm.module.register_forward_hook(make_hook(norm)) for norm in norms]
     try:
-        with _eval_mode(model), torch.no_grad(), autocast():
-            batches = sequences.split(batch_size)
-            for batch in tqdm(batches, desc="probe", unit="batch", disable=not progress):
+        bar = tqdm(total=sequences.numel(), desc="probe", unit="tok", unit_scale=True, disable=not progress)
+        with _eval_mode(model), torch.no_grad(), autocast(), bar:
+            for batch in sequences.split(batch_size):
                 call(batch.to(device, non_blocking=True))
+                bar.update(batch.numel())
     finally:
         for handle in handles:
             handle.remove()
