@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import random
 import time
@@ -14,6 +15,8 @@ import torch
 from callbacks.checkpointing import NonFiniteError
 from models.gpt import GPT, GPTConfig
 from normgeo.hardware import peak_flops
+
+log = logging.getLogger(__name__)
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -69,6 +72,7 @@ class LitGPT(L.LightningModule):
         # nn.Module.compile keeps parameter names, so checkpoints load with or without it.
         if self.hparams.compile and not getattr(self.model, "_compiled_call_impl", None):
             self.model.compile()
+            log.info("torch.compile: model compiled; the first steps are slow while kernels are generated")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

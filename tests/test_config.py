@@ -96,7 +96,7 @@ def test_no_source_or_config_file_is_git_ignored() -> None:
         pytest.skip("not a git checkout")
     files = [
         str(p.relative_to(ROOT))
-        for folder in ("conf", "models", "callbacks", "corpus", "normgeo", "slurm", "bench", "tests")
+        for folder in ("conf", "models", "callbacks", "corpus", "normgeo", "hydra_plugins", "slurm", "bench", "tests")
         for p in (ROOT / folder).rglob("*")
         if p.is_file() and p.suffix in {".py", ".yaml", ".sbatch", ".md"} and "__pycache__" not in p.parts
     ]

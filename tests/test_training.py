@@ -150,7 +150,8 @@ def test_compiled_model_trains_like_eager_and_probes(tmp_path: Path) -> None:
     """compile=true (torch.compile, inductor on CPU) is a speed switch: same losses, same probe records."""
     common = ["max_steps=3", "checkpoint.steps=[3]"]
     run_train(tmp_path / "eager", *common)
-    run_train(tmp_path / "compiled", *common, "compile=true")
+    compiled_run = run_train(tmp_path / "compiled", *common, "compile=true")
+    assert "torch.compile: model compiled" in compiled_run.stdout + compiled_run.stderr
     eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
     assert sorted(compiled) == [0, 1, 2]
     assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
