@@ -94,11 +94,19 @@ from callbacks.checkpointing import (
     ScheduledCheckpoint,
     StopAtStep,
 )
+from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from normgeo.config import CONF_DIR
 from normgeo.hardware import default_precision
 from normgeo.lit import LitGPT
+from normgeo.run_config import (
+    ResumeConfigError,
+    is_rank_zero,
+    resolved_run_config,
+    save_run_config,
+    verify_run_config,
+)
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -172,6 +180,9 @@ def _netrc_has_wandb() -> bool:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
+    quiet_lightning()  # before SLURMEnvironment and the Trainer print their hints
+    if cfg.trainer.enable_progress_bar:
+        callbacks = [*callbacks, StepProgressBar()]  # optimizer steps of max_steps, not Lightning's epochs
     plugins: list = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
         # Ranks and world size from SLURM. USR1 (--signal=USR1@lead, scancel --signal=USR1, preemption)
@@ -203,6 +214,18 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
     return trainer
 
 
+def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
+    """The start-up line that replaces Lightning's model summary table (whose FLOPs column reads 0)."""
+    params = module.model.num_parameters()
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    return (
+        f"model: {count} parameters, norm={cfg.norm.name}, {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
+        f" · {cfg.global_batch * cfg.seq_len:,} tokens per optimizer step ({cfg.global_batch} sequences x "
+        f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
+        f"world size {trainer.world_size} · precision {trainer.precision}"
+    )
+
+
 def train(cfg: DictConfig) -> L.Trainer:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +234,9 @@ def train(cfg: DictConfig) -> L.Trainer:
     if resume is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
         resume = "auto"  # a requeued job continues its own run, whatever its command line says
     ckpt_path = resume_checkpoint(run_dir, resume)
+    # Before this session writes anything into the run directory: a resume continues the same experiment.
+    run_config = resolved_run_config(cfg)
+    verify_run_config(run_dir, ckpt_path, run_config)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -271,9 +297,15 @@ def train(cfg: DictConfig) -> L.Trainer:
         betas=tuple(cfg.optim.betas),
         compile=cfg.compile,
     )
+    module.run_config = run_config  # into every checkpoint
+    if trainer.is_global_zero:
+        log.info("%s", describe_run(cfg, trainer, module))
     datamodule = instantiate(cfg.data)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
+    elif is_rank_zero():
+        # As late as possible, so that a session refused for a bad setting leaves no config behind.
+        save_run_config(run_dir, run_config)  # the first session's; never replaced
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if requeue is not None and requeue.stopped_at is not None:
         return trainer  # main() requeues; the figures come when the run is complete
@@ -289,7 +321,7 @@ def train(cfg: DictConfig) -> L.Trainer:
     return trainer
 
 
-USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, NonFiniteError, ValueError)
+USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

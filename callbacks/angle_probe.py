@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import lightning as L
@@ -80,6 +81,9 @@ class AngleProbe(L.Callback):
         config = model.config
         sequences = self.probe_sequences(config.block_size)
         shard = sequences[trainer.global_rank :: trainer.world_size]
+        # Every rank runs the same number of forward passes (FSDP's all-gathers are collective): a rank
+        # with fewer sequences pads its share with rows that are run but not measured.
+        per_rank = math.ceil(len(sequences) / trainer.world_size)
         references = make_references(config.n_embd, self.seed)
         sites, stats = run_probe(
             model,
@@ -89,6 +93,7 @@ class AngleProbe(L.Callback):
             include_standardized=self.include_standardized,
             autocast=trainer.precision_plugin.forward_context,
             device=pl_module.device,
+            pad_to=per_rank,
         )
         stats.all_reduce()
         tokens_per_step = pl_module.hparams.global_batch * config.block_size

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.distributed.tensor import DTensor
 
 from normgeo.atomic import atomic_open
 
@@ -71,6 +72,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, handle)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def after_optimizer_step(trainer: L.Trainer, last_seen: int) -> bool:
     """True on the first batch end after an optimizer step (works with gradient accumulation)."""
     return trainer.global_step != last_seen
@@ -123,7 +129,8 @@ class ScheduledCheckpoint(Checkpoint):
 
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""
-        finite = all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())
+        # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
+        finite = all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters())
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             last = self.dirpath / LAST
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"

@@ -15,6 +15,7 @@ import torch
 from callbacks.checkpointing import NonFiniteError
 from models.gpt import GPT, GPTConfig
 from normgeo.hardware import peak_flops
+from normgeo.strategies import FSDP2Strategy, compile_blocks
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +26,6 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# Name segments that FSDP, activation checkpointing and torch.compile insert into parameter names.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def unwrapped_name(name: str) -> str:
-    """The parameter's name in the bare model, whatever wrappers the strategy put around it."""
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 class LitGPT(L.LightningModule):
@@ -57,21 +47,33 @@ class LitGPT(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(**model), seed=seed)
-        # Decided here, on the unwrapped model: under FSDP (use_orig_params) configure_optimizers sees
-        # every parameter as a flat 1-D shard, so p.dim() there would decay nothing.
+        # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding
+        # scheme that flattens parameters (FSDP1) would show every one as 1-D by the time the optimizer is made.
         self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self._last_step_time: float | None = None
+        # The resolved run config (normgeo.run_config), set by train.py and saved in every checkpoint;
+        # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
+        self.run_config: dict | None = None
+        self._model_configured = False
 
     @property
     def seq_len(self) -> int:
         return self.model.config.block_size
 
     def configure_model(self) -> None:
-        # nn.Module.compile keeps parameter names, so checkpoints load with or without it.
-        if self.hparams.compile and not getattr(self.model, "_compiled_call_impl", None):
-            self.model.compile()
+        """Shard (FSDP2) and/or compile once; Lightning calls this hook again for every stage."""
+        if self._model_configured:
+            return
+        self._model_configured = True
+        sharded = isinstance(self.trainer.strategy, FSDP2Strategy)
+        if sharded:
+            self.trainer.strategy.shard(self.model)
+        if self.hparams.compile:
+            # Both keep parameter names, so checkpoints load with or without compile. Under FSDP2 each
+            # block is compiled on its own so that the sharding hooks stay outside the graphs.
+            compile_blocks(self.model) if sharded else self.model.compile()
             log.info("torch.compile: model compiled; the first steps are slow while kernels are generated")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,7 @@ class LitGPT(L.LightningModule):
             if peak:
                 flops = self.model.flops_per_token(self.seq_len) * tokens_per_s / self.trainer.world_size
                 metrics["perf/mfu"] = flops / peak
+            self.log("tok/s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         self._last_step_time = now
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
         self.log("loss", global_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
@@ -121,7 +124,7 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        named = [(unwrapped_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # Weight decay on matrices only (embeddings included), never on gains and biases.
         groups = [
             {"params": [p for n, p in named if n in self._matrix_names], "weight_decay": hp.weight_decay},
@@ -140,6 +143,8 @@ class LitGPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        for state in checkpoint.get("optimizer_states", []):
+            self._key_optimizer_state_by_parameter_index(state)
         # Lightning restores model, optimizer, scheduler and step; the RNGs (dropout) are ours to keep.
         # Only tensors and plain Python values: Lightning loads checkpoints with weights_only=True.
         _, keys, position, has_gauss, cached_gauss = np.random.get_state()
@@ -150,6 +155,25 @@ class LitGPT(L.LightningModule):
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
         checkpoint["gpt_config"] = self.model.config.to_dict()
+        if self.run_config is not None:
+            checkpoint["run_config"] = self.run_config  # checked when the run is resumed
+
+    def _key_optimizer_state_by_parameter_index(self, state: dict) -> None:
+        """Key a saved optimizer state by each parameter's index in ``self.parameters()``, in place.
+
+        FSDP2 full checkpoints are keyed that way (Lightning rekeys them); a plain optimizer numbers its
+        parameters group after group (matrices first). One convention makes every checkpoint resumable
+        under every strategy: DDP maps states by position within each group, FSDP2 by model order.
+        """
+        if not state or not self.trainer.optimizers:
+            return  # FSDP2 ranks other than 0 hold an empty state
+        index = {id(p): i for i, p in enumerate(self.parameters())}
+        live = [p for group in self.trainer.optimizers[0].param_groups for p in group["params"]]
+        saved = [key for group in state["param_groups"] for key in group["params"]]
+        remap = {old: index[id(param)] for old, param in zip(saved, live, strict=True)}
+        state["state"] = {remap[key]: value for key, value in state["state"].items()}
+        for group in state["param_groups"]:
+            group["params"] = [remap[key] for key in group["params"]]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         rng = checkpoint.get("rng")

@@ -87,11 +87,14 @@ def run_probe(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
     progress: bool = False,
+    pad_to: int = 0,
 ) -> tuple[list[ProbeSite], AngleStatistics]:
     """Stream ``sequences`` (n, T) of token ids through ``model`` and measure every norm's in/out vectors.
 
     ``forward`` defaults to ``model(batch)``; ``autocast`` gives the precision (e.g. the training
     precision's context). The statistics are *not* reduced across ranks: call ``all_reduce`` on them.
+    ``pad_to``: run forward passes over at least that many sequences, padding with dummy rows that are
+    never measured, so that every rank of a sharded model makes the same collective calls.
     """
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     sites = probe_sites(norms, include_standardized)
@@ -99,6 +102,10 @@ def run_probe(
     reference_matrix = torch.from_numpy(np.stack([references[name] for name in REFERENCE_NAMES]))
     stats = AngleStatistics(len(sites), reference_matrix, device=device)
     site_index = {site: i for i, site in enumerate(sites)}
+    measured = len(sequences)
+    if pad_to > measured:
+        sequences = torch.cat([sequences, sequences.new_zeros((pad_to - measured, sequences.shape[1]))])
+    rows_to_measure = [0]  # of the current batch: the rows that are real probe sequences, not padding
 
     def make_hook(norm: NormSite):
         in_index = site_index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)]
@@ -106,9 +113,12 @@ def run_probe(
         std_site = ProbeSite(norm.layer, f"{norm.role}.std", norm.kind, norm.dim)
 
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            hidden = inputs[0]
+            rows = rows_to_measure[0]
+            if rows == 0:
+                return
+            hidden = inputs[0][:rows]
             stats.update(in_index, hidden.to(device))
-            stats.update(out_index, (output[0] if isinstance(output, tuple) else output).to(device))
+            stats.update(out_index, (output[0] if isinstance(output, tuple) else output)[:rows].to(device))
             if include_standardized:
                 stats.update(site_index[std_site], standardize(hidden.to(device).float(), norm.kind, norm.eps))
 
@@ -117,11 +127,13 @@ def run_probe(
     call = forward or (lambda batch: model(batch))
     handles = [norm.module.register_forward_hook(make_hook(norm)) for norm in norms]
     try:
-        bar = tqdm(total=sequences.numel(), desc="probe", unit="tok", unit_scale=True, disable=not progress)
+        bar = tqdm(total=measured * sequences.shape[1], desc="probe", unit="tok", unit_scale=True, disable=not progress)
         with _eval_mode(model), torch.no_grad(), autocast(), bar:
-            for batch in sequences.split(batch_size):
+            for start in range(0, len(sequences), batch_size):
+                batch = sequences[start : start + batch_size]
+                rows_to_measure[0] = max(0, min(len(batch), measured - start))
                 call(batch.to(device, non_blocking=True))
-                bar.update(batch.numel())
+                bar.update(rows_to_measure[0] * batch.shape[1])
     finally:
         for handle in handles:
             handle.remove()

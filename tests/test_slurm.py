@@ -31,7 +31,8 @@ SBATCH = ROOT / "slurm" / "train.sbatch"
 CPU_TASKS = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]  # override the GPU lines
 MAX_STEPS = 16  # enough steps after the trigger at step 2 that a preemption lands mid-training
 DDP = [o for o in FAST if not o.startswith("trainer=")] + [
-    "trainer=ddp_cpu",
+    "trainer=ddp",  # the paper's trainer: num_nodes from SLURM_NNODES (a string in the environment)
+    "trainer.accelerator=cpu",  # no GPU here: gloo instead of NCCL, everything else as on a cluster
     "trainer.devices=2",  # = --ntasks-per-node (Lightning checks)
     f"max_steps={MAX_STEPS}",
     "checkpoint.steps=[2,8]",

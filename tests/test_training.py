@@ -146,11 +146,12 @@ def test_wandb_logger_runs_offline_with_the_probe_table(tmp_path: Path) -> None:
     assert sum(name.startswith("figures_") for name in images) == 3, images  # the run's figures at the end
 
 
-def test_compiled_model_trains_like_eager_and_probes(tmp_path: Path) -> None:
-    """compile=true (torch.compile, inductor on CPU) is a speed switch: same losses, same probe records."""
-    common = ["max_steps=3", "checkpoint.steps=[3]"]
+def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -> None:
+    """compile=true (torch.compile, inductor on CPU) under 2-process DDP is a speed switch: same losses
+    and probe records as the eager single-process run (DDP equals one process: test above)."""
+    common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
     run_train(tmp_path / "eager", *common)
-    compiled_run = run_train(tmp_path / "compiled", *common, "compile=true")
+    compiled_run = run_train(tmp_path / "compiled", *common, "compile=true", "trainer=ddp_cpu", "trainer.devices=2")
     assert "torch.compile: model compiled" in compiled_run.stdout + compiled_run.stderr
     eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
     assert sorted(compiled) == [0, 1, 2]
@@ -162,3 +163,24 @@ def test_compiled_model_trains_like_eager_and_probes(tmp_path: Path) -> None:
         assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
     state = load(tmp_path / "compiled" / "checkpoints" / "last.ckpt")["state_dict"]
     assert not any("_orig_mod" in name for name in state)  # checkpoints load with or without compile
+
+
+def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: Path) -> None:
+    """bf16 autocast on CPU: the model runs in bf16, the probe's angles are still computed in float32."""
+    common = ["experiment=smoke", "max_steps=3", "checkpoint.steps=[3]"]
+    run_train(tmp_path / "fp32", *common)
+    run_train(tmp_path / "bf16", *common, "trainer.precision=bf16-mixed")
+    fp32, bf16 = step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16")
+    assert sorted(bf16) == [0, 1, 2]
+    # bf16 keeps 8 bits of mantissa: the losses agree to a few parts in a thousand, not to float32 rounding.
+    assert all(bf16[step] == pytest.approx(loss, rel=1e-2) and bf16[step] != loss for step, loss in fp32.items())
+    rows = {(r["step"], r["layer"], r["site"], r["ref"]): r for r in read_rows(tmp_path / "bf16" / "angles.jsonl")}
+    reference = read_rows(tmp_path / "fp32" / "angles.jsonl")
+    assert len(rows) == len(reference) == 2 * 3 * 10
+    for a in reference:
+        b = rows[(a["step"], a["layer"], a["site"], a["ref"])]
+        assert b["count"] == a["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=0.5)
+        if a["site"].endswith(".out") and a["ref"] == "ones":
+            # LayerNorm's output is orthogonal to 1 up to its gain and bias, and the probe casts every
+            # vector to float32 before the angle: the bf16 run still measures it within 0.05 deg of 90.
+            assert abs(b["mean_deg"] - 90.0) < 0.05 and b["std_deg"] < 0.05, b

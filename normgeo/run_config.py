@@ -1,0 +1,214 @@
+"""A resumed run is the same experiment: the run's resolved config, saved with it and checked on resume.
+
+The first session writes ``<run_dir>/run_config.yaml`` and every checkpoint carries the same dict under
+``checkpoint["run_config"]``. A later session compares its own config against it (the checkpoint's copy
+first: it is the config the weights were trained with) and refuses to continue when anything but the
+settings a session may legitimately change (devices, loggers, paths, micro batch, ...) differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from normgeo.atomic import atomic_open
+from normgeo.hardware import default_precision
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG_FILE = "run_config.yaml"
+CHECKPOINT_KEY = "run_config"
+
+# Dotted keys (and everything under them) that may differ between sessions of one run: where the run
+# runs and how it reports, not what it computes. The global batch is fixed, so micro_batch and the
+# device count only change the accumulation; compile keeps the math (tests/test_training.py).
+ALLOWED_CHANGES: tuple[str, ...] = (
+    "resume",
+    "stop_at_step",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.accelerator",
+    "trainer.strategy",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "micro_batch",
+    "size.micro_batch",  # only the default of micro_batch
+    "size.gpus",  # SLURM launcher resources (conf/hydra/launcher/slurm.yaml)
+    "size.minutes",
+    "compile",
+    "logger",
+    "probe.batch_size",
+    "num_workers",
+    "run_dir",
+    "output_root",
+    "data_root",
+    "run_name",
+    "log_every",
+    "checkpoint.last_every",
+    # conf/data/*.yaml derive these from data_root, micro_batch and num_workers above.
+    "data.directory",
+    "data.num_workers",
+    "data.micro_batch",
+    "data.prepare_command",
+)
+
+
+class _Absent:
+    """Stands for a key that one of the two configs does not have."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+    __str__ = __repr__
+
+
+ABSENT: Any = _Absent()
+
+Changes = dict[str, tuple[Any, Any]]
+
+
+class ResumeConfigError(ValueError):
+    """This session's config differs from the run's in a setting that changes the experiment."""
+
+    def __init__(self, changes: Changes, source: str, hint: str | None = None) -> None:
+        self.changes = changes
+        self.source = source
+        lines = [f"refusing to continue the run: its config ({source}) differs from this session's in:"]
+        lines += [
+            f"  {key}: {format_value(old)} → {format_value(new)}" for key, (old, new) in changes.items()
+        ]
+        lines.append(
+            hint
+            or "A resumed run must stay the same experiment. Start a new run with a different run_name=... "
+            "or seed=..., or resume with the original values."
+        )
+        super().__init__("\n".join(lines))
+
+
+def resolved_run_config(cfg: DictConfig) -> dict[str, Any]:
+    """The session's config as plain, fully resolved values: what gets saved and compared."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)
+    trainer = config.get("trainer")
+    # precision: null means "the hardware's default" (train.py); record what it means here, so that a
+    # resume on hardware with another default (bf16 vs fp16 vs fp32) is seen as the change it is.
+    if isinstance(trainer, dict) and "precision" in trainer and trainer["precision"] is None:
+        trainer["precision"] = default_precision()
+    return config
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; lists and empty mappings stay whole values."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def is_allowed(key: str, allowed: Iterable[str] = ALLOWED_CHANGES) -> bool:
+    return any(key == a or key.startswith(f"{a}.") for a in allowed)
+
+
+def config_changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], allowed: Iterable[str] = ALLOWED_CHANGES
+) -> Changes:
+    """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT."""
+    allowed = tuple(allowed)
+    flat_old, flat_new = flatten(old), flatten(new)
+    changes: Changes = {}
+    for key in [*flat_old, *(k for k in flat_new if k not in flat_old)]:
+        if is_allowed(key, allowed):
+            continue
+        before, after = flat_old.get(key, ABSENT), flat_new.get(key, ABSENT)
+        # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
+        if before != after or (isinstance(before, bool) != isinstance(after, bool)):
+            changes[key] = (before, after)
+    return changes
+
+
+def format_value(value: Any) -> str:
+    """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def save_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> bool:
+    """Write run_config.yaml unless it exists (it records the first session); True if written."""
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    if path.exists():
+        return False
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(dict(config), handle, sort_keys=False, allow_unicode=True)
+    return True
+
+
+def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    if not path.exists():
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
+
+
+def checkpoint_run_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The run config stored in a checkpoint, None for checkpoints written before it was stored."""
+    try:
+        # mmap: the tensors are mapped, not read, so a multi-GB checkpoint costs little here.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not a zip-format file: mmap needs one
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    return checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
+
+
+def is_rank_zero() -> bool:
+    """Before Lightning sets up ranks: the launcher/torchrun/SLURM environment of this process."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+
+
+def verify_run_config(run_dir: str | os.PathLike, ckpt_path: str | None, current: Mapping[str, Any]) -> None:
+    """Raise ResumeConfigError when this session would continue the run as another experiment.
+
+    Resuming: against the checkpoint's config, else run_config.yaml; neither (a checkpoint from before
+    configs were recorded) only warns. Starting afresh: against a run_config.yaml that an earlier session
+    left without a checkpoint, since that file is never replaced.
+    """
+    run_dir = Path(run_dir)
+    saved_file = run_dir / RUN_CONFIG_FILE
+    if ckpt_path is None:
+        saved = load_run_config(run_dir)
+        if saved is not None and (changes := config_changes(saved, current)):
+            raise ResumeConfigError(
+                changes,
+                str(saved_file),
+                hint=f"An earlier session in {run_dir} left this config but no checkpoint. Start this run "
+                f"with a different run_name=... or seed=..., or delete {saved_file} to start it here.",
+            )
+        return
+    saved, source = checkpoint_run_config(ckpt_path), ckpt_path
+    if saved is None:
+        saved, source = load_run_config(run_dir), str(saved_file)
+    if saved is None:
+        log.warning(
+            "%s holds no run config and %s is missing (a run from before configs were recorded): "
+            "resuming without checking that the config is unchanged",
+            ckpt_path,
+            saved_file,
+        )
+        return
+    if changes := config_changes(saved, current):
+        raise ResumeConfigError(changes, str(source))

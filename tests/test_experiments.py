@@ -1,0 +1,146 @@
+"""Every trainer option builds its Trainer, and every experiment config trains for 2 steps with 2 processes.
+
+The lightning-hydra-template habit: a config that only resolves is untested. The experiments run as
+written, with overrides only for what this machine lacks:
+- no GPU: ``trainer.accelerator=cpu trainer.devices=2`` (the strategy and precision the config asks
+  for are kept; on CPU the default precision resolves to 32-true);
+- the record: ``logger=csv log_every=1``, to read both steps' losses;
+- compute: ``seq_len=32``, ``global_batch=4``, ``micro_batch=2`` (the paper's 64 x 1024 tokens per step
+  would take minutes per step on 2 cores), ``max_steps=2``, ``probe.tokens=128``;
+- memory: the 410m and 1b presets keep their width, heads and vocabulary but run with
+  ``size.n_layer=2``: with all layers their fp32 weights + gradients + AdamW state are 6.5 GB (410m) and
+  16 GB (1b) per process, twice that for two processes on this 24 GiB machine;
+- no network: ``data=local`` on the shared OpenWebText sample and ``probe=local`` on the shared
+  Wikipedia text stand in for the Hub downloads (``data=openwebtext``, ``probe=wikipedia``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+import train
+from normgeo.config import CONF_DIR
+from normgeo.records import read_rows
+from normgeo.strategies import FSDP2Strategy
+from tests.conftest import ROOT, run_train, step_losses
+
+TRAINERS = sorted(p.stem for p in (Path(CONF_DIR) / "trainer").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+STRATEGY_OF = {
+    "cpu": SingleDeviceStrategy,
+    "default": SingleDeviceStrategy,
+    "gpu": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "ddp_cpu": DDPStrategy,
+    "fsdp": FSDP2Strategy,
+}
+
+
+def test_the_trainer_options_are_the_documented_ones() -> None:
+    assert sorted(STRATEGY_OF) == TRAINERS
+
+
+@pytest.mark.parametrize("option", TRAINERS)
+def test_every_trainer_option_builds_its_trainer(option: str, tmp_path: Path, monkeypatch) -> None:
+    """Composed and instantiated as train.py does, with SLURM's node count in the environment."""
+    monkeypatch.setenv("SLURM_NNODES", "1")  # a string in the environment: must become the int 1
+    overrides = [f"trainer={option}", "trainer.accelerator=cpu", "logger=csv", f"run_dir={tmp_path}"]
+    if option in ("ddp", "fsdp"):
+        overrides.append("trainer.devices=2")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    trainer = train.build_trainer(cfg, tmp_path, callbacks=[])
+    assert isinstance(trainer.strategy, STRATEGY_OF[option]), type(trainer.strategy)
+    assert trainer.num_nodes == 1 and isinstance(trainer.num_nodes, int)
+    assert trainer.num_devices == (2 if option in ("ddp", "ddp_cpu", "fsdp") else 1)
+    assert trainer.precision == "32-true"  # the CPU default of precision=null
+    assert trainer.accumulate_grad_batches == cfg.global_batch // (cfg.micro_batch * trainer.world_size)
+
+
+def experiment_overrides(experiment: str, shared: Path) -> list[str]:
+    overrides = [
+        f"experiment={experiment}",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.enable_progress_bar=false",
+        "seq_len=32",
+        "global_batch=4",
+        "micro_batch=2",
+        "max_steps=2",
+        "probe.tokens=128",
+        "logger=csv",  # wandb (the paper's logger) runs offline in test_training.py
+        "log_every=1",  # the paper logs every 10 steps: this puts both steps' losses in metrics.csv
+    ]
+    if experiment.startswith("paper"):
+        overrides += [
+            "data=local",
+            f"data.source.path={shared / 'corpora' / 'webtext' / 'openwebtext-10k.sujen07.val.dedup.jsonl'}",
+            "probe=local",
+            f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}",
+            "probe.tokens=128",
+        ]
+    if experiment in ("paper_410m", "paper_1b"):
+        overrides.append("size.n_layer=2")
+    return overrides
+
+
+def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def check_trained(run_dir: Path) -> None:
+    assert sorted(step_losses(run_dir)) == [0, 1], run_dir
+    assert all(0 < loss < 12 for loss in step_losses(run_dir).values())
+    rows = read_rows(run_dir / "angles.jsonl")
+    assert {r["step"] for r in rows} >= {0} and all(r["count"] == 128 for r in rows)
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", mmap=True, weights_only=False)
+    assert last["global_step"] == 2
+
+
+RUNS = [(e, None) for e in EXPERIMENTS if e != "paper_grid"] + [("paper_70m", "trainer=fsdp")]
+
+
+@pytest.mark.parametrize(("experiment", "extra"), RUNS)
+def test_every_experiment_trains_two_steps_on_two_processes(
+    experiment: str, extra: str | None, shared: Path, tmp_path_factory
+) -> None:
+    root = tmp_path_factory.getbasetemp() / "experiments"  # one prepared corpus for all of them
+    run_dir = root / f"{experiment}-{extra or 'as-configured'}"
+    run([sys.executable, "train.py", *experiment_overrides(experiment, shared), *([extra] if extra else []),
+         f"run_dir={run_dir}", f"data_root={root / 'data'}"])
+    check_trained(run_dir)
+    shutil.rmtree(run_dir / "checkpoints")  # up to 3.7 GB for the 1b preset
+
+
+def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
+    """trainer=fsdp as on a GPU node: bf16 autocast, bf16 all-gathers, activation checkpointing, compiled blocks."""
+    gpu_like = ["trainer.precision=bf16-mixed", "trainer.strategy.activation_checkpointing=true", "compile=true"]
+    done = run_train(tmp_path / "run", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+                     "micro_batch=2", "max_steps=2", "checkpoint.steps=[2]", *gpu_like)
+    log = done.stdout + done.stderr
+    assert "param dtype bfloat16" in log and "activation checkpointing True" in log
+    assert "torch.compile: model compiled" in log
+    assert sorted(step_losses(tmp_path / "run")) == [0, 1]
+    rows = read_rows(tmp_path / "run" / "angles.jsonl")
+    assert sorted({r["step"] for r in rows}) == [0, 2] and all(r["count"] == 512 for r in rows)
+
+
+def test_paper_grid_sweeps_both_norms(shared: Path, tmp_path_factory) -> None:
+    """The grid is a Hydra multirun (2 norms x 4 sizes); here its 70m column: both norms, one after the other."""
+    root = tmp_path_factory.getbasetemp() / "experiments"
+    outputs = root / "grid"
+    run([sys.executable, "train.py", "-m", *experiment_overrides("paper_grid", shared),
+         "hydra.sweeper.params.size=70m", f"output_root={outputs}", f"data_root={root / 'data'}"])
+    for norm in ("layer", "rms"):
+        check_trained(outputs / f"70m-{norm}-s0")
+        shutil.rmtree(outputs / f"70m-{norm}-s0" / "checkpoints")

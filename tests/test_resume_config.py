@@ -1,0 +1,257 @@
+"""A resumed run is the same experiment: a changed setting that alters the math is refused (exit 2),
+devices, paths, loggers and the micro batch may change (normgeo/run_config.py)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from normgeo.config import CONF_DIR
+from normgeo.hardware import default_precision
+from normgeo.run_config import (
+    ABSENT,
+    RUN_CONFIG_FILE,
+    ResumeConfigError,
+    checkpoint_run_config,
+    config_changes,
+    load_run_config,
+    resolved_run_config,
+    save_run_config,
+    verify_run_config,
+)
+from tests.conftest import run_train, step_losses
+
+# 4 steps, no probe (it is not what is tested here, and each session is a subprocess on 2 CPU cores).
+COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
+
+
+def resolved(*overrides: str) -> dict:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return resolved_run_config(compose("train", overrides=["logger=csv", *overrides]))
+
+
+# --- the comparison -----------------------------------------------------------------------------------
+
+
+BASE = {
+    "seed": 0,
+    "micro_batch": 4,
+    "resume": None,
+    "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
+    "trainer": {"devices": 1, "strategy": "auto", "precision": "32-true"},
+    "data": {"directory": "/data/pydoc", "seed": 0},
+    "logger": [{"_target_": "CSVLogger"}],
+}
+
+
+def test_allowed_keys_are_ignored() -> None:
+    new = {
+        **BASE,
+        "micro_batch": 2,
+        "resume": "auto",
+        "stop_at_step": 10,  # absent before: still allowed
+        "trainer": {
+            "devices": 2,
+            "strategy": {"_target_": "DDPStrategy", "process_group_backend": "gloo"},
+            "precision": "32-true",
+        },
+        "data": {"directory": "/elsewhere/pydoc", "seed": 0},
+        "logger": [],
+    }
+    assert config_changes(BASE, new) == {}
+
+
+def test_nested_changes_are_reported_old_to_new() -> None:
+    new = {
+        **BASE,
+        "optim": {"lr": 0.5, "betas": [0.9, 0.99]},
+        "trainer": {**BASE["trainer"], "precision": "bf16-mixed"},
+    }
+    changes = config_changes(BASE, new)
+    assert changes == {
+        "optim.lr": (1e-3, 0.5),
+        "optim.betas": ([0.9, 0.95], [0.9, 0.99]),
+        "trainer.precision": ("32-true", "bf16-mixed"),
+    }
+    message = str(ResumeConfigError(changes, "last.ckpt"))
+    assert "  optim.lr: 0.001 → 0.5\n" in message
+    assert "  optim.betas: [0.9, 0.95] → [0.9, 0.99]\n" in message
+    assert "  trainer.precision: 32-true → bf16-mixed\n" in message
+    assert "run_name=" in message and "seed=" in message and "original values" in message
+
+
+def test_keys_on_one_side_only_are_changes() -> None:
+    old = {**BASE, "tie_embeddings": False}
+    new = {**BASE, "optim": {**BASE["optim"], "eps": 1e-8}}
+    changes = config_changes(old, new)
+    assert changes == {"tie_embeddings": (False, ABSENT), "optim.eps": (ABSENT, 1e-8)}
+    message = str(ResumeConfigError(changes, "run_config.yaml"))
+    assert "tie_embeddings: false → <absent>" in message and "optim.eps: <absent> → 1e-08" in message
+
+
+def test_a_flag_that_became_a_number_is_a_change() -> None:
+    assert config_changes({"tie_embeddings": True}, {"tie_embeddings": 1}) == {"tie_embeddings": (True, 1)}
+    assert config_changes({"optim": {"lr": 1}}, {"optim": {"lr": 1.0}}) == {}
+
+
+def test_one_device_to_two_ddp_processes_is_the_same_experiment_but_precision_is_not() -> None:
+    one = resolved("trainer=cpu", "global_batch=8", "micro_batch=4")
+    two = resolved("trainer=ddp_cpu", "trainer.devices=2", "global_batch=8", "micro_batch=4")
+    assert one["trainer"]["strategy"] != two["trainer"]["strategy"]
+    assert config_changes(one, two) == {}
+    half = resolved("trainer=ddp_cpu", "trainer.devices=2", "global_batch=8", "trainer.precision=bf16-mixed")
+    assert config_changes(one, half) == {"trainer.precision": ("32-true", "bf16-mixed")}
+
+
+def test_paths_and_per_device_settings_may_change() -> None:
+    before = resolved("run_name=a", "data_root=/x", "output_root=/o", "micro_batch=8", "num_workers=0")
+    after = resolved(
+        "run_name=b",
+        "data_root=/y",
+        "output_root=/p",
+        "micro_batch=2",
+        "num_workers=4",
+        "probe.batch_size=2",
+        "log_every=100",
+        "checkpoint.last_every=7",
+        "compile=true",
+    )
+    assert config_changes(before, after) == {}
+
+
+def test_precision_null_is_recorded_as_what_it_means_here() -> None:
+    assert resolved("trainer=default")["trainer"]["precision"] == default_precision()
+
+
+# --- saving and reading -------------------------------------------------------------------------------
+
+
+def test_run_config_is_saved_once_and_read_back_exactly(tmp_path: Path) -> None:
+    config = resolved()
+    assert save_run_config(tmp_path, config)
+    assert load_run_config(tmp_path) == config
+    written = (tmp_path / RUN_CONFIG_FILE).read_bytes()
+    assert not save_run_config(tmp_path, {**config, "seed": 7})  # never replaced
+    assert (tmp_path / RUN_CONFIG_FILE).read_bytes() == written
+
+
+def test_the_checkpoints_config_is_preferred_to_the_file(tmp_path: Path) -> None:
+    config = resolved()
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "run_config": {**config, "seed": 3}}, ckpt)
+    save_run_config(tmp_path, config)
+    with pytest.raises(ResumeConfigError, match="seed: 3 → 0") as err:
+        verify_run_config(tmp_path, str(ckpt), config)
+    assert str(ckpt) in str(err.value)
+
+
+def test_an_old_checkpoint_falls_back_to_the_file_then_only_warns(tmp_path: Path, caplog) -> None:
+    config = resolved()
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, ckpt)
+    assert checkpoint_run_config(ckpt) is None
+    with caplog.at_level(logging.WARNING):
+        verify_run_config(tmp_path, str(ckpt), {**config, "seed": 5})
+    assert "holds no run config" in caplog.text
+    save_run_config(tmp_path, config)
+    with pytest.raises(ResumeConfigError, match="seed: 0 → 5"):
+        verify_run_config(tmp_path, str(ckpt), {**config, "seed": 5})
+
+
+def test_a_fresh_start_checks_a_config_left_without_checkpoints(tmp_path: Path) -> None:
+    config = resolved()
+    verify_run_config(tmp_path, None, config)  # nothing there
+    save_run_config(tmp_path, config)
+    verify_run_config(tmp_path, None, {**config, "micro_batch": 1})
+    with pytest.raises(ResumeConfigError, match="delete"):
+        verify_run_config(tmp_path, None, {**config, "global_batch": 128})
+
+
+# --- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> Path:
+    """A run of 4 steps stopped after step 2 on one device: the refused resumes all try to continue it."""
+    run_dir = tmp_path_factory.mktemp("resume-config") / "run"
+    run_train(run_dir, *COMMON, "stop_at_step=2")
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("resume-config") / "whole"
+    run_train(run_dir, *COMMON)
+    return run_dir
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of the run but Hydra's own (.hydra/, train.log: written before train.py runs)."""
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["norm=rms"], ["norm.name: layer → rms"]),
+        (["seed=1"], ["seed: 0 → 1"]),
+        (["global_batch=16"], ["global_batch: 8 → 16"]),
+        (["optim.lr=0.5"], ["optim.lr: 0.001 → 0.5"]),
+        (["max_steps=5"], ["max_steps: 4 → 5"]),
+        (["seq_len=32"], ["seq_len: 64 → 32"]),
+        (["norm=rms", "optim.lr=0.5"], ["norm.name: layer → rms", "optim.lr: 0.001 → 0.5"]),
+    ],
+)
+def test_a_changed_experiment_is_refused_and_leaves_the_run_untouched(
+    stopped_run: Path, overrides: list[str], expected: list[str]
+) -> None:
+    assert (stopped_run / RUN_CONFIG_FILE).exists()
+    before = snapshot(stopped_run)
+    result = run_train(stopped_run, *COMMON, "resume=auto", *overrides, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for line in expected:
+        assert line in result.stderr, result.stderr[-3000:]
+    assert "run_name=" in result.stderr and "original values" in result.stderr
+    assert snapshot(stopped_run) == before
+
+
+def test_a_smaller_micro_batch_and_another_stop_step_are_accepted(
+    stopped_run: Path, whole_run: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "moved"  # a copy elsewhere: run_dir may change too
+    shutil.copytree(stopped_run, run_dir)
+    saved = (run_dir / RUN_CONFIG_FILE).read_bytes()
+    run_train(run_dir, *COMMON, "resume=auto", "micro_batch=2", "stop_at_step=3")
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3
+    assert last["run_config"]["micro_batch"] == 2 and last["run_config"]["run_dir"] == str(run_dir)
+    assert (run_dir / RUN_CONFIG_FILE).read_bytes() == saved  # the first session's, kept
+    losses, whole = step_losses(run_dir), step_losses(whole_run)
+    assert sorted(losses) == [0, 1, 2]
+    # 4 accumulated micro-batches of 2 instead of 2 of 4: same tokens, only the summation order differs.
+    assert all(losses[step] == pytest.approx(whole[step], rel=1e-5) for step in losses)
+
+
+def test_resuming_on_two_ddp_processes_continues_the_one_device_run(
+    stopped_run: Path, whole_run: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "ddp"
+    shutil.copytree(stopped_run, run_dir)
+    run_train(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")
+    assert checkpoint_run_config(run_dir / "checkpoints" / "last.ckpt")["trainer"]["devices"] == 2
+    losses, whole = step_losses(run_dir), step_losses(whole_run)
+    assert sorted(losses) == sorted(whole) == [0, 1, 2, 3]
+    for step, loss in whole.items():
+        # Same tokens, same weights after step 2: only the order of the gradient all-reduce and of the
+        # loss mean over ranks differs from one device's accumulation, so the losses agree to float32.
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step

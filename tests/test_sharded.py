@@ -1,0 +1,113 @@
+"""FSDP2 (``trainer=fsdp``) on 2 CPU processes over gloo, against DDP on the same tokens.
+
+The probe here has 17 sequences for 2 ranks with batch 8 (9 + 8 sequences: 2 batches on one rank, 1 on
+the other before padding), which hangs a sharded model unless every rank runs the same forward passes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from normgeo.lit import LitGPT
+from normgeo.records import read_rows
+from tests.conftest import ROOT, run_train, step_losses
+
+UNEVEN_PROBE = ["probe.tokens=1088", "probe.batch_size=8"]  # 17 sequences of 64 tokens
+COMMON = ["max_steps=4", "checkpoint.steps=[2,4]", "checkpoint.last_every=1", "micro_batch=2", *UNEVEN_PROBE]
+TWO_PROCESSES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+FSDP = ["trainer=fsdp", *TWO_PROCESSES, "trainer.strategy.param_dtype=null"]
+DDP = ["trainer=ddp", *TWO_PROCESSES]
+# Same tokens and weights in float32: FSDP2 reduce-scatters gradients where DDP all-reduces them, so only
+# the summation order differs (~1e-7 relative per reduction); 4 AdamW steps keep that far below 1e-5.
+LOSS_RTOL = 1e-5
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sharded")
+    dirs = {name: root / name for name in ("fsdp", "ddp", "fsdp_split", "ddp_from_fsdp")}
+    run_train(dirs["fsdp"], *COMMON, *FSDP)
+    run_train(dirs["ddp"], *COMMON, *DDP)
+    run_train(dirs["fsdp_split"], *COMMON, *FSDP, "stop_at_step=2")
+    # The same interrupted FSDP run, continued once by FSDP and once by DDP.
+    shutil.copytree(dirs["fsdp_split"], dirs["ddp_from_fsdp"])
+    run_train(dirs["fsdp_split"], *COMMON, *FSDP, "resume=auto")
+    run_train(dirs["ddp_from_fsdp"], *COMMON, *DDP, "resume=auto")
+    return dirs
+
+
+def test_fsdp_loss_curve_equals_ddp(runs: dict[str, Path]) -> None:
+    fsdp, ddp = step_losses(runs["fsdp"]), step_losses(runs["ddp"])
+    assert sorted(fsdp) == [0, 1, 2, 3]
+    for step, loss in ddp.items():
+        assert fsdp[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+
+
+def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[str, Path]) -> None:
+    fsdp, ddp = read_rows(runs["fsdp"] / "angles.jsonl"), read_rows(runs["ddp"] / "angles.jsonl")
+    assert sorted({r["step"] for r in fsdp}) == [0, 2, 4]
+    assert len(fsdp) == len(ddp) and all(r["count"] == 17 * 64 for r in fsdp + ddp)
+    for a, b in zip(ddp, fsdp, strict=True):
+        assert (a["step"], a["layer"], a["site"], a["ref"]) == (b["step"], b["layer"], b["site"], b["ref"])
+        assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
+
+
+def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> None:
+    ddp_state = load(runs["ddp"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
+    fsdp_state = load(runs["fsdp"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
+    assert list(fsdp_state) == list(ddp_state)
+    for name, tensor in fsdp_state.items():
+        assert type(tensor) is torch.Tensor and tensor.shape == ddp_state[name].shape, name  # no DTensor shards
+        torch.testing.assert_close(tensor, ddp_state[name], rtol=1e-4, atol=1e-5)
+
+
+def test_analyze_reads_an_fsdp_checkpoint(runs: dict[str, Path], shared: Path, tmp_path: Path) -> None:
+    ckpt = runs["fsdp"] / "checkpoints" / "step-0000004.ckpt"
+    done = subprocess.run(
+        [sys.executable, "analyze.py", "model=checkpoint", f"model.checkpoint={ckpt}", "probe=pydoc",
+         "probe.tokens=256", "progress=false", f"out_dir={tmp_path / 'out'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_rows(tmp_path / "out" / "angles.jsonl")
+    assert rows and {r["step"] for r in rows} == {4} and {r["norm"] for r in rows} == {"layer"}
+
+
+def test_fsdp_last_checkpoint_resumes_exactly(runs: dict[str, Path]) -> None:
+    assert step_losses(runs["fsdp_split"]) == step_losses(runs["fsdp"])
+    assert read_rows(runs["fsdp_split"] / "angles.jsonl") == read_rows(runs["fsdp"] / "angles.jsonl")
+    a, b = load(runs["fsdp"] / "checkpoints" / "last.ckpt"), load(runs["fsdp_split"] / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+
+
+def test_a_ddp_run_continues_an_fsdp_run(runs: dict[str, Path]) -> None:
+    continued, whole = step_losses(runs["ddp_from_fsdp"]), step_losses(runs["fsdp"])
+    assert sorted(continued) == [0, 1, 2, 3]
+    for step, loss in whole.items():
+        assert continued[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+
+
+def test_fsdp_weight_decay_lands_on_matrices_only(runs: dict[str, Path]) -> None:
+    """The saved optimizer groups, keyed by parameter index in the LightningModule, hold exactly the matrices."""
+    checkpoint = load(runs["fsdp"] / "checkpoints" / "last.ckpt")
+    decayed, plain = checkpoint["optimizer_states"][0]["param_groups"]
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    module = LitGPT(checkpoint["hyper_parameters"]["model"], **{
+        k: v for k, v in checkpoint["hyper_parameters"].items() if k != "model"
+    })
+    names = [name for name, _ in module.named_parameters()]
+    shapes = dict(module.named_parameters())
+    decayed_names = {names[i] for i in decayed["params"]}
+    assert decayed_names == {n for n in names if shapes[n].dim() >= 2}
+    assert {names[i] for i in plain["params"]} == {n for n in names if shapes[n].dim() < 2}
+    assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(names)))
