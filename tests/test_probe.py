@@ -80,6 +80,22 @@ def test_layernorm_standardization_is_orthogonal_to_ones_but_rms_is_not() -> Non
             assert any(abs(r["mean_deg"] - 90) > 1 for r in std_rows)
 
 
+@pytest.mark.parametrize("measured", [0, 3, 9])
+def test_padding_runs_forward_passes_but_measures_only_the_real_sequences(measured: int) -> None:
+    """pad_to: the rank with fewer probe sequences makes as many forward passes as the others (FSDP)."""
+    model = tiny_gpt("layer")
+    sequences = torch.randint(0, 50257, (measured, 16), generator=torch.Generator().manual_seed(1))
+    calls: list[int] = []
+    forward = lambda batch: calls.append(len(batch)) or model(batch)  # noqa: E731
+    sites, padded = run_probe(model, sequences, make_references(32), batch_size=4, pad_to=10, forward=forward)
+    assert calls == [4, 4, 2]  # ceil(10 / 4) passes whatever the number of real sequences
+    assert padded.count.eq(measured * 16).all() and padded.norm_count.eq(measured * 16).all()
+    if measured:
+        _, plain = run_probe(model, sequences, make_references(32), batch_size=4)
+        torch.testing.assert_close(padded.mean, plain.mean)
+        assert torch.equal(padded.hist, plain.hist)
+
+
 def test_references_are_model_independent_and_have_the_promised_norms() -> None:
     refs = make_references(512, seed=1234)
     again = make_references(512, seed=1234)
