@@ -12,6 +12,8 @@ written, with overrides only for what this machine lacks:
   16 GB (1b) per process, twice that for two processes on this 24 GiB machine;
 - no network: ``data=local`` on the shared OpenWebText sample and ``probe=local`` on the shared
   Wikipedia text stand in for the Hub downloads (``data=openwebtext``, ``probe=wikipedia``).
+``paper_70m`` also runs with ``trainer=fsdp`` (FSDP2, bf16 all-gathers as configured), and the tiny model
+runs FSDP2 with every GPU option on (bf16 autocast, activation checkpointing, compiled blocks).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def test_every_experiment_trains_two_steps_on_two_processes(
     experiment: str, extra: str | None, shared: Path, tmp_path_factory
 ) -> None:
     root = tmp_path_factory.getbasetemp() / "experiments"  # one prepared corpus for all of them
-    run_dir = root / f"{experiment}-{extra or 'as-configured'}"
+    run_dir = root / f"{experiment}-{(extra or 'as-configured').replace('=', '-')}"
     run([sys.executable, "train.py", *experiment_overrides(experiment, shared), *([extra] if extra else []),
          f"run_dir={run_dir}", f"data_root={root / 'data'}"])
     check_trained(run_dir)
