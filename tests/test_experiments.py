@@ -12,7 +12,8 @@ written, with overrides only for what this machine lacks:
   16 GB (1b) per process, twice that for two processes on this 24 GiB machine;
 - no network: ``data=local`` on the shared OpenWebText sample and ``probe=local`` on the shared
   Wikipedia text stand in for the Hub downloads (``data=openwebtext``, ``probe=wikipedia``).
-``paper_70m`` also runs with ``trainer=fsdp`` (FSDP2, bf16 all-gathers as configured), and the tiny model
+``paper_70m`` (= ``paper``, whose default size is 70m) runs with ``trainer=fsdp`` (FSDP2, bf16 all-gathers as
+configured), ``paper`` as configured (DDP), and the tiny model
 runs FSDP2 with every GPU option on (bf16 autocast, activation checkpointing, compiled blocks).
 """
 
@@ -27,6 +28,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from omegaconf import OmegaConf
 
 import train
 from normgeo.config import CONF_DIR
@@ -109,7 +111,16 @@ def check_trained(run_dir: Path) -> None:
     assert last["global_step"] == 2
 
 
-RUNS = [(e, None) for e in EXPERIMENTS if e != "paper_grid"] + [("paper_70m", "trainer=fsdp")]
+# paper_70m is paper.yaml with size 70m (paper's own default): identical runs, so paper_70m runs once,
+# under trainer=fsdp, and paper as configured (DDP).
+RUNS = [(e, "trainer=fsdp" if e == "paper_70m" else None) for e in EXPERIMENTS if e != "paper_grid"]
+
+
+def test_paper_and_paper_70m_are_the_same_run() -> None:
+    """What lets RUNS run paper_70m under FSDP only: as configured it is exactly paper."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        paper, paper_70m = (compose("train", overrides=[f"experiment={e}"]) for e in ("paper", "paper_70m"))
+    assert OmegaConf.to_container(paper, resolve=True) == OmegaConf.to_container(paper_70m, resolve=True)
 
 
 @pytest.mark.parametrize(("experiment", "extra"), RUNS)
