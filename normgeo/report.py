@@ -170,13 +170,14 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
                    [r["mean_ci_high"] - m for m, r in zip(y, series, strict=True)]] if has_ci else None
             ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{index}", ms=3.5, capsize=2, lw=1,
                         label=f"{role}: 1 (95% CI)" if has_ci else f"{role}: 1")
-            band.set_label(f"{role}: {k} random, 5–95% (tick: median)")
+            band.set_label(f"{role}: {k} random directions, 5–95% (tick: median)")
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_title(f"{SITE_STYLE[suffix][1]}")
         ax.set_xlabel(f"layer (final norm at {n_layers})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0))
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
     fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}: is 1 a typical direction?")
     tag = "pretrained" if step is None else f"step{step:07d}"

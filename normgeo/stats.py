@@ -106,42 +106,64 @@ class AngleStatistics:
         norms = x.norm(dim=-1)
         self._update_norms(site, norms.to(torch.float64))
         nonzero = norms > 0
-        rows_of = None
-        if sequence_ids is not None and self.num_sequences:
-            per_row = x.shape[0] // len(sequence_ids)
-            rows_of = sequence_ids.to(self.device).repeat_interleave(per_row)
-        if not bool(nonzero.all()):
+        all_nonzero = bool(nonzero.all())
+        if not all_nonzero:
             self.zero_count[site] += (~nonzero).sum()
-            x, norms = x[nonzero], norms[nonzero]
-            rows_of = rows_of[nonzero] if rows_of is not None else None
-        if x.shape[0] == 0:
-            return
-        cosines = (x @ self.dir_units.T).to(torch.float64) / norms.to(torch.float64).unsqueeze(1)
-        all_degrees = torch.rad2deg(torch.arccos(cosines.clamp(-1.0, 1.0)))  # (n, R + K)
-        degrees = all_degrees[:, : self.num_refs]
-        n = torch.tensor(float(degrees.shape[0]), dtype=torch.float64, device=self.device)
-        batch_mean = all_degrees.mean(dim=0)
-        batch_m2 = (all_degrees - batch_mean).square().sum(dim=0)
+            if not bool(nonzero.any()):
+                return
+        per_sequence = sequence_ids is not None and self.num_sequences > 0
+        groups = len(sequence_ids) if per_sequence else 1  # rows summed together: one per sequence
         R = self.num_refs
+        # A zero vector has no angle: its cosines are set to 0 and its rows masked out of every sum.
+        safe_norms = torch.where(nonzero, norms, torch.ones_like(norms))
+        cosines = x @ self.dir_units.T  # float32 (n, R + K)
+        mask64 = None if all_nonzero else nonzero.to(torch.float64).unsqueeze(1)
+
+        # References: finished in float64 (1 may sit far from 90 deg); moments with Chan's update.
+        ref_cos = cosines[:, :R].to(torch.float64) / safe_norms.to(torch.float64).unsqueeze(1)
+        degrees = torch.rad2deg(torch.arccos(ref_cos.clamp(-1.0, 1.0)))  # (n, R)
+        kept = degrees if all_nonzero else degrees[nonzero]
+        n = torch.tensor(float(kept.shape[0]), dtype=torch.float64, device=self.device)
+        batch_mean = kept.mean(dim=0)
+        batch_m2 = (kept - batch_mean).square().sum(dim=0)
         self.count[site], self.mean[site], self.m2[site] = _chan_merge(
-            self.count[site], self.mean[site], self.m2[site], n, batch_mean[:R], batch_m2[:R]
+            self.count[site], self.mean[site], self.m2[site], n, batch_mean, batch_m2
         )
+        self.min[site] = torch.minimum(self.min[site], kept.min(dim=0).values)
+        self.max[site] = torch.maximum(self.max[site], kept.max(dim=0).values)
+        bins = (kept * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
+        flat = bins + torch.arange(R, device=self.device) * self.num_bins
+        self.hist[site] += torch.bincount(flat.reshape(-1), minlength=R * self.num_bins).view(R, self.num_bins)
+
+        # Null directions: arccos in float32 (10x cheaper than float64 on CPU; ~1e-5 deg), sums in float64
+        # of (angle - 90): random directions in high dimension stay within a few degrees of 90, so the
+        # sums of squares lose no digits to cancellation.
         if self.num_null:
+            null_cos = cosines[:, R:] / safe_norms.unsqueeze(1)
+            centered = torch.arccos(null_cos.clamp_(-1.0, 1.0)).mul_(180.0 / math.pi).sub_(CENTER_DEG)
+            if not all_nonzero:
+                centered.mul_(nonzero.to(torch.float32).unsqueeze(1))
+            null_sum = centered.view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)  # (groups, K)
+            null_sumsq = centered.square().view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)
+            total, square = null_sum.sum(dim=0), null_sumsq.sum(dim=0)
+            null_mean = CENTER_DEG + total / n
+            null_m2 = (square - total.square() / n).clamp(min=0)
             self.null_count[site], self.null_mean[site], self.null_m2[site] = _chan_merge(
-                self.null_count[site], self.null_mean[site], self.null_m2[site], n, batch_mean[R:], batch_m2[R:]
+                self.null_count[site], self.null_mean[site], self.null_m2[site], n, null_mean, null_m2
             )
-        if rows_of is not None:
-            centered = all_degrees - CENTER_DEG
-            self.seq_count[site].index_add_(0, rows_of, torch.ones_like(centered[:, 0]))
-            self.seq_sum[site].index_add_(0, rows_of, centered)
-            self.seq_sumsq[site].index_add_(0, rows_of, centered[:, :R].square())
-        self.min[site] = torch.minimum(self.min[site], degrees.min(dim=0).values)
-        self.max[site] = torch.maximum(self.max[site], degrees.max(dim=0).values)
-        bins = (degrees * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
-        flat = bins + torch.arange(self.num_refs, device=self.device) * self.num_bins
-        self.hist[site] += torch.bincount(flat.reshape(-1), minlength=self.num_refs * self.num_bins).view(
-            self.num_refs, self.num_bins
-        )
+        if per_sequence:
+            ids = sequence_ids.to(self.device)
+            ref_centered = degrees - CENTER_DEG
+            if mask64 is not None:
+                ref_centered = ref_centered * mask64
+            ref_centered = ref_centered.view(groups, -1, R)
+            counts = nonzero.view(groups, -1).sum(dim=1).to(torch.float64)
+            sums = ref_centered.sum(dim=1)
+            if self.num_null:
+                sums = torch.cat([sums, null_sum], dim=1)
+            self.seq_count[site].index_add_(0, ids, counts)
+            self.seq_sum[site].index_add_(0, ids, sums)
+            self.seq_sumsq[site].index_add_(0, ids, ref_centered.square().sum(dim=1))
 
     def _update_norms(self, site: int, norms: torch.Tensor) -> None:
         n = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=self.device)
