@@ -49,12 +49,12 @@ def smoke(out: Path) -> list[str]:
 
 
 def null_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | step | layer | site | 1: mean (95% CI) | random 5% / 50% / 95% | 1 in band | rank | "
-             "1 − median (95% CI) | std of 1 / random median |", "| --- |" + " --- |" * 9]
+    lines = ["| model | norm | step | layer | site | 1: mean (95% CI) | random 5% / 50% / 95% | 1 in band | rank | "
+             "1 − median (95% CI) | std of 1 / random median |", "| --- |" + " --- |" * 10]
     for r in rows:
         step = "-" if r["step"] is None else r["step"]
         lines.append(
-            f"| {r['model']} | {step} | {r['layer']} | {r['site']} | {r['mean_deg']:.2f} ({r['mean_ci_low']:.2f}, "
+            f"| {r['model']} | {r['norm']} | {step} | {r['layer']} | {r['site']} | {r['mean_deg']:.2f} ({r['mean_ci_low']:.2f}, "
             f"{r['mean_ci_high']:.2f}) | {r['null_mean_p05']:.2f} / {r['null_mean_p50']:.2f} / "
             f"{r['null_mean_p95']:.2f} | {'yes' if r['in_null_band'] else 'no'} | {r['mean_rank_pct']:.0f}% | "
             f"{r['diff_deg']:+.2f} ({r['diff_ci_low']:+.2f}, {r['diff_ci_high']:+.2f}) | "
