@@ -115,7 +115,8 @@ def test_every_experiment_trains_two_steps_on_two_processes(
     experiment: str, extra: str | None, shared: Path, tmp_path_factory
 ) -> None:
     root = tmp_path_factory.getbasetemp() / "experiments"  # one prepared corpus for all of them
-    run_dir = root / f"{experiment}-{extra or 'as-configured'}"
+    # Hydra's override grammar refuses an unquoted '=' inside a value such as run_dir=...-trainer=fsdp.
+    run_dir = root / f"{experiment}-{(extra or 'as-configured').replace('=', '-')}"
     run([sys.executable, "train.py", *experiment_overrides(experiment, shared), *([extra] if extra else []),
          f"run_dir={run_dir}", f"data_root={root / 'data'}"])
     check_trained(run_dir)
