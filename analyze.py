@@ -2,8 +2,9 @@
 
 Streams ``probe.tokens`` tokens of the probe corpus (1M of Wikipedia, as the paper) through the model,
 tokenized by the model's own tokenizer, and measures the angle of every token vector with the uniform
-vector 1 and two random vectors before each norm (``.in``), after its standardization (``.std``) and
-after it (``.out``). Writes to ``outputs/analyze/<model>/``: ``angles.jsonl``, ``probe_references.npz``,
+vector 1, two random directions and K null directions before each norm (``.in``), after its
+standardization (``.std``) and after it (``.out``). Writes to ``outputs/analyze/<model>/``:
+``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions), ``probe_references.npz``,
 ``figures/``, ``summary.csv``/``summary.md`` (pooled over tokens and layers) and ``run_info.json``.
 
     python analyze.py model=smollm2-135m probe=local probe.path=../shared/corpora/wikipedia
@@ -27,7 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from corpus.sources import SourceError
+from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
 from normgeo.analysis import (
     AnalysisError,
@@ -47,7 +48,15 @@ from normgeo.config import CONF_DIR
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.pretrained import DTYPES, ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
 from normgeo.probe import make_references, residual_norms
-from normgeo.records import ANGLES_FILE, REFERENCES_FILE, save_references, statistics_rows, write_step
+from normgeo.records import (
+    ANGLES_FILE,
+    NULL_FILE,
+    REFERENCES_FILE,
+    null_rows,
+    save_references,
+    statistics_rows,
+    write_step,
+)
 from normgeo.report import write_run_figures
 
 log = logging.getLogger("normgeo.analyze")
@@ -163,10 +172,14 @@ def analyze(cfg: DictConfig) -> Path:
              device or "device_map", seq_len)
 
     source = instantiate(cfg.probe.source)
-    ids = probe_token_ids(source.documents(), loaded.encode_batch, loaded.separator, cfg.probe.tokens,
-                          source.describe())
+    try:
+        documents = probe_documents(source, sample=cfg.probe.sample, seed=cfg.probe.seed)
+    except SourceError as exc:
+        raise AnalysisError(str(exc)) from exc
+    ids = probe_token_ids(documents, loaded.encode_batch, loaded.separator, cfg.probe.tokens,
+                          source.describe(), min_tokens=cfg.probe.min_doc_tokens)
     tokenized_at = time.perf_counter()
-    references = make_references(dim, cfg.probe.seed)
+    references = make_references(dim, cfg.probe.seed, cfg.probe.null_directions)
     sites, stats = measure(
         model, ids, seq_len, references,
         forward=loaded.forward, norms=norms, batch_size=cfg.model.batch_size,
@@ -178,10 +191,15 @@ def analyze(cfg: DictConfig) -> Path:
     # Released models: the number of probe tokens. Our checkpoints: training tokens, as the training probe.
     tokens_seen = len(ids) if step is None else (step * loaded.tokens_per_step if loaded.tokens_per_step else None)
     rows = statistics_rows(sites, stats, model=cfg.model.name, norm=kind, step=step, tokens_seen=tokens_seen)
+    null = null_rows(sites, stats, model=cfg.model.name, norm=kind, step=step, tokens_seen=tokens_seen,
+                     replicates=cfg.probe.bootstrap.replicates, block=cfg.probe.bootstrap.block,
+                     seed=cfg.probe.seed)
     save_references(out_dir / REFERENCES_FILE, references)
     write_step(out_dir / ANGLES_FILE, rows)
+    if null:
+        write_step(out_dir / NULL_FILE, null)
     figures = write_run_figures(out_dir)
-    summary = summarize(rows)
+    summary = summarize(rows, null)
     write_summary(out_dir, summary)
     probe_seconds = measured_at - tokenized_at
     info = {
@@ -196,6 +214,9 @@ def analyze(cfg: DictConfig) -> Path:
         "batch_size": cfg.model.batch_size,
         "tokens": len(ids),
         "probe_source": source.describe(),
+        "probe_sampled": bool(cfg.probe.sample),
+        "probe_min_doc_tokens": cfg.probe.min_doc_tokens,
+        "null_directions": cfg.probe.null_directions,
         "load_s": round(loaded_at - started, 2),
         "tokenize_s": round(tokenized_at - loaded_at, 2),
         "probe_s": round(probe_seconds, 2),
@@ -209,8 +230,8 @@ def analyze(cfg: DictConfig) -> Path:
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
              f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
-    log.info("wrote %s, %s, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, REFERENCES_FILE, len(figures),
-             out_dir)
+    log.info("wrote %s, %s, %s, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, NULL_FILE, REFERENCES_FILE,
+             len(figures), out_dir)
     return out_dir
 
 

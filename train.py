@@ -270,6 +270,11 @@ def train(cfg: DictConfig) -> L.Trainer:
                 batch_size=cfg.probe.batch_size,
                 seed=cfg.probe.seed,
                 include_standardized=cfg.probe.include_standardized,
+                null_directions=cfg.probe.null_directions,
+                min_doc_tokens=cfg.probe.min_doc_tokens,
+                sample_documents=cfg.probe.sample,
+                bootstrap_replicates=cfg.probe.bootstrap.replicates,
+                bootstrap_block=cfg.probe.bootstrap.block,
             )
         )
     if requeue is not None:

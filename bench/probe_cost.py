@@ -1,8 +1,10 @@
 """Cost of the angle probe next to a plain eval forward pass over the same tokens, and its peak memory.
 
 The probe runs the model with forward hooks on every norm and streams the angles into statistics;
-the baseline is the same model in eval mode under no_grad with no hooks. Peak memory is measured in
-a fresh process per token count (ru_maxrss), to show it does not grow with N.
+the baseline is the same model in eval mode under no_grad with no hooks. The probe runs twice: with
+K = 0 null directions (1, rand_a, rand_b only) and with K = 64 (``--null``), per-sequence sums included;
+the ratio K=64 / K=0 is the cost of the null distribution. Peak memory is measured in a fresh process
+per token count (ru_maxrss, K = 64), to show it does not grow with N.
 
     python bench/probe_cost.py                       # 70m model, 4096 tokens, memory at 4096 and 16384
     python bench/probe_cost.py --size 160m --tokens 8192 --memory-tokens 8192 65536
@@ -46,13 +48,13 @@ def plain_forward(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
             model(batch)
 
 
-def probe(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
-    run_probe(model, sequences, make_references(model.config.n_embd), batch_size=batch_size)
+def probe(model: GPT, sequences: torch.Tensor, batch_size: int, null: int = 0) -> None:
+    run_probe(model, sequences, make_references(model.config.n_embd, null_directions=null), batch_size=batch_size)
 
 
-def peak_rss_child(size: str, tokens: int, batch_size: int) -> None:
+def peak_rss_child(size: str, tokens: int, batch_size: int, null: int) -> None:
     model = build(size)
-    probe(model, token_sequences(tokens, model.config.block_size), batch_size)
+    probe(model, token_sequences(tokens, model.config.block_size), batch_size, null)
     print(json.dumps({"tokens": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -63,31 +65,43 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-tokens", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--null", type=int, default=64, help="null directions K of the second probe variant")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return peak_rss_child(args.size, args.tokens, args.batch_size)
+        return peak_rss_child(args.size, args.tokens, args.batch_size, args.null)
 
     model = build(args.size)
     sequences = token_sequences(args.tokens, model.config.block_size)
-    timings: dict[str, list[float]] = {"plain forward": [], "probe": []}
-    probe(model, sequences[:1], 1)  # warm-up: allocator, kernels
-    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
-        for name, fn in (("plain forward", plain_forward), ("probe", probe)):
+    null_name = f"probe K={args.null}"
+    variants = {
+        "plain forward": plain_forward,
+        "probe K=0": lambda m, s, b: probe(m, s, b, 0),
+        null_name: lambda m, s, b: probe(m, s, b, args.null),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    probe(model, sequences[:1], 1, args.null)  # warm-up: allocator, kernels
+    for _ in range(args.repeats):  # interleaved, so machine noise hits every variant alike
+        for name, fn in variants.items():
             start = time.perf_counter()
             fn(model, sequences, args.batch_size)
             timings[name].append(time.perf_counter() - start)
     print(f"size={args.size} tokens={sequences.numel()} batch={args.batch_size} threads={torch.get_num_threads()}")
     for name, values in timings.items():
-        print(f"{name:14s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s")
-    print(f"probe / plain forward (best): {min(timings['probe']) / min(timings['plain forward']):.3f}")
+        print(f"{name:14s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
+              f"all {', '.join(f'{v:.3f}' for v in values)}")
+    best = {name: min(values) for name, values in timings.items()}
+    print(f"probe K=0 / plain forward (best): {best['probe K=0'] / best['plain forward']:.3f}")
+    print(f"{null_name} / plain forward (best): {best[null_name] / best['plain forward']:.3f}")
+    print(f"{null_name} / probe K=0 (best): {best[null_name] / best['probe K=0']:.3f}")
     for tokens in args.memory_tokens:
         out = subprocess.run(
             [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),
-             "--batch-size", str(args.batch_size)], capture_output=True, text=True, check=True,
+             "--batch-size", str(args.batch_size), "--null", str(args.null)], capture_output=True, text=True,
+            check=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"peak RSS with probe.tokens={result['tokens']:>7d}: {result['peak_rss_mib']:.0f} MiB")
+        print(f"peak RSS with probe.tokens={result['tokens']:>7d} (K={args.null}): {result['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

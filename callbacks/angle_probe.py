@@ -12,19 +12,29 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, after_optimizer_step
+from corpus.sources import probe_documents
 from corpus.tokenize import first_tokens, tiktoken_batch_encoder
 from normgeo.probe import make_references, run_probe
-from normgeo.records import ANGLES_FILE, REFERENCES_FILE, save_references, statistics_rows, write_step
+from normgeo.records import (
+    ANGLES_FILE,
+    NULL_FILE,
+    REFERENCES_FILE,
+    null_rows,
+    save_references,
+    statistics_rows,
+    write_step,
+)
 
 log = logging.getLogger(__name__)
 
 
 class AngleProbe(L.Callback):
-    """Angles of the hidden vectors before/after every norm with 1, ``rand_a`` and ``rand_b``.
+    """Angles of the hidden vectors before/after every norm with 1, ``rand_a``, ``rand_b`` and K null directions.
 
     Every rank probes its own round-robin share of the fixed probe sequences; the statistics are merged
     across ranks (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
-    ``angles.jsonl`` and the logger entries.
+    ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
+    intervals over probe sequences) and the logger entries.
     """
 
     def __init__(
@@ -39,6 +49,11 @@ class AngleProbe(L.Callback):
         tokenizer: str = "gpt2",
         include_standardized: bool = False,
         log_table: bool = True,
+        null_directions: int = 64,
+        min_doc_tokens: int = 0,
+        sample_documents: bool = True,
+        bootstrap_replicates: int = 1000,
+        bootstrap_block: int = 1,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.schedule = schedule
@@ -50,17 +65,27 @@ class AngleProbe(L.Callback):
         self.tokenizer = tokenizer
         self.include_standardized = include_standardized
         self.log_table = log_table
+        self.null_directions = null_directions
+        self.min_doc_tokens = min_doc_tokens
+        self.sample_documents = sample_documents
+        self.bootstrap_replicates = bootstrap_replicates
+        self.bootstrap_block = bootstrap_block
         self._sequences: torch.Tensor | None = None
         self._last_seen_step = -1
 
     def probe_sequences(self, seq_len: int) -> torch.Tensor:
-        """The same (n, seq_len) token windows at every step and in both arms."""
+        """The same (n, seq_len) token windows at every step and in both arms.
+
+        Documents come in the source's seeded sampling order (spread over the whole source; the seed is
+        ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
+        """
         if self._sequences is None:
             encode, eot, _ = tiktoken_batch_encoder(self.tokenizer)
             count = self.tokens // seq_len * seq_len
             if count == 0:
                 raise ValueError(f"probe.tokens={self.tokens} is less than one sequence of {seq_len} tokens")
-            ids = first_tokens(self.source.documents(), encode, eot, count)
+            documents = probe_documents(self.source, sample=self.sample_documents, seed=self.seed)
+            ids = first_tokens(documents, encode, eot, count, min_tokens=self.min_doc_tokens)
             self._sequences = torch.from_numpy(ids.reshape(-1, seq_len))
         return self._sequences
 
@@ -84,11 +109,13 @@ class AngleProbe(L.Callback):
         # Every rank runs the same number of forward passes (FSDP's all-gathers are collective): a rank
         # with fewer sequences pads its share with rows that are run but not measured.
         per_rank = math.ceil(len(sequences) / trainer.world_size)
-        references = make_references(config.n_embd, self.seed)
+        references = make_references(config.n_embd, self.seed, self.null_directions)
         sites, stats = run_probe(
             model,
             shard,
             references,
+            sequence_ids=torch.arange(len(sequences))[trainer.global_rank :: trainer.world_size],
+            num_sequences=len(sequences),
             batch_size=self.batch_size,
             include_standardized=self.include_standardized,
             autocast=trainer.precision_plugin.forward_context,
@@ -103,6 +130,13 @@ class AngleProbe(L.Callback):
         if trainer.is_global_zero:
             save_references(self.run_dir / REFERENCES_FILE, references)
             write_step(self.run_dir / ANGLES_FILE, rows)
+            null = null_rows(
+                sites, stats, model=self.model_name, norm=config.norm, step=step,
+                tokens_seen=step * tokens_per_step, replicates=self.bootstrap_replicates,
+                block=self.bootstrap_block, seed=self.seed,
+            )
+            if null:
+                write_step(self.run_dir / NULL_FILE, null)
             self._log(trainer, rows, step)
         return rows
 

@@ -1,7 +1,9 @@
 """Where documents come from: the Hugging Face Hub (parquet), local files, or text shipped with Python.
 
 A source is anything with ``describe() -> str`` and ``documents() -> Iterator[str]``; the same sources
-feed training data preparation and the angle probe.
+feed training data preparation and the angle probe. For the probe, ``sampled_documents(seed)`` gives the
+documents in a seeded order spread over the whole source (:func:`probe_documents`), so that a probe of
+100k tokens is not the first file of a corpus, and is the same in both arms and at every step.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 TEXT_SUFFIXES = {".jsonl", ".json", ".parquet"}
 # WikiExtractor output wraps each article in <doc ...> ... </doc>.
 _WIKIEXTRACTOR_DOC = re.compile(r"<doc [^>]*>\n(.*?)</doc>", re.S)
+# WikiText raw files: each article opens with a top-level heading line " = Title = " (sections are " = = ").
+_WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $", re.M)
 
 
 class SourceError(ValueError):
@@ -28,7 +34,8 @@ class LocalFilesSource:
     """A directory (searched recursively), a single file, or a glob of ``.txt``/``.jsonl``/``.parquet``.
 
     ``.jsonl`` and ``.parquet`` records give their ``text_field``; any other file is plain text, one
-    document per file (WikiExtractor files are split into their ``<doc>`` articles).
+    document per file (WikiExtractor files are split into their ``<doc>`` articles, WikiText raw files
+    into their articles at the `` = Title = `` lines).
     """
 
     path: str
@@ -56,6 +63,10 @@ class LocalFilesSource:
         for file in self.files():
             yield from self._read(file)
 
+    def sampled_documents(self, seed: int) -> Iterator[str]:
+        """Every document once, in a seeded random order (local corpora are read into memory)."""
+        yield from _permuted(list(self.documents()), seed)
+
     def _read(self, file: Path) -> Iterator[str]:
         suffix = file.suffix.lower()
         if suffix in (".jsonl", ".json"):
@@ -77,7 +88,13 @@ class LocalFilesSource:
             yield from table.column(self.text_field).to_pylist()
         else:
             text = file.read_text(encoding="utf-8", errors="replace")
-            articles = _WIKIEXTRACTOR_DOC.findall(text) if text.startswith("<doc ") else []
+            if text.startswith("<doc "):
+                articles = _WIKIEXTRACTOR_DOC.findall(text)
+            elif _WIKITEXT_TITLE.fullmatch(next((line for line in text[:4096].splitlines() if line.strip()), "")):
+                starts = [m.start() for m in _WIKITEXT_TITLE.finditer(text)]
+                articles = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+            else:
+                articles = []
             yield from (articles or [text])
 
 
@@ -94,6 +111,7 @@ class HubParquetSource:
     data_files: str | list[str]
     text_field: str = "text"
     num_proc: int | None = None
+    docs_per_group: int = 16  # sampled_documents: documents taken from each drawn parquet row group
 
     @property
     def candidates(self) -> list[str]:
@@ -131,6 +149,47 @@ class HubParquetSource:
             return
         raise SourceError(f"no parquet files match any of {self.candidates}; check the repository's file list")
 
+    def sampled_documents(self, seed: int) -> Iterator[str]:
+        """Documents spread over the whole dataset, without reading all of it.
+
+        The row groups of every matched parquet file (from their footers) are visited in a seeded
+        random order, and ``docs_per_group`` seeded random rows of each are taken: a million probe tokens
+        of English Wikipedia (one article per row) touch ~100 row groups all over the dump instead of
+        its first file.
+        """
+        import pyarrow.parquet as pq
+        from fsspec.core import url_to_fs
+
+        for pattern in self.candidates:
+            try:
+                filesystem, path = url_to_fs(pattern)
+                files = sorted(filesystem.glob(path))
+            except FileNotFoundError:
+                files = []
+            except Exception as err:  # the Hub raises many types; all mean "could not reach it"
+                raise SourceError(f"could not list {pattern}: {err}. Offline, use probe=local") from err
+            if not files:
+                continue
+            groups: list[tuple[str, int]] = []
+            for file in files:
+                with filesystem.open(file, "rb") as handle:
+                    parquet = pq.ParquetFile(handle)
+                    if self.text_field not in parquet.schema_arrow.names:
+                        raise SourceError(
+                            f"{file} has no {self.text_field!r} column (columns: {parquet.schema_arrow.names})"
+                        )
+                    groups += [(file, g) for g in range(parquet.metadata.num_row_groups)]
+            rng = np.random.default_rng([seed, 0x5A4D])
+            for index in rng.permutation(len(groups)):
+                file, group = groups[index]
+                with filesystem.open(file, "rb") as handle:
+                    texts = pq.ParquetFile(handle).read_row_group(group, columns=[self.text_field])
+                texts = texts.column(self.text_field).to_pylist()
+                for row in rng.permutation(len(texts))[: self.docs_per_group]:
+                    yield texts[row]
+            return
+        raise SourceError(f"no parquet files match any of {self.candidates}; check the repository's file list")
+
 
 @dataclass
 class PydocSource:
@@ -144,3 +203,21 @@ class PydocSource:
 
         for name in sorted(topics):
             yield topics[name]
+
+    def sampled_documents(self, seed: int) -> Iterator[str]:
+        yield from _permuted(list(self.documents()), seed)
+
+
+def _permuted(documents: list[str], seed: int) -> Iterator[str]:
+    order = np.random.default_rng([seed, 0x5A4D]).permutation(len(documents))
+    return (documents[i] for i in order)
+
+
+def probe_documents(source, *, sample: bool, seed: int) -> Iterator[str]:
+    """The probe's documents: the source's seeded sample (``sample``) or its own order."""
+    if not sample:
+        return source.documents()
+    sampler = getattr(source, "sampled_documents", None)
+    if sampler is None:
+        raise SourceError(f"{type(source).__name__} cannot sample its documents; set probe.sample=false")
+    return sampler(seed)

@@ -59,16 +59,24 @@ def iter_document_tokens(
 
 
 def first_tokens(
-    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int
+    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int, min_tokens: int = 0
 ) -> np.ndarray:
-    """The first ``count`` tokens of the concatenated documents; raises if the corpus is shorter."""
+    """The first ``count`` tokens of the concatenated documents; raises if the corpus is shorter.
+
+    Documents with fewer than ``min_tokens`` tokens (separator not counted) are skipped: title-only
+    stubs and headings are not the article text a probe means.
+    """
     chunks: list[np.ndarray] = []
     total = 0
+    separator = 0 if eot_id is None else 1
     for ids in iter_document_tokens(documents, encode_batch, eot_id):
+        if len(ids) - separator < min_tokens:
+            continue
         chunks.append(ids)
         total += len(ids)
         if total >= count:
             break
     if total < count:
-        raise ValueError(f"the probe corpus has only {total:,} tokens but {count:,} were asked for")
+        kept = f" in documents of at least {min_tokens} tokens" if min_tokens else ""
+        raise ValueError(f"the probe corpus has only {total:,} tokens{kept} but {count:,} were asked for")
     return np.concatenate(chunks)[:count]

@@ -22,14 +22,22 @@ from normgeo.norm_sites import NormSite, find_norm_sites
 from normgeo.stats import AngleStatistics
 
 REFERENCE_NAMES = ("ones", "rand_a", "rand_b")
-RAND_B_NORM_RATIO = 3.0  # rand_b's norm is 3 sqrt(d): "a random vector of another norm" than 1
+NULL_KEY = "null"  # the (K, d) null directions in the references dict and probe_references.npz
+DEFAULT_NULL_DIRECTIONS = 64
+# rand_b is stored with norm 3 sqrt(d) only to match the paper's "random vector of another norm": the
+# engine normalizes every reference and angles are scale-invariant, so rand_b is just a second random
+# direction. It is kept for comparison with the paper's figures.
+RAND_B_NORM_RATIO = 3.0
 
 
-def make_references(dim: int, seed: int = 1234) -> dict[str, np.ndarray]:
-    """The uniform vector 1 and two random directions, from a seed independent of any model.
+def make_references(dim: int, seed: int = 1234, null_directions: int = DEFAULT_NULL_DIRECTIONS) -> dict[str, np.ndarray]:
+    """The uniform vector 1, two random directions and ``null_directions`` more, from a model-independent seed.
 
-    ``rand_a`` has the norm of 1 (sqrt(d)); ``rand_b`` another norm. Both arms and every checkpoint
-    of an experiment share them, since they depend only on (seed, d).
+    ``rand_a`` has the norm of 1 (sqrt(d)), ``rand_b`` 3 sqrt(d) (the paper's "other norm"; no angle
+    depends on it). ``null`` is a (K, d) array of unit vectors uniform on the sphere (normalized
+    Gaussians): the null distribution that 1 is compared with. Everything depends only on (seed, d),
+    so both arms and every checkpoint of an experiment share them; the null directions come from their
+    own stream, so rand_a and rand_b are the same whatever K is.
     """
     rng = np.random.default_rng([seed, dim])
     ones = np.ones(dim)
@@ -37,7 +45,11 @@ def make_references(dim: int, seed: int = 1234) -> dict[str, np.ndarray]:
     rand_a *= math.sqrt(dim) / np.linalg.norm(rand_a)
     rand_b = rng.standard_normal(dim)
     rand_b *= RAND_B_NORM_RATIO * math.sqrt(dim) / np.linalg.norm(rand_b)
-    return {"ones": ones, "rand_a": rand_a, "rand_b": rand_b}
+    references = {"ones": ones, "rand_a": rand_a, "rand_b": rand_b}
+    if null_directions:
+        null = np.random.default_rng([seed, dim, 1]).standard_normal((null_directions, dim))
+        references[NULL_KEY] = null / np.linalg.norm(null, axis=1, keepdims=True)
+    return references
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,8 @@ def run_probe(
     device: torch.device | str | None = None,
     progress: bool = False,
     pad_to: int = 0,
+    sequence_ids: torch.Tensor | None = None,
+    num_sequences: int | None = None,
 ) -> tuple[list[ProbeSite], AngleStatistics]:
     """Stream ``sequences`` (n, T) of token ids through ``model`` and measure every norm's in/out vectors.
 
@@ -95,14 +109,28 @@ def run_probe(
     precision's context). The statistics are *not* reduced across ranks: call ``all_reduce`` on them.
     ``pad_to``: run forward passes over at least that many sequences, padding with dummy rows that are
     never measured, so that every rank of a sharded model makes the same collective calls.
+    ``references[NULL_KEY]``, if present, adds the null directions. Per-sequence sums are kept for
+    ``num_sequences`` sequences (default: ``len(sequences)``; 0 turns them off), ``sequences[i]`` being
+    number ``sequence_ids[i]`` (default ``i``): a rank or a part of the probe passes its global indices.
     """
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     sites = probe_sites(norms, include_standardized)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     reference_matrix = torch.from_numpy(np.stack([references[name] for name in REFERENCE_NAMES]))
-    stats = AngleStatistics(len(sites), reference_matrix, device=device)
-    site_index = {site: i for i, site in enumerate(sites)}
+    null = references.get(NULL_KEY)
     measured = len(sequences)
+    if sequence_ids is None:
+        sequence_ids = torch.arange(measured)
+    num_sequences = measured if num_sequences is None else num_sequences
+    stats = AngleStatistics(
+        len(sites),
+        reference_matrix,
+        device=device,
+        null_directions=torch.from_numpy(null) if null is not None and len(null) else None,
+        num_sequences=num_sequences,
+    )
+    site_index = {site: i for i, site in enumerate(sites)}
+    batch_ids = [sequence_ids[:0]]  # global indices of the measured rows of the current batch
     if pad_to > measured:
         sequences = torch.cat([sequences, sequences.new_zeros((pad_to - measured, sequences.shape[1]))])
     rows_to_measure = [0]  # of the current batch: the rows that are real probe sequences, not padding
@@ -117,10 +145,12 @@ def run_probe(
             if rows == 0:
                 return
             hidden = inputs[0][:rows]
-            stats.update(in_index, hidden.to(device))
-            stats.update(out_index, (output[0] if isinstance(output, tuple) else output)[:rows].to(device))
+            ids = batch_ids[0]
+            stats.update(in_index, hidden.to(device), ids)
+            stats.update(out_index, (output[0] if isinstance(output, tuple) else output)[:rows].to(device), ids)
             if include_standardized:
-                stats.update(site_index[std_site], standardize(hidden.to(device).float(), norm.kind, norm.eps))
+                standardized = standardize(hidden.to(device).float(), norm.kind, norm.eps)
+                stats.update(site_index[std_site], standardized, ids)
 
         return hook
 
@@ -132,6 +162,7 @@ def run_probe(
             for start in range(0, len(sequences), batch_size):
                 batch = sequences[start : start + batch_size]
                 rows_to_measure[0] = max(0, min(len(batch), measured - start))
+                batch_ids[0] = sequence_ids[start : start + rows_to_measure[0]]
                 call(batch.to(device, non_blocking=True))
                 bar.update(rows_to_measure[0] * batch.shape[1])
     finally:

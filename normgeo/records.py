@@ -1,4 +1,5 @@
-"""The output contract: ``angles.jsonl``, one JSON object per (step, layer, site, reference).
+"""The output contract: ``angles.jsonl``, one JSON object per (step, layer, site, reference), and
+``null.jsonl``, one per (step, layer, site): where the uniform vector 1 stands among K random directions.
 
 Every writer (training probe, ``analyze.py``) goes through :func:`write_step`, which rewrites the file
 atomically with the step's old rows replaced: a killed run leaves only whole records and a resumed
@@ -16,9 +17,10 @@ import numpy as np
 
 from normgeo.atomic import atomic_open
 from normgeo.probe import REFERENCE_NAMES, ProbeSite
-from normgeo.stats import QUANTILE_FIELDS, AngleStatistics
+from normgeo.stats import QUANTILE_FIELDS, AngleStatistics, block_bootstrap, null_comparison
 
 ANGLES_FILE = "angles.jsonl"
+NULL_FILE = "null.jsonl"
 REFERENCES_FILE = "probe_references.npz"
 FIELDS = (
     "model", "norm", "step", "tokens_seen", "layer", "site", "ref", "count", "zero_count",
@@ -76,6 +78,83 @@ def statistics_rows(
                 dim=site.dim,
             )
             rows.append(row)
+    return rows
+
+
+NULL_FIELDS = (
+    "model", "norm", "step", "tokens_seen", "layer", "site", "dim", "count", "sequences", "null_k",
+    "mean_deg", "mean_ci_low", "mean_ci_high",
+    "null_mean_p05", "null_mean_p50", "null_mean_p95", "mean_rank_pct", "mean_z", "in_null_band",
+    "diff_deg", "diff_ci_low", "diff_ci_high",
+    "std_deg", "null_std_p05", "null_std_p50", "null_std_p95", "std_rank_pct", "std_z",
+    "ci_level", "bootstrap_replicates", "bootstrap_block", "bootstrap_seed",
+    "null_means", "null_stds",
+)
+
+
+def null_rows(
+    sites: Sequence[ProbeSite],
+    stats: AngleStatistics,
+    *,
+    model: str,
+    norm: str,
+    step: int | None,
+    tokens_seen: int | None,
+    replicates: int = 1000,
+    block: int = 1,
+    seed: int = 0,
+    level: float = 0.95,
+) -> list[dict]:
+    """Rows of ``null.jsonl``: 1 (reference 0) against the K null directions, one row per site.
+
+    Empty when the probe ran without null directions (K < 2). The confidence intervals (block bootstrap
+    over probe sequences) are null when no per-sequence statistics were kept.
+    """
+    if stats.num_null < 2:
+        return []
+    where = null_comparison(stats, ref=REFERENCE_NAMES.index("ones"))
+    boot: dict[str, np.ndarray] = {}
+    if stats.num_sequences:
+        R = stats.num_refs
+        boot = block_bootstrap(
+            stats.seq_count.cpu().numpy(), stats.seq_sum.cpu().numpy(), ref=0, null=slice(R, R + stats.num_null),
+            replicates=replicates, block=block, seed=seed, level=level,
+        )
+    count = stats.count.cpu()
+    measured = (stats.seq_count.cpu() > 0).sum(dim=1) if stats.num_sequences else None
+    rows = []
+    for s, site in enumerate(sites):
+        mean = float(where["mean"][s])
+        low, mid, high = (float(v) for v in where["mean_null_q"][s])
+        std_q = [float(v) for v in where["std_null_q"][s]]
+        row = {
+            "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen,
+            "layer": site.layer, "site": site.site, "dim": site.dim,
+            "count": int(count[s, 0]),
+            "sequences": int(measured[s]) if measured is not None else None,
+            "null_k": stats.num_null,
+            "mean_deg": _number(mean),
+            "mean_ci_low": _number(boot["mean_low"][s]) if boot else None,
+            "mean_ci_high": _number(boot["mean_high"][s]) if boot else None,
+            "null_mean_p05": _number(low), "null_mean_p50": _number(mid), "null_mean_p95": _number(high),
+            "mean_rank_pct": _number(where["mean_rank"][s]),
+            "mean_z": _number(where["mean_z"][s]),
+            "in_null_band": bool(low <= mean <= high),
+            "diff_deg": _number(mean - mid),
+            "diff_ci_low": _number(boot["diff_low"][s]) if boot else None,
+            "diff_ci_high": _number(boot["diff_high"][s]) if boot else None,
+            "std_deg": _number(where["std"][s]),
+            "null_std_p05": _number(std_q[0]), "null_std_p50": _number(std_q[1]), "null_std_p95": _number(std_q[2]),
+            "std_rank_pct": _number(where["std_rank"][s]),
+            "std_z": _number(where["std_z"][s]),
+            "ci_level": level if boot else None,
+            "bootstrap_replicates": replicates if boot else None,
+            "bootstrap_block": block if boot else None,
+            "bootstrap_seed": seed if boot else None,
+            "null_means": [_number(v) for v in where["null_means"][s]],
+            "null_stds": [_number(v) for v in where["null_stds"][s]],
+        }
+        rows.append(row)
     return rows
 
 

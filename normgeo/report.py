@@ -4,7 +4,11 @@
   each norm, one panel per reference vector (paper Figures 3, 6-13);
 - ``steps_<model>_<norm>_layer<l>.png``: angle against checkpoint step at one layer, one curve per
   reference (Figure 4);
-- ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both.
+- ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
+- ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
+  95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
+  one panel per site kind (before the norm, after it);
+- ``null_steps_<model>_<norm>_layer<l>_<site>.png``: the same at one layer against the training step.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from normgeo.atomic import atomic_open  # noqa: E402
-from normgeo.records import ANGLES_FILE, read_rows  # noqa: E402
+from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 
-REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random a (norm sqrt d)", "rand_b": "random b (other norm)"}
+# rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
+REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
 NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm"}
 SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
 
@@ -136,6 +141,74 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
     return _save(fig, out_dir / f"compare_{'_'.join(names)}_{site.split('.')[0]}_{ref}.png")
 
 
+def _null_series(rows: list[dict], suffix: str, n_layers: int) -> list[list[dict]]:
+    """Rows of one site kind, grouped by role (ln1, ln2, final, ...), each sorted by layer."""
+    roles = list(dict.fromkeys(r["site"].split(".")[0] for r in rows if r["site"].endswith(f".{suffix}")))
+    return [
+        sorted((r for r in rows if r["site"] == f"{role}.{suffix}"), key=lambda r: _layer_position(r["layer"], n_layers))
+        for role in roles
+    ]
+
+
+def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
+    """Per layer: 1's mean angle (95% CI) over the random directions' 5-95% band, before/after each norm."""
+    rows = [r for r in null_rows if r["step"] == step]
+    model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
+    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
+    suffixes = [s for s in SITE_STYLE if any(r["site"].endswith(f".{s}") for r in rows)]
+    fig, axes = plt.subplots(1, len(suffixes), figsize=(5.6 * len(suffixes), 4), sharey=False, squeeze=False)
+    for ax, suffix in zip(axes[0], suffixes, strict=True):
+        for index, series in enumerate(_null_series(rows, suffix, n_layers)):
+            role = series[0]["site"].split(".")[0]
+            x = [_layer_position(r["layer"], n_layers) + 0.12 * index for r in series]
+            band = ax.vlines(x, [r["null_mean_p05"] for r in series], [r["null_mean_p95"] for r in series],
+                             color=f"C{index}", alpha=0.3, lw=7)
+            ax.plot(x, [r["null_mean_p50"] for r in series], "_", color=f"C{index}", ms=9)
+            y = [r["mean_deg"] for r in series]
+            has_ci = all(r["mean_ci_low"] is not None for r in series)
+            err = [[m - r["mean_ci_low"] for m, r in zip(y, series, strict=True)],
+                   [r["mean_ci_high"] - m for m, r in zip(y, series, strict=True)]] if has_ci else None
+            ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{index}", ms=3.5, capsize=2, lw=1,
+                        label=f"{role}: 1 (95% CI)" if has_ci else f"{role}: 1")
+            band.set_label(f"{role}: {k} random directions, 5–95% (tick: median)")
+        ax.axhline(90, color="gray", lw=0.8, ls="--")
+        ax.set_title(f"{SITE_STYLE[suffix][1]}")
+        ax.set_xlabel(f"layer (final norm at {n_layers})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0))
+    axes[0][0].set_ylabel("mean angle over tokens (degrees)")
+    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}: is 1 a typical direction?")
+    tag = "pretrained" if step is None else f"step{step:07d}"
+    return _save(fig, out_dir / f"null_layers_{_safe(model)}_{norm}_{tag}.png")
+
+
+def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
+    """1's mean angle (95% CI) and the random directions' 5-95% band at one layer against the step."""
+    rows = sorted((r for r in null_rows if r["layer"] == layer and r["site"] == site and r["step"] is not None),
+                  key=lambda r: r["step"])
+    model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.fill_between(steps, [r["null_mean_p05"] for r in rows], [r["null_mean_p95"] for r in rows], alpha=0.25,
+                    color="C0", label=f"{k} random directions, 5–95%")
+    ax.plot(steps, [r["null_mean_p50"] for r in rows], "--", color="C0", lw=1, label="random, median")
+    y = [r["mean_deg"] for r in rows]
+    has_ci = all(r["mean_ci_low"] is not None for r in rows)
+    err = [[m - r["mean_ci_low"] for m, r in zip(y, rows, strict=True)],
+           [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
+    ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
+                label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
+    ax.axhline(90, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean angle over tokens (degrees)")
+    ax.set_title(f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir / f"null_steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in str(name))
 
@@ -160,6 +233,17 @@ def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> li
             layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
             chosen = layer if layer is not None else layers[len(layers) // 2]
             figures.append(plot_steps(model_rows, out_dir, chosen))
+    null_by_model = defaultdict(list)
+    for row in read_rows(run_dir / NULL_FILE):
+        null_by_model[(row["model"], row["norm"])].append(row)
+    for null_rows in null_by_model.values():
+        steps = sorted({r["step"] for r in null_rows}, key=lambda s: -1 if s is None else s)
+        figures.append(plot_null_layers(null_rows, out_dir, step=steps[-1]))
+        trained = [s for s in steps if s is not None]
+        if len(trained) > 1:
+            layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
+            chosen = layer if layer is not None else layers[len(layers) // 2]
+            figures.append(plot_null_steps(null_rows, out_dir, chosen))
     return figures
 
 

@@ -4,19 +4,32 @@ For S sites and R reference vectors it keeps, per (site, reference): count, mean
 min, max and a fixed-bin histogram of the angle in degrees; per site: the count of zero vectors and
 the moments of ||x||. Memory is O(S * R * bins), independent of how many tokens stream through, and
 two instances (two batches, two ranks) merge exactly with Chan's parallel formula.
+
+Null distribution: K further *null directions* (random unit vectors) get count, mean and M2 only
+(no histogram), so :func:`null_comparison` can say where the reference 1 falls among random directions.
+
+Uncertainty over text: with ``num_sequences`` > 0 it also keeps, per (site, probe sequence), the count
+and the sum of (angle - 90 deg) for every direction and the sum of squares for the R references: O(S *
+sequences * (R + K)) numbers, no activations. :func:`block_bootstrap` resamples whole sequences from
+them, because tokens of one document are not independent draws.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
 DEFAULT_BINS_PER_DEGREE = 40  # 0.025 deg bins: interpolated quantiles are within 0.025 deg
+NULL_QUANTILES = (0.05, 0.50, 0.95)
+# Per-sequence sums are of (angle - 90): the angles sit near 90, so sums of squares keep their digits.
+CENTER_DEG = 90.0
 
 
 def _chan_merge(
@@ -32,6 +45,25 @@ def _chan_merge(
     return total, mean, m2
 
 
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """Run the engine's many small CPU ops on one thread.
+
+    Each op is too small to gain from intra-op threads, and on a busy machine every op's thread
+    barrier can wait milliseconds for a descheduled thread (measured: 26 updates of 4096 tokens, d=512,
+    K=64 took 1.27 s on 2 threads, 0.11 s on 1). The model's own forward keeps its threads.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class AngleStatistics:
     """Angles (degrees) of token vectors with reference vectors, and their norms, at S sites."""
 
@@ -41,6 +73,8 @@ class AngleStatistics:
         references: torch.Tensor,
         bins_per_degree: int = DEFAULT_BINS_PER_DEGREE,
         device: torch.device | str = "cpu",
+        null_directions: torch.Tensor | None = None,
+        num_sequences: int = 0,
     ) -> None:
         self.device = torch.device(device)
         self.num_sites = num_sites
@@ -50,8 +84,26 @@ class AngleStatistics:
         refs = references.to(self.device, torch.float64)
         self.ref_units = (refs / refs.norm(dim=-1, keepdim=True)).to(torch.float32)
         self.num_refs = refs.shape[0]
+        nulls = (
+            torch.zeros((0, refs.shape[1]), dtype=torch.float64, device=self.device)
+            if null_directions is None
+            else null_directions.to(self.device, torch.float64)
+        )
+        self.num_null = nulls.shape[0]
+        # One matmul gives the cosines with the references and the null directions together.
+        self.dir_units = torch.cat([refs, nulls]) if self.num_null else refs
+        self.dir_units = (self.dir_units / self.dir_units.norm(dim=-1, keepdim=True)).to(torch.float32)
         shape = (num_sites, self.num_refs)
         f64 = {"dtype": torch.float64, "device": self.device}
+        null_shape = (num_sites, self.num_null)
+        self.null_count = torch.zeros(null_shape, **f64)
+        self.null_mean = torch.zeros(null_shape, **f64)
+        self.null_m2 = torch.zeros(null_shape, **f64)
+        self.num_sequences = num_sequences
+        directions = self.num_refs + self.num_null
+        self.seq_count = torch.zeros((num_sites, num_sequences), **f64)
+        self.seq_sum = torch.zeros((num_sites, num_sequences, directions), **f64)
+        self.seq_sumsq = torch.zeros((num_sites, num_sequences, self.num_refs), **f64)
         self.count = torch.zeros(shape, **f64)
         self.mean = torch.zeros(shape, **f64)
         self.m2 = torch.zeros(shape, **f64)
@@ -64,32 +116,78 @@ class AngleStatistics:
         self.norm_m2 = torch.zeros(num_sites, **f64)
 
     @torch.no_grad()
-    def update(self, site: int, vectors: torch.Tensor) -> None:
-        """Add every vector of ``vectors`` (..., d) at ``site``; bf16/fp16 inputs are cast up first."""
+    def update(self, site: int, vectors: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> None:
+        """Add every vector of ``vectors`` (..., d) at ``site``; bf16/fp16 inputs are cast up first.
+
+        ``sequence_ids`` (only with ``num_sequences``): the probe-sequence index of each row of a
+        ``(rows, T, d)`` tensor, for the per-sequence sums.
+        """
+        with _one_cpu_thread(self.device):
+            self._update(site, vectors, sequence_ids)
+
+    def _update(self, site: int, vectors: torch.Tensor, sequence_ids: torch.Tensor | None) -> None:
         x = vectors.detach().reshape(-1, vectors.shape[-1]).to(torch.float32)
         norms = x.norm(dim=-1)
         self._update_norms(site, norms.to(torch.float64))
         nonzero = norms > 0
-        if not bool(nonzero.all()):
+        all_nonzero = bool(nonzero.all())
+        if not all_nonzero:
             self.zero_count[site] += (~nonzero).sum()
-            x, norms = x[nonzero], norms[nonzero]
-        if x.shape[0] == 0:
-            return
-        cosines = (x @ self.ref_units.T).to(torch.float64) / norms.to(torch.float64).unsqueeze(1)
-        degrees = torch.rad2deg(torch.arccos(cosines.clamp(-1.0, 1.0)))  # (n, R)
-        n = torch.tensor(float(degrees.shape[0]), dtype=torch.float64, device=self.device)
-        batch_mean = degrees.mean(dim=0)
-        batch_m2 = (degrees - batch_mean).square().sum(dim=0)
+            if not bool(nonzero.any()):
+                return
+        per_sequence = sequence_ids is not None and self.num_sequences > 0
+        groups = len(sequence_ids) if per_sequence else 1  # rows summed together: one per sequence
+        R = self.num_refs
+        # A zero vector has no angle: its cosines are set to 0 and its rows masked out of every sum.
+        safe_norms = torch.where(nonzero, norms, torch.ones_like(norms))
+        cosines = x @ self.dir_units.T  # float32 (n, R + K)
+        mask64 = None if all_nonzero else nonzero.to(torch.float64).unsqueeze(1)
+
+        # References: finished in float64 (1 may sit far from 90 deg); moments with Chan's update.
+        ref_cos = cosines[:, :R].to(torch.float64) / safe_norms.to(torch.float64).unsqueeze(1)
+        degrees = torch.rad2deg(torch.arccos(ref_cos.clamp(-1.0, 1.0)))  # (n, R)
+        kept = degrees if all_nonzero else degrees[nonzero]
+        n = torch.tensor(float(kept.shape[0]), dtype=torch.float64, device=self.device)
+        batch_mean = kept.mean(dim=0)
+        batch_m2 = (kept - batch_mean).square().sum(dim=0)
         self.count[site], self.mean[site], self.m2[site] = _chan_merge(
             self.count[site], self.mean[site], self.m2[site], n, batch_mean, batch_m2
         )
-        self.min[site] = torch.minimum(self.min[site], degrees.min(dim=0).values)
-        self.max[site] = torch.maximum(self.max[site], degrees.max(dim=0).values)
-        bins = (degrees * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
-        flat = bins + torch.arange(self.num_refs, device=self.device) * self.num_bins
-        self.hist[site] += torch.bincount(flat.reshape(-1), minlength=self.num_refs * self.num_bins).view(
-            self.num_refs, self.num_bins
-        )
+        self.min[site] = torch.minimum(self.min[site], kept.min(dim=0).values)
+        self.max[site] = torch.maximum(self.max[site], kept.max(dim=0).values)
+        bins = (kept * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
+        flat = bins + torch.arange(R, device=self.device) * self.num_bins
+        self.hist[site] += torch.bincount(flat.reshape(-1), minlength=R * self.num_bins).view(R, self.num_bins)
+
+        # Null directions: arccos in float32 (10x cheaper than float64 on CPU; ~1e-5 deg), sums in float64
+        # of (angle - 90): random directions in high dimension stay within a few degrees of 90, so the
+        # sums of squares lose no digits to cancellation.
+        if self.num_null:
+            null_cos = cosines[:, R:] / safe_norms.unsqueeze(1)
+            centered = torch.arccos(null_cos.clamp_(-1.0, 1.0)).mul_(180.0 / math.pi).sub_(CENTER_DEG)
+            if not all_nonzero:
+                centered.mul_(nonzero.to(torch.float32).unsqueeze(1))
+            null_sum = centered.view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)  # (groups, K)
+            null_sumsq = centered.square().view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)
+            total, square = null_sum.sum(dim=0), null_sumsq.sum(dim=0)
+            null_mean = CENTER_DEG + total / n
+            null_m2 = (square - total.square() / n).clamp(min=0)
+            self.null_count[site], self.null_mean[site], self.null_m2[site] = _chan_merge(
+                self.null_count[site], self.null_mean[site], self.null_m2[site], n, null_mean, null_m2
+            )
+        if per_sequence:
+            ids = sequence_ids.to(self.device)
+            ref_centered = degrees - CENTER_DEG
+            if mask64 is not None:
+                ref_centered = ref_centered * mask64
+            ref_centered = ref_centered.view(groups, -1, R)
+            counts = nonzero.view(groups, -1).sum(dim=1).to(torch.float64)
+            sums = ref_centered.sum(dim=1)
+            if self.num_null:
+                sums = torch.cat([sums, null_sum], dim=1)
+            self.seq_count[site].index_add_(0, ids, counts)
+            self.seq_sum[site].index_add_(0, ids, sums)
+            self.seq_sumsq[site].index_add_(0, ids, ref_centered.square().sum(dim=1))
 
     def _update_norms(self, site: int, norms: torch.Tensor) -> None:
         n = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=self.device)
@@ -100,33 +198,51 @@ class AngleStatistics:
         )
 
     def merge(self, other: AngleStatistics) -> None:
-        """Fold in statistics of a disjoint set of tokens (another batch, another rank)."""
+        """Fold in statistics of a disjoint set of tokens (another batch, another rank).
+
+        Per-sequence sums add: each sequence is measured by exactly one of the two (rows of the other
+        are zero).
+        """
+        self._merge_moments(other)
+        self.hist += other.hist
+        self.seq_count += other.seq_count
+        self.seq_sum += other.seq_sum
+        self.seq_sumsq += other.seq_sumsq
+
+    def _merge_moments(self, other: AngleStatistics) -> None:
         self.count, self.mean, self.m2 = _chan_merge(
             self.count, self.mean, self.m2, other.count, other.mean, other.m2
         )
+        self.null_count, self.null_mean, self.null_m2 = _chan_merge(
+            self.null_count, self.null_mean, self.null_m2, other.null_count, other.null_mean, other.null_m2
+        )
         self.min = torch.minimum(self.min, other.min)
         self.max = torch.maximum(self.max, other.max)
-        self.hist += other.hist
         self.zero_count += other.zero_count
         self.norm_count, self.norm_mean, self.norm_m2 = _chan_merge(
             self.norm_count, self.norm_mean, self.norm_m2, other.norm_count, other.norm_mean, other.norm_m2
         )
 
-    _MOMENT_FIELDS = ("count", "mean", "m2", "min", "max", "zero_count", "norm_count", "norm_mean", "norm_m2")
+    _MOMENT_FIELDS = (
+        "count", "mean", "m2", "min", "max", "zero_count", "norm_count", "norm_mean", "norm_m2",
+        "null_count", "null_mean", "null_m2",
+    )
+    _SUMMED_FIELDS = ("hist", "seq_count", "seq_sum", "seq_sumsq")
 
     def all_reduce(self) -> None:
         """Merge the statistics of every rank into every rank (no-op outside torch.distributed).
 
-        Moments are gathered and merged in rank order with Chan's formula, so all ranks hold the same
-        numbers, equal to a single process's up to float rounding; histograms are summed exactly.
+        Moments (of the references and the null directions) are gathered and merged in rank order with
+        Chan's formula, so all ranks hold the same numbers, equal to a single process's up to float
+        rounding; histograms and per-sequence sums (each sequence lives on one rank) are summed exactly.
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         packed = torch.cat([getattr(self, f).reshape(-1) for f in self._MOMENT_FIELDS])
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, packed)
-        dist.all_reduce(self.hist)
-        hist = self.hist
+        for field in self._SUMMED_FIELDS:
+            dist.all_reduce(getattr(self, field))
         merged: AngleStatistics | None = None
         for flat in gathered:
             part = self._empty_like()
@@ -138,23 +254,27 @@ class AngleStatistics:
             if merged is None:
                 merged = part
             else:
-                merged.merge(part)
+                merged._merge_moments(part)
         assert merged is not None
         for field in self._MOMENT_FIELDS:
             setattr(self, field, getattr(merged, field))
-        self.hist = hist
 
     def _empty_like(self) -> AngleStatistics:
         empty = AngleStatistics.__new__(AngleStatistics)
         empty.__dict__.update(self.__dict__)
         for field in self._MOMENT_FIELDS:
             setattr(empty, field, torch.zeros_like(getattr(self, field)))
-        empty.hist = torch.zeros(0, dtype=torch.int64)  # histograms are reduced separately
+        for field in self._SUMMED_FIELDS:  # reduced separately
+            setattr(empty, field, torch.zeros(0, dtype=getattr(self, field).dtype))
         return empty
 
     def std(self) -> torch.Tensor:
         """Population standard deviation of the angles, (S, R)."""
         return (self.m2 / self.count.clamp(min=1)).sqrt()
+
+    def null_std(self) -> torch.Tensor:
+        """Population standard deviation of the angles with each null direction, (S, K)."""
+        return (self.null_m2 / self.null_count.clamp(min=1)).sqrt()
 
     def norm_std(self) -> torch.Tensor:
         return (self.norm_m2 / self.norm_count.clamp(min=1)).sqrt()
@@ -177,3 +297,90 @@ class AngleStatistics:
         degrees = (index.to(torch.float64) + fraction) / self.bins_per_degree
         degrees = torch.maximum(torch.minimum(degrees, self.max.unsqueeze(-1)), self.min.unsqueeze(-1))
         return torch.where(total > 0, degrees, torch.full_like(degrees, math.nan))
+
+
+def _rank_percent(value: torch.Tensor, null: torch.Tensor) -> torch.Tensor:
+    """Percentile rank of ``value`` (S,) among ``null`` (S, K): 100 (#below + #equal / 2) / K."""
+    below = (null < value.unsqueeze(1)).sum(dim=1).to(torch.float64)
+    equal = (null == value.unsqueeze(1)).sum(dim=1).to(torch.float64)
+    return 100.0 * (below + 0.5 * equal) / null.shape[1]
+
+
+def _z_score(value: torch.Tensor, null: torch.Tensor) -> torch.Tensor:
+    """(value - mean of the null values) / their sample standard deviation (ddof 1)."""
+    return (value - null.mean(dim=1)) / null.std(dim=1, correction=1)
+
+
+def null_comparison(stats: AngleStatistics, ref: int = 0) -> dict[str, torch.Tensor]:
+    """Where reference ``ref`` (the uniform vector 1 in the probe) stands among the K null directions.
+
+    Per site, for the mean angle and for its standard deviation (the spread over tokens):
+    ``*_null_p05/p50/p95``: quantiles of the K null directions' values (linear interpolation between
+    order statistics, numpy's default); ``*_rank``: percentile rank of the reference's value among them;
+    ``*_z``: its z-score against them. Each entry is a CPU float64 tensor of shape (S,) ((S, 3) for the
+    quantiles, and (S, K) for ``null_means``/``null_stds``).
+    """
+    if stats.num_null < 2:
+        raise ValueError("null_comparison needs at least 2 null directions")
+    q = torch.tensor(NULL_QUANTILES, dtype=torch.float64)
+    result: dict[str, torch.Tensor] = {}
+    for name, value, null in (
+        ("mean", stats.mean[:, ref].cpu(), stats.null_mean.cpu()),
+        ("std", stats.std()[:, ref].cpu(), stats.null_std().cpu()),
+    ):
+        result[name] = value
+        result[f"{name}_null_q"] = torch.quantile(null, q, dim=1).T  # (S, 3)
+        result[f"{name}_rank"] = _rank_percent(value, null)
+        result[f"{name}_z"] = _z_score(value, null)
+        result[f"null_{name}s"] = null
+    return result
+
+
+def block_bootstrap(
+    seq_count: np.ndarray,
+    seq_sum: np.ndarray,
+    *,
+    ref: int = 0,
+    null: slice | None = None,
+    replicates: int = 1000,
+    block: int = 1,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, np.ndarray]:
+    """Percentile block-bootstrap intervals over probe sequences, from per-sequence sufficient statistics.
+
+    ``seq_count`` (S, N) and ``seq_sum`` (S, N, D) hold, per site and sequence, the number of token
+    vectors and the sum of (angle - 90 deg) with each direction. Blocks of ``block`` consecutive
+    sequences (a document longer than a sequence continues in the next) are drawn with replacement,
+    as many as there are blocks; a replicate's mean is its total sum over its total count (the
+    token-weighted mean, like the point estimate). Returns per site (S,) arrays: ``mean`` and the
+    interval ``mean_low``/``mean_high`` for reference ``ref``; with ``null`` (the columns of the null
+    directions), ``diff`` = mean - median of the null directions' means and ``diff_low``/``diff_high``.
+    The same ``seed`` gives the same intervals.
+    """
+    sites, sequences = seq_count.shape
+    if sequences == 0:
+        raise ValueError("block_bootstrap needs per-sequence statistics (num_sequences > 0)")
+    blocks = -(-sequences // block)
+    pad = blocks * block - sequences
+    counts = np.pad(seq_count, ((0, 0), (0, pad))).reshape(sites, blocks, block).sum(axis=2)
+    sums = np.pad(seq_sum, ((0, 0), (0, pad), (0, 0))).reshape(sites, blocks, block, -1).sum(axis=2)
+    rng = np.random.default_rng(seed)
+    weights = rng.multinomial(blocks, np.full(blocks, 1.0 / blocks), size=replicates).astype(np.float64)  # (B, nb)
+    alpha = (1.0 - level) / 2.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        total = counts.sum(axis=1)
+        mean = CENTER_DEG + sums[:, :, ref].sum(axis=1) / total
+        boot_counts = weights @ counts.T  # (B, S)
+        boot_mean = CENTER_DEG + (weights @ sums[:, :, ref].T) / boot_counts
+        result = {"mean": mean}
+        result["mean_low"], result["mean_high"] = np.quantile(boot_mean, [alpha, 1 - alpha], axis=0)
+        if null is not None:
+            null_means = CENTER_DEG + sums[:, :, null].sum(axis=1) / total[:, None]  # (S, K)
+            result["diff"] = mean - np.median(null_means, axis=1)
+            diffs = np.empty((replicates, sites))
+            for s in range(sites):  # (B, nb) @ (nb, K) per site keeps memory at B x K
+                boot_null = CENTER_DEG + (weights @ sums[s, :, null]) / boot_counts[:, s : s + 1]
+                diffs[:, s] = boot_mean[:, s] - np.median(boot_null, axis=1)
+            result["diff_low"], result["diff_high"] = np.quantile(diffs, [alpha, 1 - alpha], axis=0)
+    return result

@@ -17,15 +17,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from normgeo.probe import make_references, run_probe  # noqa: E402
-from normgeo.records import statistics_rows  # noqa: E402
+from normgeo.records import null_rows, statistics_rows  # noqa: E402
 
 
-def probe_rows(rank: int, world: int) -> list[dict]:
+def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
+    """angles.jsonl and null.jsonl rows; each rank probes every world-th sequence, as the callback."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
     sequences = torch.randint(0, 50257, (24, 16), generator=torch.Generator().manual_seed(5))
-    sites, stats = run_probe(model, sequences[rank::world], make_references(32), batch_size=5)
+    sites, stats = run_probe(model, sequences[rank::world], make_references(32), batch_size=5,
+                             sequence_ids=torch.arange(24)[rank::world], num_sequences=24)
     stats.all_reduce()
-    return statistics_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0)
+    return {
+        "angles": statistics_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0),
+        "null": null_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0, replicates=200),
+    }
 
 
 def worker(rank: int, world: int, out: str, port: str) -> None:

@@ -29,7 +29,7 @@ from normgeo.analysis import main as summary_main
 from normgeo.norm_sites import find_norm_sites
 from normgeo.pretrained import load_pretrained, minilm_path, smollm2_gguf_path
 from normgeo.probe import make_references
-from normgeo.records import read_rows, statistics_rows
+from normgeo.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
 
 SEQ_LEN, BATCH = 32, 2
@@ -51,16 +51,26 @@ def _wiki(shared: Path) -> LocalFilesSource:
 
 
 def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tuple, dict]]:
-    """The sequences analyze.py measures and its records, by (layer, site, ref)."""
+    """The sequences analyze.py measures and its records, by (layer, site, ref) and, for null.jsonl's,
+    by (layer, site, "null")."""
     encode, separator = hf_encoder(tokenizer)
     ids = probe_token_ids(_wiki(shared).documents(), encode, separator, TOKENS, "wiki")
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
     sites, stats = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
+    null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)
+    # The interval is a function of the per-sequence sums and the seed: the same seed, the same numbers.
+    assert null == null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400,
+                             seed=5)
+    other = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=6)
+    assert [r["mean_ci_low"] for r in other] != [r["mean_ci_low"] for r in null]
+    assert {r["sequences"] for r in null} == {4}  # 3 windows and the shorter remainder
     tokens = torch.from_numpy(ids)
     sequences = [tokens[: 3 * SEQ_LEN].view(3, SEQ_LEN), tokens[3 * SEQ_LEN :].unsqueeze(0)]
-    return sequences, {(r["layer"], r["site"], r["ref"]): r for r in rows}
+    by_key = {(r["layer"], r["site"], r["ref"]): r for r in rows}
+    by_key.update({(r["layer"], r["site"], "null"): r for r in null})
+    return sequences, by_key
 
 
 def _assert_angles(rows: dict[tuple, dict], layer, site: str, vectors: list[torch.Tensor], ref_name: str = "ones"):
@@ -74,6 +84,27 @@ def _assert_angles(rows: dict[tuple, dict], layer, site: str, vectors: list[torc
     assert row["std_deg"] == pytest.approx(degrees.std(), abs=1e-4)
     assert row["min_deg"] == pytest.approx(degrees.min(), abs=1e-3)
     assert row["max_deg"] == pytest.approx(degrees.max(), abs=1e-3)
+    if ref_name == "ones":
+        _assert_null(rows[(layer, site, "null")], x, degrees)
+
+
+def _assert_null(row: dict, x: torch.Tensor, ones: np.ndarray) -> None:
+    """null.jsonl's row against the K null directions' angles computed here in float64 (within 0.01 deg)."""
+    null = torch.from_numpy(make_references(x.shape[-1], 1234)["null"])
+    degrees = torch.rad2deg(torch.arccos((x @ null.T) / (x.norm(dim=-1, keepdim=True) * null.norm(dim=-1)))).numpy()
+    means, stds = degrees.mean(0), degrees.std(0)
+    assert row["null_k"] == 64 and row["count"] == TOKENS
+    np.testing.assert_allclose(row["null_means"], means, atol=1e-2)
+    np.testing.assert_allclose(row["null_stds"], stds, atol=1e-2)
+    low, mid, high = np.quantile(means, [0.05, 0.5, 0.95])
+    assert (row["null_mean_p05"], row["null_mean_p50"], row["null_mean_p95"]) == pytest.approx((low, mid, high), abs=1e-2)
+    assert row["mean_deg"] == pytest.approx(ones.mean(), abs=1e-4)
+    assert row["mean_rank_pct"] == pytest.approx(100 * np.mean(means < ones.mean()))
+    assert row["mean_z"] == pytest.approx((ones.mean() - means.mean()) / means.std(ddof=1), abs=1e-3)
+    assert row["in_null_band"] == bool(low <= ones.mean() <= high)
+    assert row["diff_deg"] == pytest.approx(ones.mean() - mid, abs=1e-2)
+    assert row["mean_ci_low"] < row["mean_deg"] < row["mean_ci_high"]
+    assert row["diff_ci_low"] <= row["diff_deg"] <= row["diff_ci_high"]
 
 
 def test_smollm2_angles_match_hidden_states(smollm2, shared: Path) -> None:
@@ -210,7 +241,16 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     assert (out / "probe_references.npz").is_file()
     info = json.loads((out / "run_info.json").read_text())
     assert info["seq_len"] == 512 and info["tokens"] == 4096  # capped at MiniLM's 512 positions
-    assert [p.name for p in (out / "figures").glob("*.png")] == ["layers_minilm_layer_pretrained.png"]
+    assert sorted(p.name for p in (out / "figures").glob("*.png")) == [
+        "layers_minilm_layer_pretrained.png", "null_layers_minilm_layer_pretrained.png"
+    ]
+    null = read_rows(out / "null.jsonl")
+    assert len(null) == 13 * 3 and {(r["null_k"], r["sequences"], r["count"]) for r in null} == {(64, 8, 4096)}
+    assert len(np.load(out / "probe_references.npz")["null"]) == 64
+    # LayerNorm's standardization puts every token at exactly 90 deg from 1: no random direction has so
+    # small a spread over tokens.
+    std_sites = [r for r in null if r["site"].endswith(".std")]
+    assert all(r["std_deg"] < 1e-3 and r["std_rank_pct"] == 0 and r["null_std_p05"] > 1 for r in std_sites)
     summary = _summary(out / "summary.csv")
     assert len(summary) == 9
     std = summary[("minilm", "std", "ones")]
@@ -220,6 +260,15 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     assert float(summary[("minilm", "in", "ones")]["mean_deg"]) == pytest.approx(pooled["mean_deg"])
     markdown = (out / "summary.md").read_text()
     assert "| minilm | layer | std | 13 | 4,096 | 90.00 ± 0.00 |" in markdown
+    # The per-norm view: mean |angle - 90| and the spread of the per-norm means, from the rows.
+    means = np.array([r["mean_deg"] for r in rows if r["site"].endswith(".out") and r["ref"] == "ones"])
+    out_ones = summary[("minilm", "out", "ones")]
+    assert float(out_ones["norm_abs_dev_deg"]) == pytest.approx(np.abs(means - 90).mean())
+    assert float(out_ones["between_norm_std_deg"]) == pytest.approx(means.std())
+    assert int(out_ones["null_k"]) == 64 and int(out_ones["norms_in_null_band"]) == sum(
+        r["in_null_band"] for r in null if r["site"].endswith(".out")
+    )
+    assert summary[("minilm", "out", "rand_a")]["null_k"] == ""
 
 
 def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> None:
@@ -249,7 +298,7 @@ def test_too_few_probe_tokens(minilm, tmp_path: Path) -> None:
     available = sum(len(ids) + 1 for ids in encode([p.read_text() for p in sorted(corpus.iterdir())]))
     assert separator == minilm[1].sep_token_id
     result = _analyze("model=minilm", "probe=local", f"probe.path={corpus}", "probe.tokens=5000",
-                      f"output_root={tmp_path / 'out'}")
+                      "probe.min_doc_tokens=0", f"output_root={tmp_path / 'out'}")
     assert result.returncode == 2, result.stderr
     assert f"only {available} tokens but 5,000 were asked for" in result.stderr
     assert "Traceback" not in result.stderr

@@ -103,3 +103,15 @@ def test_no_source_or_config_file_is_git_ignored() -> None:
     assert len(files) > 50
     ignored = subprocess.run(["git", "check-ignore", *files], cwd=ROOT, capture_output=True, text=True)
     assert ignored.stdout.split() == [], f"ignored by .gitignore: {ignored.stdout.split()}"
+
+
+def test_probe_wikipedia_is_article_text_and_wikitext_stays_an_option() -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        analyze = compose("analyze")
+    for cfg in (compose_train("probe=wikipedia"), analyze):
+        source = instantiate(cfg.probe.source)
+        assert source.candidates == ["hf://datasets/wikimedia/wikipedia/20231101.en/*.parquet"]
+        assert cfg.probe.sample and cfg.probe.min_doc_tokens == 64 and cfg.probe.null_directions == 64
+    wikitext = compose_train("probe=wikitext")
+    assert "Salesforce/wikitext" in instantiate(wikitext.probe.source).candidates[0]
+    assert (wikitext.probe.sample, wikitext.probe.min_doc_tokens) == (False, 0)

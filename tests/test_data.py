@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
-from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource, SourceError
-from corpus.tokenize import tiktoken_encoding
+from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource, SourceError, probe_documents
+from corpus.tokenize import first_tokens, tiktoken_batch_encoder, tiktoken_encoding
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,67 @@ def test_hub_source_offline_says_to_prepare_elsewhere() -> None:
     source = HubParquetSource("hf://datasets/Skylion007/openwebtext/plain_text/train-*.parquet")
     with pytest.raises(SourceError, match="prepare the data on one with internet"):
         next(source.documents())
+
+
+# Probe documents: sampled over the whole source, stubs skipped
+
+
+def test_wikitext_raw_files_are_split_into_articles(shared: Path) -> None:
+    docs = list(LocalFilesSource(str(shared / "corpora" / "wikipedia" / "wikitext-2-raw")).documents())
+    assert len(docs) == 62 + 60  # the " = Title = " lines of wiki.test.raw and wiki.valid.raw
+    assert docs[0].startswith(" = Robert Boulter = \n") and all(d.startswith(" = ") for d in docs)
+    assert not any(" = Robert Boulter = " in d for d in docs[1:])
+
+
+def test_local_sample_is_a_seeded_permutation_spread_over_the_folder(shared: Path) -> None:
+    source = LocalFilesSource(str(shared / "corpora" / "wikipedia"))
+    ordered = list(source.documents())
+    sampled = list(source.sampled_documents(1234))
+    assert sorted(sampled) == sorted(ordered) and sampled != ordered
+    assert sampled == list(source.sampled_documents(1234)) and sampled != list(source.sampled_documents(1))
+    # The first 300 sampled documents come from every file, not from the first one.
+    position = {doc: i for i, doc in enumerate(ordered)}
+    wikitext = sum(d.startswith(" = ") for d in ordered)
+    files = {"wikiextractor": 0, "wikitext": 0}
+    for doc in sampled[:300]:
+        files["wikitext" if position[doc] >= len(ordered) - wikitext else "wikiextractor"] += 1
+    assert min(files.values()) >= 1 and files["wikiextractor"] > files["wikitext"]
+    assert max(position[d] for d in sampled[:300]) > len(ordered) // 2
+
+
+def test_min_doc_tokens_skips_stubs(shared: Path) -> None:
+    encode, eot, _ = tiktoken_batch_encoder("gpt2")
+    docs = ["Title only\n\n", "A real article with enough words to pass the bar " * 4, "Stub\n"]
+    ids = first_tokens(docs, encode, eot, 20, min_tokens=10)
+    assert list(ids) == [*encode([docs[1]])[0], eot][:20]
+    with pytest.raises(ValueError, match="only 0 tokens in documents of at least 1000 tokens"):
+        first_tokens(docs, encode, eot, 20, min_tokens=1000)
+    # The shared WikiExtractor files: most documents are title-only stubs, which the probe skips.
+    wiki = LocalFilesSource(str(shared / "corpora" / "wikipedia" / "enwiki-wikiextractor"))
+    lengths = [len(ids) for ids in encode(list(wiki.documents()))]
+    assert sum(n < 64 for n in lengths) > len(lengths) / 2
+
+
+def test_parquet_sample_draws_row_groups_all_over_the_dataset(tmp_path: Path) -> None:
+    """The Hub path of probe=wikipedia, through local parquet files (the Hub is not reachable here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = {f: [f"file {f} row {r}" for r in range(30)] for f in range(4)}
+    for f, rows in texts.items():
+        pq.write_table(pa.table({"text": rows}), tmp_path / f"train-{f:05d}.parquet", row_group_size=10)
+    source = HubParquetSource(str(tmp_path / "train-*.parquet"), docs_per_group=3)
+    sampled = list(source.sampled_documents(7))
+    assert len(sampled) == 4 * 3 * 3 and len(set(sampled)) == len(sampled)  # 3 of each of 12 row groups
+    assert sampled == list(source.sampled_documents(7)) and sampled != list(source.sampled_documents(8))
+    assert len({doc.split(" row ")[0] for doc in sampled[:9]}) >= 2  # the first row groups: several files
+    everything = HubParquetSource(str(tmp_path / "train-*.parquet"), docs_per_group=10).sampled_documents(7)
+    assert sorted(everything) == sorted(t for rows in texts.values() for t in rows)
+    with pytest.raises(SourceError, match="'body'"):
+        next(HubParquetSource(str(tmp_path / "train-*.parquet"), text_field="body").sampled_documents(0))
+
+
+def test_probe_documents_sample_or_keep_order() -> None:
+    source = PydocSource()
+    assert list(probe_documents(source, sample=False, seed=0)) == list(source.documents())
+    assert list(probe_documents(source, sample=True, seed=0)) == list(source.sampled_documents(0))

@@ -90,6 +90,7 @@ def test_padding_runs_forward_passes_but_measures_only_the_real_sequences(measur
     sites, padded = run_probe(model, sequences, make_references(32), batch_size=4, pad_to=10, forward=forward)
     assert calls == [4, 4, 2]  # ceil(10 / 4) passes whatever the number of real sequences
     assert padded.count.eq(measured * 16).all() and padded.norm_count.eq(measured * 16).all()
+    assert padded.null_count.eq(measured * 16).all() and padded.seq_count.sum(dim=1).eq(measured * 16).all()
     if measured:
         _, plain = run_probe(model, sequences, make_references(32), batch_size=4)
         torch.testing.assert_close(padded.mean, plain.mean)
@@ -118,14 +119,24 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_probe_worker.py"), str(world), str(out),
                         free_port()], check=True, timeout=300, cwd=ROOT)
         outputs[world] = json.loads(out.read_text())
-    assert len(outputs[1]) == len(outputs[2]) > 0
-    for single, multi in zip(outputs[1], outputs[2], strict=True):
+    assert len(outputs[1]["angles"]) == len(outputs[2]["angles"]) > 0
+    for single, multi in zip(outputs[1]["angles"], outputs[2]["angles"], strict=True):
         assert (single["layer"], single["site"], single["ref"]) == (multi["layer"], multi["site"], multi["ref"])
         assert single["count"] == multi["count"] == 24 * 16
         for field in ("mean_deg", "std_deg", "min_deg", "max_deg", "norm_mean", "norm_std"):
             assert multi[field] == pytest.approx(single[field], abs=1e-5), field
         for q in ("p01", "p05", "p25", "p50", "p75", "p95", "p99"):
             assert multi[q] == pytest.approx(single[q], abs=1e-5), q  # histograms are summed exactly
+    # Null directions: moments merged with Chan's formula; the per-sequence sums (each sequence measured on
+    # one rank) summed, so the same bootstrap seed gives the same intervals.
+    assert len(outputs[1]["null"]) == len(outputs[2]["null"]) == 5 * 2
+    for single, multi in zip(outputs[1]["null"], outputs[2]["null"], strict=True):
+        assert (single["layer"], single["site"], single["sequences"]) == (multi["layer"], multi["site"], 24)
+        for field in ("null_means", "null_stds"):
+            np.testing.assert_allclose(multi[field], single[field], atol=1e-6)
+        for field in ("mean_deg", "null_mean_p50", "mean_rank_pct", "std_z", "mean_ci_low", "mean_ci_high",
+                      "diff_ci_low", "diff_ci_high"):
+            assert multi[field] == pytest.approx(single[field], abs=1e-6), field
 
 
 WRITER = """

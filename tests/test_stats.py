@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from normgeo.geometry import angle_deg
-from normgeo.stats import QUANTILES, AngleStatistics
+from normgeo.stats import NULL_QUANTILES, QUANTILES, AngleStatistics, block_bootstrap, null_comparison
 
 
 def exact_angles(x: torch.Tensor, refs: torch.Tensor) -> np.ndarray:
@@ -85,3 +85,120 @@ def test_bf16_inputs_are_measured_in_float32() -> None:
     stats.update(0, x)
     expected = angle_deg(x.float(), torch.ones(d)).double()
     assert stats.mean[0, 0].item() == pytest.approx(expected.mean().item(), abs=1e-4)
+
+
+# Null directions, per-sequence sums, where 1 stands, block bootstrap
+
+
+def test_null_directions_moments_and_per_sequence_sums_are_exact_and_merge() -> None:
+    d, k, sequences, length = 24, 5, 6, 50
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sequences, length, d, generator=g) + 0.3
+    x[2, 7] = 0  # a zero vector: counted apart, in no per-sequence sum
+    refs = torch.stack([torch.ones(d), torch.randn(d, generator=g)])
+    null = torch.randn(k, d, generator=g) * 4  # not unit: the engine normalizes
+    whole = AngleStatistics(1, refs, null_directions=null, num_sequences=sequences)
+    whole.update(0, x, torch.arange(sequences))
+    halves = [AngleStatistics(1, refs, null_directions=null, num_sequences=sequences) for _ in range(2)]
+    halves[0].update(0, x[[4, 0, 2]], torch.tensor([4, 0, 2]))  # any order, any split
+    halves[1].update(0, x[[1, 5]], torch.tensor([1, 5]))
+    halves[1].update(0, x[[3]], torch.tensor([3]))
+    halves[0].merge(halves[1])
+    flat = x.reshape(-1, d)
+    kept = flat.norm(dim=1) > 0
+    exact_null = exact_angles(flat[kept], null)  # (n, K)
+    for stats in (whole, halves[0]):
+        assert stats.null_count[0].eq(kept.sum()).all() and stats.zero_count[0] == 1
+        np.testing.assert_allclose(stats.null_mean[0].numpy(), exact_null.mean(0), atol=1e-4)
+        np.testing.assert_allclose(stats.null_std()[0].numpy(), exact_null.std(0), atol=1e-4)
+        every = exact_angles(flat, torch.cat([refs, null]))  # zero row gives nan, dropped below
+        per_seq = every.reshape(sequences, length, -1)
+        mask = kept.reshape(sequences, length).numpy()
+        np.testing.assert_array_equal(stats.seq_count[0].numpy(), mask.sum(1))
+        expected_sum = np.where(mask[..., None], per_seq - 90, 0).sum(1)
+        np.testing.assert_allclose(stats.seq_sum[0].numpy(), expected_sum, atol=1e-3)
+        expected_sq = np.where(mask[..., None], (per_seq[..., :2] - 90) ** 2, 0).sum(1)
+        np.testing.assert_allclose(stats.seq_sumsq[0].numpy(), expected_sq, rtol=1e-5)
+    # The references' statistics are what they were without null directions.
+    plain = AngleStatistics(1, refs)
+    plain.update(0, x)
+    assert torch.equal(plain.hist, whole.hist) and torch.allclose(plain.mean, whole.mean, atol=1e-10)
+
+
+def test_where_ones_stands_follows_its_definitions() -> None:
+    d = 64
+    g = torch.Generator().manual_seed(4)
+    # Site 0: vectors with a component along 1 (1 is atypical); site 1: isotropic (1 is typical).
+    tilted = torch.randn(4000, d, generator=g) + 0.4
+    isotropic = torch.randn(4000, d, generator=g)
+    null = torch.randn(40, d, generator=g)
+    stats = AngleStatistics(2, torch.ones(1, d), null_directions=null)
+    stats.update(0, tilted)
+    stats.update(1, isotropic)
+    where = null_comparison(stats)
+    for s, x in enumerate((tilted, isotropic)):
+        ones = exact_angles(x, torch.ones(1, d))[:, 0]
+        nulls = exact_angles(x, null)
+        for name, value, null_values in (("mean", ones.mean(), nulls.mean(0)), ("std", ones.std(), nulls.std(0))):
+            assert where[name][s].item() == pytest.approx(value, abs=1e-4)
+            np.testing.assert_allclose(where[f"{name}_null_q"][s].numpy(),
+                                       np.quantile(null_values, NULL_QUANTILES), atol=1e-4)
+            expected_rank = 100 * (null_values < value).mean()
+            assert where[f"{name}_rank"][s].item() == pytest.approx(expected_rank)
+            expected_z = (value - null_values.mean()) / null_values.std(ddof=1)
+            assert where[f"{name}_z"][s].item() == pytest.approx(expected_z, rel=1e-4)
+    assert where["mean_rank"][0] == 0 and where["mean_z"][0] < -5  # 1 is far below every random direction
+    assert 5 < where["mean_rank"][1] < 95
+
+
+def synthetic_sequences(rng: np.random.Generator, datasets: int, sequences: int, length: int) -> tuple:
+    """Angles whose true mean is 90 exactly, correlated within a sequence like tokens of one document.
+
+    Each sequence has its own offset (sd 2 deg) and AR(1) noise (phi 0.9, sd 3 deg); its length varies.
+    Returns per-sequence (count, sum of angle - 90) and the token-level mean and std per data set.
+    """
+    offset = rng.normal(0, 2, (datasets, sequences, 1))
+    noise = np.empty((datasets, sequences, length))
+    noise[..., 0] = rng.normal(0, 3, (datasets, sequences))
+    innovations = rng.normal(0, 3 * np.sqrt(1 - 0.9**2), (datasets, sequences, length))
+    for t in range(1, length):
+        noise[..., t] = 0.9 * noise[..., t - 1] + innovations[..., t]
+    centered = offset + noise
+    counts = rng.integers(length // 2, length + 1, (datasets, sequences))
+    mask = np.arange(length) < counts[..., None]
+    sums = np.where(mask, centered, 0).sum(-1)
+    n = counts.sum(-1)
+    token_mean = sums.sum(-1) / n
+    token_std = np.sqrt(np.where(mask, (centered - token_mean[:, None, None]) ** 2, 0).sum((-2, -1)) / n)
+    return counts.astype(np.float64), sums, token_mean, token_std, n
+
+
+def test_block_bootstrap_interval_covers_the_true_mean_at_the_stated_rate() -> None:
+    datasets, sequences, length = 400, 60, 48
+    counts, sums, token_mean, token_std, n = synthetic_sequences(np.random.default_rng(0), datasets, sequences, length)
+    # All data sets at once: each is one "site" of the engine's per-sequence arrays.
+    interval = block_bootstrap(counts, sums[..., None], replicates=1000, seed=1)
+    np.testing.assert_allclose(interval["mean"], 90 + token_mean)
+    coverage = np.mean((interval["mean_low"] <= 90) & (interval["mean_high"] >= 90))
+    assert 0.92 <= coverage <= 0.975, coverage
+    # The token-level interval (tokens as independent draws) is far too narrow: the test can fail.
+    naive = 1.96 * token_std / np.sqrt(n)
+    assert np.mean(np.abs(token_mean) <= naive) < 0.5
+
+
+def test_block_bootstrap_blocks_and_seed() -> None:
+    rng = np.random.default_rng(5)
+    counts = rng.integers(10, 20, (3, 11)).astype(np.float64)
+    sums = rng.normal(0, 30, (3, 11, 4))
+    first = block_bootstrap(counts, sums, null=slice(1, 4), replicates=300, block=3, seed=7)
+    again = block_bootstrap(counts, sums, null=slice(1, 4), replicates=300, block=3, seed=7)
+    other = block_bootstrap(counts, sums, null=slice(1, 4), replicates=300, block=3, seed=8)
+    assert all(np.array_equal(first[key], again[key]) for key in first)
+    assert not np.array_equal(first["mean_low"], other["mean_low"])
+    null_means = 90 + sums[:, :, 1:].sum(1) / counts.sum(1, keepdims=True)
+    np.testing.assert_allclose(first["diff"], first["mean"] - np.median(null_means, axis=1))
+    assert np.all(first["diff_low"] <= first["diff_high"]) and np.all(first["mean_low"] < first["mean_high"])
+    # One block holding every sequence: every replicate is the sample itself.
+    whole = block_bootstrap(counts, sums, replicates=50, block=11, seed=0)
+    np.testing.assert_allclose(whole["mean_low"], whole["mean"])
+    np.testing.assert_allclose(whole["mean_high"], whole["mean"])

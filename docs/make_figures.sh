@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Regenerates every figure in docs/figures and every number the README quotes (docs/numbers.md), on the
+# current code, offline, on CPU: the two smoke arms, SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
+# tokens of ../shared/corpora/wikipedia. About 20 minutes on 2 CPU cores.
+#
+#   bash docs/make_figures.sh [output_root]      # default: outputs/readme (deleted first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-outputs/readme}
+WIKI=${NORMGEO_SHARED:-../shared}/corpora/wikipedia
+export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
+rm -rf "$OUT"
+
+for norm in layer rms; do
+  python train.py experiment=smoke norm=$norm output_root="$OUT" trainer.enable_progress_bar=false
+done
+python -m normgeo.report "$OUT/smoke-layer-s0" "$OUT/smoke-rms-s0"
+for model in smollm2-135m minilm; do
+  python analyze.py model=$model probe=local probe.path="$WIKI" probe.tokens=100000 output_root="$OUT" progress=false
+done
+
+fig=docs/figures
+cp "$OUT/smoke-layer-s0/figures/layers_normgeo-tiny_layer_step0000100.png" $fig/smoke-layer-layers.png
+cp "$OUT/smoke-rms-s0/figures/layers_normgeo-tiny_rms_step0000100.png" $fig/smoke-rms-layers.png
+cp "$OUT/smoke-rms-s0/figures/steps_normgeo-tiny_rms_layer1_ln1.in.png" $fig/smoke-rms-steps.png
+cp "$OUT/smoke-layer-s0/figures/compare_layer_rms_ln1_ones.png" $fig/smoke-compare-ones.png
+cp "$OUT/smoke-rms-s0/figures/null_steps_normgeo-tiny_rms_layer1_ln1.in.png" $fig/smoke-rms-null-steps.png
+cp "$OUT/smoke-layer-s0/figures/null_layers_normgeo-tiny_layer_step0000100.png" $fig/smoke-layer-null-layers.png
+cp "$OUT/analyze/smollm2-135m-instruct-q4_1/figures/layers_smollm2-135m-instruct-q4_1_rms_pretrained.png" \
+  $fig/smollm2-135m-layers.png
+cp "$OUT/analyze/smollm2-135m-instruct-q4_1/figures/null_layers_smollm2-135m-instruct-q4_1_rms_pretrained.png" \
+  $fig/smollm2-135m-null-layers.png
+cp "$OUT/analyze/minilm/figures/null_layers_minilm_layer_pretrained.png" $fig/minilm-null-layers.png
+python docs/readme_numbers.py "$OUT" > docs/numbers.md
+echo "figures in $fig, numbers in docs/numbers.md"
