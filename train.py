@@ -7,7 +7,6 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (the SLURM signal handler is installed before the slow imports, on purpose)
-import glob
 import logging
 import os
 import secrets
@@ -80,13 +79,14 @@ install_requeue_handler()
 
 import hydra
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.checkpointing import (
-    LAST,
     AtomicCheckpointIO,
     CheckpointSchedule,
     NonFiniteError,
@@ -105,34 +105,12 @@ from normgeo.run_config import (
     is_rank_zero,
     resolved_run_config,
     save_run_config,
-    verify_run_config,
 )
+from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
 SLURM_JOBS_FILE = "slurm_jobs.tsv"
-
-
-class RunDirectoryError(RuntimeError):
-    """The run directory holds an earlier run and no resume was asked for."""
-
-
-def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
-    """The checkpoint to continue from: the newest of last.ckpt and SLURM's hpc_ckpt_*.ckpt."""
-    candidates = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
-    candidates += [p for p in [run_dir / "checkpoints" / LAST] if p.exists()]
-    if resume is None:
-        if candidates:
-            raise RunDirectoryError(
-                f"{run_dir} already holds a run ({candidates[0].name}). Continue it with resume=auto, "
-                "or start another with a different run_name=... or seed=..."
-            )
-        return None
-    if resume == "auto":
-        return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
-    if not Path(resume).is_file():
-        raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)")
-    return resume
 
 
 def record_slurm_job(run_dir: Path) -> None:
@@ -230,13 +208,10 @@ def train(cfg: DictConfig) -> L.Trainer:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
-    resume = cfg.resume
-    if resume is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
-        resume = "auto"  # a requeued job continues its own run, whatever its command line says
-    ckpt_path = resume_checkpoint(run_dir, resume)
-    # Before this session writes anything into the run directory: a resume continues the same experiment.
+    # Before this session writes anything into the run directory (conf/train.yaml already kept Hydra's
+    # files out of a refused one): a resume continues the same experiment, a new run a new directory.
+    ckpt_path = session_checkpoint(cfg)
     run_config = resolved_run_config(cfg)
-    verify_run_config(run_dir, ckpt_path, run_config)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -321,19 +296,31 @@ def train(cfg: DictConfig) -> L.Trainer:
     return trainer
 
 
+def refuse(cfg: DictConfig, err: Exception) -> Refused:
+    """Exit 2 with the reason; in a ``-m`` sweep return it instead, so that the other jobs still run
+    (normgeo.session.RefusalReport lists the refused ones when the sweep ends)."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Refused(str(cfg.run_dir), str(err))
+    sys.exit(2)
+
+
 USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Refused | None:
     # Again here: the submitit launcher unpickles main() on the node without running this file's top.
     requeue = install_requeue_handler()
+    try:
+        session_checkpoint(cfg)  # refused: say so without logging a session into the run's train.log
+    except REFUSALS as err:
+        return refuse(cfg, err)
     log.info("run directory: %s", cfg.run_dir)
     try:
         trainer = train(cfg)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return refuse(cfg, err)
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(

@@ -8,7 +8,9 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 * preempted: asked to requeue (SLURM pending/requeued, PREEMPTED, or the run's own log says it stopped
   to requeue) and not running now;
 * stopped:   ended cleanly at ``stop_at_step`` (continue with ``resume=auto``);
-* failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``).
+* failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``);
+* analyzed:  not a training run but an ``analyze.py`` folder (``outputs/analyze/<model>``); its probe
+  column reads ``pretrained`` for a model measured as published.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
@@ -41,7 +43,7 @@ class RunStatus:
     step: int | None
     max_steps: int | None
     loss: float | None
-    probe_step: int | None
+    probe_step: int | str | None
     slurm_job: str | None
     slurm_state: str | None
     updated_s_ago: float | None
@@ -59,6 +61,17 @@ def find_runs(root: Path) -> Iterator[Path]:
             yield here
             continue
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+
+
+def is_analysis(run_dir: Path) -> bool:
+    """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    except Exception:
+        return False
+    return "out_dir" in cfg and "max_steps" not in cfg
 
 
 def run_config(run_dir: Path) -> tuple[int | None, int | None]:
@@ -104,16 +117,18 @@ def last_loss(run_dir: Path) -> float | None:
     return None
 
 
-def last_probe_step(run_dir: Path) -> int | None:
+def last_probe_step(run_dir: Path) -> int | str | None:
+    """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
     path = run_dir / "angles.jsonl"
     if not path.is_file():
         return None
-    steps = []
+    steps = set()
     with open(path) as handle:
         for line in handle:
             if line.strip():
-                steps.append(json.loads(line)["step"])
-    return max(steps) if steps else None
+                steps.add(json.loads(line)["step"])
+    trained = [s for s in steps if s is not None]
+    return max(trained) if trained else ("pretrained" if steps else None)
 
 
 def slurm_job(run_dir: Path) -> str | None:
@@ -191,6 +206,9 @@ def infer_state(
 
 
 def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
+    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    if is_analysis(run_dir):
+        return RunStatus(name, "analyzed", None, None, None, last_probe_step(run_dir), None, None, None)
     max_steps, stop_at_step = run_config(run_dir)
     step, ckpt = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
@@ -207,7 +225,6 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         updated_s_ago=updated,
         active_s=active_s,
     )
-    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
     return RunStatus(
         run=name,
         state=state,
@@ -235,6 +252,8 @@ def format_table(rows: list[RunStatus]) -> str:
     lines = [header]
     for r in rows:
         step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
+        if r.state == "analyzed":
+            step = "-"
         slurm = "-" if r.slurm_job is None else f"{r.slurm_job} {r.slurm_state or '(gone)'}"
         loss = "-" if r.loss is None else f"{r.loss:.4f}"
         probe = "-" if r.probe_step is None else str(r.probe_step)

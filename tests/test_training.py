@@ -18,7 +18,8 @@ def load(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def accumulated_run(tmp_path_factory) -> Path:
-    """6 steps, micro batch 2 of a global batch 8 (4 accumulation micro-steps), checkpoints at 2 and 5."""
+    """6 steps, micro batch 2 of a global batch 8 (4 accumulation micro-steps), checkpoints at 2 and 5
+    (and at the final step 6, which every schedule ends with)."""
     run_dir = tmp_path_factory.mktemp("acc") / "run"
     run_train(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0")
     return run_dir
@@ -26,7 +27,7 @@ def accumulated_run(tmp_path_factory) -> Path:
 
 def test_schedule_fires_at_exactly_the_listed_optimizer_steps(accumulated_run: Path) -> None:
     ckpts = sorted(p.name for p in (accumulated_run / "checkpoints").iterdir())
-    assert ckpts == ["last.ckpt", "step-0000002.ckpt", "step-0000005.ckpt"]
+    assert ckpts == ["last.ckpt", "step-0000002.ckpt", "step-0000005.ckpt", "step-0000006.ckpt"]
     assert load(accumulated_run / "checkpoints" / "step-0000002.ckpt")["global_step"] == 2
     assert load(accumulated_run / "checkpoints" / "step-0000005.ckpt")["global_step"] == 5
     assert load(accumulated_run / "checkpoints" / "last.ckpt")["global_step"] == 6
@@ -42,9 +43,9 @@ def test_scheduled_checkpoints_keep_weights_only_and_last_keeps_everything(accum
 
 def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) -> None:
     rows = read_rows(accumulated_run / "angles.jsonl")
-    assert sorted({r["step"] for r in rows}) == [0, 2, 5]
+    assert sorted({r["step"] for r in rows}) == [0, 2, 5, 6]
     per_step = 3 * (2 * 4 + 2)  # refs x (layers x {ln1,ln2} x {in,out} + final in/out)
-    assert all(sum(r["step"] == s for r in rows) == per_step for s in (0, 2, 5))
+    assert all(sum(r["step"] == s for r in rows) == per_step for s in (0, 2, 5, 6))
     assert {r["tokens_seen"] for r in rows if r["step"] == 5} == {5 * 8 * 64}
     assert all(r["count"] == 512 for r in rows)  # probe.tokens=512, every token vector counted
     figures = sorted(p.name for p in (accumulated_run / "figures").iterdir())
