@@ -107,6 +107,7 @@ from normgeo.run_config import (
     save_run_config,
 )
 from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
+from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -247,6 +248,8 @@ def train(cfg: DictConfig) -> L.Trainer:
                 include_standardized=cfg.probe.include_standardized,
             )
         )
+    clock = SessionClock()
+    callbacks.append(clock)
     if requeue is not None:
         callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -284,6 +287,7 @@ def train(cfg: DictConfig) -> L.Trainer:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if requeue is not None and requeue.stopped_at is not None:
         return trainer  # main() requeues; the figures come when the run is complete
+    figures: list[Path] = []
     if trainer.is_global_zero and cfg.probe.enabled:
         from normgeo.report import write_run_figures
 
@@ -293,6 +297,10 @@ def train(cfg: DictConfig) -> L.Trainer:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and figures:
                 logger.log_image(key="figures", images=[str(f) for f in figures], caption=[f.stem for f in figures])
+    if trainer.is_global_zero:
+        summary = run_summary(trainer, clock, run_dir, tokens_per_step=cfg.global_batch * cfg.seq_len, figures=figures)
+        write_summary(run_dir, summary)
+        log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
     return trainer
 
 

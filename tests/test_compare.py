@@ -4,6 +4,7 @@ figures are written as PNG and PDF."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -45,11 +46,14 @@ def test_summary_numbers_are_the_runs_own(compared: Path) -> None:
         row = summary.loc[run]
         rows = read_rows(compared / run / "angles.jsonl")
         assert row["final_step"] == 3 and row["tokens"] == 3 * 8 * 64
-        # The last logged train loss (the 3rd update's), from the run's own metrics.csv.
-        assert row["train_loss"] == pytest.approx(step_losses(compared / run)[2])
+        # The last logged train loss (the 3rd update's, at step 3), from the run's own metrics.csv.
+        assert row["train_loss"] == pytest.approx(step_losses(compared / run)[3])
         for site in ("ln1.in", "ln1.out", "ln2.in", "final.in"):
             final = [r["mean_deg"] for r in rows if r["step"] == 3 and r["site"] == site and r["ref"] == "ones"]
             assert row[f"ones_deg/{site}"] == pytest.approx(sum(final) / len(final))
+        # Wall time and tokens/s: the run's own summary.json (written by train.py).
+        end = json.loads((compared / run / "summary.json").read_text())
+        assert (row["wall_s"], row["tokens_per_s"]) == (end["wall_s"], end["tokens_per_s"])
     # LayerNorm's output is orthogonal to 1 up to its bias (zero-initialised, 3 steps of training).
     assert abs(summary.loc["tiny-layer-s0", "ones_deg/ln1.out"] - 90) < 0.5
     assert "| layer | 0 | tiny-layer-s0 | 3 |" in (compared / "compare" / "summary.md").read_text()

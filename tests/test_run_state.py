@@ -14,7 +14,7 @@ import pytest
 from callbacks.checkpointing import CheckpointSchedule
 from normgeo.records import read_rows
 from normgeo.status import main as status_main
-from tests.conftest import ARM_SETTINGS, ROOT, run_train
+from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, run_train, step_losses
 
 
 def test_schedule_always_ends_with_the_final_step() -> None:
@@ -80,3 +80,25 @@ def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path
     assert rows["tiny-layer-s0"]["state"] == rows["tiny-rms-s0"]["state"] == "finished"
     assert status_main([str(with_analysis), "--no-slurm"]) == 0
     assert "pretrained" in capsys.readouterr().out
+
+
+def test_end_of_run_summary_on_the_console_and_in_summary_json(arms_sweep) -> None:
+    root, sweep, _ = arms_sweep
+    rms = root / "tiny-rms-s0"
+    summary = json.loads((rms / "summary.json").read_text())
+    assert (summary["step"], summary["max_steps"], summary["finished"]) == (3, 3, True)
+    assert summary["train_loss"] == pytest.approx(step_losses(rms)[3])
+    assert summary["tokens_seen"] == 3 * 8 * 64 and summary["wall_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["records"] == str(rms / "angles.jsonl") and summary["figures"]
+    assert summary["logs"] == {"CSVLogger": str(rms / "csv" / "version_0")}
+    assert "run summary: step 3/3 (finished) · train loss" in sweep.stdout + sweep.stderr
+    assert f"summary:     {rms / 'summary.json'}" in sweep.stdout + sweep.stderr
+
+
+def test_losses_and_probes_share_step_numbers(arms_sweep) -> None:
+    run = arms_sweep[0] / "tiny-layer-s0"
+    assert sorted(step_losses(run)) == [1, 2, 3]  # the k-th update's loss at step k
+    probed = {int(r["step"]) for r in metrics_rows(run) if r.get("probe/ln1.in/ones_deg")}
+    assert probed == {r["step"] for r in read_rows(run / "angles.jsonl")} == {0, 2, 3}
+    tokens = {int(r["step"]): float(r["train/tokens_seen"]) for r in metrics_rows(run) if r.get("train/tokens_seen")}
+    assert all(value == step * 8 * 64 for step, value in tokens.items())

@@ -54,7 +54,7 @@ def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) ->
 
 def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> None:
     losses = step_losses(accumulated_run)
-    assert sorted(losses) == list(range(6))
+    assert sorted(losses) == list(range(1, 7))  # the k-th update at step k, like its probe and checkpoint
     assert all(0 < loss < 12 for loss in losses.values())
 
 
