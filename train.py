@@ -82,7 +82,6 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
@@ -100,6 +99,7 @@ from corpus.sources import SourceError
 from normgeo.config import CONF_DIR
 from normgeo.hardware import default_precision
 from normgeo.lit import LitGPT
+from normgeo.logged_figures import figure_key, log_figures
 from normgeo.run_config import (
     ResumeConfigError,
     is_rank_zero,
@@ -128,8 +128,13 @@ def record_slurm_job(run_dir: Path) -> None:
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    """The loggers of ``cfg.logger``: a dict name -> config (conf/logger/*.yaml combine, e.g. logger=[csv,wandb]);
+    a null entry (logger.wandb=null) is skipped; a plain list still works."""
+    configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
     loggers = []
-    for logger_cfg in cfg.logger or []:
+    for logger_cfg in configs:
+        if not logger_cfg:
+            continue
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
@@ -276,6 +281,7 @@ def train(cfg: DictConfig) -> L.Trainer:
         compile=cfg.compile,
     )
     module.run_config = run_config  # into every checkpoint
+    module._log_hyperparams = False  # the loggers got the whole config above: not the module's subset again
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
     datamodule = instantiate(cfg.data)
@@ -294,9 +300,7 @@ def train(cfg: DictConfig) -> L.Trainer:
         figures = write_run_figures(run_dir)
         for figure in figures:
             log.info("figure: %s", figure)
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger) and figures:
-                logger.log_image(key="figures", images=[str(f) for f in figures], caption=[f.stem for f in figures])
+        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
     if trainer.is_global_zero:
         summary = run_summary(trainer, clock, run_dir, tokens_per_step=cfg.global_batch * cfg.seq_len, figures=figures)
         write_summary(run_dir, summary)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -56,26 +57,72 @@ def _tensorboard_rows(run_dir: Path) -> Iterator[tuple[int, int, str, float]]:
                 yield _version(version), int(event.step), tag, float(event.value)
 
 
+# The .wandb file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of
+# chunks, each with a 7-byte header (crc32, length, type: full / first / middle / last) and a piece of one
+# serialized wandb Record protobuf. wandb >= 0.19 (wandb-core) has no Python reader of its own.
+_FILE_HEADER = struct.Struct("<4sHB")
+_CHUNK_HEADER = struct.Struct("<IHB")
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def wandb_records(path: Path) -> Iterator[bytes]:
+    """The serialized records of a ``.wandb`` file (a truncated last record, of a killed run, is dropped)."""
+    data = Path(path).read_bytes()
+    ident, _, _ = _FILE_HEADER.unpack_from(data, 0)
+    if ident != b":W&B":
+        raise ValueError(f"{path} is not a wandb transaction log")
+    offset, pending = _FILE_HEADER.size, b""
+    while offset + _CHUNK_HEADER.size <= len(data):
+        left_in_block = _BLOCK - offset % _BLOCK
+        if left_in_block < _CHUNK_HEADER.size:  # the block's tail is padding
+            offset += left_in_block
+            continue
+        _, length, kind = _CHUNK_HEADER.unpack_from(data, offset)
+        start = offset + _CHUNK_HEADER.size
+        if kind == 0 or start + length > len(data):
+            break
+        chunk, offset = data[start : start + length], start + length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+
+
 def wandb_history(path: Path) -> Iterator[dict]:
     """The history rows (``{"_step": k, "train/loss": ...}``) of one ``.wandb`` transaction log."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
-    store = datastore.DataStore()
-    store.open_for_scan(str(path))
-    while True:
-        data = store.scan_data()
-        if data is None:
-            break
+    for data in wandb_records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") != "history":
             continue
-        row = {}
+        row: dict = {}
         for item in record.history.item:
-            key = item.key or "/".join(item.nested_key)
-            row[key] = json.loads(item.value_json)
+            path = [item.key] if item.key else list(item.nested_key)
+            value = json.loads(item.value_json)
+            if len(path) == 1:
+                row[path[0]] = value
+            else:  # a media object (image, table) arrives as one item per field: nest them again
+                row.setdefault(path[0], {})[path[1]] = value
         yield row
+
+
+def wandb_media(run_dir: Path) -> dict[str, set[str]]:
+    """Media keys of the run's wandb history and their types ({"figures/loss": {"images/separated"}})."""
+    media: dict[str, set[str]] = {}
+    for path in wandb_runs(Path(run_dir)):
+        for row in wandb_history(path):
+            for key, value in row.items():
+                if isinstance(value, dict) and "_type" in value:
+                    media.setdefault(key, set()).add(value["_type"])
+    return media
 
 
 def wandb_runs(run_dir: Path) -> list[Path]:

@@ -19,7 +19,6 @@ appends to ``slurm_jobs.tsv``; without them everything is inferred from the file
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -107,14 +106,14 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The last train/loss of the newest CSV session (csv/version_N/metrics.csv) that has one."""
-    sessions = sorted(run_dir.glob("csv/**/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in sessions:
-        with open(path, newline="") as handle:
-            losses = [row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")]
-        if losses:
-            return float(losses[-1])
-    return None
+    """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
+    wandb: normgeo.metrics)."""
+    from normgeo.metrics import last_value, read_metrics
+
+    try:
+        return last_value(read_metrics(run_dir), "train/loss")
+    except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
+        return None
 
 
 def last_probe_step(run_dir: Path) -> int | str | None:

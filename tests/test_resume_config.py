@@ -45,7 +45,7 @@ BASE = {
     "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
     "trainer": {"devices": 1, "strategy": "auto", "precision": "32-true"},
     "data": {"directory": "/data/pydoc", "seed": 0},
-    "logger": [{"_target_": "CSVLogger"}],
+    "logger": {"csv": {"_target_": "CSVLogger"}},
 }
 
 
@@ -61,7 +61,7 @@ def test_allowed_keys_are_ignored() -> None:
             "precision": "32-true",
         },
         "data": {"directory": "/elsewhere/pydoc", "seed": 0},
-        "logger": [],
+        "logger": {},
     }
     assert config_changes(BASE, new) == {}
 

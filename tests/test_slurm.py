@@ -43,10 +43,12 @@ USR1_CAUGHT = 1 << (10 - 1)  # SIGUSR1 = 10: its bit in /proc/<pid>/status SigCg
 RNG = random.Random(7)
 # CSV for the losses plus offline wandb, to check that a requeued run keeps its wandb id.
 CSV_WANDB = """\
-- _target_: lightning.pytorch.loggers.CSVLogger
+csv:
+  _target_: lightning.pytorch.loggers.CSVLogger
   save_dir: ${run_dir}
   name: csv
-- _target_: lightning.pytorch.loggers.WandbLogger
+wandb:
+  _target_: lightning.pytorch.loggers.WandbLogger
   project: normgeo-test
   name: ${run_name}
   save_dir: ${run_dir}
