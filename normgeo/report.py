@@ -164,7 +164,9 @@ def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="normgeo-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
     parser.add_argument("--out", type=Path, default=None, help="where comparison figures go (default: first run)")

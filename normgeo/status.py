@@ -262,7 +262,7 @@ def format_table(rows: list[RunStatus]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m normgeo.status", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="normgeo-status", description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")
