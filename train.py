@@ -308,6 +308,13 @@ def train(cfg: DictConfig) -> L.Trainer:
     return trainer
 
 
+def finish_wandb_run() -> None:
+    """Close this session's wandb run. Lightning leaves it open, and in a local ``-m`` sweep (all jobs in
+    one process) the next job's WandbLogger would then log into it instead of its own run."""
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish()
+
+
 def refuse(cfg: DictConfig, err: Exception) -> Refused:
     """Exit 2 with the reason; in a ``-m`` sweep return it instead, so that the other jobs still run
     (normgeo.session.RefusalReport lists the refused ones when the sweep ends)."""
@@ -333,6 +340,8 @@ def main(cfg: DictConfig) -> Refused | None:
         trainer = train(cfg)
     except USER_ERRORS as err:
         return refuse(cfg, err)
+    finally:
+        finish_wandb_run()
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(

@@ -88,12 +88,14 @@ ARM_SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0"
 
 @pytest.fixture(scope="session")
 def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict[str, bytes]]:
-    """A LayerNorm arm trained alone, then ``-m norm=layer,rms`` into the same folder: the layer job is
-    refused (its directory holds a run) and the rms job runs. Returns the folder, the sweep's result and
-    the layer run's Hydra files and train.log as they were before the sweep."""
+    """A LayerNorm arm trained alone, then a 2-norm x 2-seed sweep ``-m norm=layer,rms seed=0,1`` into the
+    same folder: the layer seed-0 job is refused (its directory holds a run), the other three run (in one
+    process, a few seconds each). Returns the folder, the sweep's result and the layer run's Hydra files
+    and train.log as they were before the sweep."""
     root = tmp_path_factory.mktemp("arms") / "outputs"
     run_train(root / "tiny-layer-s0", *ARM_SETTINGS)
     layer = root / "tiny-layer-s0"
     before = {str(p.relative_to(layer)): p.read_bytes() for p in [*layer.glob(".hydra/*"), layer / "train.log"]}
-    sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms")
+    # All three loggers at once in the sweep's jobs (tests/test_loggers.py reads them).
+    sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[csv,wandb,tensorboard]")
     return root, sweep, before

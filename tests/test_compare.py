@@ -1,6 +1,6 @@
-"""``python -m normgeo.compare`` on a real pair of arms (the LayerNorm run and the RMSNorm job of the
-conftest sweep): the tidy tables hold every record, the summary's numbers are the runs' own, and the
-figures are written as PNG and PDF."""
+"""``python -m normgeo.compare`` on a real 2-norm x 2-seed sweep (conftest ``arms_sweep``): the tidy
+tables hold every record, the summary's numbers are the runs' own, and the figures are written as PNG
+and PDF."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from normgeo.compare import main as compare_main
 from normgeo.records import read_rows
 from tests.conftest import step_losses
 
+RUNS = [f"tiny-{norm}-s{seed}" for norm in ("layer", "rms") for seed in (0, 1)]
+
 
 @pytest.fixture(scope="module")
 def compared(arms_sweep) -> Path:
@@ -25,11 +27,12 @@ def compared(arms_sweep) -> Path:
 def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
     out = compared / "compare"
     angles = pd.read_parquet(out / "angles.parquet")
-    for run in ("tiny-layer-s0", "tiny-rms-s0"):
+    assert set(angles["run"]) == set(RUNS)
+    for run in RUNS:
         rows = read_rows(compared / run / "angles.jsonl")
         mine = angles[angles["run"] == run]
         assert len(mine) == len(rows) == 3 * 30
-        assert set(mine["arm"]) == {run.split("-")[1]} and set(mine["seed"]) == {0}
+        assert set(mine["arm"]) == {run.split("-")[1]} and set(mine["seed"]) == {int(run[-1])}
         by_key = {(r["step"], str(r["layer"]), r["site"], r["ref"]): r for r in rows}
         for rec in mine.itertuples():
             source = by_key[(rec.step, rec.layer, rec.site, rec.ref)]
@@ -40,9 +43,10 @@ def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
 
 
 def test_summary_numbers_are_the_runs_own(compared: Path) -> None:
-    summary = pd.read_csv(compared / "compare" / "summary.csv").set_index("run")
-    assert set(summary["arm"]) == {"layer", "rms"}
-    for run in ("tiny-layer-s0", "tiny-rms-s0"):
+    summary = pd.read_csv(compared / "compare" / "summary.csv")
+    assert list(zip(summary["arm"], summary["seed"], strict=True)) == [("layer", 0), ("layer", 1), ("rms", 0), ("rms", 1)]
+    summary = summary.set_index("run")
+    for run in RUNS:
         row = summary.loc[run]
         rows = read_rows(compared / run / "angles.jsonl")
         assert row["final_step"] == 3 and row["tokens"] == 3 * 8 * 64

@@ -50,8 +50,8 @@ def test_a_sweep_runs_its_other_jobs_and_lists_the_refused_ones(arms_sweep) -> N
     assert sweep.returncode == 2, sweep.stderr[-3000:]
     assert "1 job(s) of the sweep were refused" in sweep.stderr
     assert f"{root / 'tiny-layer-s0'}: " in sweep.stderr
-    rms = root / "tiny-rms-s0"
-    assert sorted({r["step"] for r in read_rows(rms / "angles.jsonl")}) == [0, 2, 3]
+    for run in ("tiny-rms-s0", "tiny-layer-s1", "tiny-rms-s1"):
+        assert sorted({r["step"] for r in read_rows(root / run / "angles.jsonl")}) == [0, 2, 3], run
     layer = root / "tiny-layer-s0"
     assert {k: (layer / k).read_bytes() for k in before} == before
 
@@ -77,7 +77,7 @@ def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path
     assert rows["analyze/minilm"]["state"] == "analyzed" and rows["analyze/minilm"]["probe_step"] == "pretrained"
     # The refused launches did not rewrite max_steps: the layer run still reads 3/3, finished.
     assert (rows["tiny-layer-s0"]["step"], rows["tiny-layer-s0"]["max_steps"]) == (3, 3)
-    assert rows["tiny-layer-s0"]["state"] == rows["tiny-rms-s0"]["state"] == "finished"
+    assert {rows[f"tiny-{n}-s{s}"]["state"] for n in ("layer", "rms") for s in (0, 1)} == {"finished"}
     assert status_main([str(with_analysis), "--no-slurm"]) == 0
     assert "pretrained" in capsys.readouterr().out
 
@@ -90,7 +90,11 @@ def test_end_of_run_summary_on_the_console_and_in_summary_json(arms_sweep) -> No
     assert summary["train_loss"] == pytest.approx(step_losses(rms)[3])
     assert summary["tokens_seen"] == 3 * 8 * 64 and summary["wall_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["records"] == str(rms / "angles.jsonl") and summary["figures"]
-    assert summary["logs"] == {"CSVLogger": str(rms / "csv" / "version_0")}
+    assert summary["logs"]["CSVLogger"] == str(rms / "csv" / "version_0")
+    assert summary["logs"]["TensorBoardLogger"] == str(rms / "tensorboard" / "version_0")
+    run_id = (rms / "wandb_run_id.txt").read_text().strip()
+    assert summary["logs"]["WandbLogger"].startswith(str(rms / "wandb" / "offline-run-"))
+    assert summary["logs"]["WandbLogger"].endswith(run_id)
     assert "run summary: step 3/3 (finished) · train loss" in sweep.stdout + sweep.stderr
     assert f"summary:     {rms / 'summary.json'}" in sweep.stdout + sweep.stderr
 
