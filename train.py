@@ -7,7 +7,6 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (the SLURM signal handler is installed before the slow imports, on purpose)
-import glob
 import logging
 import os
 import secrets
@@ -80,13 +79,13 @@ install_requeue_handler()
 
 import hydra
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.checkpointing import (
-    LAST,
     AtomicCheckpointIO,
     CheckpointSchedule,
     NonFiniteError,
@@ -100,39 +99,19 @@ from corpus.sources import SourceError
 from normgeo.config import CONF_DIR
 from normgeo.hardware import default_precision
 from normgeo.lit import LitGPT
+from normgeo.logged_figures import figure_key, log_figures
 from normgeo.run_config import (
     ResumeConfigError,
     is_rank_zero,
     resolved_run_config,
     save_run_config,
-    verify_run_config,
 )
+from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
+from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
 SLURM_JOBS_FILE = "slurm_jobs.tsv"
-
-
-class RunDirectoryError(RuntimeError):
-    """The run directory holds an earlier run and no resume was asked for."""
-
-
-def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
-    """The checkpoint to continue from: the newest of last.ckpt and SLURM's hpc_ckpt_*.ckpt."""
-    candidates = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
-    candidates += [p for p in [run_dir / "checkpoints" / LAST] if p.exists()]
-    if resume is None:
-        if candidates:
-            raise RunDirectoryError(
-                f"{run_dir} already holds a run ({candidates[0].name}). Continue it with resume=auto, "
-                "or start another with a different run_name=... or seed=..."
-            )
-        return None
-    if resume == "auto":
-        return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
-    if not Path(resume).is_file():
-        raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)")
-    return resume
 
 
 def record_slurm_job(run_dir: Path) -> None:
@@ -149,8 +128,13 @@ def record_slurm_job(run_dir: Path) -> None:
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    """The loggers of ``cfg.logger``: a dict name -> config (conf/logger/*.yaml combine, e.g. logger=[csv,wandb]);
+    a null entry (logger.wandb=null) is skipped; a plain list still works."""
+    configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
     loggers = []
-    for logger_cfg in cfg.logger or []:
+    for logger_cfg in configs:
+        if not logger_cfg:
+            continue
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
@@ -230,13 +214,10 @@ def train(cfg: DictConfig) -> L.Trainer:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
-    resume = cfg.resume
-    if resume is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
-        resume = "auto"  # a requeued job continues its own run, whatever its command line says
-    ckpt_path = resume_checkpoint(run_dir, resume)
-    # Before this session writes anything into the run directory: a resume continues the same experiment.
+    # Before this session writes anything into the run directory (conf/train.yaml already kept Hydra's
+    # files out of a refused one): a resume continues the same experiment, a new run a new directory.
+    ckpt_path = session_checkpoint(cfg)
     run_config = resolved_run_config(cfg)
-    verify_run_config(run_dir, ckpt_path, run_config)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -277,6 +258,8 @@ def train(cfg: DictConfig) -> L.Trainer:
                 bootstrap_block=cfg.probe.bootstrap.block,
             )
         )
+    clock = SessionClock()
+    callbacks.append(clock)
     if requeue is not None:
         callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -303,6 +286,7 @@ def train(cfg: DictConfig) -> L.Trainer:
         compile=cfg.compile,
     )
     module.run_config = run_config  # into every checkpoint
+    module._log_hyperparams = False  # the loggers got the whole config above: not the module's subset again
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
     datamodule = instantiate(cfg.data)
@@ -314,31 +298,55 @@ def train(cfg: DictConfig) -> L.Trainer:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if requeue is not None and requeue.stopped_at is not None:
         return trainer  # main() requeues; the figures come when the run is complete
+    figures: list[Path] = []
     if trainer.is_global_zero and cfg.probe.enabled:
         from normgeo.report import write_run_figures
 
         figures = write_run_figures(run_dir)
         for figure in figures:
             log.info("figure: %s", figure)
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger) and figures:
-                logger.log_image(key="figures", images=[str(f) for f in figures], caption=[f.stem for f in figures])
+        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
+    if trainer.is_global_zero:
+        summary = run_summary(trainer, clock, run_dir, tokens_per_step=cfg.global_batch * cfg.seq_len, figures=figures)
+        write_summary(run_dir, summary)
+        log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
     return trainer
+
+
+def finish_wandb_run() -> None:
+    """Close this session's wandb run. Lightning leaves it open, and in a local ``-m`` sweep (all jobs in
+    one process) the next job's WandbLogger would then log into it instead of its own run."""
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish()
+
+
+def refuse(cfg: DictConfig, err: Exception) -> Refused:
+    """Exit 2 with the reason; in a ``-m`` sweep return it instead, so that the other jobs still run
+    (normgeo.session.RefusalReport lists the refused ones when the sweep ends)."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Refused(str(cfg.run_dir), str(err))
+    sys.exit(2)
 
 
 USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Refused | None:
     # Again here: the submitit launcher unpickles main() on the node without running this file's top.
     requeue = install_requeue_handler()
+    try:
+        session_checkpoint(cfg)  # refused: say so without logging a session into the run's train.log
+    except REFUSALS as err:
+        return refuse(cfg, err)
     log.info("run directory: %s", cfg.run_dir)
     try:
         trainer = train(cfg)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return refuse(cfg, err)
+    finally:
+        finish_wandb_run()
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(

@@ -9,11 +9,12 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, after_optimizer_step
 from corpus.sources import probe_documents
 from corpus.tokenize import first_tokens, tiktoken_batch_encoder
+from normgeo.logged_figures import log_figures
 from normgeo.probe import make_references, run_probe
 from normgeo.records import (
     ANGLES_FILE,
@@ -141,21 +142,28 @@ class AngleProbe(L.Callback):
         return rows
 
     def _log(self, trainer: L.Trainer, rows: list[dict], step: int) -> None:
-        """Scalar summaries (mean over layers per site and reference); on wandb also the table and figure."""
+        """Scalar summaries (mean over layers per site and reference) to every logger; to the loggers with
+        a plotting UI (wandb, TensorBoard) also one scalar per layer, ``probe/<site>/<ref>/layer<k>``, so
+        that a layer can be plotted across steps, and this step's figure; on wandb also the table."""
         summary: dict[str, list[float]] = {}
+        per_layer: dict[str, float] = {}
         for row in rows:
             summary.setdefault(f"probe/{row['site']}/{row['ref']}_deg", []).append(row["mean_deg"])
+            layer = f"layer{row['layer']}" if isinstance(row["layer"], int) else str(row["layer"])
+            per_layer[f"probe/{row['site']}/{row['ref']}/{layer}"] = row["mean_deg"]
         metrics = {key: float(np.mean(values)) for key, values in summary.items()}
+        plotting = [lg for lg in trainer.loggers if isinstance(lg, (WandbLogger, TensorBoardLogger))]
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics({**metrics, **per_layer} if logger in plotting else metrics, step=step)
             if self.log_table and isinstance(logger, WandbLogger):
                 columns = list(rows[0])
                 # wandb tables want one type per column: layer mixes block indices and "final".
                 data = [[str(r[c]) if c == "layer" else r[c] for c in columns] for r in rows]
                 logger.log_table(key="probe/angles", columns=columns, data=data)
-                # The paper-style figure of this step (also kept in <run_dir>/figures).
-                from normgeo.report import plot_layers
+        if self.log_table and plotting:
+            # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
+            from normgeo.report import plot_layers
 
-                figure = plot_layers(rows, self.run_dir / "figures", step=step)
-                logger.log_image(key="probe/layers", images=[str(figure)], step=step, caption=[f"step {step}"])
+            figure = plot_layers(rows, self.run_dir / "figures", step=step)
+            log_figures(plotting, {"probe/layers": figure}, step=step)
         log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)

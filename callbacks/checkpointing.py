@@ -31,7 +31,8 @@ class CheckpointSchedule:
     """The optimizer steps at which the experiment's checkpoints (and probes) happen.
 
     Either an explicit list of steps, or the rule "every ``dense_every`` steps up to ``dense_until``,
-    then every ``sparse_every`` steps" (the paper: 1000 / 10000 / 10000), always capped at ``max_steps``.
+    then every ``sparse_every`` steps" (the paper: 1000 / 10000 / 10000), always capped at ``max_steps``
+    and always ending with ``max_steps`` itself: the trained model is the one result every run must keep.
     """
 
     def __init__(
@@ -52,7 +53,11 @@ class CheckpointSchedule:
         bad = sorted(s for s in chosen if s <= 0)
         if bad:
             raise ValueError(f"checkpoint steps must be positive, got {bad}")
-        self.steps: list[int] = sorted(s for s in chosen if s <= max_steps)
+        chosen = {s for s in chosen if s <= max_steps}
+        if max_steps > 0 and max_steps not in chosen:
+            log.info("checkpoint schedule: adding the final step %d (not on the schedule)", max_steps)
+            chosen.add(max_steps)
+        self.steps: list[int] = sorted(chosen)
         self._lookup = frozenset(self.steps)
 
     def __contains__(self, step: int) -> bool:

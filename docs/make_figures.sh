@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates every figure in docs/figures and every number the README quotes (docs/numbers.md), on the
-# current code, offline, on CPU: the two smoke arms, SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
+# current code, offline, on CPU: the two smoke arms (per-run figures, normgeo.report, normgeo.compare), SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
 # tokens of ../shared/corpora/wikipedia. About 20 minutes on 2 CPU cores.
 #
 #   bash docs/make_figures.sh [output_root]      # default: outputs/readme (deleted first)
@@ -15,6 +15,7 @@ for norm in layer rms; do
   python train.py experiment=smoke norm=$norm output_root="$OUT" trainer.enable_progress_bar=false
 done
 python -m normgeo.report "$OUT/smoke-layer-s0" "$OUT/smoke-rms-s0"
+python -m normgeo.compare "$OUT" --formats png,pdf   # before analyze.py writes $OUT/analyze
 for model in smollm2-135m minilm; do
   python analyze.py model=$model probe=local probe.path="$WIKI" probe.tokens=100000 output_root="$OUT" progress=false
 done
@@ -31,5 +32,21 @@ cp "$OUT/analyze/smollm2-135m-instruct-q4_1/figures/layers_smollm2-135m-instruct
 cp "$OUT/analyze/smollm2-135m-instruct-q4_1/figures/null_layers_smollm2-135m-instruct-q4_1_rms_pretrained.png" \
   $fig/smollm2-135m-null-layers.png
 cp "$OUT/analyze/minilm/figures/null_layers_minilm_layer_pretrained.png" $fig/minilm-null-layers.png
-python docs/readme_numbers.py "$OUT" > docs/numbers.md
+for figure in overlay_ln1.in_ones overlay_ln1.out_ones loss; do
+  cp "$OUT/compare/$figure.png" "$fig/compare-$figure.png"
+done
+{
+  python docs/readme_numbers.py "$OUT"
+  printf '\n## Compare the arms\n\nnormgeo.compare summary.md:\n\n'
+  cat "$OUT/compare/summary.md"
+  printf '\nln1 against 1 per arm, step, layer (mean, p05, p95 over the probe tokens):\n\n'
+  python - "$OUT" <<'PY'
+import json, sys
+for arm in ("layer", "rms"):
+    for line in open(f"{sys.argv[1]}/smoke-{arm}-s0/angles.jsonl"):
+        r = json.loads(line)
+        if r["ref"] == "ones" and r["step"] in (0, 100) and r["layer"] in (0, 1) and r["site"].startswith("ln1"):
+            print(f"- {arm} step {r['step']} layer {r['layer']} {r['site']}: {r['mean_deg']:.2f} ({r['p05']:.2f}-{r['p95']:.2f})")
+PY
+} > docs/numbers.md
 echo "figures in $fig, numbers in docs/numbers.md"

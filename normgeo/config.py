@@ -24,6 +24,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("abspath", lambda path: os.path.abspath(os.path.expanduser(str(path))))
     if not OmegaConf.has_resolver("slug"):
         OmegaConf.register_new_resolver("slug", _slug)
+    from normgeo.session import register_resolver
+
+    register_resolver()  # normgeo_if_accepted (conf/train.yaml's hydra.output_subdir and train.log)
 
 
 register_resolvers()

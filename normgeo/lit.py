@@ -115,12 +115,20 @@ class LitGPT(L.LightningModule):
                 metrics["perf/mfu"] = flops / peak
             self.log("tok/s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         self._last_step_time = now
+        # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss
+        # at step k, the step at which the probe records the weights that update produced.
+        metrics["step"] = float(step)
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
         self.log("loss", global_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
         self.log("val/loss", self.model(inputs, targets), on_epoch=True, sync_dist=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        # Lightning would log the validation after update k at step k-1: at k, like the loss and probe.
+        if not self.trainer.sanity_checking:
+            self.log("step", float(self.trainer.global_step), on_epoch=True, on_step=False)
 
     def configure_optimizers(self):
         hp = self.hparams

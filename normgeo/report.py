@@ -124,9 +124,12 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
                 key=lambda r: _layer_position(r["layer"], n_layers),
             )
             if series:
+                # Side by side, after-markers hollow: in the RMSNorm arm after equals before and would hide it.
+                offset = list(SITE_STYLE).index(suffix) * 0.12
                 ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) for r in series], [r["mean_deg"] for r in series],
+                    [_layer_position(r["layer"], n_layers) + offset for r in series], [r["mean_deg"] for r in series],
                     yerr=[r["std_deg"] for r in series], fmt=marker, ms=4, capsize=2, label=label,
+                    mfc="none" if suffix != "in" else None,
                 )
         norm = chosen[0]["norm"] if chosen else "?"
         ax.set_title(f"{chosen[0]['model'] if chosen else name} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
@@ -248,7 +251,9 @@ def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="normgeo-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
     parser.add_argument("--out", type=Path, default=None, help="where comparison figures go (default: first run)")

@@ -8,7 +8,9 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 * preempted: asked to requeue (SLURM pending/requeued, PREEMPTED, or the run's own log says it stopped
   to requeue) and not running now;
 * stopped:   ended cleanly at ``stop_at_step`` (continue with ``resume=auto``);
-* failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``).
+* failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``);
+* analyzed:  not a training run but an ``analyze.py`` folder (``outputs/analyze/<model>``); its probe
+  column reads ``pretrained`` for a model measured as published.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
@@ -17,7 +19,6 @@ appends to ``slurm_jobs.tsv``; without them everything is inferred from the file
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ class RunStatus:
     step: int | None
     max_steps: int | None
     loss: float | None
-    probe_step: int | None
+    probe_step: int | str | None
     slurm_job: str | None
     slurm_state: str | None
     updated_s_ago: float | None
@@ -59,6 +60,17 @@ def find_runs(root: Path) -> Iterator[Path]:
             yield here
             continue
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+
+
+def is_analysis(run_dir: Path) -> bool:
+    """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    except Exception:
+        return False
+    return "out_dir" in cfg and "max_steps" not in cfg
 
 
 def run_config(run_dir: Path) -> tuple[int | None, int | None]:
@@ -94,26 +106,28 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The last train/loss of the newest CSV session (csv/version_N/metrics.csv) that has one."""
-    sessions = sorted(run_dir.glob("csv/**/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in sessions:
-        with open(path, newline="") as handle:
-            losses = [row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")]
-        if losses:
-            return float(losses[-1])
-    return None
+    """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
+    wandb: normgeo.metrics)."""
+    from normgeo.metrics import last_value, read_metrics
+
+    try:
+        return last_value(read_metrics(run_dir), "train/loss")
+    except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
+        return None
 
 
-def last_probe_step(run_dir: Path) -> int | None:
+def last_probe_step(run_dir: Path) -> int | str | None:
+    """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
     path = run_dir / "angles.jsonl"
     if not path.is_file():
         return None
-    steps = []
+    steps = set()
     with open(path) as handle:
         for line in handle:
             if line.strip():
-                steps.append(json.loads(line)["step"])
-    return max(steps) if steps else None
+                steps.add(json.loads(line)["step"])
+    trained = [s for s in steps if s is not None]
+    return max(trained) if trained else ("pretrained" if steps else None)
 
 
 def slurm_job(run_dir: Path) -> str | None:
@@ -191,6 +205,9 @@ def infer_state(
 
 
 def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
+    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    if is_analysis(run_dir):
+        return RunStatus(name, "analyzed", None, None, None, last_probe_step(run_dir), None, None, None)
     max_steps, stop_at_step = run_config(run_dir)
     step, ckpt = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
@@ -207,7 +224,6 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         updated_s_ago=updated,
         active_s=active_s,
     )
-    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
     return RunStatus(
         run=name,
         state=state,
@@ -235,6 +251,8 @@ def format_table(rows: list[RunStatus]) -> str:
     lines = [header]
     for r in rows:
         step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
+        if r.state == "analyzed":
+            step = "-"
         slurm = "-" if r.slurm_job is None else f"{r.slurm_job} {r.slurm_state or '(gone)'}"
         loss = "-" if r.loss is None else f"{r.loss:.4f}"
         probe = "-" if r.probe_step is None else str(r.probe_step)
@@ -244,7 +262,7 @@ def format_table(rows: list[RunStatus]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m normgeo.status", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="normgeo-status", description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")

@@ -71,5 +71,31 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per optimizer step (logged as step k-1 for the k-th update); a later session wins."""
+    """train/loss per optimizer step (the k-th update's loss at step k, as its probe); a later session wins."""
     return {int(r["step"]): float(r["train/loss"]) for r in metrics_rows(run_dir) if r.get("train/loss")}
+
+
+def run_sweep(output_root: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python train.py -m ...`` with the FAST settings: one run directory per job under output_root."""
+    args = [sys.executable, str(ROOT / "train.py"), "-m", *FAST, f"output_root={output_root}",
+            f"data_root={output_root.parent / 'data'}", *overrides]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+# The arms of the compare/state tests: 3 steps, probe at 0, 2 and the final step 3 (not on the schedule).
+ARM_SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0")
+
+
+@pytest.fixture(scope="session")
+def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict[str, bytes]]:
+    """A LayerNorm arm trained alone, then a 2-norm x 2-seed sweep ``-m norm=layer,rms seed=0,1`` into the
+    same folder: the layer seed-0 job is refused (its directory holds a run), the other three run (in one
+    process, a few seconds each). Returns the folder, the sweep's result and the layer run's Hydra files
+    and train.log as they were before the sweep."""
+    root = tmp_path_factory.mktemp("arms") / "outputs"
+    run_train(root / "tiny-layer-s0", *ARM_SETTINGS)
+    layer = root / "tiny-layer-s0"
+    before = {str(p.relative_to(layer)): p.read_bytes() for p in [*layer.glob(".hydra/*"), layer / "train.log"]}
+    # All three loggers at once in the sweep's jobs (tests/test_loggers.py reads them).
+    sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[csv,wandb,tensorboard]")
+    return root, sweep, before

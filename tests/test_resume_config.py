@@ -45,7 +45,7 @@ BASE = {
     "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
     "trainer": {"devices": 1, "strategy": "auto", "precision": "32-true"},
     "data": {"directory": "/data/pydoc", "seed": 0},
-    "logger": [{"_target_": "CSVLogger"}],
+    "logger": {"csv": {"_target_": "CSVLogger"}},
 }
 
 
@@ -61,7 +61,7 @@ def test_allowed_keys_are_ignored() -> None:
             "precision": "32-true",
         },
         "data": {"directory": "/elsewhere/pydoc", "seed": 0},
-        "logger": [],
+        "logger": {},
     }
     assert config_changes(BASE, new) == {}
 
@@ -237,7 +237,7 @@ def test_a_smaller_micro_batch_and_another_stop_step_are_accepted(
     assert last["run_config"]["micro_batch"] == 2 and last["run_config"]["run_dir"] == str(run_dir)
     assert (run_dir / RUN_CONFIG_FILE).read_bytes() == saved  # the first session's, kept
     losses, whole = step_losses(run_dir), step_losses(whole_run)
-    assert sorted(losses) == [0, 1, 2]
+    assert sorted(losses) == [1, 2, 3]
     # 4 accumulated micro-batches of 2 instead of 2 of 4: same tokens, only the summation order differs.
     assert all(losses[step] == pytest.approx(whole[step], rel=1e-5) for step in losses)
 
@@ -250,7 +250,7 @@ def test_resuming_on_two_ddp_processes_continues_the_one_device_run(
     run_train(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")
     assert checkpoint_run_config(run_dir / "checkpoints" / "last.ckpt")["trainer"]["devices"] == 2
     losses, whole = step_losses(run_dir), step_losses(whole_run)
-    assert sorted(losses) == sorted(whole) == [0, 1, 2, 3]
+    assert sorted(losses) == sorted(whole) == [1, 2, 3, 4]
     for step, loss in whole.items():
         # Same tokens, same weights after step 2: only the order of the gradient all-reduce and of the
         # loss mean over ranks differs from one device's accumulation, so the losses agree to float32.

@@ -123,9 +123,9 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
     assert resumed_from[0] >= first - 1 and resumed_from[1] >= second - 1
 
     reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
-    assert sorted(reference) == list(range(MAX_STEPS))
+    assert sorted(reference) == list(range(1, MAX_STEPS + 1))  # the k-th update's loss at step k
     # The last session logged every step from its checkpoint on; earlier sessions died unflushed.
-    assert set(range(resumed_from[-1], MAX_STEPS)) <= set(losses)
+    assert set(range(resumed_from[-1] + 1, MAX_STEPS + 1)) <= set(losses)
     assert {step: reference[step] for step in losses} == losses  # bitwise: same floats
     assert angle_table(run_dir) == angle_table(uninterrupted)
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
@@ -144,7 +144,7 @@ def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(workdir
     run_to_end(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")
 
     reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
-    assert set(range(resumed, MAX_STEPS)) <= set(losses)
+    assert set(range(resumed + 1, MAX_STEPS + 1)) <= set(losses)
     for s, loss in losses.items():
         # Same tokens and weights; 2 ranks x 1 micro-batch instead of 1 rank x 2: only summation order differs.
         assert loss == pytest.approx(reference[s], rel=1e-4), s

@@ -48,7 +48,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def test_fsdp_loss_curve_equals_ddp(runs: dict[str, Path]) -> None:
     fsdp, ddp = step_losses(runs["fsdp"]), step_losses(runs["ddp"])
-    assert sorted(fsdp) == [0, 1, 2, 3]
+    assert sorted(fsdp) == [1, 2, 3, 4]
     for step, loss in ddp.items():
         assert fsdp[step] == pytest.approx(loss, rel=LOSS_RTOL), step
 
@@ -92,7 +92,7 @@ def test_fsdp_last_checkpoint_resumes_exactly(runs: dict[str, Path]) -> None:
 
 def test_a_ddp_run_continues_an_fsdp_run(runs: dict[str, Path]) -> None:
     continued, whole = step_losses(runs["ddp_from_fsdp"]), step_losses(runs["fsdp"])
-    assert sorted(continued) == [0, 1, 2, 3]
+    assert sorted(continued) == [1, 2, 3, 4]
     for step, loss in whole.items():
         assert continued[step] == pytest.approx(loss, rel=LOSS_RTOL), step
 

@@ -43,10 +43,12 @@ USR1_CAUGHT = 1 << (10 - 1)  # SIGUSR1 = 10: its bit in /proc/<pid>/status SigCg
 RNG = random.Random(7)
 # CSV for the losses plus offline wandb, to check that a requeued run keeps its wandb id.
 CSV_WANDB = """\
-- _target_: lightning.pytorch.loggers.CSVLogger
+csv:
+  _target_: lightning.pytorch.loggers.CSVLogger
   save_dir: ${run_dir}
   name: csv
-- _target_: lightning.pytorch.loggers.WandbLogger
+wandb:
+  _target_: lightning.pytorch.loggers.WandbLogger
   project: normgeo-test
   name: ${run_name}
   save_dir: ${run_dir}
@@ -136,7 +138,7 @@ class Job:
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
     losses, expected = all_step_losses(run_dir), all_step_losses(reference)
-    assert sorted(expected) == list(range(MAX_STEPS))
+    assert sorted(expected) == list(range(1, MAX_STEPS + 1))
     assert losses == expected  # every step, bitwise (same 2 processes; probing does not touch training)
     assert angle_table(run_dir) == angle_table(reference)
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
@@ -154,10 +156,11 @@ def reference(workdir: Path) -> Path:
 
 def test_sbatch_ddp_job_leaves_checkpoints_probes_and_figures(reference: Path) -> None:
     checkpoints = sorted(p.name for p in (reference / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step-0000002.ckpt", "step-0000008.ckpt"]
-    assert sorted({key[0] for key in angle_table(reference)}) == [0, 2, 8]
+    # The final step is always on the schedule.
+    assert checkpoints == ["last.ckpt", "step-0000002.ckpt", "step-0000008.ckpt", f"step-{MAX_STEPS:07d}.ckpt"]
+    assert sorted({key[0] for key in angle_table(reference)}) == [0, 2, 8, MAX_STEPS]
     assert any((reference / "figures").glob("layers_*.png"))
-    assert all_step_losses(reference).keys() == set(range(MAX_STEPS))
+    assert all_step_losses(reference).keys() == set(range(1, MAX_STEPS + 1))
     assert len((reference / "slurm_jobs.tsv").read_text().splitlines()) == 1
 
 

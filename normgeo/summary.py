@@ -1,0 +1,106 @@
+"""The end-of-run summary: printed when train.py ends and kept in ``<run_dir>/summary.json``.
+
+Final train and validation loss, steps and tokens, wall time and tokens/s (over every session of the
+run: a resumed session adds its time to the previous sessions'), and where the records, figures,
+checkpoints and logs are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from normgeo.atomic import atomic_open
+
+SUMMARY_FILE = "summary.json"
+
+
+class SessionClock(L.Callback):
+    """The optimizer steps and wall time of this session's training (validation and probes included)."""
+
+    def __init__(self) -> None:
+        self.start_step = 0
+        self.started: float | None = None
+        self.wall_s = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step  # the checkpoint's step when resuming
+        self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.started is not None:
+            self.wall_s = time.perf_counter() - self.started
+
+
+def _metric(trainer: L.Trainer, name: str) -> float | None:
+    value = trainer.callback_metrics.get(name)
+    return None if value is None else float(value)
+
+
+def _log_dir(logger: Any) -> str | None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger):
+        return str(Path(logger.experiment.dir).parent)  # wandb/<offline->run-<time>-<id>
+    return getattr(logger, "log_dir", None)
+
+
+def run_summary(
+    trainer: L.Trainer, clock: SessionClock, run_dir: Path, *, tokens_per_step: int, figures: list[Path]
+) -> dict[str, Any]:
+    """The summary of the run as it stands after this session, merged with earlier sessions' wall time."""
+    previous = read_summary(run_dir) if clock.start_step > 0 else {}
+    step = trainer.global_step
+    session_tokens = (step - clock.start_step) * tokens_per_step
+    wall_s = float(previous.get("wall_s") or 0.0) + clock.wall_s
+    return {
+        "step": step,
+        "max_steps": trainer.max_steps,
+        "finished": step >= trainer.max_steps,
+        "train_loss": _metric(trainer, "train/loss"),
+        "val_loss": _metric(trainer, "val/loss"),
+        "tokens_seen": step * tokens_per_step,
+        "wall_s": round(wall_s, 3),
+        "sessions": int(previous.get("sessions") or 0) + 1,
+        "session_wall_s": round(clock.wall_s, 3),
+        "tokens_per_s": round(session_tokens / clock.wall_s, 1) if clock.wall_s > 0 else None,
+        "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
+        "figures": [str(f) for f in figures],
+        "checkpoints": str(run_dir / "checkpoints"),
+        "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
+        "train_log": str(run_dir / "train.log"),
+    }
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / SUMMARY_FILE
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    return path
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def number(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"run summary: step {summary['step']}/{summary['max_steps']}"
+        f"{' (finished)' if summary['finished'] else ''} · train loss {number(summary['train_loss'], '.4f')}"
+        f" · val loss {number(summary['val_loss'], '.4f')} · {summary['tokens_seen']:,} tokens"
+        f" · {number(summary['tokens_per_s'], ',.0f')} tok/s · wall {summary['wall_s']:.1f} s",
+        f"  records:     {summary['records'] or '-'}",
+        f"  figures:     {len(summary['figures'])} in {Path(summary['figures'][0]).parent if summary['figures'] else '-'}",
+        f"  checkpoints: {summary['checkpoints']}",
+    ]
+    lines += [f"  logs:        {name}: {where}" for name, where in summary["logs"].items()]
+    lines.append(f"  train log:   {summary['train_log']}")
+    return "\n".join(lines)

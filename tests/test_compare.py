@@ -1,0 +1,71 @@
+"""``python -m normgeo.compare`` on a real 2-norm x 2-seed sweep (conftest ``arms_sweep``): the tidy
+tables hold every record, the summary's numbers are the runs' own, and the figures are written as PNG
+and PDF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from normgeo.compare import main as compare_main
+from normgeo.records import read_rows
+from tests.conftest import step_losses
+
+RUNS = [f"tiny-{norm}-s{seed}" for norm in ("layer", "rms") for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def compared(arms_sweep) -> Path:
+    root = arms_sweep[0]
+    assert compare_main([str(root), "--formats", "png,pdf"]) == 0
+    return root
+
+
+def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
+    out = compared / "compare"
+    angles = pd.read_parquet(out / "angles.parquet")
+    assert set(angles["run"]) == set(RUNS)
+    for run in RUNS:
+        rows = read_rows(compared / run / "angles.jsonl")
+        mine = angles[angles["run"] == run]
+        assert len(mine) == len(rows) == 3 * 30
+        assert set(mine["arm"]) == {run.split("-")[1]} and set(mine["seed"]) == {int(run[-1])}
+        by_key = {(r["step"], str(r["layer"]), r["site"], r["ref"]): r for r in rows}
+        for rec in mine.itertuples():
+            source = by_key[(rec.step, rec.layer, rec.site, rec.ref)]
+            assert (rec.mean_deg, rec.p05, rec.p95) == (source["mean_deg"], source["p05"], source["p95"])
+    assert len(pd.read_csv(out / "angles.csv")) == len(angles)
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert {"train/loss", "train/lr"} <= set(metrics["metric"])
+
+
+def test_summary_numbers_are_the_runs_own(compared: Path) -> None:
+    summary = pd.read_csv(compared / "compare" / "summary.csv")
+    assert list(zip(summary["arm"], summary["seed"], strict=True)) == [("layer", 0), ("layer", 1), ("rms", 0), ("rms", 1)]
+    summary = summary.set_index("run")
+    for run in RUNS:
+        row = summary.loc[run]
+        rows = read_rows(compared / run / "angles.jsonl")
+        assert row["final_step"] == 3 and row["tokens"] == 3 * 8 * 64
+        # The last logged train loss (the 3rd update's, at step 3), from the run's own metrics.csv.
+        assert row["train_loss"] == pytest.approx(step_losses(compared / run)[3])
+        for site in ("ln1.in", "ln1.out", "ln2.in", "final.in"):
+            final = [r["mean_deg"] for r in rows if r["step"] == 3 and r["site"] == site and r["ref"] == "ones"]
+            assert row[f"ones_deg/{site}"] == pytest.approx(sum(final) / len(final))
+        # Wall time and tokens/s: the run's own summary.json (written by train.py).
+        end = json.loads((compared / run / "summary.json").read_text())
+        assert (row["wall_s"], row["tokens_per_s"]) == (end["wall_s"], end["tokens_per_s"])
+    # LayerNorm's output is orthogonal to 1 up to its bias (zero-initialised, 3 steps of training).
+    assert abs(summary.loc["tiny-layer-s0", "ones_deg/ln1.out"] - 90) < 0.5
+    assert "| layer | 0 | tiny-layer-s0 | 3 |" in (compared / "compare" / "summary.md").read_text()
+
+
+def test_overlay_and_loss_figures_in_png_and_pdf(compared: Path) -> None:
+    out = compared / "compare"
+    for stem in ("overlay_ln1.in_ones", "overlay_final.out_rand_a", "loss"):
+        for fmt in ("png", "pdf"):
+            assert (out / f"{stem}.{fmt}").stat().st_size > 1000, stem
+    assert len(list(out.glob("overlay_*.png"))) == 6 * 3  # sites x references
