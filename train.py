@@ -286,7 +286,6 @@ def train(cfg: DictConfig) -> L.Trainer:
         compile=cfg.compile,
     )
     module.run_config = run_config  # into every checkpoint
-    module._log_hyperparams = False  # the loggers got the whole config above: not the module's subset again
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
     datamodule = instantiate(cfg.data)

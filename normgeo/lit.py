@@ -45,7 +45,8 @@ class LitGPT(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # logger=False: train.py logs the whole run config once; the module's subset would repeat it.
+        self.save_hyperparameters(logger=False)
         self.model = GPT(GPTConfig(**model), seed=seed)
         # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding
         # scheme that flattens parameters (FSDP1) would show every one as 1-D by the time the optimizer is made.
