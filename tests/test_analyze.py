@@ -27,7 +27,6 @@ from normgeo.analysis import (
 )
 from normgeo.analysis import main as summary_main
 from normgeo.norm_sites import find_norm_sites
-from normgeo.pretrained import load_pretrained, minilm_path, smollm2_gguf_path
 from normgeo.probe import make_references
 from normgeo.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
@@ -37,13 +36,13 @@ TOKENS = 3 * SEQ_LEN + 12  # two batches of windows and a shorter remainder sequ
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_pretrained("", gguf_file=str(smollm2_gguf_path()))
+def smollm2(smollm2_model_and_tokenizer):
+    return smollm2_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    return load_pretrained(str(minilm_path()))
+def minilm(minilm_model_and_tokenizer):
+    return minilm_model_and_tokenizer
 
 
 def _wiki(shared: Path) -> LocalFilesSource:

@@ -15,7 +15,6 @@ from torch import nn
 
 from models.gpt import GPT, GPTConfig
 from normgeo.norm_sites import NoNormFoundError, NormSite, find_norm_sites
-from normgeo.pretrained import load_pretrained, minilm_path, smollm2_gguf_path
 
 D = 32
 TINY = {"num_hidden_layers": 2, "hidden_size": D, "num_attention_heads": 2, "intermediate_size": 64}
@@ -240,15 +239,13 @@ def all_norm_like_modules(model: nn.Module) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> nn.Module:
-    model, _ = load_pretrained("", gguf_file=str(smollm2_gguf_path()))
-    return model
+def smollm2(smollm2_model_and_tokenizer) -> nn.Module:
+    return smollm2_model_and_tokenizer[0]
 
 
 @pytest.fixture(scope="module")
-def minilm() -> nn.Module:
-    model, _ = load_pretrained(str(minilm_path()))
-    return model
+def minilm(minilm_model_and_tokenizer) -> nn.Module:
+    return minilm_model_and_tokenizer[0]
 
 
 @pytest.mark.slow

@@ -177,14 +177,13 @@ def test_gguf_outside_path_is_refused(tmp_path: Path, recorded: list[tuple[str, 
 
 
 @pytest.fixture(scope="module")
-def minilm() -> tuple[nn.Module, transformers.PreTrainedTokenizerBase]:
-    return load_pretrained(str(minilm_path()))
+def minilm(minilm_model_and_tokenizer) -> tuple[nn.Module, transformers.PreTrainedTokenizerBase]:
+    return minilm_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[nn.Module, transformers.PreTrainedTokenizerBase]:
-    gguf = smollm2_gguf_path()
-    return load_pretrained(str(gguf.parent), gguf_file=gguf.name)
+def smollm2(smollm2_model_and_tokenizer) -> tuple[nn.Module, transformers.PreTrainedTokenizerBase]:
+    return smollm2_model_and_tokenizer
 
 
 def assert_inference_ready(model: nn.Module) -> None:
