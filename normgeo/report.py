@@ -100,12 +100,7 @@ def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "l
             [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
             fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
         )
-    ax.axhline(90, color="gray", lw=0.8, ls="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("angle (degrees), mean ± std over tokens")
-    ax.set_title(f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
     return _save(fig, out_dir / f"steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
 
 
@@ -203,13 +198,18 @@ def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site
            [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
     ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
                 label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
+    _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
+    return _save(fig, out_dir / f"null_steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
+
+
+def _dress_step_axes(ax, ylabel: str, title: str) -> None:
+    """The angle-against-training-step axes: the 90° line, labels, title, grid, legend."""
     ax.axhline(90, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("training step")
-    ax.set_ylabel("mean angle over tokens (degrees)")
-    ax.set_title(f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, out_dir / f"null_steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
 
 
 def _safe(name: str) -> str:
