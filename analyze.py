@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
 from normgeo.analysis import (
@@ -43,8 +44,7 @@ from normgeo.analysis import (
     summarize,
     write_summary,
 )
-from normgeo.atomic import atomic_write_json
-from normgeo.config import CONF_DIR
+from normgeo.config import ANALYZE_CONF_DIR
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.pretrained import DTYPES, ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
 from normgeo.probe import make_references, residual_norms
@@ -238,7 +238,7 @@ def analyze(cfg: DictConfig) -> Path:
 USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="analyze", version_base="1.3")
+@hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
         analyze(cfg)

@@ -1,4 +1,4 @@
-"""Train a GPT-2 arm: ``python train.py norm=rms size=1b`` (Hydra composes conf/train.yaml).
+"""Train a GPT-2 arm: ``python train.py norm=rms size=1b`` (Hydra composes conf/train/train.yaml).
 
 The LayerNorm and RMSNorm arms differ only in ``norm``: same seed, same initial non-norm weights,
 same batch stream, same probe tokens and reference vectors.
@@ -88,7 +88,6 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSchedule,
-    NonFiniteError,
     RequeueOnSignal,
     ScheduledCheckpoint,
     StopAtStep,
@@ -96,9 +95,9 @@ from callbacks.checkpointing import (
 from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
+from models.hardware import default_precision
+from models.lit import LitGPT, NonFiniteError
 from normgeo.config import CONF_DIR
-from normgeo.hardware import default_precision
-from normgeo.lit import LitGPT
 from normgeo.logged_figures import figure_key, log_figures
 from normgeo.run_config import (
     ResumeConfigError,
@@ -128,7 +127,7 @@ def record_slurm_job(run_dir: Path) -> None:
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
-    """The loggers of ``cfg.logger``: a dict name -> config (conf/logger/*.yaml combine, e.g. logger=[csv,wandb]);
+    """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml combine, e.g. logger=[csv,wandb]);
     a null entry (logger.wandb=null) is skipped; a plain list still works."""
     configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
     loggers = []
@@ -214,7 +213,7 @@ def train(cfg: DictConfig) -> L.Trainer:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
-    # Before this session writes anything into the run directory (conf/train.yaml already kept Hydra's
+    # Before this session writes anything into the run directory (conf/train/train.yaml already kept Hydra's
     # files out of a refused one): a resume continues the same experiment, a new run a new directory.
     ckpt_path = session_checkpoint(cfg)
     run_config = resolved_run_config(cfg)

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from corpus.stream import StepSampler, TokenWindows  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.lit import warmup_cosine  # noqa: E402
 from normgeo.config import CONF_DIR  # noqa: E402
-from normgeo.lit import warmup_cosine  # noqa: E402
 from train import train  # noqa: E402
 
 

@@ -17,14 +17,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.distributed.tensor import DTensor
 
-from normgeo.atomic import atomic_open
+from corpus.atomic import atomic_open
+from models.lit import NonFiniteError
 
 LAST = "last.ckpt"
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
 
 
 class CheckpointSchedule:

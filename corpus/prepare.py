@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from corpus.atomic import atomic_write_json
 from corpus.tokenize import iter_document_tokens, tiktoken_batch_encoder
-from normgeo.atomic import atomic_write_json
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")

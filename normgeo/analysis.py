@@ -26,10 +26,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from corpus.atomic import atomic_write_text
 from corpus.sources import SourceError
 from corpus.tokenize import EncodeBatch, first_tokens
 from models.gpt import GPT, GPTConfig
-from normgeo.atomic import atomic_write_text
 from normgeo.norm_sites import NormSite
 from normgeo.pretrained import ModelLoadError
 from normgeo.probe import REFERENCE_NAMES, ProbeSite, residual_norms, run_probe
@@ -66,7 +66,7 @@ if not OmegaConf.has_resolver("model_slug"):
 # Models
 
 
-# A Lightning checkpoint also pickles numpy's RNG state (see normgeo.lit); allowing exactly these lets
+# A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
 # torch.load stay in weights_only mode, which cannot run code from a file someone hands us.
 _numpy_core = np._core if hasattr(np, "_core") else np.core
 _RNG_STATE_GLOBALS = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]

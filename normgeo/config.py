@@ -9,7 +9,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
+# conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
+CONF_ROOT = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = str(CONF_ROOT / "train")
+ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
+SHARED_CONF_DIR = str(CONF_ROOT / "shared")
 
 
 def _slug(value: str) -> str:

@@ -2,7 +2,7 @@
 
 ``read_metrics(run_dir)`` returns a pandas DataFrame with columns ``step, metric, value`` (one row per
 logged value; when a step was logged twice, e.g. by a resumed session, the later session wins). The
-readers know the layouts train.py's loggers write into the run directory (conf/logger/*.yaml):
+readers know the layouts train.py's loggers write into the run directory (conf/train/logger/*.yaml):
 
 - CSV: ``csv/version_N/metrics.csv`` (one version per session);
 - TensorBoard: ``tensorboard/version_N/events.out.tfevents.*``;

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from normgeo.atomic import atomic_open
+from corpus.atomic import atomic_open
 from normgeo.probe import REFERENCE_NAMES, ProbeSite
 from normgeo.stats import QUANTILE_FIELDS, AngleStatistics, block_bootstrap, null_comparison
 

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from normgeo.atomic import atomic_open  # noqa: E402
+from corpus.atomic import atomic_open  # noqa: E402
 from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 
 # rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.

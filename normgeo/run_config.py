@@ -18,8 +18,8 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from normgeo.atomic import atomic_open
-from normgeo.hardware import default_precision
+from corpus.atomic import atomic_open
+from models.hardware import default_precision
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "trainer.log_every_n_steps",
     "micro_batch",
     "size.micro_batch",  # only the default of micro_batch
-    "size.gpus",  # SLURM launcher resources (conf/hydra/launcher/slurm.yaml)
+    "size.gpus",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     "size.minutes",
     "compile",
     "logger",
@@ -53,7 +53,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "run_name",
     "log_every",
     "checkpoint.last_every",
-    # conf/data/*.yaml derive these from data_root, micro_batch and num_workers above.
+    # conf/train/data/*.yaml derive these from data_root, micro_batch and num_workers above.
     "data.directory",
     "data.num_workers",
     "data.micro_batch",

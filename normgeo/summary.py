@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from normgeo.atomic import atomic_open
+from corpus.atomic import atomic_open
 
 SUMMARY_FILE = "summary.json"
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
-from normgeo.config import CONF_DIR
+from normgeo.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from tests.conftest import ROOT
 
 TRAIN_GROUPS = ("norm", "size", "data", "probe", "trainer", "logger", "experiment")
@@ -29,7 +29,8 @@ def compose_train(*overrides: str) -> DictConfig:
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    """The presets of a train.py group: conf/train/<group>/, or conf/shared/<group>/ (probe)."""
+    return sorted(p.stem for root in (Path(CONF_DIR), CONF_ROOT / "shared") for p in (root / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group", TRAIN_GROUPS)
@@ -106,7 +107,7 @@ def test_no_source_or_config_file_is_git_ignored() -> None:
 
 
 def test_probe_wikipedia_is_article_text_and_wikitext_stays_an_option() -> None:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=ANALYZE_CONF_DIR, version_base="1.3"):
         analyze = compose("analyze")
     for cfg in (compose_train("probe=wikipedia"), analyze):
         source = instantiate(cfg.probe.source)

@@ -173,4 +173,4 @@ def test_a_run_prints_steps_loss_and_throughput_and_no_lightning_noise(tmp_path:
     ):
         assert noise not in console, noise
     # Runs without the FAST overrides get no model summary table either.
-    assert OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml").enable_model_summary is False
+    assert OmegaConf.load(ROOT / "conf" / "train" / "trainer" / "default.yaml").enable_model_summary is False

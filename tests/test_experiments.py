@@ -31,9 +31,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from omegaconf import OmegaConf
 
 import train
+from models.strategies import FSDP2Strategy
 from normgeo.config import CONF_DIR
 from normgeo.records import read_rows
-from normgeo.strategies import FSDP2Strategy
 from tests.conftest import ROOT, run_train, step_losses
 
 TRAINERS = sorted(p.stem for p in (Path(CONF_DIR) / "trainer").glob("*.yaml"))

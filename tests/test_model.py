@@ -7,8 +7,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from models.gpt import GPT, GPTConfig, is_norm_parameter
+from models.lit import LitGPT, warmup_cosine
 from normgeo.config import CONF_DIR
-from normgeo.lit import LitGPT, warmup_cosine
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from models.hardware import default_precision
 from normgeo.config import CONF_DIR
-from normgeo.hardware import default_precision
 from normgeo.run_config import (
     ABSENT,
     RUN_CONFIG_FILE,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normgeo.lit import LitGPT
+from models.lit import LitGPT
 from normgeo.records import read_rows
 from tests.conftest import ROOT, run_train, step_losses
 

@@ -12,12 +12,15 @@ import lightning as L
 import numpy as np
 import torch
 
-from callbacks.checkpointing import NonFiniteError
 from models.gpt import GPT, GPTConfig
-from normgeo.hardware import peak_flops
-from normgeo.strategies import FSDP2Strategy, compile_blocks
+from models.hardware import peak_flops
+from models.strategies import FSDP2Strategy, compile_blocks
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
