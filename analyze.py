@@ -30,6 +30,7 @@ from torch import nn
 
 from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError, probe_documents
+from corpus.stream import tokens_per_step
 from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
 from normgeo.analysis import (
     AnalysisError,
@@ -44,7 +45,7 @@ from normgeo.analysis import (
     summarize,
     write_summary,
 )
-from normgeo.config import ANALYZE_CONF_DIR
+from normgeo.config import ANALYZE_CONF_DIR, config_errors_exit_2
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.pretrained import DTYPES, ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
 from normgeo.probe import make_references, residual_norms
@@ -126,20 +127,9 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
         encode_batch, eot, _ = tiktoken_batch_encoder("gpt2")
     except RuntimeError as exc:  # no BPE files offline
         raise AnalysisError(str(exc)) from exc
-    tokens_per_step = hparams["global_batch"] * model.config.block_size if "global_batch" in hparams else None
+    step_tokens = tokens_per_step(hparams["global_batch"], model.config.block_size) if "global_batch" in hparams else None
     return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
-                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=tokens_per_step)
-
-
-def _check(cfg: DictConfig) -> None:
-    spec = cfg.model
-    if spec.kind not in ("hf", "checkpoint"):
-        raise AnalysisError(f"model.kind={spec.kind!r}: choose hf or checkpoint")
-    if spec.dtype not in DTYPES:
-        raise AnalysisError(f"model.dtype={spec.dtype!r}: choose one of {', '.join(DTYPES)}")
-    for key in ("seq_len", "batch_size"):
-        if not isinstance(spec[key], int) or spec[key] <= 0:
-            raise AnalysisError(f"model.{key} must be a positive integer, not {spec[key]!r}")
+                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
 
 
 def _device(cfg: DictConfig) -> torch.device:
@@ -150,7 +140,6 @@ def _device(cfg: DictConfig) -> torch.device:
 
 def analyze(cfg: DictConfig) -> Path:
     """Measure one model and write its outputs; returns the output directory."""
-    _check(cfg)
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
     loaded = load_our_checkpoint(cfg.model) if cfg.model.kind == "checkpoint" else load_hf(cfg.model)
@@ -239,13 +228,15 @@ USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     try:
         analyze(cfg)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
+
+main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.config)
 
 if __name__ == "__main__":
     main()

@@ -7,75 +7,16 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (the SLURM signal handler is installed before the slow imports, on purpose)
+from slurm.requeue import install_requeue_handler, record_slurm_job, requeue_slurm_job
+
+install_requeue_handler()
+
 import logging
 import os
 import secrets
-import signal
-import subprocess
+import shutil
 import sys
-import threading
-import time
 from pathlib import Path
-
-
-class SlurmRequeue:
-    """SLURM's USR1 (``--signal=USR1@lead`` before the time limit, preemption, ``scancel --signal=USR1``):
-    save the run, requeue the job, exit.
-
-    Python dies of a USR1 it has no handler for, so this handler goes in before the slow imports. Once
-    training runs it only records the signal: :class:`RequeueOnSignal` stops all ranks at the next
-    optimizer-step boundary, ``last.ckpt`` is written and :func:`main` requeues the job. Before training
-    starts there is nothing new to save, so the job is requeued at once.
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self.training = False
-        self.stopped_at: int | None = None
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.received = True
-        if self.training:
-            return
-        print("USR1 before training started: requeueing the job", file=sys.stderr, flush=True)
-        # Every rank requeues (a duplicate request fails harmlessly): a rank that exits without it
-        # could leave the others waiting in a collective for the rest of the time limit.
-        if requeue_slurm_job():
-            raise SystemExit(0)
-        self.received = False  # SLURM refused (e.g. --no-requeue): carry on
-
-
-def requeue_slurm_job() -> bool:
-    """``scontrol requeue`` this job: SLURM ends it and starts it again with the same id."""
-    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID")
-    try:
-        done = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as err:
-        print(f"scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
-        return False
-    if done.returncode:
-        print(f"scontrol requeue {job} failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
-        return False
-    print(f"SLURM job {job} requeued", file=sys.stderr, flush=True)
-    return True
-
-
-def install_requeue_handler() -> SlurmRequeue | None:
-    """The USR1 handler of this process under SLURM (installed once); None outside SLURM."""
-    current = signal.getsignal(signal.SIGUSR1)
-    if isinstance(current, SlurmRequeue):
-        return current
-    # SLURMEnvironment.detect()'s rule: srun/sbatch tasks, not an interactive allocation's shell.
-    under_slurm = "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-    if not under_slurm or threading.current_thread() is not threading.main_thread():
-        return None
-    handler = SlurmRequeue()
-    signal.signal(signal.SIGUSR1, handler)
-    return handler
-
-
-install_requeue_handler()
 
 import hydra
 import lightning as L
@@ -95,35 +36,18 @@ from callbacks.checkpointing import (
 from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
+from corpus.stream import accumulation_steps
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
-from normgeo.config import CONF_DIR
+from normgeo.config import CONF_DIR, check_config, config_errors_exit_2
 from normgeo.logged_figures import figure_key, log_figures
-from normgeo.run_config import (
-    ResumeConfigError,
-    is_rank_zero,
-    resolved_run_config,
-    save_run_config,
-)
+from normgeo.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
+from normgeo.schema import ConfigError
 from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
 from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
-SLURM_JOBS_FILE = "slurm_jobs.tsv"
-
-
-def record_slurm_job(run_dir: Path) -> None:
-    """One line per SLURM session of the run (job id, restart count, start, node) for normgeo.status."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job or os.environ.get("SLURM_PROCID", "0") != "0":
-        return
-    if os.environ.get("SLURM_ARRAY_JOB_ID"):
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    line = f"{job}\t{os.environ.get('SLURM_RESTART_COUNT', '0')}\t{started}\t{os.uname().nodename}\n"
-    with open(run_dir / SLURM_JOBS_FILE, "a") as handle:
-        handle.write(line)
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
@@ -186,13 +110,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
         num_sanity_val_steps=0,
     )
     # The global batch is fixed; accumulation is whatever the device count leaves over.
-    per_step = cfg.micro_batch * trainer.world_size
-    if cfg.global_batch % per_step:
-        raise ValueError(
-            f"global_batch={cfg.global_batch} is not divisible by micro_batch={cfg.micro_batch} x "
-            f"{trainer.world_size} devices; pick micro_batch so that the product divides it"
-        )
-    trainer.accumulate_grad_batches = cfg.global_batch // per_step
+    trainer.accumulate_grad_batches = accumulation_steps(cfg.global_batch, cfg.micro_batch, trainer.world_size)
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer
 
@@ -203,38 +121,15 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     return (
         f"model: {count} parameters, norm={cfg.norm.name}, {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
-        f" · {cfg.global_batch * cfg.seq_len:,} tokens per optimizer step ({cfg.global_batch} sequences x "
+        f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
         f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
         f"world size {trainer.world_size} · precision {trainer.precision}"
     )
 
 
-def train(cfg: DictConfig) -> L.Trainer:
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    requeue = install_requeue_handler()
-    # Before this session writes anything into the run directory (conf/train/train.yaml already kept Hydra's
-    # files out of a refused one): a resume continues the same experiment, a new run a new directory.
-    ckpt_path = session_checkpoint(cfg)
-    run_config = resolved_run_config(cfg)
-    record_slurm_job(run_dir)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    schedule = CheckpointSchedule(
-        cfg.max_steps,
-        steps=cfg.checkpoint.steps,
-        dense_every=cfg.checkpoint.dense_every,
-        dense_until=cfg.checkpoint.dense_until,
-        sparse_every=cfg.checkpoint.sparse_every,
-    )
-    callbacks: list = [
-        ScheduledCheckpoint(
-            str(run_dir / "checkpoints"),
-            schedule,
-            last_every=cfg.checkpoint.last_every,
-            keep_optimizer=cfg.checkpoint.keep_optimizer,
-        )
-    ]
+def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule) -> list:
+    """Checkpoints on the schedule, the optional early stop and the angle probe at the same steps."""
+    callbacks: list = [ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule)]
     if cfg.stop_at_step:
         callbacks.append(StopAtStep(cfg.stop_at_step))
     if cfg.probe.enabled:
@@ -257,37 +152,34 @@ def train(cfg: DictConfig) -> L.Trainer:
                 bootstrap_block=cfg.probe.bootstrap.block,
             )
         )
+    return callbacks
+
+
+def train(cfg: DictConfig) -> L.Trainer:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    requeue = install_requeue_handler()
+    # Before this session writes anything into the run directory (conf/train/train.yaml already kept Hydra's
+    # files out of a refused one): a resume continues the same experiment, a new run a new directory.
+    ckpt_path = session_checkpoint(cfg)
+    run_config = resolved_run_config(cfg)
+    record_slurm_job(run_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
+    callbacks = make_callbacks(cfg, run_dir, schedule)
     clock = SessionClock()
     callbacks.append(clock)
     if requeue is not None:
         callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
+    module: LitGPT = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    module = LitGPT(
-        model={
-            "n_layer": cfg.size.n_layer,
-            "n_head": cfg.size.n_head,
-            "n_embd": cfg.size.n_embd,
-            "block_size": cfg.seq_len,
-            "norm": cfg.norm.name,
-            "norm_eps": cfg.norm.eps,
-            "tie_embeddings": cfg.tie_embeddings,
-        },
-        seed=cfg.seed,
-        max_steps=cfg.max_steps,
-        global_batch=cfg.global_batch,
-        lr=cfg.optim.lr,
-        min_lr_ratio=cfg.optim.min_lr_ratio,
-        warmup_steps=cfg.optim.warmup_steps,
-        weight_decay=cfg.optim.weight_decay,
-        betas=tuple(cfg.optim.betas),
-        compile=cfg.compile,
-    )
     module.run_config = run_config  # into every checkpoint
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
-    datamodule = instantiate(cfg.data)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     elif is_rank_zero():
@@ -305,7 +197,7 @@ def train(cfg: DictConfig) -> L.Trainer:
             log.info("figure: %s", figure)
         log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
     if trainer.is_global_zero:
-        summary = run_summary(trainer, clock, run_dir, tokens_per_step=cfg.global_batch * cfg.seq_len, figures=figures)
+        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures)
         write_summary(run_dir, summary)
         log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
     return trainer
@@ -327,21 +219,53 @@ def refuse(cfg: DictConfig, err: Exception) -> Refused:
     sys.exit(2)
 
 
+# What a start may write before its first optimizer step: Hydra's files, the loggers' folders, our
+# bookkeeping and the run config. Removed again when that start is refused (remove_failed_start).
+START_FILES = (".hydra", "train.log", "csv", "tensorboard", "wandb", WANDB_ID_FILE, "slurm_jobs.tsv", "run_config.yaml")
+
+
+def holds_no_run(run_dir: Path) -> bool:
+    """No run has started in this directory yet (a failed start leaves at most START_FILES)."""
+    return not (run_dir / "checkpoints").exists() and not (run_dir / "run_config.yaml").exists()
+
+
+def remove_failed_start(run_dir: Path) -> None:
+    """Leave nothing behind after a refused start in a directory that held no run: remove what the start
+    wrote, and the directory itself when that empties it. Called only when holds_no_run() was true."""
+    if not run_dir.is_dir() or not is_rank_zero() or (run_dir / "checkpoints").exists():
+        return
+    for name in START_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    if not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
 USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> Refused | None:
-    # Again here: the submitit launcher unpickles main() on the node without running this file's top.
+def run(cfg: DictConfig) -> Refused | None:
+    """compose (Hydra, checked by normgeo.schema) -> instantiate -> fit."""
+    # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = install_requeue_handler()
     try:
+        check_config("train", cfg)  # a single run was checked before Hydra wrote anything; a sweep's job here
         session_checkpoint(cfg)  # refused: say so without logging a session into the run's train.log
-    except REFUSALS as err:
+    except (ConfigError, *REFUSALS) as err:
+        if holds_no_run(Path(cfg.run_dir)):  # e.g. a resume path that does not exist, in a new directory
+            remove_failed_start(Path(cfg.run_dir))
         return refuse(cfg, err)
+    fresh = holds_no_run(Path(cfg.run_dir))
     log.info("run directory: %s", cfg.run_dir)
     try:
         trainer = train(cfg)
     except USER_ERRORS as err:
+        if fresh and not isinstance(err, NonFiniteError):  # a divergence is a result, not a failed start
+            remove_failed_start(Path(cfg.run_dir))
         return refuse(cfg, err)
     finally:
         finish_wandb_run()
@@ -355,6 +279,10 @@ def main(cfg: DictConfig) -> Refused | None:
             sys.exit(3)
         # Exit rather than return: under submitit a return would record the job as finished.
         sys.exit(0)
+
+
+# The entry point (python train.py, normgeo-train): Hydra's own config errors exit 2 as well.
+main = config_errors_exit_2(run)
 
 
 if __name__ == "__main__":

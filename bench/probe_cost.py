@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.gpt import GPT  # noqa: E402
 from normgeo.config import CONF_DIR  # noqa: E402
 from normgeo.probe import make_references, run_probe  # noqa: E402
 
@@ -33,9 +34,7 @@ from normgeo.probe import make_references, run_probe  # noqa: E402
 def build(size: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"size={size}"])
-    config = GPTConfig(n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd,
-                       block_size=cfg.seq_len, tie_embeddings=cfg.tie_embeddings)
-    return GPT(config, seed=0).eval()
+    return instantiate(cfg.model, seed=0).model.eval()  # conf/train/train.yaml's model node: norm included
 
 
 def token_sequences(count: int, seq_len: int) -> torch.Tensor:

@@ -21,11 +21,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from corpus.stream import StepSampler, TokenWindows  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from corpus.stream import StepSampler, TokenWindows, tokens_per_step  # noqa: E402
 from models.lit import warmup_cosine  # noqa: E402
 from normgeo.config import CONF_DIR  # noqa: E402
 from train import train  # noqa: E402
@@ -63,7 +63,7 @@ def harness_tokens_per_s(cfg, skip: int) -> float:
     finally:
         train_module.build_trainer = original
     steps = cfg.max_steps - skip
-    return steps * cfg.global_batch * cfg.seq_len / (timer.end - timer.start)
+    return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 
 
 def plain_tokens_per_s(cfg, skip: int, device: torch.device) -> float:
@@ -72,11 +72,7 @@ def plain_tokens_per_s(cfg, skip: int, device: torch.device) -> float:
 
     data = load_prepared(cfg.data.directory)
     windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed)
-    model = GPT(
-        GPTConfig(n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd, block_size=cfg.seq_len,
-                  norm=cfg.norm.name, tie_embeddings=cfg.tie_embeddings),
-        seed=cfg.seed,
-    ).to(device)
+    model = instantiate(cfg.model).model.to(device)  # the harness's own GPT, from the same model node
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from callbacks.checkpointing import CheckpointSchedule, after_optimizer_step
+from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
 from corpus.sources import probe_documents
 from corpus.tokenize import first_tokens, tiktoken_batch_encoder
 from normgeo.logged_figures import log_figures
@@ -29,7 +29,7 @@ from normgeo.records import (
 log = logging.getLogger(__name__)
 
 
-class AngleProbe(L.Callback):
+class AngleProbe(OptimizerStepCallback):
     """Angles of the hidden vectors before/after every norm with 1, ``rand_a``, ``rand_b`` and K null directions.
 
     Every rank probes its own round-robin share of the fixed probe sequences; the statistics are merged
@@ -72,7 +72,6 @@ class AngleProbe(L.Callback):
         self.bootstrap_replicates = bootstrap_replicates
         self.bootstrap_block = bootstrap_block
         self._sequences: torch.Tensor | None = None
-        self._last_seen_step = -1
 
     def probe_sequences(self, seq_len: int) -> torch.Tensor:
         """The same (n, seq_len) token windows at every step and in both arms.
@@ -91,16 +90,13 @@ class AngleProbe(L.Callback):
         return self._sequences
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_seen_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         if trainer.global_step == 0:
             self.probe(trainer, pl_module, step=0)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if not after_optimizer_step(trainer, self._last_seen_step):
-            return
-        self._last_seen_step = trainer.global_step
-        if trainer.global_step in self.schedule:
-            self.probe(trainer, pl_module, step=trainer.global_step)
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if step in self.schedule:
+            self.probe(trainer, pl_module, step=step)
 
     def probe(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> list[dict]:
         model = pl_module.model
@@ -124,7 +120,7 @@ class AngleProbe(L.Callback):
             pad_to=per_rank,
         )
         stats.all_reduce()
-        tokens_per_step = pl_module.hparams.global_batch * config.block_size
+        tokens_per_step = pl_module.tokens_per_step
         rows = statistics_rows(
             sites, stats, model=self.model_name, norm=config.norm, step=step, tokens_seen=step * tokens_per_step
         )

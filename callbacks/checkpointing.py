@@ -30,6 +30,8 @@ class CheckpointSchedule:
     Either an explicit list of steps, or the rule "every ``dense_every`` steps up to ``dense_until``,
     then every ``sparse_every`` steps" (the paper: 1000 / 10000 / 10000), always capped at ``max_steps``
     and always ending with ``max_steps`` itself: the trained model is the one result every run must keep.
+    Built from the config's ``checkpoint`` node (``_target_``), which also says how often ``last.ckpt``
+    is refreshed and whether scheduled checkpoints keep the optimizer state.
     """
 
     def __init__(
@@ -39,7 +41,12 @@ class CheckpointSchedule:
         dense_every: int = 1000,
         dense_until: int = 10000,
         sparse_every: int = 10000,
+        last_every: int = 500,
+        keep_optimizer: bool = False,
     ) -> None:
+        # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
+        self.last_every = last_every
+        self.keep_optimizer = keep_optimizer
         if steps is not None:
             chosen = {int(s) for s in steps}
         else:
@@ -79,43 +86,45 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def after_optimizer_step(trainer: L.Trainer, last_seen: int) -> bool:
-    """True on the first batch end after an optimizer step (works with gradient accumulation)."""
-    return trainer.global_step != last_seen
+class OptimizerStepCallback(L.Callback):
+    """A callback that acts once per optimizer step, not once per micro-batch (gradient accumulation):
+    :meth:`on_optimizer_step` runs on the first batch end after each step. Subclasses that override
+    ``on_train_start`` call ``super().on_train_start`` (it records the step a resumed session starts at)."""
+
+    _last_seen_step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._last_seen_step:
+            return  # a micro-batch inside an accumulation window
+        self._last_seen_step = trainer.global_step
+        self.on_optimizer_step(trainer, pl_module, trainer.global_step)
+
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        raise NotImplementedError
 
 
-class ScheduledCheckpoint(Checkpoint):
+class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming.
 
     Scheduled checkpoints are the experiment's data: by default they keep weights only (no optimizer
     state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume.
     """
 
-    def __init__(
-        self,
-        dirpath: str,
-        schedule: CheckpointSchedule,
-        last_every: int = 100,
-        keep_optimizer: bool = False,
-    ) -> None:
+    def __init__(self, dirpath: str, schedule: CheckpointSchedule) -> None:
         self.dirpath = Path(dirpath)
         self.schedule = schedule
-        self.last_every = last_every
-        self.keep_optimizer = keep_optimizer
-        self._last_seen_step = -1
+        self.last_every = schedule.last_every
+        self.keep_optimizer = schedule.keep_optimizer
         self.saved_steps: list[int] = []
 
     @staticmethod
     def step_path(dirpath: str | Path, step: int) -> Path:
         return Path(dirpath) / f"step-{step:07d}.ckpt"
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_seen_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if not after_optimizer_step(trainer, self._last_seen_step):
-            return
-        step = self._last_seen_step = trainer.global_step
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if step in self.schedule or (self.last_every and step % self.last_every == 0):
             self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
@@ -171,7 +180,7 @@ class RequeueRequest(Protocol):
     stopped_at: int | None  # the step at which training stopped so that the job can be requeued
 
 
-class RequeueOnSignal(L.Callback):
+class RequeueOnSignal(OptimizerStepCallback):
     """Stops training at the first optimizer-step boundary after a requeue signal, on every rank at once.
 
     Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
@@ -182,16 +191,12 @@ class RequeueOnSignal(L.Callback):
 
     def __init__(self, request: RequeueRequest) -> None:
         self.request = request
-        self._last_seen_step = -1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_seen_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         self.request.training = True
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if not after_optimizer_step(trainer, self._last_seen_step):
-            return
-        self._last_seen_step = step = trainer.global_step
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if trainer.should_stop or step >= trainer.max_steps:
             return  # the session ends here anyway: nothing left to requeue for
         # Ranks receive the signal at slightly different times, possibly steps apart: any rank's signal

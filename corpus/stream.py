@@ -53,6 +53,21 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def tokens_per_step(global_batch: int, seq_len: int) -> int:
+    """Tokens of one optimizer step over all devices (the ``tokens_seen`` unit of metrics and records)."""
+    return global_batch * seq_len
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-steps per optimizer step: the global batch is fixed, accumulation fills what devices leave."""
+    if global_batch % (micro_batch * world_size):
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by micro batch {micro_batch} x {world_size} "
+            "devices: choose a micro batch and device count whose product divides it"
+        )
+    return global_batch // (micro_batch * world_size)
+
+
 class StepSampler(Sampler[int]):
     """Yields this rank's share of each global batch, step after step, from the current global step.
 
@@ -70,16 +85,11 @@ class StepSampler(Sampler[int]):
         max_steps: int,
         start_step: Callable[[], int],
     ) -> None:
-        if global_batch % (micro_batch * world_size):
-            raise ValueError(
-                f"global batch {global_batch} is not divisible by micro batch {micro_batch} x {world_size} "
-                "devices: choose a micro batch and device count whose product divides it"
-            )
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.rank = rank
         self.world_size = world_size
-        self.accumulation = global_batch // (micro_batch * world_size)
+        self.accumulation = accumulation_steps(global_batch, micro_batch, world_size)
         self.max_steps = max_steps
         self.start_step = start_step
 

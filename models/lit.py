@@ -11,9 +11,10 @@ import time
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 
+from corpus.stream import tokens_per_step
 from models.gpt import GPT, GPTConfig
-from models.hardware import peak_flops
 from models.strategies import FSDP2Strategy, compile_blocks
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,11 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls run in under a Lightning precision setting (bf16-mixed, 16-mixed, 32-true)."""
+    return torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -61,10 +67,19 @@ class LitGPT(L.LightningModule):
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
         self.run_config: dict | None = None
         self._model_configured = False
+        self._peak_flops: float | None = None
 
     @property
     def seq_len(self) -> int:
         return self.model.config.block_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return tokens_per_step(self.hparams.global_batch, self.seq_len)
+
+    def on_train_start(self) -> None:
+        # Lightning's table of dense peak FLOP/s by GPU and dtype; None on CPU and unknown GPUs (no MFU).
+        self._peak_flops = get_available_flops(self.device, compute_dtype(str(self.trainer.precision)))
 
     def configure_model(self) -> None:
         """Shard (FSDP2) and/or compile once; Lightning calls this hook again for every stage."""
@@ -102,21 +117,19 @@ class LitGPT(L.LightningModule):
                 f"the training loss is {global_loss.item()} at step {step}: stopping. The checkpoints "
                 "written so far are intact; lower the learning rate or resume from the last one."
             )
-        tokens_per_step = self.hparams.global_batch * self.seq_len
         metrics = {
             "train/loss": global_loss,
             "train/lr": optimizer.param_groups[0]["lr"],
-            "train/tokens_seen": float(step * tokens_per_step),
+            "train/tokens_seen": float(step * self.tokens_per_step),
         }
         # Wall time between consecutive optimizer steps: data loading and logging included.
         now = time.perf_counter()
         if self._last_step_time is not None:
-            tokens_per_s = tokens_per_step / max(now - self._last_step_time, 1e-9)
+            tokens_per_s = self.tokens_per_step / max(now - self._last_step_time, 1e-9)
             metrics["perf/tokens_per_s"] = tokens_per_s
-            peak = peak_flops(self.device)
-            if peak:
+            if self._peak_flops:
                 flops = self.model.flops_per_token(self.seq_len) * tokens_per_s / self.trainer.world_size
-                metrics["perf/mfu"] = flops / peak
+                metrics["perf/mfu"] = flops / self._peak_flops
             self.log("tok/s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         self._last_step_time = now
         # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss

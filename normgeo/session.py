@@ -69,6 +69,13 @@ def _task_config(root: DictConfig) -> DictConfig:
 
 def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
     """``value`` when this session may run in its run directory, else ``refused`` (null, /dev/null)."""
+    from normgeo.config import check_config
+    from normgeo.schema import ConfigError
+
+    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.config.ConfigCheck)
+        check_config("train", _task_config(_root_))
+    except ConfigError:
+        return refused
     if "run_dir" not in _root_ or not Path(str(_root_.run_dir)).is_dir():
         return value  # a new directory: nothing to protect
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from models.gpt import GPT, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
@@ -16,11 +17,7 @@ SIZES = ("tiny", "70m", "160m", "410m", "1b")
 def build_from_config(*overrides: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
-    config = GPTConfig(
-        n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd, block_size=cfg.seq_len,
-        norm=cfg.norm.name, norm_eps=cfg.norm.eps, tie_embeddings=cfg.tie_embeddings,
-    )
-    return GPT(config, seed=cfg.seed)
+    return instantiate(cfg.model).model  # the one cfg -> model mapping (conf/train/train.yaml's model node)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -77,7 +74,7 @@ def test_paper_sizes_compose_to_table_2(size: str) -> None:
     assert (cfg.size.n_layer, cfg.size.n_embd, cfg.size.n_head, cfg.size.lr) == table2[size]
     assert cfg.seq_len == 1024 and cfg.global_batch == 64 and cfg.tie_embeddings is False
     assert cfg.max_steps == (100_000 if size in ("70m", "160m") else 50_000)
-    config = GPTConfig(n_layer=cfg.size.n_layer, n_head=cfg.size.n_head, n_embd=cfg.size.n_embd)
+    config = GPTConfig(**cfg.model.model)
     assert (_count(config, tied=False), _count(config, tied=True)) == PARAMETERS[size]
 
 

@@ -1,0 +1,273 @@
+"""The typed schema of train.py's and analyze.py's configs (Hydra structured configs in the ConfigStore).
+
+The YAML files in conf/ keep the values; these dataclasses carry each key's type, default and a one-line
+doc (``python train.py --help`` lists them). The schema is the first entry of each primary config's
+defaults list, so a wrong type or an unknown key (``optim.lr=abc``, ``+max_stpes=10``) fails while Hydra
+composes. What a type cannot say (sizes > 0, ``min_lr_ratio`` in [0, 1], increasing checkpoint steps, a
+known norm) :func:`check_train` / :func:`check_analyze` say, before anything is written
+(normgeo.config.ConfigCheck runs them).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from models.gpt import NORM_KINDS
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with its one-line doc; a list default is copied per instance."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+def node(kind: type, text: str) -> Any:
+    return field(default_factory=kind, metadata={"doc": text})
+
+
+@dataclass
+class NormSchema:
+    name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_KINDS)}")
+    eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
+
+
+@dataclass
+class SizeSchema:
+    name: str = doc(MISSING, "the size's name (run names, wandb group)")
+    n_layer: int = doc(MISSING, "transformer blocks")
+    n_head: int = doc(MISSING, "attention heads; must divide n_embd")
+    n_embd: int = doc(MISSING, "model width d")
+    seq_len: int = doc(MISSING, "default of the top-level seq_len")
+    lr: float = doc(MISSING, "default peak learning rate (optim.lr)")
+    warmup_steps: int = doc(MISSING, "default warm-up (optim.warmup_steps)")
+    max_steps: int = doc(MISSING, "default max_steps")
+    micro_batch: int = doc(MISSING, "default micro_batch")
+    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm)")
+    minutes: int = doc(60, "SLURM time limit per job, minutes")
+
+
+@dataclass
+class OptimSchema:
+    lr: float = doc(MISSING, "peak learning rate, > 0")
+    min_lr_ratio: float = doc(0.1, "cosine decay ends at this fraction of the peak, in [0, 1]")
+    warmup_steps: int = doc(MISSING, "linear warm-up steps, >= 0")
+    weight_decay: float = doc(0.1, "AdamW weight decay on matrices, >= 0")
+    betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values in [0, 1)")
+
+
+@dataclass
+class CheckpointSchema:
+    _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule)")
+    max_steps: int = doc(MISSING, "the schedule ends with this step: the top-level max_steps")
+    steps: list[int] | None = doc(None, "explicit checkpoint/probe steps, positive and increasing")
+    dense_every: int = doc(1000, "a checkpoint every this many steps up to dense_until")
+    dense_until: int = doc(10000, "end of the dense part of the schedule")
+    sparse_every: int = doc(10000, "a checkpoint every this many steps after it")
+    last_every: int = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps")
+    keep_optimizer: bool = doc(False, "scheduled checkpoints keep the optimizer state too")
+
+
+@dataclass
+class BootstrapSchema:
+    replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl")
+    block: int = doc(1, "consecutive probe sequences per resampled block")
+
+
+@dataclass
+class ProbeSchema:
+    enabled: bool = doc(True, "measure the angles at every scheduled step")
+    source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
+    path: str | None = doc(None, "local files for probe=local")
+    tokens: int = doc(MISSING, "probe tokens per measurement")
+    batch_size: int = doc(8, "probe sequences per forward pass")
+    seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap")
+    include_standardized: bool = doc(False, "also measure LayerNorm's standardization (.std sites)")
+    null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none")
+    sample: bool = doc(True, "documents in a seeded order over the whole source")
+    min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)")
+    bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
+
+
+@dataclass
+class DataSchema:
+    _target_: str = doc(MISSING, "the data module's class (corpus.datamodule.TokenDataModule)")
+    name: str = doc(MISSING, "the corpus's name (its prepared folder)")
+    source: Any = doc(MISSING, "_target_ node of the training text (corpus.sources)")
+    directory: str = doc(MISSING, "where the prepared token files live")
+    tokenizer: str = doc("gpt2", "tiktoken encoding")
+    val_fraction: float = doc(0.005, "fraction of documents held out for validation, in (0, 1)")
+    auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
+    prepare_command: str = doc("", "the command that prepares this corpus")
+    seq_len: int = doc(MISSING, "filled from the top level")
+    global_batch: int = doc(MISSING, "filled from the top level")
+    micro_batch: int = doc(MISSING, "filled from the top level")
+    max_steps: int = doc(MISSING, "filled from the top level")
+    seed: int = doc(MISSING, "filled from the top level")
+    val_sequences: int = doc(MISSING, "filled from the top level")
+    num_workers: int = doc(MISSING, "filled from the top level")
+
+
+@dataclass
+class TrainSchema:
+    seed: int = doc(0, "weights, data order and dropout")
+    run_name: str = doc(MISSING, "the run directory's name")
+    output_root: str = doc("outputs", "where run directories go")
+    run_dir: str = doc(MISSING, "the run directory")
+    data_root: str = doc(MISSING, "where prepared corpora go ($NORMGEO_DATA, default ./data)")
+    resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; or a .ckpt path")
+    stop_at_step: int | None = doc(None, "end this session after this optimizer step (> 0; resumable)")
+    max_steps: int = doc(MISSING, "optimizer steps of the whole run, > 0")
+    global_batch: int = doc(64, "sequences per optimizer step over all devices, > 0")
+    micro_batch: int = doc(MISSING, "sequences per device per forward pass; divides global_batch")
+    seq_len: int = doc(MISSING, "tokens per sequence (the model's context)")
+    num_workers: int = doc(0, "DataLoader workers, >= 0")
+    compile: bool = doc(False, "torch.compile the model")
+    tie_embeddings: bool = doc(False, "tie the input and output embeddings")
+    val_every: int = doc(1000, "optimizer steps between validations, > 0")
+    val_sequences: int = doc(64, "validation sequences, > 0")
+    log_every: int = doc(10, "optimizer steps between logged metrics, > 0")
+    norm: NormSchema = node(NormSchema, "group norm: the arm")
+    size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
+    optim: OptimSchema = node(OptimSchema, "AdamW and the warm-up + cosine schedule")
+    checkpoint: CheckpointSchema = node(CheckpointSchema, "_target_ node of the checkpoint (and probe) schedule")
+    model: Any = doc(MISSING, "_target_ node of the LightningModule (models.lit.LitGPT): the one cfg -> model map")
+    data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
+    probe: ProbeSchema = node(ProbeSchema, "group probe: the angle measurements")
+    trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")
+    logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger")
+
+
+@dataclass
+class AnalyzeModelSchema:
+    kind: str = doc(MISSING, "hf (Hugging Face) | checkpoint (a train.py checkpoint)")
+    path: str | None = doc(None, "Hub id or local directory (kind=hf)")
+    gguf_file: str | None = doc(None, "a GGUF file, dequantized on load")
+    packaged: str | None = doc(None, "smollm2 | minilm: a model shipped in a pip package")
+    revision: str | None = doc(None, "Hub revision")
+    checkpoint: str | None = doc(None, "a .ckpt of train.py (kind=checkpoint)")
+    dtype: str = doc("auto", "auto | float32 | bfloat16 | float16 (angles are measured in float32)")
+    device_map: str | None = doc(None, "auto: spread the model over all GPUs (needs accelerate)")
+    trust_remote_code: bool = doc(False, "run the repository's model code")
+    seq_len: int = doc(1024, "tokens per sequence, capped at the model's maximum")
+    batch_size: int = doc(8, "sequences per forward pass")
+    name: str | None = doc(None, "the records' model field and the output folder")
+
+
+@dataclass
+class AnalyzeSchema:
+    output_root: str = doc("outputs", "results go to <output_root>/analyze/<model>")
+    out_dir: str = doc(MISSING, "the output folder")
+    device: str = doc("auto", "auto | cpu | cuda | cuda:N")
+    progress: bool = doc(True, "a progress bar over the probe batches")
+    model: AnalyzeModelSchema = node(AnalyzeModelSchema, "group model: the model to measure")
+    probe: ProbeSchema = node(ProbeSchema, "group probe: the probe text and statistics")
+
+
+class ConfigError(ValueError):
+    """A config value the schema's types allow but the run cannot use."""
+
+
+def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+        shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
+        raise ConfigError(f"{key}={shown}: expected {expected}")
+
+
+def _positive(cfg: DictConfig, *keys: str, minimum: int = 1) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        _expect(value is not None and value >= minimum, key, value, f"an integer >= {minimum}")
+
+
+def _unknown_keys(cfg: DictConfig, schema: type, script: str, prefix: str = "") -> None:
+    """Hydra lets ``+key=value`` add a key even to a structured config: refuse a key the schema lacks."""
+    known = {f.name: f for f in fields(schema)}
+    for key, _ in cfg.items_ex(resolve=False):
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            raise ConfigError(f"{dotted}: no such key ({hint}python {script} --help lists every key)")
+        factory = known[key].default_factory
+        if factory is not NO_DEFAULT and is_dataclass(factory) and isinstance(cfg._get_node(key), DictConfig):
+            _unknown_keys(cfg._get_node(key), factory, script, f"{dotted}.")
+
+
+def check_train(cfg: DictConfig) -> None:
+    """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
+    from corpus.stream import accumulation_steps  # the one divisibility rule (also StepSampler's)
+
+    _unknown_keys(cfg, TrainSchema, "train.py")
+    _positive(cfg, "max_steps", "global_batch", "micro_batch", "seq_len", "val_every", "val_sequences", "log_every")
+    _positive(cfg, "size.n_layer", "size.n_head", "size.n_embd", "checkpoint.dense_every", "checkpoint.sparse_every")
+    _positive(cfg, "checkpoint.dense_until", "probe.tokens", "probe.batch_size", "probe.bootstrap.replicates")
+    _positive(cfg, "probe.bootstrap.block")
+    _positive(cfg, "num_workers", "optim.warmup_steps", "checkpoint.last_every", "probe.null_directions", minimum=0)
+    _positive(cfg, "probe.min_doc_tokens", minimum=0)
+    _expect(cfg.stop_at_step is None or cfg.stop_at_step > 0, "stop_at_step", cfg.stop_at_step,
+            "a step > 0, or null to run to max_steps")
+    _expect(cfg.norm.name in NORM_KINDS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_KINDS)} (norm=...)")
+    _expect(cfg.norm.eps > 0, "norm.eps", cfg.norm.eps, "a number > 0")
+    _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
+            f"a divisor of size.n_embd={cfg.size.n_embd}")
+    _expect(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0, e.g. optim.lr=3e-4")
+    _expect(0 <= cfg.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", cfg.optim.min_lr_ratio, "a number in [0, 1]")
+    _expect(cfg.optim.weight_decay >= 0, "optim.weight_decay", cfg.optim.weight_decay, "a number >= 0")
+    betas = list(cfg.optim.betas)
+    _expect(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optim.betas", cfg.optim.betas,
+            "two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    steps = cfg.checkpoint.steps
+    if steps is not None:
+        _expect(all(s > 0 for s in steps) and all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
+                steps, "positive, strictly increasing steps, e.g. checkpoint.steps=[500,1000]")
+    _expect(0 < cfg.data.val_fraction < 1, "data.val_fraction", cfg.data.val_fraction, "a fraction in (0, 1)")
+    _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
+            "null, auto or the path of a .ckpt file")
+    try:
+        accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=1)
+    except ValueError as err:
+        raise ConfigError(f"micro_batch={cfg.micro_batch}: {err}") from None
+
+
+def check_analyze(cfg: DictConfig) -> None:
+    """Raise ConfigError for a value analyze.py cannot run with."""
+    _unknown_keys(cfg, AnalyzeSchema, "analyze.py")
+    _positive(cfg, "model.seq_len", "model.batch_size", "probe.tokens", "probe.bootstrap.replicates")
+    _positive(cfg, "probe.bootstrap.block")
+    _positive(cfg, "probe.null_directions", "probe.min_doc_tokens", minimum=0)
+    _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
+    _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
+            "auto, float32, bfloat16 or float16")
+
+
+def key_docs(schema: type, prefix: str = "") -> list[str]:
+    """``key: type = default  # doc`` for every key of a schema, nested nodes flattened (for --help)."""
+    lines = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        if f.default_factory is not NO_DEFAULT and is_dataclass(kind := f.default_factory):
+            lines.append(f"{key}:  # {f.metadata.get('doc', '')}")
+            lines += key_docs(kind, f"{key}.")
+            continue
+        default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default
+        shown = "(required)" if default == MISSING else "null" if default is None else default
+        kind = str(f.type).replace("typing.", "")
+        lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}")
+    return lines
+
+
+SCHEMAS = {"train": (TrainSchema, check_train), "analyze": (AnalyzeSchema, check_analyze)}
+
+
+def register() -> None:
+    store = ConfigStore.instance()
+    for name, (schema, _) in SCHEMAS.items():
+        store.store(name=f"{name}_schema", node=schema)

@@ -1,0 +1,1 @@
+"""The cluster side: sbatch scripts (train.sbatch) and train.py's SLURM requeue handling (requeue.py)."""
