@@ -49,7 +49,7 @@ def register_resolvers() -> None:
 def _key_docs(schema: str) -> str:
     from normgeo.schema import SCHEMAS, key_docs
 
-    return "\n".join(key_docs(SCHEMAS[schema][0]))
+    return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")  # the help template is a string.Template
 
 
 def task_config(root: DictConfig) -> DictConfig:

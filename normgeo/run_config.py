@@ -44,6 +44,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "size.gpus",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     "size.minutes",
     "compile",
+    "model.compile",  # the LightningModule's node (conf/train/train.yaml) takes it from compile
     "logger",
     "probe.batch_size",
     "num_workers",

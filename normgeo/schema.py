@@ -120,7 +120,7 @@ class TrainSchema:
     run_name: str = doc(MISSING, "the run directory's name")
     output_root: str = doc("outputs", "where run directories go")
     run_dir: str = doc(MISSING, "the run directory")
-    data_root: str = doc(MISSING, "where prepared corpora go ($NORMGEO_DATA, default ./data)")
+    data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)")
     resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; or a .ckpt path")
     stop_at_step: int | None = doc(None, "end this session after this optimizer step (> 0; resumable)")
     max_steps: int = doc(MISSING, "optimizer steps of the whole run, > 0")
@@ -258,7 +258,8 @@ def key_docs(schema: type, prefix: str = "") -> list[str]:
             lines += key_docs(kind, f"{key}.")
             continue
         default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default
-        shown = "(required)" if default == MISSING else "null" if default is None else default
+        shown = "(from conf/)" if default == MISSING else "null" if default is None else default
+        shown = str(shown).lower() if isinstance(shown, bool) else shown
         kind = str(f.type).replace("typing.", "")
         lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}")
     return lines

@@ -1,0 +1,93 @@
+"""The README's bad-input table is the contract: every row is tried here.
+
+Every row composes in-process (Hydra ``compose`` + normgeo.schema's check, fast); the starred rows also
+run as real ``python train.py``/``analyze.py`` subprocesses for the exit code and "nothing written".
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from normgeo.config import ANALYZE_CONF_DIR, CONF_DIR, check_config
+from normgeo.schema import ConfigError
+from tests.conftest import ROOT
+
+ROW = re.compile(r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> \*)? \| `(?P<message>[^`]*)`.*\| (?P<exit>\d) \|$")
+
+
+def table_rows() -> list[dict]:
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- bad-inputs:", 1)[1].split("\n\n", 1)[0]
+    rows = [m.groupdict() for line in table.splitlines() if (m := ROW.match(line))]
+    assert len(rows) >= 25, "the README's bad-input table lost rows"
+    return rows
+
+
+ROWS = table_rows()
+# Refused only once the run starts (files, devices): not at compose time. The first two run as subprocesses
+# (starred); the device count is tried on train.build_trainer in-process (a DDP Trainer launches only in fit).
+RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4")
+
+
+def refusal(script: str, args: str) -> str:
+    """The message of the compose-time refusal of ``args``: Hydra's exception chain or the schema's check."""
+    conf_dir = CONF_DIR if script == "train" else ANALYZE_CONF_DIR
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            cfg = compose(script, overrides=args.split())
+        check_config(script, cfg)
+    except ConfigError as err:
+        return str(err)
+    except Exception as err:  # Hydra's own: composition, override grammar, OmegaConf validation
+        chain = [err]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        return "\n".join(str(e) for e in chain)
+    raise AssertionError(f"{script}.py {args} was accepted")
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["args"] not in RUNTIME], ids=lambda r: f"{r['script']} {r['args']}")
+def test_each_bad_input_is_refused_at_compose_time_with_its_message(row: dict) -> None:
+    assert row["exit"] == "2"
+    assert row["message"] in refusal(row["script"], row["args"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", [r for r in ROWS if r["star"]], ids=lambda r: f"{r['script']} {r['args']}")
+def test_starred_bad_inputs_exit_2_and_leave_nothing_behind(row: dict, tmp_path: Path) -> None:
+    output_root, data_root = tmp_path / "out", tmp_path / "data"
+    args = [sys.executable, str(ROOT / f"{row['script']}.py"), *row["args"].split(), f"output_root={output_root}"]
+    if row["script"] == "train":
+        args += ["experiment=smoke", f"data_root={data_root}"]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == int(row["exit"]), done.stderr[-3000:]
+    for part in row["message"].replace("<data_root>", str(data_root)).split(" ... "):
+        assert part in done.stderr, done.stderr[-3000:]
+    assert not output_root.exists() or not any(output_root.iterdir()), sorted(output_root.rglob("*"))
+
+
+def test_the_device_count_is_checked_against_the_global_batch(tmp_path: Path) -> None:
+    import train
+
+    (row,) = [r for r in ROWS if r["args"] == RUNTIME[2]]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*row["args"].split(), "logger=none"])
+    check_config("train", cfg)  # one device: fine
+    with pytest.raises(ValueError, match=re.escape(row["message"])):
+        train.build_trainer(cfg, tmp_path, [])
+
+
+def test_every_train_key_has_a_doc_in_help() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    groups = done.stdout.split("== Configuration groups ==")[1].split("==")[0]
+    assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups  # analyze's presets stay out
+    for line in ("optim.lr: float = (from conf/)  # peak learning rate, > 0", "checkpoint.steps: list[int] | None = null"):
+        assert line in done.stdout
