@@ -173,7 +173,7 @@ class StopAtStep(L.Callback):
 
 
 class RequeueRequest(Protocol):
-    """What train.py's USR1 handler records (see ``SlurmRequeue`` there)."""
+    """What train.py's USR1 handler records (``slurm.requeue.SlurmRequeue``)."""
 
     received: bool  # a requeue signal arrived on this rank
     training: bool  # from on_train_start on, the handler only records and RequeueOnSignal acts

@@ -9,14 +9,13 @@ resolver below, which runs the same checks as train.py and sends Hydra's files n
 
 from __future__ import annotations
 
-import copy
 import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from normgeo.run_config import ResumeConfigError, resolved_run_config, verify_run_config
 
@@ -59,27 +58,19 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
     return ckpt_path
 
 
-def _task_config(root: DictConfig) -> DictConfig:
-    """The config the task function will get: Hydra's full config without its ``hydra`` node."""
-    task = copy.deepcopy(root)
-    with read_write(task), open_dict(task):
-        task.pop("hydra", None)
-    return task
-
-
 def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
     """``value`` when this session may run in its run directory, else ``refused`` (null, /dev/null)."""
-    from normgeo.config import check_config
+    from normgeo.config import check_config, task_config
     from normgeo.schema import ConfigError
 
     try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.config.ConfigCheck)
-        check_config("train", _task_config(_root_))
+        check_config("train", task_config(_root_))
     except ConfigError:
         return refused
     if "run_dir" not in _root_ or not Path(str(_root_.run_dir)).is_dir():
         return value  # a new directory: nothing to protect
     try:
-        session_checkpoint(_task_config(_root_))
+        session_checkpoint(task_config(_root_))
     except REFUSALS:
         return refused
     return value
