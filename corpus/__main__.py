@@ -13,11 +13,11 @@ from omegaconf import DictConfig
 
 from corpus.prepare import PreparedDataError, prepare
 from corpus.sources import SourceError
-from normgeo.config import CONF_DIR
+from normgeo.config import CONF_DIR, config_errors_exit_2
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     source = hydra.utils.instantiate(cfg.data.source)
     try:
         data = prepare(source, cfg.data.directory, val_fraction=cfg.data.val_fraction)
@@ -30,6 +30,8 @@ def main(cfg: DictConfig) -> None:
         f"from {data.meta['source']}"
     )
 
+
+main = config_errors_exit_2(run)  # Hydra's own config errors exit 2, as train.py's
 
 if __name__ == "__main__":
     main()
