@@ -62,6 +62,12 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 )
 
 
+# Nodes built from other keys by interpolation (conf/train/train.yaml: the LightningModule's and the
+# checkpoint schedule's _target_ nodes), compared through those keys: a run recorded before they existed
+# resumes without them counting as changes.
+DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps")
+
+
 class _Absent:
     """Stands for a key that one of the two configs does not have."""
 
@@ -133,6 +139,8 @@ def config_changes(
         if is_allowed(key, allowed):
             continue
         before, after = flat_old.get(key, ABSENT), flat_new.get(key, ABSENT)
+        if before is ABSENT and is_allowed(key, DERIVED):
+            continue
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
         if before != after or (isinstance(before, bool) != isinstance(after, bool)):
             changes[key] = (before, after)

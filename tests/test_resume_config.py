@@ -85,6 +85,15 @@ def test_nested_changes_are_reported_old_to_new() -> None:
     assert "run_name=" in message and "seed=" in message and "original values" in message
 
 
+def test_a_run_recorded_before_the_target_nodes_resumes_but_their_later_changes_count() -> None:
+    """model and checkpoint._target_ are built from other keys: absent in an old record, they are no change."""
+    nodes = {"model": {"_target_": "models.lit.LitGPT", "lr": 1e-3}, "checkpoint": {"_target_": "S", "max_steps": 4}}
+    new = {**BASE, **nodes}
+    assert config_changes(BASE, new) == {}
+    changed = {**new, "model": {**nodes["model"], "lr": 0.5}}
+    assert config_changes(new, changed) == {"model.lr": (1e-3, 0.5)}
+
+
 def test_keys_on_one_side_only_are_changes() -> None:
     old = {**BASE, "tie_embeddings": False}
     new = {**BASE, "optim": {**BASE["optim"], "eps": 1e-8}}
