@@ -26,6 +26,7 @@ from normgeo.atomic import atomic_write_text
 from normgeo.probe import REFERENCE_NAMES
 from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows
 from normgeo.stats import chan_merge
+from normgeo.tables import print_table
 
 SITE_KINDS = ("in", "std", "out")
 SUMMARY_CSV = "summary.csv"
@@ -210,17 +211,8 @@ def write_summary(out_dir: str | Path, summary: Sequence[dict]) -> tuple[Path, P
 
 
 def print_summary(summary: Sequence[dict], title: str = "Angles before/after the norms") -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     header, rows = _wide(summary)
-    table = Table(title=title)
-    for name in header:
-        table.add_column(name, justify="left" if name in ("model", "norm", "site") else "right")
-    for row in rows:
-        table.add_row(*row)
-    # Piped output (logs, CI) gets rich's default 80 columns, which would wrap every cell.
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_table(header, rows, title=title, left=("model", "norm", "site"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,7 @@ def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
     for run in RUNS:
         rows = read_rows(compared / run / "angles.jsonl")
         mine = angles[angles["run"] == run]
-        assert len(mine) == len(rows) == 3 * 30
+        assert len(mine) == len(rows) == 3 * 45  # steps x refs x (5 norms x {in, std, out})
         assert set(mine["arm"]) == {run.split("-")[1]} and set(mine["seed"]) == {int(run[-1])}
         by_key = {(r["step"], str(r["layer"]), r["site"], r["ref"]): r for r in rows}
         for rec in mine.itertuples():
