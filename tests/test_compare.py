@@ -68,4 +68,4 @@ def test_overlay_and_loss_figures_in_png_and_pdf(compared: Path) -> None:
     for stem in ("overlay_ln1.in_ones", "overlay_final.out_rand_a", "loss"):
         for fmt in ("png", "pdf"):
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000, stem
-    assert len(list(out.glob("overlay_*.png"))) == 6 * 3  # sites x references
+    assert len(list(out.glob("overlay_*.png"))) == 9 * 3  # sites ({ln1,ln2,final} x {in,std,out}) x references
