@@ -28,10 +28,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from corpus.sources import SourceError
-from normgeo.analysis import AnalysisError, print_summary, summarize, write_summary
+from normgeo.analysis import print_summary, summarize, write_summary
 from normgeo.atomic import atomic_write_json
 from normgeo.config import CONF_DIR
-from normgeo.measure import measure_records, norm_kind, probe_ids
+from normgeo.measure import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.pretrained import DTYPES, ModelLoadError, load_model, max_positions
 from normgeo.probe import make_references, residual_norms

@@ -1,5 +1,6 @@
-"""Inference-time geometry of a trained model (paper section 3.2, Table 1, Figures 3, 6-13): the library
-behind ``analyze.py``, and the cross-model summary table ``python -m normgeo.analysis summary DIR [DIR ...]``.
+"""Inference-time geometry of a trained model (paper section 3.2, Table 1, Figures 3, 6-13): the summary
+that ``analyze.py`` writes, and across models ``python -m normgeo.analysis summary DIR [DIR ...]``. (Models
+are loaded by :mod:`normgeo.pretrained`, measured by :mod:`normgeo.measure`.)
 
 The summary pools, per model, site kind (``in``: before the norm, ``std``: after its standardization,
 ``out``: after the norm) and reference vector, the angles of every token at every norm, exactly: the
@@ -36,10 +37,6 @@ SUMMARY_FIELDS = (
     "max_deg", "norm_abs_dev_deg", "between_norm_std_deg", "norm_mean_min_deg", "norm_mean_max_deg",
     "null_k", "ones_pooled_rank_pct", "norms_in_null_band",
 )
-
-
-class AnalysisError(RuntimeError):
-    """A user error in an analysis run (bad config, too small a corpus); the message says what to fix."""
 
 
 # Summary

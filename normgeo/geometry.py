@@ -118,6 +118,12 @@ def angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     done for the rare pairs far from 90 degrees. A zero vector (or a zero ``ref``) has no direction:
     its angle is NaN, and callers count such vectors apart.
     """
+    # Under autocast (the probe runs in the training precision) the matmul would round to bf16/fp16.
+    with torch.autocast(x.device.type, enabled=False):
+        return _angle_deg(x, ref)
+
+
+def _angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     compute = _compute_dtype(x.dtype)
     x = x.to(compute)
     refs = ref.to(device=x.device, dtype=compute)

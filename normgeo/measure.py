@@ -20,11 +20,14 @@ from torch import nn
 
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens
-from normgeo.analysis import AnalysisError
 from normgeo.norm_sites import NormSite
 from normgeo.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms, run_probe
 from normgeo.records import null_rows, statistics_rows
 from normgeo.stats import AngleStatistics
+
+
+class AnalysisError(RuntimeError):
+    """A user error in a measurement (bad config, too small a corpus); the message says what to fix."""
 
 
 def probe_ids(

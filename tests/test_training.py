@@ -168,7 +168,7 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
     assert sorted(compiled) == [1, 2, 3]
     assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
     eager_rows, compiled_rows = read_rows(tmp_path / "eager" / "angles.jsonl"), read_rows(tmp_path / "compiled" / "angles.jsonl")
-    assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 10
+    assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a, b in zip(eager_rows, compiled_rows, strict=True):
         assert (a["step"], a["site"], a["count"]) == (b["step"], b["site"], b["count"])
         assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
@@ -187,7 +187,7 @@ def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: 
     assert all(bf16[step] == pytest.approx(loss, rel=1e-2) and bf16[step] != loss for step, loss in fp32.items())
     rows = {(r["step"], r["layer"], r["site"], r["ref"]): r for r in read_rows(tmp_path / "bf16" / "angles.jsonl")}
     reference = read_rows(tmp_path / "fp32" / "angles.jsonl")
-    assert len(rows) == len(reference) == 2 * 3 * 10
+    assert len(rows) == len(reference) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a in reference:
         b = rows[(a["step"], a["layer"], a["site"], a["ref"])]
         assert b["count"] == a["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=0.5)
