@@ -183,6 +183,8 @@ def _settle(succeeded: bool) -> None:
         for folder in (out_dir, *out_dir.parents):  # the output folder, then the parents Hydra made
             if folder != out_dir and folder not in _NEW_DIRS:
                 break
+            if folder != out_dir and [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
+                (folder / "multirun.yaml").unlink()  # a -m sweep folder this session made, no job done
             try:
                 folder.rmdir()  # only if empty: a folder holding an earlier analysis stays
             except OSError:
