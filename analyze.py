@@ -16,120 +16,49 @@ from __future__ import annotations
 
 import logging
 import resource
+import shutil
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from corpus.atomic import atomic_write_json
-from corpus.sources import SourceError, probe_documents
-from corpus.stream import tokens_per_step
-from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
-from normgeo.analysis import (
-    AnalysisError,
-    hf_encoder,
-    hf_forward,
-    load_checkpoint,
-    max_positions,
-    measure,
-    norm_kind,
-    print_summary,
-    probe_token_ids,
-    summarize,
-    write_summary,
-)
+from corpus.sources import SourceError
+from normgeo.analysis import print_summary, summarize, write_summary
 from normgeo.config import ANALYZE_CONF_DIR, config_errors_exit_2
+from normgeo.measure import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
-from normgeo.pretrained import DTYPES, ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
+from normgeo.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.probe import make_references, residual_norms
-from normgeo.records import (
-    ANGLES_FILE,
-    NULL_FILE,
-    REFERENCES_FILE,
-    null_rows,
-    save_references,
-    statistics_rows,
-    write_step,
-)
+from normgeo.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 from normgeo.report import write_run_figures
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
-# Models that ship inside pip packages, so they work offline: model.packaged=<key>.
-PACKAGED: dict[str, Callable[[], tuple[str, str | None]]] = {
-    "smollm2": lambda: ("", str(smollm2_gguf_path())),
-    "minilm": lambda: (str(minilm_path()), None),
-}
+# Hydra writes its files under these names (conf/analyze/analyze.yaml); they take their real names only once the
+# outputs are written, so a failed start leaves an earlier analysis's files as they were.
+PARTIAL = ".partial"
+_NEW_DIRS: set[Path] = set()  # output folders (and parents) that did not exist before Hydra made them
 
 
-@dataclass
-class Loaded:
-    model: nn.Module
-    forward: Callable[[torch.Tensor], object]
-    encode_batch: EncodeBatch
-    separator: int | None
-    source: str  # what was loaded, for run_info.json
-    step: int | None = None  # training step of our own checkpoints; None for released models
-    tokens_per_step: int | None = None
+def _note_new_dirs(path: str) -> str:
+    """conf/analyze/analyze.yaml's ``normgeo_new_dir`` resolver: ``path`` unchanged, noting which of it and its
+    parents do not exist yet. Hydra resolves it before it creates them, so a failed start can remove
+    exactly the folders it made, never one that was there before."""
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            break
+        _NEW_DIRS.add(folder)
+    return path
 
 
-def load_hf(spec: DictConfig) -> Loaded:
-    if spec.get("packaged"):
-        if spec.packaged not in PACKAGED:
-            raise AnalysisError(f"model.packaged={spec.packaged!r}: choose one of {', '.join(PACKAGED)}")
-        path, gguf_file = PACKAGED[spec.packaged]()
-    else:
-        path, gguf_file = spec.get("path"), spec.get("gguf_file")
-        if OmegaConf.is_missing(spec, "gguf_file"):
-            raise AnalysisError(
-                "model.gguf_file is required with model=gguf: python analyze.py model=gguf "
-                "model.gguf_file=/models/model.Q8_0.gguf (or model.path=<dir> model.gguf_file=<file in dir>)"
-            )
-        if OmegaConf.is_missing(spec, "path") or (not path and not gguf_file):
-            raise AnalysisError(
-                "model.path is required: python analyze.py model=hub model.path=<Hub id or local directory>, "
-                "e.g. model.path=EleutherAI/pythia-1.4b, or pick a preset: model=pythia-1.4b"
-            )
-        if gguf_file and not path:
-            # load_pretrained reads a bare .gguf name relative to `path`; without one, the working directory.
-            gguf_file = str(Path(gguf_file).expanduser().resolve())
-    model, tokenizer = load_pretrained(
-        path or "",
-        gguf_file=gguf_file,
-        dtype=spec.dtype,
-        device_map=spec.get("device_map"),
-        trust_remote_code=spec.get("trust_remote_code", False),
-        revision=spec.get("revision"),
-    )
-    encode_batch, separator = hf_encoder(tokenizer)
-    source = str(Path(path or "", gguf_file or ""))
-    return Loaded(model=model, forward=hf_forward(model), encode_batch=encode_batch, separator=separator,
-                  source=source)
-
-
-def load_our_checkpoint(spec: DictConfig) -> Loaded:
-    if OmegaConf.is_missing(spec, "checkpoint") or not spec.checkpoint:
-        raise AnalysisError(
-            "model.checkpoint is required with model=checkpoint: "
-            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)"
-        )
-    model, step, hparams = load_checkpoint(spec.checkpoint)
-    if DTYPES[spec.dtype] != "auto":
-        model.to(DTYPES[spec.dtype])
-    try:
-        encode_batch, eot, _ = tiktoken_batch_encoder("gpt2")
-    except RuntimeError as exc:  # no BPE files offline
-        raise AnalysisError(str(exc)) from exc
-    step_tokens = tokens_per_step(hparams["global_batch"], model.config.block_size) if "global_batch" in hparams else None
-    return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
-                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
+if not OmegaConf.has_resolver("normgeo_new_dir"):
+    OmegaConf.register_new_resolver("normgeo_new_dir", _note_new_dirs)
 
 
 def _device(cfg: DictConfig) -> torch.device:
@@ -142,7 +71,7 @@ def analyze(cfg: DictConfig) -> Path:
     """Measure one model and write its outputs; returns the output directory."""
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
-    loaded = load_our_checkpoint(cfg.model) if cfg.model.kind == "checkpoint" else load_hf(cfg.model)
+    loaded = load_model(cfg.model)
     model = loaded.model
     if cfg.model.get("device_map"):
         device = None  # accelerate placed the layers; inputs go where the first parameter is
@@ -161,28 +90,21 @@ def analyze(cfg: DictConfig) -> Path:
              device or "device_map", seq_len)
 
     source = instantiate(cfg.probe.source)
-    try:
-        documents = probe_documents(source, sample=cfg.probe.sample, seed=cfg.probe.seed)
-    except SourceError as exc:
-        raise AnalysisError(str(exc)) from exc
-    ids = probe_token_ids(documents, loaded.encode_batch, loaded.separator, cfg.probe.tokens,
-                          source.describe(), min_tokens=cfg.probe.min_doc_tokens)
+    ids = probe_ids(source, loaded.encode_batch, loaded.separator, cfg.probe.tokens, sample=cfg.probe.sample,
+                    seed=cfg.probe.seed, min_doc_tokens=cfg.probe.min_doc_tokens)
     tokenized_at = time.perf_counter()
     references = make_references(dim, cfg.probe.seed, cfg.probe.null_directions)
-    sites, stats = measure(
+    records = measure_records(
         model, ids, seq_len, references,
+        model_name=cfg.model.name, step=loaded.step, tokens_per_step=loaded.tokens_per_step,
+        seed=cfg.probe.seed, bootstrap_replicates=cfg.probe.bootstrap.replicates,
+        bootstrap_block=cfg.probe.bootstrap.block,
         forward=loaded.forward, norms=norms, batch_size=cfg.model.batch_size,
         include_standardized=cfg.probe.include_standardized, device=device, progress=cfg.progress,
     )
     measured_at = time.perf_counter()
+    rows, null = records.rows, records.null
 
-    step = loaded.step
-    # Released models: the number of probe tokens. Our checkpoints: training tokens, as the training probe.
-    tokens_seen = len(ids) if step is None else (step * loaded.tokens_per_step if loaded.tokens_per_step else None)
-    rows = statistics_rows(sites, stats, model=cfg.model.name, norm=kind, step=step, tokens_seen=tokens_seen)
-    null = null_rows(sites, stats, model=cfg.model.name, norm=kind, step=step, tokens_seen=tokens_seen,
-                     replicates=cfg.probe.bootstrap.replicates, block=cfg.probe.bootstrap.block,
-                     seed=cfg.probe.seed)
     save_references(out_dir / REFERENCES_FILE, references)
     write_step(out_dir / ANGLES_FILE, rows)
     if null:
@@ -227,13 +149,48 @@ def analyze(cfg: DictConfig) -> Path:
 USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 
+def _settle(succeeded: bool) -> None:
+    """Give Hydra's files of this session their real names, or, on a failed start, remove them and the
+    output folder if that leaves it empty (a folder holding an earlier analysis stays as it was)."""
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    partial = [out_dir / hydra_cfg.output_subdir] if hydra_cfg.output_subdir else []
+    partial += [Path(h.filename) for h in hydra_cfg.job_logging.get("handlers", {}).values() if "filename" in h]
+    for path in (p for p in partial if p.name.endswith(PARTIAL)):
+        final = path.with_name(path.name.removesuffix(PARTIAL))
+        if succeeded:
+            if final.is_dir():
+                shutil.rmtree(final)
+            if path.exists():
+                path.replace(final)
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    if not succeeded:
+        for folder in (out_dir, *out_dir.parents):  # the output folder, then the parents Hydra made
+            if folder != out_dir and folder not in _NEW_DIRS:
+                break
+            if folder != out_dir and [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
+                (folder / "multirun.yaml").unlink()  # a -m sweep folder this session made, no job done
+            try:
+                folder.rmdir()  # only if empty: a folder holding an earlier analysis stays
+            except OSError:
+                break
+
+
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     try:
         analyze(cfg)
     except USER_ERRORS as err:
+        _settle(succeeded=False)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except BaseException:
+        _settle(succeeded=False)
+        raise
+    _settle(succeeded=True)
 
 
 main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.config)

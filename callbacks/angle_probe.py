@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
-from corpus.sources import probe_documents
-from corpus.tokenize import first_tokens, tiktoken_batch_encoder
+from corpus.tokenize import tiktoken_batch_encoder
 from normgeo.logged_figures import log_figures
-from normgeo.probe import make_references, run_probe
-from normgeo.records import (
-    ANGLES_FILE,
-    NULL_FILE,
-    REFERENCES_FILE,
-    null_rows,
-    save_references,
-    statistics_rows,
-    write_step,
-)
+from normgeo.measure import measure_records, probe_ids
+from normgeo.probe import INCLUDE_STANDARDIZED, make_references
+from normgeo.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +22,10 @@ log = logging.getLogger(__name__)
 class AngleProbe(OptimizerStepCallback):
     """Angles of the hidden vectors before/after every norm with 1, ``rand_a``, ``rand_b`` and K null directions.
 
-    Every rank probes its own round-robin share of the fixed probe sequences; the statistics are merged
-    across ranks (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
+    The measurement is :func:`normgeo.measure.measure_records`, the very one of ``analyze.py``: the same
+    checkpoint and tokens give the same records. Every rank probes its own round-robin share of the probe
+    windows; the statistics are merged across ranks (no rank-0-only forward pass, which would deadlock
+    DDP/FSDP), and rank 0 writes
     ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
     intervals over probe sequences) and the logger entries.
     """
@@ -48,7 +40,7 @@ class AngleProbe(OptimizerStepCallback):
         batch_size: int = 8,
         seed: int = 1234,
         tokenizer: str = "gpt2",
-        include_standardized: bool = False,
+        include_standardized: bool = INCLUDE_STANDARDIZED,
         log_table: bool = True,
         null_directions: int = 64,
         min_doc_tokens: int = 0,
@@ -71,23 +63,19 @@ class AngleProbe(OptimizerStepCallback):
         self.sample_documents = sample_documents
         self.bootstrap_replicates = bootstrap_replicates
         self.bootstrap_block = bootstrap_block
-        self._sequences: torch.Tensor | None = None
+        self._ids: np.ndarray | None = None
 
-    def probe_sequences(self, seq_len: int) -> torch.Tensor:
-        """The same (n, seq_len) token windows at every step and in both arms.
+    def probe_ids(self) -> np.ndarray:
+        """The same ``probe.tokens`` token ids at every step and in both arms.
 
         Documents come in the source's seeded sampling order (spread over the whole source; the seed is
         ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
         """
-        if self._sequences is None:
+        if self._ids is None:
             encode, eot, _ = tiktoken_batch_encoder(self.tokenizer)
-            count = self.tokens // seq_len * seq_len
-            if count == 0:
-                raise ValueError(f"probe.tokens={self.tokens} is less than one sequence of {seq_len} tokens")
-            documents = probe_documents(self.source, sample=self.sample_documents, seed=self.seed)
-            ids = first_tokens(documents, encode, eot, count, min_tokens=self.min_doc_tokens)
-            self._sequences = torch.from_numpy(ids.reshape(-1, seq_len))
-        return self._sequences
+            self._ids = probe_ids(self.source, encode, eot, self.tokens, sample=self.sample_documents,
+                                  seed=self.seed, min_doc_tokens=self.min_doc_tokens)
+        return self._ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -101,41 +89,24 @@ class AngleProbe(OptimizerStepCallback):
     def probe(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> list[dict]:
         model = pl_module.model
         config = model.config
-        sequences = self.probe_sequences(config.block_size)
-        shard = sequences[trainer.global_rank :: trainer.world_size]
-        # Every rank runs the same number of forward passes (FSDP's all-gathers are collective): a rank
-        # with fewer sequences pads its share with rows that are run but not measured.
-        per_rank = math.ceil(len(sequences) / trainer.world_size)
         references = make_references(config.n_embd, self.seed, self.null_directions)
-        sites, stats = run_probe(
-            model,
-            shard,
-            references,
-            sequence_ids=torch.arange(len(sequences))[trainer.global_rank :: trainer.world_size],
-            num_sequences=len(sequences),
-            batch_size=self.batch_size,
-            include_standardized=self.include_standardized,
-            autocast=trainer.precision_plugin.forward_context,
-            device=pl_module.device,
-            pad_to=per_rank,
-        )
-        stats.all_reduce()
-        tokens_per_step = pl_module.tokens_per_step
-        rows = statistics_rows(
-            sites, stats, model=self.model_name, norm=config.norm, step=step, tokens_seen=step * tokens_per_step
+        records = measure_records(
+            model, self.probe_ids(), config.block_size, references,
+            model_name=self.model_name, step=step,
+            tokens_per_step=pl_module.tokens_per_step,
+            seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
+            with_null=trainer.is_global_zero,
+            batch_size=self.batch_size, include_standardized=self.include_standardized,
+            autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
+            rank=trainer.global_rank, world_size=trainer.world_size,
         )
         if trainer.is_global_zero:
             save_references(self.run_dir / REFERENCES_FILE, references)
-            write_step(self.run_dir / ANGLES_FILE, rows)
-            null = null_rows(
-                sites, stats, model=self.model_name, norm=config.norm, step=step,
-                tokens_seen=step * tokens_per_step, replicates=self.bootstrap_replicates,
-                block=self.bootstrap_block, seed=self.seed,
-            )
-            if null:
-                write_step(self.run_dir / NULL_FILE, null)
-            self._log(trainer, rows, step)
-        return rows
+            write_step(self.run_dir / ANGLES_FILE, records.rows)
+            if records.null:
+                write_step(self.run_dir / NULL_FILE, records.null)
+            self._log(trainer, records.rows, step)
+        return records.rows
 
     def _log(self, trainer: L.Trainer, rows: list[dict], step: int) -> None:
         """Scalar summaries (mean over layers per site and reference) to every logger; to the loggers with

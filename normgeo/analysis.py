@@ -1,5 +1,6 @@
-"""Inference-time geometry of a trained model (paper section 3.2, Table 1, Figures 3, 6-13): the library
-behind ``analyze.py``, and the cross-model summary table ``python -m normgeo.analysis summary DIR [DIR ...]``.
+"""Inference-time geometry of a trained model (paper section 3.2, Table 1, Figures 3, 6-13): the summary
+that ``analyze.py`` writes, and across models ``python -m normgeo.analysis summary DIR [DIR ...]``. (Models
+are loaded by :mod:`normgeo.pretrained`, measured by :mod:`normgeo.measure`.)
 
 The summary pools, per model, site kind (``in``: before the norm, ``std``: after its standardization,
 ``out``: after the norm) and reference vector, the angles of every token at every norm, exactly: the
@@ -13,28 +14,20 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import io
 import math
-import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
-from torch import nn
 
 from corpus.atomic import atomic_write_text
-from corpus.sources import SourceError
-from corpus.tokenize import EncodeBatch, first_tokens
-from models.gpt import GPT, GPTConfig
-from normgeo.norm_sites import NormSite
-from normgeo.pretrained import ModelLoadError
-from normgeo.probe import REFERENCE_NAMES, ProbeSite, residual_norms, run_probe
+from normgeo.probe import REFERENCE_NAMES
 from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows
-from normgeo.stats import AngleStatistics
+from normgeo.stats import chan_merge
+from normgeo.tables import print_table
 
 SITE_KINDS = ("in", "std", "out")
 SUMMARY_CSV = "summary.csv"
@@ -46,204 +39,22 @@ SUMMARY_FIELDS = (
 )
 
 
-class AnalysisError(RuntimeError):
-    """A user error in an analysis run (bad config, too small a corpus); the message says what to fix."""
-
-
-def model_slug(name: str | None) -> str:
-    """A folder name for a model name, Hub id or path, independent of the working directory.
-
-    ``EleutherAI/pythia-1.4b`` -> ``EleutherAI--pythia-1.4b`` (the Hub cache's convention).
-    """
-    text = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name or "").replace("/", "--"))
-    return text.strip("-.") or "unnamed"
-
-
-if not OmegaConf.has_resolver("model_slug"):
-    OmegaConf.register_new_resolver("model_slug", model_slug)
-
-
-# Models
-
-
-# A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
-# torch.load stay in weights_only mode, which cannot run code from a file someone hands us.
-_numpy_core = np._core if hasattr(np, "_core") else np.core
-_RNG_STATE_GLOBALS = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
-    """(GPT in eval mode, its global step, its hyper-parameters) from a checkpoint written by train.py."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ModelLoadError(
-            f"checkpoint not found: {file.resolve()} (give model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
-            "or last.ckpt of a train.py run)"
-        )
-    try:
-        with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
-            checkpoint = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
-        raise ModelLoadError(f"could not read checkpoint {file}: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
-        raise ModelLoadError(
-            f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "
-            "Hugging Face model use model=hub model.path=..."
-        )
-    try:
-        model = GPT(GPTConfig(**checkpoint["gpt_config"]))
-        weights = {
-            key.removeprefix("model."): value
-            for key, value in checkpoint["state_dict"].items()
-            if key.startswith("model.")
-        }
-        model.load_state_dict(weights)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"checkpoint {file} does not match models.gpt.GPT: {exc}") from exc
-    model.eval()
-    model.requires_grad_(False)
-    return model, checkpoint.get("global_step"), dict(checkpoint.get("hyper_parameters") or {})
-
-
-def max_positions(model: nn.Module) -> int | None:
-    """The longest sequence the model's position embeddings allow (None: no limit known)."""
-    config = getattr(model, "config", None)
-    for attr in ("max_position_embeddings", "block_size"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def norm_kind(norms: Sequence[NormSite]) -> str:
-    """The model's norm kind for the records: "layer" or "rms" ("layer+rms" should a model mix them)."""
-    return "+".join(sorted({norm.kind for norm in residual_norms(norms)}))
-
-
-def hf_forward(model: nn.Module) -> Callable[[torch.Tensor], object]:
-    """Call a Hugging Face base model on token ids; no KV cache (a 7B model's would cost GBs per batch)."""
-    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    return lambda batch: model(input_ids=batch, **kwargs)
-
-
-def hf_encoder(tokenizer) -> tuple[EncodeBatch, int | None]:
-    """(encode_batch, separator id) for a Hugging Face tokenizer: EOS between documents, else SEP (BERT)."""
-    from transformers.utils import logging as hf_logging
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        # Whole documents are longer than the model's maximum; that is expected (they are cut into windows
-        # afterwards), so the tokenizer's warning about it is silenced.
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            return tokenizer(texts, add_special_tokens=False)["input_ids"]
-        finally:
-            hf_logging.set_verbosity(level)
-
-    separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    return encode_batch, separator
-
-
-# Probe
-
-
-def probe_token_ids(
-    documents: Iterable[str],
-    encode_batch: EncodeBatch,
-    separator: int | None,
-    tokens: int,
-    source: str,
-    min_tokens: int = 0,
-) -> np.ndarray:
-    """The first ``tokens`` token ids of the documents (those under ``min_tokens`` skipped); an
-    :class:`AnalysisError` if there are fewer."""
-    if tokens <= 0:
-        raise AnalysisError(f"probe.tokens must be positive, not {tokens}")
-    try:
-        return first_tokens(documents, encode_batch, separator, tokens, min_tokens=min_tokens)
-    except SourceError as exc:  # a ValueError too, but about reading the corpus, not its size
-        raise AnalysisError(
-            f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
-        ) from exc
-    except ValueError as exc:
-        raise AnalysisError(f"{exc} ({source}): lower probe.tokens or give a larger corpus") from exc
-
-
-def measure(
-    model: nn.Module,
-    ids: np.ndarray,
-    seq_len: int,
-    references: dict[str, np.ndarray],
-    *,
-    forward: Callable[[torch.Tensor], object],
-    norms: Sequence[NormSite],
-    batch_size: int,
-    include_standardized: bool = True,
-    device: torch.device | str | None = None,
-    progress: bool = False,
-) -> tuple[list[ProbeSite], AngleStatistics]:
-    """Angles at every norm for every token of ``ids``, cut into ``seq_len`` windows.
-
-    The tokens that do not fill a last window go through as one shorter sequence, so exactly
-    ``len(ids)`` tokens are measured (the paper's round 1M, not 976 windows of 1024).
-    """
-    tokens = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-    whole = len(tokens) // seq_len * seq_len
-    parts = ([tokens[:whole].view(-1, seq_len)] if whole else []) + (
-        [tokens[whole:].unsqueeze(0)] if whole < len(tokens) else []
-    )
-    num_sequences = sum(len(part) for part in parts)
-    sites: list[ProbeSite] = []
-    stats: AngleStatistics | None = None
-    first = 0  # global index of the part's first sequence, for the per-sequence statistics
-    for index, part in enumerate(parts):
-        part_sites, part_stats = run_probe(
-            model,
-            part,
-            references,
-            forward=forward,
-            norms=norms,
-            batch_size=batch_size,
-            include_standardized=include_standardized,
-            device=device,
-            progress=progress and index == 0,
-            sequence_ids=torch.arange(first, first + len(part)),
-            num_sequences=num_sequences,
-        )
-        first += len(part)
-        if stats is None:
-            sites, stats = part_sites, part_stats
-        else:
-            stats.merge(part_stats)
-    if stats is None:
-        raise AnalysisError("no probe tokens to measure")
-    return sites, stats
-
-
 # Summary
-
-
-def _chan(a: tuple[float, float, float], b: tuple[float, float, float]) -> tuple[float, float, float]:
-    """Merge (count, mean, M2) of two disjoint samples (Chan, Golub & LeVeque)."""
-    count = a[0] + b[0]
-    if count == 0:
-        return a
-    delta = b[1] - a[1]
-    return count, a[1] + delta * b[0] / count, a[2] + b[2] + delta * delta * a[0] * b[0] / count
 
 
 def pool(rows: Iterable[dict]) -> dict:
     """count, mean, (population) std, min, max of the union of the rows' samples."""
-    moments = (0.0, 0.0, 0.0)
+    moments = (torch.zeros((), dtype=torch.float64),) * 3
     low, high, sites, tokens = math.inf, -math.inf, 0, 0
     for row in rows:
         if not row["count"]:
             continue
         # M2 = n * std^2: statistics_rows writes the population std.
-        moments = _chan(moments, (row["count"], row["mean_deg"], row["count"] * row["std_deg"] ** 2))
+        sample = (row["count"], row["mean_deg"], row["count"] * row["std_deg"] ** 2)
+        moments = chan_merge(*moments, *(torch.tensor(float(v), dtype=torch.float64) for v in sample))
         low, high = min(low, row["min_deg"]), max(high, row["max_deg"])
         sites, tokens = sites + 1, max(tokens, row["count"] + row["zero_count"])
-    count, mean, m2 = moments
+    count, mean, m2 = (float(m) for m in moments)
     empty = count == 0
     return {
         "sites": sites,
@@ -397,17 +208,8 @@ def write_summary(out_dir: str | Path, summary: Sequence[dict]) -> tuple[Path, P
 
 
 def print_summary(summary: Sequence[dict], title: str = "Angles before/after the norms") -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     header, rows = _wide(summary)
-    table = Table(title=title)
-    for name in header:
-        table.add_column(name, justify="left" if name in ("model", "norm", "site") else "right")
-    for row in rows:
-        table.add_row(*row)
-    # Piped output (logs, CI) gets rich's default 80 columns, which would wrap every cell.
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_table(header, rows, title=title, left=("model", "norm", "site"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,10 +27,20 @@ CONFIG_ERROR_EXIT = 2
 _composed = False
 
 
-def _slug(value: str) -> str:
-    """A readable, collision-safe folder name for a path or id: 'webtext-1a2b3c4d'."""
+def slug(name: object, empty: str = "unnamed") -> str:
+    """The one file/folder-name rule for a model name, Hub id or path: a Hub id's ``/`` becomes ``--``
+    (the Hub cache's convention), every run of other characters than ``A-Za-z0-9._-`` one ``-``.
+
+    ``EleutherAI/pythia-1.4b`` -> ``EleutherAI--pythia-1.4b``; independent of the working directory.
+    """
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name or "").replace("/", "--"))
+    return text.strip("-.") or empty
+
+
+def path_slug(value: str) -> str:
+    """A readable, collision-safe folder name for a path: 'webtext-1a2b3c4d' (its slug and a hash)."""
     text = str(value)
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text.rstrip("/*")).name or "root").strip("-") or "root"
+    stem = slug(Path(text.rstrip("/*")).name, empty="root")
     return f"{stem}-{hashlib.sha256(os.path.abspath(text).encode()).hexdigest()[:8]}"
 
 
@@ -38,7 +48,9 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("abspath"):
         OmegaConf.register_new_resolver("abspath", lambda path: os.path.abspath(os.path.expanduser(str(path))))
     if not OmegaConf.has_resolver("slug"):
-        OmegaConf.register_new_resolver("slug", _slug)
+        OmegaConf.register_new_resolver("slug", path_slug)
+    if not OmegaConf.has_resolver("model_slug"):
+        OmegaConf.register_new_resolver("model_slug", slug)  # conf/analyze/analyze.yaml's output folder
     if not OmegaConf.has_resolver("normgeo_key_docs"):  # hydra.help.template: every key with its doc
         OmegaConf.register_new_resolver("normgeo_key_docs", _key_docs)
     from normgeo.session import register_resolver

@@ -100,23 +100,47 @@ def standardize(x: torch.Tensor, kind: NormKind | str, eps: float) -> torch.Tens
     raise ValueError(f"unknown norm kind {kind!r}: choose one of {', '.join(NORM_KINDS)}")
 
 
-def angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Angle in degrees, in [0, 180], between every vector ``x[..., :]`` and the reference ``ref`` (d,).
+# Where |cos| exceeds this (angles under 60 or over 120 degrees), the sine comes from the explicit
+# perpendicular component; below it sqrt(1 - cos^2) loses no digits (error <= 1.2x that of cos).
+NEAR_AXIS_COS = 0.5
 
-    Computed in float64 for float64 input, else float32 (bf16/fp16 are cast up). We use Kahan's
-    ``2 atan2(||a - b||, ||a + b||)`` on the unit vectors a, b rather than ``arccos(cos)``: it never
-    leaves [0, 180] (no clamp needed, so never NaN for nonzero vectors) and stays accurate near 0 and 180
-    degrees, where arccos loses half its digits. A zero vector (or a zero ``ref``) has no direction:
-    its angle is NaN, and callers count such vectors apart. Returns shape ``x.shape[:-1]``.
+
+def angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Angle in degrees, in [0, 180], between every vector ``x[..., :]`` and the reference ``ref``.
+
+    ``ref`` is one vector (d,) (result shape ``x.shape[:-1]``) or D of them (D, d) (result shape
+    ``x.shape[:-1] + (D,)``). Computed in float64 for float64 input, else float32 (bf16/fp16 are cast
+    up). The one angle formula of the package (the statistics engine calls it too): ``atan2(sin, cos)``
+    of the unit vectors a, b, never ``arccos(cos)``, which loses half its digits near 0 and 180 degrees
+    and is NaN for a rounded cosine above 1. ``cos = a . b`` comes from one matmul; ``sin`` is
+    ``||a - cos b||`` (the perpendicular component, accurate near 0 and 180) where |cos| >
+    ``NEAR_AXIS_COS`` and ``sqrt(1 - cos^2)`` elsewhere, so the (vectors x references x d) work is only
+    done for the rare pairs far from 90 degrees. A zero vector (or a zero ``ref``) has no direction:
+    its angle is NaN, and callers count such vectors apart.
     """
+    # Under autocast (the probe runs in the training precision) the matmul would round to bf16/fp16.
+    with torch.autocast(x.device.type, enabled=False):
+        return _angle_deg(x, ref)
+
+
+def _angle_deg(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     compute = _compute_dtype(x.dtype)
     x = x.to(compute)
-    ref = ref.to(device=x.device, dtype=compute)
+    refs = ref.to(device=x.device, dtype=compute)
+    single = refs.dim() == 1
+    refs = refs.reshape(-1, refs.shape[-1])
     x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    ref_norm = torch.linalg.vector_norm(ref)
+    ref_norm = torch.linalg.vector_norm(refs, dim=-1)
     a = x / x_norm
-    b = ref / ref_norm
-    half = torch.atan2(torch.linalg.vector_norm(a - b, dim=-1), torch.linalg.vector_norm(a + b, dim=-1))
-    degrees = torch.rad2deg(2.0 * half)
-    nan = torch.full_like(degrees, math.nan)
-    return torch.where((x_norm.squeeze(-1) > 0) & (ref_norm > 0), degrees, nan)
+    b = refs / ref_norm.unsqueeze(-1)
+    cos = a @ b.T  # (..., D)
+    sin = (1.0 - cos.square()).clamp_(min=0.0).sqrt_()
+    near_axis = cos.abs() > NEAR_AXIS_COS
+    if bool(near_axis.any()):
+        index = near_axis.nonzero(as_tuple=True)
+        perpendicular = a[index[:-1]] - cos[index].unsqueeze(-1) * b[index[-1]]
+        sin[index] = torch.linalg.vector_norm(perpendicular, dim=-1)
+    degrees = torch.rad2deg(torch.atan2(sin, cos))
+    valid = (x_norm > 0) & (ref_norm > 0)  # (..., D)
+    degrees = torch.where(valid, degrees, torch.full_like(degrees, math.nan))
+    return degrees.squeeze(-1) if single else degrees

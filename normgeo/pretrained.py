@@ -1,4 +1,5 @@
-"""Load a pretrained Hugging Face model as released, for measuring its norms at inference time.
+"""Every model ``analyze.py`` measures is loaded here: a Hugging Face model as released (a Hub id, a
+local directory, a GGUF file or one packaged in a pip package) or one of our own train.py checkpoints.
 
 No weight processing of any kind (no folding of norm gains into the next layer, no centering): the
 geometry around a norm is a property of the weights the model was trained to, so they are used as is.
@@ -9,10 +10,14 @@ which works for decoders and encoders alike.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import (
@@ -22,7 +27,12 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from corpus.stream import tokens_per_step
+from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
+from models.gpt import GPT, GPTConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -187,3 +197,155 @@ def load_pretrained(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+# A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
+# torch.load stay in weights_only mode, which cannot run code from a file someone hands us.
+_numpy_core = np._core if hasattr(np, "_core") else np.core
+_RNG_STATE_GLOBALS = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
+    """(GPT in eval mode, its global step, its hyper-parameters) from a checkpoint written by train.py."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelLoadError(
+            f"checkpoint not found: {file.resolve()} (give model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
+            "or last.ckpt of a train.py run)"
+        )
+    try:
+        with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
+            checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
+        raise ModelLoadError(f"could not read checkpoint {file}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
+        raise ModelLoadError(
+            f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "
+            "Hugging Face model use model=hub model.path=..."
+        )
+    try:
+        model = GPT(GPTConfig(**checkpoint["gpt_config"]))
+        weights = {
+            key.removeprefix("model."): value
+            for key, value in checkpoint["state_dict"].items()
+            if key.startswith("model.")
+        }
+        model.load_state_dict(weights)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"checkpoint {file} does not match models.gpt.GPT: {exc}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    return model, checkpoint.get("global_step"), dict(checkpoint.get("hyper_parameters") or {})
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's position embeddings allow (None: no limit known)."""
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "block_size"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def hf_forward(model: nn.Module) -> Callable[[torch.Tensor], object]:
+    """Call a Hugging Face base model on token ids; no KV cache (a 7B model's would cost GBs per batch)."""
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    return lambda batch: model(input_ids=batch, **kwargs)
+
+
+def hf_encoder(tokenizer) -> tuple[EncodeBatch, int | None]:
+    """(encode_batch, separator id) for a Hugging Face tokenizer: EOS between documents, else SEP (BERT)."""
+    from transformers.utils import logging as hf_logging
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        # Whole documents are longer than the model's maximum; that is expected (they are cut into windows
+        # afterwards), so the tokenizer's warning about it is silenced.
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+        finally:
+            hf_logging.set_verbosity(level)
+
+    separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    return encode_batch, separator
+
+
+# Models that ship inside pip packages, so they work offline: model.packaged=<key>.
+PACKAGED: dict[str, Callable[[], tuple[str, str | None]]] = {
+    "smollm2": lambda: ("", str(smollm2_gguf_path())),
+    "minilm": lambda: (str(minilm_path()), None),
+}
+
+
+@dataclass
+class Loaded:
+    """A model ready to measure, with how to call it and tokenize for it."""
+
+    model: nn.Module
+    forward: Callable[[torch.Tensor], object]
+    encode_batch: EncodeBatch
+    separator: int | None
+    source: str  # what was loaded, for run_info.json
+    step: int | None = None  # training step of our own checkpoints; None for released models
+    tokens_per_step: int | None = None
+
+
+def load_hf(spec: DictConfig) -> Loaded:
+    """A Hugging Face model from analyze.py's ``model`` config (``packaged``, ``path``, ``gguf_file``, ...)."""
+    if spec.get("packaged"):
+        if spec.packaged not in PACKAGED:
+            raise ModelLoadError(f"model.packaged={spec.packaged!r}: choose one of {', '.join(PACKAGED)}")
+        path, gguf_file = PACKAGED[spec.packaged]()
+    else:
+        path, gguf_file = spec.get("path"), spec.get("gguf_file")
+        if OmegaConf.is_missing(spec, "gguf_file"):
+            raise ModelLoadError(
+                "model.gguf_file is required with model=gguf: python analyze.py model=gguf "
+                "model.gguf_file=/models/model.Q8_0.gguf (or model.path=<dir> model.gguf_file=<file in dir>)"
+            )
+        if OmegaConf.is_missing(spec, "path") or (not path and not gguf_file):
+            raise ModelLoadError(
+                "model.path is required: python analyze.py model=hub model.path=<Hub id or local directory>, "
+                "e.g. model.path=EleutherAI/pythia-1.4b, or pick a preset: model=pythia-1.4b"
+            )
+        if gguf_file and not path:
+            # load_pretrained reads a bare .gguf name relative to `path`; without one, the working directory.
+            gguf_file = str(Path(gguf_file).expanduser().resolve())
+    model, tokenizer = load_pretrained(
+        path or "",
+        gguf_file=gguf_file,
+        dtype=spec.dtype,
+        device_map=spec.get("device_map"),
+        trust_remote_code=spec.get("trust_remote_code", False),
+        revision=spec.get("revision"),
+    )
+    encode_batch, separator = hf_encoder(tokenizer)
+    source = str(Path(path or "", gguf_file or ""))
+    return Loaded(model=model, forward=hf_forward(model), encode_batch=encode_batch, separator=separator,
+                  source=source)
+
+
+def load_our_checkpoint(spec: DictConfig) -> Loaded:
+    """One of our train.py checkpoints from analyze.py's ``model=checkpoint`` config, tokenized with tiktoken."""
+    if OmegaConf.is_missing(spec, "checkpoint") or not spec.checkpoint:
+        raise ModelLoadError(
+            "model.checkpoint is required with model=checkpoint: "
+            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)"
+        )
+    model, step, hparams = load_checkpoint(spec.checkpoint)
+    if DTYPES[spec.dtype] != "auto":
+        model.to(DTYPES[spec.dtype])
+    try:
+        encode_batch, eot, _ = tiktoken_batch_encoder("gpt2")
+    except RuntimeError as exc:  # no BPE files offline
+        raise ModelLoadError(str(exc)) from exc
+    step_tokens = tokens_per_step(hparams["global_batch"], model.config.block_size) if "global_batch" in hparams else None
+    return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
+                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
+
+
+def load_model(spec: DictConfig) -> Loaded:
+    """analyze.py's ``model`` config (``kind``: hf or checkpoint) -> the loaded model."""
+    return load_our_checkpoint(spec) if spec.kind == "checkpoint" else load_hf(spec)

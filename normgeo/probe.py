@@ -28,6 +28,9 @@ DEFAULT_NULL_DIRECTIONS = 64
 # engine normalizes every reference and angles are scale-invariant, so rand_b is just a second random
 # direction. It is kept for comparison with the paper's figures.
 RAND_B_NORM_RATIO = 3.0
+# The one default for the .std sites (the norm without its gain and bias: LayerNorm's puts every token at
+# exactly 90 deg from 1), for the training probe and analyze.py alike (conf/shared/probe/pydoc.yaml says the same).
+INCLUDE_STANDARDIZED = True
 
 
 def make_references(dim: int, seed: int = 1234, null_directions: int = DEFAULT_NULL_DIRECTIONS) -> dict[str, np.ndarray]:
@@ -62,7 +65,7 @@ class ProbeSite:
     dim: int
 
 
-def probe_sites(norms: Sequence[NormSite], include_standardized: bool = False) -> list[ProbeSite]:
+def probe_sites(norms: Sequence[NormSite], include_standardized: bool = INCLUDE_STANDARDIZED) -> list[ProbeSite]:
     sites = []
     for norm in norms:
         suffixes = ("in", "std", "out") if include_standardized else ("in", "out")
@@ -95,7 +98,7 @@ def run_probe(
     forward: Callable[[torch.Tensor], object] | None = None,
     norms: Sequence[NormSite] | None = None,
     batch_size: int = 8,
-    include_standardized: bool = False,
+    include_standardized: bool = INCLUDE_STANDARDIZED,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
     progress: bool = False,

@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from corpus.atomic import atomic_open  # noqa: E402
+from normgeo.config import slug  # noqa: E402
 from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 
 # rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
@@ -86,7 +87,7 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
     tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"layers_{_safe(model)}_{norm}_{tag}.png")
+    return _save(fig, out_dir / f"layers_{slug(model)}_{norm}_{tag}.png")
 
 
 def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -101,7 +102,7 @@ def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "l
             fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
         )
     _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
+    return _save(fig, out_dir / f"steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
 
 
 def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in", ref: str = "ones") -> Path:
@@ -179,7 +180,7 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
     fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}: is 1 a typical direction?")
     tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"null_layers_{_safe(model)}_{norm}_{tag}.png")
+    return _save(fig, out_dir / f"null_layers_{slug(model)}_{norm}_{tag}.png")
 
 
 def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -199,7 +200,7 @@ def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site
     ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
                 label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
     _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"null_steps_{_safe(model)}_{norm}_layer{layer}_{site}.png")
+    return _save(fig, out_dir / f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
 
 
 def _dress_step_axes(ax, ylabel: str, title: str) -> None:
@@ -210,10 +211,6 @@ def _dress_step_axes(ax, ylabel: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in str(name))
 
 
 def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> list[Path]:

@@ -88,7 +88,7 @@ class ProbeSchema:
     tokens: int = doc(MISSING, "probe tokens per measurement")
     batch_size: int = doc(8, "probe sequences per forward pass")
     seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap")
-    include_standardized: bool = doc(False, "also measure LayerNorm's standardization (.std sites)")
+    include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
     null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none")
     sample: bool = doc(True, "documents in a seeded order over the whole source")
     min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)")

@@ -3,7 +3,7 @@
 Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` and opens ``train.log`` in the run directory
 before the task function runs. A launch that is then refused (the directory already holds a run, or a
 resume would change the experiment) used to leave those files rewritten: ``normgeo.status`` then read
-the refused session's ``max_steps``. conf/train.yaml routes both through the ``normgeo_if_accepted``
+the refused session's ``max_steps``. conf/train/train.yaml routes both through the ``normgeo_if_accepted``
 resolver below, which runs the same checks as train.py and sends Hydra's files nowhere when they fail.
 """
 

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from normgeo.geometry import angle_deg
+
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
 DEFAULT_BINS_PER_DEGREE = 40  # 0.025 deg bins: interpolated quantiles are within 0.025 deg
@@ -32,7 +34,7 @@ NULL_QUANTILES = (0.05, 0.50, 0.95)
 CENTER_DEG = 90.0
 
 
-def _chan_merge(
+def chan_merge(
     count_a: torch.Tensor, mean_a: torch.Tensor, m2_a: torch.Tensor,
     count_b: torch.Tensor, mean_b: torch.Tensor, m2_b: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,9 +82,8 @@ class AngleStatistics:
         self.num_sites = num_sites
         self.bins_per_degree = bins_per_degree
         self.num_bins = 180 * bins_per_degree
-        # Unit references in float32 for the matmul; the angle itself is finished in float64.
         refs = references.to(self.device, torch.float64)
-        self.ref_units = (refs / refs.norm(dim=-1, keepdim=True)).to(torch.float32)
+        self.ref_units = refs / refs.norm(dim=-1, keepdim=True)
         self.num_refs = refs.shape[0]
         nulls = (
             torch.zeros((0, refs.shape[1]), dtype=torch.float64, device=self.device)
@@ -90,9 +91,7 @@ class AngleStatistics:
             else null_directions.to(self.device, torch.float64)
         )
         self.num_null = nulls.shape[0]
-        # One matmul gives the cosines with the references and the null directions together.
-        self.dir_units = torch.cat([refs, nulls]) if self.num_null else refs
-        self.dir_units = (self.dir_units / self.dir_units.norm(dim=-1, keepdim=True)).to(torch.float32)
+        self.null_units = (nulls / nulls.norm(dim=-1, keepdim=True).clamp(min=1e-300)).to(torch.float32)
         shape = (num_sites, self.num_refs)
         f64 = {"dtype": torch.float64, "device": self.device}
         null_shape = (num_sites, self.num_null)
@@ -138,19 +137,19 @@ class AngleStatistics:
         per_sequence = sequence_ids is not None and self.num_sequences > 0
         groups = len(sequence_ids) if per_sequence else 1  # rows summed together: one per sequence
         R = self.num_refs
-        # A zero vector has no angle: its cosines are set to 0 and its rows masked out of every sum.
-        safe_norms = torch.where(nonzero, norms, torch.ones_like(norms))
-        cosines = x @ self.dir_units.T  # float32 (n, R + K)
-        mask64 = None if all_nonzero else nonzero.to(torch.float64).unsqueeze(1)
+        # Every angle by the package's one formula (geometry.angle_deg: atan2, accurate near 0 and 180
+        # deg). A zero vector has none: it is set to 90 deg here (0 once centered), out of every sum.
+        def angles(units: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            degrees = angle_deg(rows, units)
+            return degrees if all_nonzero else torch.where(nonzero.unsqueeze(1), degrees, CENTER_DEG)
 
-        # References: finished in float64 (1 may sit far from 90 deg); moments with Chan's update.
-        ref_cos = cosines[:, :R].to(torch.float64) / safe_norms.to(torch.float64).unsqueeze(1)
-        degrees = torch.rad2deg(torch.arccos(ref_cos.clamp(-1.0, 1.0)))  # (n, R)
-        kept = degrees if all_nonzero else degrees[nonzero]
+        # References in float64 (1 may sit far from 90 deg; the moments keep every digit).
+        ref_degrees = angles(self.ref_units, x.to(torch.float64))  # (n, R)
+        kept = ref_degrees if all_nonzero else ref_degrees[nonzero]
         n = torch.tensor(float(kept.shape[0]), dtype=torch.float64, device=self.device)
         batch_mean = kept.mean(dim=0)
         batch_m2 = (kept - batch_mean).square().sum(dim=0)
-        self.count[site], self.mean[site], self.m2[site] = _chan_merge(
+        self.count[site], self.mean[site], self.m2[site] = chan_merge(
             self.count[site], self.mean[site], self.m2[site], n, batch_mean, batch_m2
         )
         self.min[site] = torch.minimum(self.min[site], kept.min(dim=0).values)
@@ -159,28 +158,22 @@ class AngleStatistics:
         flat = bins + torch.arange(R, device=self.device) * self.num_bins
         self.hist[site] += torch.bincount(flat.reshape(-1), minlength=R * self.num_bins).view(R, self.num_bins)
 
-        # Null directions: arccos in float32 (10x cheaper than float64 on CPU; ~1e-5 deg), sums in float64
-        # of (angle - 90): random directions in high dimension stay within a few degrees of 90, so the
-        # sums of squares lose no digits to cancellation.
+        # Null directions: sums in float64 of (angle - 90): random directions in high dimension stay
+        # within a few degrees of 90, so the sums of squares lose no digits to cancellation.
         if self.num_null:
-            null_cos = cosines[:, R:] / safe_norms.unsqueeze(1)
-            centered = torch.arccos(null_cos.clamp_(-1.0, 1.0)).mul_(180.0 / math.pi).sub_(CENTER_DEG)
-            if not all_nonzero:
-                centered.mul_(nonzero.to(torch.float32).unsqueeze(1))
+            # float32 here (the K directions cost 10x more in float64 on CPU; ~1e-5 deg).
+            centered = angles(self.null_units, x).sub_(CENTER_DEG)  # (n, K); zero vectors: 0
             null_sum = centered.view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)  # (groups, K)
             null_sumsq = centered.square().view(groups, -1, self.num_null).sum(dim=1, dtype=torch.float64)
             total, square = null_sum.sum(dim=0), null_sumsq.sum(dim=0)
             null_mean = CENTER_DEG + total / n
             null_m2 = (square - total.square() / n).clamp(min=0)
-            self.null_count[site], self.null_mean[site], self.null_m2[site] = _chan_merge(
+            self.null_count[site], self.null_mean[site], self.null_m2[site] = chan_merge(
                 self.null_count[site], self.null_mean[site], self.null_m2[site], n, null_mean, null_m2
             )
         if per_sequence:
             ids = sequence_ids.to(self.device)
-            ref_centered = degrees - CENTER_DEG
-            if mask64 is not None:
-                ref_centered = ref_centered * mask64
-            ref_centered = ref_centered.view(groups, -1, R)
+            ref_centered = (ref_degrees - CENTER_DEG).view(groups, -1, R)  # zero vectors: 0
             counts = nonzero.view(groups, -1).sum(dim=1).to(torch.float64)
             sums = ref_centered.sum(dim=1)
             if self.num_null:
@@ -193,7 +186,7 @@ class AngleStatistics:
         n = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=self.device)
         batch_mean = norms.mean()
         batch_m2 = (norms - batch_mean).square().sum()
-        self.norm_count[site], self.norm_mean[site], self.norm_m2[site] = _chan_merge(
+        self.norm_count[site], self.norm_mean[site], self.norm_m2[site] = chan_merge(
             self.norm_count[site], self.norm_mean[site], self.norm_m2[site], n, batch_mean, batch_m2
         )
 
@@ -210,16 +203,16 @@ class AngleStatistics:
         self.seq_sumsq += other.seq_sumsq
 
     def _merge_moments(self, other: AngleStatistics) -> None:
-        self.count, self.mean, self.m2 = _chan_merge(
+        self.count, self.mean, self.m2 = chan_merge(
             self.count, self.mean, self.m2, other.count, other.mean, other.m2
         )
-        self.null_count, self.null_mean, self.null_m2 = _chan_merge(
+        self.null_count, self.null_mean, self.null_m2 = chan_merge(
             self.null_count, self.null_mean, self.null_m2, other.null_count, other.null_mean, other.null_m2
         )
         self.min = torch.minimum(self.min, other.min)
         self.max = torch.maximum(self.max, other.max)
         self.zero_count += other.zero_count
-        self.norm_count, self.norm_mean, self.norm_m2 = _chan_merge(
+        self.norm_count, self.norm_mean, self.norm_m2 = chan_merge(
             self.norm_count, self.norm_mean, self.norm_m2, other.norm_count, other.norm_mean, other.norm_m2
         )
 

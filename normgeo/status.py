@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from normgeo.tables import print_table
+
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
 REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.checkpointing.RequeueOnSignal
@@ -246,9 +248,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def format_table(rows: list[RunStatus]) -> str:
+def print_status(rows: list[RunStatus]) -> None:
     header = ["RUN", "STATE", "STEP", "LOSS", "PROBE", "SLURM", "UPDATED"]
-    lines = [header]
+    lines = []
     for r in rows:
         step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
         if r.state == "analyzed":
@@ -257,8 +259,7 @@ def format_table(rows: list[RunStatus]) -> str:
         loss = "-" if r.loss is None else f"{r.loss:.4f}"
         probe = "-" if r.probe_step is None else str(r.probe_step)
         lines.append([r.run, r.state, step, loss, probe, slurm, _age(r.updated_s_ago)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    print_table(header, lines, left=("RUN", "STATE", "SLURM"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(asdict(row)))
     else:
-        print(format_table(rows))
+        print_status(rows)
     return 0
 
 

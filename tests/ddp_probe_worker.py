@@ -16,21 +16,18 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
-from normgeo.probe import make_references, run_probe  # noqa: E402
-from normgeo.records import null_rows, statistics_rows  # noqa: E402
+from normgeo.measure import measure_records  # noqa: E402
+from normgeo.probe import make_references  # noqa: E402
 
 
 def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
-    """angles.jsonl and null.jsonl rows; each rank probes every world-th sequence, as the callback."""
+    """angles.jsonl and null.jsonl rows, by the callback's own call: each rank probes every world-th
+    window (24 full ones and a 7-token tail)."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
-    sequences = torch.randint(0, 50257, (24, 16), generator=torch.Generator().manual_seed(5))
-    sites, stats = run_probe(model, sequences[rank::world], make_references(32), batch_size=5,
-                             sequence_ids=torch.arange(24)[rank::world], num_sequences=24)
-    stats.all_reduce()
-    return {
-        "angles": statistics_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0),
-        "null": null_rows(sites, stats, model="tiny", norm="layer", step=0, tokens_seen=0, replicates=200),
-    }
+    ids = torch.randint(0, 50257, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
+    records = measure_records(model, ids, 16, make_references(32), model_name="tiny", step=0, tokens_per_step=0,
+                              seed=0, bootstrap_replicates=200, batch_size=5, rank=rank, world_size=world)
+    return {"angles": records.rows, "null": records.null}
 
 
 def worker(rank: int, world: int, out: str, port: str) -> None:

@@ -17,16 +17,11 @@ import torch.nn.functional as F
 
 from corpus.sources import LocalFilesSource
 from models.gpt import GPT, GPTConfig
-from normgeo.analysis import (
-    hf_encoder,
-    hf_forward,
-    load_checkpoint,
-    measure,
-    pool,
-    probe_token_ids,
-)
 from normgeo.analysis import main as summary_main
+from normgeo.analysis import pool
+from normgeo.measure import measure, probe_ids
 from normgeo.norm_sites import find_norm_sites
+from normgeo.pretrained import hf_encoder, hf_forward, load_checkpoint
 from normgeo.probe import make_references
 from normgeo.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
@@ -53,7 +48,7 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     """The sequences analyze.py measures and its records, by (layer, site, ref) and, for null.jsonl's,
     by (layer, site, "null")."""
     encode, separator = hf_encoder(tokenizer)
-    ids = probe_token_ids(_wiki(shared).documents(), encode, separator, TOKENS, "wiki")
+    ids = probe_ids(_wiki(shared), encode, separator, TOKENS, sample=False)
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
     sites, stats = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
@@ -234,8 +229,9 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     out = outputs["minilm"]
     rows = read_rows(out / "angles.jsonl")
     assert len(rows) == 13 * 3 * 3  # norms x (in, std, out) x references
+    # A released model: no training step, and its training tokens are unknown (the probe's are `count`).
     assert {(r["model"], r["norm"], r["step"], r["tokens_seen"], r["count"]) for r in rows} == {
-        ("minilm", "layer", None, 4096, 4096)
+        ("minilm", "layer", None, None, 4096)
     }
     assert (out / "probe_references.npz").is_file()
     info = json.loads((out / "run_info.json").read_text())
@@ -301,7 +297,7 @@ def test_too_few_probe_tokens(minilm, tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert f"only {available} tokens but 5,000 were asked for" in result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "out" / "analyze" / "minilm" / "angles.jsonl").exists()
+    assert not (tmp_path / "out").exists()  # a failed start leaves no folder behind
 
 
 @pytest.mark.parametrize(
@@ -316,4 +312,16 @@ def test_bad_model_exits_2(overrides: list[str], expected: str, tmp_path: Path) 
     result = _analyze(*overrides, "probe=pydoc", f"output_root={tmp_path}")
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
-    assert not list(tmp_path.rglob("angles.jsonl"))
+    assert len(result.stderr.strip().splitlines()) == 1  # one line: the cause and the fix
+    assert not list(tmp_path.iterdir())  # no output folder, not even an empty one
+
+
+def test_failed_start_leaves_an_earlier_analysis_as_it_was(outputs: dict[str, Path]) -> None:
+    out = outputs["ours"]
+    assert (out / ".hydra" / "config.yaml").is_file() and (out / "analyze.log").is_file()
+    assert not list(out.glob("*.partial"))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = _analyze("model=checkpoint", "model.checkpoint=/no/such/last.ckpt", "model.name=ours-rms",
+                      "probe=pydoc", f"output_root={out.parent.parent}")
+    assert result.returncode == 2 and "checkpoint not found" in result.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

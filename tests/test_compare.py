@@ -31,7 +31,7 @@ def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
     for run in RUNS:
         rows = read_rows(compared / run / "angles.jsonl")
         mine = angles[angles["run"] == run]
-        assert len(mine) == len(rows) == 3 * 30
+        assert len(mine) == len(rows) == 3 * 45  # steps x refs x (5 norms x {in, std, out})
         assert set(mine["arm"]) == {run.split("-")[1]} and set(mine["seed"]) == {int(run[-1])}
         by_key = {(r["step"], str(r["layer"]), r["site"], r["ref"]): r for r in rows}
         for rec in mine.itertuples():
@@ -68,4 +68,4 @@ def test_overlay_and_loss_figures_in_png_and_pdf(compared: Path) -> None:
     for stem in ("overlay_ln1.in_ones", "overlay_final.out_rand_a", "loss"):
         for fmt in ("png", "pdf"):
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000, stem
-    assert len(list(out.glob("overlay_*.png"))) == 6 * 3  # sites x references
+    assert len(list(out.glob("overlay_*.png"))) == 9 * 3  # sites ({ln1,ln2,final} x {in,std,out}) x references

@@ -49,7 +49,7 @@ def test_wandb_holds_per_layer_scalars_matching_the_records(logged_run: Path) ->
     for r in records:
         layer = f"layer{r['layer']}" if isinstance(r["layer"], int) else r["layer"]
         assert frame[(f"probe/{r['site']}/{r['ref']}/{layer}", r["step"])] == pytest.approx(r["mean_deg"])
-    assert len(records) == 3 * 30  # steps 0, 2 and 3, every (layer, site, reference)
+    assert len(records) == 3 * 45  # steps 0, 2 and 3, every (layer, site, reference)
 
 
 def test_wandb_figures_have_their_own_keys_and_the_config_is_logged_once(logged_run: Path) -> None:

@@ -41,7 +41,7 @@ def test_probe_angles_match_a_direct_computation_on_captured_tensors(norm: str) 
             captured.setdefault((site.layer, f"{site.role}.in"), []).append(inputs[0].detach().clone())
             captured.setdefault((site.layer, f"{site.role}.out"), []).append(output.detach().clone())
         handles.append(site.module.register_forward_hook(hook))
-    sites, stats = run_probe(model, sequences, references, batch_size=3)
+    sites, stats = run_probe(model, sequences, references, batch_size=3, include_standardized=False)
     for handle in handles:
         handle.remove()
     rows = statistics_rows(sites, stats, model="tiny", norm=norm, step=0, tokens_seen=0)
@@ -122,16 +122,16 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
     assert len(outputs[1]["angles"]) == len(outputs[2]["angles"]) > 0
     for single, multi in zip(outputs[1]["angles"], outputs[2]["angles"], strict=True):
         assert (single["layer"], single["site"], single["ref"]) == (multi["layer"], multi["site"], multi["ref"])
-        assert single["count"] == multi["count"] == 24 * 16
+        assert single["count"] == multi["count"] == 24 * 16 + 7  # the tail window too (on rank 0)
         for field in ("mean_deg", "std_deg", "min_deg", "max_deg", "norm_mean", "norm_std"):
             assert multi[field] == pytest.approx(single[field], abs=1e-5), field
         for q in ("p01", "p05", "p25", "p50", "p75", "p95", "p99"):
             assert multi[q] == pytest.approx(single[q], abs=1e-5), q  # histograms are summed exactly
     # Null directions: moments merged with Chan's formula; the per-sequence sums (each sequence measured on
     # one rank) summed, so the same bootstrap seed gives the same intervals.
-    assert len(outputs[1]["null"]) == len(outputs[2]["null"]) == 5 * 2
+    assert len(outputs[1]["null"]) == len(outputs[2]["null"]) == 5 * 3  # in, std, out
     for single, multi in zip(outputs[1]["null"], outputs[2]["null"], strict=True):
-        assert (single["layer"], single["site"], single["sequences"]) == (multi["layer"], multi["site"], 24)
+        assert (single["layer"], single["site"], single["sequences"]) == (multi["layer"], multi["site"], 25)
         for field in ("null_means", "null_stds"):
             np.testing.assert_allclose(multi[field], single[field], atol=1e-6)
         for field in ("mean_deg", "null_mean_p50", "mean_rank_pct", "std_z", "mean_ci_low", "mean_ci_high",

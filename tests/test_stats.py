@@ -202,3 +202,24 @@ def test_block_bootstrap_blocks_and_seed() -> None:
     whole = block_bootstrap(counts, sums, replicates=50, block=11, seed=0)
     np.testing.assert_allclose(whole["mean_low"], whole["mean"])
     np.testing.assert_allclose(whole["mean_high"], whole["mean"])
+
+
+@pytest.mark.parametrize("target_deg", [1e-3, 0.05, 89.999, 90.0, 179.95, 180.0 - 1e-3])
+def test_engine_angles_are_accurate_near_0_90_and_180_degrees(target_deg: float) -> None:
+    # arccos of a float32 cosine reads 1e-3 deg as 0 (cos rounds to 1); the engine's atan2 must not.
+    d = 64
+    theta = np.radians(target_deg)
+    ref = torch.zeros(d)
+    ref[0] = 1.0
+    x = torch.zeros(5, d)
+    x[:, 0] = float(np.cos(theta))
+    x[:, 1] = float(np.sin(theta))
+    x *= torch.tensor([0.5, 1.0, 3.0, 100.0, 1e4])[:, None]  # the length must not matter
+    stats = AngleStatistics(1, torch.stack([ref, torch.ones(d)]))
+    stats.update(0, x)
+    exact = exact_angles(x, ref[None])[:, 0]  # float64 from the float32 inputs actually given
+    np.testing.assert_allclose(exact, target_deg, atol=1e-5)
+    assert stats.mean[0, 0].item() == pytest.approx(target_deg, abs=2e-5)
+    assert stats.min[0, 0].item() == pytest.approx(target_deg, abs=2e-5)
+    assert stats.max[0, 0].item() == pytest.approx(target_deg, abs=2e-5)
+    np.testing.assert_allclose(angle_deg(x, ref).numpy(), target_deg, atol=2e-5)

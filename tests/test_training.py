@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from normgeo.records import read_rows
-from tests.conftest import run_train, step_losses
+from tests.conftest import ROOT, run_train, step_losses
 
 
 def load(path: Path) -> dict:
@@ -19,9 +21,11 @@ def load(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def accumulated_run(tmp_path_factory) -> Path:
     """6 steps, micro batch 2 of a global batch 8 (4 accumulation micro-steps), checkpoints at 2 and 5
-    (and at the final step 6, which every schedule ends with)."""
+    (and at the final step 6, which every schedule ends with); 500 probe tokens: 7 windows of 64 and a
+    52-token tail."""
     run_dir = tmp_path_factory.mktemp("acc") / "run"
-    run_train(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0")
+    run_train(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0",
+              "probe.tokens=500")
     return run_dir
 
 
@@ -44,12 +48,31 @@ def test_scheduled_checkpoints_keep_weights_only_and_last_keeps_everything(accum
 def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) -> None:
     rows = read_rows(accumulated_run / "angles.jsonl")
     assert sorted({r["step"] for r in rows}) == [0, 2, 5, 6]
-    per_step = 3 * (2 * 4 + 2)  # refs x (layers x {ln1,ln2} x {in,out} + final in/out)
+    per_step = 3 * (2 * 2 * 3 + 3)  # refs x (layers x {ln1,ln2} + final) x {in,std,out}
     assert all(sum(r["step"] == s for r in rows) == per_step for s in (0, 2, 5, 6))
     assert {r["tokens_seen"] for r in rows if r["step"] == 5} == {5 * 8 * 64}
-    assert all(r["count"] == 512 for r in rows)  # probe.tokens=512, every token vector counted
+    assert all(r["count"] == 500 for r in rows)  # probe.tokens=500: every token counted, the tail too
     figures = sorted(p.name for p in (accumulated_run / "figures").iterdir())
     assert any(name.startswith("layers_") for name in figures) and any(name.startswith("steps_") for name in figures)
+
+
+def test_analyze_of_a_checkpoint_gives_the_training_probe_records(accumulated_run: Path, tmp_path: Path) -> None:
+    """One measurement pipeline: analyze.py on the step-5 checkpoint, with the run's probe tokens,
+    writes exactly the records (counts, tokens_seen, every number) the training probe wrote at step 5."""
+    ckpt = accumulated_run / "checkpoints" / "step-0000005.ckpt"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "analyze.py"), "model=checkpoint", f"model.checkpoint={ckpt}",
+         "model.name=normgeo-tiny", "probe=pydoc", "probe.tokens=500", f"out_dir={tmp_path / 'out'}",
+         "progress=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = [r for r in read_rows(accumulated_run / "angles.jsonl") if r["step"] == 5]
+    analyzed = read_rows(tmp_path / "out" / "angles.jsonl")
+    assert len(analyzed) == 45 and {r["count"] for r in analyzed} == {500}
+    assert analyzed == trained
+    trained_null = [r for r in read_rows(accumulated_run / "null.jsonl") if r["step"] == 5]
+    assert read_rows(tmp_path / "out" / "null.jsonl") == trained_null
 
 
 def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> None:
@@ -145,7 +168,7 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
     assert sorted(compiled) == [1, 2, 3]
     assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
     eager_rows, compiled_rows = read_rows(tmp_path / "eager" / "angles.jsonl"), read_rows(tmp_path / "compiled" / "angles.jsonl")
-    assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 10
+    assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a, b in zip(eager_rows, compiled_rows, strict=True):
         assert (a["step"], a["site"], a["count"]) == (b["step"], b["site"], b["count"])
         assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
@@ -164,7 +187,7 @@ def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: 
     assert all(bf16[step] == pytest.approx(loss, rel=1e-2) and bf16[step] != loss for step, loss in fp32.items())
     rows = {(r["step"], r["layer"], r["site"], r["ref"]): r for r in read_rows(tmp_path / "bf16" / "angles.jsonl")}
     reference = read_rows(tmp_path / "fp32" / "angles.jsonl")
-    assert len(rows) == len(reference) == 2 * 3 * 10
+    assert len(rows) == len(reference) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a in reference:
         b = rows[(a["step"], a["layer"], a["site"], a["ref"])]
         assert b["count"] == a["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=0.5)

@@ -1,0 +1,176 @@
+"""The one measurement pipeline: (model, probe tokens, references) -> records.
+
+The training callback (``callbacks/angle_probe.py``, every rank its share) and ``analyze.py`` (one
+process) both call :func:`probe_ids` for the tokens and :func:`measure_records` for the records, so the
+same checkpoint and tokens give the same records whichever measured them: one windowing rule
+(:func:`windows`), one ``tokens_seen`` rule (:func:`tokens_seen`) and one ``include_standardized``
+default (:data:`normgeo.probe.INCLUDE_STANDARDIZED`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from corpus.sources import SourceError, probe_documents
+from corpus.tokenize import EncodeBatch, first_tokens
+from normgeo.norm_sites import NormSite
+from normgeo.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms, run_probe
+from normgeo.records import null_rows, statistics_rows
+from normgeo.stats import AngleStatistics
+
+
+class AnalysisError(RuntimeError):
+    """A user error in a measurement (bad config, too small a corpus); the message says what to fix."""
+
+
+def probe_ids(
+    source,
+    encode_batch: EncodeBatch,
+    separator: int | None,
+    tokens: int,
+    *,
+    sample: bool = True,
+    seed: int = 1234,
+    min_doc_tokens: int = 0,
+) -> np.ndarray:
+    """The first ``tokens`` token ids of the source's documents in its seeded sampling order (those under
+    ``min_doc_tokens`` skipped); an :class:`AnalysisError` saying what to change if there are fewer."""
+    if tokens <= 0:
+        raise AnalysisError(f"probe.tokens must be positive, not {tokens}")
+    try:
+        documents = probe_documents(source, sample=sample, seed=seed)
+        return first_tokens(documents, encode_batch, separator, tokens, min_tokens=min_doc_tokens)
+    except SourceError as exc:  # a ValueError too, but about reading the corpus, not its size
+        raise AnalysisError(
+            f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
+        ) from exc
+    except ValueError as exc:
+        raise AnalysisError(f"{exc} ({source.describe()}): lower probe.tokens or give a larger corpus") from exc
+
+
+def windows(ids: np.ndarray | torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """The one windowing rule: ``(n, seq_len)`` windows, then the tokens that do not fill one as a
+    single shorter ``(1, rest)`` window, so every probe token is measured exactly once (the paper's
+    round 1M, not 976 windows of 1024)."""
+    tokens = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    whole = len(tokens) // seq_len * seq_len
+    parts = [tokens[:whole].view(-1, seq_len)] if whole else []
+    return parts + ([tokens[whole:].unsqueeze(0)] if whole < len(tokens) else [])
+
+
+def tokens_seen(step: int | None, tokens_per_step: int | None) -> int | None:
+    """The one ``tokens_seen`` rule: training tokens before the measured weights (step x tokens per
+    optimizer step); ``None`` where that is unknown (a released model: no step)."""
+    if step is None or tokens_per_step is None:
+        return None
+    return step * tokens_per_step
+
+
+def norm_kind(norms: Sequence[NormSite] | Sequence[ProbeSite]) -> str:
+    """The model's norm kind for the records: "layer" or "rms" ("layer+rms" should a model mix them)."""
+    return "+".join(sorted({norm.kind for norm in residual_norms(norms)}))
+
+
+def measure(
+    model: nn.Module,
+    ids: np.ndarray | torch.Tensor,
+    seq_len: int,
+    references: dict[str, np.ndarray],
+    *,
+    batch_size: int,
+    forward: Callable[[torch.Tensor], object] | None = None,
+    norms: Sequence[NormSite] | None = None,
+    include_standardized: bool = INCLUDE_STANDARDIZED,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[list[ProbeSite], AngleStatistics]:
+    """Angles at every norm for every token of ``ids`` cut by :func:`windows`, merged over ranks.
+
+    Rank ``rank`` of ``world_size`` measures windows ``rank, rank + world_size, ...`` of each part and
+    pads its share to as many forward passes as the largest (a sharded model's all-gathers are
+    collective); the statistics are then all-reduced, so every rank returns the whole probe's.
+    """
+    parts = windows(ids, seq_len)
+    if not parts:
+        raise AnalysisError("no probe tokens to measure")
+    num_sequences = sum(len(part) for part in parts)
+    sites: list[ProbeSite] = []
+    stats: AngleStatistics | None = None
+    first = 0  # global index of the part's first window, for the per-sequence statistics
+    for index, part in enumerate(parts):
+        global_ids = torch.arange(first, first + len(part))
+        part_sites, part_stats = run_probe(
+            model,
+            part[rank::world_size],
+            references,
+            forward=forward,
+            norms=norms,
+            batch_size=batch_size,
+            include_standardized=include_standardized,
+            autocast=autocast,
+            device=device,
+            progress=progress and index == 0,
+            pad_to=math.ceil(len(part) / world_size),
+            sequence_ids=global_ids[rank::world_size],
+            num_sequences=num_sequences,
+        )
+        first += len(part)
+        if stats is None:
+            sites, stats = part_sites, part_stats
+        else:
+            stats.merge(part_stats)
+    assert stats is not None
+    stats.all_reduce()
+    return sites, stats
+
+
+@dataclass
+class Records:
+    """What one measurement yields: ``angles.jsonl``'s rows and ``null.jsonl``'s (if asked for)."""
+
+    sites: list[ProbeSite]
+    stats: AngleStatistics
+    rows: list[dict]
+    null: list[dict]
+    norm: str
+
+
+def measure_records(
+    model: nn.Module,
+    ids: np.ndarray | torch.Tensor,
+    seq_len: int,
+    references: dict[str, np.ndarray],
+    *,
+    model_name: str,
+    step: int | None,
+    tokens_per_step: int | None,
+    seed: int,
+    bootstrap_replicates: int = 1000,
+    bootstrap_block: int = 1,
+    with_null: bool = True,
+    **measure_kwargs,
+) -> Records:
+    """:func:`measure`, then the records: ``model_name``, the norm kind found in the model, ``step`` and
+    :func:`tokens_seen`. ``with_null=False`` skips ``null.jsonl``'s rows (their bootstrap costs; only the
+    rank that writes needs them)."""
+    sites, stats = measure(model, ids, seq_len, references, **measure_kwargs)
+    norm = norm_kind(sites)
+    seen = tokens_seen(step, tokens_per_step)
+    rows = statistics_rows(sites, stats, model=model_name, norm=norm, step=step, tokens_seen=seen)
+    null = (
+        null_rows(sites, stats, model=model_name, norm=norm, step=step, tokens_seen=seen,
+                  replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
+        if with_null
+        else []
+    )
+    return Records(sites=sites, stats=stats, rows=rows, null=null, norm=norm)
