@@ -106,7 +106,14 @@ from normgeo.run_config import (
     resolved_run_config,
     save_run_config,
 )
-from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
+from normgeo.session import (  # noqa: F401
+    REFUSALS,
+    Refused,
+    RunDirectoryError,
+    remove_stale_temporaries_of_run,
+    resume_checkpoint,
+    session_checkpoint,
+)
 from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
@@ -217,6 +224,8 @@ def train(cfg: DictConfig) -> L.Trainer:
     # Before this session writes anything into the run directory (conf/train.yaml already kept Hydra's
     # files out of a refused one): a resume continues the same experiment, a new run a new directory.
     ckpt_path = session_checkpoint(cfg)
+    if is_rank_zero():
+        remove_stale_temporaries_of_run(run_dir)  # what killed sessions were writing (checkpoints, probes)
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)

@@ -43,7 +43,7 @@ def test_a_small_corpus_splits_by_tokens_and_still_trains(tmp_path: Path, layout
     assert splits["train"]["tokens"] == total - splits["val"]["tokens"]
 
 
-def test_binary_files_and_non_string_text_fields_name_the_problem(tmp_path: Path) -> None:
+def test_binary_files_non_string_text_and_missing_paths_fail_leaving_nothing(tmp_path: Path) -> None:
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 64)
     with pytest.raises(SourceError, match="model.bin is a binary file, not text"):
@@ -52,6 +52,8 @@ def test_binary_files_and_non_string_text_fields_name_the_problem(tmp_path: Path
     numbers.write_text('{"text": "fine"}\n{"text": 42}\n')
     with pytest.raises(SourceError, match=r"numbers.jsonl:2: field 'text' is int 42, not a string"):
         prepare(LocalFilesSource(str(numbers)), tmp_path / "data", progress=False)
+    with pytest.raises(SourceError, match="no such file or directory"):
+        prepare(LocalFilesSource(str(tmp_path / "missing")), tmp_path / "data", progress=False)
     assert not (tmp_path / "data").exists()  # a failed first prepare removes its folder and temporaries
 
 
