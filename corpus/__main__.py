@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             data = load_prepared(directory, tokenizer=data_cfg.tokenizer, prepare_hint=repair, verify="full")
         else:
             data = prepare(
-                source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction, verify="full"
+                source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
+                verify="full", repair=True,
             )
     except (SourceError, PreparedDataError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -39,6 +39,10 @@ class PreparedDataError(RuntimeError):
     """Prepared data is missing, truncated or foreign; the message says which command fixes it."""
 
 
+class OutdatedPreparedData(PreparedDataError):
+    """Prepared by another format version: prepared again automatically (nothing is damaged)."""
+
+
 @dataclass(frozen=True)
 class PreparedData:
     directory: Path
@@ -114,16 +118,24 @@ def prepare(
     threads: int | None = None,
     progress: bool = True,
     verify: str = "fast",
+    repair: bool = False,
+    prepare_hint: str = "",
 ) -> PreparedData:
-    """Prepare ``source`` into ``directory`` unless an identical prepare already finished there and its
-    files still match ``meta.json`` (``verify='full'`` re-hashes every byte to decide)."""
+    """Prepare ``source`` into ``directory`` unless an identical prepare already finished there.
+
+    Its files are checked against ``meta.json`` (``verify='full'`` re-hashes every byte); files that do
+    not match are prepared again with ``repair`` (``python -m corpus``), else refused naming
+    ``prepare_hint``: a training run never silently rewrites data that other runs may be reading.
+    """
     directory = Path(directory)
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     lock = FileLock(directory / ".prepare.lock")
     try:
         with lock:
-            return _prepare_locked(source, directory, tokenizer, val_fraction, threads, progress, verify)
+            return _prepare_locked(
+                source, directory, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
+            )
     except BaseException:
         if created:  # a failed first prepare (e.g. a path that does not exist) leaves no folder behind
             (directory / ".prepare.lock").unlink(missing_ok=True)
@@ -132,12 +144,18 @@ def prepare(
         raise
 
 
-def _prepare_locked(source, directory: Path, tokenizer, val_fraction, threads, progress, verify) -> PreparedData:
+def _prepare_locked(
+    source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
+) -> PreparedData:
     existing = _read_meta(directory)
     if existing is not None and existing.get("source") == source.describe():
         try:
-            return load_prepared(directory, tokenizer=tokenizer, verify=verify)
+            return load_prepared(directory, tokenizer=tokenizer, verify=verify, prepare_hint=prepare_hint)
+        except OutdatedPreparedData as err:
+            log.warning("preparing %s again: %s", directory, err)
         except PreparedDataError as err:
+            if not repair:
+                raise
             log.warning("preparing %s again: %s", directory, err)
     removed, size = remove_stale_temporaries(directory)  # a killed prepare's (we hold the lock)
     if removed:
@@ -213,7 +231,7 @@ def load_prepared(
     if meta is None:
         raise PreparedDataError(f"no prepared data in {directory} ({META_FILE} missing or unreadable).{hint}")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise PreparedDataError(
+        raise OutdatedPreparedData(
             f"{directory} was prepared by another version (format {meta.get('format_version')}, "
             f"this code reads {FORMAT_VERSION}).{hint}"
         )

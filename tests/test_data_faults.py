@@ -97,14 +97,16 @@ def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(
         middle = np.frombuffer(handle.read(2), dtype=np.uint8)
         handle.seek(size // 2)
         handle.write((middle ^ 0xFF).tobytes())
-    with pytest.raises(PreparedDataError, match="damaged or foreign"):
-        load_prepared(folder)  # the fast check a training run does
+    repair_command = f"python -m corpus data=local data.source.path={corpus}"
+    with pytest.raises(PreparedDataError, match=f"damaged or foreign.*{repair_command}"):
+        # What a training run does (TokenDataModule.prepare_data): the fast check refuses, naming the repair.
+        prepare(LocalFilesSource(str(corpus)), folder, progress=False, prepare_hint=repair_command)
     with open(train, "r+b") as handle:  # and damage between the fingerprint's blocks: the full checksum sees it
         handle.seek(size * 3 // 32)
         handle.write(b"\x00\x00")
     verified = corpus_command("verify")
     assert verified.returncode == 2
-    assert f"python -m corpus data=local data.source.path={corpus}" in verified.stderr
+    assert repair_command in verified.stderr
     repaired = corpus_command()
     assert repaired.returncode == 0, repaired.stderr[-2000:]
     assert "preparing" in repaired.stderr and "again" in repaired.stderr
