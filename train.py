@@ -43,7 +43,14 @@ from normgeo.config import CONF_DIR, check_config, config_errors_exit_2
 from normgeo.logged_figures import figure_key, log_figures
 from normgeo.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
 from normgeo.schema import ConfigError
-from normgeo.session import REFUSALS, Refused, RunDirectoryError, resume_checkpoint, session_checkpoint  # noqa: F401
+from normgeo.session import (  # noqa: F401
+    REFUSALS,
+    Refused,
+    RunDirectoryError,
+    remove_stale_temporaries_of_run,
+    resume_checkpoint,
+    session_checkpoint,
+)
 from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
@@ -162,6 +169,8 @@ def train(cfg: DictConfig) -> L.Trainer:
     # Before this session writes anything into the run directory (conf/train/train.yaml already kept Hydra's
     # files out of a refused one): a resume continues the same experiment, a new run a new directory.
     ckpt_path = session_checkpoint(cfg)
+    if is_rank_zero():
+        remove_stale_temporaries_of_run(run_dir)  # what killed sessions were writing (checkpoints, probes)
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)

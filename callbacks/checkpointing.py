@@ -1,6 +1,8 @@
 """Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``.
 
 Both are written through :class:`AtomicCheckpointIO`, so a kill mid-write never leaves a truncated file.
+A step that also validates is checkpointed after its validation: a kill during validation then resumes
+from the step before and validates again, instead of resuming past a validation that never finished.
 """
 
 from __future__ import annotations
@@ -106,6 +108,18 @@ class OptimizerStepCallback(L.Callback):
         raise NotImplementedError
 
 
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after this training batch (its own rule, asked, not copied).
+
+    Called from a checkpoint callback's on_train_batch_end: Lightning runs Checkpoint callbacks last, so
+    a ``should_stop`` set by StopAtStep or a requeue (which also triggers validation) is already seen.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop.val_loop.skip:
+        return False
+    return epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
 class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming.
 
@@ -118,6 +132,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self.schedule = schedule
         self.last_every = schedule.last_every
         self.keep_optimizer = schedule.keep_optimizer
+        self._after_validation: int | None = None  # a step whose checkpoints wait for its validation
         self.saved_steps: list[int] = []
 
     @staticmethod
@@ -125,14 +140,25 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         return Path(dirpath) / f"step-{step:07d}.ckpt"
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if step in self.schedule or (self.last_every and step % self.last_every == 0):
-            self._check_finite(trainer, pl_module, step)
+        if step not in self.schedule and not (self.last_every and step % self.last_every == 0):
+            return
+        if validation_follows(trainer):
+            self._after_validation = step
+            return
+        self._save_step(trainer, pl_module, step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._after_validation is not None:
+            step, self._after_validation = self._after_validation, None
+            self._save_step(trainer, pl_module, step)
+
+    def _save_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
             trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
             self.saved_steps.append(step)
-        if step in self.schedule or (self.last_every and step % self.last_every == 0):
-            trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_finite(trainer, pl_module, trainer.global_step)

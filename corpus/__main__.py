@@ -1,37 +1,63 @@
 """Prepare training data ahead of time: ``python -m corpus data=openwebtext`` (same overrides as train.py).
 
 Run it where the source can be reached (a login node with internet for OpenWebText); training jobs
-then only read ``<data_root>/<name>/{train,val}.bin`` and ``meta.json``.
+then only read ``<data_root>/<name>/{train,val}.bin`` and ``meta.json``. Existing files are re-hashed in
+full and prepared again when they do not match ``meta.json``: this is also the repair command.
+``python -m corpus verify data=...`` only checks (every byte) and says whether a repair is needed.
+
+The config is composed with Hydra's compose API, not ``@hydra.main``: this command writes only the data
+folder, never ``.hydra/`` or a log into the run directory that the same overrides name for train.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf.errors import OmegaConfBaseException
 
-from corpus.prepare import PreparedDataError, prepare
+from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
-from normgeo.config import CONF_DIR, config_errors_exit_2
+from normgeo.config import CONF_DIR
+
+USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def run(cfg: DictConfig) -> None:
-    source = hydra.utils.instantiate(cfg.data.source)
+def main(argv: list[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    verify_only = bool(overrides) and overrides[0] == "verify"
+    overrides = overrides[verify_only:]
     try:
-        data = prepare(source, cfg.data.directory, val_fraction=cfg.data.val_fraction)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="corpus"):
+            cfg = compose(config_name="train", overrides=overrides)
+        data_cfg = cfg.data
+        directory = str(data_cfg.directory)
+        # The command that repairs this corpus: this very command, without ``verify``.
+        repair = str(data_cfg.prepare_command or " ".join(["python -m corpus", *overrides]))
+        source = instantiate(data_cfg.source)
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"error: {err}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        if verify_only:
+            data = load_prepared(directory, tokenizer=data_cfg.tokenizer, prepare_hint=repair, verify="full")
+        else:
+            data = prepare(
+                source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
+                verify="full", repair=True,
+            )
     except (SourceError, PreparedDataError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     splits = data.meta["splits"]
     print(
-        f"{data.directory}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens "
-        f"from {data.meta['source']}"
+        f"{data.directory}: {'verified, ' if verify_only else ''}train {splits['train']['tokens']:,} tokens, "
+        f"val {splits['val']['tokens']:,} tokens from {data.meta['source']}"
     )
+    return 0
 
-
-main = config_errors_exit_2(run)  # Hydra's own config errors exit 2, as train.py's
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

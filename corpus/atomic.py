@@ -10,13 +10,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+# Every temporary file of this project ends so: a run or a prepare can find and remove the ones a killed
+# process left behind (a 1b last.ckpt temporary is ~12 GB).
+TMP_SUFFIX = ".normgeo-tmp"
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, mode, **kwargs) as handle:
             yield handle
@@ -28,6 +32,26 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """The fixed temporary name beside ``path`` for a writer that holds a lock (corpus preparation)."""
+    path = Path(path)
+    return path.parent / f".{path.name}{TMP_SUFFIX}"
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> tuple[int, int]:
+    """Delete the temporaries a killed writer left under ``folder``; returns (files, bytes) removed.
+
+    Only for a folder no other process is writing into at the same time (the caller holds it).
+    """
+    count = size = 0
+    for stale in Path(folder).rglob(f"*{TMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            bytes_ = stale.stat().st_size
+            stale.unlink()
+            count, size = count + 1, size + bytes_
+    return count, size
 
 
 def _umask() -> int:

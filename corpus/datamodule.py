@@ -51,7 +51,10 @@ class TokenDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Runs on one process per node (Lightning's rule); the others wait at a barrier."""
         if self.auto_prepare:
-            prepare(self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction)
+            prepare(
+                self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction,
+                prepare_hint=self.prepare_command,
+            )
         else:
             self.load()
 

@@ -2,36 +2,45 @@
 
 ``meta.json`` is written last and atomically: its presence is what "prepared" means, so an interrupted
 prepare never looks finished, and a finished one is never redone. A file lock serializes concurrent
-preparers (two sweep jobs sharing a data folder).
+preparers (two sweep jobs sharing a data folder). Files that do not match ``meta.json`` (truncated,
+damaged, foreign, an older format) are prepared again: the prepare command is also the repair command.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
+import itertools
 import json
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 from tqdm import tqdm
 
-from corpus.atomic import atomic_write_json
+from corpus.atomic import atomic_write_json, remove_stale_temporaries, temporary_path
 from corpus.tokenize import iter_document_tokens, tiktoken_batch_encoder
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 TOKEN_DTYPE = np.uint16
-FORMAT_VERSION = 1
-_FINGERPRINT_BYTES = 1 << 20
+FORMAT_VERSION = 2  # 2: the fingerprint samples blocks over the whole file (1: first and last MiB only)
+_FINGERPRINT_BLOCKS = 17  # evenly spaced, first and last included: one sits on the middle of the file
+_FINGERPRINT_BLOCK_BYTES = 1 << 16
+log = logging.getLogger(__name__)
 
 
 class PreparedDataError(RuntimeError):
     """Prepared data is missing, truncated or foreign; the message says which command fixes it."""
+
+
+class OutdatedPreparedData(PreparedDataError):
+    """Prepared by another format version: prepared again automatically (nothing is damaged)."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +59,19 @@ class PreparedData:
 
 
 def fingerprint(path: Path) -> str:
-    """sha256 of the size and the first and last MiB: catches truncation and foreign files in O(1)."""
+    """sha256 of the size and 17 blocks of 64 KiB spread evenly over the file (~1 MiB read).
+
+    Catches truncation, foreign files and damage anywhere in a sampled block at O(1) cost; a flipped
+    byte between blocks needs the full checksum (``python -m corpus verify``).
+    """
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
+    last_start = max(0, size - _FINGERPRINT_BLOCK_BYTES)
+    starts = sorted({last_start * i // (_FINGERPRINT_BLOCKS - 1) for i in range(_FINGERPRINT_BLOCKS)})
     with open(path, "rb") as handle:
-        digest.update(handle.read(_FINGERPRINT_BYTES))
-        if size > _FINGERPRINT_BYTES:
-            handle.seek(max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES))
-            digest.update(handle.read())
+        for start in starts:
+            handle.seek(start)
+            digest.update(handle.read(_FINGERPRINT_BLOCK_BYTES))
     return digest.hexdigest()
 
 
@@ -69,22 +83,30 @@ def full_checksum(path: Path) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def _exclusive_lock(directory: Path) -> Iterator[None]:
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".prepare.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def val_period(val_fraction: float) -> int:
+    """Every k-th document goes to validation: deterministic and spread over the whole source (0: none)."""
+    return max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
 
 
-def is_val_document(index: int, val_fraction: float) -> bool:
-    """Every k-th document goes to validation: deterministic and spread over the whole source."""
-    if val_fraction <= 0:
-        return False
-    return index % max(1, round(1 / val_fraction)) == 0
+def split_documents(documents: Iterable[np.ndarray], val_fraction: float) -> Iterator[tuple[str, np.ndarray]]:
+    """(split, tokens) pieces: by documents when the source has at least one per validation period,
+    else (a file or a few documents) the last ``val_fraction`` of the tokens, so training never starves.
+    """
+    period = val_period(val_fraction)
+    stream = iter(documents)
+    head: list[np.ndarray] = []
+    for ids in stream:
+        head.append(ids)
+        if len(head) >= period:
+            break
+    if period and len(head) < period:  # too few documents for one validation period: split by tokens
+        tokens = np.concatenate(head) if head else np.zeros(0, dtype=np.int64)
+        n_val = min(max(1, round(len(tokens) * val_fraction)), len(tokens) - 1) if len(tokens) > 1 else 0
+        yield "train", tokens[: len(tokens) - n_val]
+        yield "val", tokens[len(tokens) - n_val :]
+        return
+    for index, ids in enumerate(itertools.chain(head, stream)):
+        yield ("val" if period and index % period == 0 else "train"), ids
 
 
 def prepare(
@@ -95,59 +117,101 @@ def prepare(
     val_fraction: float = 0.005,
     threads: int | None = None,
     progress: bool = True,
+    verify: str = "fast",
+    repair: bool = False,
+    prepare_hint: str = "",
 ) -> PreparedData:
-    """Prepare ``source`` into ``directory`` unless an identical prepare already finished there."""
+    """Prepare ``source`` into ``directory`` unless an identical prepare already finished there.
+
+    Its files are checked against ``meta.json`` (``verify='full'`` re-hashes every byte); files that do
+    not match are prepared again with ``repair`` (``python -m corpus``), else refused naming
+    ``prepare_hint``: a training run never silently rewrites data that other runs may be reading.
+    """
     directory = Path(directory)
-    with _exclusive_lock(directory):
-        existing = _read_meta(directory)
-        if existing is not None and existing.get("source") == source.describe():
-            return load_prepared(directory, tokenizer=tokenizer)
-        encode_batch, eot_id, vocab_size = tiktoken_batch_encoder(tokenizer, threads)
-        if vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-            raise ValueError(f"tokenizer {tokenizer!r} has {vocab_size} ids: too many for uint16 files")
-        (directory / META_FILE).unlink(missing_ok=True)  # from here on the folder is "not prepared"
-        started = time.time()
-        counts = {split: 0 for split in SPLITS}
-        documents = {split: 0 for split in SPLITS}
-        tmp_paths = {split: directory / f".{split}.bin.tmp" for split in SPLITS}
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(directory / ".prepare.lock")
+    try:
+        with lock:
+            return _prepare_locked(
+                source, directory, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
+            )
+    except BaseException:
+        if created:  # a failed first prepare (e.g. a path that does not exist) leaves no folder behind
+            (directory / ".prepare.lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+def _prepare_locked(
+    source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
+) -> PreparedData:
+    existing = _read_meta(directory)
+    if existing is not None and existing.get("source") == source.describe():
+        try:
+            return load_prepared(directory, tokenizer=tokenizer, verify=verify, prepare_hint=prepare_hint)
+        except OutdatedPreparedData as err:
+            log.warning("preparing %s again: %s", directory, err)
+        except PreparedDataError as err:
+            if not repair:
+                raise
+            log.warning("preparing %s again: %s", directory, err)
+    removed, size = remove_stale_temporaries(directory)  # a killed prepare's (we hold the lock)
+    if removed:
+        log.warning("removed %d stale temporary file(s) (%s bytes) from %s", removed, f"{size:,}", directory)
+    encode_batch, eot_id, vocab_size = tiktoken_batch_encoder(tokenizer, threads)
+    if vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise ValueError(f"tokenizer {tokenizer!r} has {vocab_size} ids: too many for uint16 files")
+    (directory / META_FILE).unlink(missing_ok=True)  # from here on the folder is "not prepared"
+    started = time.time()
+    counts = {split: 0 for split in SPLITS}
+    documents = {split: 0 for split in SPLITS}
+    tmp_paths = {split: temporary_path(directory / f"{split}.bin") for split in SPLITS}
+    try:
         with contextlib.ExitStack() as stack:
             handles = {split: stack.enter_context(open(tmp_paths[split], "wb")) for split in SPLITS}
             token_stream = iter_document_tokens(source.documents(), encode_batch, eot_id)
             bar = tqdm(token_stream, desc=f"tokenizing {source.describe()}", unit="doc", disable=not progress)
-            for index, ids in enumerate(bar):
-                split = "val" if is_val_document(index, val_fraction) else "train"
+            for split, ids in split_documents(bar, val_fraction):
                 ids.astype(TOKEN_DTYPE).tofile(handles[split])
                 counts[split] += len(ids)
-                documents[split] += 1
+                documents[split] += int((ids == eot_id).sum())  # every document ends with one EOT
             for handle in handles.values():
                 handle.flush()
                 os.fsync(handle.fileno())
         if counts["train"] == 0:
-            raise PreparedDataError(f"{source.describe()} produced no training tokens")
-        splits = {}
-        for split in SPLITS:
-            final = directory / f"{split}.bin"
-            os.replace(tmp_paths[split], final)
-            splits[split] = {
-                "tokens": counts[split],
-                "documents": documents[split],
-                "bytes": final.stat().st_size,
-                "sha256": full_checksum(final),
-                "fingerprint": fingerprint(final),
-            }
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "source": source.describe(),
-            "tokenizer": tokenizer,
-            "vocab_size": vocab_size,
-            "eot_token": eot_id,
-            "dtype": np.dtype(TOKEN_DTYPE).name,
-            "val_fraction": val_fraction,
-            "splits": splits,
-            "seconds": round(time.time() - started, 2),
+            raise PreparedDataError(
+                f"{source.describe()} produced no training tokens ({counts['val']} in all): give more text"
+            )
+    except BaseException:
+        for path in tmp_paths.values():
+            path.unlink(missing_ok=True)
+        raise
+    splits = {}
+    for split in SPLITS:
+        final = directory / f"{split}.bin"
+        os.replace(tmp_paths[split], final)
+        splits[split] = {
+            "tokens": counts[split],
+            "documents": documents[split],
+            "bytes": final.stat().st_size,
+            "sha256": full_checksum(final),
+            "fingerprint": fingerprint(final),
         }
-        atomic_write_json(directory / META_FILE, meta)
-        return PreparedData(directory, meta)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": source.describe(),
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size,
+        "eot_token": eot_id,
+        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "val_fraction": val_fraction,
+        "splits": splits,
+        "seconds": round(time.time() - started, 2),
+    }
+    atomic_write_json(directory / META_FILE, meta)
+    return PreparedData(directory, meta)
 
 
 def _read_meta(directory: Path) -> dict | None:
@@ -162,10 +226,15 @@ def load_prepared(
 ) -> PreparedData:
     """Open prepared data after checking it is complete and ours; ``verify='full'`` re-hashes every byte."""
     directory = Path(directory)
-    hint = f" Prepare it with: {prepare_hint}" if prepare_hint else ""
+    hint = f" Prepare (or repair) it with: {prepare_hint}" if prepare_hint else ""
     meta = _read_meta(directory)
     if meta is None:
         raise PreparedDataError(f"no prepared data in {directory} ({META_FILE} missing or unreadable).{hint}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise OutdatedPreparedData(
+            f"{directory} was prepared by another version (format {meta.get('format_version')}, "
+            f"this code reads {FORMAT_VERSION}).{hint}"
+        )
     if meta.get("tokenizer") != tokenizer:
         raise PreparedDataError(
             f"{directory} was tokenized with {meta.get('tokenizer')!r}, not {tokenizer!r}.{hint}"
@@ -184,5 +253,5 @@ def load_prepared(
         if fingerprint(path) != expected["fingerprint"] or (
             verify == "full" and full_checksum(path) != expected["sha256"]
         ):
-            raise PreparedDataError(f"{path} does not match its checksum in {META_FILE}: foreign file.{hint}")
+            raise PreparedDataError(f"{path} does not match its checksum in {META_FILE}: damaged or foreign file.{hint}")
     return PreparedData(directory, meta)

@@ -67,6 +67,14 @@ class LocalFilesSource:
         """Every document once, in a seeded random order (local corpora are read into memory)."""
         yield from _permuted(list(self.documents()), seed)
 
+    def _text(self, value: object, where: str) -> str:
+        if not isinstance(value, str):
+            raise SourceError(
+                f"{where}: field {self.text_field!r} is {type(value).__name__} {value!r:.40}, not a string "
+                "(set data.source.text_field to the field that holds the text)"
+            )
+        return value
+
     def _read(self, file: Path) -> Iterator[str]:
         suffix = file.suffix.lower()
         if suffix in (".jsonl", ".json"):
@@ -80,13 +88,17 @@ class LocalFilesSource:
                         raise SourceError(f"{file}:{line_no}: not a JSON line ({err.msg})") from err
                     if self.text_field not in record:
                         raise SourceError(f"{file}:{line_no}: no {self.text_field!r} field (set text_field)")
-                    yield record[self.text_field]
+                    yield self._text(record[self.text_field], f"{file}:{line_no}")
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
             table = pq.read_table(file, columns=[self.text_field])
-            yield from table.column(self.text_field).to_pylist()
+            for row, value in enumerate(table.column(self.text_field).to_pylist()):
+                yield self._text(value, f"{file} row {row}")
         else:
+            with open(file, "rb") as handle:
+                if b"\0" in handle.read(8192):  # text never holds NUL bytes; binaries almost always do
+                    raise SourceError(f"{file} is a binary file, not text: give .txt, .jsonl or .parquet files")
             text = file.read_text(encoding="utf-8", errors="replace")
             if text.startswith("<doc "):
                 articles = _WIKIEXTRACTOR_DOC.findall(text)

@@ -9,7 +9,9 @@ resolver below, which runs the same checks as train.py and sends Hydra's files n
 
 from __future__ import annotations
 
+import functools
 import glob
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from normgeo.run_config import ResumeConfigError, resolved_run_config, verify_run_config
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
+log = logging.getLogger(__name__)
 
 
 class RunDirectoryError(RuntimeError):
@@ -29,22 +32,99 @@ class RunDirectoryError(RuntimeError):
 REFUSALS = (RunDirectoryError, ResumeConfigError)
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    full_state: bool  # optimizer states and loop positions: what a resume needs (not weights only)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_checkpoint_info(path: str, mtime_ns: int, size: int) -> CheckpointInfo | str:
+    """Step and kind of a checkpoint, or why it cannot be read (cached per file version: train.py
+    decides three times per launch, and mmap reads only the pickled metadata of a 12 GB file)."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return CheckpointInfo(int(ckpt["global_step"]), "optimizer_states" in ckpt)
+    except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors... for damaged files
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def checkpoint_info(path: Path) -> CheckpointInfo | str:
+    stat = path.stat()
+    return _read_checkpoint_info(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """Checkpoints a resume may continue from, in the order tried: last.ckpt and SLURM's hpc_ckpt_*.ckpt
+    newest first, then the scheduled step-*.ckpt newest first (full state only with keep_optimizer)."""
+    newest = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
+    newest += [p for p in [run_dir / "checkpoints" / LAST] if p.exists()]
+    newest.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    return newest + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+
+
+def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
+    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.status): the first
+    readable full-state candidate, its step, and why each newer candidate was passed over."""
+    passed_over: list[str] = []
+    for path in resume_candidates(run_dir):
+        info = checkpoint_info(path)
+        if isinstance(info, CheckpointInfo) and info.full_state:
+            return path, info.step, passed_over
+        if isinstance(info, str):
+            passed_over.append(f"{path} is unreadable ({info})")
+    return None, None, passed_over
+
+
+_warned: set[str] = set()
+
+
 def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
-    """The checkpoint to continue from: the newest of last.ckpt and SLURM's hpc_ckpt_*.ckpt."""
-    candidates = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
-    candidates += [p for p in [run_dir / "checkpoints" / LAST] if p.exists()]
+    """The checkpoint to continue from: the newest readable full-state one (:func:`newest_resumable`)."""
     if resume is None:
-        if candidates:
+        existing = [p for p in resume_candidates(run_dir) if p.name == LAST or p.name.startswith("hpc_ckpt_")]
+        if existing:
             raise RunDirectoryError(
-                f"{run_dir} already holds a run ({candidates[0].name}). Continue it with resume=auto, "
+                f"{run_dir} already holds a run ({existing[0].name}). Continue it with resume=auto, "
                 "or start another with a different run_name=... or seed=..."
             )
         return None
     if resume == "auto":
-        return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
+        path, step, passed_over = newest_resumable(run_dir)
+        if passed_over and path is None:
+            raise RunDirectoryError(
+                f"{passed_over[0]} and no other full-state checkpoint is readable: nothing to resume from. "
+                "Start the run again under another run_name=..., or delete the damaged file to start it here."
+            )
+        for reason in passed_over:
+            if reason not in _warned:
+                _warned.add(reason)
+                log.warning("resume=auto: %s; falling back to %s (step %s)", reason, path, step)
+        return str(path) if path else None
     if not Path(resume).is_file():
         raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)")
+    info = checkpoint_info(Path(resume))
+    if isinstance(info, str):
+        raise RunDirectoryError(f"resume={resume!r}: unreadable checkpoint ({info}); use resume=auto")
+    if not info.full_state:
+        raise RunDirectoryError(
+            f"resume={resume!r} holds weights only (a scheduled checkpoint, checkpoint.keep_optimizer=false), "
+            "not the optimizer state a resume needs: resume the run from its last.ckpt with resume=auto, or "
+            f"study these weights with: python analyze.py model=checkpoint model.checkpoint={resume}"
+        )
     return resume
+
+
+def remove_stale_temporaries_of_run(run_dir: Path) -> None:
+    """A starting or resuming session deletes what killed sessions were writing (checkpoints, probes)."""
+    from corpus.atomic import remove_stale_temporaries
+
+    count, size = remove_stale_temporaries(run_dir)
+    if count:
+        log.warning("removed %d stale temporary file(s), %s bytes, left in %s by a killed session",
+                    count, f"{size:,}", run_dir)
 
 
 def session_checkpoint(cfg: DictConfig) -> str | None:

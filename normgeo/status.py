@@ -89,18 +89,13 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
 
 
 def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
-    """Step of the newest resumable checkpoint (last.ckpt or Lightning's hpc_ckpt_N.ckpt), as resume=auto picks."""
-    candidates = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
-    if candidates:
-        newest = max(candidates, key=lambda p: p.stat().st_mtime)
-        try:
-            import torch
+    """Step of the checkpoint resume=auto would continue from (normgeo.session.newest_resumable), else
+    of the newest scheduled checkpoint."""
+    from normgeo.session import newest_resumable
 
-            # mmap: only the pickled metadata is read, not gigabytes of weights.
-            ckpt = torch.load(newest, map_location="cpu", mmap=True, weights_only=True)
-            return int(ckpt["global_step"]), newest
-        except Exception:
-            pass
+    path, step, _ = newest_resumable(run_dir)
+    if path is not None:
+        return step, path
     scheduled = sorted(run_dir.glob("checkpoints/step-*.ckpt"))
     if scheduled:
         return int(scheduled[-1].stem.split("-")[1]), scheduled[-1]

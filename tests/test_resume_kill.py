@@ -18,21 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpus.atomic import TMP_SUFFIX
 from normgeo.records import read_rows
+from normgeo.session import RunDirectoryError, resume_checkpoint
 from normgeo.status import run_status
 from tests.conftest import FAST, ROOT
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 10
-# Every step is a scheduled checkpoint (so the test can see progress) and refreshes last.ckpt.
+VAL_EVERY = 5
+# Every step is a scheduled checkpoint (so the test can see progress) and refreshes last.ckpt; validation
+# at steps 5 and 10 (32 batches) gives a kill time to land inside it.
 COMMON = [f"max_steps={MAX_STEPS}", "checkpoint.dense_every=1", f"checkpoint.dense_until={MAX_STEPS}",
-          "checkpoint.last_every=1"]
+          "checkpoint.last_every=1", f"val_every={VAL_EVERY}", "val_sequences=128"]
 RNG = random.Random(20261122)  # the kill points are random but the same on every test run
 
 
-def all_step_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per step over every CSV session (csv/version_N); a later session wins a step.
+def all_step_losses(run_dir: Path, metric: str = "train/loss") -> dict[int, float]:
+    """``metric`` per step over every CSV session (csv/version_N); a later session wins a step.
 
     A SIGKILLed session may have no metrics.csv at all (the CSV logger flushes every 100 steps).
     """
@@ -42,8 +46,8 @@ def all_step_losses(run_dir: Path) -> dict[int, float]:
         if (version / "metrics.csv").is_file():
             with open(version / "metrics.csv", newline="") as handle:
                 for row in csv.DictReader(handle):
-                    if row.get("train/loss"):
-                        losses[int(row["step"])] = float(row["train/loss"])
+                    if row.get(metric):
+                        losses[int(float(row["step"]))] = float(row[metric])
     return losses
 
 
@@ -72,17 +76,24 @@ def run_to_end(run_dir: Path, *overrides: str) -> None:
 
 def kill_during(run_dir: Path, step: int, delay: float, *overrides: str) -> int:
     """Start train.py, SIGKILL it ``delay`` s after step ``step``'s checkpoint appears; the resume step."""
-    log_path = run_dir.parent / f"{run_dir.name}-{step}.log"
     marker = run_dir / "checkpoints" / f"step-{step:07d}.ckpt"
+    kill_when(run_dir, lambda proc, started: marker.exists() and marker.stat().st_mtime >= started,
+              f"step {step}", delay, *overrides)
+    return ckpt_step(run_dir / "checkpoints" / "last.ckpt")
+
+
+def kill_when(run_dir: Path, happened, what: str, delay: float, *overrides: str) -> None:
+    """Start train.py, SIGKILL it ``delay`` s after ``happened(process, start time)`` holds."""
+    log_path = run_dir.parent / f"{run_dir.name}-{what.replace(' ', '-')}.log"
     started = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(train_args(run_dir, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
-            while not (marker.exists() and marker.stat().st_mtime >= started):  # written by this session
-                assert proc.poll() is None, f"train.py ended before step {step}:\n{log_path.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, f"no step {step} after 300 s:\n{log_path.read_text()[-4000:]}"
-                time.sleep(0.05)
+            while not happened(proc, started):  # by this session
+                assert proc.poll() is None, f"train.py ended before {what}:\n{log_path.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"no {what} after 300 s:\n{log_path.read_text()[-4000:]}"
+                time.sleep(0.01)
             time.sleep(delay)
             assert proc.poll() is None, f"train.py finished before the kill:\n{log_path.read_text()[-3000:]}"
             proc.send_signal(signal.SIGKILL)
@@ -90,7 +101,6 @@ def kill_during(run_dir: Path, step: int, delay: float, *overrides: str) -> int:
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    return ckpt_step(run_dir / "checkpoints" / "last.ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +144,51 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
     b = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))
+    assert all_step_losses(run_dir, "val/loss") == all_step_losses(uninterrupted, "val/loss")
+    assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))  # whatever a kill interrupted, nothing is left behind
+
+
+def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(workdir: Path, uninterrupted: Path) -> None:
+    """Step 5's checkpoints wait for its validation, so a kill inside it resumes from step 4 and validates
+    again; last.ckpt then truncated (a full disk), resume=auto falls back to the newest full-state
+    step-*.ckpt; a kill while a checkpoint is being written leaves a temporary that the next session removes.
+    """
+    run_dir = workdir / "killed_in_validation"
+    overrides = (*COMMON, "resume=auto", "checkpoint.keep_optimizer=true")  # full-state step-*.ckpt
+
+    def validating(proc: subprocess.Popen, started: float) -> bool:
+        # The validation windows map val.bin at their first batch (corpus.stream.TokenWindows): from then
+        # on the first validation, step 5's, is running; it has 31 batches to go.
+        return "/val.bin" in Path(f"/proc/{proc.pid}/maps").read_text()
+
+    kill_when(run_dir, validating, "validation 5", 0.0, *overrides)
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == VAL_EVERY - 1
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(last, "r+b") as handle:
+        handle.truncate(last.stat().st_size // 2)
+
+    def writing_a_checkpoint(proc: subprocess.Popen, started: float) -> bool:
+        return bool(list(run_dir.glob(f"checkpoints/*{TMP_SUFFIX}")))
+
+    kill_when(run_dir, writing_a_checkpoint, "checkpoint write", 0.0, *overrides)
+    orphans = list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    assert orphans
+    result = subprocess.run(train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "last.ckpt is unreadable" in output and "falling back to" in output
+    assert f"removed {len(orphans)} stale temporary file(s)" in output
+    assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    reference = all_step_losses(uninterrupted, "val/loss")
+    assert sorted(reference) == [VAL_EVERY, MAX_STEPS]
+    assert all_step_losses(run_dir, "val/loss") == reference  # every point, bitwise
+    assert angle_table(run_dir) == angle_table(uninterrupted)
+
+
+def test_resume_from_a_weights_only_checkpoint_says_what_to_do(uninterrupted: Path) -> None:
+    step_ckpt = str(uninterrupted / "checkpoints" / "step-0000003.ckpt")
+    with pytest.raises(RunDirectoryError, match="holds weights only .* resume=auto, or study these weights"):
+        resume_checkpoint(uninterrupted, step_ckpt)
 
 
 def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(workdir: Path, uninterrupted: Path) -> None:
