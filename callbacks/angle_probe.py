@@ -14,8 +14,11 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from callbacks.checkpointing import CheckpointSchedule, after_optimizer_step
 from corpus.sources import probe_documents
 from corpus.tokenize import first_tokens, tiktoken_batch_encoder
+from normgeo.ellipsoid import ELLIPSOID_FILE, ellipsoid_rows
+from normgeo.energy import ENERGY_FILE, EnergyStatistics, energy_rows
 from normgeo.logged_figures import log_figures
-from normgeo.probe import make_references, run_probe
+from normgeo.norm_sites import find_norm_sites
+from normgeo.probe import input_sites, make_references, residual_norms, run_probe
 from normgeo.records import (
     ANGLES_FILE,
     NULL_FILE,
@@ -35,7 +38,9 @@ class AngleProbe(L.Callback):
     Every rank probes its own round-robin share of the fixed probe sequences; the statistics are merged
     across ranks (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
     ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
-    intervals over probe sequences) and the logger entries.
+    intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's energy along 1
+    and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias) and the
+    logger entries.
     """
 
     def __init__(
@@ -111,6 +116,8 @@ class AngleProbe(L.Callback):
         # with fewer sequences pads its share with rows that are run but not measured.
         per_rank = math.ceil(len(sequences) / trainer.world_size)
         references = make_references(config.n_embd, self.seed, self.null_directions)
+        norms = residual_norms(find_norm_sites(model))
+        energy = EnergyStatistics(len(norms), device=pl_module.device)
         sites, stats = run_probe(
             model,
             shard,
@@ -122,8 +129,11 @@ class AngleProbe(L.Callback):
             autocast=trainer.precision_plugin.forward_context,
             device=pl_module.device,
             pad_to=per_rank,
+            norms=norms,
+            energy=energy,
         )
         stats.all_reduce()
+        energy.all_reduce()
         tokens_per_step = pl_module.hparams.global_batch * config.block_size
         rows = statistics_rows(
             sites, stats, model=self.model_name, norm=config.norm, step=step, tokens_seen=step * tokens_per_step
@@ -138,6 +148,10 @@ class AngleProbe(L.Callback):
             )
             if null:
                 write_step(self.run_dir / NULL_FILE, null)
+            # What centering removes per token, and the set the norms' outputs lie in (seed 003).
+            where = {"model": self.model_name, "norm": config.norm, "step": step, "tokens_seen": step * tokens_per_step}
+            write_step(self.run_dir / ENERGY_FILE, energy_rows(input_sites(norms), energy, **where))
+            write_step(self.run_dir / ELLIPSOID_FILE, ellipsoid_rows(norms, **where))
             self._log(trainer, rows, step)
         return rows
 
