@@ -62,7 +62,7 @@ def _site_order(frame: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[str, str, str]], stem: str,
-                    title: str, out_dir: Path, formats: Sequence[str]) -> list[Path]:
+                    title: str, out_dir: Path, formats: Sequence[str], log: bool = True) -> list[Path]:
     """Rows: (column to filter or None, value, y label); columns: arms; one line per (layer, site)."""
     from normgeo.compare import _save
 
@@ -83,7 +83,8 @@ def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[
                 ax.plot(series.index, series[value], "o-", ms=2.5, lw=1.1, color=f"C{index}", label=label)
                 if quantity is not None and "p25" in series:
                     ax.fill_between(series.index, series["p25"], series["p75"], color=f"C{index}", alpha=0.15, lw=0)
-            ax.set_yscale("log")
+            if log:  # energies span many decades; a condition number stays near 1
+                ax.set_yscale("log")
             ax.grid(alpha=0.3, which="both")
             if col == 0:
                 ax.set_ylabel(ylabel)
@@ -107,6 +108,7 @@ def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
     return _per_arm_panels(
         comparison, frame, [(None, "condition", "condition number\n(largest / smallest semi-axis)")], "ellipsoid",
         "Each norm's output ellipsoid (from its gain; LayerNorm: Riechers' (d−1)-dim hyperellipsoid)", out_dir, formats,
+        log=False,
     )
 
 
@@ -122,7 +124,7 @@ def energy_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Pat
 
 def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
     """The arms' angle with 1 against the step on one figure: before the norms and after them."""
-    from normgeo.compare import _arm_color, _save
+    from normgeo.compare import POST_SUFFIX, _arm_color, _save
     from normgeo.report import SITE_STYLE
 
     angles = comparison.angles[comparison.angles["ref"] == "ones"]
@@ -136,8 +138,8 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
         for index, arm in enumerate(sorted(of_kind["arm"].unique())):
             # Mean over the norms (layers and roles) and seeds of each run's mean over tokens.
             curve = of_kind[of_kind["arm"] == arm].groupby("step")[["mean_deg", "p05", "p95"]].mean()
-            color = _arm_color(arm, index)
-            ax.plot(curve.index, curve["mean_deg"], "o-", ms=3, lw=1.3, color=color, label=_arm_title(comparison, arm))
+            color, style = _arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"  # Post-LN dashed
+            ax.plot(curve.index, curve["mean_deg"], style, ms=3, lw=1.3, color=color, label=_arm_title(comparison, arm))
             ax.fill_between(curve.index, curve["p05"], curve["p95"], color=color, alpha=0.1, lw=0)
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_title(f"{SITE_STYLE[suffix][1]} (mean over the norms)")
