@@ -135,6 +135,8 @@ class AngleProbe(L.Callback):
         stats.all_reduce()
         energy.all_reduce()
         tokens_per_step = pl_module.hparams.global_batch * config.block_size
+        where = {"model": self.model_name, "norm": config.norm, "step": step, "tokens_seen": step * tokens_per_step}
+        ellipsoid = ellipsoid_rows(norms, **where)  # on every rank: sharded gains are gathered collectively
         rows = statistics_rows(
             sites, stats, model=self.model_name, norm=config.norm, step=step, tokens_seen=step * tokens_per_step
         )
@@ -149,9 +151,8 @@ class AngleProbe(L.Callback):
             if null:
                 write_step(self.run_dir / NULL_FILE, null)
             # What centering removes per token, and the set the norms' outputs lie in (seed 003).
-            where = {"model": self.model_name, "norm": config.norm, "step": step, "tokens_seen": step * tokens_per_step}
             write_step(self.run_dir / ENERGY_FILE, energy_rows(input_sites(norms), energy, **where))
-            write_step(self.run_dir / ELLIPSOID_FILE, ellipsoid_rows(norms, **where))
+            write_step(self.run_dir / ELLIPSOID_FILE, ellipsoid)
             self._log(trainer, rows, step)
         return rows
 

@@ -88,21 +88,28 @@ def norm_geometry(gain: torch.Tensor, bias: torch.Tensor | None, centered: bool)
     }
 
 
+def _full(param: object) -> torch.Tensor | None:
+    """The whole tensor of a parameter; an FSDP2-sharded one is all-gathered (a collective: every rank calls)."""
+    if not isinstance(param, torch.Tensor):
+        return None
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
 def ellipsoid_rows(
     norms: Sequence[NormSite], *, model: str, norm: str, step: int | None, tokens_seen: int | None
 ) -> list[dict]:
-    """One row per norm with a gain (``ELLIPSOID_FIELDS``); a norm without one (or sharded) is skipped."""
+    """One row per norm with a gain (``ELLIPSOID_FIELDS``); a norm without one is skipped. Call it on every
+    rank: FSDP2-sharded gains are all-gathered."""
     from normgeo.records import _number
 
     rows = []
     # The eigvalsh of a d x d matrix per norm: 30 ms at d=512 on one CPU thread, seconds on two busy ones.
     with _one_cpu_thread(torch.device("cpu")):
         for site in norms:
-            gain = getattr(site.module, "weight", None)
-            if not isinstance(gain, torch.Tensor) or gain.numel() != site.dim:
+            gain, bias = (_full(getattr(site.module, name, None)) for name in ("weight", "bias"))
+            if gain is None or gain.numel() != site.dim:
                 continue
-            bias = getattr(site.module, "bias", None)
-            bias = bias if isinstance(bias, torch.Tensor) and bias.numel() == site.dim else None
+            bias = bias if bias is not None and bias.numel() == site.dim else None
             geometry = norm_geometry(gain, bias, centered=site.kind == "layer")
             row = {
                 "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
