@@ -31,6 +31,8 @@ from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError
 from normgeo.analysis import print_summary, summarize, write_summary
 from normgeo.config import ANALYZE_CONF_DIR, config_errors_exit_2
+from normgeo.ellipsoid import ELLIPSOID_FILE
+from normgeo.energy import ENERGY_FILE
 from normgeo.measure import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.pretrained import ModelLoadError, load_model, max_positions
@@ -109,6 +111,8 @@ def analyze(cfg: DictConfig) -> Path:
     write_step(out_dir / ANGLES_FILE, rows)
     if null:
         write_step(out_dir / NULL_FILE, null)
+    write_step(out_dir / ENERGY_FILE, records.energy)
+    write_step(out_dir / ELLIPSOID_FILE, records.ellipsoid)
     figures = write_run_figures(out_dir)
     summary = summarize(rows, null)
     write_summary(out_dir, summary)
@@ -141,7 +145,7 @@ def analyze(cfg: DictConfig) -> Path:
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
              f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
-    log.info("wrote %s, %s, %s, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, NULL_FILE, REFERENCES_FILE,
+    log.info("wrote %s, %s, %s, energy.jsonl, ellipsoid.jsonl, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, NULL_FILE, REFERENCES_FILE,
              len(figures), out_dir)
     return out_dir
 

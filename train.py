@@ -127,7 +127,7 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     params = module.model.num_parameters()
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     return (
-        f"model: {count} parameters, norm={cfg.norm.name}, {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
+        f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
         f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
         f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
         f"world size {trainer.world_size} · precision {trainer.precision}"

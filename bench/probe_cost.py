@@ -3,7 +3,8 @@
 The probe runs the model with forward hooks on every norm and streams the angles into statistics;
 the baseline is the same model in eval mode under no_grad with no hooks. The probe runs twice: with
 K = 0 null directions (1, rand_a, rand_b only) and with K = 64 (``--null``), per-sequence sums included;
-the ratio K=64 / K=0 is the cost of the null distribution. Peak memory is measured in a fresh process
+the ratio K=64 / K=0 is the cost of the null distribution; "+energy" adds the energy along 1 and
+sqrt(d)/||x|| at every norm input (normgeo/energy.py), as the training probe runs it. Peak memory is measured in a fresh process
 per token count (ru_maxrss, K = 64), to show it does not grow with N.
 
     python bench/probe_cost.py                       # 70m model, 4096 tokens, memory at 4096 and 16384
@@ -28,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.gpt import GPT  # noqa: E402
 from normgeo.config import CONF_DIR  # noqa: E402
-from normgeo.probe import make_references, run_probe  # noqa: E402
+from normgeo.energy import EnergyStatistics  # noqa: E402
+from normgeo.norm_sites import find_norm_sites  # noqa: E402
+from normgeo.probe import make_references, residual_norms, run_probe  # noqa: E402
 
 
 def build(size: str) -> GPT:
@@ -47,8 +50,11 @@ def plain_forward(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
             model(batch)
 
 
-def probe(model: GPT, sequences: torch.Tensor, batch_size: int, null: int = 0) -> None:
-    run_probe(model, sequences, make_references(model.config.n_embd, null_directions=null), batch_size=batch_size)
+def probe(model: GPT, sequences: torch.Tensor, batch_size: int, null: int = 0, energy: bool = False) -> None:
+    """``energy``: also the energy along 1 and sqrt(d)/||x|| at every norm input, as the training probe does."""
+    norms = residual_norms(find_norm_sites(model))
+    run_probe(model, sequences, make_references(model.config.n_embd, null_directions=null), batch_size=batch_size,
+              norms=norms, energy=EnergyStatistics(len(norms)) if energy else None)
 
 
 def peak_rss_child(size: str, tokens: int, batch_size: int, null: int) -> None:
@@ -73,10 +79,12 @@ def main() -> None:
     model = build(args.size)
     sequences = token_sequences(args.tokens, model.config.block_size)
     null_name = f"probe K={args.null}"
+    energy_name = f"{null_name} +energy"  # what the training probe runs
     variants = {
         "plain forward": plain_forward,
         "probe K=0": lambda m, s, b: probe(m, s, b, 0),
         null_name: lambda m, s, b: probe(m, s, b, args.null),
+        energy_name: lambda m, s, b: probe(m, s, b, args.null, energy=True),
     }
     timings: dict[str, list[float]] = {name: [] for name in variants}
     probe(model, sequences[:1], 1, args.null)  # warm-up: allocator, kernels
@@ -87,12 +95,14 @@ def main() -> None:
             timings[name].append(time.perf_counter() - start)
     print(f"size={args.size} tokens={sequences.numel()} batch={args.batch_size} threads={torch.get_num_threads()}")
     for name, values in timings.items():
-        print(f"{name:14s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
+        print(f"{name:22s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
               f"all {', '.join(f'{v:.3f}' for v in values)}")
     best = {name: min(values) for name, values in timings.items()}
     print(f"probe K=0 / plain forward (best): {best['probe K=0'] / best['plain forward']:.3f}")
     print(f"{null_name} / plain forward (best): {best[null_name] / best['plain forward']:.3f}")
     print(f"{null_name} / probe K=0 (best): {best[null_name] / best['probe K=0']:.3f}")
+    print(f"{energy_name} / plain forward (best): {best[energy_name] / best['plain forward']:.3f}")
+    print(f"{energy_name} / {null_name} (best): {best[energy_name] / best[null_name]:.3f}")
     for tokens in args.memory_tokens:
         out = subprocess.run(
             [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),

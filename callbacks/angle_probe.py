@@ -11,6 +11,8 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
 from corpus.tokenize import tiktoken_batch_encoder
+from normgeo.ellipsoid import ELLIPSOID_FILE
+from normgeo.energy import ENERGY_FILE
 from normgeo.logged_figures import log_figures
 from normgeo.measure import measure_records, probe_ids
 from normgeo.probe import INCLUDE_STANDARDIZED, make_references
@@ -27,7 +29,9 @@ class AngleProbe(OptimizerStepCallback):
     windows; the statistics are merged across ranks (no rank-0-only forward pass, which would deadlock
     DDP/FSDP), and rank 0 writes
     ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
-    intervals over probe sequences) and the logger entries.
+    intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's energy along 1
+    and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias) and the
+    logger entries.
     """
 
     def __init__(
@@ -105,6 +109,9 @@ class AngleProbe(OptimizerStepCallback):
             write_step(self.run_dir / ANGLES_FILE, records.rows)
             if records.null:
                 write_step(self.run_dir / NULL_FILE, records.null)
+            # What centering removes per token, and the set the norms' outputs lie in (seed 003).
+            write_step(self.run_dir / ENERGY_FILE, records.energy)
+            write_step(self.run_dir / ELLIPSOID_FILE, records.ellipsoid)
             self._log(trainer, records.rows, step)
         return records.rows
 

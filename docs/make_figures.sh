@@ -49,4 +49,5 @@ for arm in ("layer", "rms"):
             print(f"- {arm} step {r['step']} layer {r['layer']} {r['site']}: {r['mean_deg']:.2f} ({r['p05']:.2f}-{r['p95']:.2f})")
 PY
 } > docs/numbers.md
+bash docs/make_factorial_figures.sh "$OUT/factorial"   # the norm factorial and Post-LN (docs/figures/factorial-*.png)
 echo "figures in $fig, numbers in docs/numbers.md"

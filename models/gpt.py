@@ -1,9 +1,11 @@
-"""A GPT-2 language model whose two arms differ only in the normalization layer.
+"""A GPT-2 language model whose arms differ only in the normalization layer.
 
 Pre-norm blocks as in the paper's eq. 12-16 (norm -> attention, residual; norm -> GELU MLP, residual),
-learned absolute positions, a final norm before the LM head. The norm is chosen by one string in one
-place (:func:`make_norm`); every other parameter is initialized from a generator seeded by
-(seed, parameter name), so the LayerNorm and RMSNorm arms start from bitwise-identical weights.
+learned absolute positions, a final norm before the LM head; or, with ``placement="post"``, post-norm
+blocks (attention, residual, norm; MLP, residual, norm) with the same parameters. The norm is chosen by
+one string in one place (:func:`make_norm`); every other parameter is initialized from a generator seeded
+by (seed, parameter name), so all four norm arms and both placements start from bitwise-identical
+non-norm weights.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NORM_KINDS = ("layer", "rms")
+# The 2x2 factorial of the norm: centering (layer*) or not (rms*) x a bias or not. "layer" and "rms" are
+# the torch norms of the paper's two arms; "layer_nobias" and "rms_bias" isolate mean subtraction.
+NORM_KINDS = ("layer", "rms", "layer_nobias", "rms_bias")
+# pre: the norm before each sublayer, a final norm before the head (GPT-2). post: the norm after each
+# residual add (the original Transformer); ln_f is kept so both placements have the same parameters.
+PLACEMENTS = ("pre", "post")
 GPT2_VOCAB_SIZE = 50257
 
 
@@ -31,6 +38,7 @@ class GPTConfig:
     vocab_multiple: int = 64
     norm: str = "layer"
     norm_eps: float = 1e-5
+    placement: str = "pre"
     tie_embeddings: bool = True
     dropout: float = 0.0
     bias: bool = True
@@ -39,6 +47,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS:
             raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_KINDS)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
 
@@ -50,12 +60,27 @@ class GPTConfig:
         return asdict(self)
 
 
+class RMSNormWithBias(nn.RMSNorm):
+    """RMSNorm plus a learned bias (initialized to 0, like LayerNorm's): the factorial's "rms_bias" arm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """The one place where the arms differ: LayerNorm (gain and bias) or RMSNorm (gain only)."""
+    """The one place where the arms differ: centering (LayerNorm) or not (RMSNorm), with a bias or not."""
     if kind == "layer":
         return nn.LayerNorm(dim, eps=eps, bias=True)
     if kind == "rms":
         return nn.RMSNorm(dim, eps=eps)
+    if kind == "layer_nobias":
+        return nn.LayerNorm(dim, eps=eps, bias=False)
+    if kind == "rms_bias":
+        return RMSNormWithBias(dim, eps=eps)
     raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_KINDS)}")
 
 
@@ -103,8 +128,12 @@ class Block(nn.Module):
         self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.post_norm = config.placement == "post"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_norm:  # Vaswani et al.: normalize the residual stream after each add
+            x = self.ln1(x + self.resid_dropout(self.attn(x)))
+            return self.ln2(x + self.mlp(x))
         x = x + self.resid_dropout(self.attn(self.ln1(x)))
         return x + self.mlp(self.ln2(x))
 

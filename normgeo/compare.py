@@ -10,7 +10,10 @@ and writes, to ``--out`` (default ``<folder>/compare``):
   loss, wall time, tokens/s and the mean angle with 1 at every site at the final step (mean over layers);
 - ``overlay_<site>_<ref>.{png,pdf}``: the arms over training steps, one panel per layer, the mean over
   tokens as a line and the p05-p95 band of the tokens' angles shaded (seeds: mean of the seeds' values);
-- ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure.
+- ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
+- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.norm_figures`).
+
+A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
 
 Figures of other kinds plug in with :func:`register_figure`.
 """
@@ -36,7 +39,8 @@ from normgeo.records import ANGLES_FILE, read_rows  # noqa: E402
 from normgeo.report import NORM_LABELS, REF_LABELS  # noqa: E402
 
 SUMMARY_FILE = "summary.json"  # written by train.py at the end of a run
-ARM_COLORS = {"layer": "tab:blue", "rms": "tab:red"}
+ARM_COLORS = {"layer": "tab:blue", "rms": "tab:red", "layer_nobias": "tab:cyan", "rms_bias": "tab:orange"}
+POST_SUFFIX = "+post"  # appended to the arm of a placement=post run: "layer+post"
 
 
 @dataclass
@@ -92,9 +96,11 @@ def load(paths: Sequence[Path]) -> Comparison:
         config = run_config(run_dir)
         rows = read_rows(run_dir / ANGLES_FILE)
         norm = (config.get("norm") or {}).get("name") or rows[0]["norm"]
+        placement = (config.get("placement") or {}).get("name") or "pre"  # runs older than the key: pre
         info = {
             "run": config.get("run_name") or run_dir.name,
-            "arm": norm,
+            "arm": norm + (POST_SUFFIX if placement == "post" else ""),
+            "placement": placement,
             "seed": config.get("seed"),
             "size": (config.get("size") or {}).get("name"),
         }
@@ -210,12 +216,13 @@ def _layer_key(layer: str) -> float:
 
 
 def _arm_label(arm: str) -> str:
-    size, _, norm = arm.rpartition("-")
-    return f"{size} {NORM_LABELS.get(norm, norm)}".strip()
+    size, _, norm = arm.removesuffix(POST_SUFFIX).rpartition("-")
+    post = " (Post-LN)" if arm.endswith(POST_SUFFIX) else ""
+    return f"{size} {NORM_LABELS.get(norm, norm)}{post}".strip()
 
 
 def _arm_color(arm: str, index: int) -> str:
-    return ARM_COLORS.get(arm.rpartition("-")[2], f"C{index + 2}")
+    return ARM_COLORS.get(arm.removesuffix(POST_SUFFIX).rpartition("-")[2], f"C{index + 2}")
 
 
 @register_figure("overlay")
@@ -337,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"written to {out_dir}")
     return 0
 
+
+# The norm factorial's figures (ellipsoid, energy along 1, all arms' angle with 1): same path, own module.
+from normgeo.norm_figures import NORM_FIGURES  # noqa: E402
+
+for _name, _maker in NORM_FIGURES.items():
+    register_figure(_name)(_maker)
 
 if __name__ == "__main__":
     sys.exit(main())

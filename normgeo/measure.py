@@ -20,8 +20,11 @@ from torch import nn
 
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens
-from normgeo.norm_sites import NormSite
-from normgeo.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms, run_probe
+from models.gpt import GPT
+from normgeo.ellipsoid import ellipsoid_rows
+from normgeo.energy import EnergyStatistics, energy_rows
+from normgeo.norm_sites import NormSite, find_norm_sites
+from normgeo.probe import INCLUDE_STANDARDIZED, ProbeSite, input_sites, residual_norms, run_probe
 from normgeo.records import null_rows, statistics_rows
 from normgeo.stats import AngleStatistics
 
@@ -93,12 +96,14 @@ def measure(
     progress: bool = False,
     rank: int = 0,
     world_size: int = 1,
+    energy: EnergyStatistics | None = None,
 ) -> tuple[list[ProbeSite], AngleStatistics]:
     """Angles at every norm for every token of ``ids`` cut by :func:`windows`, merged over ranks.
 
     Rank ``rank`` of ``world_size`` measures windows ``rank, rank + world_size, ...`` of each part and
     pads its share to as many forward passes as the largest (a sharded model's all-gathers are
     collective); the statistics are then all-reduced, so every rank returns the whole probe's.
+    ``energy``: also stream what centering removes at every residual norm's input into it (all-reduced too).
     """
     parts = windows(ids, seq_len)
     if not parts:
@@ -123,6 +128,7 @@ def measure(
             pad_to=math.ceil(len(part) / world_size),
             sequence_ids=global_ids[rank::world_size],
             num_sequences=num_sequences,
+            energy=energy,
         )
         first += len(part)
         if stats is None:
@@ -131,18 +137,30 @@ def measure(
             stats.merge(part_stats)
     assert stats is not None
     stats.all_reduce()
+    if energy is not None:
+        energy.all_reduce()
     return sites, stats
 
 
 @dataclass
 class Records:
-    """What one measurement yields: ``angles.jsonl``'s rows and ``null.jsonl``'s (if asked for)."""
+    """What one measurement yields: ``angles.jsonl``'s rows, ``null.jsonl``'s (if asked for),
+    ``energy.jsonl``'s (what centering removes at each norm input) and ``ellipsoid.jsonl``'s (the set
+    each norm's outputs lie in, from its gain and bias)."""
 
     sites: list[ProbeSite]
     stats: AngleStatistics
     rows: list[dict]
     null: list[dict]
+    energy: list[dict]
+    ellipsoid: list[dict]
     norm: str
+
+
+def record_norm_label(model: nn.Module, sites: Sequence[ProbeSite]) -> str:
+    """The ``norm`` field of the records: our GPT's configured arm (``layer_nobias`` and ``rms_bias`` are
+    LayerNorm and RMSNorm modules too), else the kind found in the model."""
+    return model.config.norm if isinstance(model, GPT) else norm_kind(sites)
 
 
 def measure_records(
@@ -160,17 +178,24 @@ def measure_records(
     with_null: bool = True,
     **measure_kwargs,
 ) -> Records:
-    """:func:`measure`, then the records: ``model_name``, the norm kind found in the model, ``step`` and
-    :func:`tokens_seen`. ``with_null=False`` skips ``null.jsonl``'s rows (their bootstrap costs; only the
-    rank that writes needs them)."""
-    sites, stats = measure(model, ids, seq_len, references, **measure_kwargs)
-    norm = norm_kind(sites)
+    """:func:`measure`, then the records: ``model_name``, the model's norm (:func:`record_norm_label`),
+    ``step`` and :func:`tokens_seen`. ``with_null=False`` skips ``null.jsonl``'s rows (their bootstrap
+    costs; only the rank that writes needs them). Call it on every rank: the statistics are all-reduced and
+    FSDP2-sharded gains all-gathered."""
+    norms = residual_norms(measure_kwargs.pop("norms", None) or find_norm_sites(model))
+    energy = EnergyStatistics(len(norms), device=measure_kwargs.get("device") or "cpu")
+    sites, stats = measure(model, ids, seq_len, references, norms=norms, energy=energy, **measure_kwargs)
+    norm = record_norm_label(model, sites)
     seen = tokens_seen(step, tokens_per_step)
-    rows = statistics_rows(sites, stats, model=model_name, norm=norm, step=step, tokens_seen=seen)
+    where = {"model": model_name, "norm": norm, "step": step, "tokens_seen": seen}
+    rows = statistics_rows(sites, stats, **where)
     null = (
-        null_rows(sites, stats, model=model_name, norm=norm, step=step, tokens_seen=seen,
-                  replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
+        null_rows(sites, stats, **where, replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
         if with_null
         else []
     )
-    return Records(sites=sites, stats=stats, rows=rows, null=null, norm=norm)
+    return Records(
+        sites=sites, stats=stats, rows=rows, null=null, norm=norm,
+        energy=energy_rows(input_sites(norms), energy, **where),
+        ellipsoid=ellipsoid_rows(norms, **where),
+    )

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from normgeo.energy import EnergyStatistics
 from normgeo.geometry import standardize
 from normgeo.norm_sites import NormSite, find_norm_sites
-from normgeo.stats import AngleStatistics
+from normgeo.stats import AngleStatistics, one_cpu_thread
 
 REFERENCE_NAMES = ("ones", "rand_a", "rand_b")
 NULL_KEY = "null"  # the (K, d) null directions in the references dict and probe_references.npz
@@ -73,6 +74,11 @@ def probe_sites(norms: Sequence[NormSite], include_standardized: bool = INCLUDE_
     return sites
 
 
+def input_sites(norms: Sequence[NormSite]) -> list[ProbeSite]:
+    """The ``<role>.in`` site of every norm, in order: the sites of :class:`EnergyStatistics`."""
+    return [ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim) for norm in norms]
+
+
 def residual_norms(norms: Sequence[NormSite]) -> list[NormSite]:
     """The norms of the residual stream: those of the most common width (drops per-head q/k norms)."""
     widths = Counter(norm.dim for norm in norms)
@@ -105,6 +111,7 @@ def run_probe(
     pad_to: int = 0,
     sequence_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
+    energy: EnergyStatistics | None = None,
 ) -> tuple[list[ProbeSite], AngleStatistics]:
     """Stream ``sequences`` (n, T) of token ids through ``model`` and measure every norm's in/out vectors.
 
@@ -115,6 +122,8 @@ def run_probe(
     ``references[NULL_KEY]``, if present, adds the null directions. Per-sequence sums are kept for
     ``num_sequences`` sequences (default: ``len(sequences)``; 0 turns them off), ``sequences[i]`` being
     number ``sequence_ids[i]`` (default ``i``): a rank or a part of the probe passes its global indices.
+    ``energy``: also stream what mean subtraction removes at every norm input into it, site k being the
+    k-th of ``residual_norms(norms)`` (see :func:`input_sites`).
     """
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     sites = probe_sites(norms, include_standardized)
@@ -133,6 +142,7 @@ def run_probe(
         num_sequences=num_sequences,
     )
     site_index = {site: i for i, site in enumerate(sites)}
+    energy_index = {norm.name: i for i, norm in enumerate(norms)}
     batch_ids = [sequence_ids[:0]]  # global indices of the measured rows of the current batch
     if pad_to > measured:
         sequences = torch.cat([sequences, sequences.new_zeros((pad_to - measured, sequences.shape[1]))])
@@ -150,6 +160,9 @@ def run_probe(
             hidden = inputs[0][:rows]
             ids = batch_ids[0]
             stats.update(in_index, hidden.to(device), ids)
+            if energy is not None:
+                with one_cpu_thread(energy.device):
+                    energy.update(energy_index[norm.name], hidden)
             stats.update(out_index, (output[0] if isinstance(output, tuple) else output)[:rows].to(device), ids)
             if include_standardized:
                 standardized = standardize(hidden.to(device).float(), norm.kind, norm.eps)

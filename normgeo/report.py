@@ -5,6 +5,7 @@
 - ``steps_<model>_<norm>_layer<l>.png``: angle against checkpoint step at one layer, one curve per
   reference (Figure 4);
 - ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
+- with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.norm_figures`);
 - ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
   one panel per site kind (before the norm, after it);
@@ -31,7 +32,7 @@ from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 
 # rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
 REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
-NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm"}
+NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm", "layer_nobias": "LayerNorm w/o bias", "rms_bias": "RMSNorm + bias"}
 SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
 
 
@@ -268,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir = args.out or args.run_dirs[0] / "figures"
         for ref in ("ones", "rand_a", "rand_b"):
             print(plot_compare(runs, out_dir, ref=ref))
+        # The factorial's figures, drawn as normgeo.compare draws them.
+        from normgeo.norm_figures import write_norm_figures
+
+        for figure in write_norm_figures(args.run_dirs, out_dir):
+            print(figure)
     return 0
 
 

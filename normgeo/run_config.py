@@ -66,6 +66,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 # checkpoint schedule's _target_ nodes), compared through those keys: a run recorded before they existed
 # resumes without them counting as changes.
 DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps")
+# Keys added later, with the value every run recorded before them had: absent in an old record means this.
+LEGACY_DEFAULTS: dict[str, Any] = {"placement.name": "pre", "placement.run_suffix": ""}
 
 
 class _Absent:
@@ -138,7 +140,7 @@ def config_changes(
     for key in [*flat_old, *(k for k in flat_new if k not in flat_old)]:
         if is_allowed(key, allowed):
             continue
-        before, after = flat_old.get(key, ABSENT), flat_new.get(key, ABSENT)
+        before, after = flat_old.get(key, LEGACY_DEFAULTS.get(key, ABSENT)), flat_new.get(key, ABSENT)
         if before is ABSENT and is_allowed(key, DERIVED):
             continue
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).

@@ -18,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from models.gpt import NORM_KINDS
+from models.gpt import NORM_KINDS, PLACEMENTS
 
 
 def doc(default: Any, text: str) -> Any:
@@ -36,6 +36,12 @@ def node(kind: type, text: str) -> Any:
 class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_KINDS)}")
     eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
+
+
+@dataclass
+class PlacementSchema:
+    name: str = doc(MISSING, f"where the norms sit in a block: {' | '.join(PLACEMENTS)}")
+    run_suffix: str = doc("", "appended to the norm in run names (pre-norm runs keep their names)")
 
 
 @dataclass
@@ -134,6 +140,7 @@ class TrainSchema:
     val_sequences: int = doc(64, "validation sequences, > 0")
     log_every: int = doc(10, "optimizer steps between logged metrics, > 0")
     norm: NormSchema = node(NormSchema, "group norm: the arm")
+    placement: PlacementSchema = node(PlacementSchema, "group placement: pre (GPT-2) or post (norm after each add)")
     size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
     optim: OptimSchema = node(OptimSchema, "AdamW and the warm-up + cosine schedule")
     checkpoint: CheckpointSchema = node(CheckpointSchema, "_target_ node of the checkpoint (and probe) schedule")
@@ -216,6 +223,8 @@ def check_train(cfg: DictConfig) -> None:
             "a step > 0, or null to run to max_steps")
     _expect(cfg.norm.name in NORM_KINDS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_KINDS)} (norm=...)")
     _expect(cfg.norm.eps > 0, "norm.eps", cfg.norm.eps, "a number > 0")
+    _expect(cfg.placement.name in PLACEMENTS, "placement.name", cfg.placement.name,
+            f"one of {', '.join(PLACEMENTS)} (placement=...)")
     _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
             f"a divisor of size.n_embd={cfg.size.n_embd}")
     _expect(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0, e.g. optim.lr=3e-4")

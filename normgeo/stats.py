@@ -48,7 +48,7 @@ def chan_merge(
 
 
 @contextlib.contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """Run the engine's many small CPU ops on one thread.
 
     Each op is too small to gain from intra-op threads, and on a busy machine every op's thread
@@ -121,7 +121,7 @@ class AngleStatistics:
         ``sequence_ids`` (only with ``num_sequences``): the probe-sequence index of each row of a
         ``(rows, T, d)`` tensor, for the per-sequence sums.
         """
-        with _one_cpu_thread(self.device):
+        with one_cpu_thread(self.device):
             self._update(site, vectors, sequence_ids)
 
     def _update(self, site: int, vectors: torch.Tensor, sequence_ids: torch.Tensor | None) -> None:

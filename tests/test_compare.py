@@ -12,6 +12,7 @@ import pytest
 
 from normgeo.compare import main as compare_main
 from normgeo.records import read_rows
+from normgeo.report import main as report_main
 from tests.conftest import step_losses
 
 RUNS = [f"tiny-{norm}-s{seed}" for norm in ("layer", "rms") for seed in (0, 1)]
@@ -69,3 +70,17 @@ def test_overlay_and_loss_figures_in_png_and_pdf(compared: Path) -> None:
         for fmt in ("png", "pdf"):
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000, stem
     assert len(list(out.glob("overlay_*.png"))) == 9 * 3  # sites ({ln1,ln2,final} x {in,std,out}) x references
+
+
+def test_factorial_figures_from_the_runs_ellipsoid_and_energy_records(compared: Path, tmp_path: Path) -> None:
+    for run in RUNS:
+        ellipsoid = read_rows(compared / run / "ellipsoid.jsonl")
+        assert len(ellipsoid) == len({r["step"] for r in ellipsoid}) * 5  # ln1, ln2 per block and ln_f
+        # At init every gain is 1: LayerNorm's hyperellipsoid and RMSNorm's ellipsoid are spheres of radius sqrt(d).
+        assert all(r["condition"] == pytest.approx(1) for r in ellipsoid if r["step"] == 0)
+        assert len(read_rows(compared / run / "energy.jsonl")) == len({r["step"] for r in ellipsoid}) * 5 * 2
+    for stem in ("ellipsoid", "energy", "factorial_ones"):
+        assert (compared / "compare" / f"{stem}.png").stat().st_size > 1000, stem
+    # normgeo.report on several runs draws the same figures through the same code.
+    assert report_main([str(compared / run) for run in RUNS[::2]] + ["--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"ellipsoid.png", "energy.png", "factorial_ones.png"}

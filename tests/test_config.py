@@ -18,7 +18,7 @@ from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
 from normgeo.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from tests.conftest import ROOT
 
-TRAIN_GROUPS = ("norm", "size", "data", "probe", "trainer", "logger", "experiment")
+TRAIN_GROUPS = ("norm", "placement", "size", "data", "probe", "trainer", "logger", "experiment")
 # Options that need a value from the command line before they resolve.
 REQUIRED = {"data=local": ["data.source.path=corpus"], "probe=local": ["probe.path=corpus"]}
 

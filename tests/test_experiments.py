@@ -146,6 +146,10 @@ def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
     assert sorted(step_losses(tmp_path / "run")) == [1, 2]
     rows = read_rows(tmp_path / "run" / "angles.jsonl")
     assert sorted({r["step"] for r in rows}) == [0, 2] and all(r["count"] == 512 for r in rows)
+    # The sharded gains are gathered for the output ellipsoid: every norm of every step, full width.
+    ellipsoid = read_rows(tmp_path / "run" / "ellipsoid.jsonl")
+    assert len(ellipsoid) == 2 * 5 and all(r["axes_dim"] == r["dim"] - 1 for r in ellipsoid)
+    assert all(r["count"] == 512 for r in read_rows(tmp_path / "run" / "energy.jsonl"))
 
 
 def test_paper_grid_sweeps_both_norms(shared: Path, tmp_path_factory) -> None:

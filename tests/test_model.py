@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from models.gpt import GPT, GPTConfig, is_norm_parameter
+from models.gpt import GPT, NORM_KINDS, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
 from normgeo.config import CONF_DIR
 
@@ -22,17 +22,21 @@ def build_from_config(*overrides: str) -> GPT:
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
+    """All four norm arms x both placements against the LayerNorm Pre-LN arm."""
     layer = dict(build_from_config("norm=layer", f"tie_embeddings={tie}").named_parameters())
-    rms = dict(build_from_config("norm=rms", f"tie_embeddings={tie}").named_parameters())
     shared = [name for name in layer if not is_norm_parameter(name)]
-    assert shared == [name for name in rms if not is_norm_parameter(name)]
     assert len(shared) > 10
-    for name in shared:
-        assert torch.equal(layer[name], rms[name]), name
-    # The norm parameters are exactly the ones that differ: LN has biases that RMS lacks.
-    assert {n for n in layer if is_norm_parameter(n)} - {n for n in rms if is_norm_parameter(n)} == {
-        n for n in layer if is_norm_parameter(n) and n.endswith(".bias")
-    }
+    biases = {n for n in layer if is_norm_parameter(n) and n.endswith(".bias")}
+    for norm in NORM_KINDS:
+        for placement in PLACEMENTS:
+            arm = dict(build_from_config(f"norm={norm}", f"placement={placement}", f"tie_embeddings={tie}").named_parameters())
+            assert shared == [name for name in arm if not is_norm_parameter(name)], (norm, placement)
+            for name in shared:
+                assert torch.equal(layer[name], arm[name]), (norm, placement, name)
+            # The norm parameters are exactly the ones that differ: the gains everywhere, biases in the biased cells.
+            has_bias = norm in ("layer", "rms_bias")
+            expected = {n for n in layer if is_norm_parameter(n)} - (set() if has_bias else biases)
+            assert {n for n in arm if is_norm_parameter(n)} == expected, (norm, placement)
 
 
 def test_different_seeds_give_different_weights() -> None:
