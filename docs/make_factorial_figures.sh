@@ -26,4 +26,5 @@ fig=docs/figures
 for figure in ellipsoid energy factorial_ones; do
   cp "$OUT/compare/$figure.png" "$fig/factorial-$figure.png"
 done
-echo "factorial figures in $fig (factorial-*.png)"
+python docs/factorial_numbers.py "$OUT" > docs/factorial_numbers.md  # the numbers the README quotes
+echo "factorial figures in $fig (factorial-*.png), numbers in docs/factorial_numbers.md"
