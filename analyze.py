@@ -29,16 +29,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError
-from normgeo.analysis import print_summary, summarize, write_summary
-from normgeo.config import ANALYZE_CONF_DIR, config_errors_exit_2
-from normgeo.ellipsoid import ELLIPSOID_FILE
-from normgeo.energy import ENERGY_FILE
-from normgeo.measure import AnalysisError, measure_records, norm_kind, probe_ids
-from normgeo.norm_sites import NoNormFoundError, find_norm_sites
-from normgeo.pretrained import ModelLoadError, load_model, max_positions
-from normgeo.probe import make_references, residual_norms
-from normgeo.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
-from normgeo.report import write_run_figures
+from models.pretrained import ModelLoadError, load_model, max_positions
+from normgeo.figures.analysis import print_summary, summarize, write_summary
+from normgeo.figures.angles import write_run_figures
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE
+from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
+from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
+from normgeo.measure.probe import make_references, residual_norms
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
+from normgeo.runs.config import ANALYZE_CONF_DIR, config_errors_exit_2
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
@@ -197,7 +197,7 @@ def run(cfg: DictConfig) -> None:
     _settle(succeeded=True)
 
 
-main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.config)
+main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.config)
 
 if __name__ == "__main__":
     main()

@@ -39,11 +39,11 @@ from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
-from normgeo.config import CONF_DIR, check_config, config_errors_exit_2
-from normgeo.logged_figures import figure_key, log_figures
-from normgeo.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
-from normgeo.schema import ConfigError
-from normgeo.session import (  # noqa: F401
+from normgeo.figures.logged_figures import figure_key, log_figures
+from normgeo.runs.config import CONF_DIR, check_config, config_errors_exit_2
+from normgeo.runs.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
+from normgeo.runs.schema import ConfigError
+from normgeo.runs.session import (  # noqa: F401
     REFUSALS,
     Refused,
     RunDirectoryError,
@@ -51,7 +51,7 @@ from normgeo.session import (  # noqa: F401
     resume_checkpoint,
     session_checkpoint,
 )
-from normgeo.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
+from normgeo.runs.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -199,7 +199,7 @@ def train(cfg: DictConfig) -> L.Trainer:
         return trainer  # main() requeues; the figures come when the run is complete
     figures: list[Path] = []
     if trainer.is_global_zero and cfg.probe.enabled:
-        from normgeo.report import write_run_figures
+        from normgeo.figures.angles import write_run_figures
 
         figures = write_run_figures(run_dir)
         for figure in figures:
@@ -221,7 +221,7 @@ def finish_wandb_run() -> None:
 
 def refuse(cfg: DictConfig, err: Exception) -> Refused:
     """Exit 2 with the reason; in a ``-m`` sweep return it instead, so that the other jobs still run
-    (normgeo.session.RefusalReport lists the refused ones when the sweep ends)."""
+    (normgeo.runs.session.RefusalReport lists the refused ones when the sweep ends)."""
     print(f"error: {err}", file=sys.stderr, flush=True)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         return Refused(str(cfg.run_dir), str(err))
@@ -258,7 +258,7 @@ USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigEr
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def run(cfg: DictConfig) -> Refused | None:
-    """compose (Hydra, checked by normgeo.schema) -> instantiate -> fit."""
+    """compose (Hydra, checked by normgeo.runs.schema) -> instantiate -> fit."""
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = install_requeue_handler()
     try:

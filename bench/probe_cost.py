@@ -4,7 +4,7 @@ The probe runs the model with forward hooks on every norm and streams the angles
 the baseline is the same model in eval mode under no_grad with no hooks. The probe runs twice: with
 K = 0 null directions (1, rand_a, rand_b only) and with K = 64 (``--null``), per-sequence sums included;
 the ratio K=64 / K=0 is the cost of the null distribution; "+energy" adds the energy along 1 and
-sqrt(d)/||x|| at every norm input (normgeo/energy.py), as the training probe runs it. Peak memory is measured in a fresh process
+sqrt(d)/||x|| at every norm input (normgeo/measure/energy.py), as the training probe runs it. Peak memory is measured in a fresh process
 per token count (ru_maxrss, K = 64), to show it does not grow with N.
 
     python bench/probe_cost.py                       # 70m model, 4096 tokens, memory at 4096 and 16384
@@ -28,10 +28,10 @@ from hydra.utils import instantiate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.gpt import GPT  # noqa: E402
-from normgeo.config import CONF_DIR  # noqa: E402
-from normgeo.energy import EnergyStatistics  # noqa: E402
-from normgeo.norm_sites import find_norm_sites  # noqa: E402
-from normgeo.probe import make_references, residual_norms, run_probe  # noqa: E402
+from normgeo.measure.energy import EnergyStatistics  # noqa: E402
+from normgeo.measure.norm_sites import find_norm_sites  # noqa: E402
+from normgeo.measure.probe import make_references, residual_norms, run_probe  # noqa: E402
+from normgeo.runs.config import CONF_DIR  # noqa: E402
 
 
 def build(size: str) -> GPT:

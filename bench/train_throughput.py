@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from corpus.stream import StepSampler, TokenWindows, tokens_per_step  # noqa: E402
 from models.lit import warmup_cosine  # noqa: E402
-from normgeo.config import CONF_DIR  # noqa: E402
+from normgeo.runs.config import CONF_DIR  # noqa: E402
 from train import train  # noqa: E402
 
 

@@ -11,12 +11,12 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
 from corpus.tokenize import tiktoken_batch_encoder
-from normgeo.ellipsoid import ELLIPSOID_FILE
-from normgeo.energy import ENERGY_FILE
-from normgeo.logged_figures import log_figures
-from normgeo.measure import measure_records, probe_ids
-from normgeo.probe import INCLUDE_STANDARDIZED, make_references
-from normgeo.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
+from normgeo.figures.logged_figures import log_figures
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE
+from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.pipeline import measure_records, probe_ids
+from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class AngleProbe(OptimizerStepCallback):
     """Angles of the hidden vectors before/after every norm with 1, ``rand_a``, ``rand_b`` and K null directions.
 
-    The measurement is :func:`normgeo.measure.measure_records`, the very one of ``analyze.py``: the same
+    The measurement is :func:`normgeo.measure.pipeline.measure_records`, the very one of ``analyze.py``: the same
     checkpoint and tokens give the same records. Every rank probes its own round-robin share of the probe
     windows; the statistics are merged across ranks (no rank-0-only forward pass, which would deadlock
     DDP/FSDP), and rank 0 writes
@@ -136,7 +136,7 @@ class AngleProbe(OptimizerStepCallback):
                 logger.log_table(key="probe/angles", columns=columns, data=data)
         if self.log_table and plotting:
             # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
-            from normgeo.report import plot_layers
+            from normgeo.figures.angles import plot_layers
 
             figure = plot_layers(rows, self.run_dir / "figures", step=step)
             log_figures(plotting, {"probe/layers": figure}, step=step)

@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
-from normgeo.config import CONF_DIR
+from normgeo.runs.config import CONF_DIR
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
 

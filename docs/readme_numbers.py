@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from normgeo.analysis import summarize, summary_markdown  # noqa: E402
-from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
+from normgeo.figures.analysis import summarize, summary_markdown  # noqa: E402
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 
 GROUPS = (("early", 0, 9), ("middle", 10, 19), ("late", 20, 29))
 

@@ -63,7 +63,7 @@ class LitGPT(L.LightningModule):
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self._last_step_time: float | None = None
-        # The resolved run config (normgeo.run_config), set by train.py and saved in every checkpoint;
+        # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
         self.run_config: dict | None = None
         self._model_configured = False

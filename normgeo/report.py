@@ -5,7 +5,7 @@
 - ``steps_<model>_<norm>_layer<l>.png``: angle against checkpoint step at one layer, one curve per
   reference (Figure 4);
 - ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
-- with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.norm_figures`);
+- with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.figures.norm_figures`);
 - ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
   one panel per site kind (before the norm, after it);
@@ -16,236 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from corpus.atomic import atomic_open  # noqa: E402
-from normgeo.config import slug  # noqa: E402
-from normgeo.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
-
-# rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
-REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
-NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm", "layer_nobias": "LayerNorm w/o bias", "rms_bias": "RMSNorm + bias"}
-SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
-
-
-def _save(fig, path: Path) -> Path:
-    with atomic_open(path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def _layer_position(layer, n_layers: int) -> float:
-    if layer == "final":
-        return n_layers
-    if layer == "embed":
-        return -1
-    return float(layer)
-
-
-def _title_step(step) -> str:
-    return "pretrained" if step is None else f"step {step:,}"
-
-
-def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
-    """Mean +- std per layer, before/after every norm, one panel per reference (one model, one step)."""
-    rows = [r for r in rows if r["step"] == step]
-    model, norm = rows[0]["model"], rows[0]["norm"]
-    refs = list(dict.fromkeys(r["ref"] for r in rows))
-    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
-    roles = roles or list(dict.fromkeys(r["site"].split(".")[0] for r in rows))
-    fig, axes = plt.subplots(1, len(refs), figsize=(5.2 * len(refs), 4), sharey=True, squeeze=False)
-    for ax, ref in zip(axes[0], refs, strict=True):
-        for role_index, role in enumerate(roles):
-            for suffix, (marker, label) in SITE_STYLE.items():
-                series = sorted(
-                    (r for r in rows if r["ref"] == ref and r["site"] == f"{role}.{suffix}"),
-                    key=lambda r: _layer_position(r["layer"], n_layers),
-                )
-                if not series:
-                    continue
-                offset = (role_index * len(SITE_STYLE) + list(SITE_STYLE).index(suffix)) * 0.06
-                ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) + offset for r in series],
-                    [r["mean_deg"] for r in series],
-                    yerr=[r["std_deg"] for r in series],
-                    fmt=marker, ms=4, capsize=2, lw=1, label=f"{role} {label}",
-                )
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"angle with {REF_LABELS.get(ref, ref)}")
-        ax.set_xlabel(f"layer (final norm at {n_layers})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
-    axes[0][-1].legend(fontsize=7, loc="best")
-    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"layers_{slug(model)}_{norm}_{tag}.png")
-
-
-def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
-    """Angle at one layer and site against training step, one curve per reference (Figure 4)."""
-    rows = [r for r in rows if r["layer"] == layer and r["site"] == site and r["step"] is not None]
-    model, norm = rows[0]["model"], rows[0]["norm"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for ref in dict.fromkeys(r["ref"] for r in rows):
-        series = sorted((r for r in rows if r["ref"] == ref), key=lambda r: r["step"])
-        ax.errorbar(
-            [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
-            fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
-        )
-    _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
-
-
-def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in", ref: str = "ones") -> Path:
-    """Arms side by side: per-layer angle at each arm's last step, one panel per run."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4), sharey=True, squeeze=False)
-    names = []
-    for ax, (name, rows) in zip(axes[0], runs.items(), strict=True):
-        steps = [r["step"] for r in rows if r["step"] is not None]
-        step = max(steps) if steps else None
-        chosen = [r for r in rows if r["step"] == step and r["ref"] == ref]
-        n_layers = 1 + max((r["layer"] for r in chosen if isinstance(r["layer"], int)), default=-1)
-        for suffix, (marker, label) in SITE_STYLE.items():
-            series = sorted(
-                (r for r in chosen if r["site"] == f"{site.split('.')[0]}.{suffix}"),
-                key=lambda r: _layer_position(r["layer"], n_layers),
-            )
-            if series:
-                # Side by side, after-markers hollow: in the RMSNorm arm after equals before and would hide it.
-                offset = list(SITE_STYLE).index(suffix) * 0.12
-                ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) + offset for r in series], [r["mean_deg"] for r in series],
-                    yerr=[r["std_deg"] for r in series], fmt=marker, ms=4, capsize=2, label=label,
-                    mfc="none" if suffix != "in" else None,
-                )
-        norm = chosen[0]["norm"] if chosen else "?"
-        ax.set_title(f"{chosen[0]['model'] if chosen else name} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel("layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        names.append(norm)
-    axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{site.split('.')[0]} before/after the norm: {' vs '.join(NORM_LABELS.get(n, n) for n in names)}")
-    return _save(fig, out_dir / f"compare_{'_'.join(names)}_{site.split('.')[0]}_{ref}.png")
-
-
-def _null_series(rows: list[dict], suffix: str, n_layers: int) -> list[list[dict]]:
-    """Rows of one site kind, grouped by role (ln1, ln2, final, ...), each sorted by layer."""
-    roles = list(dict.fromkeys(r["site"].split(".")[0] for r in rows if r["site"].endswith(f".{suffix}")))
-    return [
-        sorted((r for r in rows if r["site"] == f"{role}.{suffix}"), key=lambda r: _layer_position(r["layer"], n_layers))
-        for role in roles
-    ]
-
-
-def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
-    """Per layer: 1's mean angle (95% CI) over the random directions' 5-95% band, before/after each norm."""
-    rows = [r for r in null_rows if r["step"] == step]
-    model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
-    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
-    suffixes = [s for s in SITE_STYLE if any(r["site"].endswith(f".{s}") for r in rows)]
-    fig, axes = plt.subplots(1, len(suffixes), figsize=(5.6 * len(suffixes), 4), sharey=False, squeeze=False)
-    for ax, suffix in zip(axes[0], suffixes, strict=True):
-        for index, series in enumerate(_null_series(rows, suffix, n_layers)):
-            role = series[0]["site"].split(".")[0]
-            x = [_layer_position(r["layer"], n_layers) + 0.12 * index for r in series]
-            band = ax.vlines(x, [r["null_mean_p05"] for r in series], [r["null_mean_p95"] for r in series],
-                             color=f"C{index}", alpha=0.3, lw=7)
-            ax.plot(x, [r["null_mean_p50"] for r in series], "_", color=f"C{index}", ms=9)
-            y = [r["mean_deg"] for r in series]
-            has_ci = all(r["mean_ci_low"] is not None for r in series)
-            err = [[m - r["mean_ci_low"] for m, r in zip(y, series, strict=True)],
-                   [r["mean_ci_high"] - m for m, r in zip(y, series, strict=True)]] if has_ci else None
-            ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{index}", ms=3.5, capsize=2, lw=1,
-                        label=f"{role}: 1 (95% CI)" if has_ci else f"{role}: 1")
-            band.set_label(f"{role}: {k} random directions, 5–95% (tick: median)")
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{SITE_STYLE[suffix][1]}")
-        ax.set_xlabel(f"layer (final norm at {n_layers})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0))
-    axes[0][0].set_ylabel("mean angle over tokens (degrees)")
-    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}: is 1 a typical direction?")
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"null_layers_{slug(model)}_{norm}_{tag}.png")
-
-
-def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
-    """1's mean angle (95% CI) and the random directions' 5-95% band at one layer against the step."""
-    rows = sorted((r for r in null_rows if r["layer"] == layer and r["site"] == site and r["step"] is not None),
-                  key=lambda r: r["step"])
-    model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(steps, [r["null_mean_p05"] for r in rows], [r["null_mean_p95"] for r in rows], alpha=0.25,
-                    color="C0", label=f"{k} random directions, 5–95%")
-    ax.plot(steps, [r["null_mean_p50"] for r in rows], "--", color="C0", lw=1, label="random, median")
-    y = [r["mean_deg"] for r in rows]
-    has_ci = all(r["mean_ci_low"] is not None for r in rows)
-    err = [[m - r["mean_ci_low"] for m, r in zip(y, rows, strict=True)],
-           [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
-    ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
-                label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
-    _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
-
-
-def _dress_step_axes(ax, ylabel: str, title: str) -> None:
-    """The angle-against-training-step axes: the 90° line, labels, title, grid, legend."""
-    ax.axhline(90, color="gray", lw=0.8, ls="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> list[Path]:
-    """All figures for one run directory, written to ``<run_dir>/figures``."""
-    run_dir = Path(run_dir)
-    rows = read_rows(run_dir / ANGLES_FILE)
-    if not rows:
-        return []
-    out_dir = run_dir / "figures"
-    figures = []
-    by_model = defaultdict(list)
-    for row in rows:
-        by_model[(row["model"], row["norm"])].append(row)
-    for model_rows in by_model.values():
-        steps = sorted({r["step"] for r in model_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_layers(model_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            figures.append(plot_layers(model_rows, out_dir, step=trained[0]))
-            layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_steps(model_rows, out_dir, chosen))
-    null_by_model = defaultdict(list)
-    for row in read_rows(run_dir / NULL_FILE):
-        null_by_model[(row["model"], row["norm"])].append(row)
-    for null_rows in null_by_model.values():
-        steps = sorted({r["step"] for r in null_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_null_layers(null_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_null_steps(null_rows, out_dir, chosen))
-    return figures
+from normgeo.figures.angles import plot_compare, write_run_figures
+from normgeo.measure.records import ANGLES_FILE, read_rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,12 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir = args.out or args.run_dirs[0] / "figures"
         for ref in ("ones", "rand_a", "rand_b"):
             print(plot_compare(runs, out_dir, ref=ref))
-        # The factorial's figures, drawn as normgeo.compare draws them.
-        from normgeo.norm_figures import write_norm_figures
+        # The factorial's figures, drawn as normgeo.figures.compare draws them.
+        from normgeo.figures.norm_figures import write_norm_figures
 
         for figure in write_norm_figures(args.run_dirs, out_dir):
             print(figure)
     return 0
+
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dic
 # test_pretrained, test_norm_sites and test_analyze share them (each load of SmolLM2 takes ~14 s here).
 @pytest.fixture(scope="session")
 def smollm2_model_and_tokenizer():
-    from normgeo.pretrained import load_pretrained, smollm2_gguf_path
+    from models.pretrained import load_pretrained, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     return load_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -113,6 +113,6 @@ def smollm2_model_and_tokenizer():
 
 @pytest.fixture(scope="session")
 def minilm_model_and_tokenizer():
-    from normgeo.pretrained import load_pretrained, minilm_path
+    from models.pretrained import load_pretrained, minilm_path
 
     return load_pretrained(str(minilm_path()))

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
-from normgeo.measure import measure_records  # noqa: E402
-from normgeo.probe import make_references  # noqa: E402
+from normgeo.measure.pipeline import measure_records  # noqa: E402
+from normgeo.measure.probe import make_references  # noqa: E402
 
 
 def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 from corpus.sources import LocalFilesSource
 from models.gpt import GPT, GPTConfig
-from normgeo.analysis import main as summary_main
-from normgeo.analysis import pool
-from normgeo.measure import measure, probe_ids
-from normgeo.norm_sites import find_norm_sites
-from normgeo.pretrained import hf_encoder, hf_forward, load_checkpoint
-from normgeo.probe import make_references
-from normgeo.records import null_rows, read_rows, statistics_rows
+from models.pretrained import hf_encoder, hf_forward, load_checkpoint
+from normgeo.figures.analysis import main as summary_main
+from normgeo.figures.analysis import pool
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.pipeline import measure, probe_ids
+from normgeo.measure.probe import make_references
+from normgeo.measure.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
 
 SEQ_LEN, BATCH = 32, 2

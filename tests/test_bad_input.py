@@ -1,6 +1,6 @@
 """The README's bad-input table is the contract: every row is tried here.
 
-Every row composes in-process (Hydra ``compose`` + normgeo.schema's check, fast); the starred rows also
+Every row composes in-process (Hydra ``compose`` + normgeo.runs.schema's check, fast); the starred rows also
 run as real ``python train.py``/``analyze.py`` subprocesses for the exit code and "nothing written".
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from normgeo.config import ANALYZE_CONF_DIR, CONF_DIR, check_config
-from normgeo.schema import ConfigError
+from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR, check_config
+from normgeo.runs.schema import ConfigError
 from tests.conftest import ROOT
 
 ROW = re.compile(r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> \*)? \| `(?P<message>[^`]*)`.*\| (?P<exit>\d) \|$")

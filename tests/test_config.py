@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
-from normgeo.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
+from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from tests.conftest import ROOT
 
 TRAIN_GROUPS = ("norm", "placement", "size", "data", "probe", "trainer", "logger", "experiment")

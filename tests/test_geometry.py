@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normgeo.geometry import (
+from normgeo.measure.geometry import (
     angle_deg,
     layernorm_three_steps,
     remove_uniform_component,

@@ -1,7 +1,7 @@
 """Loggers combine (``logger=[csv,wandb,tensorboard]``, the jobs of the conftest sweep): every job logs to
 all three and to its own wandb run (a local sweep runs its jobs in one process); the offline wandb run
 holds per-layer probe scalars, one key per figure and the config once; TensorBoard gets the figures;
-normgeo.status reads the losses from whichever logger a run used."""
+normgeo.runs.status reads the losses from whichever logger a run used."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from normgeo.metrics import read_metrics, wandb_media, wandb_records, wandb_runs
-from normgeo.records import read_rows
-from normgeo.status import last_loss
+from normgeo.measure.records import read_rows
+from normgeo.runs.metrics import read_metrics, wandb_media, wandb_records, wandb_runs
+from normgeo.runs.status import last_loss
 from tests.conftest import step_losses
 
 SWEPT = ("tiny-layer-s1", "tiny-rms-s0", "tiny-rms-s1")  # the jobs the sweep ran (layer-s0 was refused)

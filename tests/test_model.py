@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 
 from models.gpt import GPT, NORM_KINDS, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
-from normgeo.config import CONF_DIR
+from normgeo.runs.config import CONF_DIR
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from models.gpt import GPT, NORM_KINDS, GPTConfig, RMSNormWithBias, make_norm
-from normgeo.ellipsoid import ellipsoid_rows, norm_geometry, principal_axes, semi_axes
-from normgeo.energy import QUANTITIES, EnergyStatistics
-from normgeo.norm_sites import find_norm_sites
-from normgeo.probe import make_references, residual_norms, run_probe
-from normgeo.records import read_rows
-from normgeo.stats import QUANTILES
+from normgeo.measure.ellipsoid import ellipsoid_rows, norm_geometry, principal_axes, semi_axes
+from normgeo.measure.energy import QUANTITIES, EnergyStatistics
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.probe import make_references, residual_norms, run_probe
+from normgeo.measure.records import read_rows
+from normgeo.measure.stats import QUANTILES
 from tests.conftest import run_train
 
 

@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 
 from models.gpt import GPT, GPTConfig
-from normgeo.norm_sites import NoNormFoundError, NormSite, find_norm_sites
+from normgeo.measure.norm_sites import NoNormFoundError, NormSite, find_norm_sites
 
 D = 32
 TINY = {"num_hidden_layers": 2, "hidden_size": D, "num_attention_heads": 2, "intermediate_size": 64}

@@ -20,7 +20,7 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, Revi
 from safetensors.torch import load_file
 from torch import nn
 
-from normgeo.pretrained import ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
+from models.pretrained import ModelLoadError, load_pretrained, minilm_path, smollm2_gguf_path
 
 LOGIN = "log in with `hf auth login` (or set HF_TOKEN) or give a local path"
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from models.gpt import GPT, GPTConfig
-from normgeo.geometry import angle_deg
-from normgeo.norm_sites import find_norm_sites
-from normgeo.probe import REFERENCE_NAMES, make_references, run_probe
-from normgeo.records import FIELDS, read_rows, statistics_rows, write_step
+from normgeo.measure.geometry import angle_deg
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.probe import REFERENCE_NAMES, make_references, run_probe
+from normgeo.measure.records import FIELDS, read_rows, statistics_rows, write_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +142,7 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
 WRITER = """
 import sys
 sys.path.insert(0, {root!r})
-from normgeo.records import write_step
+from normgeo.measure.records import write_step
 step = 0
 while True:
     rows = [{{"model": "m", "norm": "layer", "step": step, "i": i, "pad": "x" * 2000}} for i in range(200)]

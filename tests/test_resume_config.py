@@ -1,5 +1,5 @@
 """A resumed run is the same experiment: a changed setting that alters the math is refused (exit 2),
-devices, paths, loggers and the micro batch may change (normgeo/run_config.py)."""
+devices, paths, loggers and the micro batch may change (normgeo/runs/run_config.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from models.hardware import default_precision
-from normgeo.config import CONF_DIR
-from normgeo.run_config import (
+from normgeo.runs.config import CONF_DIR
+from normgeo.runs.run_config import (
     ABSENT,
     RUN_CONFIG_FILE,
     ResumeConfigError,

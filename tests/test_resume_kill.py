@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from corpus.atomic import TMP_SUFFIX
-from normgeo.records import read_rows
-from normgeo.session import RunDirectoryError, resume_checkpoint
-from normgeo.status import run_status
+from normgeo.measure.records import read_rows
+from normgeo.runs.session import RunDirectoryError, resume_checkpoint
+from normgeo.runs.status import run_status
 from tests.conftest import FAST, ROOT
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from callbacks.checkpointing import CheckpointSchedule
-from normgeo.records import read_rows
-from normgeo.status import main as status_main
+from normgeo.measure.records import read_rows
+from normgeo.runs.status import main as status_main
 from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, run_train, step_losses
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models.lit import LitGPT
-from normgeo.records import read_rows
+from normgeo.measure.records import read_rows
 from tests.conftest import ROOT, run_train, step_losses
 
 UNEVEN_PROBE = ["probe.tokens=1088", "probe.batch_size=8"]  # 17 sequences of 64 tokens

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from normgeo.geometry import angle_deg
-from normgeo.stats import NULL_QUANTILES, QUANTILES, AngleStatistics, block_bootstrap, null_comparison
+from normgeo.measure.geometry import angle_deg
+from normgeo.measure.stats import NULL_QUANTILES, QUANTILES, AngleStatistics, block_bootstrap, null_comparison
 
 
 def exact_angles(x: torch.Tensor, refs: torch.Tensor) -> np.ndarray:

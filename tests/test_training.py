@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normgeo.records import read_rows
+from normgeo.measure.records import read_rows
 from tests.conftest import ROOT, run_train, step_losses
 
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
-CONF_ROOT = Path(__file__).resolve().parent.parent / "conf"
+CONF_ROOT = Path(__file__).resolve().parents[2] / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
 ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
 SHARED_CONF_DIR = str(CONF_ROOT / "shared")
@@ -53,13 +53,13 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("model_slug", slug)  # conf/analyze/analyze.yaml's output folder
     if not OmegaConf.has_resolver("normgeo_key_docs"):  # hydra.help.template: every key with its doc
         OmegaConf.register_new_resolver("normgeo_key_docs", _key_docs)
-    from normgeo.session import register_resolver
+    from normgeo.runs.session import register_resolver
 
     register_resolver()  # normgeo_if_accepted (conf/train/train.yaml's hydra.output_subdir and train.log)
 
 
 def _key_docs(schema: str) -> str:
-    from normgeo.schema import SCHEMAS, key_docs
+    from normgeo.runs.schema import SCHEMAS, key_docs
 
     return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")  # the help template is a string.Template
 
@@ -73,8 +73,8 @@ def task_config(root: DictConfig) -> DictConfig:
 
 
 def check_config(schema: str, cfg: DictConfig) -> None:
-    """normgeo.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
-    from normgeo.schema import SCHEMAS
+    """normgeo.runs.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
+    from normgeo.runs.schema import SCHEMAS
 
     SCHEMAS[schema][1](cfg)
 
@@ -89,7 +89,7 @@ class ConfigCheck(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _composed
         _composed = True
-        from normgeo.schema import ConfigError
+        from normgeo.runs.schema import ConfigError
 
         try:
             check_config(self.schema, task_config(config))
@@ -119,6 +119,6 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
 
 
 register_resolvers()
-from normgeo.schema import register as _register_schemas  # noqa: E402  (needs the resolvers above)
+from normgeo.runs.schema import register as _register_schemas  # noqa: E402  (needs the resolvers above)
 
 _register_schemas()

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from normgeo.norm_sites import NormSite
-from normgeo.stats import one_cpu_thread
+from normgeo.measure.norm_sites import NormSite
+from normgeo.measure.stats import one_cpu_thread
 
 ELLIPSOID_FILE = "ellipsoid.jsonl"
 ELLIPSOID_FIELDS = (
@@ -100,7 +100,7 @@ def ellipsoid_rows(
 ) -> list[dict]:
     """One row per norm with a gain (``ELLIPSOID_FIELDS``); a norm without one is skipped. Call it on every
     rank: FSDP2-sharded gains are all-gathered."""
-    from normgeo.records import _number
+    from normgeo.measure.records import _number
 
     rows = []
     # The eigvalsh of a d x d matrix per norm: 30 ms at d=512 on one CPU thread, seconds on two busy ones.

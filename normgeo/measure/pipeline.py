@@ -4,7 +4,7 @@ The training callback (``callbacks/angle_probe.py``, every rank its share) and `
 process) both call :func:`probe_ids` for the tokens and :func:`measure_records` for the records, so the
 same checkpoint and tokens give the same records whichever measured them: one windowing rule
 (:func:`windows`), one ``tokens_seen`` rule (:func:`tokens_seen`) and one ``include_standardized``
-default (:data:`normgeo.probe.INCLUDE_STANDARDIZED`).
+default (:data:`normgeo.measure.probe.INCLUDE_STANDARDIZED`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from torch import nn
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens
 from models.gpt import GPT
-from normgeo.ellipsoid import ellipsoid_rows
-from normgeo.energy import EnergyStatistics, energy_rows
-from normgeo.norm_sites import NormSite, find_norm_sites
-from normgeo.probe import INCLUDE_STANDARDIZED, ProbeSite, input_sites, residual_norms, run_probe
-from normgeo.records import null_rows, statistics_rows
-from normgeo.stats import AngleStatistics
+from normgeo.measure.ellipsoid import ellipsoid_rows
+from normgeo.measure.energy import EnergyStatistics, energy_rows
+from normgeo.measure.norm_sites import NormSite, find_norm_sites
+from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, input_sites, residual_norms, run_probe
+from normgeo.measure.records import null_rows, statistics_rows
+from normgeo.measure.stats import AngleStatistics
 
 
 class AnalysisError(RuntimeError):

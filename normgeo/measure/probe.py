@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from normgeo.energy import EnergyStatistics
-from normgeo.geometry import standardize
-from normgeo.norm_sites import NormSite, find_norm_sites
-from normgeo.stats import AngleStatistics, one_cpu_thread
+from normgeo.measure.energy import EnergyStatistics
+from normgeo.measure.geometry import standardize
+from normgeo.measure.norm_sites import NormSite, find_norm_sites
+from normgeo.measure.stats import AngleStatistics, one_cpu_thread
 
 REFERENCE_NAMES = ("ones", "rand_a", "rand_b")
 NULL_KEY = "null"  # the (K, d) null directions in the references dict and probe_references.npz

@@ -1,4 +1,4 @@
-"""What mean subtraction removes, per token, at every norm input: streamed like :mod:`normgeo.stats`.
+"""What mean subtraction removes, per token, at every norm input: streamed like :mod:`normgeo.measure.stats`.
 
 For a token vector x in R^d, LayerNorm's centering removes its component along 1, a fraction
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from normgeo.stats import QUANTILE_FIELDS, QUANTILES, chan_merge
+from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge
 
 ENERGY_FILE = "energy.jsonl"
 QUANTITIES = ("ones_fraction", "jacobian_proxy")
@@ -128,7 +128,7 @@ def energy_rows(
     sites: Sequence, stats: EnergyStatistics, *, model: str, norm: str, step: int | None, tokens_seen: int | None
 ) -> list[dict]:
     """One row per (site, quantity) for ``energy.jsonl``; ``sites`` are the probe's norm-input sites."""
-    from normgeo.records import _number
+    from normgeo.measure.records import _number
 
     count, mean, std = stats.count.cpu(), stats.mean.cpu(), stats.std().cpu()
     low, high, quantiles = stats.min.cpu(), stats.max.cpu(), stats.quantiles().cpu()

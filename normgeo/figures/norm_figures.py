@@ -1,4 +1,4 @@
-"""Figures of the norm factorial, drawn by ``normgeo.compare`` (and by ``normgeo.report`` for several runs):
+"""Figures of the norm factorial, drawn by ``normgeo.figures.compare`` (and by ``normgeo.figures.angles`` for several runs):
 
 - ``ellipsoid.{png,pdf}``: per arm, the condition number (largest / smallest principal semi-axis) of every
   norm's output ellipsoid (``ellipsoid.jsonl``, Riechers' hyperellipsoid for LayerNorm) against the step;
@@ -22,9 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from normgeo.ellipsoid import ELLIPSOID_FILE  # noqa: E402
-from normgeo.energy import ENERGY_FILE  # noqa: E402
-from normgeo.records import read_rows  # noqa: E402
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE  # noqa: E402
+from normgeo.measure.energy import ENERGY_FILE  # noqa: E402
+from normgeo.measure.records import read_rows  # noqa: E402
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",
@@ -48,14 +48,14 @@ def _records(comparison, filename: str) -> pd.DataFrame:
 
 
 def _arm_title(comparison, arm: str) -> str:
-    from normgeo.compare import _arm_label, _last
+    from normgeo.figures.compare import _arm_label, _last
 
     loss = _last(comparison.metrics[comparison.metrics["arm"] == arm], "val/loss")
     return _arm_label(arm) + (f" · val loss {loss:.3f}" if loss is not None else "")
 
 
 def _site_order(frame: pd.DataFrame) -> list[tuple[str, str]]:
-    from normgeo.compare import _layer_key
+    from normgeo.figures.compare import _layer_key
 
     pairs = frame[["layer", "site"]].drop_duplicates().itertuples(index=False)
     return sorted(((p.layer, p.site) for p in pairs), key=lambda p: (_layer_key(p[0]), p[1]))
@@ -64,7 +64,7 @@ def _site_order(frame: pd.DataFrame) -> list[tuple[str, str]]:
 def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[str, str, str]], stem: str,
                     title: str, out_dir: Path, formats: Sequence[str], log: bool = True) -> list[Path]:
     """Rows: (column to filter or None, value, y label); columns: arms; one line per (layer, site)."""
-    from normgeo.compare import _save
+    from normgeo.figures.compare import _save
 
     arms = sorted(frame["arm"].unique())
     fig, axes = plt.subplots(len(quantities), len(arms), figsize=(4.2 * len(arms), 3.1 * len(quantities)),
@@ -124,8 +124,8 @@ def energy_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Pat
 
 def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
     """The arms' angle with 1 against the step on one figure: before the norms and after them."""
-    from normgeo.compare import POST_SUFFIX, _arm_color, _save
-    from normgeo.report import SITE_STYLE
+    from normgeo.figures.angles import SITE_STYLE
+    from normgeo.figures.compare import POST_SUFFIX, _arm_color, _save
 
     angles = comparison.angles[comparison.angles["ref"] == "ones"]
     if angles.empty:
@@ -155,8 +155,8 @@ NORM_FIGURES = {"ellipsoid": ellipsoid_figure, "energy": energy_figure, "factori
 
 
 def write_norm_figures(run_dirs: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
-    """The factorial figures for ``run_dirs`` (used by ``normgeo.report`` with several runs)."""
-    from normgeo.compare import load
+    """The factorial figures for ``run_dirs`` (used by ``normgeo.figures.angles`` with several runs)."""
+    from normgeo.figures.compare import load
 
     comparison = load(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from corpus.atomic import atomic_open
-from normgeo.probe import REFERENCE_NAMES, ProbeSite
-from normgeo.stats import QUANTILE_FIELDS, AngleStatistics, block_bootstrap, null_comparison
+from normgeo.measure.probe import REFERENCE_NAMES, ProbeSite
+from normgeo.measure.stats import QUANTILE_FIELDS, AngleStatistics, block_bootstrap, null_comparison
 
 ANGLES_FILE = "angles.jsonl"
 NULL_FILE = "null.jsonl"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from normgeo.geometry import angle_deg
+from normgeo.measure.geometry import angle_deg
 
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)

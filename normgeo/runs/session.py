@@ -2,7 +2,7 @@
 
 Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` and opens ``train.log`` in the run directory
 before the task function runs. A launch that is then refused (the directory already holds a run, or a
-resume would change the experiment) used to leave those files rewritten: ``normgeo.status`` then read
+resume would change the experiment) used to leave those files rewritten: ``normgeo.runs.status`` then read
 the refused session's ``max_steps``. conf/train/train.yaml routes both through the ``normgeo_if_accepted``
 resolver below, which runs the same checks as train.py and sends Hydra's files nowhere when they fail.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from normgeo.run_config import ResumeConfigError, resolved_run_config, verify_run_config
+from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def resume_candidates(run_dir: Path) -> list[Path]:
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
-    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.status): the first
+    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.runs.status): the first
     readable full-state candidate, its step, and why each newer candidate was passed over."""
     passed_over: list[str] = []
     for path in resume_candidates(run_dir):
@@ -140,10 +140,10 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
 
 def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
     """``value`` when this session may run in its run directory, else ``refused`` (null, /dev/null)."""
-    from normgeo.config import check_config, task_config
-    from normgeo.schema import ConfigError
+    from normgeo.runs.config import check_config, task_config
+    from normgeo.runs.schema import ConfigError
 
-    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.config.ConfigCheck)
+    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.runs.config.ConfigCheck)
         check_config("train", task_config(_root_))
     except ConfigError:
         return refused

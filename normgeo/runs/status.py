@@ -1,0 +1,218 @@
+"""What state each run is in, from its files and SLURM (shown by :mod:`normgeo.status`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from normgeo.figures.tables import print_table
+
+ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
+WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
+REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.checkpointing.RequeueOnSignal
+SESSION_MARKER = "run directory:"  # logged by train.py at the start of every session
+SKIP_DIRS = {".submitit", "checkpoints", "csv", "figures", "wandb", "tensorboard", ".hydra", "lightning_logs"}
+
+
+@dataclass
+class RunStatus:
+    run: str
+    state: str
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    probe_step: int | str | None
+    slurm_job: str | None
+    slurm_state: str | None
+    updated_s_ago: float | None
+
+
+def find_runs(root: Path) -> Iterator[Path]:
+    """Run directories at or below ``root`` (a run's own subfolders are not searched)."""
+    if (root / ".hydra" / "config.yaml").is_file():
+        yield root
+        return
+    for path, dirs, _ in os.walk(root):
+        here = Path(path)
+        if here != root and (here / ".hydra" / "config.yaml").is_file():
+            dirs.clear()
+            yield here
+            continue
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+
+
+def is_analysis(run_dir: Path) -> bool:
+    """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    except Exception:
+        return False
+    return "out_dir" in cfg and "max_steps" not in cfg
+
+
+def run_config(run_dir: Path) -> tuple[int | None, int | None]:
+    """(max_steps, stop_at_step) from the run's saved Hydra config."""
+    from omegaconf import OmegaConf
+
+    import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
+
+    try:
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        return int(cfg.max_steps), (int(cfg.stop_at_step) if cfg.get("stop_at_step") else None)
+    except Exception:  # an unreadable or unresolvable config: report what the files say
+        return None, None
+
+
+def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
+    """Step of the checkpoint resume=auto would continue from (normgeo.runs.session.newest_resumable), else
+    of the newest scheduled checkpoint."""
+    from normgeo.runs.session import newest_resumable
+
+    path, step, _ = newest_resumable(run_dir)
+    if path is not None:
+        return step, path
+    scheduled = sorted(run_dir.glob("checkpoints/step-*.ckpt"))
+    if scheduled:
+        return int(scheduled[-1].stem.split("-")[1]), scheduled[-1]
+    return None, None
+
+
+def last_loss(run_dir: Path) -> float | None:
+    """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
+    wandb: normgeo.runs.metrics)."""
+    from normgeo.runs.metrics import last_value, read_metrics
+
+    try:
+        return last_value(read_metrics(run_dir), "train/loss")
+    except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
+        return None
+
+
+def last_probe_step(run_dir: Path) -> int | str | None:
+    """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
+    path = run_dir / "angles.jsonl"
+    if not path.is_file():
+        return None
+    steps = set()
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                steps.add(json.loads(line)["step"])
+    trained = [s for s in steps if s is not None]
+    return max(trained) if trained else ("pretrained" if steps else None)
+
+
+def slurm_job(run_dir: Path) -> str | None:
+    """The job id of the run's latest SLURM session."""
+    path = run_dir / "slurm_jobs.tsv"
+    if not path.is_file():
+        return None
+    lines = [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
+    return lines[-1][0] if lines else None
+
+
+def slurm_state(job: str) -> str | None:
+    """squeue's state while SLURM remembers the job, else sacct's (accounting on), else None."""
+    for command in (["squeue", "-h", "--states=all", "-j", job, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"]):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        states = out.stdout.split() if out.returncode == 0 else []
+        if states:
+            return states[-1].split()[0].rstrip("+")  # "CANCELLED by 0" -> CANCELLED
+    return None
+
+
+def asked_to_requeue(run_dir: Path) -> bool:
+    """True when the latest session logged that it stopped to requeue (train.log, all sessions appended)."""
+    log = run_dir / "train.log"
+    if not log.is_file():
+        return False
+    last_session = last_requeue = -1
+    for number, line in enumerate(log.read_text(errors="replace").splitlines()):
+        if SESSION_MARKER in line:
+            last_session = number
+        elif any(marker in line for marker in REQUEUE_MARKERS):
+            last_requeue = number
+    return last_requeue > last_session >= 0
+
+
+def newest_mtime(run_dir: Path) -> float | None:
+    newest = None
+    for path, _, files in os.walk(run_dir):
+        for name in files:
+            try:
+                mtime = os.stat(os.path.join(path, name)).st_mtime
+            except OSError:  # replaced while walking (atomic writes)
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+    return newest
+
+
+def infer_state(
+    *,
+    step: int | None,
+    max_steps: int | None,
+    stop_at_step: int | None,
+    slurm: str | None,
+    requeue_logged: bool,
+    hpc_newest: bool,
+    updated_s_ago: float | None,
+    active_s: float,
+) -> str:
+    if step is not None and max_steps is not None and step >= max_steps:
+        return "finished"
+    if slurm in ACTIVE:
+        return "running"
+    if slurm in WAITING:
+        return "preempted"  # requeued (or preempted) and waiting to continue
+    if slurm is None and updated_s_ago is not None and updated_s_ago < active_s:
+        return "running"  # no scheduler to ask: a file changed recently
+    if requeue_logged or hpc_newest:
+        return "preempted"
+    if stop_at_step is not None and step is not None and step >= stop_at_step:
+        return "stopped"
+    return "failed"
+
+
+def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
+    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    if is_analysis(run_dir):
+        return RunStatus(name, "analyzed", None, None, None, last_probe_step(run_dir), None, None, None)
+    max_steps, stop_at_step = run_config(run_dir)
+    step, ckpt = checkpoint_step(run_dir)
+    job = slurm_job(run_dir)
+    state_from_slurm = slurm_state(job) if (job and use_slurm) else None
+    mtime = newest_mtime(run_dir)
+    updated = None if mtime is None else max(0.0, time.time() - mtime)
+    state = infer_state(
+        step=step,
+        max_steps=max_steps,
+        stop_at_step=stop_at_step,
+        slurm=state_from_slurm,
+        requeue_logged=asked_to_requeue(run_dir),
+        hpc_newest=ckpt is not None and ckpt.name.startswith("hpc_ckpt_"),
+        updated_s_ago=updated,
+        active_s=active_s,
+    )
+    return RunStatus(
+        run=name,
+        state=state,
+        step=step,
+        max_steps=max_steps,
+        loss=last_loss(run_dir),
+        probe_step=last_probe_step(run_dir),
+        slurm_job=job,
+        slurm_state=state_from_slurm,
+        updated_s_ago=None if updated is None else round(updated, 1),
+    )
