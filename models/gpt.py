@@ -3,9 +3,9 @@
 Pre-norm blocks as in the paper's eq. 12-16 (norm -> attention, residual; norm -> GELU MLP, residual),
 learned absolute positions, a final norm before the LM head; or, with ``placement="post"``, post-norm
 blocks (attention, residual, norm; MLP, residual, norm) with the same parameters. The norm is chosen by
-one string in one place (:func:`make_norm`); every other parameter is initialized from a generator seeded
-by (seed, parameter name), so all four norm arms and both placements start from bitwise-identical
-non-norm weights.
+one string, an arm of the registry in :mod:`models.norms`; every other parameter is initialized from a
+generator seeded by (seed, parameter name), so all norm arms and both placements start from
+bitwise-identical non-norm weights.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The 2x2 factorial of the norm: centering (layer*) or not (rms*) x a bias or not. "layer" and "rms" are
-# the torch norms of the paper's two arms; "layer_nobias" and "rms_bias" isolate mean subtraction.
-NORM_KINDS = ("layer", "rms", "layer_nobias", "rms_bias")
+from models.norms import NORM_ARMS, make_norm
+
 # pre: the norm before each sublayer, a final norm before the head (GPT-2). post: the norm after each
 # residual add (the original Transformer); ln_f is kept so both placements have the same parameters.
 PLACEMENTS = ("pre", "post")
@@ -45,8 +44,8 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.norm not in NORM_KINDS:
-            raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_KINDS)}")
+        if self.norm not in NORM_ARMS:
+            raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_ARMS)}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         if self.n_embd % self.n_head:
@@ -58,30 +57,6 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class RMSNormWithBias(nn.RMSNorm):
-    """RMSNorm plus a learned bias (initialized to 0, like LayerNorm's): the factorial's "rms_bias" arm."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps=eps)
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.bias
-
-
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """The one place where the arms differ: centering (LayerNorm) or not (RMSNorm), with a bias or not."""
-    if kind == "layer":
-        return nn.LayerNorm(dim, eps=eps, bias=True)
-    if kind == "rms":
-        return nn.RMSNorm(dim, eps=eps)
-    if kind == "layer_nobias":
-        return nn.LayerNorm(dim, eps=eps, bias=False)
-    if kind == "rms_bias":
-        return RMSNormWithBias(dim, eps=eps)
-    raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_KINDS)}")
 
 
 def is_norm_parameter(name: str) -> bool:
@@ -123,9 +98,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.ln1 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln1")
         self.attn = CausalSelfAttention(config)
-        self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln2")
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.post_norm = config.placement == "post"
@@ -146,7 +121,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = make_norm(config.norm, config.n_embd, config.norm_eps)
+        self.ln_f = make_norm(config.norm, config.n_embd, config.norm_eps, "final")
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -162,7 +137,7 @@ class GPT(nn.Module):
         residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
             if is_norm_parameter(name):
-                # nn.LayerNorm / nn.RMSNorm already start at gain 1, bias 0.
+                # Each arm initializes its own norm parameters (gain 1, bias 0; DyT's alpha).
                 continue
             if name.endswith(".bias"):
                 param.zero_()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from corpus.sources import LocalFilesSource
 from models.gpt import GPT, GPTConfig
 from models.pretrained import hf_encoder, hf_forward, load_checkpoint
-from normgeo.figures.analysis import main as summary_main
+from normgeo.analysis import main as summary_main
 from normgeo.figures.analysis import pool
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import measure, probe_ids

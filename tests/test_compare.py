@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from normgeo.figures.angles import main as report_main
-from normgeo.figures.compare import main as compare_main
+from normgeo.compare import main as compare_main
 from normgeo.measure.records import read_rows
+from normgeo.report import main as report_main
 from tests.conftest import step_losses
 
 RUNS = [f"tiny-{norm}-s{seed}" for norm in ("layer", "rms") for seed in (0, 1)]

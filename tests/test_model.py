@@ -7,8 +7,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from models.gpt import GPT, NORM_KINDS, PLACEMENTS, GPTConfig, is_norm_parameter
+from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
+from models.norms import NORM_ARMS
 from normgeo.runs.config import CONF_DIR
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
@@ -22,20 +23,23 @@ def build_from_config(*overrides: str) -> GPT:
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
-    """All four norm arms x both placements against the LayerNorm Pre-LN arm."""
+    """Every norm arm of the registry x both placements against the LayerNorm Pre-LN arm."""
     layer = dict(build_from_config("norm=layer", f"tie_embeddings={tie}").named_parameters())
     shared = [name for name in layer if not is_norm_parameter(name)]
     assert len(shared) > 10
     biases = {n for n in layer if is_norm_parameter(n) and n.endswith(".bias")}
-    for norm in NORM_KINDS:
+    for norm in NORM_ARMS:
         for placement in PLACEMENTS:
             arm = dict(build_from_config(f"norm={norm}", f"placement={placement}", f"tie_embeddings={tie}").named_parameters())
             assert shared == [name for name in arm if not is_norm_parameter(name)], (norm, placement)
             for name in shared:
                 assert torch.equal(layer[name], arm[name]), (norm, placement, name)
             # The norm parameters are exactly the ones that differ: the gains everywhere, biases in the biased cells.
-            has_bias = norm in ("layer", "rms_bias")
+            # ... and DyT's scalar alpha per norm.
+            has_bias = norm in ("layer", "rms_bias", "dyt")
+            alphas = {n.removesuffix(".weight") + ".alpha" for n in layer if is_norm_parameter(n) and n.endswith(".weight")}
             expected = {n for n in layer if is_norm_parameter(n)} - (set() if has_bias else biases)
+            expected |= alphas if norm == "dyt" else set()
             assert {n for n in arm if is_norm_parameter(n)} == expected, (norm, placement)
 
 

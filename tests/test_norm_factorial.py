@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.gpt import GPT, NORM_KINDS, GPTConfig, RMSNormWithBias, make_norm
+from models.gpt import GPT, GPTConfig
+from models.norms import NORM_ARMS, DynamicTanh, RMSNormWithBias, make_norm
 from normgeo.measure.ellipsoid import ellipsoid_rows, norm_geometry, principal_axes, semi_axes
 from normgeo.measure.energy import QUANTITIES, EnergyStatistics
 from normgeo.measure.norm_sites import find_norm_sites
@@ -24,11 +25,12 @@ def tiny(norm: str, placement: str = "pre") -> GPT:
 
 
 def test_the_factorial_cells_are_centering_times_bias() -> None:
-    cells = {kind: make_norm(kind, 8, 1e-5) for kind in NORM_KINDS}
+    cells = {kind: make_norm(kind, 8, 1e-5) for kind in NORM_ARMS}
     assert isinstance(cells["layer_nobias"], nn.LayerNorm) and cells["layer_nobias"].bias is None
     assert isinstance(cells["rms_bias"], RMSNormWithBias) and cells["rms_bias"].bias.shape == (8,)
-    kinds = {kind: find_norm_sites(tiny(kind))[0].kind for kind in NORM_KINDS}
-    assert kinds == {"layer": "layer", "layer_nobias": "layer", "rms": "rms", "rms_bias": "rms"}
+    kinds = {kind: find_norm_sites(tiny(kind))[0].kind for kind in NORM_ARMS}
+    assert kinds == {"layer": "layer", "layer_nobias": "layer", "rms": "rms", "rms_bias": "rms", "dyt": "tanh"}
+    assert isinstance(cells["dyt"], DynamicTanh) and cells["dyt"].alpha.shape == (1,)
     x = torch.randn(5, 8)
     with torch.no_grad():
         cells["rms_bias"].bias.fill_(0.5)  # the bias is added after the RMS scaling

@@ -13,7 +13,7 @@ import pytest
 
 from callbacks.checkpointing import CheckpointSchedule
 from normgeo.measure.records import read_rows
-from normgeo.runs.status import main as status_main
+from normgeo.status import main as status_main
 from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, run_train, step_losses
 
 

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from normgeo.measure.geometry import STANDARDIZABLE_KINDS
 from normgeo.measure.norm_sites import NormSite
-from normgeo.measure.stats import one_cpu_thread
+from normgeo.measure.stats import json_number, one_cpu_thread
 
 ELLIPSOID_FILE = "ellipsoid.jsonl"
 ELLIPSOID_FIELDS = (
@@ -98,14 +99,15 @@ def _full(param: object) -> torch.Tensor | None:
 def ellipsoid_rows(
     norms: Sequence[NormSite], *, model: str, norm: str, step: int | None, tokens_seen: int | None
 ) -> list[dict]:
-    """One row per norm with a gain (``ELLIPSOID_FIELDS``); a norm without one is skipped. Call it on every
+    """One row per LayerNorm/RMSNorm with a gain (``ELLIPSOID_FIELDS``); other norms are skipped. Call it on every
     rank: FSDP2-sharded gains are all-gathered."""
-    from normgeo.measure.records import _number
 
     rows = []
     # The eigvalsh of a d x d matrix per norm: 30 ms at d=512 on one CPU thread, seconds on two busy ones.
     with one_cpu_thread(torch.device("cpu")):
         for site in norms:
+            if site.kind not in STANDARDIZABLE_KINDS:
+                continue  # an element-wise squashing (DyT) has no output ellipsoid
             gain, bias = (_full(getattr(site.module, name, None)) for name in ("weight", "bias"))
             if gain is None or gain.numel() != site.dim:
                 continue
@@ -115,6 +117,6 @@ def ellipsoid_rows(
                 "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
                 "site": site.role, "kind": site.kind, "dim": site.dim,
             }
-            row.update({k: v if k == "axes_dim" or v is None else _number(v) for k, v in geometry.items()})
+            row.update({k: v if k == "axes_dim" or v is None else json_number(v) for k, v in geometry.items()})
             rows.append(row)
     return rows

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge
+from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge, json_number
 
 ENERGY_FILE = "energy.jsonl"
 QUANTITIES = ("ones_fraction", "jacobian_proxy")
@@ -128,7 +128,6 @@ def energy_rows(
     sites: Sequence, stats: EnergyStatistics, *, model: str, norm: str, step: int | None, tokens_seen: int | None
 ) -> list[dict]:
     """One row per (site, quantity) for ``energy.jsonl``; ``sites`` are the probe's norm-input sites."""
-    from normgeo.measure.records import _number
 
     count, mean, std = stats.count.cpu(), stats.mean.cpu(), stats.std().cpu()
     low, high, quantiles = stats.min.cpu(), stats.max.cpu(), stats.quantiles().cpu()
@@ -138,9 +137,9 @@ def energy_rows(
             row = {
                 "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
                 "site": site.site, "quantity": quantity, "dim": site.dim, "count": int(count[s, q]),
-                "mean": _number(mean[s, q]), "std": _number(std[s, q]),
-                "min": _number(low[s, q]), "max": _number(high[s, q]),
+                "mean": json_number(mean[s, q]), "std": json_number(std[s, q]),
+                "min": json_number(low[s, q]), "max": json_number(high[s, q]),
             }
-            row.update({name: _number(quantiles[s, q, i]) for i, name in enumerate(QUANTILE_FIELDS)})
+            row.update({name: json_number(quantiles[s, q, i]) for i, name in enumerate(QUANTILE_FIELDS)})
             rows.append(row)
     return rows

@@ -17,7 +17,8 @@ from typing import Literal
 import torch
 
 NormKind = Literal["layer", "rms"]
-NORM_KINDS: tuple[str, ...] = ("layer", "rms")
+# The site kinds whose standardized input (the norm without its affine part) is defined.
+STANDARDIZABLE_KINDS: tuple[str, ...] = ("layer", "rms")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,7 +98,7 @@ def standardize(x: torch.Tensor, kind: NormKind | str, eps: float) -> torch.Tens
         return layernorm_three_steps(x, eps=eps)
     if kind == "rms":
         return rmsnorm_one_step(x, eps=eps)
-    raise ValueError(f"unknown norm kind {kind!r}: choose one of {', '.join(NORM_KINDS)}")
+    raise ValueError(f"unknown norm kind {kind!r}: choose one of {', '.join(STANDARDIZABLE_KINDS)}")
 
 
 # Where |cos| exceeds this (angles under 60 or over 120 degrees), the sine comes from the explicit

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from models.norms import site_kind_of
+from normgeo.measure.geometry import STANDARDIZABLE_KINDS
+
 _NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "RmsNorm")
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 # Classes that transformers calls "LayerNorm" but that normalize T5-style: no mean subtraction, no bias.
@@ -57,7 +60,7 @@ class NormSite:
     name: str  # qualified module name, e.g. "model.layers.3.input_layernorm"
     layer: int | str  # 0-based block index, "final" (after the last block) or "embed" (on the embeddings)
     role: str  # "ln1", "ln2", "final", "embed", "attn_out", "mlp_out", else the module's attribute name
-    kind: str  # "layer" (subtracts the mean) or "rms"
+    kind: str  # "layer" (subtracts the mean), "rms" or "tanh" (DyT): models.norms.SITE_KINDS
     eps: float
     dim: int  # the normalized size d
     module: nn.Module = field(compare=False, hash=False, repr=False)
@@ -73,7 +76,7 @@ def _is_norm_module(module: nn.Module) -> bool:
     The second condition keeps out whole layers that transformers names after their norm placement
     (``Wav2Vec2EncoderLayerStableLayerNorm`` holds attention and MLP).
     """
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or site_kind_of(module) is not None:
         return True
     return type(module).__name__.endswith(_NORM_SUFFIXES) and all(
         _is_norm_module(c) for c in module.children()
@@ -81,6 +84,9 @@ def _is_norm_module(module: nn.Module) -> bool:
 
 
 def _norm_kind(module: nn.Module) -> str:
+    registered = site_kind_of(module)  # our arms (models.norms), DyT included
+    if registered is not None:
+        return registered
     if isinstance(module, nn.RMSNorm):
         return "rms"
     for cls in type(module).__mro__:
@@ -211,7 +217,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             layer=layers[i],
             role=candidates[i][level[i]],
             kind=_norm_kind(module),
-            eps=_norm_eps(name, module),
+            eps=_norm_eps(name, module) if _norm_kind(module) in STANDARDIZABLE_KINDS else 0.0,
             dim=_norm_dim(name, module),
             module=module,
         )

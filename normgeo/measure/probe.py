@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from normgeo.measure.energy import EnergyStatistics
-from normgeo.measure.geometry import standardize
+from normgeo.measure.geometry import STANDARDIZABLE_KINDS, standardize
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.stats import AngleStatistics, one_cpu_thread
 
@@ -69,7 +69,8 @@ class ProbeSite:
 def probe_sites(norms: Sequence[NormSite], include_standardized: bool = INCLUDE_STANDARDIZED) -> list[ProbeSite]:
     sites = []
     for norm in norms:
-        suffixes = ("in", "std", "out") if include_standardized else ("in", "out")
+        standardized = include_standardized and norm.kind in STANDARDIZABLE_KINDS
+        suffixes = ("in", "std", "out") if standardized else ("in", "out")
         sites += [ProbeSite(norm.layer, f"{norm.role}.{suffix}", norm.kind, norm.dim) for suffix in suffixes]
     return sites
 
@@ -164,7 +165,7 @@ def run_probe(
                 with one_cpu_thread(energy.device):
                     energy.update(energy_index[norm.name], hidden)
             stats.update(out_index, (output[0] if isinstance(output, tuple) else output)[:rows].to(device), ids)
-            if include_standardized:
+            if include_standardized and norm.kind in STANDARDIZABLE_KINDS:
                 standardized = standardize(hidden.to(device).float(), norm.kind, norm.eps)
                 stats.update(site_index[std_site], standardized, ids)
 

@@ -17,7 +17,13 @@ import numpy as np
 
 from corpus.atomic import atomic_open
 from normgeo.measure.probe import REFERENCE_NAMES, ProbeSite
-from normgeo.measure.stats import QUANTILE_FIELDS, AngleStatistics, block_bootstrap, null_comparison
+from normgeo.measure.stats import (
+    QUANTILE_FIELDS,
+    AngleStatistics,
+    block_bootstrap,
+    json_number,
+    null_comparison,
+)
 
 ANGLES_FILE = "angles.jsonl"
 NULL_FILE = "null.jsonl"
@@ -27,12 +33,6 @@ FIELDS = (
     "mean_deg", "std_deg", "min_deg", "max_deg", *QUANTILE_FIELDS,
     "norm_mean", "norm_std", "rms_mean", "rms_std", "dim",
 )
-
-
-def _number(value: float) -> float | None:
-    """JSON-safe float with 10 significant digits (NaN/inf, e.g. no samples, become null)."""
-    value = float(value)
-    return float(f"{value:.10g}") if math.isfinite(value) else None
 
 
 def statistics_rows(
@@ -64,17 +64,17 @@ def statistics_rows(
                 "ref": ref,
                 "count": int(count[s, r]),
                 "zero_count": int(zero[s]),
-                "mean_deg": _number(mean[s, r]),
-                "std_deg": _number(std[s, r]),
-                "min_deg": _number(low[s, r]),
-                "max_deg": _number(high[s, r]),
+                "mean_deg": json_number(mean[s, r]),
+                "std_deg": json_number(std[s, r]),
+                "min_deg": json_number(low[s, r]),
+                "max_deg": json_number(high[s, r]),
             }
-            row.update({name: _number(quantiles[s, r, q]) for q, name in enumerate(QUANTILE_FIELDS)})
+            row.update({name: json_number(quantiles[s, r, q]) for q, name in enumerate(QUANTILE_FIELDS)})
             row.update(
-                norm_mean=_number(norm_mean[s]),
-                norm_std=_number(norm_std[s]),
-                rms_mean=_number(norm_mean[s] / root_d),
-                rms_std=_number(norm_std[s] / root_d),
+                norm_mean=json_number(norm_mean[s]),
+                norm_std=json_number(norm_std[s]),
+                rms_mean=json_number(norm_mean[s] / root_d),
+                rms_std=json_number(norm_std[s] / root_d),
                 dim=site.dim,
             )
             rows.append(row)
@@ -133,26 +133,26 @@ def null_rows(
             "count": int(count[s, 0]),
             "sequences": int(measured[s]) if measured is not None else None,
             "null_k": stats.num_null,
-            "mean_deg": _number(mean),
-            "mean_ci_low": _number(boot["mean_low"][s]) if boot else None,
-            "mean_ci_high": _number(boot["mean_high"][s]) if boot else None,
-            "null_mean_p05": _number(low), "null_mean_p50": _number(mid), "null_mean_p95": _number(high),
-            "mean_rank_pct": _number(where["mean_rank"][s]),
-            "mean_z": _number(where["mean_z"][s]),
+            "mean_deg": json_number(mean),
+            "mean_ci_low": json_number(boot["mean_low"][s]) if boot else None,
+            "mean_ci_high": json_number(boot["mean_high"][s]) if boot else None,
+            "null_mean_p05": json_number(low), "null_mean_p50": json_number(mid), "null_mean_p95": json_number(high),
+            "mean_rank_pct": json_number(where["mean_rank"][s]),
+            "mean_z": json_number(where["mean_z"][s]),
             "in_null_band": bool(low <= mean <= high),
-            "diff_deg": _number(mean - mid),
-            "diff_ci_low": _number(boot["diff_low"][s]) if boot else None,
-            "diff_ci_high": _number(boot["diff_high"][s]) if boot else None,
-            "std_deg": _number(where["std"][s]),
-            "null_std_p05": _number(std_q[0]), "null_std_p50": _number(std_q[1]), "null_std_p95": _number(std_q[2]),
-            "std_rank_pct": _number(where["std_rank"][s]),
-            "std_z": _number(where["std_z"][s]),
+            "diff_deg": json_number(mean - mid),
+            "diff_ci_low": json_number(boot["diff_low"][s]) if boot else None,
+            "diff_ci_high": json_number(boot["diff_high"][s]) if boot else None,
+            "std_deg": json_number(where["std"][s]),
+            "null_std_p05": json_number(std_q[0]), "null_std_p50": json_number(std_q[1]), "null_std_p95": json_number(std_q[2]),
+            "std_rank_pct": json_number(where["std_rank"][s]),
+            "std_z": json_number(where["std_z"][s]),
             "ci_level": level if boot else None,
             "bootstrap_replicates": replicates if boot else None,
             "bootstrap_block": block if boot else None,
             "bootstrap_seed": seed if boot else None,
-            "null_means": [_number(v) for v in where["null_means"][s]],
-            "null_stds": [_number(v) for v in where["null_stds"][s]],
+            "null_means": [json_number(v) for v in where["null_means"][s]],
+            "null_stds": [json_number(v) for v in where["null_stds"][s]],
         }
         rows.append(row)
     return rows

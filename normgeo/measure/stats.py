@@ -34,6 +34,12 @@ NULL_QUANTILES = (0.05, 0.50, 0.95)
 CENTER_DEG = 90.0
 
 
+def json_number(value: float) -> float | None:
+    """JSON-safe float with 10 significant digits (NaN/inf, e.g. no samples, become null)."""
+    value = float(value)
+    return float(f"{value:.10g}") if math.isfinite(value) else None
+
+
 def chan_merge(
     count_a: torch.Tensor, mean_a: torch.Tensor, m2_a: torch.Tensor,
     count_b: torch.Tensor, mean_b: torch.Tensor, m2_b: torch.Tensor,

@@ -18,7 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from models.gpt import NORM_KINDS, PLACEMENTS
+from models.gpt import PLACEMENTS
+from models.norms import NORM_ARMS
 
 
 def doc(default: Any, text: str) -> Any:
@@ -34,7 +35,7 @@ def node(kind: type, text: str) -> Any:
 
 @dataclass
 class NormSchema:
-    name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_KINDS)}")
+    name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
     eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
 
 
@@ -221,7 +222,7 @@ def check_train(cfg: DictConfig) -> None:
     _positive(cfg, "probe.min_doc_tokens", minimum=0)
     _expect(cfg.stop_at_step is None or cfg.stop_at_step > 0, "stop_at_step", cfg.stop_at_step,
             "a step > 0, or null to run to max_steps")
-    _expect(cfg.norm.name in NORM_KINDS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_KINDS)} (norm=...)")
+    _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")
     _expect(cfg.norm.eps > 0, "norm.eps", cfg.norm.eps, "a number > 0")
     _expect(cfg.placement.name in PLACEMENTS, "placement.name", cfg.placement.name,
             f"one of {', '.join(PLACEMENTS)} (placement=...)")

@@ -1,0 +1,167 @@
+"""The one registry of norm arms: what each arm builds, how figures name and colour it, what it isolates.
+
+An arm is one :class:`NormArm` entry here plus its YAML in ``conf/train/norm/``. The model
+(:func:`make_norm`), the config check, the probe (which modules are norms, of which kind), the figures
+and the verdict all read the arms from :data:`NORM_ARMS`; a new arm needs nothing else.
+
+The arms, by what they change:
+
+- ``layer``: LayerNorm, the paper's first arm: centre (remove the component along 1), scale, gain, bias.
+- ``rms``: RMSNorm, the paper's second arm: scale, gain; no centring, no bias.
+- ``layer_nobias`` / ``rms_bias``: the other two cells of centring x bias, so that mean subtraction can be
+  compared with the bias held equal (``layer_nobias`` vs ``rms``, ``layer`` vs ``rms_bias``).
+- ``dyt``: Dynamic Tanh (Zhu et al., "Transformers without Normalization", CVPR 2025): no statistics of
+  the hidden vector at all, ``gamma * tanh(alpha * x) + beta`` with a learned scalar alpha.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# How a norm treats its input, which decides what the probe can derive from it: "layer" centres and
+# scales (its standardized input and output ellipsoid are defined), "rms" scales, "tanh" squashes
+# element-wise (no standardized input, no ellipsoid).
+SITE_KINDS = ("layer", "rms", "tanh")
+
+# DyT's alpha at initialisation. For language models the DyT paper tunes alpha0 per model width and per
+# place: larger for the DyT before attention than for the others (0.8 and 0.2 for LLaMA 7B); it finds
+# that smaller widths tolerate larger alpha0. We use those two values at every size: 0.8 for the norm of
+# the attention sublayer ("ln1") and 0.2 for the others (ln2, the final norm).
+DYT_ALPHA_ATTENTION = 0.8
+DYT_ALPHA_OTHER = 0.2
+
+
+class RMSNormWithBias(nn.RMSNorm):
+    """RMSNorm plus a learned bias (initialized to 0, like LayerNorm's): the factorial's "rms_bias" arm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+
+class DynamicTanh(nn.Module):
+    """DyT: ``weight * tanh(alpha * x) + bias``; alpha a learned scalar, weight 1 and bias 0 at the start."""
+
+    def __init__(self, dim: int, alpha_init: float) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape[0]}, alpha_init={self.alpha.item():.3g}"
+
+
+# build(dim, eps, role) -> module; role is "ln1" (before attention in pre-LN), "ln2" or "final".
+NormBuilder = Callable[[int, float, str], nn.Module]
+
+
+@dataclass(frozen=True)
+class NormArm:
+    name: str  # the config string: norm=<name>
+    build: NormBuilder
+    module_type: type[nn.Module]  # how the probe recognises this arm's modules in a model
+    site_kind: str  # one of SITE_KINDS
+    label: str  # in figures and tables
+    color: str  # matplotlib colour, the same in every figure
+    isolates: str  # the factor this arm varies, in a few words
+    # The arms this one is contrasted with in the verdict, as (other arm, what the contrast isolates);
+    # each difference is this arm minus the other.
+    contrasts: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.site_kind not in SITE_KINDS:
+            raise ValueError(f"arm {self.name!r}: site_kind {self.site_kind!r} is not one of {SITE_KINDS}")
+
+
+NORM_ARMS: dict[str, NormArm] = {}
+
+
+def register_arm(arm: NormArm) -> NormArm:
+    """Add an arm (a research extension, or a test's toy arm); its YAML goes in conf/train/norm/."""
+    if arm.name in NORM_ARMS:
+        raise ValueError(f"a norm arm named {arm.name!r} is registered already")
+    NORM_ARMS[arm.name] = arm
+    return arm
+
+
+def unregister_arm(name: str) -> None:
+    NORM_ARMS.pop(name)
+
+
+def norm_names() -> tuple[str, ...]:
+    return tuple(NORM_ARMS)
+
+
+def make_norm(kind: str, dim: int, eps: float, role: str = "ln1") -> nn.Module:
+    """The one place where the arms differ."""
+    if kind not in NORM_ARMS:
+        raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_ARMS)}")
+    return NORM_ARMS[kind].build(dim, eps, role)
+
+
+def site_kind_of(module: nn.Module) -> str | None:
+    """The site kind of a registered arm's module (most derived type first), None if no arm builds it."""
+    for cls in type(module).__mro__:
+        for arm in NORM_ARMS.values():
+            if cls is arm.module_type:
+                return arm.site_kind
+    return None
+
+
+def arm_label(name: str) -> str:
+    arm = NORM_ARMS.get(name)
+    return arm.label if arm is not None else name
+
+
+def arm_color(name: str) -> str | None:
+    arm = NORM_ARMS.get(name)
+    return arm.color if arm is not None else None
+
+
+def contrasts() -> list[tuple[str, str, str]]:
+    """Every (arm, other arm, what it isolates) of the registry, in registration order."""
+    return [(arm.name, other, what) for arm in NORM_ARMS.values() for other, what in arm.contrasts]
+
+
+_DYT_CONTRAST = "normalization vs none (DyT)"
+
+register_arm(NormArm(
+    "layer", lambda dim, eps, role: nn.LayerNorm(dim, eps=eps, bias=True), nn.LayerNorm, "layer",
+    "LayerNorm", "tab:blue", "centring + scaling, with bias (the paper's LN arm)",
+    contrasts=(("rms", "mean subtraction, as the paper compares it (LN's bias included)"),
+               ("rms_bias", "mean subtraction, bias in both"),
+               ("layer_nobias", "the bias alone (both centre)"),
+               ("dyt", _DYT_CONTRAST)),
+))
+register_arm(NormArm(
+    "rms", lambda dim, eps, role: nn.RMSNorm(dim, eps=eps), nn.RMSNorm, "rms",
+    "RMSNorm", "tab:red", "scaling only, no bias (the paper's RMS arm)",
+    contrasts=(("dyt", _DYT_CONTRAST),),
+))
+register_arm(NormArm(
+    "layer_nobias", lambda dim, eps, role: nn.LayerNorm(dim, eps=eps, bias=False), nn.LayerNorm, "layer",
+    "LayerNorm w/o bias", "tab:cyan", "centring + scaling, no bias",
+    contrasts=(("rms", "mean subtraction, no bias in either"), ("dyt", _DYT_CONTRAST)),
+))
+register_arm(NormArm(
+    "rms_bias", lambda dim, eps, role: RMSNormWithBias(dim, eps=eps), RMSNormWithBias, "rms",
+    "RMSNorm + bias", "tab:orange", "scaling only, with bias",
+    contrasts=(("dyt", _DYT_CONTRAST),),
+))
+register_arm(NormArm(
+    "dyt",
+    lambda dim, eps, role: DynamicTanh(dim, DYT_ALPHA_ATTENTION if role == "ln1" else DYT_ALPHA_OTHER),
+    DynamicTanh, "tanh", "DyT (no norm)", "tab:green", "no normalization: tanh(alpha x) with gain and bias",
+))
