@@ -38,7 +38,8 @@ from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
-from normgeo.runs.config import ANALYZE_CONF_DIR, config_errors_exit_2
+from normgeo.runs.checks import config_errors_exit_2
+from normgeo.runs.config import ANALYZE_CONF_DIR
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
@@ -197,7 +198,7 @@ def run(cfg: DictConfig) -> None:
     _settle(succeeded=True)
 
 
-main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.config)
+main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.checks)
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,8 @@ from corpus.stream import accumulation_steps
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.logged_figures import figure_key, log_figures
-from normgeo.runs.config import CONF_DIR, check_config, config_errors_exit_2
+from normgeo.runs.checks import check_config, config_errors_exit_2
+from normgeo.runs.config import CONF_DIR
 from normgeo.runs.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
 from normgeo.runs.schema import ConfigError
 from normgeo.runs.session import (  # noqa: F401

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The norm factorial's README figures from real runs: the smoke experiment, shortened to 30 steps (probes at
 # 0, 10, 20, 30; 2,048 probe tokens), for the four norms under Pre-LN and LayerNorm/RMSNorm under Post-LN,
-# then normgeo.figures.angles on the four Pre-LN arms and normgeo.figures.compare on all six. A few minutes on 2 CPU cores.
+# then normgeo.report on the four Pre-LN arms and normgeo.compare on all six. A few minutes on 2 CPU cores.
 # Called by docs/make_figures.sh; alone:
 #
 #   bash docs/make_factorial_figures.sh [output_root]      # default: outputs/factorial (deleted first)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates every figure in docs/figures and every number the README quotes (docs/numbers.md), on the
-# current code, offline, on CPU: the two smoke arms (per-run figures, normgeo.figures.angles, normgeo.figures.compare), SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
+# current code, offline, on CPU: the two smoke arms (per-run figures, normgeo.report, normgeo.compare), SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
 # tokens of ../shared/corpora/wikipedia. About 20 minutes on 2 CPU cores.
 #
 #   bash docs/make_figures.sh [output_root]      # default: outputs/readme (deleted first)
@@ -37,7 +37,7 @@ for figure in overlay_ln1.in_ones overlay_ln1.out_ones loss; do
 done
 {
   python docs/readme_numbers.py "$OUT"
-  printf '\n## Compare the arms\n\nnormgeo.figures.compare summary.md:\n\n'
+  printf '\n## Compare the arms\n\nnormgeo.compare summary.md:\n\n'
   cat "$OUT/compare/summary.md"
   printf '\nln1 against 1 per arm, step, layer (mean, p05, p95 over the probe tokens):\n\n'
   python - "$OUT" <<'PY'

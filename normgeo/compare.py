@@ -11,7 +11,10 @@ and writes, to ``--out`` (default ``<folder>/compare``):
 - ``overlay_<site>_<ref>.{png,pdf}``: the arms over training steps, one panel per layer, the mean over
   tokens as a line and the p05-p95 band of the tokens' angles shaded (seeds: mean of the seeds' values);
 - ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
-- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.figures.norm_figures`).
+- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.figures.norm_figures`);
+- ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
+  per-seed differences and their mean with a 95% t-interval, and what they support
+  (:mod:`normgeo.figures.verdict`).
 
 A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
 
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.compare import write_comparison
+from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
 
 
@@ -51,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, paths in written.items():
         print(f"{name}: {len(paths)} file(s)")
     print(f"summary:\n{(out_dir / 'summary.md').read_text()}")
+    print((out_dir / VERDICT_MD).read_text())
     print(f"written to {out_dir}")
     return 0
 

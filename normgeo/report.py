@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir = args.out or args.run_dirs[0] / "figures"
         for ref in ("ones", "rand_a", "rand_b"):
             print(plot_compare(runs, out_dir, ref=ref))
-        # The factorial's figures, drawn as normgeo.figures.compare draws them.
+        # The factorial's figures, drawn as normgeo.compare draws them.
         from normgeo.figures.norm_figures import write_norm_figures
 
         for figure in write_norm_figures(args.run_dirs, out_dir):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR, check_config
+from normgeo.runs.checks import check_config
+from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
 from tests.conftest import ROOT
 

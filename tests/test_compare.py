@@ -81,6 +81,6 @@ def test_factorial_figures_from_the_runs_ellipsoid_and_energy_records(compared: 
         assert len(read_rows(compared / run / "energy.jsonl")) == len({r["step"] for r in ellipsoid}) * 5 * 2
     for stem in ("ellipsoid", "energy", "factorial_ones"):
         assert (compared / "compare" / f"{stem}.png").stat().st_size > 1000, stem
-    # normgeo.figures.angles on several runs draws the same figures through the same code.
+    # normgeo.report on several runs draws the same figures through the same code.
     assert report_main([str(compared / run) for run in RUNS[::2]] + ["--out", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.glob("*.png")} >= {"ellipsoid.png", "energy.png", "factorial_ones.png"}

@@ -12,21 +12,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from corpus.atomic import atomic_open  # noqa: E402
+from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure  # noqa: E402
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 from normgeo.runs.config import slug  # noqa: E402
-
-# rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
-REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
-NORM_LABELS = {"layer": "LayerNorm", "rms": "RMSNorm", "layer_nobias": "LayerNorm w/o bias", "rms_bias": "RMSNorm + bias"}
-SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
-
-
-def _save(fig, path: Path) -> Path:
-    with atomic_open(path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def _layer_position(layer, n_layers: int) -> float:
@@ -72,9 +60,9 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
     axes[0][-1].legend(fontsize=7, loc="best")
-    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
+    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
     tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"layers_{slug(model)}_{norm}_{tag}.png")
+    return save_figure(fig, out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
 
 
 def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -88,8 +76,8 @@ def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "l
             [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
             fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
         )
-    _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
+    _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {norm_label(norm)} · layer {layer} · {site}")
+    return save_figure(fig, out_dir, f"steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
 
 
 def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in", ref: str = "ones") -> Path:
@@ -115,7 +103,7 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
                     mfc="none" if suffix != "in" else None,
                 )
         norm = chosen[0]["norm"] if chosen else "?"
-        ax.set_title(f"{chosen[0]['model'] if chosen else name} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}")
+        ax.set_title(f"{chosen[0]['model'] if chosen else name} · {norm_label(norm)} · {_title_step(step)}")
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -123,8 +111,8 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
         names.append(norm)
     axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{site.split('.')[0]} before/after the norm: {' vs '.join(NORM_LABELS.get(n, n) for n in names)}")
-    return _save(fig, out_dir / f"compare_{'_'.join(names)}_{site.split('.')[0]}_{ref}.png")
+    fig.suptitle(f"{site.split('.')[0]} before/after the norm: {' vs '.join(norm_label(n) for n in names)}")
+    return save_figure(fig, out_dir, f"compare_{'_'.join(names)}_{site.split('.')[0]}_{ref}")[0]
 
 
 def _null_series(rows: list[dict], suffix: str, n_layers: int) -> list[list[dict]]:
@@ -165,9 +153,9 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0))
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
-    fig.suptitle(f"{model} · {NORM_LABELS.get(norm, norm)} · {_title_step(step)}: is 1 a typical direction?")
+    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}: is 1 a typical direction?")
     tag = "pretrained" if step is None else f"step{step:07d}"
-    return _save(fig, out_dir / f"null_layers_{slug(model)}_{norm}_{tag}.png")
+    return save_figure(fig, out_dir, f"null_layers_{slug(model)}_{norm}_{tag}")[0]
 
 
 def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -186,8 +174,8 @@ def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site
            [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
     ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
                 label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
-    _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {NORM_LABELS.get(norm, norm)} · layer {layer} · {site}")
-    return _save(fig, out_dir / f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}.png")
+    _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {norm_label(norm)} · layer {layer} · {site}")
+    return save_figure(fig, out_dir, f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
 
 
 def _dress_step_axes(ax, ylabel: str, title: str) -> None:

@@ -1,4 +1,4 @@
-"""Figures of the norm factorial, drawn by ``normgeo.figures.compare`` (and by ``normgeo.figures.angles`` for several runs):
+"""Figures of the norm factorial, drawn by ``normgeo.compare`` (and by ``normgeo.report`` for several runs):
 
 - ``ellipsoid.{png,pdf}``: per arm, the condition number (largest / smallest principal semi-axis) of every
   norm's output ellipsoid (``ellipsoid.jsonl``, Riechers' hyperellipsoid for LayerNorm) against the step;
@@ -22,9 +22,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure  # noqa: E402
+from normgeo.figures.sweep import Comparison, load  # noqa: E402
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE  # noqa: E402
 from normgeo.measure.energy import ENERGY_FILE  # noqa: E402
 from normgeo.measure.records import read_rows  # noqa: E402
+from normgeo.runs.metrics import last_value  # noqa: E402
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",
@@ -32,7 +35,7 @@ ENERGY_LABELS = {
 }
 
 
-def _records(comparison, filename: str) -> pd.DataFrame:
+def _records(comparison: Comparison, filename: str) -> pd.DataFrame:
     """One run file (ellipsoid.jsonl / energy.jsonl) of every run, with the run's arm; empty if none has it."""
     frames = []
     for run in comparison.runs.itertuples():
@@ -47,25 +50,19 @@ def _records(comparison, filename: str) -> pd.DataFrame:
     return frame
 
 
-def _arm_title(comparison, arm: str) -> str:
-    from normgeo.figures.compare import _arm_label, _last
-
-    loss = _last(comparison.metrics[comparison.metrics["arm"] == arm], "val/loss")
-    return _arm_label(arm) + (f" · val loss {loss:.3f}" if loss is not None else "")
+def _arm_title(comparison: Comparison, arm: str) -> str:
+    loss = last_value(comparison.metrics[comparison.metrics["arm"] == arm], "val/loss")
+    return arm_label(arm) + (f" · val loss {loss:.3f}" if loss is not None else "")
 
 
 def _site_order(frame: pd.DataFrame) -> list[tuple[str, str]]:
-    from normgeo.figures.compare import _layer_key
-
     pairs = frame[["layer", "site"]].drop_duplicates().itertuples(index=False)
-    return sorted(((p.layer, p.site) for p in pairs), key=lambda p: (_layer_key(p[0]), p[1]))
+    return sorted(((p.layer, p.site) for p in pairs), key=lambda p: (layer_key(p[0]), p[1]))
 
 
 def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[str, str, str]], stem: str,
                     title: str, out_dir: Path, formats: Sequence[str], log: bool = True) -> list[Path]:
     """Rows: (column to filter or None, value, y label); columns: arms; one line per (layer, site)."""
-    from normgeo.figures.compare import _save
-
     arms = sorted(frame["arm"].unique())
     fig, axes = plt.subplots(len(quantities), len(arms), figsize=(4.2 * len(arms), 3.1 * len(quantities)),
                              sharex=True, sharey="row", squeeze=False, layout="constrained")
@@ -98,7 +95,7 @@ def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[
             handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncol=min(len(labels), 5))
     fig.suptitle(title)
-    return _save(fig, out_dir, stem, formats)
+    return save_figure(fig, out_dir, stem, formats)
 
 
 def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
@@ -124,9 +121,6 @@ def energy_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Pat
 
 def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
     """The arms' angle with 1 against the step on one figure: before the norms and after them."""
-    from normgeo.figures.angles import SITE_STYLE
-    from normgeo.figures.compare import POST_SUFFIX, _arm_color, _save
-
     angles = comparison.angles[comparison.angles["ref"] == "ones"]
     if angles.empty:
         return []
@@ -138,7 +132,7 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
         for index, arm in enumerate(sorted(of_kind["arm"].unique())):
             # Mean over the norms (layers and roles) and seeds of each run's mean over tokens.
             curve = of_kind[of_kind["arm"] == arm].groupby("step")[["mean_deg", "p05", "p95"]].mean()
-            color, style = _arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"  # Post-LN dashed
+            color, style = arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"  # Post-LN dashed
             ax.plot(curve.index, curve["mean_deg"], style, ms=3, lw=1.3, color=color, label=_arm_title(comparison, arm))
             ax.fill_between(curve.index, curve["p05"], curve["p95"], color=color, alpha=0.1, lw=0)
         ax.axhline(90, color="gray", lw=0.8, ls="--")
@@ -148,16 +142,14 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("The norm factorial: angle with the uniform vector 1 · band: mean of the per-norm p05–p95")
-    return _save(fig, out_dir, "factorial_ones", formats)
+    return save_figure(fig, out_dir, "factorial_ones", formats)
 
 
 NORM_FIGURES = {"ellipsoid": ellipsoid_figure, "energy": energy_figure, "factorial": factorial_figure}
 
 
 def write_norm_figures(run_dirs: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
-    """The factorial figures for ``run_dirs`` (used by ``normgeo.figures.angles`` with several runs)."""
-    from normgeo.figures.compare import load
-
+    """The factorial figures for ``run_dirs`` (used by ``normgeo.report`` with several runs)."""
     comparison = load(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     return [path for maker in NORM_FIGURES.values() for path in maker(comparison, out_dir, formats)]

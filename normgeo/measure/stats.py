@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from scipy import stats as scipy_stats
 
 from normgeo.measure.geometry import angle_deg
 
@@ -38,6 +39,19 @@ def json_number(value: float) -> float | None:
     """JSON-safe float with 10 significant digits (NaN/inf, e.g. no samples, become null)."""
     value = float(value)
     return float(f"{value:.10g}") if math.isfinite(value) else None
+
+
+def mean_t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """Mean of ``values`` (e.g. per-seed differences of paired runs) and its two-sided Student-t interval.
+
+    The interval is (None, None) for fewer than two values: one seed gives a difference, not an interval.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, None, None
+    half = float(scipy_stats.t.ppf(0.5 + level / 2, df=x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    return mean, mean - half, mean + half
 
 
 def chan_merge(

@@ -1,5 +1,5 @@
-"""Hydra/OmegaConf glue: resolvers used by conf/, the schemas' registration and the config check that
-train.py and analyze.py share."""
+"""Hydra/OmegaConf glue: where conf/ lives, the one name slug, the resolvers conf/ uses and the schemas'
+registration (the config check itself: :mod:`normgeo.runs.checks`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import OmegaConf
+
+from normgeo.runs.schema import SCHEMAS, key_docs
+from normgeo.runs.session import register_resolver
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
@@ -21,10 +24,6 @@ CONF_ROOT = Path(__file__).resolve().parents[2] / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
 ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
 SHARED_CONF_DIR = str(CONF_ROOT / "shared")
-# Hydra exits 1 for its own config errors (unknown key, bad override syntax, missing group option) and
-# for a crash of the task alike; before the config is composed it can only be the former.
-CONFIG_ERROR_EXIT = 2
-_composed = False
 
 
 def slug(name: object, empty: str = "unnamed") -> str:
@@ -53,69 +52,11 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("model_slug", slug)  # conf/analyze/analyze.yaml's output folder
     if not OmegaConf.has_resolver("normgeo_key_docs"):  # hydra.help.template: every key with its doc
         OmegaConf.register_new_resolver("normgeo_key_docs", _key_docs)
-    from normgeo.runs.session import register_resolver
-
     register_resolver()  # normgeo_if_accepted (conf/train/train.yaml's hydra.output_subdir and train.log)
 
 
 def _key_docs(schema: str) -> str:
-    from normgeo.runs.schema import SCHEMAS, key_docs
-
     return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")  # the help template is a string.Template
-
-
-def task_config(root: DictConfig) -> DictConfig:
-    """The config the task function will get: Hydra's full config without its ``hydra`` node."""
-    task = copy.deepcopy(root)
-    with read_write(task), open_dict(task):
-        task.pop("hydra", None)
-    return task
-
-
-def check_config(schema: str, cfg: DictConfig) -> None:
-    """normgeo.runs.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
-    from normgeo.runs.schema import SCHEMAS
-
-    SCHEMAS[schema][1](cfg)
-
-
-class ConfigCheck(Callback):
-    """Hydra callback (conf/*/*.yaml hydra.callbacks): refuse impossible values right after composition,
-    before Hydra creates the output directory or writes anything (exit 2, one line naming the key)."""
-
-    def __init__(self, schema: str) -> None:
-        self.schema = schema
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _composed
-        _composed = True
-        from normgeo.runs.schema import ConfigError
-
-        try:
-            check_config(self.schema, task_config(config))
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(CONFIG_ERROR_EXIT) from None
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _composed
-        _composed = True  # each job is checked on its own (the task function; normgeo_if_accepted)
-
-
-def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
-    """``hydra_main`` (a @hydra.main function called without arguments), with Hydra's own config errors
-    exiting 2 like every other refused input instead of Hydra's 1."""
-
-    def main() -> Any:
-        try:
-            return hydra_main()
-        except SystemExit as done:
-            if done.code == 1 and not _composed:
-                raise SystemExit(CONFIG_ERROR_EXIT) from None
-            raise
-
-    main.__doc__ = hydra_main.__doc__
-    return main
 
 
 register_resolvers()

@@ -5,7 +5,7 @@ doc (``python train.py --help`` lists them). The schema is the first entry of ea
 defaults list, so a wrong type or an unknown key (``optim.lr=abc``, ``+max_stpes=10``) fails while Hydra
 composes. What a type cannot say (sizes > 0, ``min_lr_ratio`` in [0, 1], increasing checkpoint steps, a
 known norm) :func:`check_train` / :func:`check_analyze` say, before anything is written
-(normgeo.runs.config.ConfigCheck runs them).
+(normgeo.runs.checks.ConfigCheck runs them).
 """
 
 from __future__ import annotations

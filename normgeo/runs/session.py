@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from normgeo.runs.checks import check_config, task_config
+from normgeo.runs.schema import ConfigError
 from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
@@ -140,10 +142,7 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
 
 def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
     """``value`` when this session may run in its run directory, else ``refused`` (null, /dev/null)."""
-    from normgeo.runs.config import check_config, task_config
-    from normgeo.runs.schema import ConfigError
-
-    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.runs.config.ConfigCheck)
+    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.runs.checks.ConfigCheck)
         check_config("train", task_config(_root_))
     except ConfigError:
         return refused

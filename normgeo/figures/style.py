@@ -1,0 +1,63 @@
+"""One figure style: how arms, references and sites are named and coloured, and how a figure is saved.
+
+Arm names and colours come from the norm registry (:mod:`models.norms`), so a new arm is drawn the same
+way in every figure without touching this package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from corpus.atomic import atomic_open  # noqa: E402
+from models.norms import arm_color as registered_color  # noqa: E402
+from models.norms import arm_label as registered_label  # noqa: E402
+
+# rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
+REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
+SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
+POST_SUFFIX = "+post"  # appended to the arm of a placement=post run: "layer+post"
+DPI = 120
+
+
+def norm_label(norm: str) -> str:
+    """A norm arm's name in figures ("LayerNorm"); an unknown name (a pretrained model's kind) as it is."""
+    return registered_label(norm)
+
+
+def split_arm(arm: str) -> tuple[str, str, bool]:
+    """(size, norm, post) of a comparison arm such as ``70m-layer+post``; size "" when runs share one."""
+    size, _, norm = arm.removesuffix(POST_SUFFIX).rpartition("-")
+    return size, norm, arm.endswith(POST_SUFFIX)
+
+
+def arm_label(arm: str) -> str:
+    size, norm, post = split_arm(arm)
+    return f"{size} {norm_label(norm)}{' (Post-LN)' if post else ''}".strip()
+
+
+def arm_color(arm: str, index: int) -> str:
+    """The registry's colour of the arm's norm; an arm outside the registry gets a colour by position."""
+    return registered_color(split_arm(arm)[1]) or f"C{index + 2}"
+
+
+def layer_key(layer: str) -> float:
+    """Sort key of a layer label: block indices in order, then "final" and other named layers."""
+    return float(layer) if layer.lstrip("-").isdigit() else float("inf")
+
+
+def save_figure(fig, out_dir: Path, stem: str, formats: Sequence[str] = ("png",)) -> list[Path]:
+    """Write ``fig`` as ``out_dir/stem.<fmt>`` for each format, each file atomically, and close it."""
+    paths = []
+    for fmt in formats:
+        path = out_dir / f"{stem}.{fmt}"
+        with atomic_open(path, "wb") as handle:
+            fig.savefig(handle, format=fmt, dpi=DPI, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,155 @@
+"""A sweep's training runs as tidy tables: every run's records, logged metrics and config, and the
+per-run summary (:func:`summary_table`). What the comparison figures and the verdict are computed from."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from normgeo.figures.style import POST_SUFFIX
+from normgeo.measure.records import ANGLES_FILE, read_rows
+from normgeo.runs.metrics import last_value, read_metrics
+from normgeo.runs.status import find_runs, is_analysis
+
+SUMMARY_FILE = "summary.json"  # written by train.py at the end of a run
+
+
+@dataclass
+class Comparison:
+    """What the figures are drawn from: the tidy tables of all runs."""
+
+    angles: pd.DataFrame  # angles.jsonl rows + run, arm, seed, size
+    metrics: pd.DataFrame  # run, arm, seed, step, metric, value
+    runs: pd.DataFrame  # one row per run: run, arm, placement, seed, size, norm, max_steps, tokens_per_step, run_dir
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+
+def run_directories(paths: Sequence[Path]) -> list[Path]:
+    """Training run directories at or below ``paths`` (analyze.py folders left out)."""
+    found: list[Path] = []
+    for path in paths:
+        if (path / ANGLES_FILE).is_file() and not (path / ".hydra").is_dir():
+            found.append(path)  # a copied run without Hydra's files
+            continue
+        found += [run for run in find_runs(path) if not is_analysis(run) and (run / ANGLES_FILE).is_file()]
+    return sorted(dict.fromkeys(p.resolve() for p in found))
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config: run_config.yaml (train.py's record), else Hydra's config.yaml."""
+    for path in (run_dir / "run_config.yaml", run_dir / ".hydra" / "config.yaml"):
+        if path.is_file():
+            return yaml.safe_load(path.read_text()) or {}
+    return {}
+
+
+def load(paths: Sequence[Path]) -> Comparison:
+    runs, angle_frames, metric_frames = [], [], []
+    for run_dir in run_directories(paths):
+        config = run_config(run_dir)
+        rows = read_rows(run_dir / ANGLES_FILE)
+        norm = (config.get("norm") or {}).get("name") or rows[0]["norm"]
+        placement = (config.get("placement") or {}).get("name") or "pre"  # runs older than the key: pre
+        info = {
+            "run": config.get("run_name") or run_dir.name,
+            "arm": norm + (POST_SUFFIX if placement == "post" else ""),
+            "placement": placement,
+            "seed": config.get("seed"),
+            "size": (config.get("size") or {}).get("name"),
+        }
+        tokens_per_step = (config.get("global_batch") or 0) * (config.get("seq_len") or 0) or None
+        runs.append({**info, "norm": norm, "max_steps": config.get("max_steps"), "tokens_per_step": tokens_per_step,
+                     "run_dir": str(run_dir)})
+        angles = pd.DataFrame(rows)
+        angles = angles[angles["step"].notna()]  # a run's own records all have steps
+        angles["layer"] = angles["layer"].astype(str)  # block indices and "final" in one column
+        angle_frames.append(angles.assign(**info))
+        metrics = read_metrics(run_dir)
+        if not metrics.empty:
+            metric_frames.append(align_train_steps(metrics, tokens_per_step).assign(**info))
+    if not runs:
+        raise FileNotFoundError(f"no training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}")
+    runs_frame = pd.DataFrame(runs)
+    if runs_frame["size"].nunique() > 1:  # arms of several sizes: the size is part of the arm
+        for frame in (runs_frame, *angle_frames, *metric_frames):
+            frame["arm"] = frame["size"].astype(str) + "-" + frame["arm"].astype(str)
+    angles = pd.concat(angle_frames, ignore_index=True)
+    angles["step"] = angles["step"].astype(int)
+    order = ["run", "arm", "seed", "size"]
+    angles = angles[order + [c for c in angles.columns if c not in order]]
+    metrics = (
+        pd.concat(metric_frames, ignore_index=True) if metric_frames
+        else pd.DataFrame(columns=[*order, "step", "metric", "value"])
+    )
+    return Comparison(angles=angles, metrics=metrics[order + ["step", "metric", "value"]], runs=runs_frame)
+
+
+def align_train_steps(metrics: pd.DataFrame, tokens_per_step: int | None) -> pd.DataFrame:
+    """train/* metrics at the optimizer step they describe (tokens_seen / tokens per step).
+
+    Lightning logs a step's loss before its optimizer step counter advances, so older runs hold the k-th
+    update's loss at step k-1; the probe of the weights after that update is recorded at step k.
+    """
+    tokens = metrics[metrics["metric"] == "train/tokens_seen"].set_index("step")["value"]
+    if tokens.empty or not tokens_per_step:
+        return metrics
+    shift = {int(step): int(round(value / tokens_per_step)) for step, value in tokens.items()}
+    train = metrics["metric"].str.startswith("train/") | metrics["metric"].str.startswith("perf/")
+    metrics = metrics.copy()
+    metrics.loc[train, "step"] = [shift.get(int(s), int(s)) for s in metrics.loc[train, "step"]]
+    return metrics
+
+
+# --- summary ----------------------------------------------------------------------------------------------
+
+
+def summary_table(comparison: Comparison) -> pd.DataFrame:
+    """Per arm and seed: final step and losses, tokens, wall time, mean angle with 1 per site (final step)."""
+    records = []
+    for run in comparison.runs.itertuples():
+        angles = comparison.angles[comparison.angles["run"] == run.run]
+        final = int(angles["step"].max())
+        metrics = comparison.metrics[comparison.metrics["run"] == run.run]
+        saved = Path(run.run_dir) / SUMMARY_FILE
+        end = json.loads(saved.read_text()) if saved.is_file() else {}
+        record = {
+            "arm": run.arm,
+            "seed": run.seed,
+            "run": run.run,
+            "final_step": final,
+            "tokens": final * run.tokens_per_step if run.tokens_per_step else None,
+            "train_loss": last_value(metrics, "train/loss"),
+            "val_loss": last_value(metrics, "val/loss"),
+            "wall_s": end.get("wall_s"),
+            "tokens_per_s": end.get("tokens_per_s"),
+        }
+        at_final = angles[(angles["step"] == final) & (angles["ref"] == "ones")]
+        for site, mean in at_final.groupby("site", sort=False)["mean_deg"].mean().items():
+            record[f"ones_deg/{site}"] = float(mean)
+        records.append(record)
+    return pd.DataFrame(records).sort_values(["arm", "seed"], kind="stable").reset_index(drop=True)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    def cell(value) -> str:
+        if value is None or (isinstance(value, float) and pd.isna(value)):
+            return "-"
+        if isinstance(value, float):
+            return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4g}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    for row in table.astype(object).itertuples(index=False):
+        lines.append("| " + " | ".join(cell(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+

@@ -1,0 +1,74 @@
+"""The config check: impossible values are refused right after composition, before anything is written.
+
+Hydra runs :class:`ConfigCheck` (conf/*/*.yaml hydra.callbacks) before it creates the output directory;
+a refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config
+errors (:func:`config_errors_exit_2`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from normgeo.runs.schema import SCHEMAS, ConfigError
+
+# Hydra exits 1 for its own config errors (unknown key, bad override syntax, missing group option) and
+# for a crash of the task alike; before the config is composed it can only be the former.
+CONFIG_ERROR_EXIT = 2
+_composed = False  # set once Hydra composed a config: a SystemExit(1) after that is not a config error
+
+
+def task_config(root: DictConfig) -> DictConfig:
+    """The config the task function will get: Hydra's full config without its ``hydra`` node."""
+    task = copy.deepcopy(root)
+    with read_write(task), open_dict(task):
+        task.pop("hydra", None)
+    return task
+
+
+def check_config(schema: str, cfg: DictConfig) -> None:
+    """normgeo.runs.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
+    SCHEMAS[schema][1](cfg)
+
+
+class ConfigCheck(Callback):
+    """Hydra callback (conf/*/*.yaml hydra.callbacks): refuse impossible values right after composition,
+    before Hydra creates the output directory or writes anything (exit 2, one line naming the key)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _composed
+        _composed = True
+        try:
+            check_config(self.schema, task_config(config))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(CONFIG_ERROR_EXIT) from None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _composed
+        _composed = True  # each job is checked on its own (the task function; normgeo_if_accepted)
+
+
+def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
+    """``hydra_main`` (a @hydra.main function called without arguments), with Hydra's own config errors
+    exiting 2 like every other refused input instead of Hydra's 1."""
+
+    def main() -> Any:
+        try:
+            return hydra_main()
+        except SystemExit as done:
+            if done.code == 1 and not _composed:
+                raise SystemExit(CONFIG_ERROR_EXIT) from None
+            raise
+
+    main.__doc__ = hydra_main.__doc__
+    return main
+
