@@ -1,4 +1,4 @@
-"""The numbers the README quotes from the factorial runs (docs/make_factorial_figures.sh writes them to
+"""The numbers docs/probe.md quotes from the factorial runs (docs/make_factorial_figures.sh writes them to
 docs/factorial_numbers.md): energy along 1 and sqrt(d)/||x|| at layer 1 ln1.in, the ellipsoids' largest
 condition number and normal-vs-1 angle, and each arm's final validation loss.
 

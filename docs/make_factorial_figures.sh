@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The norm factorial's README figures from real runs: the smoke experiment, shortened to 30 steps (probes at
+# The norm factorial's figures (docs/probe.md) from real runs: the smoke experiment, shortened to 30 steps (probes at
 # 0, 10, 20, 30; 2,048 probe tokens), for the four norms under Pre-LN and LayerNorm/RMSNorm under Post-LN,
 # then normgeo.report on the four Pre-LN arms and normgeo.compare on all six. A few minutes on 2 CPU cores.
 # Called by docs/make_figures.sh; alone:
@@ -26,5 +26,5 @@ fig=docs/figures
 for figure in ellipsoid energy factorial_ones; do
   cp "$OUT/compare/$figure.png" "$fig/factorial-$figure.png"
 done
-python docs/factorial_numbers.py "$OUT" > docs/factorial_numbers.md  # the numbers the README quotes
+python docs/factorial_numbers.py "$OUT" > docs/factorial_numbers.md  # the numbers docs/probe.md quotes
 echo "factorial figures in $fig (factorial-*.png), numbers in docs/factorial_numbers.md"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every figure in docs/figures and every number the README quotes (docs/numbers.md), on the
+# Regenerates every figure in docs/figures and every number the README and the docs/ pages quote (docs/numbers.md), on the
 # current code, offline, on CPU: the two smoke arms (per-run figures, normgeo.report, normgeo.compare), SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
 # tokens of ../shared/corpora/wikipedia. About 20 minutes on 2 CPU cores.
 #

@@ -1,4 +1,4 @@
-"""The README's bad-input table is the contract: every row is tried here.
+"""The bad-input table of docs/reliability.md is the contract: every row is tried here.
 
 Every row composes in-process (Hydra ``compose`` + normgeo.runs.schema's check, fast); the starred rows also
 run as real ``python train.py``/``analyze.py`` subprocesses for the exit code and "nothing written".
@@ -23,10 +23,10 @@ ROW = re.compile(r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> 
 
 
 def table_rows() -> list[dict]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "reliability.md").read_text()
     table = text.split("<!-- bad-inputs:", 1)[1].split("\n\n", 1)[0]
     rows = [m.groupdict() for line in table.splitlines() if (m := ROW.match(line))]
-    assert len(rows) >= 25, "the README's bad-input table lost rows"
+    assert len(rows) >= 25, "the bad-input table of docs/reliability.md lost rows"
     return rows
 
 

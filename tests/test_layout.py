@@ -31,13 +31,33 @@ def test_no_import_runs_back_up_a_floor() -> None:
     assert upward == []
 
 
-def test_the_readme_layout_table_names_every_module() -> None:
+def layout_rows() -> dict[str, str]:
+    """The README's ``## Layout`` table: the first cell (a folder like ``normgeo/runs/`` or a file) -> the row."""
     readme = ROOT.joinpath("README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    layout = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in layout.splitlines():
+        if line.startswith("| `"):
+            first, rest = line[3:].split("`", 1)
+            rows[first] = rest
+    return rows
+
+
+def test_the_readme_layout_table_names_every_module() -> None:
+    """Every module, subpackages included, is named in the row of its own folder (``normgeo/figures/compare.py``
+    in the ``normgeo/figures/`` row, ``normgeo/compare.py`` in the ``normgeo/`` row)."""
+    rows = layout_rows()
     missing = [
-        f"{package}/{path.name}"
+        str(path.relative_to(ROOT))
         for package in (*FLOORS, "slurm", "bench")
-        for path in sorted((ROOT / package).glob("*.py"))
-        if path.name != "__init__.py" and f"`{path.name}`" not in layout
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "__init__.py"
+        and f"`{path.name}`" not in rows.get(f"{path.parent.relative_to(ROOT).as_posix()}/", "")
     ]
     assert missing == []
+
+
+def test_the_layout_check_sees_a_missing_module() -> None:
+    rows = layout_rows()
+    assert "normgeo/measure/" in rows and "normgeo/runs/" in rows and "normgeo/figures/" in rows
+    assert "`stats.py`" in rows["normgeo/measure/"] and "`stats.py`" not in rows["normgeo/runs/"]
