@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import resource
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +22,17 @@ from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 
 log = logging.getLogger(__name__)
+
+
+def memory_metrics() -> dict[str, float]:
+    """``mem/peak_rss_mib`` (the process's high-water mark) and ``mem/rss_mib`` (now), Linux and macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mib = peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+    metrics = {"mem/peak_rss_mib": float(peak_mib)}
+    statm = Path("/proc/self/statm")
+    if statm.is_file():
+        metrics["mem/rss_mib"] = int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return metrics
 
 
 class AngleProbe(OptimizerStepCallback):
@@ -126,6 +140,8 @@ class AngleProbe(OptimizerStepCallback):
             layer = f"layer{row['layer']}" if isinstance(row["layer"], int) else str(row["layer"])
             per_layer[f"probe/{row['site']}/{row['ref']}/{layer}"] = row["mean_deg"]
         metrics = {key: float(np.mean(values)) for key, values in summary.items()}
+        # A long run must not grow: the process's peak and current RSS at every probe (flat = no leak).
+        metrics.update(memory_metrics())
         plotting = [lg for lg in trainer.loggers if isinstance(lg, (WandbLogger, TensorBoardLogger))]
         for logger in trainer.loggers:
             logger.log_metrics({**metrics, **per_layer} if logger in plotting else metrics, step=step)

@@ -238,6 +238,8 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
         lines += [f"- {sentence(e)}" for e in headline if e.metric in ("val_loss", "tokens_per_s_ratio", "ones_dev/ln1.in")]
         lines.append("")
     lines += ["## Every contrast", ""]
+    if not estimates:
+        lines.append("None: no contrast of the norm registry has runs of both its arms with a common seed.")
     title = None
     for est in estimates:
         if _group_title(est) != title:

@@ -3,16 +3,11 @@ registration (the config check itself: :mod:`normgeo.runs.checks`)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import re
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from normgeo.runs.schema import SCHEMAS, key_docs

@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from normgeo.runs.checks import check_config, task_config
-from normgeo.runs.schema import ConfigError
 from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
+from normgeo.runs.schema import ConfigError
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
 log = logging.getLogger(__name__)

@@ -73,6 +73,20 @@ def run_summary(
         "checkpoints": str(run_dir / "checkpoints"),
         "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
         "train_log": str(run_dir / "train.log"),
+        "disk_bytes": disk_use(run_dir),
+    }
+
+
+def disk_use(run_dir: Path) -> dict[str, int]:
+    """Bytes on disk of the run: its checkpoints, its records (*.jsonl), and everything in the directory."""
+
+    def size(paths) -> int:
+        return sum(p.stat().st_size for p in paths if p.is_file())
+
+    return {
+        "checkpoints": size((run_dir / "checkpoints").rglob("*")),
+        "records": size(run_dir.glob("*.jsonl")),
+        "total": size(run_dir.rglob("*")),
     }
 
 
