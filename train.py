@@ -40,6 +40,7 @@ from corpus.stream import accumulation_steps
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.logged_figures import figure_key, log_figures
+from normgeo.plan import preflight
 from normgeo.runs.checks import check_config, config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
@@ -164,6 +165,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule)
 
 
 def train(cfg: DictConfig) -> L.Trainer:
+    preflight(cfg)  # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()

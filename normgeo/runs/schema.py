@@ -122,6 +122,16 @@ class DataSchema:
 
 
 @dataclass
+class PlanSchema:
+    check: bool = doc(True, "on a GPU, refuse a launch whose planned peak memory cannot fit (exit 2)")
+    mfu: float = doc(0.4, "model FLOPs utilization for the planned time and GPU-hours, in (0, 1]")
+    headroom_gib: float = doc(1.5, "GiB per GPU for the CUDA context and NCCL, >= 0")
+    fragmentation: float = doc(0.1, "allocator fragmentation margin on the planned peak, >= 0")
+    devices: int | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)")
+    gpus: list[str] = doc(["a6000", "a100-40gb", "a100-80gb", "h100-80gb"], "GPU types to plan for (models/plan.py)")
+
+
+@dataclass
 class TrainSchema:
     seed: int = doc(0, "weights, data order and dropout")
     run_name: str = doc(MISSING, "the run directory's name")
@@ -150,6 +160,7 @@ class TrainSchema:
     probe: ProbeSchema = node(ProbeSchema, "group probe: the angle measurements")
     trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")
     logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger")
+    plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU pre-flight check")
 
 
 @dataclass
@@ -238,6 +249,10 @@ def check_train(cfg: DictConfig) -> None:
     if steps is not None:
         _expect(all(s > 0 for s in steps) and all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
                 steps, "positive, strictly increasing steps, e.g. checkpoint.steps=[500,1000]")
+    _expect(0 < cfg.plan.mfu <= 1, "plan.mfu", cfg.plan.mfu, "a fraction in (0, 1]")
+    _expect(cfg.plan.headroom_gib >= 0 and cfg.plan.fragmentation >= 0, "plan.headroom_gib",
+            cfg.plan.headroom_gib, "a number >= 0 (and plan.fragmentation >= 0)")
+    _expect(cfg.plan.devices is None or cfg.plan.devices > 0, "plan.devices", cfg.plan.devices, "an integer > 0 or null")
     _expect(0 < cfg.data.val_fraction < 1, "data.val_fraction", cfg.data.val_fraction, "a fraction in (0, 1)")
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")

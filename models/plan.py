@@ -1,0 +1,483 @@
+"""What a training step costs on a GPU, planned on any machine without running it.
+
+The model (:class:`models.lit.LitGPT`, exactly as training builds it) and its AdamW are built under
+``FakeTensorMode`` (shapes and dtypes, no memory); one training step (forward, backward, clipping, AdamW
+step) runs on those fake tensors inside ``MemTracker``, which attributes the peak to parameters,
+gradients, optimizer state, activations and temporaries, and ``FlopCounterMode`` counts its FLOPs.
+The single-device trace is exact for one GPU; DDP adds its persistent gradient buckets; FSDP2 is derived
+from it analytically (parameters, gradients and optimizer state divided over the ranks, plus the
+all-gathered root and two blocks in the FSDP2 ``param_dtype``), with the activations of a trace of the
+model in that dtype. The fake step runs on the CPU with CPU autocast: the same casts as CUDA autocast for
+this model (matmuls and attention in the low dtype; norms, residual stream and loss in float32).
+
+Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). The command that composes a config
+and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check calls :func:`preflight_error`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._composable import checkpoint
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from models.lit import LitGPT
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: int         # bytes the card reports (nvidia-smi memory.total)
+    bf16_flops: float   # dense (no sparsity) bf16 tensor-core peak, FLOP/s
+
+
+# Peak bf16 FLOP/s are the vendors' dense numbers (half the "with sparsity" ones).
+GPUS: dict[str, GPU] = {
+    # NVIDIA RTX A6000 datasheet: 309.7 TFLOPS tensor performance with sparsity -> 154.8 dense; 49140 MiB.
+    # (Lightning's get_available_flops lists 38.7e12 for it, the non-tensor-core rate.)
+    "a6000": GPU("RTX A6000 48 GB", 49140 * 2**20, 154.8e12),
+    # NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 tensor core 312 TFLOPS.
+    "a100-40gb": GPU("A100 40 GB", 40960 * 2**20, 312e12),
+    "a100-80gb": GPU("A100 80 GB", 81920 * 2**20, 312e12),
+    # NVIDIA H100 datasheet, SXM5: BF16 tensor core 1,979 TFLOPS with sparsity -> 989.4 dense; 81559 MiB.
+    "h100-80gb": GPU("H100 SXM 80 GB", 81559 * 2**20, 989.4e12),
+}
+
+# Lightning precision setting -> (dtype the parameters are stored in, autocast dtype or None).
+PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+    "32-true": (torch.float32, None),
+    "32": (torch.float32, None),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "16-mixed": (torch.float32, torch.float16),
+    "bf16-true": (torch.bfloat16, None),
+    "16-true": (torch.float16, None),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+STRATEGIES = ("single", "ddp", "fsdp2")
+
+# The CPU flash-attention kernels (what SDPA runs on fake CPU tensors) have no FLOP formula in
+# torch.utils.flop_counter; they do the same matmuls as the CUDA ones, so the CUDA formulas apply.
+_aten = torch.ops.aten
+SDPA_FLOPS: dict = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
+    ),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v)
+    ),
+}
+
+
+class PeakMemTracker(MemTracker):
+    """MemTracker without its per-module peaks: those cost a pass over every module for every operator
+    (10x the time of the step at 1B); the per-device peak and its breakdown are kept as MemTracker has them."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """What the plan of a training config needs (normgeo/plan.py fills it from the config)."""
+
+    model: dict                     # LitGPT's arguments: the config's ``model`` node without ``_target_``
+    micro_batch: int
+    global_batch: int
+    precision: str = "bf16-mixed"
+    strategy: str = "ddp"           # single | ddp | fsdp2
+    world_size: int = 1
+    activation_checkpointing: bool = False
+    fsdp_param_dtype: str | None = "bfloat16"
+    fsdp_reduce_dtype: str | None = "float32"
+    gradient_clip: float | None = 1.0
+    fused_adamw: bool = True        # LitGPT's choice on CUDA; false reproduces its CPU optimizer
+    probe_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} cannot be planned: one of {', '.join(PRECISIONS)}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} cannot be planned: one of {', '.join(STRATEGIES)}")
+        for name in (self.fsdp_param_dtype, self.fsdp_reduce_dtype):
+            if name is not None and name not in DTYPES:
+                raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)} or null")
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.model["model"]["block_size"])
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU at the peak, by category."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporaries
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "total": self.total}
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One traced micro-step: the tracker's peak breakdown (bytes) and the forward + backward FLOPs."""
+
+    peak: dict[str, int]
+    flops: int
+
+    def get(self, kind: str) -> int:
+        return int(self.peak.get(kind, 0))
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    parameters: int
+    non_embedding: int        # without the token/position embeddings and an untied head
+    matmul_parameters: int    # weights of the matmuls (every Linear's weight, head included)
+    parameter_bytes: int
+    optimizer_bytes: int      # AdamW state after its first step (exp_avg, exp_avg_sq, step)
+    block_parameters: int     # one transformer block
+    root_parameters: int      # outside the blocks: embeddings, final norm, head
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A peak that grows linearly with micro_batch, measured at two batch sizes: peak(b) = fixed + per_sample*b."""
+
+    fixed: float
+    per_sample: float
+    measured_at: tuple[int, int]
+
+    def at(self, micro_batch: int) -> int:
+        return int(round(self.fixed + self.per_sample * micro_batch))
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    checkpointing: bool
+    memory: Memory                  # at the configured micro_batch
+    peak: Linear                    # total per GPU against micro_batch
+    flops_per_token: float          # counted, forward + backward (+ recompute with checkpointing)
+
+
+@dataclass
+class Plan:
+    setup: TrainSetup
+    counts: ModelCounts
+    analytic_flops_per_token: float     # 6 N_matmul + 12 L T d
+    plans: dict[bool, StrategyPlan] = field(default_factory=dict)   # activation checkpointing off/on
+    probe: Memory | None = None
+
+    @property
+    def configured(self) -> StrategyPlan:
+        return self.plans[self.setup.activation_checkpointing]
+
+    def tokens_per_step(self) -> int:
+        return self.setup.global_batch * self.setup.seq_len
+
+    def step_flops(self, checkpointing: bool | None = None) -> float:
+        chosen = self.configured if checkpointing is None else self.plans[checkpointing]
+        return chosen.flops_per_token * self.tokens_per_step()
+
+
+def fits(peak: int, memory: int, headroom_gib: float, fragmentation: float) -> bool:
+    """Whether a planned peak fits a card: CUDA context and NCCL (headroom_gib) + allocator fragmentation."""
+    return peak * (1 + fragmentation) + headroom_gib * GIB <= memory
+
+
+def valid_micro_batches(global_batch: int, world_size: int) -> list[int]:
+    """The micro-batches the batch stream accepts: micro_batch x world size divides the global batch."""
+    if global_batch % world_size:
+        return []
+    per_rank = global_batch // world_size
+    return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+
+
+def largest_micro_batch(peak: Linear, memory: int, global_batch: int, world_size: int,
+                        headroom_gib: float, fragmentation: float) -> int | None:
+    """The largest valid micro_batch whose extrapolated peak fits; None when not even 1 fits."""
+    fitting = [b for b in valid_micro_batches(global_batch, world_size)
+               if fits(peak.at(b), memory, headroom_gib, fragmentation)]
+    return max(fitting) if fitting else None
+
+
+# --------------------------------------------------------------------------------------------- tracing
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters in ``dtype`` (Module.to cannot convert fake parameters a tracker holds weakly)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_module(setup: TrainSetup, dtype: torch.dtype | None = None) -> LitGPT:
+    """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's storage)."""
+    with default_dtype(dtype or PRECISIONS[setup.precision][0]):
+        return LitGPT(**setup.model)
+
+
+def build_optimizer(module: LitGPT, fused: bool) -> torch.optim.Optimizer:
+    """LitGPT's AdamW (its two weight-decay groups); fused as LitGPT makes it on CUDA."""
+    optimizer = module.configure_optimizers()["optimizer"]
+    if not fused:
+        return optimizer
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+    defaults = optimizer.defaults
+    return torch.optim.AdamW(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], fused=True)
+
+
+def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:
+    """One step on zero gradients, so that the state exists as in every step after the first."""
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def random_batch(setup: TrainSetup, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = int(setup.model["model"].get("vocab_size", 50257))
+    shape = (batch, setup.seq_len)
+    return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+
+
+def autocast_of(setup: TrainSetup):
+    _, low = PRECISIONS[setup.precision]
+    return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
+
+
+def run_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
+             tracker: MemTracker, flops: FlopCounterMode) -> None:
+    """One micro-step (forward, backward; with an optimizer also clipping and the AdamW step) inside
+    ``tracker``; ``flops`` sees the forward and backward only."""
+    inputs, targets = random_batch(setup, batch)
+    with tracker:
+        with flops:
+            with autocast_of(setup):
+                loss = module.model(inputs, targets)
+            loss.backward()
+        if optimizer is not None:
+            if setup.gradient_clip:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), setup.gradient_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def snapshot(tracker: MemTracker) -> dict[str, int]:
+    """The tracker's peak on the CPU, keyed by category name (Parameter, Gradient, Optstate, ...)."""
+    peak = tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+    return {getattr(k, "value", k): int(v) for k, v in peak.items()}
+
+
+def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool = True) -> StepTrace:
+    """Peak memory and FLOPs of one steady-state training step of one device (real tensors: fake=False)."""
+    with FakeTensorMode() if fake else nullcontext():
+        module = build_module(setup)
+        optimizer = build_optimizer(module, setup.fused_adamw)
+        warm_optimizer(module, optimizer)
+        if checkpointing:
+            for block in module.model.blocks:
+                checkpoint(block)  # what FSDP2Strategy applies (composable, names unchanged)
+        tracker = PeakMemTracker()
+        tracker.track_external(module.model, optimizer)
+        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
+        run_step(module, optimizer, setup, batch, tracker, counter)
+        return StepTrace(snapshot(tracker), counter.get_total_flops())
+
+
+def trace_sharded_compute(setup: TrainSetup, batch: int, *, checkpointing: bool) -> StepTrace:
+    """FSDP2's compute of one micro-step: parameters in param_dtype, each gradient freed once computed
+    (FSDP2 reduce-scatters it into the shard). Parameters and shards are added analytically."""
+    with FakeTensorMode():
+        module = build_module(setup, DTYPES[setup.fsdp_param_dtype] if setup.fsdp_param_dtype else None)
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+        if checkpointing:
+            for block in module.model.blocks:
+                checkpoint(block)
+        tracker = PeakMemTracker()
+        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
+        run_step(module, None, setup, batch, tracker, counter)
+        return StepTrace(snapshot(tracker), counter.get_total_flops())
+
+
+def trace_probe(setup: TrainSetup) -> StepTrace:
+    """The probe's forward pass (no gradients) at its batch size, in the training precision."""
+    with FakeTensorMode():
+        module = build_module(setup)
+        module.model.eval()
+        tracker = PeakMemTracker()
+        tracker.track_external(module.model)
+        inputs, _ = random_batch(setup, setup.probe_batch)
+        with tracker, torch.no_grad(), autocast_of(setup):
+            module.model(inputs)
+        return StepTrace(snapshot(tracker), 0)
+
+
+def model_counts(setup: TrainSetup) -> ModelCounts:
+    with FakeTensorMode():
+        module = build_module(setup)
+        optimizer = build_optimizer(module, setup.fused_adamw)
+        warm_optimizer(module, optimizer)
+        model = module.model
+        params = list(model.parameters())  # a tied matrix once
+        embedding = model.wte.weight.numel() + model.wpe.weight.numel()
+        if model.lm_head.weight is not model.wte.weight:
+            embedding += model.lm_head.weight.numel()
+        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+        total = sum(p.numel() for p in params)
+        return ModelCounts(
+            parameters=total,
+            non_embedding=total - embedding,
+            matmul_parameters=matmul,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+            optimizer_bytes=sum(t.numel() * t.element_size() for t in state),
+            block_parameters=block,
+            root_parameters=total - block * len(model.blocks),
+        )
+
+
+# ------------------------------------------------------------------------------------------ strategies
+
+def per_gpu(setup: TrainSetup, counts: ModelCounts, trace: StepTrace, compute: StepTrace | None) -> Memory:
+    """The peak per GPU under the setup's strategy, from the single-device trace (and FSDP2's compute)."""
+    rest = trace.get("Buffer") + trace.get("Other") + trace.get("Temp")
+    if setup.strategy == "single":
+        return Memory(trace.get("Parameter"), trace.get("Gradient"), trace.get("Optstate"),
+                      trace.get("Activation"), rest)
+    if setup.strategy == "ddp":
+        # gradient_as_bucket_view: the gradients live in DDP's buckets, allocated once for good.
+        return Memory(trace.get("Parameter"), counts.parameter_bytes, trace.get("Optstate"),
+                      trace.get("Activation"), rest)
+    assert compute is not None
+    ranks = setup.world_size
+    low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
+    reduce = DTYPES[setup.fsdp_reduce_dtype].itemsize if setup.fsdp_reduce_dtype else low
+    # The root (embeddings, head) stays gathered from its forward to the end of the backward (FSDP2 never
+    # reshards the root after forward); a block is gathered while the next one is prefetched.
+    gathered = (counts.root_parameters + 2 * counts.block_parameters) * low
+    shard = math.ceil(counts.parameter_bytes / ranks)
+    # A block's unsharded gradient is cast to reduce_dtype for the reduce-scatter (when that differs).
+    reduce_copy = counts.block_parameters * reduce if reduce != low else 0
+    return Memory(
+        parameters=shard + gathered,
+        gradients=shard + compute.get("Gradient") + reduce_copy,
+        optimizer=math.ceil(counts.optimizer_bytes / ranks),
+        activations=compute.get("Activation"),
+        temporaries=compute.get("Temp") + compute.get("Buffer") + compute.get("Other"),
+    )
+
+
+def _storage_bytes(setup: TrainSetup) -> int:
+    return PRECISIONS[setup.precision][0].itemsize
+
+
+def second_batch(micro_batch: int) -> int:
+    """The other batch size the slope is measured at: half the configured one, or 2 for 1."""
+    return micro_batch // 2 if micro_batch >= 2 else 2
+
+
+def plan_strategy(setup: TrainSetup, counts: ModelCounts, checkpointing: bool,
+                  batches: tuple[int, ...] | None = None) -> StrategyPlan:
+    """Trace at the configured micro_batch and at a second one; peaks are linear in between and beyond."""
+    batches = batches or (setup.micro_batch, second_batch(setup.micro_batch))
+    memories = []
+    flops = 0.0
+    for i, batch in enumerate(batches):
+        if setup.strategy == "fsdp2":  # the sharded state is analytic: only the compute is traced
+            trace = trace_sharded_compute(setup, batch, checkpointing=checkpointing)
+            memories.append(per_gpu(setup, counts, trace, trace))
+        else:
+            trace = trace_step(setup, batch, checkpointing=checkpointing)
+            memories.append(per_gpu(setup, counts, trace, None))
+        if i == 0:
+            flops = trace.flops / (batch * setup.seq_len)
+    (b1, b2), (m1, m2) = batches[:2], memories[:2]
+    slope = (m1.total - m2.total) / (b1 - b2)
+    return StrategyPlan(checkpointing, m1, Linear(m1.total - slope * b1, slope, (b1, b2)), flops)
+
+
+def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
+    """6 N + 12 L T d (PaLM, appendix B) with N the matmul weights: an embedding lookup does no FLOPs."""
+    m = setup.model["model"]
+    return 6 * counts.matmul_parameters + 12 * m["n_layer"] * m["n_embd"] * setup.seq_len
+
+
+def make_plan(setup: TrainSetup, *, both_checkpointing: bool = True, probe: bool = True) -> Plan:
+    """The plan of ``setup``: counts, FLOPs, and the peak per GPU with (and without) activation checkpointing."""
+    counts = model_counts(setup)
+    plan = Plan(setup, counts, analytic_flops_per_token(setup, counts))
+    choices = (False, True) if both_checkpointing else (setup.activation_checkpointing,)
+    for checkpointing in choices:
+        plan.plans[checkpointing] = plan_strategy(setup, counts, checkpointing)
+    if probe:
+        plan.probe = probe_memory(setup, counts, trace_probe(setup))
+    return plan
+
+
+def probe_memory(setup: TrainSetup, counts: ModelCounts, trace: StepTrace) -> Memory:
+    """At a probe the step is over: parameters, optimizer state (and DDP's buckets) stay; the probe's
+    forward adds its activations. Under FSDP2 the shards stay and the forward gathers as in training."""
+    if setup.strategy == "fsdp2":
+        low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
+        params = math.ceil(counts.parameter_bytes / setup.world_size)
+        params += (counts.root_parameters + 2 * counts.block_parameters) * low
+        grads, optim = 0, math.ceil(counts.optimizer_bytes / setup.world_size)
+    else:
+        params, optim = counts.parameter_bytes, counts.optimizer_bytes
+        grads = counts.parameter_bytes if setup.strategy == "ddp" else 0
+    return Memory(params, grads, optim, trace.get("Activation"), trace.get("Temp") + trace.get("Other"))
+
+
+# ------------------------------------------------------------------------------------------- pre-flight
+
+def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom_gib: float,
+                    fragmentation: float) -> str | None:
+    """None when the plan's peak may fit ``total_memory``; else the one-line reason to refuse the launch.
+
+    Refuses only what clearly cannot fit: the planned peak plus the CUDA context (headroom_gib) beyond
+    the card, fragmentation not counted. The largest micro_batch named does count it (what to launch)."""
+    peak = plan.configured.memory.total
+    if peak + headroom_gib * GIB <= total_memory:
+        return None
+    best = largest_micro_batch(plan.configured.peak, total_memory, plan.setup.global_batch,
+                               plan.setup.world_size, headroom_gib, fragmentation)
+    advice = (f"the largest micro_batch that fits is {best}" if best is not None
+              else "no micro_batch fits: use more GPUs, trainer=fsdp or activation checkpointing")
+    return (f"planned peak {peak / GIB:.1f} GiB per GPU (micro_batch={plan.setup.micro_batch}) + "
+            f"{headroom_gib:g} GiB CUDA context exceeds the {total_memory / GIB:.1f} GiB of {device_name}: "
+            f"{advice} (python -m normgeo.plan <same overrides>; plan.check=false skips this check)")
+
+
+@contextmanager
+def quiet_plan() -> Iterator[None]:
+    """Fake-tensor tracing warns about nothing the user can act on (e.g. autocast on CPU)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+

@@ -1,0 +1,280 @@
+"""What a GPU run will cost, before it runs: ``python -m normgeo.plan <train.py overrides>`` (``normgeo-plan``).
+
+Composes the config exactly as ``train.py`` would (same overrides, same schema check) with Hydra's compose
+API, so nothing is written: no run directory, no ``.hydra``. Prints the parameter counts, FLOPs per token
+and per optimizer step, the peak memory per GPU by category (with and without activation checkpointing,
+and at a probe), whether it fits each GPU of ``plan.gpus`` and the largest micro_batch that does, the
+time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. The planning itself is
+``models/plan.py`` (fake tensors); :func:`preflight` is ``train.py``'s check before the first step.
+
+    python -m normgeo.plan experiment=paper_1b norm=rms
+    python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from models.hardware import default_precision
+from models.plan import (
+    GIB,
+    GPUS,
+    Plan,
+    TrainSetup,
+    fits,
+    largest_micro_batch,
+    make_plan,
+    preflight_error,
+    quiet_plan,
+)
+from normgeo.figures.tables import print_table
+from normgeo.runs.checks import check_config
+from normgeo.runs.config import CONF_DIR
+from normgeo.runs.schema import ConfigError
+
+CONFIG_ERROR_EXIT = 2
+
+
+class PlanRefusal(ValueError):
+    """The planned peak cannot fit the GPU (train.py refuses the launch, exit 2)."""
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
+        cfg = hydra_compose(config_name="train", overrides=list(overrides))
+    check_config("train", cfg)
+    return cfg
+
+
+def strategy_of(cfg: DictConfig, world_size: int) -> tuple[str, dict]:
+    """single | ddp | fsdp2 (and FSDP2's settings) from ``trainer.strategy``, as Lightning would pick."""
+    strategy = cfg.trainer.strategy
+    if strategy in (None, "auto"):
+        return ("ddp" if world_size > 1 else "single"), {}
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    if target.endswith("DDPStrategy") or target.startswith("ddp"):
+        return "ddp", {}
+    if target.endswith("FSDP2Strategy"):
+        return "fsdp2", {
+            "fsdp_param_dtype": strategy.get("param_dtype"),
+            "fsdp_reduce_dtype": strategy.get("reduce_dtype"),
+            "activation_checkpointing": bool(strategy.get("activation_checkpointing", False)),
+        }
+    raise ConfigError(f"trainer.strategy={target}: cannot be planned (auto, DDPStrategy or FSDP2Strategy)")
+
+
+def planned_world_size(cfg: DictConfig, visible_gpus: int | None = None) -> int:
+    """GPUs of the run: trainer.devices (auto: plan.devices, the visible GPUs, or size.gpus) x num_nodes."""
+    devices = cfg.trainer.devices
+    if isinstance(devices, int) and devices > 0:
+        per_node = devices
+    elif OmegaConf.is_list(devices):
+        per_node = len(devices)
+    else:
+        per_node = cfg.plan.devices or visible_gpus or cfg.size.gpus or 1
+    return per_node * int(cfg.trainer.num_nodes or 1)
+
+
+def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> TrainSetup:
+    """The planner's view of a composed train.py config (the model node is LitGPT's arguments as is)."""
+    world = planned_world_size(cfg, visible_gpus)
+    strategy, fsdp = strategy_of(cfg, world)
+    on_cpu = cfg.trainer.accelerator == "cpu"
+    # trainer.precision=null: what default_precision() picks on the GPU (bf16 on every GPU planned for).
+    precision = str(cfg.trainer.precision or ("32-true" if on_cpu else "bf16-mixed"))
+    if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
+        raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
+                          f"global_batch={cfg.global_batch}")
+    model = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if not k.startswith("_")}
+    return TrainSetup(
+        model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch), precision=precision,
+        strategy=strategy, world_size=world, gradient_clip=cfg.trainer.get("gradient_clip_val"),
+        fused_adamw=not on_cpu, probe_batch=int(cfg.probe.batch_size), **fsdp,
+    )
+
+
+def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
+    """Bytes the schedule writes: scheduled checkpoints (weights only unless keep_optimizer) + last.ckpt
+    (full state). Tensor bytes only: the metadata (hparams, RNG states, run config) adds some kB."""
+    schedule = instantiate(cfg.checkpoint)  # the schedule train.py builds from the same node
+    weights = plan.counts.parameter_bytes
+    full = weights + plan.counts.optimizer_bytes
+    each = full if schedule.keep_optimizer else weights
+    return {"checkpoints": len(schedule.steps), "scheduled_bytes": each, "last_bytes": full,
+            "total_bytes": each * len(schedule.steps) + full}
+
+
+def gpu_rows(cfg: DictConfig, plan: Plan, gpus: Sequence[str]) -> list[dict]:
+    """Per GPU type: fits (configured micro_batch, with/without checkpointing), largest micro_batch, time."""
+    setup, rows = plan.setup, []
+    for key in gpus:
+        gpu = GPUS[key]
+        row: dict = {"gpu": key, "name": gpu.name, "memory_gib": gpu.memory / GIB}
+        for checkpointing, strategy_plan in plan.plans.items():
+            tag = "ac" if checkpointing else "no_ac"
+            row[f"fits_{tag}"] = fits(strategy_plan.memory.total, gpu.memory, cfg.plan.headroom_gib,
+                                      cfg.plan.fragmentation)
+            row[f"largest_micro_batch_{tag}"] = largest_micro_batch(
+                strategy_plan.peak, gpu.memory, setup.global_batch, setup.world_size,
+                cfg.plan.headroom_gib, cfg.plan.fragmentation)
+        step_s = plan.step_flops() / (setup.world_size * gpu.bf16_flops * cfg.plan.mfu)
+        row["step_s"] = step_s
+        row["run_hours"] = step_s * cfg.max_steps / 3600
+        row["gpu_hours"] = row["run_hours"] * setup.world_size
+        rows.append(row)
+    return rows
+
+
+def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool = True) -> tuple[Plan, dict]:
+    """The plan of a composed config and everything the command prints (a JSON-able dict)."""
+    unknown = [g for g in cfg.plan.gpus if g not in GPUS]
+    if unknown:
+        raise ConfigError(f"plan.gpus={unknown[0]}: unknown GPU (one of {', '.join(GPUS)})")
+    setup = setup_from_config(cfg)
+    with quiet_plan():
+        plan = make_plan(setup, both_checkpointing=both_checkpointing, probe=probe)
+    report = {
+        "config": {"size": cfg.size.name, "norm": cfg.norm.name, "precision": setup.precision,
+                   "strategy": setup.strategy, "world_size": setup.world_size, "micro_batch": setup.micro_batch,
+                   "global_batch": setup.global_batch, "seq_len": setup.seq_len, "max_steps": int(cfg.max_steps),
+                   "activation_checkpointing": setup.activation_checkpointing, "mfu": cfg.plan.mfu},
+        "counts": asdict(plan.counts),
+        "flops_per_token": {"counted": plan.configured.flops_per_token, "analytic": plan.analytic_flops_per_token,
+                            **{f"counted_{'ac' if k else 'no_ac'}": v.flops_per_token for k, v in plan.plans.items()}},
+        "flops_per_step": plan.step_flops(),
+        "tokens_per_step": plan.tokens_per_step(),
+        "total_tokens": plan.tokens_per_step() * int(cfg.max_steps),
+        "memory": {("ac" if k else "no_ac"): v.memory.as_dict() for k, v in plan.plans.items()},
+        "peak_per_sample": {("ac" if k else "no_ac"): v.peak.per_sample for k, v in plan.plans.items()},
+        "measured_at_micro_batch": list(plan.configured.peak.measured_at),
+        "probe_memory": plan.probe.as_dict() if plan.probe else None,
+        "gpus": gpu_rows(cfg, plan, cfg.plan.gpus),
+        "disk": checkpoint_disk(cfg, plan),
+        "headroom": {"gib": cfg.plan.headroom_gib, "fragmentation": cfg.plan.fragmentation},
+    }
+    return plan, report
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def print_report(report: dict) -> None:
+    c, n, f = report["config"], report["counts"], report["flops_per_token"]
+    print(f"plan: {c['size']} {c['norm']} · {c['strategy']} over {c['world_size']} GPU(s) · {c['precision']} · "
+          f"micro_batch {c['micro_batch']} · global_batch {c['global_batch']} x seq_len {c['seq_len']} · "
+          f"{c['max_steps']:,} steps (planned with fake tensors, not measured)")
+    print(f"parameters: {n['parameters']:,} total · {n['non_embedding']:,} non-embedding · "
+          f"{n['parameter_bytes'] / 1e9:.2f} GB · AdamW state {n['optimizer_bytes'] / 1e9:.2f} GB")
+    delta = f["counted"] / f["analytic"] - 1
+    print(f"FLOPs per token: {f['counted']:.4g} counted (FlopCounterMode) · {f['analytic']:.4g} = 6N + 12·L·T·d "
+          f"with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's backward "
+          f"recomputes the scores)" + (f" · {f['counted_ac']:.4g} with activation checkpointing"
+                                       if "counted_ac" in f and not c["activation_checkpointing"] else ""))
+    print(f"per optimizer step: {report['flops_per_step']:.4g} FLOPs, {report['tokens_per_step']:,} tokens · "
+          f"whole run: {report['total_tokens']:,} tokens")
+    columns = list(report["memory"])
+    header = ["GiB per GPU", *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns]]
+    if report["probe_memory"]:
+        header.append("at a probe")
+    rows = []
+    for key in ("parameters", "gradients", "optimizer", "activations", "temporaries", "total"):
+        row = [key, *[_gib(report["memory"][k][key]) for k in columns]]
+        if report["probe_memory"]:
+            row.append(_gib(report["probe_memory"][key]))
+        rows.append(row)
+    rows.append(["+ per extra sample", *[_gib(report["peak_per_sample"][k]) for k in columns],
+                 *([""] if report["probe_memory"] else [])])
+    print_table(header, rows, left=("GiB per GPU",))
+    h = report["headroom"]
+    gpu_header = ["GPU", "GiB", "fits", "largest micro_batch", "fits (AC)", "largest micro_batch (AC)",
+                  "s / step", "run hours", "GPU-hours"]
+    gpu_lines = []
+    for r in report["gpus"]:
+        gpu_lines.append([
+            r["name"], f"{r['memory_gib']:.1f}", _yes(r.get("fits_no_ac")), _mb(r.get("largest_micro_batch_no_ac")),
+            _yes(r.get("fits_ac")), _mb(r.get("largest_micro_batch_ac")),
+            f"{r['step_s']:.2f}", f"{r['run_hours']:.1f}", f"{r['gpu_hours']:.0f}",
+        ])
+    print_table(gpu_header, gpu_lines, left=("GPU",))
+    print(f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA context, NCCL) "
+          f"<= the card; largest micro_batch: peaks traced at micro_batch {report['measured_at_micro_batch']} and "
+          f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
+          "dense bf16 peak (models/plan.py GPUS), probes and validation not included")
+    d = report["disk"]
+    print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "
+          f"{d['last_bytes'] / 1e9:.2f} GB = {d['total_bytes'] / 1e9:.1f} GB (probe files not counted)")
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "NO"
+
+
+def _mb(value: int | None) -> str:
+    return "none" if value is None else str(value)
+
+
+def preflight(cfg: DictConfig) -> None:
+    """train.py, before the first step: on a GPU, raise PlanRefusal when the planned peak cannot fit the
+    device's memory. Skipped on the CPU and with plan.check=false."""
+    import torch
+
+    if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
+        return
+    setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count())
+    precision = str(cfg.trainer.precision or default_precision())
+    setup = TrainSetup(**{**setup.__dict__, "precision": precision})
+    with quiet_plan():
+        plan = make_plan(setup, both_checkpointing=False, probe=False)
+    device = torch.cuda.get_device_properties(0)
+    error = preflight_error(plan, device.total_memory, device.name, headroom_gib=cfg.plan.headroom_gib,
+                            fragmentation=cfg.plan.fragmentation)
+    if error:
+        raise PlanRefusal(error)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    as_json = "--json" in args
+    overrides = [a for a in args if a != "--json"]
+    if any(a.startswith("-") for a in overrides):
+        print(f"error: {next(a for a in overrides if a.startswith('-'))}: options are --json and --help; "
+              "the rest are train.py overrides (no -m: plan one run at a time)", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    try:
+        cfg = compose(overrides)
+        _, report = plan_config(cfg)
+    except Exception as err:  # Hydra's override/composition errors, ConfigError, a plan's ValueError
+        if not _is_input_error(err):
+            raise
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    return 0
+
+
+def _is_input_error(err: Exception) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(err, ValueError | HydraException | OmegaConfBaseException)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The memory and compute plan (models/plan.py, python -m normgeo.plan) against real steps and real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from models.lit import LitGPT
+from models.plan import (
+    GIB,
+    TrainSetup,
+    largest_micro_batch,
+    make_plan,
+    preflight_error,
+    quiet_plan,
+    trace_step,
+)
+from tests.conftest import FAST, ROOT, run_train
+
+SIZES = {  # small contexts and batches: a real CPU step in seconds
+    "tiny": dict(n_layer=2, n_head=2, n_embd=128),
+    "70m": dict(n_layer=6, n_head=8, n_embd=512),
+}
+
+
+def setup_of(size: str, seq_len: int = 64, micro_batch: int = 2, **kwargs) -> TrainSetup:
+    model = {"model": {**SIZES[size], "block_size": seq_len, "norm": "layer", "tie_embeddings": False},
+             "seed": 0, "max_steps": 10, "global_batch": 8, "lr": 1e-3}
+    # What train.py runs on the CPU: fp32, one device, LitGPT's unfused AdamW.
+    return TrainSetup(model=model, micro_batch=micro_batch, global_batch=8, precision="32-true",
+                      strategy="single", fused_adamw=False, **kwargs)
+
+
+def real_step_peak(setup: TrainSetup) -> int:
+    """MemTracker's peak over a real steady-state step on real CPU tensors (not the planner's code)."""
+    torch.manual_seed(0)
+    module = LitGPT(**setup.model)
+    optimizer = module.configure_optimizers()["optimizer"]
+    batch = torch.randint(0, 50257, (setup.micro_batch, setup.seq_len + 1))
+    for _ in range(2):  # the first step creates the optimizer state; the second is the steady state
+        tracker = MemTracker()
+        tracker.track_external(module, optimizer)
+        with tracker:
+            loss = module.training_step((batch[:, :-1], batch[:, 1:]), 0)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("size", ["tiny", pytest.param("70m", marks=pytest.mark.slow)])
+def test_planned_peak_agrees_with_a_real_step_within_10_percent(size: str) -> None:
+    setup = setup_of(size)
+    with quiet_plan():
+        planned = trace_step(setup, setup.micro_batch, checkpointing=False).peak["Total"]
+    real = real_step_peak(setup)
+    print(f"{size}: planned {planned / 2**20:.1f} MiB, real {real / 2**20:.1f} MiB")
+    assert abs(planned - real) <= 0.10 * real
+
+
+@pytest.mark.parametrize("size", ["tiny", "70m"])
+def test_counted_flops_agree_with_6n_plus_12ltd_within_5_percent(size: str) -> None:
+    setup = setup_of(size, seq_len=256)
+    with quiet_plan():
+        plan = make_plan(setup, both_checkpointing=False, probe=False)
+    counted, analytic = plan.configured.flops_per_token, plan.analytic_flops_per_token
+    print(f"{size}: counted {counted:.4g}, analytic {analytic:.4g} FLOPs per token")
+    assert abs(counted - analytic) <= 0.05 * analytic
+
+
+@pytest.mark.slow
+def test_checkpoint_sizes_agree_with_the_files_a_smoke_run_writes(tmp_path: Path) -> None:
+    overrides = ["max_steps=2", "checkpoint.steps=[1]", "checkpoint.last_every=0", "probe.enabled=false"]
+    run_dir = tmp_path / "run"
+    run_train(run_dir, *overrides)
+    from normgeo.plan import checkpoint_disk, compose, setup_from_config
+
+    cfg = compose([*FAST, f"run_dir={run_dir}", *overrides])
+    with quiet_plan():
+        plan = make_plan(setup_from_config(cfg), both_checkpointing=False, probe=False)
+    disk = checkpoint_disk(cfg, plan)
+    files = run_dir / "checkpoints"
+    scheduled = [files / "step-0000001.ckpt", files / "step-0000002.ckpt"]
+    assert disk["checkpoints"] == len(scheduled)
+    for path in scheduled:
+        assert abs(path.stat().st_size - disk["scheduled_bytes"]) <= 0.01 * path.stat().st_size
+    last = (files / "last.ckpt").stat().st_size
+    print(f"planned {disk['scheduled_bytes']:,} / {disk['last_bytes']:,} B, files "
+          f"{[p.stat().st_size for p in scheduled]} / {last:,} B")
+    assert abs(last - disk["last_bytes"]) <= 0.01 * last
+    actual_total = sum(p.stat().st_size for p in files.glob("*.ckpt"))
+    assert abs(actual_total - disk["total_bytes"]) <= 0.01 * actual_total
+
+
+def test_activation_checkpointing_lowers_the_peak_and_the_peak_grows_with_micro_batch() -> None:
+    setup = setup_of("tiny", seq_len=128, micro_batch=4)
+    with quiet_plan():
+        plan = make_plan(setup, probe=False)
+    off, on = plan.plans[False], plan.plans[True]
+    assert on.memory.activations < off.memory.activations
+    assert on.flops_per_token > off.flops_per_token  # the recomputed forward
+    assert off.peak.per_sample > 0 and off.peak.at(4) == pytest.approx(off.memory.total, rel=1e-6)
+
+
+def test_fsdp2_shards_the_state_over_ranks() -> None:
+    base = dict(precision="bf16-mixed", fused_adamw=True)
+    model = setup_of("tiny").model
+    ddp = TrainSetup(model=model, micro_batch=2, global_batch=8, strategy="ddp", world_size=4, **base)
+    fsdp = TrainSetup(model=model, micro_batch=2, global_batch=8, strategy="fsdp2", world_size=4, **base)
+    with quiet_plan():
+        d = make_plan(ddp, both_checkpointing=False, probe=False).configured.memory
+        f = make_plan(fsdp, both_checkpointing=False, probe=False).configured.memory
+    assert f.optimizer == pytest.approx(d.optimizer / 4, abs=8)
+    assert f.total < d.total
+
+
+def test_preflight_refuses_what_cannot_fit_and_names_the_largest_micro_batch() -> None:
+    setup = setup_of("tiny", seq_len=128, micro_batch=8)
+    with quiet_plan():
+        plan = make_plan(setup, both_checkpointing=False, probe=False)
+    peak = plan.configured.memory.total
+    assert preflight_error(plan, peak + 2 * GIB, "Big GPU", headroom_gib=1.5, fragmentation=0.1) is None
+    # A card that holds micro_batch 2 (with the fragmentation margin) but not 8.
+    small = int(plan.configured.peak.at(2) * 1.1 + 1.5 * GIB) + 1
+    message = preflight_error(plan, small, "Small GPU", headroom_gib=1.5, fragmentation=0.1)
+    assert message is not None and "\n" not in message
+    best = largest_micro_batch(plan.configured.peak, small, 8, 1, 1.5, 0.1)
+    assert best == 2 and "the largest micro_batch that fits is 2" in message and "Small GPU" in message
+
+
+def run_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "normgeo.plan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+def test_the_command_prints_a_plan_and_writes_nothing(tmp_path: Path) -> None:
+    result = run_plan("size=tiny", "seq_len=64", "micro_batch=4", "global_batch=8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override", ["plan.gpus=[v100]", "plan.mfu=2", "trainer=nope", "micro_batch=3"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, override: str) -> None:
+    result = run_plan("size=tiny", "seq_len=64", override, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_1b_paper_plan_takes_under_a_minute(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    result = run_plan("experiment=paper_1b", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert time.perf_counter() - start < 60
+    assert list(tmp_path.iterdir()) == []
