@@ -12,7 +12,7 @@ divided by the copy bandwidth of this machine, measured in the same run from ``d
 (bandwidth = 2 x bytes / time). fp32 on CPU; bf16 on a GPU when CUDA is available.
 
     python bench/norm_cost.py                    # d = 512, 768, 1024, 2048 over 8,192 tokens
-    python bench/norm_cost.py --repeats 11 --markdown
+    python bench/norm_cost.py --repeats 9 --markdown
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,18 +65,22 @@ def forward_backward(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
-def timer(fn, threads: int) -> benchmark.Timer:
-    # Timer defaults to one thread; the training runs with all of them. It also synchronizes CUDA.
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+def per_call_seconds(fn: Callable[[], object], number: int, device: torch.device) -> float:
+    """Mean seconds per call over ``number`` back-to-back calls (CUDA: synchronized before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / number
 
 
-def per_call_seconds(t: benchmark.Timer, number: int) -> float:
-    return t.timeit(number).median  # timeit warms up first (max(number // 100, 2) calls)
-
-
-def calls_for(t: benchmark.Timer, target_s: float) -> int:
-    """Calls per measurement so that one measurement lasts about ``target_s`` (short ops are noisy alone)."""
-    once = per_call_seconds(t, 1)
+def calls_for(fn: Callable[[], object], target_s: float, device: torch.device) -> int:
+    """Warm up (allocator, first-call dispatch), then the calls per measurement that last about ``target_s``."""
+    per_call_seconds(fn, 2, device)
+    once = per_call_seconds(fn, 1, device)
     return max(1, round(target_s / max(once, 1e-9)))
 
 
@@ -82,31 +88,30 @@ def measure(
     dims: list[int], tokens: int, repeats: int, copy_mib: int, target_s: float, device: torch.device,
     dtype: torch.dtype,
 ) -> tuple[list[ArmResult], list[float]]:
-    threads = torch.get_num_threads()
     generator = torch.Generator(device=device).manual_seed(0)
     src = torch.empty(copy_mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
     dst = torch.empty_like(src)
     src.normal_(generator=generator)
-    copy_timer = timer(lambda: dst.copy_(src), threads)
-    copy_number = calls_for(copy_timer, target_s)
+    copy = partial(dst.copy_, src)
+    copy_number = calls_for(copy, target_s, device)
     bandwidths: list[float] = []
     results: list[ArmResult] = []
-    plans = []  # (result, timer, calls per measurement)
+    plans = []  # (result, forward + backward, calls per measurement)
     for dim in dims:
         x = torch.randn(tokens, dim, generator=generator, device=device, dtype=dtype).requires_grad_()
         dy = torch.randn(tokens, dim, generator=generator, device=device, dtype=dtype)
         for kind in NORM_KINDS:
             norm = make_norm(kind, dim, 1e-5).to(device=device, dtype=dtype)
-            t = timer(forward_backward(norm, x, dy), threads)
+            fn = forward_backward(norm, x, dy)
             result = ArmResult(kind, dim, floor_bytes(norm, tokens, dim, dtype))
             results.append(result)
-            plans.append((result, t, calls_for(t, target_s)))
+            plans.append((result, fn, calls_for(fn, target_s, device)))
     for repeat in range(repeats):
         # The copy bandwidth in every repeat too: the floor is measured under the same load as the norms.
-        bandwidths.append(2 * src.numel() * src.element_size() / per_call_seconds(copy_timer, copy_number))
+        bandwidths.append(2 * src.numel() * src.element_size() / per_call_seconds(copy, copy_number, device))
         shift = repeat % len(plans)
-        for result, t, number in plans[shift:] + plans[:shift]:
-            result.seconds.append(per_call_seconds(t, number))
+        for result, fn, number in plans[shift:] + plans[:shift]:
+            result.seconds.append(per_call_seconds(fn, number, device))
     return results, bandwidths
 
 
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", default="512,768,1024,2048", help="comma-separated widths d")
     parser.add_argument("--tokens", type=int, default=8192, help="rows of the (tokens, d) input")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved measurements per arm; the median is shown")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved measurements per arm; the median is shown")
     parser.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
     parser.add_argument("--target-ms", type=float, default=40.0, help="about this long per measurement")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table at the end")
