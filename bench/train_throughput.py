@@ -1,34 +1,58 @@
-"""Training tokens/s of the harness (train.py's real Lightning Trainer) next to a plain PyTorch loop.
+"""Training tokens/s of the harness (train.py's real Lightning Trainer) next to two plain PyTorch loops.
 
-Both train the same GPT, from the same initial weights, on the same token windows, with the same
-micro-batch, gradient accumulation, clipping and AdamW step. Only the harness's own overhead differs
-(Lightning loop, sampler/DataLoader, logging, checkpoint callbacks). Prints one line per variant and
-the ratio.
+All three train the same GPT, from the same initial weights, on the same token windows, with the same
+micro-batch, gradient accumulation, clipping and AdamW step:
+
+- harness: train.py itself (Lightning loop, sampler/DataLoader, logging, checkpoint callbacks);
+- plain:   the textbook loop over the harness's own dataset, sampler, model and optimizer + schedule
+           (``LitGPT.configure_optimizers``: same param groups, hyper-parameters and AdamW implementation);
+- minimal: a loop written from scratch: windows gathered from one token tensor, ``model(x, y)``, AdamW,
+           clip, step. It checks the plain loop: the two should agree within a few percent.
+
+Variants run in one process, interleaved, their order rotated from repeat to repeat (drift of a shared
+machine hits all alike), with a garbage collection before each (the previous variant's trainer, model
+and optimizer are freed first). Every repeat is printed, and the ratios of medians and of bests.
+
+With ``--arms`` the harness trains each norm arm instead (``--arms`` alone: every kind of NORM_KINDS),
+interleaved the same way, with each arm's ratio to ``rms``.
 
     python bench/train_throughput.py                      # size=tiny on this machine
     python bench/train_throughput.py size=70m seq_len=256 micro_batch=4 global_batch=8 --steps 8
+    python bench/train_throughput.py size=70m seq_len=256 micro_batch=4 global_batch=4 --steps 6 --arms
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from corpus.stream import StepSampler, TokenWindows, tokens_per_step  # noqa: E402
-from models.lit import warmup_cosine  # noqa: E402
+from corpus.prepare import load_prepared  # noqa: E402
+from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets  # noqa: E402
+from models.gpt import GPT, NORM_KINDS, GPTConfig  # noqa: E402
+from models.hardware import default_precision  # noqa: E402
+from models.lit import compute_dtype  # noqa: E402
 from normgeo.runs.config import CONF_DIR  # noqa: E402
 from train import train  # noqa: E402
+
+VARIANTS = ("harness", "plain", "minimal")
+REFERENCE_ARM = "rms"
 
 
 class StepTimer(L.Callback):
@@ -48,7 +72,7 @@ class StepTimer(L.Callback):
             self.end = time.perf_counter()
 
 
-def harness_tokens_per_s(cfg, skip: int) -> float:
+def harness_tokens_per_s(cfg: DictConfig, skip: int) -> float:
     timer = StepTimer(skip)
     import train as train_module
 
@@ -66,51 +90,121 @@ def harness_tokens_per_s(cfg, skip: int) -> float:
     return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 
 
-def plain_tokens_per_s(cfg, skip: int, device: torch.device) -> float:
-    """The textbook loop: forward, backward (accumulated), clip, AdamW step, zero_grad."""
-    from corpus.prepare import load_prepared
+def autocast(cfg: DictConfig, device: torch.device):
+    """The harness's precision (bf16-mixed on GPUs that have it, fp32 on CPU) in a plain loop."""
+    precision = str(cfg.trainer.precision or default_precision())
+    if precision.endswith("-mixed"):
+        return torch.autocast(device.type, dtype=compute_dtype(precision))
+    return nullcontext()
 
+
+def timed_steps(cfg: DictConfig, skip: int, device: torch.device, step: Callable[[int], None]) -> float:
+    """Tokens/s of ``step(0) ... step(max_steps - 1)``, the first ``skip`` steps not timed."""
+    start = 0.0
+    for index in range(cfg.max_steps):
+        if index == skip:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        step(index)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (cfg.max_steps - skip) * tokens_per_step(cfg.global_batch, cfg.seq_len) / (time.perf_counter() - start)
+
+
+def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
+    """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW, schedule."""
     data = load_prepared(cfg.data.directory)
     windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed)
-    model = instantiate(cfg.model).model.to(device)  # the harness's own GPT, from the same model node
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-    )
+    module = instantiate(cfg.model)
+    model = module.model.to(device).train()
+    # The harness's optimizer and schedule themselves, so that the loop is all that differs.
+    optimizers = module.configure_optimizers()
+    optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     sampler = StepSampler(global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, rank=0, world_size=1,
                           max_steps=cfg.max_steps, start_step=lambda: 0)
     indices = iter(sampler)
-    accumulation = sampler.accumulation
-    start = None
-    for step in range(cfg.max_steps):
-        if step == skip:
-            start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.optim.lr * warmup_cosine(
-                step, warmup_steps=cfg.optim.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=0.1
-            )
-        for _ in range(accumulation):
-            items = [windows[next(indices)] for _ in range(cfg.micro_batch)]
-            inputs = torch.stack([x for x, _ in items]).to(device)
-            targets = torch.stack([y for _, y in items]).to(device)
-            (model(inputs, targets) / accumulation).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    def step(_: int) -> None:
+        for _ in range(sampler.accumulation):
+            inputs, targets = zip(*(windows[next(indices)] for _ in range(cfg.micro_batch)), strict=True)
+            with autocast(cfg, device):
+                loss = model(torch.stack(inputs).to(device), torch.stack(targets).to(device))
+            (loss / sampler.accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.trainer.gradient_clip_val)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed_steps(cfg, skip, device, step)
+
+
+def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
+    """From scratch: one token tensor, the step's windows gathered by offsets, model(x, y), AdamW, clip, step."""
+    data = load_prepared(cfg.data.directory)
+    tokens = torch.from_numpy(np.asarray(data.tokens("train"), dtype=np.int64))
+    model = GPT(GPTConfig(**OmegaConf.to_container(cfg.model.model, resolve=True)), seed=cfg.seed).to(device)
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        fused=device.type == "cuda",  # as the harness: fused on GPUs, the default implementation on CPU
+    )
+    span = torch.arange(cfg.seq_len + 1)
+    accumulation = cfg.global_batch // cfg.micro_batch
+
+    def step(index: int) -> None:
+        offsets = torch.from_numpy(window_offsets(cfg.seed, index, cfg.global_batch, len(tokens), cfg.seq_len + 1))
+        batch = tokens[offsets[:, None] + span].to(device)  # the same windows as the harness's stream
+        for micro in batch.split(cfg.micro_batch):
+            with autocast(cfg, device):
+                loss = model(micro[:, :-1], micro[:, 1:])
+            (loss / accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (cfg.max_steps - skip) * cfg.global_batch * cfg.seq_len / (time.perf_counter() - start)
+
+    return timed_steps(cfg, skip, device, step)
+
+
+def summary(values: list[float]) -> str:
+    return (f"median {statistics.median(values):9.1f}   best {max(values):9.1f}   "
+            f"all {', '.join(f'{v:.1f}' for v in values)}")
+
+
+def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
+    return (f"{name}: median / median {statistics.median(top) / statistics.median(bottom):.3f}   "
+            f"best / best {max(top) / max(bottom):.3f}")
+
+
+def markdown(results: dict[str, list[float]], reference: str) -> str:
+    lines = [f"| variant | tokens/s median | best | all repeats | / {reference} (medians) | / {reference} (bests) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    ref = results[reference]
+    for name, values in results.items():
+        lines.append(
+            f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} "
+            f"| {statistics.median(values) / statistics.median(ref):.3f} | {max(values) / max(ref):.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps not timed")
-    parser.add_argument("--repeats", type=int, default=2, help="alternate the variants this many times")
+    parser.add_argument("--repeats", type=int, default=3, help="interleave the variants this many times")
+    parser.add_argument("--arms", nargs="?", const=",".join(NORM_KINDS), default=None,
+                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_KINDS)")
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args()
+    if not 0 <= args.skip < args.steps:
+        parser.error("--skip must be at least 0 and less than --steps")
+    arms = args.arms.split(",") if args.arms else None
+    if arms and (unknown := set(arms) - set(NORM_KINDS)):
+        parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_KINDS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
     workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
     overrides = [
@@ -120,18 +214,43 @@ def main() -> None:
         *args.overrides,
     ]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(torch.get_num_threads())
-    results: dict[str, list[float]] = {"harness": [], "plain": []}
+    names = arms or list(VARIANTS)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    run = 0
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for repeat in range(args.repeats):
-            cfg = compose("train", overrides=[*overrides, f"run_dir={workdir / f'run{repeat}'}"])
-            results["harness"].append(harness_tokens_per_s(cfg, args.skip))
-            results["plain"].append(plain_tokens_per_s(cfg, args.skip, device))
-    print(f"device: {device} ({torch.get_num_threads()} threads), size={cfg.size.name}, seq_len={cfg.seq_len}, "
-          f"global_batch={cfg.global_batch}, micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip}")
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                extra = [f"norm={name}"] if arms else []
+                cfg = compose("train", overrides=[*overrides, *extra, f"run_dir={workdir / f'run{run}'}"])
+                run += 1
+                if repeat == 0:
+                    instantiate(cfg.data).prepare_data()  # tokenized before any timing (the loops need it)
+                gc.collect()  # the previous variant's trainer, model and optimizer go before this one starts
+                if arms or name == "harness":
+                    results[name].append(harness_tokens_per_s(cfg, args.skip))
+                elif name == "plain":
+                    results[name].append(plain_tokens_per_s(cfg, args.skip, device))
+                else:
+                    results[name].append(minimal_tokens_per_s(cfg, args.skip, device))
+    threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
+    print(f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, global_batch={cfg.global_batch}, "
+          f"micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip} of {args.steps}, "
+          f"{args.repeats} interleaved repeats, order rotated")
+    width = max(len(name) for name in names)
     for name, values in results.items():
-        print(f"{name:8s} tokens/s: best {max(values):10.1f}   all {', '.join(f'{v:.1f}' for v in values)}")
-    print(f"harness / plain (best of each): {max(results['harness']) / max(results['plain']):.3f}")
+        print(f"{name:{width}s} tokens/s: {summary(values)}")
+    if arms:
+        if REFERENCE_ARM in results:
+            for name in names:
+                print(ratio_line(f"{name} / {REFERENCE_ARM}", results[name], results[REFERENCE_ARM]))
+        reference = REFERENCE_ARM if REFERENCE_ARM in results else names[0]
+    else:
+        print(ratio_line("harness / plain", results["harness"], results["plain"]))
+        print(ratio_line("plain / minimal", results["plain"], results["minimal"]))
+        reference = "plain"
+    if args.markdown:
+        print("\n" + markdown(results, reference))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""The benchmark scripts run, list every norm arm, and compute their ratios against the right reference."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from models.gpt import NORM_KINDS
+from tests.conftest import ROOT
+
+
+def run_script(*args: str, timeout: int = 300) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def markdown_rows(output: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown table rows whose first cell is ``first_cell``."""
+    return [
+        [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+        for line in output.splitlines()
+        if line.startswith("|") and line.strip("|").split("|")[0].strip() == first_cell
+    ]
+
+
+def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:
+    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--dims", "32,64", "--tokens", "256", "--repeats", "1",
+                        "--copy-mib", "2", "--target-ms", "1", "--markdown")
+    assert re.search(r"copy bandwidth .*median [0-9.]+ GB/s", output), output
+    for dim in ("32", "64"):
+        rows = markdown_rows(output, dim)
+        assert [row[1] for row in rows] == list(NORM_KINDS), output
+        for _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in rows:
+            assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
+            assert len(repeats.split(",")) == 1  # one value per repeat
+            if kind == "rms":
+                assert float(to_rms) == 1.0
+            else:
+                assert math.isfinite(float(to_rms)) and float(to_rms) > 0
+    # The ratio divides by the rms of the same width: the plain lines carry the medians to check it.
+    medians = {(int(d), kind): float(ms) for d, kind, ms in re.findall(r"d=(\d+)\s+(\S+)\s+median\s+([0-9.]+) ms", output)}
+    ratios = {(int(d), kind): float(r) for d, kind, r in re.findall(r"d=(\d+)\s+(\S+)\s+median.*?to rms\s+([0-9.]+)", output)}
+    for (dim, kind), ratio in ratios.items():
+        assert ratio == pytest.approx(medians[dim, kind] / medians[dim, "rms"], rel=0.05, abs=2e-3)  # both printed rounded
+
+
+TINY = ["size=tiny", "size.n_embd=32", "seq_len=64", "global_batch=8", "micro_batch=4", "--steps", "2", "--skip", "1",
+        "--repeats", "1", "--markdown"]
+
+
+@pytest.mark.slow
+def test_train_throughput_reports_harness_plain_and_minimal() -> None:
+    output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY)
+    for name in ("harness", "plain", "minimal"):
+        assert re.search(rf"^{name}\s+tokens/s: median\s+[0-9.]+\s+best\s+[0-9.]+\s+all [0-9.]+$", output, re.M), output
+    assert re.search(r"harness / plain: median / median [0-9.]+\s+best / best [0-9.]+", output), output
+    assert re.search(r"plain / minimal: median / median [0-9.]+\s+best / best [0-9.]+", output), output
+    assert float(markdown_rows(output, "plain")[0][4]) == 1.0
+
+
+@pytest.mark.slow
+def test_train_throughput_per_arm_rows_with_rms_as_the_reference() -> None:
+    output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY, "--arms", "layer,rms")
+    assert re.search(r"^layer\s+tokens/s: median", output, re.M) and re.search(r"^rms\s+tokens/s: median", output, re.M)
+    assert "rms / rms: median / median 1.000   best / best 1.000" in output, output
+    assert [row[0] for row in markdown_rows(output, "layer") + markdown_rows(output, "rms")] == ["layer", "rms"]
+    assert float(markdown_rows(output, "rms")[0][4]) == 1.0
+
+
+def test_train_throughput_refuses_an_unknown_arm() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--arms", "nope"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown arm(s) nope" in done.stderr
