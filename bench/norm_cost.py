@@ -1,7 +1,7 @@
 """Forward + backward time of each norm arm's module alone, next to RMSNorm and to the memory-traffic floor.
 
-For every width ``d`` the input is ``(tokens, d)``; each arm's module (``models.gpt.make_norm``, every kind
-of ``NORM_KINDS``, so new arms appear here by themselves) runs ``y = norm(x)`` and the gradients of
+For every width ``d`` the input is ``(tokens, d)``; each arm's module (``models.norms.make_norm``, every arm
+of ``NORM_ARMS``, so new arms appear here by themselves) runs ``y = norm(x)`` and the gradients of
 ``y`` w.r.t. ``x`` and the norm's parameters for a fixed upstream gradient ``dy``. The arms are interleaved
 within each repeat (order rotated from repeat to repeat) so that drift of a shared machine hits them alike;
 the table gives the median over repeats.
@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.gpt import NORM_KINDS, make_norm  # noqa: E402
+from models.norms import NORM_ARMS, make_norm  # noqa: E402
 
 REFERENCE = "rms"
 
@@ -100,7 +100,7 @@ def measure(
     for dim in dims:
         x = torch.randn(tokens, dim, generator=generator, device=device, dtype=dtype).requires_grad_()
         dy = torch.randn(tokens, dim, generator=generator, device=device, dtype=dtype)
-        for kind in NORM_KINDS:
+        for kind in NORM_ARMS:
             norm = make_norm(kind, dim, 1e-5).to(device=device, dtype=dtype)
             fn = forward_backward(norm, x, dy)
             result = ArmResult(kind, dim, floor_bytes(norm, tokens, dim, dtype))
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = statistics.median(bandwidths)
     table = rows(results, bandwidth)
     print(f"device: {name}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}; {args.tokens} tokens; "
-          f"{args.repeats} interleaved repeats, median shown; arms: {', '.join(NORM_KINDS)}")
+          f"{args.repeats} interleaved repeats, median shown; arms: {', '.join(NORM_ARMS)}")
     print(f"copy bandwidth (read + write, {args.copy_mib} MiB copy): median {bandwidth / 1e9:.2f} GB/s, "
           f"all {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)}")
     for row in table:

@@ -13,7 +13,7 @@ Variants run in one process, interleaved, their order rotated from repeat to rep
 machine hits all alike), with a garbage collection before each (the previous variant's trainer, model
 and optimizer are freed first). Every repeat is printed, and the ratios of medians and of bests.
 
-With ``--arms`` the harness trains each norm arm instead (``--arms`` alone: every kind of NORM_KINDS),
+With ``--arms`` the harness trains each norm arm instead (``--arms`` alone: every kind of NORM_ARMS),
 interleaved the same way, with each arm's ratio to ``rms``.
 
     python bench/train_throughput.py                      # size=tiny on this machine
@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from corpus.prepare import load_prepared  # noqa: E402
 from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets  # noqa: E402
-from models.gpt import GPT, NORM_KINDS, GPTConfig  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.hardware import default_precision  # noqa: E402
 from models.lit import compute_dtype  # noqa: E402
+from models.norms import NORM_ARMS  # noqa: E402
 from normgeo.runs.config import CONF_DIR  # noqa: E402
 from train import train  # noqa: E402
 
@@ -195,16 +196,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps not timed")
     parser.add_argument("--repeats", type=int, default=3, help="interleave the variants this many times")
-    parser.add_argument("--arms", nargs="?", const=",".join(NORM_KINDS), default=None,
-                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_KINDS)")
+    parser.add_argument("--arms", nargs="?", const=",".join(NORM_ARMS), default=None,
+                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_ARMS)")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args()
     if not 0 <= args.skip < args.steps:
         parser.error("--skip must be at least 0 and less than --steps")
     arms = args.arms.split(",") if args.arms else None
-    if arms and (unknown := set(arms) - set(NORM_KINDS)):
-        parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_KINDS)}")
+    if arms and (unknown := set(arms) - set(NORM_ARMS)):
+        parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_ARMS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
     workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
     overrides = [

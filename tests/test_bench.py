@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from models.gpt import NORM_KINDS
+from models.norms import NORM_ARMS
 from tests.conftest import ROOT
 
 
@@ -34,7 +34,7 @@ def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None
     assert re.search(r"copy bandwidth .*median [0-9.]+ GB/s", output), output
     for dim in ("32", "64"):
         rows = markdown_rows(output, dim)
-        assert [row[1] for row in rows] == list(NORM_KINDS), output
+        assert [row[1] for row in rows] == list(NORM_ARMS), output
         for _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in rows:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
             assert len(repeats.split(",")) == 1  # one value per repeat
