@@ -91,6 +91,9 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
             f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}",
             "probe.tokens=128",
         ]
+    if experiment == "study_cpu":  # real local text already; the shared folder wherever it is
+        overrides += [f"data.source.path={shared / 'corpora' / 'webtext' / 'openwebtext-10k.sujen07.val.dedup.jsonl'}",
+                      f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}"]
     if experiment in ("paper_410m", "paper_1b"):
         overrides.append("size.n_layer=2")
     return overrides

@@ -130,3 +130,29 @@ def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path) -
                                                                         if r["quantity"] == "ones_fraction")
     refused = run_train(tmp_path / "bad", "placement=sandwich", check=False)
     assert refused.returncode != 0 and "placement" in refused.stderr
+
+
+def test_dyt_squashes_with_a_learned_alpha_and_is_found_as_a_norm() -> None:
+    model = tiny("dyt")
+    sites = find_norm_sites(model)
+    assert [s.kind for s in sites] == ["tanh"] * 5 and {s.role for s in sites} == {"ln1", "ln2", "final"}
+    # The DyT paper's LLM initialisation: alpha0 higher at the attention norm than elsewhere; gain 1, bias 0.
+    assert model.blocks[0].ln1.alpha.item() == pytest.approx(0.8) and model.ln_f.alpha.item() == pytest.approx(0.2)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.blocks[0].ln2(x), torch.tanh(0.2 * x))
+    # alpha is learned: it gets a gradient.
+    model(torch.randint(0, 1000, (2, 16)), torch.randint(0, 1000, (2, 16))).backward()
+    assert model.blocks[0].ln1.alpha.grad is not None and model.blocks[0].ln1.alpha.grad.abs().item() > 0
+
+
+def test_smoke_dyt_trains_and_probes_without_std_sites_or_ellipsoid(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "norm=dyt", "max_steps=2", "checkpoint.steps=[2]")
+    rows = read_rows(run_dir / "angles.jsonl")
+    assert {r["norm"] for r in rows} == {"dyt"} and sorted({r["step"] for r in rows}) == [0, 2]
+    assert {r["site"].rpartition(".")[2] for r in rows} == {"in", "out"}  # no standardized input for DyT
+    assert read_rows(run_dir / "ellipsoid.jsonl") == []
+    energy = read_rows(run_dir / "energy.jsonl")
+    assert len([r for r in energy if r["step"] == 2 and r["quantity"] == "ones_fraction"]) == 5
+    assert read_rows(run_dir / "null.jsonl")
