@@ -11,6 +11,7 @@ known norm) :func:`check_train` / :func:`check_analyze` say, before anything is 
 from __future__ import annotations
 
 import difflib
+import importlib
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -220,6 +221,68 @@ def _unknown_keys(cfg: DictConfig, schema: type, script: str, prefix: str = "") 
             _unknown_keys(cfg._get_node(key), factory, script, f"{dotted}.")
 
 
+# Lightning's precision values (lightning.fabric.connector's precision Literal; tests compare the two),
+# and null: train.py picks bf16-mixed or 32-true for the hardware (models/hardware.py).
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16")
+PRECISION_SHORT = ("32", "16", "bf16", "64", 32, 16, 64)  # Lightning's aliases of 32-true, 16-mixed, ...
+DEVICES_EXPECTED = "a device count >= 1, -1 (all), auto, or device indices like [0,1] or '0,1'"
+
+
+def _devices_ok(devices: Any) -> bool:
+    """Lightning's devices: a count, -1 (all), auto, a list of indices or a comma-separated string of them."""
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text in ("auto", "-1"):
+            return True
+        if "," not in text:  # a count, as a string
+            return text.isdigit() and int(text) >= 1
+        parts = [part.strip() for part in text.split(",") if part.strip()]  # indices: "0,1" or "1,"
+        return bool(parts) and all(part.isdigit() for part in parts)
+    if isinstance(devices, ListConfig | list):
+        return len(devices) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    return False
+
+
+def check_trainer(trainer: DictConfig) -> None:
+    """The Trainer arguments Lightning itself would refuse inside ``instantiate`` (exit 1, after Hydra
+    wrote .hydra/ and train.log): devices, num_nodes, precision, accelerator, strategy; checked by name,
+    without building a Trainer (a strategy node's class is located, not constructed)."""
+    # Lightning's public registries: the names its Trainer accepts (its own check, asked, not copied).
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    _expect(_devices_ok(trainer.get("devices", "auto")), "trainer.devices", trainer.get("devices"), DEVICES_EXPECTED)
+    nodes = trainer.get("num_nodes", 1)
+    _expect(isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1, "trainer.num_nodes", nodes,
+            "an integer >= 1")
+    precision = trainer.get("precision")
+    _expect(precision is None or precision in (*PRECISIONS, *PRECISION_SHORT), "trainer.precision", precision,
+            f"null (bf16-mixed on GPUs that have it, else 32-true), {', '.join(PRECISIONS)} (or 32, 16, bf16, 64)")
+    accelerators = ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())]
+    accelerator = trainer.get("accelerator", "auto")
+    _expect(accelerator in accelerators, "trainer.accelerator", accelerator, f"one of {', '.join(accelerators)}")
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, DictConfig):
+        target = strategy.get("_target_")
+        module, _, name = str(target).rpartition(".")
+        try:  # import the module, build nothing
+            located = getattr(importlib.import_module(module), name, None) if module else None
+        except ImportError:
+            located = None
+        _expect(isinstance(located, type) and issubclass(located, Strategy), "trainer.strategy._target_", target,
+                "the import path of a lightning.pytorch.strategies.Strategy subclass")
+        return
+    strategies = ["auto", *StrategyRegistry.available_strategies()]
+    _expect(isinstance(strategy, str) and strategy.lower() in strategies, "trainer.strategy", strategy,
+            "auto, ddp, ddp_spawn, fsdp, deepspeed or another name of Lightning's StrategyRegistry, "
+            "or a _target_ node (trainer=ddp, trainer=fsdp)")
+
+
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
     from corpus.stream import accumulation_steps  # the one divisibility rule (also StepSampler's)
@@ -256,6 +319,7 @@ def check_train(cfg: DictConfig) -> None:
     _expect(0 < cfg.data.val_fraction < 1, "data.val_fraction", cfg.data.val_fraction, "a fraction in (0, 1)")
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")
+    check_trainer(cfg.trainer)
     try:
         accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=1)
     except ValueError as err:
