@@ -7,9 +7,11 @@ from the step before and validates again, instead of resuming past a validation 
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +36,10 @@ class CheckpointSchedule:
     and always ending with ``max_steps`` itself: the trained model is the one result every run must keep.
     Built from the config's ``checkpoint`` node (``_target_``), which also says how often ``last.ckpt``
     is refreshed and whether scheduled checkpoints keep the optimizer state.
+
+    The rule is never expanded into a list: membership, :meth:`next_step_after` and ``len`` are arithmetic,
+    so the memory a schedule takes does not grow with ``max_steps`` (``max_steps=10**12`` is instant).
+    Iterating yields the steps in order, one at a time.
     """
 
     def __init__(
@@ -49,28 +55,75 @@ class CheckpointSchedule:
         # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
         self.last_every = last_every
         self.keep_optimizer = keep_optimizer
+        self.max_steps = max_steps
+        self.dense_every, self.dense_until, self.sparse_every = dense_every, dense_until, sparse_every
+        # An explicit list is as long as the user wrote it: kept sorted, without the steps past the end.
+        self.explicit: list[int] | None = None
         if steps is not None:
             chosen = {int(s) for s in steps}
-        else:
-            if min(dense_every, sparse_every) <= 0:
-                raise ValueError("checkpoint intervals must be positive")
-            chosen = set(range(dense_every, min(dense_until, max_steps) + 1, dense_every))
-            chosen |= set(range(sparse_every, max_steps + 1, sparse_every))
-        bad = sorted(s for s in chosen if s <= 0)
-        if bad:
-            raise ValueError(f"checkpoint steps must be positive, got {bad}")
-        chosen = {s for s in chosen if s <= max_steps}
-        if max_steps > 0 and max_steps not in chosen:
+            bad = sorted(s for s in chosen if s <= 0)
+            if bad:
+                raise ValueError(f"checkpoint steps must be positive, got {bad}")
+            self.explicit = sorted(s for s in chosen if s <= max_steps)
+        elif min(dense_every, sparse_every) <= 0:
+            raise ValueError("checkpoint intervals must be positive")
+        if max_steps > 0 and not self.on_rule(max_steps):
             log.info("checkpoint schedule: adding the final step %d (not on the schedule)", max_steps)
-            chosen.add(max_steps)
-        self.steps: list[int] = sorted(chosen)
-        self._lookup = frozenset(self.steps)
+
+    def on_rule(self, step: int) -> bool:
+        """Whether ``step`` is on the list or the dense/sparse rule (the final step aside)."""
+        if not 0 < step <= self.max_steps:
+            return False
+        if self.explicit is not None:
+            index = bisect.bisect_left(self.explicit, step)
+            return index < len(self.explicit) and self.explicit[index] == step
+        dense = step <= self.dense_until and step % self.dense_every == 0
+        return dense or step % self.sparse_every == 0
 
     def __contains__(self, step: int) -> bool:
-        return step in self._lookup
+        return step == self.max_steps > 0 or self.on_rule(step)
+
+    def next_step_after(self, step: int) -> int | None:
+        """The first scheduled step after ``step``; None after the final step."""
+        if step >= self.max_steps or self.max_steps <= 0:
+            return None
+        step = max(step, 0)
+        if self.explicit is not None:
+            index = bisect.bisect_right(self.explicit, step)
+            return self.explicit[index] if index < len(self.explicit) else self.max_steps
+        candidates = [self.max_steps, (step // self.sparse_every + 1) * self.sparse_every]
+        dense = (step // self.dense_every + 1) * self.dense_every
+        if dense <= self.dense_until:
+            candidates.append(dense)
+        return min(candidates)
+
+    def __iter__(self) -> Iterator[int]:
+        step = self.next_step_after(0)
+        while step is not None:
+            yield step
+            step = self.next_step_after(step)
+
+    def __len__(self) -> int:
+        """How many checkpoints the schedule writes, counted without listing them."""
+        if self.max_steps <= 0:
+            return 0
+        if self.explicit is not None:
+            return len(self.explicit) + (not self.on_rule(self.max_steps))
+        end = self.max_steps
+        dense_end = min(self.dense_until, end)
+        both = math.lcm(self.dense_every, self.sparse_every)  # steps on both rules, counted once
+        count = dense_end // self.dense_every + end // self.sparse_every - dense_end // both
+        return count + (not self.on_rule(end))
+
+    @property
+    def last(self) -> int | None:
+        """The final scheduled step: ``max_steps`` (None for an empty schedule)."""
+        return self.max_steps if self.max_steps > 0 else None
 
     def __repr__(self) -> str:
-        return f"CheckpointSchedule({self.steps})"
+        rule = (f"steps={self.explicit}" if self.explicit is not None else
+                f"dense_every={self.dense_every}, dense_until={self.dense_until}, sparse_every={self.sparse_every}")
+        return f"CheckpointSchedule(max_steps={self.max_steps}, {rule})"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -110,8 +110,8 @@ def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
     weights = plan.counts.parameter_bytes
     full = weights + plan.counts.optimizer_bytes
     each = full if schedule.keep_optimizer else weights
-    return {"checkpoints": len(schedule.steps), "scheduled_bytes": each, "last_bytes": full,
-            "total_bytes": each * len(schedule.steps) + full}
+    return {"checkpoints": len(schedule), "scheduled_bytes": each, "last_bytes": full,
+            "total_bytes": each * len(schedule) + full}
 
 
 def gpu_rows(cfg: DictConfig, plan: Plan, gpus: Sequence[str]) -> list[dict]:

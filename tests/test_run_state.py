@@ -18,9 +18,9 @@ from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, run_train, step_los
 
 
 def test_schedule_always_ends_with_the_final_step() -> None:
-    assert CheckpointSchedule(6, steps=[2, 5]).steps == [2, 5, 6]
-    assert CheckpointSchedule(250, dense_every=100, dense_until=1000, sparse_every=1000).steps == [100, 200, 250]
-    assert CheckpointSchedule(200, dense_every=100).steps == [100, 200]
+    assert list(CheckpointSchedule(6, steps=[2, 5])) == [2, 5, 6]
+    assert list(CheckpointSchedule(250, dense_every=100, dense_until=1000, sparse_every=1000)) == [100, 200, 250]
+    assert list(CheckpointSchedule(200, dense_every=100)) == [100, 200]
 
 
 def test_the_final_step_off_the_schedule_is_checkpointed_probed_and_figured(arms_sweep) -> None:

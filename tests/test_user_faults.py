@@ -3,6 +3,7 @@ it found it (docs/reliability.md, both tables)."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import typing
@@ -91,3 +92,56 @@ def test_trainer_arguments_exit_2_and_leave_the_run_directory_as_it_was(override
     assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
     assert tree(run_dir) == before
     assert not (tmp_path / "data").exists()
+
+
+# 2. Memory independent of max_steps.
+
+def listed_schedule(max_steps: int, steps=None, dense_every=1000, dense_until=10000, sparse_every=10000) -> list[int]:
+    """The schedule as the old, materializing CheckpointSchedule built it (small max_steps only)."""
+    if steps is not None:
+        chosen = set(steps)
+    else:
+        chosen = set(range(dense_every, min(dense_until, max_steps) + 1, dense_every))
+        chosen |= set(range(sparse_every, max_steps + 1, sparse_every))
+    chosen = {s for s in chosen if s <= max_steps} | ({max_steps} if max_steps > 0 else set())
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("rule", [
+    {"dense_every": 3, "dense_until": 20, "sparse_every": 7},
+    {"dense_every": 5, "dense_until": 30, "sparse_every": 10},
+    {"dense_every": 4, "dense_until": 2, "sparse_every": 6},
+    {"dense_every": 1, "dense_until": 5, "sparse_every": 1},
+    {"steps": [2, 5, 9, 40]},
+    {"steps": []},
+])
+def test_the_arithmetic_schedule_is_the_listed_one(rule: dict) -> None:
+    from callbacks.checkpointing import CheckpointSchedule
+
+    for max_steps in range(0, 45):
+        schedule, listed = CheckpointSchedule(max_steps, **rule), listed_schedule(max_steps, **rule)
+        assert list(schedule) == listed and len(schedule) == len(listed), (max_steps, rule)
+        assert [s for s in range(-2, max_steps + 3) if s in schedule] == listed
+        assert [schedule.next_step_after(s) for s in range(-1, max_steps + 2)] == [
+            next((t for t in listed if t > s), None) for s in range(-1, max_steps + 2)]
+
+
+def test_a_schedule_of_10_to_the_12_steps_takes_no_time_or_memory() -> None:
+    import time
+    import tracemalloc
+
+    from callbacks.checkpointing import CheckpointSchedule
+
+    tracemalloc.start()
+    started = time.perf_counter()
+    schedule = CheckpointSchedule(10**12)  # the paper's rule: 1K .. 10K, then every 10K
+    first = list(itertools.islice(schedule, 12))
+    assert first == [*range(1000, 10001, 1000), 20000, 30000]
+    assert 10**12 in schedule and 10**12 - 10000 in schedule and 10**12 - 1 not in schedule and 15000 not in schedule
+    assert schedule.next_step_after(10**12 - 10000) == 10**12 and schedule.next_step_after(10**12) is None
+    assert schedule.last == 10**12 and len(schedule) == 10 + 10**8 - 1  # dense + sparse - the 10K on both
+    odd = CheckpointSchedule(10**12 + 1, steps=[5, 10**12])
+    assert list(odd) == [5, 10**12, 10**12 + 1] and 10**12 + 1 in odd and len(odd) == 3
+    assert time.perf_counter() - started < 1
+    assert tracemalloc.get_traced_memory()[1] < 1_000_000
+    tracemalloc.stop()
