@@ -18,6 +18,10 @@ and writes, to ``--out`` (default ``<folder>/compare``):
 
 A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
 
+A run with a damaged records file (a line of ``angles.jsonl`` cut short, ...) is left out: it is listed on
+stderr with the file and line, the other runs are compared and written, and the exit status is 1
+(2: no readable run, nothing written).
+
 Figures of other kinds plug in with :func:`register_figure`.
 """
 
@@ -46,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out or (first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent)
     out_dir = out_dir / "compare" if args.out is None else out_dir
     try:
-        written = write_comparison(
+        written, damaged = write_comparison(
             args.paths, out_dir, formats=args.formats.split(","), refs=args.refs.split(",") if args.refs else None
         )
     except FileNotFoundError as err:
@@ -57,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"summary:\n{(out_dir / 'summary.md').read_text()}")
     print((out_dir / VERDICT_MD).read_text())
     print(f"written to {out_dir}")
+    if damaged:  # the others are compared; the exit status says the comparison is not of every run
+        for err in damaged:
+            print(f"skipped {err.path.parent}: {err}", file=sys.stderr)
+        print(f"error: {len(damaged)} run(s) skipped for damaged records (listed above); the other runs are "
+              f"compared in {out_dir}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,6 +12,9 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 * analyzed:  not a training run but an ``analyze.py`` folder (``outputs/analyze/<model>``); its probe
   column reads ``pretrained`` for a model measured as published.
 
+A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
+``damaged``; the file and line go to stderr and the exit status is 1.
+
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
 """
@@ -77,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(row)))
     else:
         print_status(rows)
+    damaged = [row for row in rows if row.damaged]
+    if damaged:  # every run is listed; the exit status says some could not be read whole
+        for row in damaged:
+            print(f"damaged {row.run}: {row.damaged}", file=sys.stderr)
+        print(f"error: {len(damaged)} run(s) with damaged records (listed above); the others are shown",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,6 +4,7 @@ it found it (docs/reliability.md, both tables)."""
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 import typing
@@ -145,3 +146,75 @@ def test_a_schedule_of_10_to_the_12_steps_takes_no_time_or_memory() -> None:
     assert time.perf_counter() - started < 1
     assert tracemalloc.get_traced_memory()[1] < 1_000_000
     tracemalloc.stop()
+
+
+# 3. One damaged file: its run is listed as damaged, the others are compared and shown.
+
+def a_sweep_with_one_damaged_run(root: Path) -> tuple[list[Path], Path]:
+    from tests.test_verdict import make_run
+
+    runs = [make_run(root, norm, seed, val_loss=5.0 + seed, tokens_per_s=1000.0, dev=1.0 + seed)
+            for norm in ("layer", "rms") for seed in (0, 1)]
+    for run in runs:  # what find_runs (normgeo.status) looks for
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text("max_steps: 10\nstop_at_step: null\n")
+    damaged = runs[-1] / "angles.jsonl"
+    text = damaged.read_text()
+    damaged.write_text(text[: text.index("\n", len(text) // 2) + 30])  # a copy cut mid-line
+    return runs, damaged
+
+
+def test_compare_skips_a_run_with_a_damaged_angles_file_and_compares_the_others(tmp_path: Path, capsys) -> None:
+    from normgeo.compare import main as compare_main
+
+    runs, damaged = a_sweep_with_one_damaged_run(tmp_path / "outputs")
+    line = damaged.read_text().count("\n") + 1
+    before = tree(runs[-1])
+    assert compare_main([str(tmp_path / "outputs"), "--formats", "png"]) == 1
+    out, err = capsys.readouterr()
+    assert f"skipped {runs[-1]}: {damaged}:{line}: damaged record (" in err
+    assert err.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records (listed above)")
+    summary = (tmp_path / "outputs" / "compare" / "summary.md").read_text()
+    assert all(run.name in summary for run in runs[:3]) and runs[-1].name not in summary
+    assert (tmp_path / "outputs" / "compare" / "verdict.md").is_file()
+    assert tree(runs[-1]) == before
+
+
+def test_compare_with_only_damaged_runs_exits_2_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    from normgeo.compare import main as compare_main
+
+    runs, damaged = a_sweep_with_one_damaged_run(tmp_path / "outputs")
+    assert compare_main([str(runs[-1]), "--out", str(tmp_path / "compared")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: no readable training runs") and f"{damaged}:" in last
+    assert not (tmp_path / "compared").exists()
+
+
+def test_status_lists_a_run_with_a_damaged_angles_file_as_damaged_and_shows_the_others(tmp_path: Path,
+                                                                                      capsys) -> None:
+    from normgeo.status import main as status_main
+
+    runs, damaged = a_sweep_with_one_damaged_run(tmp_path / "outputs")
+    before = tree(runs[-1])
+    assert status_main([str(tmp_path / "outputs"), "--no-slurm", "--json"]) == 1
+    out, err = capsys.readouterr()
+    rows = {row["run"]: row for row in map(json.loads, out.splitlines())}
+    assert set(rows) == {run.name for run in runs}
+    assert rows[runs[-1].name]["probe_step"] == "damaged" and rows[runs[0].name]["probe_step"] == 10
+    assert rows[runs[-1].name]["damaged"].startswith(f"{damaged}:")
+    assert f"damaged {runs[-1].name}: {damaged}:" in err
+    assert err.strip().splitlines()[-1].startswith("error: 1 run(s) with damaged records (listed above)")
+    assert tree(runs[-1]) == before
+
+
+def test_read_rows_names_the_file_and_line_of_a_damaged_record(tmp_path: Path) -> None:
+    from normgeo.measure.records import DamagedRecords, read_rows
+
+    path = tmp_path / "angles.jsonl"
+    path.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "mea\n')
+    with pytest.raises(DamagedRecords, match=rf"^{path}:4: damaged record \(Invalid control character at column 17\); copy") as raised:
+        read_rows(path)
+    assert (raised.value.path, raised.value.line) == (path, 4)
+    path.write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(DamagedRecords, match=r":2: damaged record \(a JSON list, not an object\)"):
+        read_rows(path)

@@ -14,6 +14,7 @@ from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
 from normgeo.figures.sweep import Comparison, load, markdown, summary_table  # noqa: E402
 from normgeo.figures.verdict import write_verdict  # noqa: E402
+from normgeo.measure.records import DamagedRecords  # noqa: E402
 
 FigureMaker = Callable[[Comparison, Path, Sequence[str]], list[Path]]
 FIGURES: dict[str, FigureMaker] = {}
@@ -106,8 +107,9 @@ def loss_figure(comparison: Comparison, out_dir: Path, formats: Sequence[str]) -
 
 def write_comparison(
     paths: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png", "pdf"), refs: Sequence[str] | None = None
-) -> dict[str, list[Path]]:
-    """Tables and figures for the runs under ``paths`` into ``out_dir``; returns what was written."""
+) -> tuple[dict[str, list[Path]], list[DamagedRecords]]:
+    """Tables and figures for the runs under ``paths`` into ``out_dir``; returns what was written and the
+    runs left out because a records file is damaged (the others are compared)."""
     comparison = load(paths)
     if refs:
         comparison.angles = comparison.angles[comparison.angles["ref"].isin(refs)]
@@ -124,7 +126,7 @@ def write_comparison(
     for name, maker in FIGURES.items():
         written[name] = maker(comparison, out_dir, formats)
     written["verdict"] = write_verdict(comparison, out_dir, formats)
-    return written
+    return written, comparison.damaged
 
 
 

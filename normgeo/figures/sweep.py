@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
 from normgeo.figures.style import POST_SUFFIX
-from normgeo.measure.records import ANGLES_FILE, read_rows
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE
+from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
 from normgeo.runs.metrics import last_value, read_metrics
 from normgeo.runs.status import find_runs, is_analysis
 
@@ -26,6 +28,7 @@ class Comparison:
     angles: pd.DataFrame  # angles.jsonl rows + run, arm, seed, size
     metrics: pd.DataFrame  # run, arm, seed, step, metric, value
     runs: pd.DataFrame  # one row per run: run, arm, placement, seed, size, norm, max_steps, tokens_per_step, run_dir
+    damaged: list[DamagedRecords] = field(default_factory=list)  # runs left out: a records file is damaged
 
 
 # --- loading ---------------------------------------------------------------------------------------------
@@ -50,11 +53,22 @@ def run_config(run_dir: Path) -> dict:
     return {}
 
 
+# Every records file the comparison, its figures and the verdict read (read once here, so that one damaged
+# file leaves its run out instead of stopping the figures or the verdict half-way).
+RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE)
+
+
 def load(paths: Sequence[Path]) -> Comparison:
-    runs, angle_frames, metric_frames = [], [], []
+    """Every readable run under ``paths``; a run with a damaged records file is left out and listed in
+    ``damaged``. Raises FileNotFoundError when no run is left."""
+    runs, angle_frames, metric_frames, damaged = [], [], [], []
     for run_dir in run_directories(paths):
+        try:
+            rows = [read_rows(run_dir / name) for name in RECORD_FILES][0]
+        except DamagedRecords as err:
+            damaged.append(err)
+            continue
         config = run_config(run_dir)
-        rows = read_rows(run_dir / ANGLES_FILE)
         norm = (config.get("norm") or {}).get("name") or rows[0]["norm"]
         placement = (config.get("placement") or {}).get("name") or "pre"  # runs older than the key: pre
         info = {
@@ -75,7 +89,9 @@ def load(paths: Sequence[Path]) -> Comparison:
         if not metrics.empty:
             metric_frames.append(align_train_steps(metrics, tokens_per_step).assign(**info))
     if not runs:
-        raise FileNotFoundError(f"no training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}")
+        unread = f" ({len(damaged)} with damaged records: {'; '.join(map(str, damaged))})" if damaged else ""
+        raise FileNotFoundError(f"no readable training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}"
+                                f"{unread}")
     runs_frame = pd.DataFrame(runs)
     if runs_frame["size"].nunique() > 1:  # arms of several sizes: the size is part of the arm
         for frame in (runs_frame, *angle_frames, *metric_frames):
@@ -88,7 +104,8 @@ def load(paths: Sequence[Path]) -> Comparison:
         pd.concat(metric_frames, ignore_index=True) if metric_frames
         else pd.DataFrame(columns=[*order, "step", "metric", "value"])
     )
-    return Comparison(angles=angles, metrics=metrics[order + ["step", "metric", "value"]], runs=runs_frame)
+    return Comparison(angles=angles, metrics=metrics[order + ["step", "metric", "value"]], runs=runs_frame,
+                      damaged=damaged)
 
 
 def align_train_steps(metrics: pd.DataFrame, tokens_per_step: int | None) -> pd.DataFrame:

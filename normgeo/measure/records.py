@@ -158,12 +158,34 @@ def null_rows(
     return rows
 
 
+class DamagedRecords(ValueError):
+    """A records file (``angles.jsonl``, ``null.jsonl``, ...) with a line that is not a JSON object: a copy
+    cut short, a disk that filled up. Names the file and the line; readers of many runs skip that run."""
+
+    def __init__(self, path: Path, line: int, reason: str) -> None:
+        self.path, self.line = path, line
+        super().__init__(f"{path}:{line}: damaged record ({reason}); copy the file again from where the run "
+                         "wrote it, or remove that line to keep the other records")
+
+
 def read_rows(path: str | Path) -> list[dict]:
+    """Every record of a ``.jsonl`` file ([] when it is absent); raises :class:`DamagedRecords`."""
     path = Path(path)
     if not path.exists():
         return []
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DamagedRecords(path, number, f"{err.msg.removesuffix(' at')} at column {err.colno}") from None
+            if not isinstance(row, dict):
+                raise DamagedRecords(path, number, f"a JSON {type(row).__name__}, not an object")
+            rows.append(row)
+    return rows
 
 
 def write_step(path: str | Path, rows: list[dict]) -> None:

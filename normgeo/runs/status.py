@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
@@ -28,6 +29,7 @@ class RunStatus:
     slurm_job: str | None
     slurm_state: str | None
     updated_s_ago: float | None
+    damaged: str | None = None  # a records file that cannot be read (file:line): the probe column says damaged
 
 
 def find_runs(root: Path) -> Iterator[Path]:
@@ -95,14 +97,7 @@ def last_loss(run_dir: Path) -> float | None:
 
 def last_probe_step(run_dir: Path) -> int | str | None:
     """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
-    path = run_dir / "angles.jsonl"
-    if not path.is_file():
-        return None
-    steps = set()
-    with open(path) as handle:
-        for line in handle:
-            if line.strip():
-                steps.add(json.loads(line)["step"])
+    steps = {row.get("step") for row in read_rows(run_dir / ANGLES_FILE)}  # raises DamagedRecords
     trained = [s for s in steps if s is not None]
     return max(trained) if trained else ("pretrained" if steps else None)
 
@@ -183,8 +178,12 @@ def infer_state(
 
 def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    try:  # one damaged file is this run's problem, not the whole listing's
+        probe_step, damaged = last_probe_step(run_dir), None
+    except DamagedRecords as err:
+        probe_step, damaged = "damaged", str(err)
     if is_analysis(run_dir):
-        return RunStatus(name, "analyzed", None, None, None, last_probe_step(run_dir), None, None, None)
+        return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None, damaged)
     max_steps, stop_at_step = run_config(run_dir)
     step, ckpt = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
@@ -207,8 +206,9 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         step=step,
         max_steps=max_steps,
         loss=last_loss(run_dir),
-        probe_step=last_probe_step(run_dir),
+        probe_step=probe_step,
         slurm_job=job,
         slurm_state=state_from_slurm,
         updated_s_ago=None if updated is None else round(updated, 1),
+        damaged=damaged,
     )
