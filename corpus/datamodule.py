@@ -63,11 +63,16 @@ class TokenDataModule(L.LightningDataModule):
             self.data = load_prepared(
                 self.directory, tokenizer=self.tokenizer, prepare_hint=self.prepare_command
             )
+            # val_fraction moves tokens from train.bin to val.bin: the advice depends on which one is short,
+            # and a new fraction applies only to a corpus prepared again (meta.json keeps the old split).
+            direction = {"train": "smaller", "val": "larger"}
             for split in ("train", "val"):
                 if self.data.num_tokens(split) <= self.seq_len + 1:
                     raise ValueError(
                         f"{self.data.path(split)} has {self.data.num_tokens(split)} tokens: too few for "
-                        f"sequences of {self.seq_len}; use more data or a larger val_fraction"
+                        f"sequences of {self.seq_len}; use more data or a shorter seq_len, or a "
+                        f"{direction[split]} data.val_fraction (now {self.data.meta.get('val_fraction')}; it "
+                        f"applies once {self.directory} is deleted and prepared again)"
                     )
         return self.data
 

@@ -218,3 +218,27 @@ def test_read_rows_names_the_file_and_line_of_a_damaged_record(tmp_path: Path) -
     path.write_text('{"step": 0}\n[1, 2]\n')
     with pytest.raises(DamagedRecords, match=r":2: damaged record \(a JSON list, not an object\)"):
         read_rows(path)
+
+
+# 4. Wrong words.
+
+@pytest.mark.parametrize(("val_fraction", "short", "advice"), [(0.5, "train", "smaller"), (0.02, "val", "larger")])
+def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(tmp_path: Path, val_fraction: float,
+                                                                           short: str, advice: str) -> None:
+    from corpus.datamodule import TokenDataModule
+    from corpus.prepare import prepare
+    from corpus.sources import LocalFilesSource
+
+    # 0.5: two documents, every second one (a.txt, ~600 tokens) held out, b.txt (~20 tokens) left to train;
+    # 0.02: one document, split by tokens: 2% of ~600 to validation.
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    if val_fraction == 0.5:
+        (tmp_path / "text" / "b.txt").write_text("The quick brown fox jumps over the lazy dog. " * 2)
+    data = TokenDataModule(name="local", source=LocalFilesSource(str(tmp_path / "text")),
+                           directory=str(tmp_path / "data"), seq_len=64, global_batch=2, micro_batch=2,
+                           max_steps=1, seed=0, val_fraction=val_fraction)
+    prepare(data.source, data.directory, val_fraction=val_fraction, progress=False)
+    with pytest.raises(ValueError, match=rf"{short}.bin has \d+ tokens: too few for sequences of 64; use more data "
+                                         rf"or a shorter seq_len, or a {advice} data.val_fraction \(now {val_fraction}"):
+        data.load()
