@@ -242,3 +242,24 @@ def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(tmp_p
     with pytest.raises(ValueError, match=rf"{short}.bin has \d+ tokens: too few for sequences of 64; use more data "
                                          rf"or a shorter seq_len, or a {advice} data.val_fraction \(now {val_fraction}"):
         data.load()
+
+
+def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkeypatch, capsys) -> None:
+    import normgeo.figures.norm_figures
+    import normgeo.report as report
+
+    runs = []
+    for name in ("layer", "rms"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "angles.jsonl").write_text('{"step": 0}\n')
+        runs.append(str(tmp_path / name))
+    drawn: list[Path] = []  # the drawing itself is tested elsewhere: only where it goes matters here
+    monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer: [])
+    monkeypatch.setattr(report, "plot_compare", lambda runs, out_dir, ref: drawn.append(out_dir) or out_dir / ref)
+    monkeypatch.setattr(normgeo.figures.norm_figures, "write_norm_figures", lambda run_dirs, out_dir: [])
+    assert report.main(runs) == 0
+    assert (f"figures comparing the 2 runs go to {tmp_path / 'layer' / 'figures'} (the first run's figures folder; "
+            "--out to choose another)") in capsys.readouterr().err
+    assert report.main([*runs, "--out", str(tmp_path / "both")]) == 0
+    assert f"figures comparing the 2 runs go to {tmp_path / 'both'}\n" in capsys.readouterr().err
+    assert drawn == [tmp_path / "layer" / "figures"] * 3 + [tmp_path / "both"] * 3
