@@ -263,3 +263,11 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
     assert report.main([*runs, "--out", str(tmp_path / "both")]) == 0
     assert f"figures comparing the 2 runs go to {tmp_path / 'both'}\n" in capsys.readouterr().err
     assert drawn == [tmp_path / "layer" / "figures"] * 3 + [tmp_path / "both"] * 3
+
+
+def test_analyze_lists_no_probe_key_it_ignores_and_refuses_them() -> None:
+    from normgeo.runs.schema import AnalyzeSchema, TrainSchema, key_docs
+
+    analyze, train = "\n".join(key_docs(AnalyzeSchema)), "\n".join(key_docs(TrainSchema))
+    assert "probe.enabled" not in analyze and "probe.batch_size" not in analyze and "model.batch_size" in analyze
+    assert "probe.enabled: bool = true" in train and "probe.batch_size: int = 8" in train

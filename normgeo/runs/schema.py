@@ -90,17 +90,26 @@ class BootstrapSchema:
 
 @dataclass
 class ProbeSchema:
-    enabled: bool = doc(True, "measure the angles at every scheduled step")
+    """The probe keys train.py and analyze.py share (conf/shared/probe/ presets)."""
+
     source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
     path: str | None = doc(None, "local files for probe=local")
     tokens: int = doc(MISSING, "probe tokens per measurement")
-    batch_size: int = doc(8, "probe sequences per forward pass")
     seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap")
     include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
     null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none")
     sample: bool = doc(True, "documents in a seeded order over the whole source")
     min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)")
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
+
+
+@dataclass
+class TrainProbeSchema(ProbeSchema):
+    """train.py's probe: the shared keys, and two that only training has (analyze.py always measures, in
+    batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
+
+    enabled: bool = doc(True, "measure the angles at every scheduled step")
+    batch_size: int = doc(8, "probe sequences per forward pass")
 
 
 @dataclass
@@ -158,7 +167,7 @@ class TrainSchema:
     checkpoint: CheckpointSchema = node(CheckpointSchema, "_target_ node of the checkpoint (and probe) schedule")
     model: Any = doc(MISSING, "_target_ node of the LightningModule (models.lit.LitGPT): the one cfg -> model map")
     data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
-    probe: ProbeSchema = node(ProbeSchema, "group probe: the angle measurements")
+    probe: TrainProbeSchema = node(TrainProbeSchema, "group probe: the angle measurements")
     trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")
     logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger")
     plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU pre-flight check")
