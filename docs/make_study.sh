@@ -6,6 +6,7 @@
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
 #   STUDY_OVERRIDES="max_steps=4 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
+# Runs go seed by seed, each seed's arms back to back, so that a pair's tokens/s see the same machine load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/study}
@@ -19,8 +20,8 @@ COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" out
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
 COMMANDS=(
   "python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
-  "python train.py -m norm=layer,rms seed=0,1,2 ${COMMON[*]}"
-  "python train.py -m norm=layer_nobias,rms_bias,dyt seed=0,1 ${COMMON[*]}"
+  "python train.py -m seed=0,1 norm=layer,rms,layer_nobias,rms_bias,dyt ${COMMON[*]}"
+  "python train.py -m seed=2 norm=layer,rms ${COMMON[*]}"
   "python -m normgeo.compare $OUT --formats png"
 )
 printf '%s\n' "${COMMANDS[@]}" > "$OUT/commands.txt"

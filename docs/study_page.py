@@ -24,15 +24,21 @@ FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_
 
 
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
-    """Per run: peak RSS at the first and the last probe, and the largest growth between probes (MiB)."""
-    peak = metrics[metrics["metric"] == "mem/peak_rss_mib"].sort_values("step")
-    lines = ["| run | probes | peak RSS at first probe (MiB) | at last probe (MiB) | growth, first → last |",
-             "|---|---|---|---|---|"]
+    """Per run: the process's RSS now and its peak at the first probe after training began (step > 0, when the
+    optimizer state exists) and at the last probe, and the peak's growth between them (MiB)."""
+    lines = ["| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first trained probe | "
+             "at last probe | peak growth |", "|---|---|---|---|---|---|---|"]
     worst = 0.0
-    for run, rows in peak.groupby("run", sort=True):
-        first, last = float(rows["value"].iloc[0]), float(rows["value"].iloc[-1])
-        worst = max(worst, last - first)
-        lines.append(f"| {run} | {len(rows)} | {first:,.0f} | {last:,.0f} | {last - first:+,.0f} |")
+    trained = metrics[metrics["step"] > 0]
+    for run, rows in trained.groupby("run", sort=True):
+        rss = rows[rows["metric"] == "mem/rss_mib"].sort_values("step")["value"]
+        peak = rows[rows["metric"] == "mem/peak_rss_mib"].sort_values("step")["value"]
+        if peak.empty:
+            continue
+        growth = float(peak.iloc[-1] - peak.iloc[0])
+        worst = max(worst, growth)
+        lines.append(f"| {run} | {len(peak)} | {rss.iloc[0]:,.0f} | {rss.iloc[-1]:,.0f} | {peak.iloc[0]:,.0f} | "
+                     f"{peak.iloc[-1]:,.0f} | {growth:+,.0f} |")
     return "\n".join(lines), worst
 
 
@@ -99,9 +105,11 @@ their ratios as rough.
 
 ## Memory across probes
 
-Each probe logs the process's peak RSS (`mem/peak_rss_mib`). A long run must stay flat: the largest growth
-from the first to the last probe of any run is {worst_growth:+,.0f} MiB. Runs of one sweep share a process
-(Hydra's basic launcher), so a later run starts from the earlier runs' peak.
+Each probe logs the process's RSS (`mem/rss_mib`) and its peak RSS (`mem/peak_rss_mib`). A long run must
+stay flat once training has begun (the step-0 probe comes before the optimizer state exists): the largest
+growth of the peak from the first trained probe (step 50) to the last (step {steps}) of any run is
+{worst_growth:+,.0f} MiB. Runs of one sweep share a process (Hydra's basic launcher), so a later run starts
+from the earlier runs' peak.
 
 {memory}
 
