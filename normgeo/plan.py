@@ -13,6 +13,7 @@ time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -244,16 +245,13 @@ def preflight(cfg: DictConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        return 0
-    as_json = "--json" in args
-    overrides = [a for a in args if a != "--json"]
-    if any(a.startswith("-") for a in overrides):
-        print(f"error: {next(a for a in overrides if a.startswith('-'))}: options are --json and --help; "
-              "the rest are train.py overrides (no -m: plan one run at a time)", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+    parser = argparse.ArgumentParser(
+        prog="normgeo-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="train.py overrides (no -m: plan one run at a time)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    args = parser.parse_args(argv)
+    overrides, as_json = args.overrides, args.json
     try:
         cfg = compose(overrides)
         _, report = plan_config(cfg)

@@ -257,7 +257,7 @@ def test_sweep_through_the_submitit_launcher_gives_each_run_its_sizes_resources(
     assert len(scripts) == 2, "one job array per distinct set of resources"
     assert sorted(re.search(r"#SBATCH --time=(\d+)", s).group(1) for s in scripts) == ["7", "9"]
     assert all("#SBATCH --requeue" in s and "#SBATCH --signal=USR1@300" in s for s in scripts)
-    status = sh(sys.executable, "-m", "normgeo.runs.status", str(sweep), "--json", cwd=ROOT).stdout
+    status = sh(sys.executable, "-m", "normgeo.status", str(sweep), "--json", cwd=ROOT).stdout
     rows = [json.loads(line) for line in status.splitlines()]
     assert sorted((r["run"], r["state"], r["step"]) for r in rows) == [
         ("tiny_a-layer-s0", "finished", 4), ("tiny_b-layer-s0", "finished", 4)
