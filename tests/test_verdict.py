@@ -26,7 +26,8 @@ SITES = {0: ("ln1", "ln2"), 1: ("ln1", "ln2"), "final": ("final",)}
 
 
 def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s: float, dev: float,
-             in_band: tuple[bool, bool] = (True, False), energy: float = 0.01, placement: str = "pre") -> Path:
+             in_band: tuple[bool, bool] = (True, False), energy: float = 0.01, placement: str = "pre",
+             step_rates: tuple[float, ...] = ()) -> Path:
     """A run directory with the files the verdict reads, every |angle - 90| at the last step = ``dev``."""
     run_dir = root / f"{norm}{'-post' if placement == 'post' else ''}-s{seed}"
     run_dir.mkdir(parents=True)
@@ -47,7 +48,9 @@ def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s:
     for name, rows in (("angles.jsonl", angles), ("null.jsonl", null), ("energy.jsonl", energy_rows)):
         (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "csv" / "version_0").mkdir(parents=True)
-    (run_dir / "csv" / "version_0" / "metrics.csv").write_text(f"step,val/loss\n5,{val_loss + 1}\n10,{val_loss}\n")
+    metrics = f"step,val/loss,perf/tokens_per_s\n5,{val_loss + 1},\n10,{val_loss},\n"
+    metrics += "".join(f"{step},,{rate}\n" for step, rate in enumerate(step_rates, start=1))
+    (run_dir / "csv" / "version_0" / "metrics.csv").write_text(metrics)
     (run_dir / "summary.json").write_text(json.dumps({"tokens_per_s": tokens_per_s}))
     return run_dir
 
@@ -122,6 +125,21 @@ def test_an_interval_containing_zero_reads_not_distinguishable(tmp_path: Path) -
     val = next(e for e in estimates if e.metric == "val_loss")
     assert val.low < 0 < val.high and not val.distinguishable()
     assert sentence(val).endswith("not distinguishable at 3 seeds.") and unpaired.empty
+
+
+def test_throughput_is_the_median_step_rate_so_probe_steps_and_load_bursts_do_not_decide_it(tmp_path: Path) -> None:
+    """Per-step tokens/s with a slow probe step in one arm and a load burst in the other: the ratio is of
+    the medians (the summary's wall-clock mean, deliberately wrong here, is only the fallback)."""
+    for seed in range(2):
+        make_run(tmp_path, "rms", seed, val_loss=5.0, tokens_per_s=1.0, dev=1.0,
+                 step_rates=(1000.0, 1000.0, 40.0, 1000.0, 1000.0))  # step 3 held a probe
+        make_run(tmp_path, "layer", seed, val_loss=5.0, tokens_per_s=999.0, dev=1.0,
+                 step_rates=(900.0, 900.0, 900.0, 300.0, 300.0 + seed))  # a burst of load at steps 4-5
+    measures = run_measures(load(sorted(tmp_path.iterdir())))
+    assert sorted(measures["tokens_per_s"]) == [900.0, 900.0, 1000.0, 1000.0]
+    estimates, _ = paired_estimates(measures)
+    speed = next(e for e in estimates if e.metric == "tokens_per_s_ratio")
+    assert speed.values == pytest.approx((0.9, 0.9))
 
 
 def test_every_registry_contrast_names_two_registered_arms() -> None:

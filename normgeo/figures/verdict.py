@@ -9,7 +9,10 @@ their mean with a two-sided 95% Student-t interval over seeds of:
 
 - ``val_loss``: the final validation loss;
 - ``tokens_per_s_ratio``: training tokens/s as a ratio arm / other (the interval is computed on the
-  log-ratio and exponentiated: a geometric mean);
+  log-ratio and exponentiated: a geometric mean). A run's tokens/s is the median over its optimizer steps
+  of the logged per-step throughput (``perf/tokens_per_s``): the few steps that include a probe, a
+  validation or a checkpoint, and bursts of load on a shared machine, do not move a median the way they
+  move the wall-clock mean of ``summary.json`` (the fallback for a run with no per-step metric);
 - ``ones_dev/<site>``: per site class (``ln1.in``, ``ln2.in``, ``final.in`` and their ``.out``), the mean
   over layers of |angle with 1 - 90 degrees| at the last probed step (the angle is each record's mean
   over tokens).
@@ -102,11 +105,13 @@ def run_measures(comparison: Comparison) -> pd.DataFrame:
         at_last = angles[angles["step"] == last]
         summary_path = Path(run.run_dir) / SUMMARY_FILE
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        metrics = comparison.metrics[comparison.metrics["run"] == run.run]
+        step_rates = metrics[metrics["metric"] == "perf/tokens_per_s"]["value"].dropna()
         row = {
             "run": run.run, "norm": run.norm, "size": run.size, "placement": run.placement, "seed": run.seed,
             "last_step": last,
-            "val_loss": last_value(comparison.metrics[comparison.metrics["run"] == run.run], "val/loss"),
-            "tokens_per_s": summary.get("tokens_per_s"),
+            "val_loss": last_value(metrics, "val/loss"),
+            "tokens_per_s": float(step_rates.median()) if len(step_rates) else summary.get("tokens_per_s"),
         }
         for site in SITE_CLASSES:
             of_site = at_last[at_last["site"] == site]["mean_deg"].dropna()
