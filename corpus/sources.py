@@ -60,7 +60,9 @@ class LocalFilesSource:
     @property
     def extra_plain_text(self) -> tuple[str, ...]:
         """plain_text_extensions as lower-case suffixes with their dot (``csv`` and ``.CSV`` mean ``.csv``)."""
-        suffixes = (str(ext).strip().lower() for ext in self.plain_text_extensions)
+        given = self.plain_text_extensions
+        given = given.split(",") if isinstance(given, str) else given  # plain_text_extensions=.csv is one
+        suffixes = (str(ext).strip().lower() for ext in given)
         return tuple(sorted({ext if ext.startswith(".") else f".{ext}" for ext in suffixes if ext}))
 
     def files(self) -> list[Path]:

@@ -90,6 +90,7 @@ def test_the_option_reads_other_extensions_as_plain_text(tmp_path: Path) -> None
     assert len(documents) == 3 and CSV_ROW in documents[0] and "def f()" in documents[2]
     assert source.describe() == f"local:{folder} (plain text: .csv, .py)"  # another corpus than the default's
     assert LocalFilesSource(str(folder)).describe() == f"local:{folder}"  # unchanged: prepared data stays valid
+    assert LocalFilesSource(str(folder), plain_text_extensions=".csv,py").extra_plain_text == (".csv", ".py")
     with pytest.raises(SourceError, match=r"\(.py: 1\).*plain_text_extensions=\[.csv,.py\]$"):  # all to list
         LocalFilesSource(str(folder), plain_text_extensions=[".csv"]).check()
 
