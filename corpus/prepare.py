@@ -128,7 +128,13 @@ def prepare(
     ``prepare_hint``: a training run never silently rewrites data that other runs may be reading.
     """
     directory = Path(directory)
-    created = not directory.exists()
+    existing = _read_meta(directory)
+    check = getattr(source, "check", None)
+    # A source that cannot be read (a missing path, files of unsupported types) fails before any write; one
+    # already prepared is not read again (an offline node may hold the prepared folder but not the source).
+    if check is not None and (existing is None or existing.get("source") != source.describe()):
+        check()
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # innermost first
     directory.mkdir(parents=True, exist_ok=True)
     lock = FileLock(directory / ".prepare.lock")
     try:
@@ -137,10 +143,11 @@ def prepare(
                 source, directory, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
             )
     except BaseException:
-        if created:  # a failed first prepare (e.g. a path that does not exist) leaves no folder behind
+        if created:  # a failed first prepare leaves no folder behind (nor the data_root it created)
             (directory / ".prepare.lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
-                directory.rmdir()
+                for folder in created:
+                    folder.rmdir()
         raise
 
 

@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-TEXT_SUFFIXES = {".jsonl", ".json", ".parquet"}
+# What LocalFilesSource reads (docs/data.md): records with a text field, and plain text. "" is a file with
+# no extension (WikiExtractor's wiki_00), .raw WikiText's files. Anything else is refused unless named in
+# plain_text_extensions: a .csv or .py read as prose trains on its commas and code without a word.
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+PLAIN_TEXT_SUFFIXES = (".txt", ".raw", "")
+# A corpus folder's own documentation (README.md, LICENSE, ...) is about the corpus, not of it: skipped
+# with a note when a folder or glob is read (a file named on its own is read, or refused, by its type).
+SKIPPED_NAMES = ("README", "LICENSE", "LICENCE", "COPYING", "NOTICE")
+log = logging.getLogger(__name__)
 # WikiExtractor output wraps each article in <doc ...> ... </doc>.
 _WIKIEXTRACTOR_DOC = re.compile(r"<doc [^>]*>\n(.*?)</doc>", re.S)
 # WikiText raw files: each article opens with a top-level heading line " = Title = " (sections are " = = ").
@@ -33,15 +43,32 @@ class SourceError(ValueError):
 class LocalFilesSource:
     """A directory (searched recursively), a single file, or a glob of ``.txt``/``.jsonl``/``.parquet``.
 
-    ``.jsonl`` and ``.parquet`` records give their ``text_field``; any other file is plain text, one
-    document per file (WikiExtractor files are split into their ``<doc>`` articles, WikiText raw files
-    into their articles at the `` = Title = `` lines).
+    ``.jsonl``/``.json`` lines and ``.parquet`` rows give their ``text_field``; ``.txt``, ``.raw`` and
+    files without an extension are plain text, one document per file (WikiExtractor files are split into
+    their ``<doc>`` articles, WikiText raw files into their articles at the `` = Title = `` lines). Other
+    extensions are refused, all of them named at once, unless listed in ``plain_text_extensions``
+    (then read as plain text). In a folder or glob, README/LICENSE/COPYING/NOTICE files are skipped.
+    ``config_node`` is the config node the refusals name (``data.source``, or ``probe`` for probe=local).
     """
 
     path: str
     text_field: str = "text"
+    plain_text_extensions: Sequence[str] = ()
+    config_node: str = "data.source"
+    _files: list[Path] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def extra_plain_text(self) -> tuple[str, ...]:
+        """plain_text_extensions as lower-case suffixes with their dot (``csv`` and ``.CSV`` mean ``.csv``)."""
+        given = self.plain_text_extensions
+        given = given.split(",") if isinstance(given, str) else given  # plain_text_extensions=.csv is one
+        suffixes = (str(ext).strip().lower() for ext in given)
+        return tuple(sorted({ext if ext.startswith(".") else f".{ext}" for ext in suffixes if ext}))
 
     def files(self) -> list[Path]:
+        """The files to read, checked once: every one of a type this source reads (else SourceError)."""
+        if self._files is not None:
+            return self._files
         expanded = os.path.expanduser(self.path)
         if any(ch in expanded for ch in "*?["):
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True))
@@ -50,14 +77,46 @@ class LocalFilesSource:
         elif Path(expanded).is_file():
             matches = [Path(expanded)]
         else:
-            raise SourceError(f"no such file or directory: {self.path!r} (give a directory, file or glob)")
+            raise SourceError(f"{self.config_node}.path={self.path}: no such file or directory (give a directory, "
+                              "file or glob)")
         matches = [p for p in matches if p.is_file()]
         if not matches:
-            raise SourceError(f"no files match {self.path!r}")
+            raise SourceError(f"{self.config_node}.path={self.path}: no files match")
+        if len(matches) > 1 or not Path(expanded).is_file():  # a folder or glob: skip its documentation
+            skipped = [p for p in matches if p.name.split(".")[0].upper() in SKIPPED_NAMES]
+            if skipped:
+                log.warning("%s.path=%s: skipped %s (a corpus's README/LICENSE files are not read)",
+                            self.config_node, self.path, ", ".join(p.name for p in skipped))
+                matches = [p for p in matches if p not in skipped]
+                if not matches:
+                    raise SourceError(f"{self.config_node}.path={self.path}: no files but README/LICENSE files")
+        self._check_types(matches)
+        self._files = matches
         return matches
 
+    def _check_types(self, files: list[Path]) -> None:
+        readable = {*RECORD_SUFFIXES, *PLAIN_TEXT_SUFFIXES, *self.extra_plain_text}
+        refused = Counter(p.suffix.lower() for p in files if p.suffix.lower() not in readable)
+        if not refused:
+            return
+        count = sum(refused.values())
+        found = f"{count} files of unsupported types" if count > 1 else "1 file of an unsupported type"
+        kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
+        supported = ", ".join([*RECORD_SUFFIXES, ".txt", ".raw", "no extension", *self.extra_plain_text])
+        allow = ",".join(sorted({*self.extra_plain_text, *refused}))  # the whole list to set, kept ones too
+        raise SourceError(
+            f"{self.config_node}.path={self.path}: {found} ({kinds}); supported: {supported}; to read other "
+            f"extensions as plain text set {self.config_node}.plain_text_extensions=[{allow}]"
+        )
+
+    def check(self) -> None:
+        """Refuse a missing path or files of unsupported types before anything is written (prepare)."""
+        self.files()
+
     def describe(self) -> str:
-        return f"local:{os.path.abspath(os.path.expanduser(self.path))}"
+        where = f"local:{os.path.abspath(os.path.expanduser(self.path))}"
+        # Named only when set: data prepared before the option existed keeps its description (meta.json).
+        return f"{where} (plain text: {', '.join(self.extra_plain_text)})" if self.extra_plain_text else where
 
     def documents(self) -> Iterator[str]:
         for file in self.files():

@@ -6,6 +6,7 @@ run as real ``python train.py``/``analyze.py`` subprocesses for the exit code an
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -31,14 +32,17 @@ def table_rows() -> list[dict]:
 
 
 ROWS = table_rows()
-# Refused only once the run starts (files, devices): not at compose time. The first two run as subprocesses
-# (starred); the device count is tried on train.build_trainer in-process (a DDP Trainer launches only in fit).
-RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4")
+# Refused only once the run starts (files, devices): not at compose time. All but the device count run as
+# subprocesses (starred); it is tried on train.build_trainer in-process (a DDP Trainer launches only in fit).
+RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
+           "data=local data.source.path=conf/train")
 
 
 def refusal(script: str, args: str) -> str:
     """The message of the compose-time refusal of ``args``: Hydra's exception chain or the schema's check."""
     conf_dir = CONF_DIR if script == "train" else ANALYZE_CONF_DIR
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # relative paths in the table (probe.path=conf/train) as the subprocesses see them
     try:
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
             cfg = compose(script, overrides=args.split())
@@ -50,13 +54,17 @@ def refusal(script: str, args: str) -> str:
         while chain[-1].__cause__ is not None:
             chain.append(chain[-1].__cause__)
         return "\n".join(str(e) for e in chain)
+    finally:
+        os.chdir(cwd)
     raise AssertionError(f"{script}.py {args} was accepted")
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r["args"] not in RUNTIME], ids=lambda r: f"{r['script']} {r['args']}")
 def test_each_bad_input_is_refused_at_compose_time_with_its_message(row: dict) -> None:
     assert row["exit"] == "2"
-    assert row["message"] in refusal(row["script"], row["args"])
+    message = refusal(row["script"], row["args"])
+    for part in row["message"].split(" ... "):  # " ... " stands for what varies (a count, a path)
+        assert part in message, message
 
 
 @pytest.mark.slow

@@ -46,8 +46,10 @@ def test_a_small_corpus_splits_by_tokens_and_still_trains(tmp_path: Path, layout
 def test_binary_files_non_string_text_and_missing_paths_fail_leaving_nothing(tmp_path: Path) -> None:
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 64)
-    with pytest.raises(SourceError, match="model.bin is a binary file, not text"):
+    with pytest.raises(SourceError, match=r"1 file of an unsupported type \(.bin: 1\)"):
         prepare(LocalFilesSource(str(binary)), tmp_path / "data", progress=False)
+    with pytest.raises(SourceError, match="model.bin is a binary file, not text"):  # even when asked for
+        prepare(LocalFilesSource(str(binary), plain_text_extensions=[".bin"]), tmp_path / "data", progress=False)
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": "fine"}\n{"text": 42}\n')
     with pytest.raises(SourceError, match=r"numbers.jsonl:2: field 'text' is int 42, not a string"):

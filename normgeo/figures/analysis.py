@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -204,7 +205,58 @@ def write_summary(out_dir: str | Path, summary: Sequence[dict]) -> tuple[Path, P
     return out_dir / SUMMARY_CSV, out_dir / SUMMARY_MD
 
 
-def print_summary(summary: Sequence[dict], title: str = "Angles before/after the norms") -> None:
-    header, rows = _wide(summary)
-    print_table(header, rows, title=title, left=("model", "norm", "site"))
+def _narrow(summary: Sequence[dict]) -> list[tuple[str, list[tuple[str, list[str], list[list[str]]]]]]:
+    """The console's tables, two per model so that each fits 80 columns with every number whole:
+    (the model's line, [(title, header, rows) of the angles, of the per-norm view]). The model, its norm,
+    norm count and tokens go in the model's line; summary.md keeps the one wide table."""
+    refs = list(dict.fromkeys(row["ref"] for row in summary))
+    short = [REF_SHORT.get(ref, ref) for ref in refs]
+    with_step = any(row["step"] is not None for row in summary)
+    lead = ["step", "site"] if with_step else ["site"]
+    blocks: dict[tuple, dict[tuple, dict[str, dict]]] = {}
+    for row in summary:
+        lines = blocks.setdefault((row["model"], row["norm"]), {})
+        lines.setdefault((row["step"], row["site"]), {})[row["ref"]] = row
+    models = []
+    for (model, norm), lines in blocks.items():
+        rows = [row for by_ref in lines.values() for row in by_ref.values()]
+        null_k = max((row["null_k"] or 0 for row in rows), default=0)
+        angles, spread = [], []
+        for (step, site), by_ref in lines.items():
+            start = ([str(step) if step is not None else "-"] if with_step else []) + [site]
+            ones = by_ref.get("ones", {})
+            known = bool(ones.get("null_k"))
+            angles.append([
+                *start,
+                *(f"{by_ref[ref]['mean_deg']:.2f} ± {by_ref[ref]['std_deg']:.2f}" if ref in by_ref else "-"
+                  for ref in refs),
+                f"{ones['ones_pooled_rank_pct']:.0f}%" if known else "-",
+            ])
+            spread.append([
+                *start,
+                *(_deg(by_ref.get(ref, {}).get("norm_abs_dev_deg")) for ref in refs),
+                *(_deg(by_ref.get(ref, {}).get("between_norm_std_deg")) for ref in refs),
+                f"{ones['norms_in_null_band']}/{ones['sites']}" if known else "-",
+            ])
+        norms = max(row["sites"] for row in rows)
+        tokens = max(row["tokens"] for row in rows)
+        among = f"K={null_k} random directions" if null_k else "the random directions"
+        models.append((f"{model} ({norm}, {norms} norms, {tokens:,} tokens)", [
+            (f"angle with {', '.join(short)} (deg): mean ± std over tokens and norms; 1 pct: 1's percentile "
+             f"among {among}", [*lead, *(f"∠ {s}" for s in short), "1 pct"], angles),
+            ("per norm (deg): dev = mean |∠ − 90|, sd = std of the mean ∠; 1 in band: norms where 1 lies in "
+             "the random directions' 5–95% band",
+             [*lead, *(f"dev {s}" for s in short), *(f"sd {s}" for s in short), "1 in band"], spread),
+        ]))
+    return models
+
+
+def print_summary(summary: Sequence[dict], title: str = "Angles before/after the norms", *, file=None,
+                  width: int | None = None) -> None:
+    """The summary on the console: readable at 80 columns (:func:`_narrow`); the one wide table is summary.md's."""
+    print(title, file=file or sys.stdout)
+    for model, tables in _narrow(summary):
+        print(f"\n{model}", file=file or sys.stdout)
+        for caption, header, rows in tables:
+            print_table(header, rows, title=caption, left=("step", "site"), file=file, width=width)
 

@@ -59,6 +59,9 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "data.num_workers",
     "data.micro_batch",
     "data.prepare_command",
+    # Which config node the refusals of a local source name (corpus.sources.LocalFilesSource).
+    "data.source.config_node",
+    "probe.source.config_node",
 )
 
 
@@ -67,7 +70,13 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 # resumes without them counting as changes.
 DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps")
 # Keys added later, with the value every run recorded before them had: absent in an old record means this.
-LEGACY_DEFAULTS: dict[str, Any] = {"placement.name": "pre", "placement.run_suffix": ""}
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "placement.name": "pre",
+    "placement.run_suffix": "",
+    "probe.plain_text_extensions": [],
+    "probe.source.plain_text_extensions": [],
+    "data.source.plain_text_extensions": [],
+}
 
 
 class _Absent:

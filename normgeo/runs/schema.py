@@ -11,6 +11,7 @@ known norm) :func:`check_train` / :func:`check_analyze` say, before anything is 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -94,6 +95,7 @@ class ProbeSchema:
 
     source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
     path: str | None = doc(None, "local files for probe=local")
+    plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
     tokens: int = doc(MISSING, "probe tokens per measurement")
     seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap")
     include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
@@ -116,7 +118,8 @@ class TrainProbeSchema(ProbeSchema):
 class DataSchema:
     _target_: str = doc(MISSING, "the data module's class (corpus.datamodule.TokenDataModule)")
     name: str = doc(MISSING, "the corpus's name (its prepared folder)")
-    source: Any = doc(MISSING, "_target_ node of the training text (corpus.sources)")
+    source: Any = doc(MISSING, "_target_ node of the training text (corpus.sources); data=local: path, "
+                      "text_field, plain_text_extensions (other extensions read as plain text, e.g. [.md])")
     directory: str = doc(MISSING, "where the prepared token files live")
     tokenizer: str = doc("gpt2", "tiktoken encoding")
     val_fraction: float = doc(0.005, "fraction of documents held out for validation, in (0, 1)")
@@ -292,6 +295,37 @@ def check_trainer(trainer: DictConfig) -> None:
             "or a _target_ node (trainer=ddp, trainer=fsdp)")
 
 
+LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
+
+
+@functools.lru_cache(maxsize=16)
+def _local_files_refusal(path: str, extensions: tuple[str, ...], config_node: str) -> str | None:
+    """Why a local source cannot be read (a missing path, files of unsupported types), or None; cached:
+    one launch checks its config several times (normgeo.runs.checks, normgeo.runs.session)."""
+    from corpus.sources import LocalFilesSource, SourceError
+
+    try:
+        LocalFilesSource(path, plain_text_extensions=extensions, config_node=config_node).check()
+    except SourceError as err:
+        return str(err)
+    return None
+
+
+def check_probe_source(probe: DictConfig) -> None:
+    """probe=local's files, before anything is written: the probe reads them only once training started
+    (data=local's are checked by its prepare, which runs before anything is written)."""
+    source = probe.source
+    if source.get("_target_") != LOCAL_SOURCE:
+        return
+    if OmegaConf.is_missing(source, "path") or source.path is None:
+        raise ConfigError("probe.path=null: expected the probe's local text for probe=local (a folder, file or "
+                          "glob), e.g. probe.path=../shared/corpora/wikipedia")
+    refusal = _local_files_refusal(str(source.path), tuple(source.get("plain_text_extensions") or ()),
+                                   str(source.get("config_node", "probe")))
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
     from corpus.stream import accumulation_steps  # the one divisibility rule (also StepSampler's)
@@ -329,6 +363,10 @@ def check_train(cfg: DictConfig) -> None:
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")
     check_trainer(cfg.trainer)
+    if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
+        raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
+                          "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
+    check_probe_source(cfg.probe)
     try:
         accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=1)
     except ValueError as err:
@@ -344,6 +382,7 @@ def check_analyze(cfg: DictConfig) -> None:
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")
+    check_probe_source(cfg.probe)
 
 
 def key_docs(schema: type, prefix: str = "") -> list[str]:
