@@ -31,9 +31,12 @@ def table_rows() -> list[dict]:
 
 
 ROWS = table_rows()
-# Refused only once the run starts (files, devices): not at compose time. The first two run as subprocesses
-# (starred); the device count is tried on train.build_trainer in-process (a DDP Trainer launches only in fit).
-RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4")
+# Refused only once the run starts, not at compose time: by the start checks before the run directory is
+# claimed (files, data, probe text, the run directory; normgeo/runs/start.py), run as subprocesses (starred),
+# or when the Trainer is built (the device count, RUNTIME[2]: tried on train.build_trainer in-process, a DDP
+# Trainer launches only in fit).
+RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
+           "probe.tokens=100000000", "seq_len=10000", "run_dir=/dev/null/run")
 
 
 def refusal(script: str, args: str) -> str:
