@@ -191,12 +191,13 @@ def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_i
 
     run_dir = workspace / "locked"
     long_run = ("max_steps=1000000", "checkpoint.last_every=2")
-    first = subprocess.Popen(train_args(run_dir, *long_run), cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first_log = workspace / "first.stderr"  # a file, not a pipe: a full pipe would stall the first run
+    with open(first_log, "w") as stderr:
+        first = subprocess.Popen(train_args(run_dir, *long_run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 400
         while not (run_dir / "checkpoints" / "last.ckpt").exists():
-            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert first.poll() is None, first_log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run wrote no last.ckpt"
             time.sleep(0.5)
         hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
