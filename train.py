@@ -14,7 +14,6 @@ install_requeue_handler()
 import logging
 import os
 import secrets
-import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSchedule,
+    OptimizerStepCallback,
     RequeueOnSignal,
     ScheduledCheckpoint,
     StopAtStep,
@@ -37,22 +37,22 @@ from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
+from corpus.tokenize import TokenizerError
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.logged_figures import figure_key, log_figures
+from normgeo.measure.pipeline import AnalysisError
 from normgeo.plan import preflight
-from normgeo.runs.checks import check_config, config_errors_exit_2
+from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
-from normgeo.runs.run_config import ResumeConfigError, is_rank_zero, resolved_run_config, save_run_config
-from normgeo.runs.schema import ConfigError
+from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_config
 from normgeo.runs.session import (  # noqa: F401
-    REFUSALS,
     Refused,
     RunDirectoryError,
     remove_stale_temporaries_of_run,
     resume_checkpoint,
-    session_checkpoint,
 )
+from normgeo.runs.start import START_ERRORS, Start, remove_if_empty, take_start
 from normgeo.runs.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
@@ -136,8 +136,20 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     )
 
 
-def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule) -> list:
-    """Checkpoints on the schedule, the optional early stop and the angle probe at the same steps."""
+class MarkTrained(OptimizerStepCallback):
+    """Marks the start as past this session's first optimizer step: a failure from then on keeps the files
+    it wrote (before it, run() undoes the start)."""
+
+    def __init__(self, start: Start) -> None:
+        self.start = start
+
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        self.start.trained = True
+
+
+def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule, probe_ids=None) -> list:
+    """Checkpoints on the schedule, the optional early stop and the angle probe at the same steps
+    (``probe_ids``: its tokens, as the start check tokenized them)."""
     callbacks: list = [ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule)]
     if cfg.stop_at_step:
         callbacks.append(StopAtStep(cfg.stop_at_step))
@@ -159,19 +171,26 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule)
                 sample_documents=cfg.probe.sample,
                 bootstrap_replicates=cfg.probe.bootstrap.replicates,
                 bootstrap_block=cfg.probe.bootstrap.block,
+                ids=probe_ids,
             )
         )
     return callbacks
 
 
-def train(cfg: DictConfig) -> L.Trainer:
+def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
+    """Fit one run. ``start``: what normgeo.runs.start checked and claimed before Hydra wrote (decided
+    here when None, e.g. bench/ calling train() directly)."""
+    if start is None:
+        start = take_start(cfg)
+        try:
+            return train(cfg, start)
+        finally:
+            start.release()
     preflight(cfg)  # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
-    # Before this session writes anything into the run directory (conf/train/train.yaml already kept Hydra's
-    # files out of a refused one): a resume continues the same experiment, a new run a new directory.
-    ckpt_path = session_checkpoint(cfg)
+    ckpt_path = start.ckpt_path  # a resume continues the same experiment, a new run a new directory
     if is_rank_zero():
         remove_stale_temporaries_of_run(run_dir)  # what killed sessions were writing (checkpoints, probes)
     run_config = resolved_run_config(cfg)
@@ -179,13 +198,13 @@ def train(cfg: DictConfig) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
-    callbacks = make_callbacks(cfg, run_dir, schedule)
+    callbacks = [MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     clock = SessionClock()
     callbacks.append(clock)
     if requeue is not None:
         callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
     module: LitGPT = instantiate(cfg.model)
-    datamodule = instantiate(cfg.data)
+    datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -231,32 +250,9 @@ def refuse(cfg: DictConfig, err: Exception) -> Refused:
     sys.exit(2)
 
 
-# What a start may write before its first optimizer step: Hydra's files, the loggers' folders, our
-# bookkeeping and the run config. Removed again when that start is refused (remove_failed_start).
-START_FILES = (".hydra", "train.log", "csv", "tensorboard", "wandb", WANDB_ID_FILE, "slurm_jobs.tsv", "run_config.yaml")
-
-
-def holds_no_run(run_dir: Path) -> bool:
-    """No run has started in this directory yet (a failed start leaves at most START_FILES)."""
-    return not (run_dir / "checkpoints").exists() and not (run_dir / "run_config.yaml").exists()
-
-
-def remove_failed_start(run_dir: Path) -> None:
-    """Leave nothing behind after a refused start in a directory that held no run: remove what the start
-    wrote, and the directory itself when that empties it. Called only when holds_no_run() was true."""
-    if not run_dir.is_dir() or not is_rank_zero() or (run_dir / "checkpoints").exists():
-        return
-    for name in START_FILES:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.exists():
-            path.unlink()
-    if not any(run_dir.iterdir()):
-        run_dir.rmdir()
-
-
-USER_ERRORS = (PreparedDataError, SourceError, RunDirectoryError, ResumeConfigError, NonFiniteError, ValueError)
+# A user's error: one line on stderr and exit 2. Before this session's first optimizer step the start is
+# undone as well (the run directory as it was found); a divergence is a result, and keeps its files.
+USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, AnalysisError, NonFiniteError, ValueError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
@@ -265,22 +261,23 @@ def run(cfg: DictConfig) -> Refused | None:
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = install_requeue_handler()
     try:
-        check_config("train", cfg)  # a single run was checked before Hydra wrote anything; a sweep's job here
-        session_checkpoint(cfg)  # refused: say so without logging a session into the run's train.log
-    except (ConfigError, *REFUSALS) as err:
-        if holds_no_run(Path(cfg.run_dir)):  # e.g. a resume path that does not exist, in a new directory
-            remove_failed_start(Path(cfg.run_dir))
+        start = take_start(cfg)  # decided before Hydra wrote (normgeo.runs.start): checks, then the lock
+    except START_ERRORS as err:
+        remove_if_empty(cfg.run_dir)  # the folder Hydra created for a refused -m job
         return refuse(cfg, err)
-    fresh = holds_no_run(Path(cfg.run_dir))
     log.info("run directory: %s", cfg.run_dir)
     try:
-        trainer = train(cfg)
-    except USER_ERRORS as err:
-        if fresh and not isinstance(err, NonFiniteError):  # a divergence is a result, not a failed start
-            remove_failed_start(Path(cfg.run_dir))
-        return refuse(cfg, err)
+        trainer = train(cfg, start)
+    except BaseException as err:
+        finish_wandb_run()  # before an undo: its files are in the run directory too
+        if not start.trained and not isinstance(err, (NonFiniteError, SystemExit)):
+            start.undo()  # failed before its first optimizer step: the directory as it was found
+        if isinstance(err, USER_ERRORS):
+            return refuse(cfg, err)
+        raise
     finally:
         finish_wandb_run()
+        start.release()
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(

@@ -13,11 +13,10 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
-from corpus.tokenize import tiktoken_batch_encoder
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.pipeline import measure_records, probe_ids
+from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 
@@ -65,6 +64,7 @@ class AngleProbe(OptimizerStepCallback):
         sample_documents: bool = True,
         bootstrap_replicates: int = 1000,
         bootstrap_block: int = 1,
+        ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.schedule = schedule
@@ -81,7 +81,7 @@ class AngleProbe(OptimizerStepCallback):
         self.sample_documents = sample_documents
         self.bootstrap_replicates = bootstrap_replicates
         self.bootstrap_block = bootstrap_block
-        self._ids: np.ndarray | None = None
+        self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
     def probe_ids(self) -> np.ndarray:
         """The same ``probe.tokens`` token ids at every step and in both arms.
@@ -90,9 +90,9 @@ class AngleProbe(OptimizerStepCallback):
         ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
         """
         if self._ids is None:
-            encode, eot, _ = tiktoken_batch_encoder(self.tokenizer)
-            self._ids = probe_ids(self.source, encode, eot, self.tokens, sample=self.sample_documents,
-                                  seed=self.seed, min_doc_tokens=self.min_doc_tokens)
+            self._ids = tiktoken_probe_ids(self.source, self.tokens, tokenizer=self.tokenizer,
+                                           sample=self.sample_documents, seed=self.seed,
+                                           min_doc_tokens=self.min_doc_tokens)
         return self._ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

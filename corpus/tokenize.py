@@ -11,6 +11,10 @@ import numpy as np
 EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
+class TokenizerError(RuntimeError):
+    """The tokenizer's files cannot be loaded (offline without a cache); the message says what to set."""
+
+
 @lru_cache(maxsize=4)
 def tiktoken_encoding(name: str = "gpt2"):
     """The tiktoken encoding; offline machines point TIKTOKEN_CACHE_DIR at a folder with its BPE files."""
@@ -18,10 +22,13 @@ def tiktoken_encoding(name: str = "gpt2"):
 
     try:
         return tiktoken.get_encoding(name)
-    except Exception as err:  # network errors come in many types
-        raise RuntimeError(
-            f"could not load the tiktoken encoding {name!r} ({err}). Offline, set TIKTOKEN_CACHE_DIR to a "
-            "folder holding its BPE files (e.g. ../shared/tiktoken) or run once on a machine with internet."
+    except Exception as err:  # network errors come in many types, and some span many lines
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+        where = f"in TIKTOKEN_CACHE_DIR={cache}" if cache else "cached (TIKTOKEN_CACHE_DIR is unset)"
+        raise TokenizerError(
+            f"could not load the tiktoken encoding {name!r}: its BPE files are not {where} and downloading "
+            f"them failed ({type(err).__name__}). Set TIKTOKEN_CACHE_DIR to a folder holding them (e.g. "
+            "../shared/tiktoken), or run once with internet access"
         ) from err
 
 

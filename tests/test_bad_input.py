@@ -32,10 +32,12 @@ def table_rows() -> list[dict]:
 
 
 ROWS = table_rows()
-# Refused only once the run starts (files, devices): not at compose time. All but the device count run as
-# subprocesses (starred); it is tried on train.build_trainer in-process (a DDP Trainer launches only in fit).
+# Refused only once the run starts, not at compose time: by the start checks before the run directory is
+# claimed (files, data, probe text, the run directory; normgeo/runs/start.py), run as subprocesses (starred),
+# or when the Trainer is built (the device count, RUNTIME[2]: tried on train.build_trainer in-process, a DDP
+# Trainer launches only in fit).
 RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
-           "data=local data.source.path=conf/train")
+           "probe.tokens=100000000", "seq_len=10000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train")
 
 
 def refusal(script: str, args: str) -> str:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from corpus.sources import SourceError, probe_documents
-from corpus.tokenize import EncodeBatch, first_tokens
+from corpus.tokenize import EncodeBatch, first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
 from normgeo.measure.ellipsoid import ellipsoid_rows
 from normgeo.measure.energy import EnergyStatistics, energy_rows
@@ -56,6 +56,15 @@ def probe_ids(
         ) from exc
     except ValueError as exc:
         raise AnalysisError(f"{exc} ({source.describe()}): lower probe.tokens or give a larger corpus") from exc
+
+
+def tiktoken_probe_ids(
+    source, tokens: int, *, tokenizer: str = "gpt2", sample: bool = True, seed: int = 1234, min_doc_tokens: int = 0
+) -> np.ndarray:
+    """:func:`probe_ids` with a tiktoken encoding: the training probe's tokens, computed once by train.py's
+    start check (normgeo.runs.start) and handed to the probe callback."""
+    encode, eot, _ = tiktoken_batch_encoder(tokenizer)
+    return probe_ids(source, encode, eot, tokens, sample=sample, seed=seed, min_doc_tokens=min_doc_tokens)
 
 
 def windows(ids: np.ndarray | torch.Tensor, seq_len: int) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from normgeo.runs.schema import SCHEMAS, key_docs
-from normgeo.runs.session import register_resolver
+from normgeo.runs.start import register_resolver
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).

@@ -1,10 +1,7 @@
-"""Whether a train.py session may use its run directory, decided before Hydra writes anything there.
-
-Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` and opens ``train.log`` in the run directory
-before the task function runs. A launch that is then refused (the directory already holds a run, or a
-resume would change the experiment) used to leave those files rewritten: ``normgeo.runs.status`` then read
-the refused session's ``max_steps``. conf/train/train.yaml routes both through the ``normgeo_if_accepted``
-resolver below, which runs the same checks as train.py and sends Hydra's files nowhere when they fail.
+"""Whether a train.py session may continue or start the run in its run directory: the resume decisions
+(which checkpoint, refused when the directory holds a run or a resume would change the experiment), made
+before anything is written (normgeo.runs.start runs them before Hydra writes ``.hydra/`` or ``train.log``),
+and the report of the jobs a ``-m`` sweep refused.
 """
 
 from __future__ import annotations
@@ -17,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from normgeo.runs.checks import check_config, task_config
 from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
-from normgeo.runs.schema import ConfigError
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
 log = logging.getLogger(__name__)
@@ -129,35 +124,20 @@ def remove_stale_temporaries_of_run(run_dir: Path) -> None:
                     count, f"{size:,}", run_dir)
 
 
+def slurm_requeued() -> bool:
+    """This process is a SLURM job that was requeued (preemption, time limit): it continues its own run."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+
+
 def session_checkpoint(cfg: DictConfig) -> str | None:
     """The checkpoint this session continues from, or a refusal (REFUSALS); reads, never writes."""
     resume = cfg.resume
-    if resume is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+    if resume is None and slurm_requeued():
         resume = "auto"  # a requeued job continues its own run, whatever its command line says
     run_dir = Path(cfg.run_dir)
     ckpt_path = resume_checkpoint(run_dir, resume)
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     return ckpt_path
-
-
-def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
-    """``value`` when this session may run in its run directory, else ``refused`` (null, /dev/null)."""
-    try:  # an impossible value (a -m sweep's job; a single run stops earlier, normgeo.runs.checks.ConfigCheck)
-        check_config("train", task_config(_root_))
-    except ConfigError:
-        return refused
-    if "run_dir" not in _root_ or not Path(str(_root_.run_dir)).is_dir():
-        return value  # a new directory: nothing to protect
-    try:
-        session_checkpoint(task_config(_root_))
-    except REFUSALS:
-        return refused
-    return value
-
-
-def register_resolver() -> None:
-    if not OmegaConf.has_resolver("normgeo_if_accepted"):
-        OmegaConf.register_new_resolver("normgeo_if_accepted", if_accepted)
 
 
 @dataclass

@@ -1,0 +1,301 @@
+"""A train.py session's start: every check a user can fail before training, the claim of the run directory,
+and the undo of a start that fails before its first optimizer step.
+
+Hydra creates the run directory, writes ``.hydra/`` and opens ``train.log`` before the task function runs,
+so a start is decided before that, once per job (:func:`decide`): a single run in :class:`StartCheck` (a
+Hydra callback whose ``on_run_start`` comes before Hydra creates anything), a ``-m`` sweep's job in the
+``normgeo_if_accepted`` resolver (conf/train/train.yaml sends Hydra's files nowhere when it refuses).
+Deciding is :func:`check_start` (the config, the run directory, the lock, the resume, the probe text and
+its tokenizer, the prepared data; it writes nothing in the run directory), then :func:`claim` (snapshot,
+folder, lock) in the launching process. train.py's task function takes the outcome (:func:`take_start`):
+a refusal exits 2 with one line and the directory as it was; a start that fails before its first
+optimizer step is undone (:meth:`Start.undo`): the files as they were found, byte for byte, and a
+directory the start created removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
+from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
+from normgeo.runs.run_config import is_rank_zero
+from normgeo.runs.schema import ConfigError
+from normgeo.runs.session import REFUSALS, session_checkpoint, slurm_requeued
+
+log = logging.getLogger(__name__)
+
+
+class StartError(ValueError):
+    """A user error found before training (run directory, probe text, tokenizer, data); one line."""
+
+
+# Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
+START_ERRORS = (ConfigError, StartError, RunInUseError, *REFUSALS)
+# A claim keeps the bytes of files up to this size, for an undo to write back; a start never rewrites a
+# bigger one (checkpoints) before its first optimizer step.
+SNAPSHOT_MAX_BYTES = 16 << 20
+# A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
+# NFS releases a dead client's locks only when its lease expires.
+REQUEUE_LOCK_WAIT_S = 120.0
+
+
+def check_writable_folder(folder: Path, key: str) -> None:
+    """``folder`` exists as a writable directory or can be created: StartError naming what is in the way."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "not a folder"
+        raise StartError(f"{key}={folder}: {existing} is {what}, so the run directory cannot be created there; "
+                         f"choose another {key}=...")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StartError(f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
+                         f"choose another {key}=...")
+
+
+@dataclass
+class Snapshot:
+    """What a run directory held when a start claimed it, for :func:`restore`."""
+
+    created: Path | None  # the topmost folder the claim created (run_dir or an ancestor); None: run_dir existed
+    files: dict[str, tuple[int, int, bytes | None]] = field(default_factory=dict)  # path -> size, mtime, bytes
+    dirs: set[str] = field(default_factory=set)
+
+
+def take_snapshot(run_dir: Path) -> Snapshot:
+    if not run_dir.exists():
+        created = run_dir
+        while not created.parent.exists():
+            created = created.parent
+        return Snapshot(created)
+    snapshot = Snapshot(None)
+    for folder, subdirs, names in os.walk(run_dir):
+        base = Path(folder)
+        snapshot.dirs.update(str((base / name).relative_to(run_dir)) for name in subdirs)
+        for name in names:
+            path = base / name
+            info = path.lstat()
+            keep = stat.S_ISREG(info.st_mode) and info.st_size <= SNAPSHOT_MAX_BYTES
+            snapshot.files[str(path.relative_to(run_dir))] = (
+                info.st_size, info.st_mtime_ns, path.read_bytes() if keep else None)
+    return snapshot
+
+
+def restore(run_dir: Path, snapshot: Snapshot) -> None:
+    """Put ``run_dir`` back as :func:`take_snapshot` found it: remove what was added, write back what changed."""
+    if snapshot.created is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        folder = run_dir.parent
+        while folder == snapshot.created or snapshot.created in folder.parents:  # the parents it created
+            with contextlib.suppress(OSError):  # not empty: something else lives there now
+                folder.rmdir()
+            folder = folder.parent
+        return
+    if not run_dir.is_dir():
+        return
+    for folder, subdirs, names in os.walk(run_dir, topdown=False):
+        base = Path(folder)
+        for name in names:
+            if str((base / name).relative_to(run_dir)) not in snapshot.files:
+                (base / name).unlink()
+        for name in subdirs:
+            path = base / name
+            if str(path.relative_to(run_dir)) not in snapshot.dirs:
+                path.unlink() if path.is_symlink() else shutil.rmtree(path)
+    for name, (size, mtime_ns, data) in snapshot.files.items():
+        path = run_dir / name
+        with contextlib.suppress(FileNotFoundError):
+            info = path.lstat()
+            if (info.st_size, info.st_mtime_ns) == (size, mtime_ns):
+                continue
+        if data is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            os.utime(path, ns=(time.time_ns(), mtime_ns))
+
+
+def close_file_logs(run_dir: Path) -> None:
+    """Stop logging into files under ``run_dir`` (Hydra's train.log handler), so that an undo stays undone."""
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(run_dir):
+                handler.close()
+                logger.removeHandler(handler)
+
+
+@dataclass
+class Start:
+    """A checked start: what training needs from the checks, and (launching process) the claim."""
+
+    run_dir: Path
+    ckpt_path: str | None
+    datamodule: Any  # corpus.datamodule.TokenDataModule, prepared and loaded
+    probe_ids: Any  # numpy ids of the probe text (None without a probe): tokenized once, here
+    lock: RunLock | None = None
+    snapshot: Snapshot | None = None
+    trained: bool = False  # past this session's first optimizer step: a failure from now on keeps its files
+
+    def undo(self) -> None:
+        """The run directory as this start found it (a fresh one removed); then the lock is released."""
+        if self.snapshot is not None:
+            close_file_logs(self.run_dir)
+            restore(self.run_dir, self.snapshot)
+            self.snapshot = None
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def check_start(cfg: DictConfig) -> Start:
+    """Everything a user can get wrong that is known before training, cheapest first; raises one of
+    START_ERRORS. Writes nothing in the run directory (data is prepared under data_root, as training would)."""
+    from hydra.utils import instantiate
+
+    from corpus.prepare import PreparedDataError
+    from corpus.sources import SourceError
+    from corpus.tokenize import TokenizerError
+    from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
+
+    check_config("train", cfg)
+    run_dir = Path(cfg.run_dir)
+    check_writable_folder(run_dir, "run_dir")
+    if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
+        raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
+    ckpt_path = session_checkpoint(cfg)
+    try:
+        probe_ids = None
+        if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
+            probe_ids = tiktoken_probe_ids(
+                instantiate(cfg.probe.source), cfg.probe.tokens, sample=cfg.probe.sample, seed=cfg.probe.seed,
+                min_doc_tokens=cfg.probe.min_doc_tokens)
+        datamodule = instantiate(cfg.data)
+        datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
+        datamodule.load()  # long enough for seq_len
+    except (TokenizerError, AnalysisError, PreparedDataError, SourceError, ValueError) as err:
+        raise StartError(str(err)) from err
+    return Start(run_dir, ckpt_path, datamodule, probe_ids)
+
+
+def claim(start: Start) -> None:
+    """Take the run directory for this session: note what it holds, create it, lock it (RunInUseError,
+    nothing changed, when another process holds it)."""
+    run_dir = start.run_dir
+    snapshot = take_snapshot(run_dir)
+    lock = RunLock(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire(wait_s=REQUEUE_LOCK_WAIT_S if slurm_requeued() else 0.0)
+    except BaseException as err:
+        restore(run_dir, snapshot)
+        if isinstance(err, OSError):
+            raise StartError(f"run_dir={run_dir}: cannot create or lock it ({err})") from err
+        raise
+    start.lock, start.snapshot = lock, snapshot
+
+
+def start_session(cfg: DictConfig) -> Start:
+    """:func:`check_start`, then :func:`claim` in the launching process (global rank 0; the processes
+    Lightning's DDP launcher starts re-run train.py and share its claim)."""
+    start = check_start(cfg)
+    if is_rank_zero():
+        claim(start)
+    return start
+
+
+# One outcome per job, decided by the first of StartCheck / the resolver and taken by the task function.
+_outcomes: dict[tuple, Start | Exception] = {}
+_taken: set[tuple] = set()
+
+
+def _job_key(run_dir: Any, overrides: Any, num: Any) -> tuple:
+    return str(run_dir), tuple(str(o) for o in overrides or ()), str(num)
+
+
+def _root_key(root: DictConfig) -> tuple:
+    return _job_key(root.run_dir, OmegaConf.select(root, "hydra.overrides.task", default=()),
+                    OmegaConf.select(root, "hydra.job.num", default=None, throw_on_missing=False))
+
+
+def decide(root: DictConfig) -> Start | Exception:
+    """This job's start (Hydra's full config, ``hydra`` node included): decided once, kept for take_start."""
+    key = _root_key(root)
+    if key not in _outcomes:
+        try:
+            _outcomes[key] = start_session(task_config(root))
+        except START_ERRORS as err:
+            _outcomes[key] = err
+    return _outcomes[key]
+
+
+def take_start(cfg: DictConfig) -> Start:
+    """The task function's start: the one decided before Hydra wrote (decide), or decided now (no Hydra);
+    raises the refusal."""
+    from hydra.core.hydra_config import HydraConfig
+
+    key = _job_key(cfg.run_dir, (), None)
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        key = _job_key(cfg.run_dir, hydra_cfg.overrides.task, OmegaConf.select(
+            hydra_cfg, "job.num", default=None, throw_on_missing=False))
+    outcome = _outcomes.pop(key, None)
+    if outcome is None:
+        outcome = start_session(cfg)
+    _taken.add(key)  # a later resolution of normgeo_if_accepted for this job: accepted, not decided again
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
+    """``value`` when this job may start in its run directory (decide), else ``refused`` (null, /dev/null)."""
+    if "run_dir" not in _root_ or OmegaConf.is_missing(_root_.hydra.runtime, "output_dir"):
+        return value  # not a job being started (--cfg hydra --resolve)
+    if _root_key(_root_) in _taken:
+        return value
+    return refused if isinstance(decide(_root_), Exception) else value
+
+
+def register_resolver() -> None:
+    if not OmegaConf.has_resolver("normgeo_if_accepted"):
+        OmegaConf.register_new_resolver("normgeo_if_accepted", if_accepted)
+
+
+def remove_if_empty(run_dir: str | os.PathLike) -> None:
+    """The folder Hydra creates for a -m sweep's job before the task function refuses it."""
+    with contextlib.suppress(OSError):
+        Path(run_dir).rmdir()
+
+
+class StartCheck(Callback):
+    """Hydra callback (conf/train/train.yaml): decide a single run's start before Hydra creates its
+    directory (exit 2 and one line when refused); check that a sweep's folder can be created."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        outcome = decide(config)
+        if isinstance(outcome, Exception):
+            print(f"error: {outcome}", file=sys.stderr, flush=True)
+            raise SystemExit(CONFIG_ERROR_EXIT)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_writable_folder(Path(str(config.hydra.sweep.dir)), "output_root")
+        except StartError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(CONFIG_ERROR_EXIT) from None

@@ -1,0 +1,218 @@
+"""Issue 20, errors after Hydra starts the run and two processes in one run: everything a user can get wrong
+that is known before training is checked before the run directory is claimed, a refused start leaves the
+directory byte for byte as it was (or absent), and a run directory is trained by one process at a time
+(normgeo/runs/start.py, normgeo/runs/lock.py; docs/reliability.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
+from normgeo.runs.start import StartError, check_writable_folder, restore, take_snapshot
+from tests.conftest import FAST, ROOT, run_train
+
+
+def sha_tree(folder: Path) -> dict[str, str] | None:
+    """The sha256 of every file under ``folder``, hidden ones included (None: the folder is absent)."""
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def assert_refused(result: subprocess.CompletedProcess, *parts: str) -> None:
+    """Exit 2, and the last line of stderr is the one-line message holding every part."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = last_line(result)
+    assert line.startswith("error: ") and all(part in line for part in parts), result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A folder whose ``data/`` holds the prepared pydoc corpus (run_train's data_root for run dirs in it)."""
+    from corpus.prepare import prepare
+    from corpus.sources import PydocSource
+
+    root = tmp_path_factory.mktemp("start")
+    prepare(PydocSource(), root / "data" / "pydoc", val_fraction=0.05, progress=False)  # conf/train/data/pydoc.yaml
+    return root
+
+
+# In-process: the parts.
+
+def test_a_failed_start_is_undone_byte_for_byte(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 3\n")
+    (run_dir / "train.log").write_text("[train] done\n")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 100)
+    (run_dir / ".angles.jsonl.x.normgeo-tmp").write_text("{")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    snapshot = take_snapshot(run_dir)
+    time.sleep(0.01)
+    (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 30\n")  # what a start writes
+    with open(run_dir / "train.log", "a") as log:
+        log.write("[train] run directory\n")
+    (run_dir / "csv" / "version_1").mkdir(parents=True)
+    (run_dir / "csv" / "version_1" / "hparams.yaml").write_text("a: 1\n")
+    (run_dir / ".angles.jsonl.x.normgeo-tmp").unlink()  # stale temporaries removed
+    restore(run_dir, snapshot)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run_dir.iterdir()) == [".angles.jsonl.x.normgeo-tmp", ".hydra", "checkpoints",
+                                                          "train.log"]
+
+
+def test_a_fresh_start_is_undone_with_the_folders_it_created(tmp_path: Path) -> None:
+    run_dir = tmp_path / "outputs" / "sweep" / "run"
+    snapshot = take_snapshot(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "train.log").write_text("x\n")
+    restore(run_dir, snapshot)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_names_its_holder_and_is_released(tmp_path: Path) -> None:
+    tmp_path.joinpath("run").mkdir()
+    lock = RunLock(tmp_path / "run")
+    assert lock_holder(tmp_path / "run") is None
+    lock.acquire()
+    try:
+        holder = lock_holder(tmp_path / "run")  # another open file description: it conflicts like a process
+        assert holder is not None and holder.startswith(f"PID {os.getpid()} on host {socket.gethostname()}")
+        with pytest.raises(RunInUseError, match=rf"is being trained by PID {os.getpid()} on host"):
+            RunLock(tmp_path / "run").acquire()
+    finally:
+        lock.release()
+    assert lock_holder(tmp_path / "run") is None
+    assert (tmp_path / "run" / LOCK_FILE).is_file()  # kept: deleting a lock file races with its next taker
+
+
+def test_a_run_dir_under_a_file_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(StartError, match=r"a-file is a file, so the run directory cannot be created there"):
+        check_writable_folder(tmp_path / "a-file" / "outputs" / "run", "run_dir")
+    check_writable_folder(tmp_path / "new" / "run", "run_dir")
+
+
+# Through train.py: exit 2, one line, the run directory as it was.
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("override", "parts"), [
+    ("probe.tokens=100000000", ("the probe corpus has only 139,016 tokens but 100,000,000 were asked for",
+                                "lower probe.tokens")),
+    ("seq_len=10000", ("val.bin has", "tokens: too few for sequences of 10000")),
+], ids=["probe-text-too-short", "data-too-short-for-seq_len"])
+def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace: Path, override: str,
+                                                                      parts: tuple[str, ...]) -> None:
+    run_dir = workspace / f"fresh-{override.split('=')[0]}"
+    done = run_train(run_dir, override, check=False)
+    assert_refused(done, *parts)
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+    # The corrected command is not refused for what the failed one left behind (before: run_config.yaml).
+    if override.startswith("probe"):
+        run_train(run_dir, "max_steps=1")
+
+
+@pytest.mark.slow
+def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(workspace: Path) -> None:
+    text = workspace / "probe-text"
+    text.mkdir()
+    for index in range(12):
+        (text / f"{index:02d}.txt").write_text(f"Document {index}. " + "The quick brown fox jumps over the lazy dog. " * 20)
+    probe = ["probe=local", f"probe.path={text}", "probe.tokens=2000", "max_steps=4", "checkpoint.steps=[2]"]
+    run_dir = workspace / "resumable"
+    run_train(run_dir, *probe, "stop_at_step=2")
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    for path in sorted(text.iterdir())[2:]:
+        path.unlink()
+    before = sha_tree(run_dir)
+    done = run_train(run_dir, *probe, "resume=auto", check=False)
+    assert_refused(done, "the probe corpus has only", "but 2,000 were asked for", "lower probe.tokens")
+    assert sha_tree(run_dir) == before  # before: it trained on and failed at the next probe (exit 1)
+
+
+@pytest.mark.slow
+def test_a_claimed_start_that_fails_before_its_first_step_is_undone(workspace: Path) -> None:
+    """Two devices that do not divide the global batch: known once the Trainer is built, after the claim
+    (Hydra's .hydra/ and train.log, the lock, the loggers); the undo restores every file."""
+    run_dir = workspace / "undone"
+    run_train(run_dir, "max_steps=4", "stop_at_step=2")
+    before = sha_tree(run_dir)
+    done = run_train(run_dir, "max_steps=4", "resume=auto", "trainer=ddp_cpu", "micro_batch=8", check=False)
+    assert_refused(done, "global batch 8 is not divisible by micro batch 8 x 2 devices")
+    assert sha_tree(run_dir) == before  # before: .hydra/ rewritten, train.log appended (exit 2 all the same)
+
+
+@pytest.mark.slow
+def test_no_tokenizer_files_offline_is_one_line_before_the_run_directory(workspace: Path) -> None:
+    empty = workspace / "no-tiktoken"
+    empty.mkdir()
+    # tiktoken then downloads: through a proxy on a closed port the download fails at once (no hang).
+    offline = {"TIKTOKEN_CACHE_DIR": str(empty), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+               "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+    run_dir = workspace / "no-tokenizer"
+    done = run_train(run_dir, env=offline, check=False, timeout=300)
+    assert_refused(done, "could not load the tiktoken encoding 'gpt2'", f"TIKTOKEN_CACHE_DIR={empty}",
+                   "Set TIKTOKEN_CACHE_DIR to a folder holding them", "or run once with internet access")
+    assert not run_dir.exists() and list(empty.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_run_dir_under_a_file_exits_2_and_writes_nothing(workspace: Path) -> None:
+    blocker = workspace / "a-file"
+    blocker.write_text("not a folder\n")
+    done = run_train(blocker / "run", f"data_root={workspace / 'data'}", check=False)
+    assert_refused(done, f"run_dir={blocker / 'run'}: {blocker} is a file")
+    assert blocker.read_text() == "not a folder\n"  # before: Hydra's mkdir crashed with a traceback (exit 1)
+
+
+def train_args(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}",
+            *overrides]
+
+
+@pytest.mark.slow
+def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_it(workspace: Path) -> None:
+    from normgeo.runs.session import checkpoint_info
+
+    run_dir = workspace / "locked"
+    long_run = ("max_steps=1000000", "checkpoint.last_every=2")
+    first_log = workspace / "first.stderr"  # a file, not a pipe: a full pipe would stall the first run
+    with open(first_log, "w") as stderr:
+        first = subprocess.Popen(train_args(run_dir, *long_run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "last.ckpt").exists():
+            assert first.poll() is None, first_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run wrote no last.ckpt"
+            time.sleep(0.5)
+        hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+        second = run_train(run_dir, *long_run, check=False)
+        assert_refused(second, f"{run_dir} is being trained by PID {first.pid} on host {socket.gethostname()}")
+        # Its refusal wrote nothing: no .hydra files, train.log lines or CSV version of its own.
+        assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files
+        assert sorted(p.name for p in (run_dir / "csv").iterdir()) == ["version_0"]
+        assert (run_dir / "train.log").read_text().count("run directory:") == 1
+        assert first.poll() is None
+    finally:
+        first.kill()  # SIGKILL: the kernel drops its lock
+        first.wait()
+    step = checkpoint_info(run_dir / "checkpoints" / "last.ckpt").step
+    third = run_train(run_dir, *long_run, "resume=auto", f"stop_at_step={step + 1}")
+    assert "resuming from" in third.stderr + third.stdout + (run_dir / "train.log").read_text()
+    assert checkpoint_info(run_dir / "checkpoints" / "last.ckpt").step == step + 1
+    assert f'"pid": {first.pid},' not in (run_dir / LOCK_FILE).read_text()
