@@ -29,9 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSchedule,
-    RequeueOnSignal,
     ScheduledCheckpoint,
     StopAtStep,
+    StopOnSignal,
+    exit_if_interrupted,
 )
 from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
@@ -49,8 +50,10 @@ from normgeo.runs.session import (  # noqa: F401
     REFUSALS,
     Refused,
     RunDirectoryError,
+    disk_full_refusal,
     remove_stale_temporaries_of_run,
     resume_checkpoint,
+    resume_command,
     session_checkpoint,
 )
 from normgeo.runs.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
@@ -102,7 +105,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
     plugins: list = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
         # Ranks and world size from SLURM. USR1 (--signal=USR1@lead, scancel --signal=USR1, preemption)
-        # is ours, not Lightning's: SlurmRequeue + RequeueOnSignal stop at a step boundary, write
+        # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
     precision = cfg.trainer.precision or default_precision()
@@ -182,8 +185,9 @@ def train(cfg: DictConfig) -> L.Trainer:
     callbacks = make_callbacks(cfg, run_dir, schedule)
     clock = SessionClock()
     callbacks.append(clock)
-    if requeue is not None:
-        callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
+    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits.
+    stop = StopOnSignal(requeue, resume_command(cfg))
+    callbacks.append(stop)
     module: LitGPT = instantiate(cfg.model)
     datamodule = instantiate(cfg.data)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -198,10 +202,8 @@ def train(cfg: DictConfig) -> L.Trainer:
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if requeue is not None and requeue.stopped_at is not None:
-        return trainer  # main() requeues; the figures come when the run is complete
-    figures: list[Path] = []
-    if trainer.is_global_zero and cfg.probe.enabled:
+    figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
+    if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
         from normgeo.figures.angles import write_run_figures
 
         figures = write_run_figures(run_dir)
@@ -209,7 +211,8 @@ def train(cfg: DictConfig) -> L.Trainer:
             log.info("figure: %s", figure)
         log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
     if trainer.is_global_zero:
-        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures)
+        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures,
+                              stopped_by=stop.stopped_by)
         write_summary(run_dir, summary)
         log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
     return trainer
@@ -279,8 +282,14 @@ def run(cfg: DictConfig) -> Refused | None:
         if fresh and not isinstance(err, NonFiniteError):  # a divergence is a result, not a failed start
             remove_failed_start(Path(cfg.run_dir))
         return refuse(cfg, err)
+    except Exception as err:
+        full = disk_full_refusal(err, cfg)  # a full disk, however wrapped: one line, exit 2
+        if full is None:
+            raise
+        return refuse(cfg, full)
     finally:
         finish_wandb_run()
+    exit_if_interrupted(trainer)  # Ctrl-C/SIGTERM: last.ckpt saved; print the resume command, exit 130/143
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(
