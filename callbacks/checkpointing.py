@@ -353,9 +353,10 @@ class StopOnSignal(OptimizerStepCallback):
         interrupt = self.interrupt
         flags = [bool(self.requeue and self.requeue.received), interrupt.signum == signal.SIGINT,
                  interrupt.signum == signal.SIGTERM]
-        total = trainer.strategy.reduce(torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device),
-                                        reduce_op="sum")
-        requeue, sigint, sigterm = (int(n) > 0 for n in total.tolist())
+        if trainer.world_size > 1:
+            total = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+            flags = [n > 0 for n in trainer.strategy.reduce(total, reduce_op="sum").tolist()]
+        requeue, sigint, sigterm = flags  # one process: no collective, and no GPU sync per step
         if requeue and self.requeue is not None:
             log.warning("requeue signal: stopping after step %d to save last.ckpt and requeue the job", step)
             self.requeue.stopped_at = step
