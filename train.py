@@ -29,9 +29,10 @@ from callbacks.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSchedule,
     OptimizerStepCallback,
-    RequeueOnSignal,
     ScheduledCheckpoint,
     StopAtStep,
+    StopOnSignal,
+    exit_if_interrupted,
 )
 from callbacks.progress import StepProgressBar, quiet_lightning
 from corpus.prepare import PreparedDataError
@@ -42,6 +43,7 @@ from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
+from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
@@ -49,8 +51,10 @@ from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_
 from normgeo.runs.session import (  # noqa: F401
     Refused,
     RunDirectoryError,
+    disk_full_refusal,
     remove_stale_temporaries_of_run,
     resume_checkpoint,
+    resume_command,
 )
 from normgeo.runs.start import START_ERRORS, Start, remove_if_empty, take_start
 from normgeo.runs.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
@@ -102,7 +106,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
     plugins: list = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
         # Ranks and world size from SLURM. USR1 (--signal=USR1@lead, scancel --signal=USR1, preemption)
-        # is ours, not Lightning's: SlurmRequeue + RequeueOnSignal stop at a step boundary, write
+        # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
     precision = cfg.trainer.precision or default_precision()
@@ -201,8 +205,9 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     callbacks = [MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     clock = SessionClock()
     callbacks.append(clock)
-    if requeue is not None:
-        callbacks.append(RequeueOnSignal(requeue))  # last: acts after this step's checkpoint and probe
+    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits.
+    stop = StopOnSignal(requeue, resume_command(cfg))
+    callbacks.append(stop)
     module: LitGPT = instantiate(cfg.model)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -217,10 +222,8 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if requeue is not None and requeue.stopped_at is not None:
-        return trainer  # main() requeues; the figures come when the run is complete
-    figures: list[Path] = []
-    if trainer.is_global_zero and cfg.probe.enabled:
+    figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
+    if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
         from normgeo.figures.angles import write_run_figures
 
         figures = write_run_figures(run_dir)
@@ -228,7 +231,8 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
             log.info("figure: %s", figure)
         log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
     if trainer.is_global_zero:
-        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures)
+        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures,
+                              stopped_by=stop.stopped_by)
         write_summary(run_dir, summary)
         log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
     return trainer
@@ -274,10 +278,14 @@ def run(cfg: DictConfig) -> Refused | None:
             start.undo()  # failed before its first optimizer step: the directory as it was found
         if isinstance(err, USER_ERRORS):
             return refuse(cfg, err)
+        full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
+        if full is not None:  # a full disk, however torch or Lightning wrapped it: one line, exit 2
+            return refuse(cfg, full)
         raise
     finally:
         finish_wandb_run()
         start.release()
+    exit_if_interrupted(trainer)  # Ctrl-C/SIGTERM: last.ckpt saved; print the resume command, exit 130/143
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
             print(
@@ -290,8 +298,16 @@ def run(cfg: DictConfig) -> Refused | None:
         sys.exit(0)
 
 
-# The entry point (python train.py, normgeo-train): Hydra's own config errors exit 2 as well.
-main = config_errors_exit_2(run)
+PLAN_FLAG = "plan=true"
+
+
+def main() -> None:
+    """python train.py <overrides> (normgeo-train); Hydra's own config errors exit 2 as well. With
+    ``plan=true`` it prints the run's memory and compute plan instead (normgeo.plan: fake tensors, nothing
+    trained or written)."""
+    if PLAN_FLAG in sys.argv[1:]:
+        sys.exit(plan_main([a for a in sys.argv[1:] if a != PLAN_FLAG]))
+    config_errors_exit_2(run)()
 
 
 if __name__ == "__main__":

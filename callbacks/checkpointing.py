@@ -8,9 +8,15 @@ from the step before and validates again, instead of resuming past a validation 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -255,32 +261,136 @@ class RequeueRequest(Protocol):
     """What train.py's USR1 handler records (``slurm.requeue.SlurmRequeue``)."""
 
     received: bool  # a requeue signal arrived on this rank
-    training: bool  # from on_train_start on, the handler only records and RequeueOnSignal acts
+    training: bool  # from on_train_start on, the handler only records and StopOnSignal acts
     stopped_at: int | None  # the step at which training stopped so that the job can be requeued
 
 
-class RequeueOnSignal(OptimizerStepCallback):
-    """Stops training at the first optimizer-step boundary after a requeue signal, on every rank at once.
+class Interrupt:
+    """The user's SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``) while training: recorded, so that
+    :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved at
+    that step; train.py then prints the resume command and exits 128 + the signal number (130, 143).
+
+    Replaces, from train start on, Python's KeyboardInterrupt (Lightning turns it into exit 1 without
+    saving) and Lightning's SIGTERM handler (it stops at the next batch without saving). A second signal
+    stops at once: whatever is being written is abandoned (atomic writes keep the previous file).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+    def __init__(self) -> None:
+        self.received = False
+        self.signum: int | None = None  # the signal this rank received first
+        self.stopped_at: int | None = None  # the step at which training stopped, on every rank
+        self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
+        self.resume_command = ""
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                signal.signal(signum, self)
+
+    def uninstall(self) -> None:
+        for signum in self.SIGNALS:
+            if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
+                signal.signal(signum, self.DEFAULTS[signum])
+
+    def __call__(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.received:
+            self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
+                     f"continue with:\n{self.resume_command}")
+            raise SystemExit(128 + signum)
+        self.received, self.signum = True, signum
+        self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
+
+    def say(self, text: str) -> None:
+        if self.announce:
+            # os.write, not print: a signal can land while the main thread is inside a print to stderr.
+            os.write(2, (text + "\n").encode())
+
+
+class StopOnSignal(OptimizerStepCallback):
+    """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once:
+    SLURM's requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
 
     Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
     makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied
     update, and no collective that could meet another rank's all-reduce. ``last.ckpt`` is then written
-    on train end by :class:`ScheduledCheckpoint`, and train.py requeues the job.
+    on train end by :class:`ScheduledCheckpoint`; train.py requeues the job, or prints the resume command.
     """
 
-    def __init__(self, request: RequeueRequest) -> None:
-        self.request = request
+    def __init__(self, requeue: RequeueRequest | None = None, resume_command: str = "") -> None:
+        self.requeue = requeue
+        self.interrupt = Interrupt()
+        self.interrupt.resume_command = resume_command
+
+    @property
+    def stopped_by(self) -> str | None:
+        """Why this session stopped before its end: "requeue" or "interrupted by SIGINT"; None otherwise."""
+        if self.requeue is not None and self.requeue.stopped_at is not None:
+            return "requeue"
+        if self.interrupt.stopped_at is not None:
+            return f"interrupted by {signal.Signals(self.interrupt.signum or signal.SIGTERM).name}"
+        return None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self.request.training = True
+        if self.requeue is not None:
+            self.requeue.training = True
+        self.interrupt.announce = trainer.is_global_zero
+        self.interrupt.install()  # after Lightning's SIGTERM handler, which fit registers before this hook
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.interrupt.uninstall()
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if trainer.should_stop or step >= trainer.max_steps:
-            return  # the session ends here anyway: nothing left to requeue for
-        # Ranks receive the signal at slightly different times, possibly steps apart: any rank's signal
-        # stops all of them at this same step (one scalar all-reduce per optimizer step).
-        if trainer.strategy.reduce_boolean_decision(self.request.received, all=False):
+            return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
+        # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
+        # reaches every rank, a kill only one): any rank's signal stops all of them at this same step.
+        # One all-reduce per optimizer step: [requeue, SIGINT, SIGTERM] summed over the ranks.
+        interrupt = self.interrupt
+        flags = [bool(self.requeue and self.requeue.received), interrupt.signum == signal.SIGINT,
+                 interrupt.signum == signal.SIGTERM]
+        if trainer.world_size > 1:
+            total = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+            flags = [n > 0 for n in trainer.strategy.reduce(total, reduce_op="sum").tolist()]
+        requeue, sigint, sigterm = flags  # one process: no collective, and no GPU sync per step
+        if requeue and self.requeue is not None:
             log.warning("requeue signal: stopping after step %d to save last.ckpt and requeue the job", step)
-            self.request.stopped_at = step
-            trainer.should_stop = True
+            self.requeue.stopped_at = step
+        elif sigint or sigterm:
+            # Every rank exits with the signal the user sent, whichever rank received it.
+            interrupt.signum = signal.SIGINT if sigint else signal.SIGTERM
+            log.warning("interrupt (%s): stopping after step %d to save last.ckpt",
+                        signal.Signals(interrupt.signum).name, step)
+            interrupt.stopped_at = step
+        else:
+            return
+        trainer.should_stop = True
+
+
+def exit_if_interrupted(trainer: L.Trainer) -> None:
+    """After fit: when an :class:`Interrupt` stopped training, tell the user where it stopped and how to
+    continue (the resume command is the last line on stderr), then exit 128 + the signal number."""
+    stop = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
+    if stop is None or stop.interrupt.stopped_at is None:
+        return
+    interrupt = stop.interrupt
+    signum = interrupt.signum or signal.SIGTERM
+    if trainer.is_global_zero:
+        wait_for_other_ranks(trainer)  # their last words must come before the resume command
+        saved = next((c.dirpath / LAST for c in trainer.callbacks if isinstance(c, ScheduledCheckpoint)), LAST)
+        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at} and "
+              f"saved {saved}; continue the run with:", file=sys.stderr)
+        print(interrupt.resume_command, file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def wait_for_other_ranks(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
+    """Rank 0 of Lightning's DDP launcher waits for the other ranks' processes (its children) to exit."""
+    deadline = time.monotonic() + timeout_s
+    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))

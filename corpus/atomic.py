@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -13,14 +14,51 @@ from typing import IO, Any
 # Every temporary file of this project ends so: a run or a prepare can find and remove the ones a killed
 # process left behind (a 1b last.ckpt temporary is ~12 GB).
 TMP_SUFFIX = ".normgeo-tmp"
+FULL_DISK = {errno.ENOSPC, errno.EDQUOT}
+
+
+class DiskFullError(OSError):
+    """A write that found its disk full (or its quota used up), naming the file it was writing.
+
+    The real cause is otherwise hard to see: torch.save reports a full disk as an unrelated
+    ``RuntimeError: [enforce fail at inline_container.cc:...]`` raised while handling the OSError, and
+    an OSError from ``write`` names no file.
+    """
+
+    def __init__(self, path: str | os.PathLike, cause: OSError | None = None) -> None:
+        code = cause.errno if cause is not None and cause.errno in FULL_DISK else errno.ENOSPC
+        super().__init__(code, os.strerror(code), os.fspath(path))
+
+    def __str__(self) -> str:
+        return f"{self.strerror} writing {self.filename}"
+
+
+def full_disk_cause(err: BaseException | None) -> OSError | None:
+    """The OSError of a full disk behind ``err``: ``err`` itself or one it was raised from or while handling
+    (a DiskFullError first: it names the file), else None."""
+    found: OSError | None = None
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, DiskFullError):
+            return err
+        if found is None and isinstance(err, OSError) and err.errno in FULL_DISK:
+            found = err
+        err = err.__cause__ or err.__context__
+    return found
 
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    except OSError as err:
+        if err.errno in FULL_DISK:
+            raise DiskFullError(path, err) from err
+        raise
     try:
         with os.fdopen(fd, mode, **kwargs) as handle:
             yield handle
@@ -28,9 +66,13 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
             os.fsync(handle.fileno())
         os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes 0600 files; give them the usual mode
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
+            os.unlink(tmp_name)  # frees the space a full disk's partial file took
+        cause = full_disk_cause(err)
+        if cause is not None and not isinstance(cause, DiskFullError):
+            # One error that names the file, whatever wrapped the OSError (torch.save's RuntimeError).
+            raise DiskFullError(path, cause) from err
         raise
 
 

@@ -159,9 +159,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, override: str) -> None
 
 
 @pytest.mark.slow
-def test_the_1b_paper_plan_takes_under_a_minute(tmp_path: Path) -> None:
+def test_train_py_plan_true_prints_the_1b_paper_plan_and_writes_nothing(tmp_path: Path) -> None:
+    """``python train.py experiment=paper_1b plan=true``: the same plan as normgeo-plan, nothing trained or
+    written (its time is printed, not asserted: about 15 s on 2 idle cores)."""
     start = time.perf_counter()
-    result = run_plan("experiment=paper_1b", cwd=tmp_path)
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=paper_1b", "plan=true"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    print(f"train.py experiment=paper_1b plan=true: {time.perf_counter() - start:.1f} s")
     assert result.returncode == 0, result.stderr
-    assert time.perf_counter() - start < 60
+    assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout
     assert list(tmp_path.iterdir()) == []

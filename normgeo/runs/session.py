@@ -10,12 +10,17 @@ import functools
 import glob
 import logging
 import os
+import re
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from corpus.atomic import DiskFullError, full_disk_cause
 from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
@@ -138,6 +143,65 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
     ckpt_path = resume_checkpoint(run_dir, resume)
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     return ckpt_path
+
+
+# Keys a resume command sets itself: the run directory, pinned, and resume=auto.
+PINNED_KEYS = ("run_dir", "resume")
+
+
+def resume_command(cfg: DictConfig) -> str:
+    """The shell command that continues this run: this session's own command line (its Hydra overrides,
+    one job's in a ``-m`` sweep), with ``run_dir`` pinned (another day's default paths may differ) and
+    ``resume=auto``; printed when a session is interrupted or finds its disk full."""
+    overrides = _task_overrides()
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("~+") not in PINNED_KEYS]
+    run_dir = str(cfg.run_dir)
+    if not re.fullmatch(r"[\w/.:@%+-]+", run_dir):  # Hydra's grammar needs anything else quoted
+        run_dir = "'" + run_dir.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shlex.join([*_program(), *kept, f"run_dir={run_dir}", "resume=auto"])
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return list(HydraConfig.get().overrides.task)
+    return [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
+
+
+def _program() -> list[str]:
+    """How this process was started: ``python train.py`` (the python on PATH when it is this one), or a
+    console script (normgeo-train)."""
+
+    def short(path: str) -> str:
+        found = shutil.which(os.path.basename(path))
+        return os.path.basename(path) if found and os.path.abspath(found) == os.path.abspath(path) else path
+
+    script = sys.argv[0]
+    return [short(sys.executable), script] if script.endswith(".py") else [short(script)]
+
+
+class RunDiskFullError(RuntimeError):
+    """The run's disk filled up while it trained: the file, the space left and how to continue."""
+
+
+def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError | None:
+    """``err`` as one line that says which write found the disk full and how to continue, when a full disk
+    is behind it (torch.save wraps the OSError into a RuntimeError; Lightning may add its own on top)."""
+    cause = full_disk_cause(err)
+    if cause is None:
+        return None
+    run_dir = Path(cfg.run_dir)
+    where = Path(cause.filename) if cause.filename else run_dir  # a write() names no file: the run's disk
+    existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    path, step, _ = newest_resumable(run_dir)
+    kept = f"from {path.name} (step {step}, intact)" if path else "from the start (no checkpoint was saved yet)"
+    removed = "; its partial file was removed" if isinstance(cause, DiskFullError) else ""  # atomic_open's
+    return RunDiskFullError(
+        f"{cause.strerror or 'No space left on device'} writing {where} ({free / 2**20:.0f} MiB free there"
+        f"{removed}): free space on that disk, then continue {kept} with resume=auto: {resume_command(cfg)}"
+    )
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Final train and validation loss, steps and tokens, wall time and tokens/s (over every session of the
 run: a resumed session adds its time to the previous sessions'), and where the records, figures,
-checkpoints and logs are.
+checkpoints and logs are. Every session that ends on its own feet writes it, the ones stopped by an
+interrupt or a requeue too, so that the next session counts them (``sessions``, ``session_log``).
 """
 
 from __future__ import annotations
@@ -50,13 +51,28 @@ def _log_dir(logger: Any) -> str | None:
 
 
 def run_summary(
-    trainer: L.Trainer, clock: SessionClock, run_dir: Path, *, tokens_per_step: int, figures: list[Path]
+    trainer: L.Trainer,
+    clock: SessionClock,
+    run_dir: Path,
+    *,
+    tokens_per_step: int,
+    figures: list[Path],
+    stopped_by: str | None = None,
 ) -> dict[str, Any]:
-    """The summary of the run as it stands after this session, merged with earlier sessions' wall time."""
+    """The summary of the run as it stands after this session, merged with earlier sessions' wall time.
+
+    ``stopped_by`` says why the session ended early ("interrupted by SIGINT", "requeue"), None when it
+    ran to ``max_steps`` or ``stop_at_step``.
+    """
     previous = read_summary(run_dir) if clock.start_step > 0 else {}
     step = trainer.global_step
     session_tokens = (step - clock.start_step) * tokens_per_step
     wall_s = float(previous.get("wall_s") or 0.0) + clock.wall_s
+    this_session = {
+        "steps": [clock.start_step, step],
+        "wall_s": round(clock.wall_s, 3),
+        "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped"),
+    }
     return {
         "step": step,
         "max_steps": trainer.max_steps,
@@ -67,6 +83,8 @@ def run_summary(
         "wall_s": round(wall_s, 3),
         "sessions": int(previous.get("sessions") or 0) + 1,
         "session_wall_s": round(clock.wall_s, 3),
+        # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
+        "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / clock.wall_s, 1) if clock.wall_s > 0 else None,
         "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
         "figures": [str(f) for f in figures],

@@ -1,0 +1,147 @@
+"""Ctrl-C (SIGINT) or SIGTERM while train.py trains: it finishes the optimizer step, saves a full-state
+last.ckpt at that step, prints the resume command as its last line on stderr and exits 130 (SIGINT) or
+143 (SIGTERM); the printed command continues the run, and summary.json counts both sessions.
+
+Before: SIGINT exited 1 (Lightning's "Detected KeyboardInterrupt") and SIGTERM 0, both without saving, so
+a resume restarted at the last scheduled last.ckpt, and nothing said how to continue.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from corpus.atomic import TMP_SUFFIX
+from tests.conftest import ROOT, step_losses
+from tests.test_resume_kill import ckpt_step, train_args
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 30
+SCHEDULED = 3  # the only scheduled checkpoint before the end: before, the resume point after a Ctrl-C
+SETTINGS = (f"max_steps={MAX_STEPS}", f"checkpoint.steps=[{SCHEDULED}]", "checkpoint.last_every=0")
+STOPPED = re.compile(r"interrupt \((SIG\w+)\): stopping after step (\d+) to save last.ckpt")
+
+
+def signal_after_scheduled_step(
+    run_dir: Path, signum: int, *overrides: str, delay: float = 1.5, group: bool = False, again_when=None
+) -> tuple[int, list[str], list[str]]:
+    """Start train.py; ``delay`` s after step SCHEDULED's checkpoint appears, send ``signum`` (to the whole
+    process group, as a terminal's Ctrl-C does, when ``group``); with ``again_when``, send it again once
+    ``again_when()`` holds. Returns the exit code, the lines of stderr and of stdout (the log)."""
+    marker = run_dir / "checkpoints" / f"step-{SCHEDULED:07d}.ckpt"
+    err_path = run_dir.parent / f"{run_dir.name}-{signal.Signals(signum).name}.stderr"
+    out_path = err_path.with_suffix(".stdout")
+    with open(err_path, "w") as err, open(out_path, "w") as out:
+        proc = subprocess.Popen(train_args(run_dir, *SETTINGS, *overrides), cwd=ROOT, stdout=out,
+                                stderr=err, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists():
+                assert proc.poll() is None, f"train.py ended before step {SCHEDULED}:\n{err_path.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"no step {SCHEDULED} after 300 s"
+                time.sleep(0.05)
+            time.sleep(delay)
+            assert proc.poll() is None, "train.py finished before the signal"
+            send = (lambda: os.killpg(proc.pid, signum)) if group else (lambda: proc.send_signal(signum))
+            send()
+            if again_when is not None:
+                while not again_when() and proc.poll() is None:
+                    time.sleep(0.002)
+                send()
+            proc.wait(timeout=300)  # no hang, on any rank
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode, err_path.read_text().splitlines(), out_path.read_text().splitlines()
+
+
+def stop_steps(lines: list[str]) -> list[int]:
+    """The step each rank logged that it stops after."""
+    return [int(m.group(2)) for line in lines if (m := STOPPED.search(line))]
+
+
+def check_interrupted(
+    run_dir: Path, outcome: tuple[int, list[str], list[str]], signum: int, ranks: int = 1
+) -> tuple[int, list[str]]:
+    """The interrupted session's outcome; returns the step it stopped after and the printed command."""
+    code, lines, log = outcome
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, "\n".join(lines[-40:])
+    steps = stop_steps(log)
+    assert len(steps) == ranks and len(set(steps)) == 1, log[-40:]  # every rank stops after the same step
+    stopped = steps[0]
+    assert SCHEDULED < stopped < MAX_STEPS
+    last = run_dir / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["global_step"] == stopped and "optimizer_states" in state  # full state, at the stop step
+    assert max(step_losses(run_dir)) == stopped  # the last optimizer step logged is the one saved
+    assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["step"], summary["finished"], summary["sessions"]) == (stopped, False, 1)
+    assert summary["session_log"] == [{"steps": [0, stopped], "wall_s": summary["wall_s"],
+                                       "ended": f"interrupted by {name}"}]
+    assert lines[-2].startswith(f"interrupted by {name}: stopped after step {stopped} and saved {last}")
+    command = shlex.split(lines[-1])  # the last line is the command, ready for a shell
+    assert command[-2:] == [f"run_dir={run_dir}", "resume=auto"], lines[-1]
+    return stopped, command
+
+
+def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    stopped, command = check_interrupted(run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT), signal.SIGINT)
+
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
+    assert set(step_losses(run_dir)) == set(range(1, MAX_STEPS + 1))
+    with open(run_dir / "csv" / "version_1" / "metrics.csv", newline="") as handle:  # the resumed session's log
+        trained = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+    assert min(trained) == stopped + 1  # it continued from the interrupted step, not from step SCHEDULED
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["step"], summary["finished"], summary["sessions"]) == (MAX_STEPS, True, 2)
+    log = summary["session_log"]
+    assert [s["steps"] for s in log] == [[0, stopped], [stopped, MAX_STEPS]]
+    assert [s["ended"] for s in log] == ["interrupted by SIGINT", "finished"]
+    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in log), abs=2e-3) and all(s["wall_s"] > 0 for s in log)
+    assert summary["figures"] and not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+
+
+def test_sigterm_saves_the_current_step_and_exits_143(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    check_interrupted(run_dir, signal_after_scheduled_step(run_dir, signal.SIGTERM), signal.SIGTERM)
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_and_corrupts_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+
+    def saving() -> bool:
+        return bool(list((run_dir / "checkpoints").glob(f".last.ckpt.*{TMP_SUFFIX}")))
+
+    code, lines, log = signal_after_scheduled_step(run_dir, signal.SIGINT, again_when=saving)
+    assert code == 130, "\n".join(lines[-40:])
+    assert "SIGINT again: stopping now" in "\n".join(lines)
+    command = shlex.split(lines[-1])
+    assert command[-2:] == [f"run_dir={run_dir}", "resume=auto"], lines[-1]
+    # The abandoned write left nothing; last.ckpt is the previous one or the new one, whole either way.
+    assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") in {SCHEDULED, *stop_steps(log)}
+
+
+def test_ctrl_c_on_two_ddp_processes_stops_both_after_the_same_step(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches every rank (the process group); the ranks agree on the step."""
+    run_dir = tmp_path / "run"
+    outcome = signal_after_scheduled_step(run_dir, signal.SIGINT, "trainer=ddp_cpu", "trainer.devices=2", group=True)
+    check_interrupted(run_dir, outcome, signal.SIGINT, ranks=2)
