@@ -138,8 +138,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if "://" in os.fspath(path):  # remote filesystems (s3://, gs://) keep Lightning's writer
             return super().save_checkpoint(checkpoint, path, storage_options)
-        with atomic_open(os.fspath(path), "wb") as handle:
-            torch.save(checkpoint, handle)
+        try:
+            with atomic_open(os.fspath(path), "wb") as handle:
+                torch.save(checkpoint, handle)
+        except Exception:
+            if Interrupt.abandoning is not None:  # torch.save's C++ writer turned that SystemExit into a RuntimeError
+                raise SystemExit(128 + Interrupt.abandoning) from None
+            raise
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,6 +282,9 @@ class Interrupt:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    # The signal of a second interrupt, process-wide: its SystemExit may surface as another exception
+    # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
+    abandoning: int | None = None
 
     def __init__(self) -> None:
         self.received = False
@@ -286,6 +294,7 @@ class Interrupt:
         self.resume_command = ""
 
     def install(self) -> None:
+        Interrupt.abandoning = None
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 signal.signal(signum, self)
@@ -300,6 +309,7 @@ class Interrupt:
         if self.received:
             self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
                      f"continue with:\n{self.resume_command}")
+            Interrupt.abandoning = signum
             raise SystemExit(128 + signum)
         self.received, self.signum = True, signum
         self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")

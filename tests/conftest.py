@@ -116,3 +116,4 @@ def minilm_model_and_tokenizer():
     from models.pretrained import load_pretrained, minilm_path
 
     return load_pretrained(str(minilm_path()))
+

@@ -101,6 +101,7 @@ def _assert_null(row: dict, x: torch.Tensor, ones: np.ndarray) -> None:
     assert row["diff_ci_low"] <= row["diff_deg"] <= row["diff_ci_high"]
 
 
+@pytest.mark.slow
 def test_smollm2_angles_match_hidden_states(smollm2, shared: Path) -> None:
     model, tokenizer = smollm2
     sequences, rows = _probe(model, tokenizer, shared)
@@ -225,6 +226,7 @@ def _summary(path: Path) -> dict[tuple, dict]:
         return {(r["model"], r["site"], r["ref"]): r for r in csv.DictReader(handle)}
 
 
+@pytest.mark.slow
 def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     out = outputs["minilm"]
     rows = read_rows(out / "angles.jsonl")
@@ -266,6 +268,7 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     assert summary[("minilm", "out", "rand_a")]["null_k"] == ""
 
 
+@pytest.mark.slow
 def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> None:
     rows = read_rows(outputs["ours"] / "angles.jsonl")
     assert len(rows) == 5 * 3 * 3  # 2 blocks x (ln1, ln2) + ln_f
@@ -284,6 +287,7 @@ def test_cross_model_summary(outputs: dict[str, Path], tmp_path: Path, capsys: p
     assert summary_main(["summary", str(tmp_path / "nothing")]) == 2
 
 
+@pytest.mark.slow
 def test_too_few_probe_tokens(minilm, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()

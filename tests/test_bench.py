@@ -72,6 +72,7 @@ def test_train_throughput_per_arm_rows_with_rms_as_the_reference() -> None:
     assert float(markdown_rows(output, "rms")[0][4]) == 1.0
 
 
+@pytest.mark.slow
 def test_train_throughput_refuses_an_unknown_arm() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--arms", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -15,6 +15,8 @@ from normgeo.measure.records import read_rows
 from normgeo.report import main as report_main
 from tests.conftest import step_losses
 
+pytestmark = pytest.mark.slow  # trained runs shared by the module (the quick tier skips them)
+
 RUNS = [f"tiny-{norm}-s{seed}" for norm in ("layer", "rms") for seed in (0, 1)]
 
 

@@ -127,6 +127,7 @@ def test_paper_and_paper_70m_are_the_same_run() -> None:
 
 
 @pytest.mark.parametrize(("experiment", "extra"), RUNS)
+@pytest.mark.slow
 def test_every_experiment_trains_two_steps_on_two_processes(
     experiment: str, extra: str | None, shared: Path, tmp_path_factory
 ) -> None:
@@ -138,6 +139,7 @@ def test_every_experiment_trains_two_steps_on_two_processes(
     shutil.rmtree(run_dir / "checkpoints")  # up to 3.7 GB for the 1b preset
 
 
+@pytest.mark.slow
 def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
     """trainer=fsdp as on a GPU node: bf16 autocast, bf16 all-gathers, activation checkpointing, compiled blocks."""
     gpu_like = ["trainer.precision=bf16-mixed", "trainer.strategy.activation_checkpointing=true", "compile=true"]
@@ -155,6 +157,7 @@ def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
     assert all(r["count"] == 512 for r in read_rows(tmp_path / "run" / "energy.jsonl"))
 
 
+@pytest.mark.slow
 def test_paper_grid_sweeps_both_norms(shared: Path, tmp_path_factory) -> None:
     """The grid is a Hydra multirun (2 norms x 4 sizes); here its 70m column: both norms, one after the other."""
     root = tmp_path_factory.getbasetemp() / "experiments"

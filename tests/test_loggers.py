@@ -16,6 +16,8 @@ from normgeo.runs.metrics import read_metrics, wandb_media, wandb_records, wandb
 from normgeo.runs.status import last_loss
 from tests.conftest import step_losses
 
+pytestmark = pytest.mark.slow  # trained runs shared by the module (the quick tier skips them)
+
 SWEPT = ("tiny-layer-s1", "tiny-rms-s0", "tiny-rms-s1")  # the jobs the sweep ran (layer-s0 was refused)
 
 

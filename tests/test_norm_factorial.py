@@ -119,6 +119,7 @@ def test_probe_streams_energy_at_every_norm_input() -> None:
     assert energy.mean[3, 0] == pytest.approx(float(expected), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_train(run_dir, "norm=rms_bias", "placement=post", "max_steps=2", "checkpoint.steps=[2]")
@@ -146,6 +147,7 @@ def test_dyt_squashes_with_a_learned_alpha_and_is_found_as_a_norm() -> None:
     assert model.blocks[0].ln1.alpha.grad is not None and model.blocks[0].ln1.alpha.grad.abs().item() > 0
 
 
+@pytest.mark.slow
 def test_smoke_dyt_trains_and_probes_without_std_sites_or_ellipsoid(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_train(run_dir, "norm=dyt", "max_steps=2", "checkpoint.steps=[2]")

@@ -221,6 +221,7 @@ def snapshot(run_dir: Path) -> dict[str, tuple[int, bytes]]:
         (["norm=rms", "optim.lr=0.5"], ["norm.name: layer → rms", "optim.lr: 0.001 → 0.5"]),
     ],
 )
+@pytest.mark.slow
 def test_a_changed_experiment_is_refused_and_leaves_the_run_untouched(
     stopped_run: Path, overrides: list[str], expected: list[str]
 ) -> None:
@@ -234,6 +235,7 @@ def test_a_changed_experiment_is_refused_and_leaves_the_run_untouched(
     assert snapshot(stopped_run) == before
 
 
+@pytest.mark.slow
 def test_a_smaller_micro_batch_and_another_stop_step_are_accepted(
     stopped_run: Path, whole_run: Path, tmp_path: Path
 ) -> None:
@@ -251,6 +253,7 @@ def test_a_smaller_micro_batch_and_another_stop_step_are_accepted(
     assert all(losses[step] == pytest.approx(whole[step], rel=1e-5) for step in losses)
 
 
+@pytest.mark.slow
 def test_resuming_on_two_ddp_processes_continues_the_one_device_run(
     stopped_run: Path, whole_run: Path, tmp_path: Path
 ) -> None:

@@ -32,6 +32,7 @@ def test_the_final_step_off_the_schedule_is_checkpointed_probed_and_figured(arms
     assert (run / "figures" / "layers_normgeo-tiny_layer_step0000003.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_refused_launch_leaves_hydra_files_and_log_untouched(arms_sweep, tmp_path: Path) -> None:
     root, _, _ = arms_sweep
     run = root / "tiny-layer-s0"
@@ -71,6 +72,7 @@ def with_analysis(arms_sweep, shared: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path, capsys) -> None:
     assert status_main([str(with_analysis), "--no-slurm", "--json"]) == 0
     rows = {r["run"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}

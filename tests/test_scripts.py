@@ -30,6 +30,7 @@ def test_argparse_command_has_its_own_help(name: str, capsys, monkeypatch) -> No
 
 
 @pytest.mark.parametrize("name", HYDRA_APPS)
+@pytest.mark.slow
 def test_hydra_command_resolves_and_prints_its_config_help(name: str) -> None:
     module, function = SCRIPTS[name].split(":")
     code = f"import sys; sys.argv = [{name!r}, '--help']; from {module} import {function}; {function}()"

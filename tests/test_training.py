@@ -29,6 +29,7 @@ def accumulated_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_schedule_fires_at_exactly_the_listed_optimizer_steps(accumulated_run: Path) -> None:
     ckpts = sorted(p.name for p in (accumulated_run / "checkpoints").iterdir())
     assert ckpts == ["last.ckpt", "step-0000002.ckpt", "step-0000005.ckpt", "step-0000006.ckpt"]
@@ -56,6 +57,7 @@ def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) ->
     assert any(name.startswith("layers_") for name in figures) and any(name.startswith("steps_") for name in figures)
 
 
+@pytest.mark.slow
 def test_analyze_of_a_checkpoint_gives_the_training_probe_records(accumulated_run: Path, tmp_path: Path) -> None:
     """One measurement pipeline: analyze.py on the step-5 checkpoint, with the run's probe tokens,
     writes exactly the records (counts, tokens_seen, every number) the training probe wrote at step 5."""
@@ -81,6 +83,7 @@ def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> Non
     assert all(0 < loss < 12 for loss in losses.values())
 
 
+@pytest.mark.slow
 def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
     common = ["max_steps=8", "checkpoint.steps=[3,6]", "checkpoint.last_every=1"]
     whole = tmp_path / "whole"
@@ -99,6 +102,7 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path: Path) -> None:
     common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
     single = tmp_path / "single"
@@ -116,6 +120,7 @@ def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path
         assert a["count"] == b["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_diverging_run_stops_with_a_message_and_writes_no_bad_checkpoint(tmp_path: Path) -> None:
     result = run_train(tmp_path / "nan", "max_steps=5", "optim.lr=inf", "checkpoint.last_every=1", check=False)
     assert result.returncode == 2
@@ -127,18 +132,21 @@ def test_diverging_run_stops_with_a_message_and_writes_no_bad_checkpoint(tmp_pat
     ("override", "expected"),
     [("norm=foo", ["layer", "rms"]), ("size=3b", ["1b", "410m", "70m", "tiny"]), ("trainer=tpu", ["ddp", "fsdp"])],
 )
+@pytest.mark.slow
 def test_unknown_options_list_the_valid_ones(tmp_path: Path, override: str, expected: list[str]) -> None:
     result = run_train(tmp_path / "bad", override, check=False)
     assert result.returncode != 0
     assert all(choice in result.stderr for choice in expected), result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_missing_openwebtext_names_the_prepare_command(tmp_path: Path) -> None:
     result = run_train(tmp_path / "owt", "data=openwebtext", check=False)
     assert result.returncode == 2
     assert "python -m corpus data=openwebtext" in result.stderr
 
 
+@pytest.mark.slow
 def test_truncated_training_data_is_refused_before_training(tmp_path: Path) -> None:
     run_dir = tmp_path / "first"
     run_train(run_dir, "max_steps=1", "probe.enabled=false")
@@ -157,6 +165,7 @@ def test_hydra_config_is_saved_with_the_run(accumulated_run: Path) -> None:
     assert "global_batch" in hparams
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -> None:
     """compile=true (torch.compile, inductor on CPU) under 2-process DDP is a speed switch: same losses
     and probe records as the eager single-process run (DDP equals one process: test above)."""
@@ -176,6 +185,7 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
     assert not any("_orig_mod" in name for name in state)  # checkpoints load with or without compile
 
 
+@pytest.mark.slow
 def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: Path) -> None:
     """bf16 autocast on CPU: the model runs in bf16, the probe's angles are still computed in float32."""
     common = ["experiment=smoke", "max_steps=3", "checkpoint.steps=[3]"]
