@@ -76,8 +76,11 @@ share every non-norm initial weight and every batch, so they are compared seed b
 
 **Scope.** These are small models trained briefly on a 2-core CPU: the numbers answer the question for
 *this* setting, as a demonstration of the method; at the paper's sizes the same commands run on GPUs
-(`experiment=paper_70m` … `paper_1b`). Tokens/s were measured on a shared machine, run after run; read
-their ratios as rough.
+(`experiment=paper_70m` … `paper_1b`). The verdict's tokens/s is each run's median per-step training
+throughput (`perf/tokens_per_s`: the steps that hold a probe or a validation do not move a median); the
+runs went one after another on one 2-core machine, each seed's arms back to back, with no other work
+running. On CPU that compares torch's CPU kernels, not the GPU kernels the paper's claim is about
+([benchmarks.md](benchmarks.md)). The table's `tokens_per_s` is the wall-clock rate, probes included.
 
 **Wall time** {wall_s / 60:.1f} minutes in all (data preparation, {len(runs)} runs, the comparison).
 **Disk** {disk / 1e9:.2f} GB for the study folder: checkpoints {checkpoint_mb:,.0f} MB, records
