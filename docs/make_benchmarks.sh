@@ -20,13 +20,13 @@ SHAPE=(size=70m seq_len=256 micro_batch=4 global_batch=4)
   echo
   python bench/norm_cost.py --markdown | sed 's/^device:/\ndevice:/'
   echo
-  echo "## The training loop: \`python bench/train_throughput.py ${SHAPE[*]} --steps 8 --repeats 3 --markdown\`"
+  echo "## The training loop: \`python bench/train_throughput.py ${SHAPE[*]} --steps 10 --repeats 4 --markdown\`"
   echo
-  python bench/train_throughput.py "${SHAPE[@]}" --steps 8 --repeats 3 --markdown 2>/dev/null
+  python bench/train_throughput.py "${SHAPE[@]}" --steps 10 --repeats 4 --markdown 2>/dev/null
   echo
-  echo "## Each arm in training, 70m: \`python bench/train_throughput.py ${SHAPE[*]} --arms --steps 6 --repeats 2 --markdown\`"
+  echo "## Each arm in training, 70m: \`python bench/train_throughput.py ${SHAPE[*]} --arms --steps 6 --repeats 3 --markdown\`"
   echo
-  python bench/train_throughput.py "${SHAPE[@]}" --arms --steps 6 --repeats 2 --markdown 2>/dev/null
+  python bench/train_throughput.py "${SHAPE[@]}" --arms --steps 6 --repeats 3 --markdown 2>/dev/null
 } > "$tmp"
 mv "$tmp" "$page"
 echo "written $page"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU study (docs/study.md): the arms layer and rms with 3 seeds, layer_nobias, rms_bias and dyt with
-# 2, each 300 optimizer steps on real OpenWebText text with 7 probes (experiment=study_cpu), then
-# normgeo.compare with its verdict, then docs/study.md and its figures. About 30 minutes on 2 CPU cores.
+# 2, each 1,000 optimizer steps on real OpenWebText text with 11 probes (experiment=study_cpu), then
+# normgeo.compare with its verdict, then docs/study.md and its figures. About 35 minutes on 2 idle CPU cores.
 #
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
