@@ -4,7 +4,8 @@ Streams ``probe.tokens`` tokens of the probe corpus (1M of Wikipedia, as the pap
 tokenized by the model's own tokenizer, and measures the angle of every token vector with the uniform
 vector 1, two random directions and K null directions before each norm (``.in``), after its
 standardization (``.std``) and after it (``.out``). Writes to ``outputs/analyze/<model>/``:
-``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions), ``probe_references.npz``,
+``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions), ``intervention.jsonl``
+(the loss change when LayerNorm's centering is removed or RMSNorm's added), ``probe_references.npz``,
 ``figures/``, ``summary.csv``/``summary.md`` (pooled over tokens and layers) and ``run_info.json``.
 
     python analyze.py model=smollm2-135m probe=local probe.path=../shared/corpora/wikipedia
@@ -32,8 +33,10 @@ from corpus.sources import SourceError
 from models.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.figures.analysis import print_summary, summarize, write_summary
 from normgeo.figures.angles import write_run_figures
+from normgeo.figures.intervention import print_intervention
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
@@ -74,7 +77,8 @@ def analyze(cfg: DictConfig) -> Path:
     """Measure one model and write its outputs; returns the output directory."""
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
-    loaded = load_model(cfg.model)
+    scopes = list(cfg.probe.intervention)
+    loaded = load_model(cfg.model, lm_head=bool(scopes))
     model = loaded.model
     if cfg.model.get("device_map"):
         device = None  # accelerate placed the layers; inputs go where the first parameter is
@@ -104,6 +108,7 @@ def analyze(cfg: DictConfig) -> Path:
         bootstrap_block=cfg.probe.bootstrap.block,
         forward=loaded.forward, norms=norms, batch_size=cfg.model.batch_size,
         include_standardized=cfg.probe.include_standardized, device=device, progress=cfg.progress,
+        intervention_kinds=scopes,
     )
     measured_at = time.perf_counter()
     rows, null = records.rows, records.null
@@ -114,6 +119,8 @@ def analyze(cfg: DictConfig) -> Path:
         write_step(out_dir / NULL_FILE, null)
     write_step(out_dir / ENERGY_FILE, records.energy)
     write_step(out_dir / ELLIPSOID_FILE, records.ellipsoid)
+    if records.intervention:
+        write_step(out_dir / INTERVENTION_FILE, records.intervention)
     figures = write_run_figures(out_dir)
     summary = summarize(rows, null)
     write_summary(out_dir, summary)
@@ -144,6 +151,9 @@ def analyze(cfg: DictConfig) -> Path:
     }
     atomic_write_json(out_dir / RUN_INFO_FILE, info)
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
+    if records.intervention:
+        print_intervention(records.intervention, title=f"{cfg.model.name}: the centering intervention "
+                           f"({len(ids):,} tokens, 95% block-bootstrap intervals)")
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
              f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
     log.info("wrote %s, %s, %s, energy.jsonl, ellipsoid.jsonl, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, NULL_FILE, REFERENCES_FILE,

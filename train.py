@@ -175,6 +175,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
                 sample_documents=cfg.probe.sample,
                 bootstrap_replicates=cfg.probe.bootstrap.replicates,
                 bootstrap_block=cfg.probe.bootstrap.block,
+                intervention=list(cfg.probe.intervention),
                 ids=probe_ids,
             )
         )

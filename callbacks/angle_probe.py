@@ -6,6 +6,7 @@ import logging
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.intervention import DEFAULT_SCOPES, INTERVENTION_FILE
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
@@ -43,8 +45,9 @@ class AngleProbe(OptimizerStepCallback):
     DDP/FSDP), and rank 0 writes
     ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
     intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's energy along 1
-    and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias) and the
-    logger entries.
+    and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias),
+    ``intervention.jsonl`` (the loss change when the centering is taken out of LayerNorm or put into
+    RMSNorm, per scope of ``intervention``) and the logger entries.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class AngleProbe(OptimizerStepCallback):
         sample_documents: bool = True,
         bootstrap_replicates: int = 1000,
         bootstrap_block: int = 1,
+        intervention: Sequence[str] = DEFAULT_SCOPES,
         ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -81,6 +85,7 @@ class AngleProbe(OptimizerStepCallback):
         self.sample_documents = sample_documents
         self.bootstrap_replicates = bootstrap_replicates
         self.bootstrap_block = bootstrap_block
+        self.intervention = tuple(intervention)
         self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
     def probe_ids(self) -> np.ndarray:
@@ -113,7 +118,7 @@ class AngleProbe(OptimizerStepCallback):
             model_name=self.model_name, step=step,
             tokens_per_step=pl_module.tokens_per_step,
             seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
-            with_null=trainer.is_global_zero,
+            with_null=trainer.is_global_zero, intervention_kinds=self.intervention,
             batch_size=self.batch_size, include_standardized=self.include_standardized,
             autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
             rank=trainer.global_rank, world_size=trainer.world_size,
@@ -126,10 +131,12 @@ class AngleProbe(OptimizerStepCallback):
             # What centering removes per token, and the set the norms' outputs lie in (seed 003).
             write_step(self.run_dir / ENERGY_FILE, records.energy)
             write_step(self.run_dir / ELLIPSOID_FILE, records.ellipsoid)
-            self._log(trainer, records.rows, step)
+            if records.intervention:
+                write_step(self.run_dir / INTERVENTION_FILE, records.intervention)
+            self._log(trainer, records.rows, step, records.intervention)
         return records.rows
 
-    def _log(self, trainer: L.Trainer, rows: list[dict], step: int) -> None:
+    def _log(self, trainer: L.Trainer, rows: list[dict], step: int, intervention: Sequence[dict] = ()) -> None:
         """Scalar summaries (mean over layers per site and reference) to every logger; to the loggers with
         a plotting UI (wandb, TensorBoard) also one scalar per layer, ``probe/<site>/<ref>/layer<k>``, so
         that a layer can be plotted across steps, and this step's figure; on wandb also the table."""
@@ -140,6 +147,12 @@ class AngleProbe(OptimizerStepCallback):
             layer = f"layer{row['layer']}" if isinstance(row["layer"], int) else str(row["layer"])
             per_layer[f"probe/{row['site']}/{row['ref']}/{layer}"] = row["mean_deg"]
         metrics = {key: float(np.mean(values)) for key, values in summary.items()}
+        # The centering intervention, every scope at once: what the model's predictions make of it.
+        for row in intervention:
+            if row["scope"] == "all":
+                for name in ("delta_loss", "kl", "top1_agreement", "cosine"):
+                    if row[name] is not None:
+                        metrics[f"intervention/{name}"] = row[name]
         # A long run must not grow: the process's peak and current RSS at every probe (flat = no leak).
         metrics.update(memory_metrics())
         plotting = [lg for lg in trainer.loggers if isinstance(lg, (WandbLogger, TensorBoardLogger))]

@@ -3,8 +3,9 @@ local directory, a GGUF file or one packaged in a pip package) or one of our own
 
 No weight processing of any kind (no folding of norm gains into the next layer, no centering): the
 geometry around a norm is a property of the weights the model was trained to, so they are used as is.
-Only the base model is loaded (``AutoModel``: no LM head), which is all the hidden states need and
-which works for decoders and encoders alike.
+The base model is loaded (``AutoModel``: no LM head), which is all the hidden states need and which
+works for decoders and encoders alike; where the centering intervention compares next-token predictions,
+a causal LM is loaded with its head (``AutoModelForCausalLM``; the norms and hidden states are the same).
 """
 
 from __future__ import annotations
@@ -168,8 +169,11 @@ def load_pretrained(
     device_map: str | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    lm_head: bool = False,
 ) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """The base model (in eval mode, no gradients) and tokenizer of a Hub id or local directory.
+    """The base model (in eval mode, no gradients) and tokenizer of a Hub id or local directory; with
+    ``lm_head``, the causal language model with its head where the checkpoint is one (:func:`is_causal_lm`),
+    so that its next-token predictions can be compared (the centering intervention).
 
     ``gguf_file`` is a file name inside ``path`` or an absolute path to a .gguf file; ``path`` itself may
     also be a .gguf file. Every failure is a :class:`ModelLoadError` whose message says what to do.
@@ -184,19 +188,38 @@ def load_pretrained(
         except ImportError as exc:
             raise ModelLoadError(f"loading a GGUF file needs the `gguf` package: {_INSTALL_GGUF}") from exc
 
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     common: dict[str, object] = {"revision": revision, "trust_remote_code": trust_remote_code}
     if gguf_name is not None:
         common["gguf_file"] = gguf_name
     try:
-        model = AutoModel.from_pretrained(source, dtype=DTYPES[dtype], device_map=device_map, **common)
+        model_class = AutoModel
+        if lm_head and is_causal_lm(AutoConfig.from_pretrained(source, **common)):
+            model_class = AutoModelForCausalLM
+        model = model_class.from_pretrained(source, dtype=DTYPES[dtype], device_map=device_map, **common)
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
     except (OSError, ValueError, ImportError) as exc:
         raise _explain(exc, source, gguf_name, revision) from exc
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def is_causal_lm(config) -> bool:
+    """Whether a Hugging Face config is a decoder trained for next-token prediction: its architectures say
+    so (``*ForCausalLM``, ``*LMHeadModel``), or, where a GGUF file names none, its model type has a causal
+    LM class and no masked-LM one (BERT has both: an encoder, whose causal head would be untrained)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 # A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
@@ -292,8 +315,9 @@ class Loaded:
     tokens_per_step: int | None = None
 
 
-def load_hf(spec: DictConfig) -> Loaded:
-    """A Hugging Face model from analyze.py's ``model`` config (``packaged``, ``path``, ``gguf_file``, ...)."""
+def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
+    """A Hugging Face model from analyze.py's ``model`` config (``packaged``, ``path``, ``gguf_file``, ...);
+    ``lm_head``: with its language-model head where it has one (:func:`load_pretrained`)."""
     if spec.get("packaged"):
         if spec.packaged not in PACKAGED:
             raise ModelLoadError(f"model.packaged={spec.packaged!r}: choose one of {', '.join(PACKAGED)}")
@@ -320,6 +344,7 @@ def load_hf(spec: DictConfig) -> Loaded:
         device_map=spec.get("device_map"),
         trust_remote_code=spec.get("trust_remote_code", False),
         revision=spec.get("revision"),
+        lm_head=lm_head,
     )
     encode_batch, separator = hf_encoder(tokenizer)
     source = str(Path(path or "", gguf_file or ""))
@@ -346,6 +371,7 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
                   source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
 
 
-def load_model(spec: DictConfig) -> Loaded:
-    """analyze.py's ``model`` config (``kind``: hf or checkpoint) -> the loaded model."""
-    return load_our_checkpoint(spec) if spec.kind == "checkpoint" else load_hf(spec)
+def load_model(spec: DictConfig, lm_head: bool = False) -> Loaded:
+    """analyze.py's ``model`` config (``kind``: hf or checkpoint) -> the loaded model (``lm_head``: a Hugging
+    Face causal LM with its head; our checkpoints always have theirs)."""
+    return load_our_checkpoint(spec) if spec.kind == "checkpoint" else load_hf(spec, lm_head=lm_head)

@@ -51,7 +51,7 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     ids = probe_ids(_wiki(shared), encode, separator, TOKENS, sample=False)
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
-    sites, stats = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    sites, stats, _ = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
     null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)
     # The interval is a function of the per-sequence sums and the seed: the same seed, the same numbers.

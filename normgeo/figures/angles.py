@@ -12,7 +12,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from normgeo.figures.intervention import plot_intervention_layers  # noqa: E402
 from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure  # noqa: E402
+from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
 from normgeo.runs.config import slug  # noqa: E402
 
@@ -219,5 +221,10 @@ def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> li
             layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
             chosen = layer if layer is not None else layers[len(layers) // 2]
             figures.append(plot_null_steps(null_rows, out_dir, chosen))
+    changes = read_rows(run_dir / INTERVENTION_FILE)
+    for step in sorted({r["step"] for r in changes}, key=lambda s: -1 if s is None else s)[-1:]:
+        figure = plot_intervention_layers(changes, out_dir, step=step)
+        if figure is not None:
+            figures.append(figure)
     return figures
 

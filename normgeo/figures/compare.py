@@ -10,10 +10,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from normgeo.figures.intervention import plot_intervention_steps  # noqa: E402
 from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
-from normgeo.figures.sweep import Comparison, load, markdown, summary_table  # noqa: E402
+from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table  # noqa: E402
 from normgeo.figures.verdict import write_verdict  # noqa: E402
+from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
 from normgeo.measure.records import DamagedRecords  # noqa: E402
 
 FigureMaker = Callable[[Comparison, Path, Sequence[str]], list[Path]]
@@ -100,6 +102,17 @@ def loss_figure(comparison: Comparison, out_dir: Path, formats: Sequence[str]) -
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, out_dir, "loss", formats)
+
+
+@register_figure("intervention")
+def intervention_figure(comparison: Comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
+    """The centering intervention (all norms at once) over training per arm: Δ loss of removing
+    LayerNorm's mean subtraction, of adding it to RMSNorm."""
+    frame = records_frame(comparison, INTERVENTION_FILE)
+    if frame.empty:
+        return []
+    runs = [(str(arm), group.to_dict("records")) for (_, arm), group in frame.groupby(["run", "arm"])]
+    return plot_intervention_steps(runs, out_dir, formats)
 
 
 # --- command ----------------------------------------------------------------------------------------------

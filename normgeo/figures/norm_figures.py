@@ -23,31 +23,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure  # noqa: E402
-from normgeo.figures.sweep import Comparison, load  # noqa: E402
+from normgeo.figures.sweep import Comparison, load, records_frame  # noqa: E402
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE  # noqa: E402
 from normgeo.measure.energy import ENERGY_FILE  # noqa: E402
-from normgeo.measure.records import read_rows  # noqa: E402
 from normgeo.runs.metrics import last_value  # noqa: E402
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",
     "jacobian_proxy": "Jacobian scale proxy √d / ‖x‖",
 }
-
-
-def _records(comparison: Comparison, filename: str) -> pd.DataFrame:
-    """One run file (ellipsoid.jsonl / energy.jsonl) of every run, with the run's arm; empty if none has it."""
-    frames = []
-    for run in comparison.runs.itertuples():
-        rows = read_rows(Path(run.run_dir) / filename)
-        if rows:
-            frames.append(pd.DataFrame(rows).assign(run=run.run, arm=run.arm))
-    if not frames:
-        return pd.DataFrame()
-    frame = pd.concat(frames, ignore_index=True)
-    frame = frame[frame["step"].notna()]
-    frame["layer"] = frame["layer"].astype(str)
-    return frame
 
 
 def _arm_title(comparison: Comparison, arm: str) -> str:
@@ -99,7 +83,7 @@ def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[
 
 
 def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
-    frame = _records(comparison, ELLIPSOID_FILE)
+    frame = records_frame(comparison, ELLIPSOID_FILE)
     if frame.empty:
         return []
     return _per_arm_panels(
@@ -110,7 +94,7 @@ def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
 
 
 def energy_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
-    frame = _records(comparison, ENERGY_FILE)
+    frame = records_frame(comparison, ENERGY_FILE)
     if frame.empty:
         return []
     return _per_arm_panels(

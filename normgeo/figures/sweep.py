@@ -14,6 +14,7 @@ import yaml
 from normgeo.figures.style import POST_SUFFIX
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
 from normgeo.runs.metrics import last_value, read_metrics
 from normgeo.runs.status import find_runs, is_analysis
@@ -55,7 +56,23 @@ def run_config(run_dir: Path) -> dict:
 
 # Every records file the comparison, its figures and the verdict read (read once here, so that one damaged
 # file leaves its run out instead of stopping the figures or the verdict half-way).
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE)
+RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE)
+
+
+def records_frame(comparison: Comparison, filename: str) -> pd.DataFrame:
+    """One records file (``energy.jsonl``, ``intervention.jsonl``, ...) of every run, with the run's name,
+    arm and seed; empty if no run has it."""
+    frames = []
+    for run in comparison.runs.itertuples():
+        rows = read_rows(Path(run.run_dir) / filename)
+        if rows:
+            frames.append(pd.DataFrame(rows).assign(run=run.run, arm=run.arm, seed=run.seed))
+    if not frames:
+        return pd.DataFrame()
+    frame = pd.concat(frames, ignore_index=True)
+    frame = frame[frame["step"].notna()]
+    frame["layer"] = frame["layer"].astype(str)
+    return frame
 
 
 def load(paths: Sequence[Path]) -> Comparison:

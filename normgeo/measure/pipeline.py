@@ -23,6 +23,7 @@ from corpus.tokenize import EncodeBatch, first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
 from normgeo.measure.ellipsoid import ellipsoid_rows
 from normgeo.measure.energy import EnergyStatistics, energy_rows
+from normgeo.measure.intervention import InterventionProbe, intervention_rows, intervention_scopes
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, input_sites, residual_norms, run_probe
 from normgeo.measure.records import null_rows, statistics_rows
@@ -106,56 +107,68 @@ def measure(
     rank: int = 0,
     world_size: int = 1,
     energy: EnergyStatistics | None = None,
-) -> tuple[list[ProbeSite], AngleStatistics]:
+    intervention_kinds: Sequence[str] = (),
+) -> tuple[list[ProbeSite], AngleStatistics, InterventionProbe | None]:
     """Angles at every norm for every token of ``ids`` cut by :func:`windows`, merged over ranks.
 
     Rank ``rank`` of ``world_size`` measures windows ``rank, rank + world_size, ...`` of each part and
     pads its share to as many forward passes as the largest (a sharded model's all-gathers are
     collective); the statistics are then all-reduced, so every rank returns the whole probe's.
     ``energy``: also stream what centering removes at every residual norm's input into it (all-reduced too).
+    ``intervention_kinds``: the scopes of the centering intervention to run after each forward
+    (:func:`normgeo.measure.intervention.intervention_scopes`); its sums come back all-reduced (None when
+    no scope was asked for or the model has no norm to intervene on).
     """
     parts = windows(ids, seq_len)
     if not parts:
         raise AnalysisError("no probe tokens to measure")
     num_sequences = sum(len(part) for part in parts)
+    residual = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
+    scopes = intervention_scopes(residual, intervention_kinds) if intervention_kinds else []
+    intervention = InterventionProbe(residual, scopes, num_sequences) if scopes else None
     sites: list[ProbeSite] = []
     stats: AngleStatistics | None = None
     first = 0  # global index of the part's first window, for the per-sequence statistics
-    for index, part in enumerate(parts):
-        global_ids = torch.arange(first, first + len(part))
-        part_sites, part_stats = run_probe(
-            model,
-            part[rank::world_size],
-            references,
-            forward=forward,
-            norms=norms,
-            batch_size=batch_size,
-            include_standardized=include_standardized,
-            autocast=autocast,
-            device=device,
-            progress=progress and index == 0,
-            pad_to=math.ceil(len(part) / world_size),
-            sequence_ids=global_ids[rank::world_size],
-            num_sequences=num_sequences,
-            energy=energy,
-        )
-        first += len(part)
-        if stats is None:
-            sites, stats = part_sites, part_stats
-        else:
-            stats.merge(part_stats)
+    with intervention or contextlib.nullcontext():
+        for index, part in enumerate(parts):
+            global_ids = torch.arange(first, first + len(part))
+            part_sites, part_stats = run_probe(
+                model,
+                part[rank::world_size],
+                references,
+                forward=forward,
+                norms=residual,
+                batch_size=batch_size,
+                include_standardized=include_standardized,
+                autocast=autocast,
+                device=device,
+                progress=progress and index == 0,
+                pad_to=math.ceil(len(part) / world_size),
+                sequence_ids=global_ids[rank::world_size],
+                num_sequences=num_sequences,
+                energy=energy,
+                on_batch=intervention.observe if intervention is not None else None,
+            )
+            first += len(part)
+            if stats is None:
+                sites, stats = part_sites, part_stats
+            else:
+                stats.merge(part_stats)
     assert stats is not None
     stats.all_reduce()
     if energy is not None:
         energy.all_reduce()
-    return sites, stats
+    if intervention is not None:
+        intervention.all_reduce()
+    return sites, stats, intervention
 
 
 @dataclass
 class Records:
     """What one measurement yields: ``angles.jsonl``'s rows, ``null.jsonl``'s (if asked for),
-    ``energy.jsonl``'s (what centering removes at each norm input) and ``ellipsoid.jsonl``'s (the set
-    each norm's outputs lie in, from its gain and bias)."""
+    ``energy.jsonl``'s (what centering removes at each norm input), ``ellipsoid.jsonl``'s (the set
+    each norm's outputs lie in, from its gain and bias) and ``intervention.jsonl``'s (what the model
+    predicts with the centering taken out or put in; [] when not asked for)."""
 
     sites: list[ProbeSite]
     stats: AngleStatistics
@@ -164,6 +177,7 @@ class Records:
     energy: list[dict]
     ellipsoid: list[dict]
     norm: str
+    intervention: list[dict]
 
 
 def record_norm_label(model: nn.Module, sites: Sequence[ProbeSite]) -> str:
@@ -185,15 +199,18 @@ def measure_records(
     bootstrap_replicates: int = 1000,
     bootstrap_block: int = 1,
     with_null: bool = True,
+    intervention_kinds: Sequence[str] = (),
     **measure_kwargs,
 ) -> Records:
     """:func:`measure`, then the records: ``model_name``, the model's norm (:func:`record_norm_label`),
     ``step`` and :func:`tokens_seen`. ``with_null=False`` skips ``null.jsonl``'s rows (their bootstrap
-    costs; only the rank that writes needs them). Call it on every rank: the statistics are all-reduced and
+    costs; only the rank that writes needs them). ``intervention_kinds``: the centering intervention's
+    scopes (``all``, ``layers``, ``site_classes``; none: not run). Call it on every rank: the statistics are all-reduced and
     FSDP2-sharded gains all-gathered."""
     norms = residual_norms(measure_kwargs.pop("norms", None) or find_norm_sites(model))
     energy = EnergyStatistics(len(norms), device=measure_kwargs.get("device") or "cpu")
-    sites, stats = measure(model, ids, seq_len, references, norms=norms, energy=energy, **measure_kwargs)
+    sites, stats, intervention = measure(model, ids, seq_len, references, norms=norms, energy=energy,
+                                         intervention_kinds=intervention_kinds, **measure_kwargs)
     norm = record_norm_label(model, sites)
     seen = tokens_seen(step, tokens_per_step)
     where = {"model": model_name, "norm": norm, "step": step, "tokens_seen": seen}
@@ -203,8 +220,14 @@ def measure_records(
         if with_null
         else []
     )
+    changes = (
+        intervention_rows(intervention, **where, replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
+        if intervention is not None and with_null
+        else []
+    )
     return Records(
         sites=sites, stats=stats, rows=rows, null=null, norm=norm,
         energy=energy_rows(input_sites(norms), energy, **where),
         ellipsoid=ellipsoid_rows(norms, **where),
+        intervention=changes,
     )

@@ -56,6 +56,10 @@ def make_references(dim: int, seed: int = 1234, null_directions: int = DEFAULT_N
     return references
 
 
+# on_batch(call, batch, output, rows, sequence_ids) of run_probe: after each forward (see run_probe).
+BatchObserver = Callable[[Callable[[torch.Tensor], object], torch.Tensor, object, int, torch.Tensor], None]
+
+
 @dataclass(frozen=True)
 class ProbeSite:
     """One measured place: the input or output (or standardized input) of one norm module."""
@@ -113,6 +117,7 @@ def run_probe(
     sequence_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
     energy: EnergyStatistics | None = None,
+    on_batch: BatchObserver | None = None,
 ) -> tuple[list[ProbeSite], AngleStatistics]:
     """Stream ``sequences`` (n, T) of token ids through ``model`` and measure every norm's in/out vectors.
 
@@ -125,6 +130,10 @@ def run_probe(
     number ``sequence_ids[i]`` (default ``i``): a rank or a part of the probe passes its global indices.
     ``energy``: also stream what mean subtraction removes at every norm input into it, site k being the
     k-th of ``residual_norms(norms)`` (see :func:`input_sites`).
+    ``on_batch(call, batch, output, rows, sequence_ids)``: called after each forward with its output, the
+    number of real (not padding) rows and their global indices, while the hooks measure nothing, so it
+    may run more forwards through ``call`` (the centering intervention,
+    :class:`normgeo.measure.intervention.InterventionProbe`).
     """
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     sites = probe_sites(norms, include_standardized)
@@ -180,7 +189,13 @@ def run_probe(
                 batch = sequences[start : start + batch_size]
                 rows_to_measure[0] = max(0, min(len(batch), measured - start))
                 batch_ids[0] = sequence_ids[start : start + rows_to_measure[0]]
-                call(batch.to(device, non_blocking=True))
+                batch = batch.to(device, non_blocking=True)
+                output = call(batch)
+                if on_batch is not None:
+                    rows = rows_to_measure[0]
+                    rows_to_measure[0] = 0  # what on_batch runs is not measured by the angle hooks
+                    on_batch(call, batch, output, rows, batch_ids[0])
+                    rows_to_measure[0] = rows
                 bar.update(rows_to_measure[0] * batch.shape[1])
     finally:
         for handle in handles:

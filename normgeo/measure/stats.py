@@ -349,6 +349,58 @@ def null_comparison(stats: AngleStatistics, ref: int = 0) -> dict[str, torch.Ten
     return result
 
 
+def block_weights(sequences: int, *, replicates: int, block: int, seed: int) -> tuple[int, np.ndarray]:
+    """(number of blocks, (replicates, blocks) resampling weights): the one block-bootstrap draw.
+
+    Blocks of ``block`` consecutive probe sequences (a document longer than a sequence continues in the
+    next) are drawn with replacement, as many as there are blocks. Every interval over probe sequences
+    (``null.jsonl``'s, ``intervention.jsonl``'s) uses this draw: the same ``seed`` and number of sequences
+    give the same resamples.
+    """
+    blocks = -(-sequences // block)
+    rng = np.random.default_rng(seed)
+    weights = rng.multinomial(blocks, np.full(blocks, 1.0 / blocks), size=replicates).astype(np.float64)
+    return blocks, weights
+
+
+def block_totals(per_sequence: np.ndarray, block: int, axis: int) -> np.ndarray:
+    """Sum ``per_sequence`` over blocks of ``block`` consecutive sequences along ``axis`` (the last block
+    padded with zeros)."""
+    values = np.moveaxis(per_sequence, axis, 0)
+    pad = -len(values) % block
+    values = np.pad(values, [(0, pad)] + [(0, 0)] * (values.ndim - 1))
+    totals = values.reshape(-1, block, *values.shape[1:]).sum(axis=1)
+    return np.moveaxis(totals, 0, axis)
+
+
+def block_bootstrap_means(
+    seq_count: np.ndarray,
+    seq_sum: np.ndarray,
+    *,
+    replicates: int = 1000,
+    block: int = 1,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, np.ndarray]:
+    """Token-weighted means of M per-token quantities and their percentile block-bootstrap intervals.
+
+    ``seq_count`` (N,) holds each probe sequence's number of tokens and ``seq_sum`` (N, M) the sums of the
+    M quantities over them; a replicate's mean is its total sum over its total count (like the point
+    estimate). Returns ``mean``, ``low`` and ``high``, each (M,); NaN where no token was counted.
+    """
+    if len(seq_count) == 0:
+        raise ValueError("block_bootstrap_means needs per-sequence sums of at least one sequence")
+    _, weights = block_weights(len(seq_count), replicates=replicates, block=block, seed=seed)
+    counts = block_totals(np.asarray(seq_count, dtype=np.float64), block, axis=0)
+    sums = block_totals(np.asarray(seq_sum, dtype=np.float64), block, axis=0)
+    alpha = (1.0 - level) / 2.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums.sum(axis=0) / counts.sum()
+        boot = (weights @ sums) / (weights @ counts)[:, None]  # (B, M)
+        low, high = np.quantile(boot, [alpha, 1 - alpha], axis=0)
+    return {"mean": mean, "low": low, "high": high}
+
+
 def block_bootstrap(
     seq_count: np.ndarray,
     seq_sum: np.ndarray,
@@ -374,12 +426,9 @@ def block_bootstrap(
     sites, sequences = seq_count.shape
     if sequences == 0:
         raise ValueError("block_bootstrap needs per-sequence statistics (num_sequences > 0)")
-    blocks = -(-sequences // block)
-    pad = blocks * block - sequences
-    counts = np.pad(seq_count, ((0, 0), (0, pad))).reshape(sites, blocks, block).sum(axis=2)
-    sums = np.pad(seq_sum, ((0, 0), (0, pad), (0, 0))).reshape(sites, blocks, block, -1).sum(axis=2)
-    rng = np.random.default_rng(seed)
-    weights = rng.multinomial(blocks, np.full(blocks, 1.0 / blocks), size=replicates).astype(np.float64)  # (B, nb)
+    _, weights = block_weights(sequences, replicates=replicates, block=block, seed=seed)  # (B, nb)
+    counts = block_totals(seq_count, block, axis=1)
+    sums = block_totals(seq_sum, block, axis=1)
     alpha = (1.0 - level) / 2.0
     with np.errstate(invalid="ignore", divide="ignore"):
         total = counts.sum(axis=1)

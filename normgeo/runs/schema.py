@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from models.gpt import PLACEMENTS
 from models.norms import NORM_ARMS
+from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
 
 
 def doc(default: Any, text: str) -> Any:
@@ -103,6 +104,8 @@ class ProbeSchema:
     sample: bool = doc(True, "documents in a seeded order over the whole source")
     min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)")
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
+    intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
+                                  f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
 
 
 @dataclass
@@ -311,6 +314,14 @@ def _local_files_refusal(path: str, extensions: tuple[str, ...], config_node: st
     return None
 
 
+def check_intervention(probe: DictConfig) -> None:
+    """probe.intervention: known scope kinds, each once."""
+    kinds = list(probe.get("intervention") or [])
+    _expect(all(kind in SCOPE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds), "probe.intervention",
+            probe.get("intervention"), f"a list of distinct scopes from {', '.join(SCOPE_KINDS)}, or [] for none, "
+            "e.g. probe.intervention=[all,layers]")
+
+
 def check_probe_source(probe: DictConfig) -> None:
     """probe=local's files, before anything is written: the probe reads them only once training started
     (data=local's are checked by its prepare, which runs before anything is written)."""
@@ -363,6 +374,7 @@ def check_train(cfg: DictConfig) -> None:
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")
     check_trainer(cfg.trainer)
+    check_intervention(cfg.probe)
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
@@ -382,6 +394,7 @@ def check_analyze(cfg: DictConfig) -> None:
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")
+    check_intervention(cfg.probe)
     check_probe_source(cfg.probe)
 
 
