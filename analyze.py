@@ -156,8 +156,9 @@ def analyze(cfg: DictConfig) -> Path:
                            f"({len(ids):,} tokens, 95% block-bootstrap intervals)")
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
              f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
-    log.info("wrote %s, %s, %s, energy.jsonl, ellipsoid.jsonl, summary.csv/md and %d figure(s) to %s", ANGLES_FILE, NULL_FILE, REFERENCES_FILE,
-             len(figures), out_dir)
+    written = [ANGLES_FILE, NULL_FILE, REFERENCES_FILE, ENERGY_FILE, ELLIPSOID_FILE]
+    written += [INTERVENTION_FILE] if records.intervention else []
+    log.info("wrote %s, summary.csv/md and %d figure(s) to %s", ", ".join(written), len(figures), out_dir)
     return out_dir
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CPU study (docs/study.md): the arms layer and rms with 3 seeds, layer_nobias, rms_bias and dyt with
-# 2, each 1,000 optimizer steps on real OpenWebText text with 11 probes (experiment=study_cpu), then
-# normgeo.compare with its verdict, then docs/study.md and its figures. About 35 minutes on 2 idle CPU cores.
+# The CPU study (docs/study.md): the arms layer and rms with 5 seeds, layer_nobias, rms_bias and dyt with
+# 2, each 1,000 optimizer steps on real OpenWebText text with 11 probes (experiment=study_cpu; each probe
+# also runs the centering intervention, intervention.jsonl), then normgeo.compare with its verdict, then
+# docs/study.md and its figures. About 40 minutes on 2 idle CPU cores.
 #
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
@@ -21,7 +22,7 @@ COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" out
 COMMANDS=(
   "python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
   "python train.py -m seed=0,1 norm=layer,rms,layer_nobias,rms_bias,dyt ${COMMON[*]}"
-  "python train.py -m seed=2 norm=layer,rms ${COMMON[*]}"
+  "python train.py -m seed=2,3,4 norm=layer,rms ${COMMON[*]}"
   "python -m normgeo.compare $OUT --formats png"
 )
 printf '%s\n' "${COMMANDS[@]}" > "$OUT/commands.txt"

@@ -137,6 +137,15 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         for field in ("mean_deg", "null_mean_p50", "mean_rank_pct", "std_z", "mean_ci_low", "mean_ci_high",
                       "diff_ci_low", "diff_ci_high"):
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
+    # The centering intervention: each rank runs every scope's forward on its share (padded batches too), the
+    # per-sequence and per-bin sums are all-reduced, so the intervals are a single process's.
+    assert len(outputs[1]["intervention"]) == len(outputs[2]["intervention"]) == 1 + 3  # all, blocks 0-1, final
+    for single, multi in zip(outputs[1]["intervention"], outputs[2]["intervention"], strict=True):
+        assert (single["scope_name"], single["tokens"], single["sequences"]) == (
+            multi["scope_name"], 24 * 15 + 6, 25)
+        for field in ("delta_loss", "delta_loss_ci_low", "delta_loss_ci_high", "kl", "kl_ci_high", "top1_agreement"):
+            assert multi[field] == pytest.approx(single[field], abs=1e-6), field
+        assert [b["tokens"] for b in multi["energy_bins"]] == [b["tokens"] for b in single["energy_bins"]]
 
 
 WRITER = """

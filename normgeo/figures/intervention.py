@@ -22,7 +22,7 @@ from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, s
 from normgeo.figures.tables import print_table  # noqa: E402
 from normgeo.runs.config import slug  # noqa: E402
 
-ACTION_TEXT = {"remove": "centering removed (LayerNorm)", "add": "centering added (RMSNorm)", "mixed": "mixed"}
+ACTION_TEXT = {"remove": "mean subtraction removed", "add": "mean subtraction added", "mixed": "removed (LayerNorm) and added (RMSNorm)"}
 
 
 def headline(row: dict) -> tuple[str, float | None, float | None, float | None]:

@@ -125,7 +125,7 @@ def uncentered_layer_norm(x: torch.Tensor, site: NormSite) -> torch.Tensor:
     """A LayerNorm site's output without its mean subtraction: ``g * x / sqrt(mean(x^2) + eps) + b``,
     computed in at least float32 and returned in ``x``'s dtype (as torch's LayerNorm does)."""
     weight, bias = norm_affine(site)
-    compute = x if x.dtype == torch.float64 else x.float()
+    compute = at_least_float32(x)
     scaled = F.rms_norm(compute, (compute.shape[-1],), eps=site.eps)
     if weight is not None:
         scaled = scaled * weight.to(compute.dtype)
@@ -183,9 +183,14 @@ def model_output(output: object) -> tuple[str, torch.Tensor]:
     raise TypeError(f"cannot read logits or hidden states from a model output of type {type(output).__name__}")
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 up to float32; float32 and float64 as they are (a float64 model is measured in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def energy_fraction(x: torch.Tensor) -> torch.Tensor:
     """Per token, the fraction of ||x||^2 along 1: (sum x)^2 / (d ||x||^2) (0 for a zero vector)."""
-    x = x.detach().float()
+    x = at_least_float32(x.detach())
     square = x.square().sum(dim=-1)
     return (x.sum(dim=-1).square() / (x.shape[-1] * square)).nan_to_num(0.0)
 
@@ -193,31 +198,33 @@ def energy_fraction(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class IntactPrediction:
     """What every scope's intervened forward is compared with: the intact forward's next-token
-    log-probabilities (rows, T - 1, V), their loss on the true next tokens and their top-1 tokens."""
+    log-probabilities and probabilities (rows, T - 1, V), its loss on the true next tokens and its top-1
+    tokens (computed once per batch, whatever the number of scopes)."""
 
     log_probs: torch.Tensor
+    probs: torch.Tensor
     loss: torch.Tensor
     top1: torch.Tensor
 
     @classmethod
     def of(cls, logits: torch.Tensor, batch: torch.Tensor) -> IntactPrediction:
-        log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+        log_probs = F.log_softmax(at_least_float32(logits[:, :-1]), dim=-1)
         loss = -log_probs.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return cls(log_probs, loss, log_probs.argmax(dim=-1))
+        return cls(log_probs, log_probs.exp(), loss, log_probs.argmax(dim=-1))
 
 
 def next_token_changes(intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact loss."""
-    q_log = F.log_softmax(intervened_logits[:, :-1].float(), dim=-1)
+    q_log = F.log_softmax(at_least_float32(intervened_logits[:, :-1]), dim=-1)
     loss = -q_log.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-    kl = (intact.log_probs.exp() * (intact.log_probs - q_log)).sum(dim=-1).clamp(min=0.0)
+    kl = (intact.probs * (intact.log_probs - q_log)).sum(dim=-1).clamp(min=0.0)
     agree = (intact.top1 == q_log.argmax(dim=-1)).float()
     return torch.stack([loss - intact.loss, kl, agree, intact.loss], dim=-1)
 
 
 def embedding_changes(intact: torch.Tensor, intervened_hidden: torch.Tensor) -> torch.Tensor:
     """(rows, T, 1): cosine of each token's intact and intervened output vector."""
-    return F.cosine_similarity(intact.float(), intervened_hidden.float(), dim=-1).unsqueeze(-1)
+    return F.cosine_similarity(at_least_float32(intact), at_least_float32(intervened_hidden), dim=-1).unsqueeze(-1)
 
 
 class InterventionProbe:

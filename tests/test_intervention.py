@@ -1,0 +1,289 @@
+"""The centering intervention (normgeo/measure/intervention.py) against independent computations.
+
+- the intervened forward of our GPT equals a hand-written float64 forward with the norm formula swapped;
+- inputs made orthogonal to 1 (TransformerLens' "center writing weights") leave the predictions unchanged;
+- a known component along 1 changes the loss exactly as the closed form says;
+- at initialization, LayerNorm without its centering *is* RMSNorm (and the reverse);
+- hooks leave the model bitwise as it was, also when a forward raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from models.gpt import GPT, GPTConfig
+from normgeo.measure.intervention import (
+    ENERGY_EDGES,
+    INTERVENTION_FIELDS,
+    intervened,
+    intervention_scopes,
+)
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.pipeline import measure_records
+from normgeo.measure.probe import make_references, residual_norms
+
+SEQ = 12
+WIDTH = 16
+VOCAB = 1000  # a small vocabulary keeps the logits cheap; nothing here depends on its size
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (on a loaded machine, every op's thread barrier can wait milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(norm: str, placement: str = "pre", layers: int = 2, seed: int = 0) -> GPT:
+    config = GPTConfig(n_layer=layers, n_head=2, n_embd=WIDTH, block_size=SEQ, vocab_size=VOCAB, norm=norm,
+                       placement=placement, tie_embeddings=False)
+    return GPT(config, seed=seed).eval()
+
+
+def randomize_norms(model: GPT, seed: int = 1) -> None:
+    """Gains away from 1 and biases away from 0, so that no formula is right by accident."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 2)[-2] in ("ln1", "ln2", "ln_f"):
+                noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+                param.copy_(1 + 0.3 * noise if name.endswith("weight") else 0.2 * noise)
+
+
+def token_ids(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, count)
+
+
+def records(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> list[dict]:
+    """intervention.jsonl's rows of one probe, by the pipeline the training probe and analyze.py call."""
+    return measure_records(model, ids, SEQ, make_references(WIDTH), model_name="t", step=0, tokens_per_step=None,
+                           seed=0, bootstrap_replicates=200, batch_size=4, intervention_kinds=kinds,
+                           **kwargs).intervention
+
+
+# --- a hand-written GPT forward, in float64 -------------------------------------------------------------
+
+
+def swapped_norm(x: torch.Tensor, module: torch.nn.Module, eps: float) -> torch.Tensor:
+    """The intervened norm by its formula: LayerNorm without centering, RMSNorm with it."""
+    gain = module.weight
+    bias = getattr(module, "bias", None)
+    if isinstance(module, torch.nn.LayerNorm):  # remove the centering
+        out = gain * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    else:  # add it
+        centred = x - x.mean(-1, keepdim=True)
+        out = gain * centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps)
+    return out + bias if bias is not None else out
+
+
+def hand_forward(model: GPT, ids: torch.Tensor, swap: set[str]) -> torch.Tensor:
+    """Our GPT's logits written out from its weights; the norms named in ``swap`` use :func:`swapped_norm`."""
+    config = model.config
+    eps = config.norm_eps
+    modules = dict(model.named_modules())
+
+    def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+        module = modules[name]
+        if name in swap:
+            return swapped_norm(x, module, eps)
+        return module(x)  # the intact norm: torch's own module
+
+    def attention(block, h: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = h.shape
+        heads, size = config.n_head, width // config.n_head
+        qkv = h @ block.attn.c_attn.weight.T + block.attn.c_attn.bias
+        q, k, v = (t.reshape(batch, seq, heads, size).transpose(1, 2) for t in qkv.split(width, dim=-1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(size)
+        scores = scores.masked_fill(torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1), float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, width)
+        return y @ block.attn.c_proj.weight.T + block.attn.c_proj.bias
+
+    def mlp(block, h: torch.Tensor) -> torch.Tensor:
+        u = h @ block.mlp.c_fc.weight.T + block.mlp.c_fc.bias
+        u = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+        return u @ block.mlp.c_proj.weight.T + block.mlp.c_proj.bias
+
+    x = model.wte.weight[ids] + model.wpe.weight[: ids.shape[1]]
+    for index, block in enumerate(model.blocks):
+        if config.placement == "post":
+            x = norm(f"blocks.{index}.ln1", x + attention(block, x))
+            x = norm(f"blocks.{index}.ln2", x + mlp(block, x))
+        else:
+            x = x + attention(block, norm(f"blocks.{index}.ln1", x))
+            x = x + mlp(block, norm(f"blocks.{index}.ln2", x))
+    return norm("ln_f", x) @ model.lm_head.weight.T
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("norm", ["layer", "layer_nobias", "rms", "rms_bias"])
+def test_intervened_forward_equals_a_hand_written_one(norm: str, placement: str) -> None:
+    model = tiny(norm, placement).double()
+    randomize_norms(model)
+    ids = torch.as_tensor(token_ids(2 * SEQ).reshape(2, SEQ))
+    scopes = {scope.name: scope for scope in intervention_scopes(residual_norms(find_norm_sites(model)),
+                                                                  ("all", "layers"))}
+    with torch.no_grad():
+        assert torch.allclose(model(ids), hand_forward(model, ids, set()), rtol=0, atol=1e-12)  # the hand forward
+        for name, swap in (("all", {"blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}),
+                           ("layer 1", {"blocks.1.ln1", "blocks.1.ln2"}), ("layer final", {"ln_f"})):
+            with intervened(scopes[name].sites):
+                got = model(ids)
+            expected = hand_forward(model, ids, swap)
+            assert (got - expected).abs().max().item() < 1e-12, name
+            assert (got - model(ids)).abs().max().item() > 1e-6, name  # the swap changed something
+
+
+def center_writing_weights(model: GPT) -> None:
+    """Make everything written into the residual stream orthogonal to 1 (embeddings and every output
+    projection centred over the model width), so that every pre-norm input is too."""
+    with torch.no_grad():
+        for embedding in (model.wte.weight, model.wpe.weight):
+            embedding -= embedding.mean(dim=1, keepdim=True)
+        for block in model.blocks:
+            for projection in (block.attn.c_proj, block.mlp.c_proj):
+                projection.weight -= projection.weight.mean(dim=0, keepdim=True)
+                projection.bias -= projection.bias.mean()
+
+
+def test_inputs_orthogonal_to_ones_make_removing_the_centering_change_nothing() -> None:
+    model = tiny("layer").double()
+    randomize_norms(model)
+    center_writing_weights(model)
+    rows = records(model, token_ids(6 * SEQ))
+    assert [row["scope_name"] for row in rows] == ["all", "layer 0", "layer 1", "layer final"]
+    for row in rows:
+        assert abs(row["delta_loss"]) < 1e-10 and row["kl"] < 1e-12 and row["top1_agreement"] == 1.0
+        assert row["delta_loss_ci_low"] <= row["delta_loss"] <= row["delta_loss_ci_high"]
+        assert row["energy_bins"][0]["tokens"] == row["tokens"] == 6 * (SEQ - 1)  # every fraction < 1e-4
+    # The same weights without the centring: the intervention now does something.
+    moved = tiny("layer").double()
+    randomize_norms(moved)
+    assert abs(records(moved, token_ids(6 * SEQ), kinds=("all",))[0]["delta_loss"]) > 1e-6
+
+
+def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says() -> None:
+    """Embeddings z + c 1 with z orthogonal to 1 and no block output: the final LayerNorm sees them as they
+    are. Intact it gives g z / sqrt(|z|^2/d + eps) + b; without centering g (z + c 1) / sqrt(|z|^2/d + c^2 +
+    eps) + b; the head turns both into logits and the loss change follows."""
+    model = tiny("layer", layers=1).double()
+    randomize_norms(model)
+    d, eps = WIDTH, model.config.norm_eps
+    rng = np.random.default_rng(3)
+    vocab = model.wte.weight.shape[0]
+    z = rng.standard_normal((vocab, d))
+    z -= z.mean(axis=1, keepdims=True)
+    c = rng.uniform(-1.5, 1.5, size=vocab)
+    with torch.no_grad():
+        model.wte.weight.copy_(torch.from_numpy(z + c[:, None]))
+        model.wpe.weight.zero_()
+        for projection in (model.blocks[0].attn.c_proj, model.blocks[0].mlp.c_proj):
+            projection.weight.zero_()
+            projection.bias.zero_()
+    ids = token_ids(5 * SEQ, seed=4)
+    row = records(model, ids, kinds=("layers",))[-1]
+    assert row["scope_name"] == "layer final"
+
+    gain = model.ln_f.weight.detach().numpy()
+    bias = model.ln_f.bias.detach().numpy()
+    head = model.lm_head.weight.detach().numpy()
+    s2 = (z**2).mean(axis=1)  # |z|^2 / d
+    intact = gain * z / np.sqrt(s2 + eps)[:, None] + bias
+    swapped = gain * (z + c[:, None]) / np.sqrt(s2 + c**2 + eps)[:, None] + bias
+
+    def log_softmax(logits: np.ndarray) -> np.ndarray:
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+    windows = ids.reshape(5, SEQ)
+    current, following = windows[:, :-1].reshape(-1), windows[:, 1:].reshape(-1)
+    p_log, q_log = log_softmax(intact[current] @ head.T), log_softmax(swapped[current] @ head.T)
+    picked = np.arange(len(current))
+    delta = q_log[picked, following] - p_log[picked, following]
+    kl = (np.exp(p_log) * (p_log - q_log)).sum(axis=1)
+    assert row["delta_loss"] == pytest.approx(-delta.mean(), abs=1e-9)
+    assert row["kl"] == pytest.approx(kl.mean(), rel=1e-9)
+    assert row["top1_agreement"] == pytest.approx((p_log.argmax(1) == q_log.argmax(1)).mean())
+    # Each token lands in the bin of its energy fraction along 1, c^2 / (|z|^2/d + c^2).
+    fraction = c[current] ** 2 / (s2[current] + c[current] ** 2)
+    expected_counts = np.histogram(np.clip(fraction, 0, 1 - 1e-12), bins=ENERGY_EDGES)[0]
+    assert [b["tokens"] for b in row["energy_bins"]] == expected_counts.tolist()
+    for entry, low, high in zip(row["energy_bins"], ENERGY_EDGES[:-1], ENERGY_EDGES[1:], strict=True):
+        inside = (fraction >= low) & (fraction < high)
+        if inside.any():
+            assert entry["delta_loss"] == pytest.approx(-delta[inside].mean(), abs=1e-9)
+            assert entry["mean_fraction"] == pytest.approx(fraction[inside].mean(), rel=1e-6)
+
+
+def test_at_initialization_layernorm_without_centering_is_rmsnorm() -> None:
+    """Same seed, same non-norm weights, gains 1 and biases 0: removing LayerNorm's centering gives the RMSNorm
+    arm's logits and adding it to RMSNorm gives the LayerNorm arm's (both use eps the same way)."""
+    layer, rms = tiny("layer"), tiny("rms")
+    ids = torch.as_tensor(token_ids(3 * SEQ).reshape(3, SEQ))
+    with torch.no_grad():
+        with intervened(residual_norms(find_norm_sites(layer))):
+            uncentered = layer(ids)
+        with intervened(residual_norms(find_norm_sites(rms))):
+            centered = rms(ids)
+        torch.testing.assert_close(uncentered, rms(ids), rtol=0, atol=2e-5)
+        torch.testing.assert_close(centered, layer(ids), rtol=0, atol=2e-5)
+    # So the two arms' records mirror each other: Δ loss of removing = - Δ loss of adding.
+    removed, added = records(layer, ids.numpy().reshape(-1), kinds=("all",)), records(rms, ids.numpy().reshape(-1), kinds=("all",))
+    assert removed[0]["action"] == "remove" and added[0]["action"] == "add"
+    assert removed[0]["delta_loss"] == pytest.approx(-added[0]["delta_loss"], abs=1e-5)
+
+
+def state(model: GPT) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def no_hooks(model: torch.nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_hooks_leave_the_model_bitwise_as_it_was_also_when_a_forward_raises() -> None:
+    model = tiny("layer")
+    randomize_norms(model)
+    ids = torch.as_tensor(token_ids(2 * SEQ).reshape(2, SEQ))
+    before, weights = model(ids).detach(), state(model)
+    records(model, ids.numpy().reshape(-1))
+    assert no_hooks(model) and torch.equal(model(ids), before)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+    calls = []
+
+    def failing_forward(batch: torch.Tensor) -> torch.Tensor:
+        calls.append(len(calls))
+        if len(calls) == 2:  # the first intervened forward, with the swap's hooks in place
+            raise RuntimeError("a forward failed")
+        return model(batch)
+
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        records(model, ids.numpy().reshape(-1), forward=failing_forward)
+    assert len(calls) == 2 and no_hooks(model)
+    assert torch.equal(model(ids), before)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_scopes_rows_and_their_contract() -> None:
+    norms = residual_norms(find_norm_sites(tiny("rms")))
+    names = [s.name for s in intervention_scopes(norms, ("all", "layers", "site_classes"))]
+    assert names == ["all", "layer 0", "layer 1", "layer final", "ln1", "ln2", "final"]
+    assert intervention_scopes(residual_norms(find_norm_sites(tiny("dyt")))) == []  # DyT: nothing to centre
+    with pytest.raises(ValueError, match="unknown intervention scope"):
+        intervention_scopes(norms, ("everything",))
+    rows = records(tiny("rms"), token_ids(3 * SEQ + 5), kinds=("all", "site_classes"))
+    assert [tuple(r) for r in rows] == [INTERVENTION_FIELDS] * 4
+    every = rows[0]
+    assert every["sites"] == ["0.ln1", "0.ln2", "1.ln1", "1.ln2", "final"] and every["action"] == "add"
+    assert every["tokens"] == 3 * (SEQ - 1) + 4 and every["sequences"] == 4  # the 5-token tail window too
+    assert sum(b["tokens"] for b in every["energy_bins"]) == every["tokens"]
+    assert every["output"] == "next_token" and every["cosine"] is None
+    assert 0 <= every["top1_agreement_ci_low"] <= every["top1_agreement"] <= every["top1_agreement_ci_high"] <= 1
+    assert records(tiny("dyt"), token_ids(3 * SEQ)) == []
+    assert records(tiny("rms"), token_ids(3 * SEQ), kinds=()) == []
