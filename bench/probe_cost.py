@@ -4,8 +4,11 @@ The probe runs the model with forward hooks on every norm and streams the angles
 the baseline is the same model in eval mode under no_grad with no hooks. The probe runs twice: with
 K = 0 null directions (1, rand_a, rand_b only) and with K = 64 (``--null``), per-sequence sums included;
 the ratio K=64 / K=0 is the cost of the null distribution; "+energy" adds the energy along 1 and
-sqrt(d)/||x|| at every norm input (normgeo/measure/energy.py), as the training probe runs it. Peak memory is measured in a fresh process
-per token count (ru_maxrss, K = 64), to show it does not grow with N.
+sqrt(d)/||x|| at every norm input (normgeo/measure/energy.py), as the training probe runs it; "+intervention"
+adds the centering intervention after each forward (normgeo/measure/intervention.py): the all-norms scope
+alone (one extra forward) and the training probe's default, all + one block at a time (L + 2 extra
+forwards). Peak memory is measured in a fresh process per token count (ru_maxrss, K = 64), to show it does
+not grow with N.
 
     python bench/probe_cost.py                       # 70m model, 4096 tokens, memory at 4096 and 16384
     python bench/probe_cost.py --size 160m --tokens 8192 --memory-tokens 8192 65536
@@ -14,11 +17,13 @@ per token count (ru_maxrss, K = 64), to show it does not grow with N.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.gpt import GPT  # noqa: E402
 from normgeo.measure.energy import EnergyStatistics  # noqa: E402
+from normgeo.measure.intervention import InterventionProbe, intervention_scopes  # noqa: E402
 from normgeo.measure.norm_sites import find_norm_sites  # noqa: E402
 from normgeo.measure.probe import make_references, residual_norms, run_probe  # noqa: E402
 from normgeo.runs.config import CONF_DIR  # noqa: E402
@@ -50,11 +56,17 @@ def plain_forward(model: GPT, sequences: torch.Tensor, batch_size: int) -> None:
             model(batch)
 
 
-def probe(model: GPT, sequences: torch.Tensor, batch_size: int, null: int = 0, energy: bool = False) -> None:
-    """``energy``: also the energy along 1 and sqrt(d)/||x|| at every norm input, as the training probe does."""
+def probe(model: GPT, sequences: torch.Tensor, batch_size: int, null: int = 0, energy: bool = False,
+          intervention: Sequence[str] = ()) -> None:
+    """``energy``: also the energy along 1 and sqrt(d)/||x|| at every norm input, as the training probe does;
+    ``intervention``: the centering intervention's scopes, run after each forward."""
     norms = residual_norms(find_norm_sites(model))
-    run_probe(model, sequences, make_references(model.config.n_embd, null_directions=null), batch_size=batch_size,
-              norms=norms, energy=EnergyStatistics(len(norms)) if energy else None)
+    scopes = intervention_scopes(norms, intervention) if intervention else []
+    changes = InterventionProbe(norms, scopes, len(sequences)) if scopes else None
+    with changes or contextlib.nullcontext():
+        run_probe(model, sequences, make_references(model.config.n_embd, null_directions=null),
+                  batch_size=batch_size, norms=norms, energy=EnergyStatistics(len(norms)) if energy else None,
+                  on_batch=changes.observe if changes is not None else None)
 
 
 def peak_rss_child(size: str, tokens: int, batch_size: int, null: int) -> None:
@@ -71,6 +83,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-tokens", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument("--null", type=int, default=64, help="null directions K of the second probe variant")
+    parser.add_argument("--no-layers", action="store_true",
+                        help="leave out the per-block intervention variant (L + 2 extra forwards)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -85,7 +99,12 @@ def main() -> None:
         "probe K=0": lambda m, s, b: probe(m, s, b, 0),
         null_name: lambda m, s, b: probe(m, s, b, args.null),
         energy_name: lambda m, s, b: probe(m, s, b, args.null, energy=True),
+        f"{energy_name} +intervention all": lambda m, s, b: probe(m, s, b, args.null, energy=True,
+                                                                  intervention=("all",)),
     }
+    if not args.no_layers:
+        variants[f"{energy_name} +intervention all,layers"] = lambda m, s, b: probe(
+            m, s, b, args.null, energy=True, intervention=("all", "layers"))
     timings: dict[str, list[float]] = {name: [] for name in variants}
     probe(model, sequences[:1], 1, args.null)  # warm-up: allocator, kernels
     for _ in range(args.repeats):  # interleaved, so machine noise hits every variant alike
@@ -95,7 +114,7 @@ def main() -> None:
             timings[name].append(time.perf_counter() - start)
     print(f"size={args.size} tokens={sequences.numel()} batch={args.batch_size} threads={torch.get_num_threads()}")
     for name, values in timings.items():
-        print(f"{name:22s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
+        print(f"{name:42s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
               f"all {', '.join(f'{v:.3f}' for v in values)}")
     best = {name: min(values) for name, values in timings.items()}
     print(f"probe K=0 / plain forward (best): {best['probe K=0'] / best['plain forward']:.3f}")
@@ -103,6 +122,13 @@ def main() -> None:
     print(f"{null_name} / probe K=0 (best): {best[null_name] / best['probe K=0']:.3f}")
     print(f"{energy_name} / plain forward (best): {best[energy_name] / best['plain forward']:.3f}")
     print(f"{energy_name} / {null_name} (best): {best[energy_name] / best[null_name]:.3f}")
+    for scopes in ("all", "all,layers"):
+        name = f"{energy_name} +intervention {scopes}"
+        if name in best:
+            print(f"{name} / plain forward (best): {best[name] / best['plain forward']:.3f}")
+            share = (best[name] - best[energy_name]) / best[name]
+            print(f"intervention {scopes}: share of the probe {share:.1%}, "
+                  f"{(best[name] - best[energy_name]) / best['plain forward']:.2f} plain forwards")
     for tokens in args.memory_tokens:
         out = subprocess.run(
             [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),

@@ -16,8 +16,8 @@ for norm in layer rms; do
 done
 python -m normgeo.report "$OUT/smoke-layer-s0" "$OUT/smoke-rms-s0"
 python -m normgeo.compare "$OUT" --formats png,pdf   # before analyze.py writes $OUT/analyze
-for model in smollm2-135m minilm; do
-  python analyze.py model=$model probe=local probe.path="$WIKI" probe.tokens=100000 output_root="$OUT" progress=false
+for model in smollm2-135m minilm; do  # the angles only; the intervention: docs/make_intervention_figures.sh
+  python analyze.py model=$model probe=local probe.path="$WIKI" probe.tokens=100000 "probe.intervention=[]" output_root="$OUT" progress=false
 done
 
 fig=docs/figures

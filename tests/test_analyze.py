@@ -239,7 +239,8 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     info = json.loads((out / "run_info.json").read_text())
     assert info["seq_len"] == 512 and info["tokens"] == 4096  # capped at MiniLM's 512 positions
     assert sorted(p.name for p in (out / "figures").glob("*.png")) == [
-        "layers_minilm_layer_pretrained.png", "null_layers_minilm_layer_pretrained.png"
+        "intervention_minilm_layer_pretrained.png", "layers_minilm_layer_pretrained.png",
+        "null_layers_minilm_layer_pretrained.png",
     ]
     null = read_rows(out / "null.jsonl")
     assert len(null) == 13 * 3 and {(r["null_k"], r["sequences"], r["count"]) for r in null} == {(64, 8, 4096)}
@@ -269,6 +270,20 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
+def test_cli_minilm_intervention_reports_the_change_of_its_output_vectors(outputs: dict[str, Path]) -> None:
+    """An encoder has no next token to predict: the centering intervention reports the cosine between its
+    intact and intervened output vectors (with the block-bootstrap interval), and says so."""
+    rows = read_rows(outputs["minilm"] / "intervention.jsonl")
+    # The default scopes: all 13 norms, then each block's (the embedding norm is its own "layer").
+    assert [r["scope_name"] for r in rows] == ["all", "layer embed", *(f"layer {i}" for i in range(6))]
+    for row in rows:
+        assert row["output"] == "embedding" and row["action"] == "remove" and row["tokens"] == 4096
+        assert row["delta_loss"] is None and row["kl"] is None
+        assert -1 <= row["cosine_ci_low"] <= row["cosine"] <= row["cosine_ci_high"] <= 1
+    assert len(rows[0]["sites"]) == 13 and rows[0]["cosine"] < 1  # MiniLM's inputs are not orthogonal to 1
+
+
+@pytest.mark.slow
 def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> None:
     rows = read_rows(outputs["ours"] / "angles.jsonl")
     assert len(rows) == 5 * 3 * 3  # 2 blocks x (ln1, ln2) + ln_f
@@ -277,6 +292,11 @@ def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> N
     model, step, _ = load_checkpoint(our_checkpoint)
     assert step == 7 and model.config.norm == "rms" and model.config.block_size == 64
     assert list((outputs["ours"] / "figures").glob("layers_ours-rms_rms_step0000007.png"))
+    # Our checkpoints always have their head: the intervention (centering added to RMSNorm) is next-token.
+    changes = read_rows(outputs["ours"] / "intervention.jsonl")
+    assert [(r["scope_name"], r["action"], r["output"], r["step"]) for r in changes] == [
+        (name, "add", "next_token", 7) for name in ("all", "layer 0", "layer 1", "layer final")
+    ]
 
 
 def test_cross_model_summary(outputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
