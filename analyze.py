@@ -43,6 +43,7 @@ from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import ANALYZE_CONF_DIR
+from normgeo.runs.schema import probe_size_refusal
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
@@ -91,6 +92,9 @@ def analyze(cfg: DictConfig) -> Path:
     dim = residual_norms(norms)[0].dim
     limit = max_positions(model)
     seq_len = min(cfg.model.seq_len, limit) if limit else cfg.model.seq_len
+    # The schema's cross-key rule, now that the model's seq_len is known (before anything is tokenized).
+    if refusal := probe_size_refusal(cfg.probe.tokens, seq_len, cfg.probe.bootstrap.block, keys="model.seq_len"):
+        raise AnalysisError(refusal)
     params = sum(p.numel() for p in model.parameters())
     log.info("%s: %s params, %s norms (%s), d=%d, %s on %s, seq_len %d",
              cfg.model.name, f"{params:,}", len(norms), kind, dim, next(model.parameters()).dtype,

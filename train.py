@@ -48,6 +48,7 @@ from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_config
+from normgeo.runs.schema import costly_values
 from normgeo.runs.session import (  # noqa: F401
     Refused,
     RunDirectoryError,
@@ -217,6 +218,8 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     module.run_config = run_config  # into every checkpoint
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
+        for line in costly_values(cfg, probes=len(schedule) + 1):  # legal but costly values, one line each
+            log.warning("costly: %s", line)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     elif is_rank_zero():

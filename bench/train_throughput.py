@@ -211,7 +211,7 @@ def main() -> None:
     overrides = [
         "size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "logger=none", "probe.enabled=false",
         "checkpoint.steps=[]", "checkpoint.last_every=0", "val_every=100000", "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false", f"max_steps={args.steps}", f"data_root={workdir / 'data'}",
+        "trainer.enable_model_summary=false", f"max_steps={args.steps}", "optim.warmup_steps=0", f"data_root={workdir / 'data'}",
         *args.overrides,
     ]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

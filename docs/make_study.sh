@@ -6,7 +6,7 @@
 #
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
-#   STUDY_OVERRIDES="max_steps=4 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
+#   STUDY_OVERRIDES="max_steps=4 optim.warmup_steps=0 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
 # Runs go seed by seed, each seed's arms back to back, so that a pair's tokens/s see the same machine load.
 set -euo pipefail
 cd "$(dirname "$0")/.."

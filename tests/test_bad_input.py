@@ -37,7 +37,8 @@ ROWS = table_rows()
 # or when the Trainer is built (the device count, RUNTIME[2]: tried on train.build_trainer in-process, a DDP
 # Trainer launches only in fit).
 RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
-           "probe.tokens=100000000", "seq_len=10000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train")
+           "probe.tokens=100000000", "seq_len=10000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train",
+           "val_sequences=100000")
 
 
 def refusal(script: str, args: str) -> str:
@@ -100,5 +101,6 @@ def test_every_train_key_has_a_doc_in_help() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     groups = done.stdout.split("== Configuration groups ==")[1].split("==")[0]
     assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups  # analyze's presets stay out
-    for line in ("optim.lr: float = (from conf/)  # peak learning rate, > 0", "checkpoint.steps: list[int] | None = null"):
+    for line in ("optim.lr: float = (from conf/)  # peak learning rate (a finite number > 0)",
+                 "checkpoint.steps: list[int] | None = null", "seed: int = 0  # weights, data order and dropout (an integer in [0, 4294967295])"):
         assert line in done.stdout

@@ -79,6 +79,7 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
         "global_batch=4",
         "micro_batch=2",
         "max_steps=2",
+        "optim.warmup_steps=0",  # fewer warm-up steps than max_steps (the schema's cross-key rule)
         "probe.tokens=128",
         "logger=csv",  # wandb (the paper's logger) runs offline in test_training.py
         "log_every=1",  # the paper logs every 10 steps: this puts both steps' losses in metrics.csv

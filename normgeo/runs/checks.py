@@ -62,6 +62,8 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     exiting 2 like every other refused input instead of Hydra's 1."""
 
     def main() -> Any:
+        global _composed
+        _composed = False  # each call composes anew (a test or a notebook calls main more than once)
         try:
             return hydra_main()
         except SystemExit as done:

@@ -3,7 +3,9 @@
 The YAML files in conf/ keep the values; these dataclasses carry each key's type, default and a one-line
 doc (``python train.py --help`` lists them). The schema is the first entry of each primary config's
 defaults list, so a wrong type or an unknown key (``optim.lr=abc``, ``+max_stpes=10``) fails while Hydra
-composes. What a type cannot say (sizes > 0, ``min_lr_ratio`` in [0, 1], increasing checkpoint steps, a
+composes. Every numeric key also declares its allowed range next to its type (``doc(..., gt=0)``; floats
+are finite unless ``finite=False``), and one checker (:func:`check_ranges`) enforces them all; the rules
+that tie keys together are :func:`check_cross_keys`. What neither says (increasing checkpoint steps, a
 known norm) :func:`check_train` / :func:`check_analyze` say, before anything is written
 (normgeo.runs.checks.ConfigCheck runs them).
 """
@@ -13,6 +15,9 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import math
+import types
+import typing
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -25,21 +30,69 @@ from models.norms import NORM_ARMS
 from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
 
 
-def doc(default: Any, text: str) -> Any:
-    """A dataclass field with its one-line doc; a list default is copied per instance."""
+@dataclass(frozen=True)
+class Range:
+    """A numeric key's allowed values: bounds (ge/gt below, le/lt above) and, for floats, finiteness."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    finite: bool = True
+
+    @property
+    def bounded(self) -> bool:
+        return any(bound is not None for bound in (self.ge, self.gt, self.le, self.lt))
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        if self.finite and not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self, integer: bool) -> str:
+        """``an integer >= 1``, ``a finite number in [0, 1)``, ``a finite number > 0``."""
+        kind = "an integer" if integer else "a finite number" if self.finite else "a number"
+        low = (f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}" if self.gt is not None
+               else None)
+        high = (f"{_number(self.le)}]" if self.le is not None else f"{_number(self.lt)})" if self.lt is not None
+                else None)
+        if low and high:
+            return f"{kind} in {low}, {high}"
+        if low:
+            return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
+        if high:
+            return f"{kind} {'<=' if self.le is not None else '<'} {high[:-1]}"
+        return kind
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def doc(default: Any, text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        lt: float | None = None, finite: bool = True) -> Any:
+    """A dataclass field with its one-line doc and, for a numeric key, its allowed range (every element's,
+    for a list); a list default is copied per instance."""
+    metadata = {"doc": text, "range": Range(ge=ge, gt=gt, le=le, lt=lt, finite=finite)}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def node(kind: type, text: str) -> Any:
     return field(default_factory=kind, metadata={"doc": text})
 
 
+SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
+
+
 @dataclass
 class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
-    eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
+    eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)", gt=0)
 
 
 @dataclass
@@ -51,43 +104,43 @@ class PlacementSchema:
 @dataclass
 class SizeSchema:
     name: str = doc(MISSING, "the size's name (run names, wandb group)")
-    n_layer: int = doc(MISSING, "transformer blocks")
-    n_head: int = doc(MISSING, "attention heads; must divide n_embd")
-    n_embd: int = doc(MISSING, "model width d")
-    seq_len: int = doc(MISSING, "default of the top-level seq_len")
-    lr: float = doc(MISSING, "default peak learning rate (optim.lr)")
-    warmup_steps: int = doc(MISSING, "default warm-up (optim.warmup_steps)")
-    max_steps: int = doc(MISSING, "default max_steps")
-    micro_batch: int = doc(MISSING, "default micro_batch")
-    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm)")
-    minutes: int = doc(60, "SLURM time limit per job, minutes")
+    n_layer: int = doc(MISSING, "transformer blocks", ge=1)
+    n_head: int = doc(MISSING, "attention heads; must divide n_embd", ge=1)
+    n_embd: int = doc(MISSING, "model width d", ge=1)
+    seq_len: int = doc(MISSING, "default of the top-level seq_len", ge=1)
+    lr: float = doc(MISSING, "default peak learning rate (optim.lr)", gt=0)
+    warmup_steps: int = doc(MISSING, "default warm-up (optim.warmup_steps)", ge=0)
+    max_steps: int = doc(MISSING, "default max_steps", ge=1)
+    micro_batch: int = doc(MISSING, "default micro_batch", ge=1)
+    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm)", ge=1)
+    minutes: int = doc(60, "SLURM time limit per job, minutes", ge=1)
 
 
 @dataclass
 class OptimSchema:
-    lr: float = doc(MISSING, "peak learning rate, > 0")
-    min_lr_ratio: float = doc(0.1, "cosine decay ends at this fraction of the peak, in [0, 1]")
-    warmup_steps: int = doc(MISSING, "linear warm-up steps, >= 0")
-    weight_decay: float = doc(0.1, "AdamW weight decay on matrices, >= 0")
-    betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values in [0, 1)")
+    lr: float = doc(MISSING, "peak learning rate", gt=0)
+    min_lr_ratio: float = doc(0.1, "cosine decay ends at this fraction of the peak", ge=0, le=1)
+    warmup_steps: int = doc(MISSING, "linear warm-up steps (0: none); fewer than max_steps", ge=0)
+    weight_decay: float = doc(0.1, "AdamW weight decay on matrices", ge=0)
+    betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values", ge=0, lt=1)
 
 
 @dataclass
 class CheckpointSchema:
     _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule)")
-    max_steps: int = doc(MISSING, "the schedule ends with this step: the top-level max_steps")
-    steps: list[int] | None = doc(None, "explicit checkpoint/probe steps, positive and increasing")
-    dense_every: int = doc(1000, "a checkpoint every this many steps up to dense_until")
-    dense_until: int = doc(10000, "end of the dense part of the schedule")
-    sparse_every: int = doc(10000, "a checkpoint every this many steps after it")
-    last_every: int = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps")
+    max_steps: int = doc(MISSING, "the schedule ends with this step: the top-level max_steps", ge=1)
+    steps: list[int] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps", ge=1)
+    dense_every: int = doc(1000, "a checkpoint every this many steps up to dense_until", ge=1)
+    dense_until: int = doc(10000, "end of the dense part of the schedule", ge=1)
+    sparse_every: int = doc(10000, "a checkpoint every this many steps after it", ge=1)
+    last_every: int = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps", ge=0)
     keep_optimizer: bool = doc(False, "scheduled checkpoints keep the optimizer state too")
 
 
 @dataclass
 class BootstrapSchema:
-    replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl")
-    block: int = doc(1, "consecutive probe sequences per resampled block")
+    replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
+    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 blocks", ge=1)
 
 
 @dataclass
@@ -97,12 +150,12 @@ class ProbeSchema:
     source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
     path: str | None = doc(None, "local files for probe=local")
     plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
-    tokens: int = doc(MISSING, "probe tokens per measurement")
-    seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap")
+    tokens: int = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len", ge=1)
+    seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap", ge=0, le=SEED_MAX)
     include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
-    null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none")
+    null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none", ge=0)
     sample: bool = doc(True, "documents in a seeded order over the whole source")
-    min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)")
+    min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)", ge=0)
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
@@ -114,7 +167,7 @@ class TrainProbeSchema(ProbeSchema):
     batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
-    batch_size: int = doc(8, "probe sequences per forward pass")
+    batch_size: int = doc(8, "probe sequences per forward pass", ge=1)
 
 
 @dataclass
@@ -125,47 +178,47 @@ class DataSchema:
                       "text_field, plain_text_extensions (other extensions read as plain text, e.g. [.md])")
     directory: str = doc(MISSING, "where the prepared token files live")
     tokenizer: str = doc("gpt2", "tiktoken encoding")
-    val_fraction: float = doc(0.005, "fraction of documents held out for validation, in (0, 1)")
+    val_fraction: float = doc(0.005, "fraction of documents held out for validation", gt=0, lt=1)
     auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
     prepare_command: str = doc("", "the command that prepares this corpus")
-    seq_len: int = doc(MISSING, "filled from the top level")
-    global_batch: int = doc(MISSING, "filled from the top level")
-    micro_batch: int = doc(MISSING, "filled from the top level")
-    max_steps: int = doc(MISSING, "filled from the top level")
-    seed: int = doc(MISSING, "filled from the top level")
-    val_sequences: int = doc(MISSING, "filled from the top level")
-    num_workers: int = doc(MISSING, "filled from the top level")
+    seq_len: int = doc(MISSING, "filled from the top level", ge=1)
+    global_batch: int = doc(MISSING, "filled from the top level", ge=1)
+    micro_batch: int = doc(MISSING, "filled from the top level", ge=1)
+    max_steps: int = doc(MISSING, "filled from the top level", ge=1)
+    seed: int = doc(MISSING, "filled from the top level", ge=0, le=SEED_MAX)
+    val_sequences: int = doc(MISSING, "filled from the top level", ge=1)
+    num_workers: int = doc(MISSING, "filled from the top level", ge=0)
 
 
 @dataclass
 class PlanSchema:
     check: bool = doc(True, "on a GPU, refuse a launch whose planned peak memory cannot fit (exit 2)")
-    mfu: float = doc(0.4, "model FLOPs utilization for the planned time and GPU-hours, in (0, 1]")
-    headroom_gib: float = doc(1.5, "GiB per GPU for the CUDA context and NCCL, >= 0")
-    fragmentation: float = doc(0.1, "allocator fragmentation margin on the planned peak, >= 0")
-    devices: int | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)")
+    mfu: float = doc(0.4, "model FLOPs utilization for the planned time and GPU-hours", gt=0, le=1)
+    headroom_gib: float = doc(1.5, "GiB per GPU for the CUDA context and NCCL", ge=0)
+    fragmentation: float = doc(0.1, "allocator fragmentation margin on the planned peak", ge=0)
+    devices: int | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)", ge=1)
     gpus: list[str] = doc(["a6000", "a100-40gb", "a100-80gb", "h100-80gb"], "GPU types to plan for (models/plan.py)")
 
 
 @dataclass
 class TrainSchema:
-    seed: int = doc(0, "weights, data order and dropout")
+    seed: int = doc(0, "weights, data order and dropout", ge=0, le=SEED_MAX)
     run_name: str = doc(MISSING, "the run directory's name")
     output_root: str = doc("outputs", "where run directories go")
     run_dir: str = doc(MISSING, "the run directory")
     data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)")
     resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; or a .ckpt path")
-    stop_at_step: int | None = doc(None, "end this session after this optimizer step (> 0; resumable)")
-    max_steps: int = doc(MISSING, "optimizer steps of the whole run, > 0")
-    global_batch: int = doc(64, "sequences per optimizer step over all devices, > 0")
-    micro_batch: int = doc(MISSING, "sequences per device per forward pass; divides global_batch")
-    seq_len: int = doc(MISSING, "tokens per sequence (the model's context)")
-    num_workers: int = doc(0, "DataLoader workers, >= 0")
+    stop_at_step: int | None = doc(None, "end this session after this optimizer step (resumable; null: at max_steps)", ge=1)
+    max_steps: int = doc(MISSING, "optimizer steps of the whole run", ge=1)
+    global_batch: int = doc(64, "sequences per optimizer step over all devices", ge=1)
+    micro_batch: int = doc(MISSING, "sequences per device per forward pass; divides global_batch", ge=1)
+    seq_len: int = doc(MISSING, "tokens per sequence (the model's context)", ge=1)
+    num_workers: int = doc(0, "DataLoader workers", ge=0)
     compile: bool = doc(False, "torch.compile the model")
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
-    val_every: int = doc(1000, "optimizer steps between validations, > 0")
-    val_sequences: int = doc(64, "validation sequences, > 0")
-    log_every: int = doc(10, "optimizer steps between logged metrics, > 0")
+    val_every: int = doc(1000, "optimizer steps between validations", ge=1)
+    val_sequences: int = doc(64, "validation sequences; at most the validation split's distinct windows", ge=1)
+    log_every: int = doc(10, "optimizer steps between logged metrics", ge=1)
     norm: NormSchema = node(NormSchema, "group norm: the arm")
     placement: PlacementSchema = node(PlacementSchema, "group placement: pre (GPT-2) or post (norm after each add)")
     size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
@@ -190,8 +243,8 @@ class AnalyzeModelSchema:
     dtype: str = doc("auto", "auto | float32 | bfloat16 | float16 (angles are measured in float32)")
     device_map: str | None = doc(None, "auto: spread the model over all GPUs (needs accelerate)")
     trust_remote_code: bool = doc(False, "run the repository's model code")
-    seq_len: int = doc(1024, "tokens per sequence, capped at the model's maximum")
-    batch_size: int = doc(8, "sequences per forward pass")
+    seq_len: int = doc(1024, "tokens per sequence, capped at the model's maximum", ge=1)
+    batch_size: int = doc(8, "sequences per forward pass", ge=1)
     name: str | None = doc(None, "the records' model field and the output folder")
 
 
@@ -211,15 +264,146 @@ class ConfigError(ValueError):
 
 def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
     if not ok:
-        shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
-        shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
-        raise ConfigError(f"{key}={shown}: expected {expected}")
+        raise ConfigError(f"{key}={_shown(value)}: expected {expected}")
 
 
-def _positive(cfg: DictConfig, *keys: str, minimum: int = 1) -> None:
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        _expect(value is not None and value >= minimum, key, value, f"an integer >= {minimum}")
+@dataclass(frozen=True)
+class NumericKey:
+    """A numeric key of a schema: dotted name, its range, and what its type allows besides numbers."""
+
+    key: str
+    range: Range
+    integer: bool  # int (else float)
+    nullable: bool  # ``int | None``: null is allowed
+    is_list: bool  # ``list[float]``: the range applies to every element
+
+
+def _numeric_type(hint: Any) -> tuple[type, bool, bool] | None:
+    """(int | float, nullable, is_list) for a numeric type hint, else None (bool, str, nodes, Any)."""
+    args = typing.get_args(hint)
+    nullable = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return None
+        nullable, hint, args = True, rest[0], typing.get_args(rest[0])
+    is_list = typing.get_origin(hint) is list
+    if is_list:
+        hint = args[0] if args else None
+    return (hint, nullable, is_list) if hint in (int, float) else None
+
+
+def numeric_keys(schema: type, prefix: str = "") -> list[NumericKey]:
+    """Every numeric key of ``schema``, nested nodes included, in the schema's order."""
+    keys: list[NumericKey] = []
+    hints = typing.get_type_hints(schema)
+    for f in fields(schema):
+        if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory):
+            keys += numeric_keys(f.default_factory, f"{prefix}{f.name}.")
+        elif (numeric := _numeric_type(hints[f.name])) is not None:
+            kind, nullable, is_list = numeric
+            keys.append(NumericKey(f"{prefix}{f.name}", f.metadata.get("range", Range()), kind is int, nullable,
+                                   is_list))
+    return keys
+
+
+def _shown(value: Any) -> Any:
+    shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+    return "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
+
+
+def check_ranges(cfg: DictConfig, schema: type) -> None:
+    """Every numeric key of ``schema`` within its declared range (and finite): ConfigError naming the key,
+    its value and the range. A value set through an interpolation (``max_steps: ${size.max_steps}``) is
+    reported under the key the user set when that one is out of range too."""
+    found: list[tuple[bool, str]] = []  # (set through an interpolation, message)
+    for spec in numeric_keys(schema):
+        parent_key, _, name = spec.key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if not isinstance(parent, DictConfig) or name not in parent or OmegaConf.is_missing(parent, name):
+            continue  # a node that is not there (e.g. probe.bootstrap of an old config): nothing to check
+        value = parent[name]
+        expected = spec.range.describe(spec.integer) + (", or null" if spec.nullable else "")
+        if value is None:
+            if not spec.nullable:
+                found.append((OmegaConf.is_interpolation(parent, name), f"{spec.key}=null: expected {expected}"))
+            continue
+        items = list(enumerate(value)) if spec.is_list else [(None, value)]
+        for index, item in items:
+            if not spec.range.admits(item):
+                where, wanted = (spec.key, expected) if index is None else (f"{spec.key}[{index}]", spec.range.describe(spec.integer))
+                found.append((OmegaConf.is_interpolation(parent, name), f"{where}={_shown(item)}: expected {wanted}"))
+                break
+    if found:
+        direct = [message for interpolated, message in found if not interpolated]
+        raise ConfigError((direct or [found[0][1]])[0])
+
+
+def probe_size_refusal(tokens: int, seq_len: int, block: int, *, keys: str = "seq_len") -> str | None:
+    """Why a probe of ``tokens`` tokens in sequences of ``seq_len`` cannot give intervals, or None: it needs
+    at least 2 sequences, and at least 2 whole bootstrap blocks of ``block`` sequences (one block resamples
+    to itself: zero-width intervals that look like certainty). The one rule of train.py and analyze.py."""
+    sequences = -(-tokens // seq_len)
+    if tokens < 2 * seq_len:
+        return (f"probe.tokens={tokens}: expected at least 2 sequences of {keys}={seq_len} ({2 * seq_len} tokens); "
+                "raise probe.tokens")
+    if sequences // block < 2:
+        return (f"probe.bootstrap.block={block}: the probe's {sequences} sequences (probe.tokens={tokens} / "
+                f"{keys}={seq_len}) make fewer than 2 whole blocks, so the intervals would have (nearly) zero "
+                f"width; expected a block <= {sequences // 2}")
+    return None
+
+
+def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
+    """The rules between train.py's keys, in one place; ``val_tokens``: the prepared validation split's
+    tokens (its size rule applies once the data is prepared, normgeo.runs.start)."""
+    max_steps = cfg.max_steps
+    warmup = cfg.optim.warmup_steps
+    _expect(warmup == 0 or warmup < max_steps, "optim.warmup_steps", warmup,
+            f"fewer warm-up steps than max_steps={max_steps} (else the learning rate never reaches its peak); "
+            "lower optim.warmup_steps (0: no warm-up)")
+    steps = cfg.checkpoint.steps
+    if steps is not None and (beyond := [s for s in steps if s > max_steps]):
+        raise ConfigError(f"checkpoint.steps={_shown(steps)}: step {beyond[0]} is beyond max_steps={max_steps}; "
+                          "expected checkpoint steps <= max_steps")
+    if cfg.probe.enabled and (refusal := probe_size_refusal(cfg.probe.tokens, cfg.seq_len, cfg.probe.bootstrap.block)):
+        raise ConfigError(refusal)
+    if val_tokens is not None:
+        windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
+        _expect(cfg.val_sequences <= windows, "val_sequences", cfg.val_sequences,
+                f"at most {max(windows, 0):,}: the validation split holds {val_tokens:,} tokens, so more windows "
+                f"of seq_len={cfg.seq_len} only repeat them; lower val_sequences or prepare a larger "
+                "data.val_fraction")
+
+
+# Above these, a legal value is reported at start with its cost (costly_values): the fraction of the
+# training's own compute that validation or the probe adds, and max_steps against the size's preset.
+COSTLY_FRACTION = 0.25
+COSTLY_STEPS_FACTOR = 10
+
+
+def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
+    """One line per legal but costly value (val_sequences, probe.tokens, max_steps), with its estimated cost
+    in tokens and training steps; ``probes``: how many times the probe runs (the checkpoint schedule)."""
+    step_tokens = cfg.global_batch * cfg.seq_len
+    train_tokens = cfg.max_steps * step_tokens
+    # A forward pass is about a third of a training step (forward + backward) per token.
+    lines = []
+    val_tokens = cfg.val_sequences * cfg.seq_len
+    validations = max(1, cfg.max_steps // cfg.val_every)
+    if validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
+        lines.append(f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
+                     f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} training "
+                     f"steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)")
+    if cfg.probe.enabled and probes * cfg.probe.tokens / 3 > COSTLY_FRACTION * train_tokens:
+        lines.append(f"probe.tokens={cfg.probe.tokens}: each of the {probes:,} probes forwards {cfg.probe.tokens:,} "
+                     f"tokens with hooks, at least the compute of {cfg.probe.tokens / 3 / step_tokens:,.0f} "
+                     f"training steps ({probes * cfg.probe.tokens / 3 / train_tokens:.0%} of the training's)")
+    preset = cfg.size.max_steps
+    if cfg.max_steps > COSTLY_STEPS_FACTOR * preset:
+        lines.append(f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, {cfg.max_steps / preset:,.0f}x "
+                     f"the {preset:,} steps of size={cfg.size.name}")
+    return lines
 
 
 def _unknown_keys(cfg: DictConfig, schema: type, script: str, prefix: str = "") -> None:
@@ -342,37 +526,21 @@ def check_train(cfg: DictConfig) -> None:
     from corpus.stream import accumulation_steps  # the one divisibility rule (also StepSampler's)
 
     _unknown_keys(cfg, TrainSchema, "train.py")
-    _positive(cfg, "max_steps", "global_batch", "micro_batch", "seq_len", "val_every", "val_sequences", "log_every")
-    _positive(cfg, "size.n_layer", "size.n_head", "size.n_embd", "checkpoint.dense_every", "checkpoint.sparse_every")
-    _positive(cfg, "checkpoint.dense_until", "probe.tokens", "probe.batch_size", "probe.bootstrap.replicates")
-    _positive(cfg, "probe.bootstrap.block")
-    _positive(cfg, "num_workers", "optim.warmup_steps", "checkpoint.last_every", "probe.null_directions", minimum=0)
-    _positive(cfg, "probe.min_doc_tokens", minimum=0)
-    _expect(cfg.stop_at_step is None or cfg.stop_at_step > 0, "stop_at_step", cfg.stop_at_step,
-            "a step > 0, or null to run to max_steps")
+    check_ranges(cfg, TrainSchema)
     _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")
-    _expect(cfg.norm.eps > 0, "norm.eps", cfg.norm.eps, "a number > 0")
     _expect(cfg.placement.name in PLACEMENTS, "placement.name", cfg.placement.name,
             f"one of {', '.join(PLACEMENTS)} (placement=...)")
     _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
             f"a divisor of size.n_embd={cfg.size.n_embd}")
-    _expect(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0, e.g. optim.lr=3e-4")
-    _expect(0 <= cfg.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", cfg.optim.min_lr_ratio, "a number in [0, 1]")
-    _expect(cfg.optim.weight_decay >= 0, "optim.weight_decay", cfg.optim.weight_decay, "a number >= 0")
-    betas = list(cfg.optim.betas)
-    _expect(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optim.betas", cfg.optim.betas,
+    _expect(len(cfg.optim.betas) == 2, "optim.betas", cfg.optim.betas,
             "two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
     steps = cfg.checkpoint.steps
     if steps is not None:
-        _expect(all(s > 0 for s in steps) and all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
+        _expect(all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
                 steps, "positive, strictly increasing steps, e.g. checkpoint.steps=[500,1000]")
-    _expect(0 < cfg.plan.mfu <= 1, "plan.mfu", cfg.plan.mfu, "a fraction in (0, 1]")
-    _expect(cfg.plan.headroom_gib >= 0 and cfg.plan.fragmentation >= 0, "plan.headroom_gib",
-            cfg.plan.headroom_gib, "a number >= 0 (and plan.fragmentation >= 0)")
-    _expect(cfg.plan.devices is None or cfg.plan.devices > 0, "plan.devices", cfg.plan.devices, "an integer > 0 or null")
-    _expect(0 < cfg.data.val_fraction < 1, "data.val_fraction", cfg.data.val_fraction, "a fraction in (0, 1)")
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")
+    check_cross_keys(cfg)
     check_trainer(cfg.trainer)
     check_intervention(cfg.probe)
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
@@ -388,9 +556,7 @@ def check_train(cfg: DictConfig) -> None:
 def check_analyze(cfg: DictConfig) -> None:
     """Raise ConfigError for a value analyze.py cannot run with."""
     _unknown_keys(cfg, AnalyzeSchema, "analyze.py")
-    _positive(cfg, "model.seq_len", "model.batch_size", "probe.tokens", "probe.bootstrap.replicates")
-    _positive(cfg, "probe.bootstrap.block")
-    _positive(cfg, "probe.null_directions", "probe.min_doc_tokens", minimum=0)
+    check_ranges(cfg, AnalyzeSchema)
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")
@@ -411,7 +577,10 @@ def key_docs(schema: type, prefix: str = "") -> list[str]:
         shown = "(from conf/)" if default == MISSING else "null" if default is None else default
         shown = str(shown).lower() if isinstance(shown, bool) else shown
         kind = str(f.type).replace("typing.", "")
-        lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}")
+        limits = f.metadata.get("range", Range())
+        numeric = _numeric_type(typing.get_type_hints(schema)[f.name])
+        allowed = f" ({limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
+        lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}{allowed}")
     return lines
 
 

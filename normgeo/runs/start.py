@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
-from normgeo.runs.schema import ConfigError
+from normgeo.runs.schema import ConfigError, check_cross_keys
 from normgeo.runs.session import REFUSALS, session_checkpoint, slurm_requeued
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ def check_start(cfg: DictConfig) -> Start:
                 min_doc_tokens=cfg.probe.min_doc_tokens)
         datamodule = instantiate(cfg.data)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
-        datamodule.load()  # long enough for seq_len
+        data = datamodule.load()  # long enough for seq_len
+        check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
     except (TokenizerError, AnalysisError, PreparedDataError, SourceError, ValueError) as err:
         raise StartError(str(err)) from err
     return Start(run_dir, ckpt_path, datamodule, probe_ids)

@@ -1,0 +1,178 @@
+"""Every numeric key's range is declared once in the schema (normgeo/runs/schema.py) and enforced through the
+real entry points: for each key a value outside its range, NaN and inf give one line naming the key, exit 2
+and no folder. The quick tier calls train.py's and analyze.py's Hydra entry points in-process (a subprocess
+per case would take minutes); a few of the same cases run as real subprocesses (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import analyze
+import train
+from normgeo.runs.config import CONF_DIR
+from normgeo.runs.schema import AnalyzeSchema, NumericKey, TrainSchema, costly_values, numeric_keys
+from tests.conftest import ROOT
+
+SCRIPTS = {"train": (train, TrainSchema), "analyze": (analyze, AnalyzeSchema)}
+
+
+def introspected_numeric_keys(schema: type, prefix: str = "") -> set[str]:
+    """The numeric keys of a schema found from its dataclass fields' types alone (not via the schema's walker)."""
+    keys: set[str] = set()
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory):
+            keys |= introspected_numeric_keys(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        kinds = {t for a in (hints[f.name], *typing.get_args(hints[f.name])) for t in (a, *typing.get_args(a))}
+        if kinds & {int, float}:
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def outside(spec: NumericKey) -> str:
+    """A value just outside the key's range (below its lower bound, else above its upper bound)."""
+    limits = spec.range
+    value = (limits.ge - 1 if limits.ge is not None else limits.gt if limits.gt is not None
+             else limits.le + 1 if limits.le is not None else limits.lt)
+    text = str(int(value)) if spec.integer else str(float(value))
+    return f"[{text}]" if spec.is_list else text
+
+
+def cases() -> list:
+    """(script, key, value) for every numeric key: a value outside its range, NaN and inf. The schema's
+    checker refuses a float key's NaN and inf (quick); Hydra's type check an integer key's (the same code
+    path for every key: slow-marked, ~100 cases)."""
+    found = []
+    for script, (_, schema) in SCRIPTS.items():
+        for spec in numeric_keys(schema):
+            found.append(pytest.param(script, spec.key, outside(spec), id=f"{script}:{spec.key}={outside(spec)}"))
+            for value in ("nan", "inf"):
+                text = f"[{value}]" if spec.is_list else value
+                marks = [pytest.mark.slow] if spec.integer else []
+                found.append(pytest.param(script, spec.key, text, marks=marks, id=f"{script}:{spec.key}={text}"))
+    return found
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_key_has_a_declared_range(script: str) -> None:
+    """A new numeric key without a range fails here: the walker sees exactly the keys the types say are
+    numeric, and each has a bound."""
+    schema = SCRIPTS[script][1]
+    walked = numeric_keys(schema)
+    assert {spec.key for spec in walked} == introspected_numeric_keys(schema)
+    assert [spec.key for spec in walked if not spec.range.bounded] == []
+    assert {case.values[1] for case in CASES if case.values[0] == script} == {spec.key for spec in walked}
+
+
+def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
+    """``python <script>.py <args>`` in this process: the same Hydra main, its exit code and stderr."""
+    module = SCRIPTS[script][0]
+    argv = sys.argv
+    GlobalHydra.instance().clear()
+    sys.argv = [f"{script}.py", *args]
+    try:
+        module.main()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    finally:
+        sys.argv = argv
+        GlobalHydra.instance().clear()
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("script", "key", "value"), CASES)
+def test_out_of_range_nan_and_inf_are_refused_by_the_entry_point(script: str, key: str, value: str, tmp_path: Path,
+                                                                  capsys) -> None:
+    output_root, data_root = tmp_path / "out", tmp_path / "data"
+    extra = [f"data_root={data_root}"] if script == "train" else []
+    code, err = call_entry_point(script, [f"{key}={value}", f"output_root={output_root}", *extra], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    # The schema's checker: one line. Hydra's own type error (nan or inf for an integer key) names the
+    # override in its first line, then adds its own context lines.
+    assert lines and key in lines[0], err
+    if lines[0].startswith("error: "):
+        assert len(lines) == 1, err
+        assert "expected" in lines[0]
+    assert not output_root.exists() and not data_root.exists()
+
+
+def check_train_refusal(overrides: list[str], tmp_path: Path, capsys) -> str:
+    """The one error line of a refused train.py (after the data preparation's progress bar, if any)."""
+    output_root = tmp_path / "out"
+    code, err = call_entry_point("train", [*overrides, f"output_root={output_root}",
+                                           f"data_root={tmp_path / 'data'}"], capsys)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+    assert not output_root.exists()
+    return errors[0]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["max_steps=3"], "error: optim.warmup_steps=20: expected fewer warm-up steps than max_steps=3"),
+    (["checkpoint.steps=[100,500]"], "error: checkpoint.steps=[100, 500]: step 500 is beyond max_steps=200"),
+    (["probe.tokens=300"], "error: probe.tokens=300: expected at least 2 sequences of seq_len=256 (512 tokens)"),
+    (["probe.bootstrap.block=9"], "error: probe.bootstrap.block=9: the probe's 16 sequences (probe.tokens=4096 / "
+                                  "seq_len=256) make fewer than 2 whole blocks"),
+])
+def test_cross_key_rules_are_refused_by_the_entry_point(overrides: list[str], message: str, tmp_path: Path,
+                                                        capsys) -> None:
+    assert check_train_refusal(overrides, tmp_path, capsys).startswith(message)
+    assert not (tmp_path / "data").exists()
+
+
+def test_more_validation_windows_than_the_split_holds_are_refused_once_the_data_is_prepared(tmp_path: Path,
+                                                                                          capsys) -> None:
+    """pydoc's validation split has 5,031 tokens: 100,000 windows of 128 could only repeat them."""
+    err = check_train_refusal(["experiment=smoke", "val_sequences=100000"], tmp_path, capsys)
+    assert err.startswith("error: val_sequences=100000: expected at most 4,903: the validation split holds 5,031 "
+                          "tokens"), err
+
+
+def test_costly_values_get_one_line_each_above_their_threshold() -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        smoke = compose("train", overrides=["experiment=smoke"])
+        costly = compose("train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"])
+        long = compose("train", overrides=["experiment=smoke", "max_steps=1000000"])
+    assert costly_values(smoke, probes=5) == []
+    lines = costly_values(costly, probes=5)
+    assert [line.split("=")[0] for line in lines] == ["val_sequences", "probe.tokens"]
+    assert lines[0] == ("val_sequences=100000: each of the 2 validation(s) forwards 12,800,000 tokens, the compute of "
+                        "about 4,167 training steps (8333% of the training's)")
+    assert lines[1].startswith("probe.tokens=1000000: each of the 5 probes forwards 1,000,000 tokens")
+    assert costly_values(long, probes=44) == [
+        "max_steps=1000000: 1,024,000,000 training tokens, 5,000x the 200 steps of size=tiny"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "override", "message"), [
+    ("train", "optim.lr=inf", "error: optim.lr=inf: expected a finite number > 0"),
+    ("train", "optim.lr=nan", "error: optim.lr=nan: expected a finite number > 0"),
+    ("train", "optim.betas=[0.9,1.0]", "error: optim.betas[1]=1.0: expected a finite number in [0, 1)"),
+    ("train", "max_steps=inf", "Error merging override max_steps=inf"),
+    ("analyze", "probe.bootstrap.replicates=0", "error: probe.bootstrap.replicates=0: expected an integer >= 1"),
+])
+def test_real_subprocesses_refuse_with_one_line(script: str, override: str, message: str, tmp_path: Path) -> None:
+    args = [sys.executable, str(ROOT / f"{script}.py"), override, f"output_root={tmp_path / 'out'}"]
+    if script == "train":
+        args.append(f"data_root={tmp_path / 'data'}")
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[0] == message or done.stderr.startswith(message), done.stderr[-3000:]
+    if message.startswith("error: "):
+        assert done.stderr.strip() == message, done.stderr
+    assert list(tmp_path.iterdir()) == []
