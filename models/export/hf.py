@@ -88,7 +88,6 @@ def _normgeo(gpt: GPT) -> nn.Module:
 
     cfg = gpt.config
     NormGeoConfig.register_for_auto_class()
-    NormGeoModel.register_for_auto_class("AutoModel")
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     config = NormGeoConfig(
         vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
@@ -96,6 +95,10 @@ def _normgeo(gpt: GPT) -> nn.Module:
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
     )
     model = NormGeoForCausalLM(config)
+    # save_pretrained records the saved class only; AutoModel (the base model analyze.py measures) is added.
+    model.config.auto_map = {"AutoConfig": "modeling_normgeo.NormGeoConfig",
+                             "AutoModel": f"modeling_normgeo.{NormGeoModel.__name__}",
+                             "AutoModelForCausalLM": "modeling_normgeo.NormGeoForCausalLM"}
     state = {(k if k.startswith("lm_head.") else f"transformer.{k}"): v for k, v in _weights(gpt).items()}
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model
