@@ -38,20 +38,25 @@ def _scores(results: dict, samples: dict, task: str) -> dict:
     return scores
 
 
-def evaluate_run(run_dir: Path, tasks: Sequence[str], include_path: Path | None = None, step: int | None = None,
-                 limit: int | None = None, batch_size: int = 8, device: str = "cpu") -> dict:
-    """Evaluate one run's checkpoint on ``tasks``; write and return its eval.json content."""
+def task_manager(include_path: Path | None):
+    """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include_path) if include_path else None)
+
+
+def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None, limit: int | None = None,
+                 batch_size: int = 8, device: str = "cpu") -> dict:
+    """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     with tempfile.TemporaryDirectory(prefix="normgeo-eval-") as scratch:
         exported = export_run(run_dir, "hf", Path(scratch) / "hf", step=step)
         # HFLM reads the context length from the config (n_positions / max_position_embeddings).
         model = HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
                      device=device, dtype="float32")
-        manager = TaskManager(include_path=str(include_path) if include_path else None)
         output = simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                  log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                  torch_random_seed=0, fewshot_random_seed=0)
@@ -63,12 +68,6 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], include_path: Path | None 
     }
     atomic_write_json(run_dir / EVAL_FILE, record)
     return record
-
-
-def known_tasks(include_path: Path | None) -> set[str]:
-    from lm_eval.tasks import TaskManager
-
-    return set(TaskManager(include_path=str(include_path) if include_path else None).all_tasks)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,14 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.include_path is not None and not args.include_path.is_dir():
         print(f"error: --include-path {args.include_path}: no such folder (build it with --make-task)", file=sys.stderr)
         return 2
-    unknown = sorted(set(tasks) - known_tasks(args.include_path))
+    manager = task_manager(args.include_path)
+    unknown = sorted(set(tasks) - set(manager.all_tasks))
     if unknown:
         hint = (" (build the local task with --make-task DIR and add --include-path DIR)"
                 if TASK_NAME in unknown else "")
         print(f"error: --tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}", file=sys.stderr)
         return 2
     for run_dir in args.run_dirs:
-        record = evaluate_run(run_dir, tasks, args.include_path, args.step, args.limit, args.batch_size, args.device)
+        record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
         scores = "; ".join(f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items())
         print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")
     return 0

@@ -194,3 +194,30 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
     # Unknown task: refused before anything is evaluated.
     refused = run_module("normgeo.evaluate", runs[0], "--tasks", "no_such_task", "--include-path", task_dir)
     assert refused.returncode == 2 and "unknown lm-eval task" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "norm", "placement"), [("transformer-lens", "rms", "pre"),
+                                                           ("transformer-lens", "layer_nobias", "pre"),
+                                                           ("nnsight", "dyt", "post"), ("hf", "rms_bias", "post")])
+def test_every_target_loads_back_with_the_checkpoint_logits(tmp_path: Path, target: str, norm: str,
+                                                            placement: str) -> None:
+    from models.export.lens import load_transformer_lens, to_nnsight
+
+    checkpoint = hand_checkpoint(tmp_path / "run" / "checkpoints" / "step-0000005.ckpt", norm, placement)
+    out = tmp_path / "out"
+    assert export_main([str(tmp_path / "run"), "--to", target, "--out", str(out)]) == 0
+    gpt, _, _ = load_checkpoint(checkpoint)
+    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = gpt(ids)
+        if target == "transformer-lens":
+            logits = load_transformer_lens(out)(ids)
+        elif target == "nnsight":
+            wrapped = to_nnsight(load_hf(out))
+            with wrapped.trace(ids):
+                logits = wrapped.output.logits.save()
+        else:
+            logits = load_hf(out)(ids).logits
+    assert (logits - expected).abs().max().item() <= 1e-5
+    assert "## How to load" in (out / "README.md").read_text()

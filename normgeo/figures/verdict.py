@@ -15,7 +15,9 @@ their mean with a two-sided 95% Student-t interval over seeds of:
   move the wall-clock mean of ``summary.json`` (the fallback for a run with no per-step metric);
 - ``ones_dev/<site>``: per site class (``ln1.in``, ``ln2.in``, ``final.in`` and their ``.out``), the mean
   over layers of |angle with 1 - 90 degrees| at the last probed step (the angle is each record's mean
-  over tokens).
+  over tokens);
+- ``downstream/<task>/<score>``: where runs have an ``eval.json`` (``python -m normgeo.evaluate``), each
+  lm-evaluation-harness task's ``acc`` and ``acc_norm`` (higher is better; normgeo.runs.downstream).
 
 Per arm it reports the share of (layer, site) records of ``null.jsonl`` where 1 lies inside the null
 directions' 5-95% band, at the first and at the last probed step, and the mean fraction of energy along
