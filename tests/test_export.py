@@ -102,6 +102,7 @@ def ones_angle(residual: torch.Tensor) -> float:
     return torch.rad2deg(torch.arccos(cos.clamp(-1, 1))).mean().item()
 
 
+@pytest.mark.slow  # imports TransformerLens: seconds
 def test_transformer_lens_default_processing_changes_the_angle_with_1_and_the_export_does_not() -> None:
     """TransformerLens' defaults (fold_ln, center_writing_weights, ...) keep the log-probs but make the
     residual stream orthogonal to 1; the export's loading (processing off) keeps the harness's angle."""
@@ -128,7 +129,8 @@ def test_transformer_lens_default_processing_changes_the_angle_with_1_and_the_ex
     assert abs(angles[True] - 90.0) < 1e-3
 
 
-@pytest.mark.parametrize(("norm", "placement"), [("layer", "pre"), pytest.param("dyt", "post", marks=pytest.mark.slow)])
+@pytest.mark.slow  # imports nnsight: seconds
+@pytest.mark.parametrize(("norm", "placement"), [("layer", "pre"), ("dyt", "post")])
 def test_nnsight_traces_the_exported_model(norm: str, placement: str) -> None:
     gpt = perturbed_gpt(norm, placement)
     ids = token_ids()
