@@ -17,6 +17,16 @@ if [ "${#RUNS[@]}" -eq 0 ]; then
   exit 2
 fi
 start=$(date +%s)
+COMMANDS=(
+  "python -m normgeo.evaluate --make-task $OUT/tasks --corpus $SHARED/corpora/wikipedia/enwiki-wikiextractor --examples $EXAMPLES"
+  "python -m normgeo.export <run> --to hf --out $OUT/exported/<run>   # each run"
+  "python -m normgeo.evaluate $OUT/<run>... --tasks wiki_next_sentence --include-path $OUT/tasks"
+  "python -m normgeo.compare $OUT --formats png"
+)
+# Added to the study's commands (docs/study.md lists them), once.
+if [ -f "$OUT/commands.txt" ] && ! grep -q "normgeo.evaluate" "$OUT/commands.txt"; then
+  printf '%s\n' "${COMMANDS[@]}" >> "$OUT/commands.txt"
+fi
 python -m normgeo.evaluate --make-task "$OUT/tasks" --corpus "$SHARED/corpora/wikipedia/enwiki-wikiextractor" \
   --examples "$EXAMPLES"
 rm -rf "$OUT/exported"
