@@ -332,7 +332,7 @@ def verdict_figure(estimates: Sequence[Estimate], out_dir: Path, formats: Sequen
                 ax.plot([est.low, est.high], [y, y], "-", lw=2.2, color=color)
             ax.plot([est.mean], [y], "D", ms=6, color=color, markeredgecolor="black", markeredgewidth=0.6)
         ax.axvline(1.0 if metric == "tokens_per_s_ratio" else 0.0, color="gray", lw=0.9, ls="--")
-        ax.set_title(metric_text(metric) + ("\narm / other" if metric == "tokens_per_s_ratio" else "\narm − other"),
+        ax.set_title(METRIC_TEXT[metric] + ("\narm / other" if metric == "tokens_per_s_ratio" else "\narm − other"),
                      fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].set_yticks(range(len(rows)), rows, fontsize=8)
