@@ -4,7 +4,8 @@
 
 Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the
 per-run summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``),
-each run's ``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``.
+each run's ``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``;
+after ``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from normgeo.figures.sweep import markdown
+from normgeo.measure.stats import mean_t_interval
+from normgeo.runs.downstream import EVAL_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
@@ -40,6 +43,39 @@ def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
         lines.append(f"| {run} | {len(peak)} | {rss.iloc[0]:,.0f} | {rss.iloc[-1]:,.0f} | {peak.iloc[0]:,.0f} | "
                      f"{peak.iloc[-1]:,.0f} | {growth:+,.0f} |")
     return "\n".join(lines), worst
+
+
+def downstream_section(out: Path, summary: pd.DataFrame) -> str:
+    """Per arm and task: the mean accuracy over seeds with its 95% t-interval (empty before export_study.sh)."""
+    rows = []
+    for run in summary.itertuples():
+        path = out / run.run / EVAL_FILE
+        if path.is_file():
+            record = json.loads(path.read_text())
+            rows += [{"arm": run.arm, "seed": run.seed, "task": task, "step": record.get("step"),
+                      "examples": scores.get("examples"), "acc": scores.get("acc")}
+                     for task, scores in record.get("tasks", {}).items()]
+    if not rows:
+        return ""
+    frame = pd.DataFrame(rows)
+    table = []
+    for (task, arm), group in frame.groupby(["task", "arm"], sort=True):
+        mean, low, high = mean_t_interval(group["acc"].astype(float).tolist())
+        interval = "-" if low is None else f"{low:.3f} to {high:.3f}"
+        table.append({"task": task, "arm": arm, "seeds": len(group), "examples": int(group["examples"].max()),
+                      "acc (mean)": f"{mean:.3f}", "95% interval over seeds": interval,
+                      "per seed": ", ".join(f"{v:.3f}" for v in group.sort_values("seed")["acc"])})
+    wall = out / "export_eval_wall_s.txt"
+    took = f" in {int(wall.read_text()) / 60:.1f} minutes" if wall.is_file() else ""
+    return f"""## Downstream: the local next-sentence task
+
+`bash docs/export_study.sh` exported every run's last checkpoint to a Hugging Face directory and scored it
+with lm-evaluation-harness on `wiki_next_sentence` (choose a Wikipedia paragraph's true next sentence among 4;
+chance 0.25; [export.md](export.md#downstream-evaluation)){took}. The verdict above contrasts the arms on it
+seed by seed (`downstream/wiki_next_sentence/acc`).
+
+{markdown(pd.DataFrame(table))}
+"""
 
 
 def main(out: Path) -> str:
@@ -105,6 +141,7 @@ running. On CPU that compares torch's CPU kernels, not the GPU kernels the paper
 
 ![ln1.in: angle with 1 per layer over training](figures/study-overlay_ln1.in_ones.png)
 
+{downstream_section(out, summary)}
 ## Every run
 
 {table}

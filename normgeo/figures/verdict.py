@@ -15,7 +15,9 @@ their mean with a two-sided 95% Student-t interval over seeds of:
   move the wall-clock mean of ``summary.json`` (the fallback for a run with no per-step metric);
 - ``ones_dev/<site>``: per site class (``ln1.in``, ``ln2.in``, ``final.in`` and their ``.out``), the mean
   over layers of |angle with 1 - 90 degrees| at the last probed step (the angle is each record's mean
-  over tokens).
+  over tokens);
+- ``downstream/<task>/<score>``: where runs have an ``eval.json`` (``python -m normgeo.evaluate``), each
+  lm-evaluation-harness task's ``acc`` and ``acc_norm`` (higher is better; normgeo.runs.downstream).
 
 Per arm it reports the share of (layer, site) records of ``null.jsonl`` where 1 lies inside the null
 directions' 5-95% band, at the first and at the last probed step, and the mean fraction of energy along
@@ -47,6 +49,7 @@ from normgeo.figures.sweep import SUMMARY_FILE, Comparison  # noqa: E402
 from normgeo.measure.energy import ENERGY_FILE  # noqa: E402
 from normgeo.measure.records import NULL_FILE, read_rows  # noqa: E402
 from normgeo.measure.stats import mean_t_interval  # noqa: E402
+from normgeo.runs.downstream import downstream_scores, is_downstream  # noqa: E402
 from normgeo.runs.metrics import last_value  # noqa: E402
 
 LEVEL = 0.95
@@ -118,6 +121,7 @@ def run_measures(comparison: Comparison) -> pd.DataFrame:
             row[f"ones_dev/{site}"] = float((of_site - 90).abs().mean()) if len(of_site) else None
         row.update(null_band_shares(Path(run.run_dir)))
         row["ones_energy_last"] = ones_energy_at_last_step(Path(run.run_dir))
+        row.update(downstream_scores(Path(run.run_dir)))  # downstream evaluation: see downstream_metrics
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -163,7 +167,7 @@ def paired_estimates(measures: pd.DataFrame, level: float = LEVEL) -> tuple[list
                 continue
             paired_runs.update(by_arm[arm].loc[seeds, "run"])
             paired_runs.update(by_arm[other].loc[seeds, "run"])
-            for metric in METRICS:
+            for metric in (*METRICS, *downstream_metrics(measures)):
                 estimates.append(_estimate(by_arm[arm], by_arm[other], seeds, arm, other, isolates,
                                            size, placement, metric, level))
     unpaired = measures[~measures["run"].isin(paired_runs)]
@@ -193,6 +197,8 @@ def _estimate(a: pd.DataFrame, b: pd.DataFrame, seeds: Sequence[int], arm: str, 
 
 
 def _number(value: float, metric: str) -> str:
+    if is_downstream(metric):
+        return f"{value:+.4f}"
     if metric == "tokens_per_s_ratio":
         return f"{value:.3f}×"
     if metric == "val_loss":
@@ -202,7 +208,7 @@ def _number(value: float, metric: str) -> str:
 
 def sentence(est: Estimate) -> str:
     """What one estimate supports, and no more."""
-    what = METRIC_TEXT[est.metric]
+    what = metric_text(est.metric)
     a, b = norm_label(est.arm), norm_label(est.other)
     if est.n == 0:
         return f"{what}: not measured in these runs."
@@ -224,6 +230,8 @@ def sentence(est: Estimate) -> str:
     if est.metric == "val_loss":
         better = a if est.mean < 0 else b
         return f"{head}: {better} reaches the lower validation loss, at {est.n} seeds."
+    if is_downstream(est.metric):
+        return f"{head}: {a if est.mean > 0 else b} scores higher, at {est.n} seeds."
     closer = b if est.mean > 0 else a
     return f"{head}: 1 is closer to orthogonal under {closer}, at {est.n} seeds."
 
@@ -240,7 +248,8 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
     headline = [e for e in estimates if (e.arm, e.other) == ("layer", "rms")]
     if headline:
         lines += ["## The paper's question: LayerNorm vs RMSNorm", ""]
-        lines += [f"- {sentence(e)}" for e in headline if e.metric in ("val_loss", "tokens_per_s_ratio", "ones_dev/ln1.in")]
+        lines += [f"- {sentence(e)}" for e in headline if e.metric in ("val_loss", "tokens_per_s_ratio", "ones_dev/ln1.in")
+                  or is_downstream(e.metric)]
         lines.append("")
     lines += ["## Every contrast", ""]
     if not estimates:
@@ -285,6 +294,21 @@ def verdict_table(estimates: Sequence[Estimate]) -> pd.DataFrame:
          "distinguishable": e.distinguishable(), "sentence": sentence(e)}
         for e in estimates
     ])
+
+
+# --- downstream evaluation (normgeo.evaluate's eval.json; higher is better) ---------------------------------
+
+
+def downstream_metrics(measures: pd.DataFrame) -> list[str]:
+    """The ``downstream/<task>/<score>`` columns some run has: contrasted like ``val_loss``."""
+    return sorted(c for c in measures.columns if is_downstream(c))
+
+
+def metric_text(metric: str) -> str:
+    if is_downstream(metric):
+        task, score = metric.split("/")[1:3]
+        return f"{task} {score} (lm-evaluation-harness)"
+    return METRIC_TEXT[metric]
 
 
 # --- figure -----------------------------------------------------------------------------------------------

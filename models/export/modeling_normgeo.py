@@ -1,0 +1,202 @@
+"""normgeo's GPT as a Hugging Face model, for the arms no built-in transformers class holds exactly.
+
+Self-contained (torch and transformers only): :mod:`models.export.hf` saves this file beside the exported
+weights, and ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` runs it without normgeo
+installed. It mirrors ``models/gpt.py`` operation for operation (same module names under ``transformer.``,
+the same norm modules, GELU with the tanh approximation, SDPA causal attention), so the logits are the
+harness model's. Norms: ``layer`` / ``layer_nobias`` (torch LayerNorm with / without bias), ``rms``
+(torch RMSNorm with the eps the arm trained with, not torch's machine-epsilon default), ``rms_bias``
+(RMSNorm plus a bias), ``dyt`` (``weight * tanh(alpha * x) + bias``); placement ``pre`` or ``post``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+
+
+class NormGeoConfig(PretrainedConfig):
+    model_type = "normgeo"
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        n_positions: int = 1024,
+        n_embd: int = 128,
+        n_layer: int = 2,
+        n_head: int = 2,
+        norm: str = "layer",
+        norm_eps: float = 1e-5,
+        placement: str = "pre",
+        bias: bool = True,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.n_positions = n_positions
+        self.max_position_embeddings = n_positions
+        self.n_embd = n_embd
+        self.hidden_size = n_embd
+        self.n_layer = n_layer
+        self.num_hidden_layers = n_layer
+        self.n_head = n_head
+        self.num_attention_heads = n_head
+        self.norm = norm
+        self.norm_eps = norm_eps
+        self.placement = placement
+        self.bias = bias
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+class RMSNormWithBias(nn.RMSNorm):
+    """RMSNorm plus a learned bias (the ``rms_bias`` arm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+
+class DynamicTanh(nn.Module):
+    """DyT (the ``dyt`` arm): ``weight * tanh(alpha * x) + bias``, alpha a learned scalar."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.alpha = nn.Parameter(torch.ones(1))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+
+def make_norm(config: NormGeoConfig) -> nn.Module:
+    dim, eps = config.n_embd, config.norm_eps
+    builders = {
+        "layer": lambda: nn.LayerNorm(dim, eps=eps, bias=True),
+        "layer_nobias": lambda: nn.LayerNorm(dim, eps=eps, bias=False),
+        "rms": lambda: nn.RMSNorm(dim, eps=eps),
+        "rms_bias": lambda: RMSNormWithBias(dim, eps),
+        "dyt": lambda: DynamicTanh(dim),
+    }
+    if config.norm not in builders:
+        raise ValueError(f"unknown norm {config.norm!r}: one of {', '.join(builders)}")
+    return builders[config.norm]()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: NormGeoConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: NormGeoConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: NormGeoConfig) -> None:
+        super().__init__()
+        self.ln1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = make_norm(config)
+        self.mlp = MLP(config)
+        self.post_norm = config.placement == "post"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_norm:
+            x = self.ln1(x + self.attn(x))
+            return self.ln2(x + self.mlp(x))
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class NormGeoPreTrainedModel(PreTrainedModel):
+    config_class = NormGeoConfig
+    base_model_prefix = "transformer"
+    _no_split_modules = ["Block"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Exported weights overwrite every parameter; nothing to initialize.
+        return None
+
+
+def _check_mask(attention_mask: torch.Tensor | None) -> None:
+    # Causal attention without a padding mask, as in training: right padding is harmless, left padding is not.
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("NormGeoModel attends causally without a padding mask: pad on the right, not the left")
+
+
+class NormGeoModel(NormGeoPreTrainedModel):
+    """The base model (no LM head): the final norm's output as ``last_hidden_state``."""
+
+    def __init__(self, config: NormGeoConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = make_norm(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutput:
+        _check_mask(attention_mask)
+        seq = input_ids.shape[1]
+        if seq > self.config.n_positions:
+            raise ValueError(f"sequence of {seq} tokens exceeds n_positions={self.config.n_positions}")
+        x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return BaseModelOutput(last_hidden_state=self.ln_f(x))
+
+
+class NormGeoForCausalLM(NormGeoPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: NormGeoConfig) -> None:
+        super().__init__(config)
+        self.transformer = NormGeoModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutput:
+        hidden = self.transformer(input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:  # transformers' convention: labels are the inputs, shifted here
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)

@@ -1,0 +1,127 @@
+"""Downstream evaluation of trained arms through lm-evaluation-harness: ``python -m normgeo.evaluate RUN_DIR...``.
+
+Each run's checkpoint (``--step N``, default its highest saved step) is exported as a Hugging Face directory
+(:mod:`normgeo.export`, into a temporary folder) and evaluated with lm-evaluation-harness' own
+``simple_evaluate`` on ``HFLM`` (float32, the run's context length). The scores go to ``<run>/eval.json``
+(written atomically), where ``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like
+the validation loss.
+
+Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/tasks`` builds
+``wiki_next_sentence`` (choose a Wikipedia paragraph's true next sentence among 4) from
+``../shared/corpora/wikipedia``, then ``python -m normgeo.evaluate outputs/study/* --tasks wiki_next_sentence
+--include-path data/tasks``. On a networked node the bundled tasks download their data:
+``--tasks lambada_openai,hellaswag,piqa,arc_easy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from corpus.atomic import atomic_write_json
+from corpus.next_sentence import TASK_NAME, write_task
+from corpus.sources import SourceError
+from normgeo.export import ExportError, choose_checkpoint, export_run
+from normgeo.runs.downstream import EVAL_FILE
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpora" / "wikipedia" / "enwiki-wikiextractor"
+
+
+def _scores(results: dict, samples: dict, task: str) -> dict:
+    """lm-eval's ``"acc,none"`` keys as ``"acc"``, plus how many examples were scored."""
+    scores = {key.split(",")[0]: value for key, value in results.items()
+              if "," in key and isinstance(value, (int, float))}
+    scores["examples"] = samples.get(task, {}).get("effective")
+    return scores
+
+
+def task_manager(include_path: Path | None):
+    """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include_path) if include_path else None)
+
+
+def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None, limit: int | None = None,
+                 batch_size: int = 8, device: str = "cpu") -> dict:
+    """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
+    import lm_eval
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    with tempfile.TemporaryDirectory(prefix="normgeo-eval-") as scratch:
+        exported = export_run(run_dir, "hf", Path(scratch) / "hf", step=step)
+        # HFLM reads the context length from the config (n_positions / max_position_embeddings).
+        model = HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
+                     device=device, dtype="float32")
+        output = simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
+                                 log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                 torch_random_seed=0, fewshot_random_seed=0)
+    samples = output.get("n-samples", {})
+    record = {
+        "step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
+        "lm_eval_version": lm_eval.__version__,
+        "tasks": {task: _scores(values, samples, task) for task, values in sorted(output["results"].items())},
+    }
+    atomic_write_json(run_dir / EVAL_FILE, record)
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="normgeo-evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="*", type=Path, help="train.py run directories")
+    parser.add_argument("--tasks", default=TASK_NAME, help=f"comma-separated lm-eval tasks (default {TASK_NAME})")
+    parser.add_argument("--include-path", type=Path, default=None, help="a folder of task YAMLs (--make-task's)")
+    parser.add_argument("--step", type=int, default=None, help="evaluate checkpoints/step-<N>.ckpt of every run")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0, ...")
+    parser.add_argument("--make-task", type=Path, default=None, metavar="DIR",
+                        help=f"build the offline task {TASK_NAME} into DIR (then --include-path DIR) and exit")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder")
+    parser.add_argument("--examples", type=int, default=500, help="--make-task's number of examples")
+    args = parser.parse_args(argv)
+
+    if args.make_task is not None:
+        try:
+            config = write_task(args.make_task, args.corpus, args.examples)
+        except (SourceError, ValueError) as exc:
+            print(f"error: --corpus {args.corpus}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {config} and its data: add --include-path {args.make_task} --tasks {TASK_NAME}")
+        return 0
+    if not args.run_dirs:
+        parser.print_usage(sys.stderr)
+        print("error: give run directories to evaluate (or --make-task DIR)", file=sys.stderr)
+        return 2
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    # Every refusal before the first (slow) evaluation: the checkpoints, the include path, the task names.
+    try:
+        for run_dir in args.run_dirs:
+            choose_checkpoint(run_dir, args.step)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.include_path is not None and not args.include_path.is_dir():
+        print(f"error: --include-path {args.include_path}: no such folder (build it with --make-task)", file=sys.stderr)
+        return 2
+    manager = task_manager(args.include_path)
+    unknown = sorted(set(tasks) - set(manager.all_tasks))
+    if unknown:
+        hint = (" (build the local task with --make-task DIR and add --include-path DIR)"
+                if TASK_NAME in unknown else "")
+        print(f"error: --tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}", file=sys.stderr)
+        return 2
+    for run_dir in args.run_dirs:
+        record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
+        scores = "; ".join(f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items())
+        print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

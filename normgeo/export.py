@@ -1,0 +1,228 @@
+"""Export a trained arm: ``python -m normgeo.export RUN_DIR --to hf|transformer-lens|nnsight --out DIR``.
+
+Reads one checkpoint of a train.py run (``--step N``: ``checkpoints/step-000000N.ckpt``; ``--checkpoint
+PATH``: any of them; default: the run's highest saved step) and writes, into a new directory ``--out``:
+
+- ``--to hf`` and ``--to nnsight``: a Hugging Face directory (``model.safetensors``, ``config.json``, the model
+  code where no built-in class holds the arm, the GPT-2 tokenizer) that
+  ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads offline; nnsight wraps it
+  (``NNsight(model)``); see :mod:`models.export.hf` for which class holds which arm;
+- ``--to transformer-lens``: ``tl_config.json`` and ``model.safetensors`` for TransformerLens 3.9's
+  ``HookedTransformer`` (pre-LN LayerNorm, LayerNorm without bias and RMSNorm only; other arms are refused);
+
+each with the tokenizer and a model card (``README.md``: arm, size, step, tokens, validation loss, the run's
+config, how to load it) and ``normgeo_export.json`` (where it came from). The directory is assembled
+beside ``--out`` and renamed into place: a failed export leaves nothing. Bad input (no checkpoint, a step
+not saved, an arm the target cannot hold, an existing ``--out``) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from corpus.atomic import atomic_write_json, atomic_write_text
+from corpus.stream import tokens_per_step
+from corpus.tokenize import TokenizerError
+from models.export.hf import hf_class_name, save_hf
+from models.export.lens import TRANSFORMER_LENS_TARGET, save_transformer_lens, transformer_lens_refusal
+from models.export.tokenizer import gpt2_tokenizer
+from models.gpt import GPT
+from models.norms import arm_label
+from models.pretrained import ModelLoadError, load_checkpoint
+from normgeo.runs.metrics import read_metrics
+
+TARGETS = ("hf", "transformer-lens", "nnsight")
+EXPORT_INFO = "normgeo_export.json"
+CHECKPOINT_NAME = "step-{step:07d}.ckpt"
+
+
+class ExportError(ValueError):
+    """Bad input: the message is the one line the user reads."""
+
+
+@dataclass
+class Exported:
+    out_dir: Path
+    checkpoint: Path
+    step: int | None
+    target: str
+    model_class: str
+
+
+def saved_steps(run_dir: Path) -> dict[int, Path]:
+    """The run's scheduled checkpoints by optimizer step."""
+    steps = {}
+    for path in (run_dir / "checkpoints").glob("step-*.ckpt"):
+        number = path.stem.removeprefix("step-")
+        if number.isdigit():
+            steps[int(number)] = path
+    return dict(sorted(steps.items()))
+
+
+def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path | None = None) -> Path:
+    """The checkpoint to export: ``checkpoint``, the one of ``step``, or the run's highest saved step."""
+    if checkpoint is not None:
+        if not checkpoint.is_file():
+            raise ExportError(f"--checkpoint {checkpoint}: no such file (give a .ckpt from <run_dir>/checkpoints/)")
+        return checkpoint
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist (give a train.py run directory, e.g. outputs/smoke-rms-s0)")
+    steps = saved_steps(run_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not steps and not last.is_file():
+        raise ExportError(f"{run_dir} has no checkpoints (no {run_dir / 'checkpoints'}/step-*.ckpt or last.ckpt): "
+                          "give a train.py run directory that has saved one")
+    if step is None:
+        return steps[max(steps)] if steps else last
+    if step not in steps:
+        saved = ", ".join(map(str, steps)) or "none"
+        raise ExportError(f"--step {step}: {run_dir} saved no checkpoint at that step (saved steps: {saved}); "
+                          "pick one of them or --checkpoint PATH")
+    return steps[step]
+
+
+def _validation_loss(run_dir: Path, step: int | None) -> tuple[float, int] | None:
+    """The last validation loss logged at or before ``step`` (value, its step), if the run logged one."""
+    try:
+        metrics = read_metrics(run_dir)
+    except (OSError, ValueError):
+        return None
+    val = metrics[metrics["metric"] == "val/loss"]
+    if step is not None:
+        val = val[val["step"] <= step]
+    if val.empty:
+        return None
+    row = val.sort_values("step").iloc[-1]
+    return float(row["value"]), int(row["step"])
+
+
+HOW_TO_LOAD = {
+    "hf": """```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{dir}", trust_remote_code=True)  # {cls}
+tokenizer = AutoTokenizer.from_pretrained("{dir}")
+logits = model(**tokenizer("The norm of", return_tensors="pt")).logits
+```""",
+    "nnsight": """```python
+from nnsight import NNsight
+from transformers import AutoModelForCausalLM
+model = NNsight(AutoModelForCausalLM.from_pretrained("{dir}", trust_remote_code=True))  # {cls}
+```""",
+    "transformer-lens": """```python
+import json
+from safetensors.torch import load_file
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+model = HookedTransformer(HookedTransformerConfig(**json.load(open("{dir}/tl_config.json"))))
+# Processing OFF: TransformerLens' defaults make the residual stream orthogonal to 1 (see docs/export.md).
+model.load_and_process_state_dict(load_file("{dir}/model.safetensors"), fold_ln=False,
+    center_writing_weights=False, center_unembed=False, fold_value_biases=False)
+```
+or, with normgeo installed, `models.export.lens.load_transformer_lens("{dir}")`.""",
+}
+
+
+def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hparams: dict, target: str,
+               model_class: str) -> str:
+    cfg = gpt.config
+    tokens = step * tokens_per_step(hparams["global_batch"], cfg.block_size) if step is not None and "global_batch" in hparams else None
+    val = _validation_loss(run_dir, step)
+    run_config = run_dir / "run_config.yaml"
+    lines = [
+        f"# normgeo {arm_label(cfg.norm)} ({cfg.placement}-norm), step {step}", "",
+        "A GPT-2 language model trained by the normgeo harness, exported with "
+        f"`python -m normgeo.export --to {target}`.", "",
+        "| | |", "|---|---|",
+        f"| arm | `{cfg.norm}` ({arm_label(cfg.norm)}) |",
+        f"| placement | {cfg.placement}-norm |",
+        f"| size | {cfg.n_layer} layers, d = {cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}, "
+        f"{gpt.num_parameters():,} parameters |",
+        f"| embeddings | {'tied' if cfg.tie_embeddings else 'untied'} input embedding and LM head |",
+        f"| vocabulary | GPT-2 BPE (tiktoken `gpt2`, {cfg.vocab_size} tokens); logits over {cfg.padded_vocab_size} "
+        "(padded to a multiple of 64 as in training: the padded ids are never produced by the tokenizer) |",
+        f"| step | {step} |",
+        f"| tokens seen | {tokens:,} |" if tokens is not None else "| tokens seen | unknown |",
+        (f"| validation loss | {val[0]:.4f} nats (logged at step {val[1]}) |" if val
+         else "| validation loss | not logged by this run |"),
+        f"| checkpoint | `{checkpoint.resolve()}` |",
+        f"| model class | `{model_class}` |", "",
+        "## How to load", "",
+        HOW_TO_LOAD[target].format(dir="<this directory>", cls=model_class), "",
+    ]
+    if run_config.is_file():
+        lines += ["## The run's config", "", "```yaml", run_config.read_text().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = None,
+               checkpoint: Path | None = None) -> Exported:
+    """Write the export of one checkpoint to ``out_dir`` (which must not exist, or be empty); ExportError on bad input."""
+    if target not in TARGETS:
+        raise ExportError(f"--to {target}: choose one of {', '.join(TARGETS)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
+    path = choose_checkpoint(run_dir, step, checkpoint)
+    try:
+        gpt, saved_step, hparams = load_checkpoint(path)
+    except ModelLoadError as exc:
+        raise ExportError(str(exc)) from exc
+    if target == "transformer-lens" and (refusal := transformer_lens_refusal(gpt.config)):
+        raise ExportError(refusal)
+    try:
+        tokenizer = gpt2_tokenizer(gpt.config.block_size)
+    except TokenizerError as exc:
+        raise ExportError(str(exc)) from exc
+    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        if target == "transformer-lens":
+            save_transformer_lens(gpt, partial)
+        else:
+            save_hf(gpt, partial)
+        tokenizer.save_pretrained(partial)
+        atomic_write_text(partial / "README.md", model_card(gpt, run_dir, path, saved_step, hparams, target, model_class))
+        atomic_write_json(partial / EXPORT_INFO, {
+            "run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()), "step": saved_step,
+            "target": target, "model_class": model_class, "norm": gpt.config.norm,
+            "placement": gpt.config.placement, "tie_embeddings": gpt.config.tie_embeddings,
+            **({"transformer_lens": TRANSFORMER_LENS_TARGET} if target == "transformer-lens" else {}),
+        })
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked above); rename needs the name free
+        os.rename(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Exported(out_dir, path, saved_step, target, model_class)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="normgeo-export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a train.py run directory (outputs/<run>)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="export checkpoints/step-<N>.ckpt")
+    which.add_argument("--checkpoint", type=Path, default=None, help="export this .ckpt")
+    parser.add_argument("--to", required=True, choices=TARGETS, help="the target library")
+    parser.add_argument("--out", required=True, type=Path, help="the new directory to write")
+    args = parser.parse_args(argv)
+    try:
+        exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {exported.checkpoint} (step {exported.step}) as {exported.model_class} to {exported.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

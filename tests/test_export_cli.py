@@ -1,0 +1,223 @@
+"""``python -m normgeo.export`` and ``python -m normgeo.evaluate`` on real train.py runs; the verdict reads eval.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from corpus.next_sentence import CHOICES, TASK_NAME, build_examples, sentences
+from corpus.sources import LocalFilesSource
+from corpus.tokenize import tiktoken_encoding
+from models.export.hf import load_hf
+from models.export.tokenizer import gpt2_tokenizer
+from models.gpt import GPT, GPTConfig
+from models.pretrained import load_checkpoint
+from normgeo.export import main as export_main
+from normgeo.figures.sweep import load
+from normgeo.figures.verdict import paired_estimates, run_measures, sentence
+from tests.conftest import ROOT, run_sweep
+from tests.test_verdict import independent_interval, make_run
+
+WIKIPEDIA = "corpora/wikipedia/enwiki-wikiextractor"
+SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0")
+
+
+def run_module(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def hand_checkpoint(path: Path, norm: str, placement: str = "pre", step: int = 5) -> Path:
+    """A checkpoint in the layout train.py saves (gpt_config, model.* state_dict, step, hyper-parameters)."""
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, norm=norm, placement=placement))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"gpt_config": gpt.config.to_dict(), "global_step": step, "hyper_parameters": {"global_batch": 4},
+                "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, path)
+    return path
+
+
+# --- bad input, the tokenizer, the task, the verdict ---------------------------------------------------
+
+
+def refused(capsys, tmp_path: Path, *args: str) -> str:
+    """Run the export in-process on bad input: exit 2, one line, nothing written beside --out."""
+    before = sorted(tmp_path.rglob("*"))
+    assert export_main([*map(str, args)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert sorted(tmp_path.rglob("*")) == before
+    return err
+
+
+def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "exported"
+    empty_run = tmp_path / "empty-run"
+    empty_run.mkdir()
+    assert "has no checkpoints" in refused(capsys, tmp_path, empty_run, "--to", "hf", "--out", out)
+    assert "does not exist" in refused(capsys, tmp_path, tmp_path / "nope", "--to", "hf", "--out", out)
+    run = tmp_path / "dyt-post"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "dyt", "post")
+    assert "saved steps: 5" in refused(capsys, tmp_path, run, "--step", "4", "--to", "hf", "--out", out)
+    assert "pre-norm blocks only" in refused(capsys, tmp_path, run, "--to", "transformer-lens", "--out", out)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert "exists and is not empty" in refused(capsys, tmp_path, run, "--to", "hf", "--out", tmp_path / "taken")
+
+
+@pytest.mark.parametrize(("norm", "placement", "reason"), [("dyt", "pre", "no tanh norm"),
+                                                           ("rms_bias", "pre", "has no bias")])
+def test_transformer_lens_refuses_an_arm_it_cannot_hold(capsys, tmp_path: Path, norm, placement, reason) -> None:
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", norm, placement)
+    assert reason in refused(capsys, tmp_path, run, "--to", "transformer-lens", "--out", tmp_path / "tl")
+
+
+@pytest.mark.slow  # builds the BPE merges / reads the whole corpus: seconds on a busy machine
+def test_the_tokenizer_round_trips_the_probe_text(shared: Path) -> None:
+    """The exported tokenizer gives tiktoken's ids on the probe text (Wikipedia articles) and decodes it back."""
+    documents = LocalFilesSource(path=str(shared / WIKIPEDIA)).documents()
+    text = "\n\n".join(next(documents) for _ in range(150))
+    tokenizer = gpt2_tokenizer()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == tiktoken_encoding("gpt2").encode_ordinary(text) and len(ids) > 5000
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == tiktoken_encoding("gpt2").eot_token
+
+
+@pytest.mark.slow  # builds the BPE merges / reads the whole corpus: seconds on a busy machine
+def test_the_local_task_asks_for_the_sentence_that_follows(shared: Path) -> None:
+    corpus = shared / WIKIPEDIA
+    examples = build_examples(corpus, 20, seed=3)
+    assert examples == build_examples(corpus, 20, seed=3)  # seeded
+    paragraphs = [p for doc in LocalFilesSource(path=str(corpus)).documents() for p in doc.split("\n")]
+    for example in examples:
+        assert len(example["choices"]) == CHOICES == len(set(example["choices"]))
+        answer = example["choices"][example["label"]]
+        # The labelled choice is the sentence right after the context in some paragraph of the corpus.
+        assert any(f"{example['context']} {answer}" in " ".join(sentences(p)) for p in paragraphs)
+    assert len({e["label"] for e in examples}) > 1
+
+
+def test_downstream_scores_reach_the_verdict_as_paired_contrasts(tmp_path: Path) -> None:
+    accuracy = {"layer": [0.40, 0.42, 0.38], "rms": [0.30, 0.31, 0.33]}
+    for norm, values in accuracy.items():
+        for seed, acc in enumerate(values):
+            run_dir = make_run(tmp_path, norm, seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+            (run_dir / "eval.json").write_text(json.dumps({"step": 10, "tasks": {TASK_NAME: {"acc": acc}}}))
+    comparison = load(sorted(p for p in tmp_path.iterdir() if p.is_dir()))
+    estimates, _ = paired_estimates(run_measures(comparison))
+    est = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", f"downstream/{TASK_NAME}/acc")]
+    differences = [a - b for a, b in zip(accuracy["layer"], accuracy["rms"], strict=True)]
+    assert est.values == pytest.approx(differences)
+    assert (est.mean, est.low, est.high) == pytest.approx(independent_interval(differences), rel=1e-9)
+    assert "LayerNorm scores higher, at 3 seeds" in sentence(est)
+
+
+# --- slow: real runs ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """LayerNorm and RMSNorm, seeds 0 and 1, 3 steps each (checkpoints at steps 2 and 3), one sweep."""
+    root = tmp_path_factory.mktemp("export") / "outputs"
+    result = run_sweep(root, *SETTINGS, "norm=layer,rms", "seed=0,1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_path: Path, norm: str) -> None:
+    run = next(trained.glob(f"*-{norm}-s0"))
+    out = tmp_path / "hf"
+    result = run_module("normgeo.export", run, "--step", "2", "--to", "hf", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gpt, step, _ = load_checkpoint(run / "checkpoints" / "step-0000002.ckpt")
+    model = load_hf(out)
+    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids).logits - gpt(ids)).abs().max().item() <= 1e-5
+    card = (out / "README.md").read_text()
+    assert f"| step | {step} |" in card and "| tokens seen | 1,024 |" in card and f"norm:\n  name: {norm}" in card
+    assert json.loads((out / "normgeo_export.json").read_text())["step"] == 2
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["layer", "rms"])  # GPT2LMHeadModel, and the saved model code
+def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(trained: Path, tmp_path: Path,
+                                                                              norm: str) -> None:
+    """analyze.py on the exported Hugging Face directory (tokenized by the exported tokenizer) measures the
+    angles the training probe recorded at that step, to 1e-4 degrees, at every site and reference."""
+    run = next(trained.glob(f"*-{norm}-s0"))
+    out = tmp_path / "hf"
+    assert run_module("normgeo.export", run, "--to", "hf", "--out", out).returncode == 0
+    config = run / "run_config.yaml"
+    seq_len = next(int(line.split(":")[1]) for line in config.read_text().splitlines() if line.startswith("seq_len:"))
+    tokens = next(int(line.split(":")[1]) for line in config.read_text().splitlines() if line.strip().startswith("tokens:"))
+    result = subprocess.run(
+        [sys.executable, "analyze.py", "model=hub", f"model.path={out}", "model.trust_remote_code=true",
+         f"model.seq_len={seq_len}", "probe=pydoc", f"probe.tokens={tokens}", f"output_root={tmp_path / 'an'}",
+         "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = [json.loads(line) for line in next((tmp_path / "an").rglob("angles.jsonl")).read_text().splitlines()]
+    training = [json.loads(line) for line in (run / "angles.jsonl").read_text().splitlines()]
+    at_step = {(r["layer"], r["site"], r["ref"]): r["mean_deg"] for r in training if r["step"] == 3}
+    through_export = {(r["layer"], r["site"], r["ref"]): r["mean_deg"] for r in measured}
+    assert set(through_export) == set(at_step) and len(at_step) >= 30
+    assert max(abs(through_export[k] - at_step[k]) for k in at_step) <= 1e-4
+
+
+@pytest.mark.slow
+def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(trained: Path, shared: Path,
+                                                                              tmp_path: Path) -> None:
+    task_dir = tmp_path / "tasks"
+    made = run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA, "--examples", 40)
+    assert made.returncode == 0, made.stderr[-3000:]
+    runs = sorted(p for p in trained.iterdir() if (p / "checkpoints").is_dir())
+    result = run_module("normgeo.evaluate", *runs, "--tasks", TASK_NAME, "--include-path", task_dir,
+                        "--limit", 8, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for run in runs:
+        record = json.loads((run / "eval.json").read_text())
+        scores = record["tasks"][TASK_NAME]
+        assert record["step"] == 3 and scores["examples"] == 8 and 0 <= scores["acc"] <= 1
+    compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare")
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    verdict = (tmp_path / "compare" / "verdict.csv").read_text()
+    assert f"downstream/{TASK_NAME}/acc" in verdict
+    # Unknown task: refused before anything is evaluated.
+    refused = run_module("normgeo.evaluate", runs[0], "--tasks", "no_such_task", "--include-path", task_dir)
+    assert refused.returncode == 2 and "unknown lm-eval task" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "norm", "placement"), [("transformer-lens", "rms", "pre"),
+                                                           ("transformer-lens", "layer_nobias", "pre"),
+                                                           ("nnsight", "dyt", "post"), ("hf", "rms_bias", "post")])
+def test_every_target_loads_back_with_the_checkpoint_logits(tmp_path: Path, target: str, norm: str,
+                                                            placement: str) -> None:
+    from models.export.lens import load_transformer_lens, to_nnsight
+
+    checkpoint = hand_checkpoint(tmp_path / "run" / "checkpoints" / "step-0000005.ckpt", norm, placement)
+    out = tmp_path / "out"
+    assert export_main([str(tmp_path / "run"), "--to", target, "--out", str(out)]) == 0
+    gpt, _, _ = load_checkpoint(checkpoint)
+    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = gpt(ids)
+        if target == "transformer-lens":
+            logits = load_transformer_lens(out)(ids)
+        elif target == "nnsight":
+            wrapped = to_nnsight(load_hf(out))
+            with wrapped.trace(ids):
+                logits = wrapped.output.logits.save()
+        else:
+            logits = load_hf(out)(ids).logits
+    assert (logits - expected).abs().max().item() <= 1e-5
+    assert "## How to load" in (out / "README.md").read_text()
