@@ -14,7 +14,8 @@ implementation:
 
 The (implementation, arm) pairs are interleaved within each repeat (order rotated from repeat to repeat) so
 that drift of a shared machine hits them alike; the table gives the median over repeats, and the
-LayerNorm/RMSNorm ratio (and LayerNorm-without-bias/RMSNorm: mean subtraction alone) per implementation.
+LayerNorm/RMSNorm ratio (and LayerNorm-without-bias/RMSNorm: mean subtraction alone) per implementation:
+the ratio of the medians, and the range of the ratios within single repeats.
 
 Floor: a norm is memory-bound, so its least possible time is the bytes it must move (forward: read x,
 write y; backward: read x and dy, write dx; parameters read twice and their gradients written once)
@@ -190,17 +191,22 @@ def rows(results: list[ArmResult], bandwidth: float) -> list[dict]:
 
 
 def ratios(table: list[dict]) -> list[dict]:
-    """Per (d, implementation): the medians' ratio of each pair of RATIOS (nan where an arm is missing)."""
-    medians = {(row["dim"], row["impl"], row["kind"]): row["median_ms"] for row in table}
-    keys = dict.fromkeys((row["dim"], row["impl"]) for row in table)
-    return [
-        {"dim": dim, "impl": impl, **{
-            f"{a} / {b}": medians[dim, impl, a] / medians[dim, impl, b]
-            if (dim, impl, a) in medians and (dim, impl, b) in medians else math.nan
-            for a, b in RATIOS
-        }}
-        for dim, impl in keys
-    ]
+    """Per (d, implementation) and pair of RATIOS: the medians' ratio, and the range of the per-repeat ratios
+    (both arms are timed within each repeat, so a repeat's ratio sees one load of a shared machine)."""
+    by_key = {(row["dim"], row["impl"], row["kind"]): row for row in table}
+    out = []
+    for dim, impl in dict.fromkeys((row["dim"], row["impl"]) for row in table):
+        pair_row: dict = {"dim": dim, "impl": impl}
+        for a, b in RATIOS:
+            top, bottom = by_key.get((dim, impl, a)), by_key.get((dim, impl, b))
+            if top is None or bottom is None:
+                pair_row[f"{a} / {b}"], pair_row[f"{a} / {b} range"] = math.nan, (math.nan, math.nan)
+                continue
+            per_repeat = [x / y for x, y in zip(top["all_ms"], bottom["all_ms"], strict=True)]
+            pair_row[f"{a} / {b}"] = top["median_ms"] / bottom["median_ms"]
+            pair_row[f"{a} / {b} range"] = (min(per_repeat), max(per_repeat))
+        out.append(pair_row)
+    return out
 
 
 def refuse(message: str) -> None:
@@ -256,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
               f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor {row['to_floor']:6.2f}   "
               f"all {', '.join(f'{v:.3f}' for v in row['all_ms'])}")
     for pair in pairs:
-        print(f"d={pair['dim']:<5d} {pair['impl']:9s} " + "   ".join(f"{a} / {b} {pair[f'{a} / {b}']:.3f}"
-                                                               for a, b in RATIOS))
+        print(f"d={pair['dim']:<5d} {pair['impl']:9s} " + "   ".join(
+            f"{a} / {b} {pair[f'{a} / {b}']:.3f} (repeats {pair[f'{a} / {b} range'][0]:.3f}-"
+            f"{pair[f'{a} / {b} range'][1]:.3f})" for a, b in RATIOS))
     if args.markdown:
         print(f"\n| d | implementation | arm | fwd+bwd median (ms) | / {REFERENCE} | floor (ms) | / floor | "
               "all repeats (ms) |")
@@ -265,11 +272,13 @@ def main(argv: list[str] | None = None) -> None:
         for row in table:
             print(f"| {row['dim']} | {row['impl']} | `{row['kind']}` | {row['median_ms']:.3f} | {row['to_rms']:.3f} | "
                   f"{row['floor_ms']:.3f} | {row['to_floor']:.2f} | {', '.join(f'{v:.2f}' for v in row['all_ms'])} |")
-        print("\n| d | implementation | " + " | ".join(f"`{a}` / `{b}`" for a, b in RATIOS) + " |")
-        print("| --- | --- | " + " | ".join("---" for _ in RATIOS) + " |")
+        print("\n| d | implementation | " + " | ".join(f"`{a}` / `{b}` (medians) | per repeat" for a, b in RATIOS)
+              + " |")
+        print("| --- | --- | " + " | ".join("--- | ---" for _ in RATIOS) + " |")
         for pair in pairs:
-            print(f"| {pair['dim']} | {pair['impl']} | " + " | ".join(f"{pair[f'{a} / {b}']:.3f}" for a, b in RATIOS)
-                  + " |")
+            print(f"| {pair['dim']} | {pair['impl']} | " + " | ".join(
+                f"{pair[f'{a} / {b}']:.3f} | {pair[f'{a} / {b} range'][0]:.3f}-{pair[f'{a} / {b} range'][1]:.3f}"
+                for a, b in RATIOS) + " |")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
         rows = markdown_rows(output, dim)
         table = [row for row in rows if len(row) == 8]
         assert [(row[1], row[2]) for row in table] == [(impl, kind) for impl in impls for kind in NORM_ARMS], output
-        for _, impl, kind, median_ms, to_rms, floor_ms, to_floor, repeats in table:
+        for _, _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in table:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
             assert len(repeats.split(",")) == 1  # one value per repeat
             if kind == "rms":
@@ -48,12 +48,15 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
             else:
                 assert math.isfinite(float(to_rms)) and float(to_rms) > 0
         # The LayerNorm/RMSNorm ratios per implementation: one row each, the inverse of rms's share.
-        pairs = {row[1]: row[2:] for row in rows if len(row) == 4}
+        pairs = {row[1]: row[2:] for row in rows if len(row) == 6}
         assert list(pairs) == impls, output
-        for impl, (layer_to_rms, nobias_to_rms) in pairs.items():
+        for impl, (layer_to_rms, layer_range, nobias_to_rms, nobias_range) in pairs.items():
             by_kind = {row[2]: float(row[3]) for row in table if row[1] == impl}
             assert float(layer_to_rms) == pytest.approx(by_kind["layer"] / by_kind["rms"], rel=0.05, abs=2e-3)
             assert float(nobias_to_rms) == pytest.approx(by_kind["layer_nobias"] / by_kind["rms"], rel=0.05, abs=2e-3)
+            # One repeat: its ratio is the medians' ratio, so the range is that one value.
+            assert layer_range == f"{float(layer_to_rms):.3f}-{float(layer_to_rms):.3f}", output
+            assert nobias_range == f"{float(nobias_to_rms):.3f}-{float(nobias_to_rms):.3f}", output
     # The ratio divides by the rms of the same width and implementation: the plain lines carry the medians.
     line = r"d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms\s+to rms\s+([0-9.]+)"
     found = re.findall(line, output)
@@ -74,6 +77,7 @@ def test_norm_cost_times_every_arm_stock_and_compiled() -> None:
     check_norm_cost(run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY), ["stock", "compiled"])
 
 
+@pytest.mark.slow
 def test_norm_cost_refuses_an_unknown_implementation() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "norm_cost.py"), "--impls", "stock,fast"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -65,8 +65,8 @@ def test_compiled_norms_give_the_stock_numbers_and_the_probe_sees_them(norm: str
             for name, param in model.named_parameters():
                 if is_norm_parameter(name):
                     param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
-        hooked = []
-        model.blocks[1].ln2.register_forward_hook(lambda module, args, out: hooked.append((args[0], out)))
+        hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
+        model.blocks[1].ln2.register_forward_hook(lambda module, args, out, seen=hooked: seen.append((args[0], out)))
         frames = counters["frames"]["ok"]
         loss = model(idx, idx)
         loss.backward()
