@@ -47,6 +47,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "compile",
     "model.compile",  # the LightningModule's node (conf/train/train.yaml) takes it from compile
     "norm.impl",
+    "model.model.norm_impl",  # the model's node takes it from norm.impl
     "logger",
     "probe.batch_size",
     "num_workers",
