@@ -22,6 +22,7 @@ are generated the same way and a cost comparison compares the norms, not torch's
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,9 +124,11 @@ def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "s
     if impl == "compiled":
         # The forward only, on the same module object: its type (the probe's site kind), parameter names
         # (checkpoints) and forward hooks (the probe's, which run around forward in Module.__call__) stay
-        # the stock module's. Instances of one class share the compiled graph (guards on shapes, not on
-        # the instance); dynamic=False: one specialised kernel per input shape, as a hand-written one.
-        module.forward = torch.compile(module.forward, dynamic=False)
+        # the stock module's. The class's forward is compiled and bound to this instance, so a deepcopy
+        # binds it to the copy and the module pickles; instances of one class share the compiled graph
+        # (the module is an input, guarded on shapes, not identity). dynamic=False: one specialised kernel
+        # per input shape, as a hand-written kernel would be.
+        module.forward = types.MethodType(torch.compile(type(module).forward, dynamic=False), module)
     return module
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -72,7 +74,12 @@ def test_compiled_norms_give_the_stock_numbers_and_the_probe_sees_them(norm: str
         loss.backward()
         assert (counters["frames"]["ok"] > frames) == (impl == "compiled"), impl  # compiled frames ran
         grads = {name: param.grad for name, param in model.named_parameters()}
-        results[impl] = (loss.detach(), grads, hooked, [site.kind for site in find_norm_sites(model)])
+        results[impl] = (loss.detach(), grads, list(hooked), [site.kind for site in find_norm_sites(model)])
+        if impl == "compiled":  # a copy's compiled forwards run on the copy's parameters, not the original's
+            clone = copy.deepcopy(model)
+            assert all(norm.forward.__self__ is norm for norm in (clone.ln_f, clone.blocks[0].ln1))
+            with torch.no_grad():
+                torch.testing.assert_close(clone(idx, idx), loss.detach())
     (loss, grads, hooked, kinds), (loss_c, grads_c, hooked_c, kinds_c) = results["stock"], results["compiled"]
     assert kinds_c == kinds and len(hooked_c) == len(hooked) == 1
     torch.testing.assert_close(loss_c, loss)
