@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.norms import NORM_ARMS, make_norm
+from models.norms import NORM_ARMS, NORM_IMPLS, make_norm
 
 # pre: the norm before each sublayer, a final norm before the head (GPT-2). post: the norm after each
 # residual add (the original Transformer); ln_f is kept so both placements have the same parameters.
@@ -37,6 +37,8 @@ class GPTConfig:
     vocab_multiple: int = 64
     norm: str = "layer"
     norm_eps: float = 1e-5
+    # stock | compiled: how every norm module runs (models.norms.make_norm); the weights are the same.
+    norm_impl: str = "stock"
     placement: str = "pre"
     tie_embeddings: bool = True
     dropout: float = 0.0
@@ -46,6 +48,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.norm not in NORM_ARMS:
             raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_ARMS)}")
+        if self.norm_impl not in NORM_IMPLS:
+            raise ValueError(f"unknown norm_impl {self.norm_impl!r}: choose one of {', '.join(NORM_IMPLS)}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         if self.n_embd % self.n_head:
@@ -98,9 +102,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln1")
+        self.ln1 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln1", config.norm_impl)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln2")
+        self.ln2 = make_norm(config.norm, config.n_embd, config.norm_eps, "ln2", config.norm_impl)
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.post_norm = config.placement == "post"
@@ -121,7 +125,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = make_norm(config.norm, config.n_embd, config.norm_eps, "final")
+        self.ln_f = make_norm(config.norm, config.n_embd, config.norm_eps, "final", config.norm_impl)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight

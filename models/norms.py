@@ -12,15 +12,25 @@ The arms, by what they change:
   compared with the bias held equal (``layer_nobias`` vs ``rms``, ``layer`` vs ``rms_bias``).
 - ``dyt``: Dynamic Tanh (Zhu et al., "Transformers without Normalization", CVPR 2025): no statistics of
   the hidden vector at all, ``gamma * tanh(alpha * x) + beta`` with a learned scalar alpha.
+
+Every arm runs in one of :data:`NORM_IMPLS` (``norm.impl``): ``stock``, the module as built (torch's kernels:
+a fused LayerNorm on CPU and CUDA, an RMSNorm composed of element-wise ops on CPU); or ``compiled``, the
+same module with its forward compiled by ``torch.compile`` (the norm alone), so that every arm's kernels
+are generated the same way and a cost comparison compares the norms, not torch's kernel coverage
+(bench/norm_cost.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# How an arm's module runs (norm.impl): "stock" as built, "compiled" with torch.compile'd forward.
+NORM_IMPLS = ("stock", "compiled")
 
 # How a norm treats its input, which decides what the probe can derive from it: "layer" centres and
 # scales (its standardized input and output ellipsoid are defined), "rms" scales, "tanh" squashes
@@ -104,11 +114,45 @@ def norm_names() -> tuple[str, ...]:
     return tuple(NORM_ARMS)
 
 
-def make_norm(kind: str, dim: int, eps: float, role: str = "ln1") -> nn.Module:
-    """The one place where the arms differ."""
+def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "stock") -> nn.Module:
+    """The one place where the arms differ, and where every arm gets its implementation (``NORM_IMPLS``)."""
     if kind not in NORM_ARMS:
         raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_ARMS)}")
-    return NORM_ARMS[kind].build(dim, eps, role)
+    if impl not in NORM_IMPLS:
+        raise ValueError(f"unknown norm implementation {impl!r}: choose one of {', '.join(NORM_IMPLS)}")
+    module = NORM_ARMS[kind].build(dim, eps, role)
+    if impl == "compiled":
+        # The forward only, on the same module object: its type (the probe's site kind), parameter names
+        # (checkpoints) and forward hooks (the probe's, which run around forward in Module.__call__) stay
+        # the stock module's. The class's forward is compiled and bound to this instance, so a deepcopy
+        # binds it to the copy and the module pickles; instances of one class share the compiled graph
+        # (the module is an input, guarded on shapes, not identity). dynamic=False: one specialised kernel
+        # per input shape, as a hand-written kernel would be.
+        module.forward = types.MethodType(torch.compile(type(module).forward, dynamic=False), module)
+    return module
+
+
+def compile_refusal(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot generate kernels for ``device_type`` ("cpu" or "cuda") here, or None.
+
+    Cheap checks of what inductor needs (no compilation): a supported Python, Triton for CUDA, a working
+    C++ compiler for CPU (``$CXX`` or g++)."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile does not support this Python/platform (torch {torch.__version__})"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "torch.compile needs Triton for CUDA kernels and it is not installed"
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return "torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or set CXX)"
+    return None
 
 
 def site_kind_of(module: nn.Module) -> str | None:

@@ -247,7 +247,8 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
             "Hugging Face model use model=hub model.path=..."
         )
     try:
-        model = GPT(GPTConfig(**checkpoint["gpt_config"]))
+        # Measured with the stock norms whichever norm.impl trained it: same weights, and no compiler needed.
+        model = GPT(GPTConfig(**{**checkpoint["gpt_config"], "norm_impl": "stock"}))
         weights = {
             key.removeprefix("model."): value
             for key, value in checkpoint["state_dict"].items()

@@ -28,25 +28,62 @@ def markdown_rows(output: str, first_cell: str) -> list[list[str]]:
     ]
 
 
-def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:
-    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--dims", "32,64", "--tokens", "256", "--repeats", "1",
-                        "--copy-mib", "2", "--target-ms", "1", "--markdown")
+NORM_COST_TINY = ["--dims", "32,64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2", "--target-ms", "1",
+                  "--markdown"]
+
+
+def check_norm_cost(output: str, impls: list[str]) -> None:
+    """Every (width, implementation) lists every arm against that implementation's rms, and its ratios."""
     assert re.search(r"copy bandwidth .*median [0-9.]+ GB/s", output), output
+    assert re.search(rf"implementations: {', '.join(impls)}; 1 interleaved repeats, median shown", output), output
     for dim in ("32", "64"):
         rows = markdown_rows(output, dim)
-        assert [row[1] for row in rows] == list(NORM_ARMS), output
-        for _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in rows:
+        table = [row for row in rows if len(row) == 8]
+        assert [(row[1], row[2]) for row in table] == [(impl, kind) for impl in impls for kind in NORM_ARMS], output
+        for _, _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in table:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
             assert len(repeats.split(",")) == 1  # one value per repeat
             if kind == "rms":
                 assert float(to_rms) == 1.0
             else:
                 assert math.isfinite(float(to_rms)) and float(to_rms) > 0
-    # The ratio divides by the rms of the same width: the plain lines carry the medians to check it.
-    medians = {(int(d), kind): float(ms) for d, kind, ms in re.findall(r"d=(\d+)\s+(\S+)\s+median\s+([0-9.]+) ms", output)}
-    ratios = {(int(d), kind): float(r) for d, kind, r in re.findall(r"d=(\d+)\s+(\S+)\s+median.*?to rms\s+([0-9.]+)", output)}
-    for (dim, kind), ratio in ratios.items():
-        assert ratio == pytest.approx(medians[dim, kind] / medians[dim, "rms"], rel=0.05, abs=2e-3)  # both printed rounded
+        # The LayerNorm/RMSNorm ratios per implementation: one row each, the inverse of rms's share.
+        pairs = {row[1]: row[2:] for row in rows if len(row) == 6}
+        assert list(pairs) == impls, output
+        for impl, (layer_to_rms, layer_range, nobias_to_rms, nobias_range) in pairs.items():
+            by_kind = {row[2]: float(row[3]) for row in table if row[1] == impl}
+            assert float(layer_to_rms) == pytest.approx(by_kind["layer"] / by_kind["rms"], rel=0.05, abs=2e-3)
+            assert float(nobias_to_rms) == pytest.approx(by_kind["layer_nobias"] / by_kind["rms"], rel=0.05, abs=2e-3)
+            # One repeat: its ratio is the medians' ratio, so the range is that one value.
+            assert layer_range == f"{float(layer_to_rms):.3f}-{float(layer_to_rms):.3f}", output
+            assert nobias_range == f"{float(nobias_to_rms):.3f}-{float(nobias_to_rms):.3f}", output
+    # The ratio divides by the rms of the same width and implementation: the plain lines carry the medians.
+    line = r"d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms\s+to rms\s+([0-9.]+)"
+    found = re.findall(line, output)
+    assert len(found) == 2 * len(impls) * len(NORM_ARMS), output
+    medians = {(int(d), impl, kind): float(ms) for d, impl, kind, ms, _ in found}
+    for d, impl, kind, _, ratio in found:
+        expected = medians[int(d), impl, kind] / medians[int(d), impl, "rms"]
+        assert float(ratio) == pytest.approx(expected, rel=0.05, abs=2e-3)  # both printed rounded
+
+
+def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:
+    check_norm_cost(run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY, "--impls", "stock"), ["stock"])
+
+
+@pytest.mark.slow
+def test_norm_cost_times_every_arm_stock_and_compiled() -> None:
+    """The default implementations on CPU: stock and compiled rows, each with its LayerNorm/RMSNorm ratio."""
+    check_norm_cost(run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY), ["stock", "compiled"])
+
+
+@pytest.mark.slow
+def test_norm_cost_refuses_an_unknown_implementation() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "norm_cost.py"), "--impls", "stock,fast"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()  # one line, naming the option and the choices
+    assert line.startswith("bench/norm_cost.py: --impls fast: not available here; choose from stock, compiled"), line
 
 
 TINY = ["size=tiny", "size.n_embd=32", "seq_len=64", "global_batch=8", "micro_batch=4", "--steps", "2", "--skip", "1",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from torch._dynamo.utils import counters
 
 from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
-from models.norms import NORM_ARMS
+from models.norms import NORM_ARMS, NORM_IMPLS
+from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.runs.config import CONF_DIR
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
@@ -30,7 +34,8 @@ def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
     biases = {n for n in layer if is_norm_parameter(n) and n.endswith(".bias")}
     for norm in NORM_ARMS:
         for placement in PLACEMENTS:
-            arm = dict(build_from_config(f"norm={norm}", f"placement={placement}", f"tie_embeddings={tie}").named_parameters())
+            model = build_from_config(f"norm={norm}", f"placement={placement}", f"tie_embeddings={tie}")
+            arm = dict(model.named_parameters())
             assert shared == [name for name in arm if not is_norm_parameter(name)], (norm, placement)
             for name in shared:
                 assert torch.equal(layer[name], arm[name]), (norm, placement, name)
@@ -41,6 +46,48 @@ def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
             expected = {n for n in layer if is_norm_parameter(n)} - (set() if has_bias else biases)
             expected |= alphas if norm == "dyt" else set()
             assert {n for n in arm if is_norm_parameter(n)} == expected, (norm, placement)
+            if placement == "pre":  # norm.impl=compiled: the same modules, forwards compiled; the same checkpoint
+                stock = model.state_dict()
+                compiled = build_from_config(f"norm={norm}", "norm.impl=compiled", f"tie_embeddings={tie}")
+                assert compiled.config.norm_impl == "compiled" and list(compiled.state_dict()) == list(stock), norm
+                assert all(torch.equal(stock[name], value) for name, value in compiled.state_dict().items()), norm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", list(NORM_ARMS))
+def test_compiled_norms_give_the_stock_numbers_and_the_probe_sees_them(norm: str) -> None:
+    """norm.impl=compiled against stock, every arm: the loss, every gradient, a norm's hooked input and
+    output (what the probe sees) to float tolerance, and the same site kinds. About 10 s per arm on CPU."""
+    torch._dynamo.reset()  # a fresh compile, so that the compiled arm cannot have run eagerly from a cache
+    idx = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for impl in NORM_IMPLS:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm=norm, norm_impl=impl), seed=0)
+        with torch.no_grad():  # norm parameters away from their init (gain 1, bias 0), the same in both
+            for name, param in model.named_parameters():
+                if is_norm_parameter(name):
+                    param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
+        model.blocks[1].ln2.register_forward_hook(lambda module, args, out, seen=hooked: seen.append((args[0], out)))
+        frames = counters["frames"]["ok"]
+        loss = model(idx, idx)
+        loss.backward()
+        assert (counters["frames"]["ok"] > frames) == (impl == "compiled"), impl  # compiled frames ran
+        grads = {name: param.grad for name, param in model.named_parameters()}
+        results[impl] = (loss.detach(), grads, list(hooked), [site.kind for site in find_norm_sites(model)])
+        if impl == "compiled":  # a copy's compiled forwards run on the copy's parameters, not the original's
+            clone = copy.deepcopy(model)
+            assert all(norm.forward.__self__ is norm for norm in (clone.ln_f, clone.blocks[0].ln1))
+            with torch.no_grad():
+                torch.testing.assert_close(clone(idx, idx), loss.detach())
+    (loss, grads, hooked, kinds), (loss_c, grads_c, hooked_c, kinds_c) = results["stock"], results["compiled"]
+    assert kinds_c == kinds and len(hooked_c) == len(hooked) == 1
+    torch.testing.assert_close(loss_c, loss)
+    torch.testing.assert_close(hooked_c[0][0], hooked[0][0])
+    torch.testing.assert_close(hooked_c[0][1], hooked[0][1])
+    assert list(grads_c) == list(grads)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_different_seeds_give_different_weights() -> None:

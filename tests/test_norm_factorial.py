@@ -158,3 +158,27 @@ def test_smoke_dyt_trains_and_probes_without_std_sites_or_ellipsoid(tmp_path: Pa
     energy = read_rows(run_dir / "energy.jsonl")
     assert len([r for r in energy if r["step"] == 2 and r["quantity"] == "ones_fraction"]) == 5
     assert read_rows(run_dir / "null.jsonl")
+
+
+@pytest.mark.slow
+def test_smoke_trains_with_compiled_norms_and_writes_the_stock_checkpoint(tmp_path: Path) -> None:
+    """norm.impl=compiled through train.py: trains, the probe finds every norm, the checkpoint loads as stock."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "norm=rms", "norm.impl=compiled", "max_steps=2", "checkpoint.steps=[2]")
+    rows = read_rows(run_dir / "angles.jsonl")
+    assert {r["norm"] for r in rows} == {"rms"} and sorted({r["step"] for r in rows}) == [0, 2]
+    assert len({r["site"] for r in rows if r["step"] == 2}) == len({r["site"] for r in rows if r["step"] == 0}) > 0
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["gpt_config"]["norm_impl"] == "compiled"
+    stock = GPT(GPTConfig(**{**checkpoint["gpt_config"], "norm_impl": "stock"}))
+    assert sorted(checkpoint["state_dict"]) == sorted(f"model.{name}" for name in stock.state_dict())
+
+
+@pytest.mark.slow
+def test_compiled_norms_without_a_compiler_are_refused_at_the_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_train(run_dir, "norm.impl=compiled", check=False, env={"CXX": str(tmp_path / "no-such-g++")})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert ("norm.impl=compiled: torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ "
+            "or set CXX); or train with norm.impl=stock") in done.stderr
+    assert not run_dir.exists()

@@ -129,8 +129,12 @@ def test_paths_and_per_device_settings_may_change() -> None:
         "log_every=100",
         "checkpoint.last_every=7",
         "compile=true",
+        "norm.impl=compiled",  # the same modules and weights, their forwards compiled
     )
     assert config_changes(before, after) == {}
+    # A run recorded before norm.impl existed resumes with it too (stock was all there was).
+    old_record = {**before, "norm": {k: v for k, v in before["norm"].items() if k != "impl"}}
+    assert config_changes(old_record, after) == {}
 
 
 def test_precision_null_is_recorded_as_what_it_means_here() -> None:

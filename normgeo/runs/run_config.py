@@ -28,7 +28,8 @@ CHECKPOINT_KEY = "run_config"
 
 # Dotted keys (and everything under them) that may differ between sessions of one run: where the run
 # runs and how it reports, not what it computes. The global batch is fixed, so micro_batch and the
-# device count only change the accumulation; compile keeps the math (tests/test_training.py).
+# device count only change the accumulation; compile and norm.impl keep the math and the weights
+# (tests/test_training.py, tests/test_norm_factorial.py).
 ALLOWED_CHANGES: tuple[str, ...] = (
     "resume",
     "stop_at_step",
@@ -45,6 +46,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "size.minutes",
     "compile",
     "model.compile",  # the LightningModule's node (conf/train/train.yaml) takes it from compile
+    "norm.impl",
+    "model.model.norm_impl",  # the model's node takes it from norm.impl
     "logger",
     "probe.batch_size",
     "num_workers",

@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from models.gpt import PLACEMENTS
-from models.norms import NORM_ARMS
+from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
 
 
@@ -93,6 +93,7 @@ SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
 class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
     eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)", gt=0)
+    impl: str = doc("stock", f"how every norm runs: {' | '.join(NORM_IMPLS)} (torch.compile of each norm's forward)")
 
 
 @dataclass
@@ -482,6 +483,16 @@ def check_trainer(trainer: DictConfig) -> None:
             "or a _target_ node (trainer=ddp, trainer=fsdp)")
 
 
+def training_device_type(trainer: DictConfig) -> str:
+    """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
+    import torch
+
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
@@ -528,6 +539,12 @@ def check_train(cfg: DictConfig) -> None:
     _unknown_keys(cfg, TrainSchema, "train.py")
     check_ranges(cfg, TrainSchema)
     _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")
+    _expect(cfg.norm.impl in NORM_IMPLS, "norm.impl", cfg.norm.impl, " or ".join(NORM_IMPLS))
+    if cfg.norm.impl == "compiled":
+        # Refused at the start rather than falling back: a run that says compiled runs compiled.
+        refusal = compile_refusal(training_device_type(cfg.trainer))
+        if refusal:
+            raise ConfigError(f"norm.impl=compiled: {refusal}; or train with norm.impl=stock")
     _expect(cfg.placement.name in PLACEMENTS, "placement.name", cfg.placement.name,
             f"one of {', '.join(PLACEMENTS)} (placement=...)")
     _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
