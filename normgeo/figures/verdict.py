@@ -462,9 +462,10 @@ def family_text(estimates: Sequence[Estimate]) -> list[str]:
                      f"{norm_label(p.arm)} vs {norm_label(p.other)}, {METRIC_TEXT[p.metric]} (`{p.metric}`), "
                      f"margin {margin_text(p)}: its own family of {p.family_size} test"
                      f"{'s' if p.family_size != 1 else ''}, not corrected for the exploratory rows.")
-    lines.append(f"**Exploratory family**: {contrasts_n} contrast(s) × {metrics_n} metrics "
-                 f"(less the primary row) = {tested} tests with at least two seeds; Holm-adjusted within the "
-                 f"family, separately for the difference test and for the equivalence test (TOST).")
+    lines.append(f"**Exploratory family**: {contrasts_n} contrast(s) × {metrics_n} metrics, less the primary "
+                 f"row: {len(explored)} rows, {tested} of them with at least two seeds (tested; the others give "
+                 f"the difference only). Holm-adjusted over those {tested}, separately for the difference test and "
+                 f"for the equivalence test (TOST).")
     return lines
 
 
