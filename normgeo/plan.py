@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sd", type=float, default=None,
                         help="SD of the paired per-seed differences (for --seeds-for)")
     parser.add_argument("--sweep", type=Path, default=None,
-                        help="a compared sweep whose primary contrast gives the SD (for --seeds-for)")
+                        help="a sweep folder (outputs/study) whose primary contrast gives the SD (for --seeds-for)")
     args = parser.parse_args(argv)
     overrides, as_json = args.overrides, args.json
     try:

@@ -23,7 +23,7 @@ both present, per (size, placement), the verdict takes the per-seed differences 
   ``/last`` is that at the last probe, ``/window`` its mean over the last 30% of the run's probe steps.
 
 Per contrast and metric: the mean difference, its 95% and 90% Student-t intervals, the two-sided paired
-t-test of no difference and the two one-sided tests (TOST) of equivalence within ±margin
+t-test against a zero difference and the two one-sided tests (TOST) of equivalence within ±margin
 (:func:`normgeo.measure.stats.paired_test`; margins per metric kind from ``conf/compare/margins.yaml``).
 The **primary question** declared in that file (``layer`` vs ``rms``, ``val_loss/tail``) is its own family;
 every other row is in the exploratory family; both families' p-values are Holm-adjusted (raw and adjusted
@@ -473,7 +473,7 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
     alpha = estimates[0].alpha if estimates else 0.05
     lines = ["# Verdict", ""]
     lines += [f"Paired by seed within each size and placement ({len(measures)} runs); differences are arm − other. "
-              f"Each row: 95% and 90% Student-t intervals over seeds; a two-sided paired t-test of no difference "
+              f"Each row: 95% and 90% Student-t intervals over seeds; a two-sided paired t-test against a zero difference "
               f"and two one-sided tests (TOST) of equivalence within the declared margin, each at {alpha:g}; "
               f"the words follow the Holm-adjusted p-values: \"equivalent within ±margin\" (TOST), "
               f"\"different\" (t-test), else \"inconclusive\". Raw and adjusted p-values: `verdict.csv`.", ""]

@@ -63,7 +63,7 @@ def mean_t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
 @dataclass(frozen=True)
 class PairedTest:
     """One paired contrast over seeds: the mean difference, its 95% and 90% Student-t intervals, the
-    two-sided t-test of no difference and the two one-sided tests (TOST) of equivalence within ±margin.
+    two-sided t-test against a zero difference and the two one-sided tests (TOST) of equivalence within ±margin.
     Intervals and p-values are None below two seeds."""
 
     n: int
