@@ -653,7 +653,7 @@ def curve_figure(comparison: Comparison, found: Sequence[Pairing], config: Verdi
         ax.axvline(table["step"].iloc[-tail], color="black", lw=0.7, ls=":")
         where = " ".join(x for x in (pairing.size, "post" if pairing.placement == "post" else "") if x)
         ax.set_title(f"{norm_label(pairing.arm)} − {norm_label(pairing.other)}" + (f" ({where})" if where else "")
-                     + f", {len(pairing.seeds)} seeds", fontsize=9)
+                     + f", {len(pairing.seeds)} seed{'s' if len(pairing.seeds) != 1 else ''}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("Δ validation loss (nats)")
         ax.grid(alpha=0.3)
