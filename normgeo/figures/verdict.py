@@ -414,6 +414,13 @@ def _direction(est: Estimate) -> str:
     return f"more of the energy lies along 1 under {a if est.mean > 0 else b}"
 
 
+def family_tag(est: Estimate) -> str:
+    """Which family a row's adjusted p-values are of, and its size."""
+    if est.primary and est.family_size == 1:
+        return "the primary question, tested alone"
+    return f"Holm-adjusted in the {est.family} family of {est.family_size} tests"
+
+
 def sentence(est: Estimate) -> str:
     """What one estimate supports, and no more: the words follow the adjusted p-values."""
     what = METRIC_TEXT[est.metric]
@@ -428,7 +435,7 @@ def sentence(est: Estimate) -> str:
     (l95, h95), (l90, h90) = est.ci95, est.ci90
     n = est.metric
     head += (f" (95% CI {_number(l95, n)} to {_number(h95, n)}; 90% CI {_number(l90, n)} to {_number(h90, n)}; "
-             f"per seed {per_seed}; Holm-adjusted p = {_p(est.p_diff_holm)} for a difference, "
+             f"per seed {per_seed}; {family_tag(est)}: p = {_p(est.p_diff_holm)} for a difference, "
              f"{_p(est.p_tost_holm)} for equivalence within {margin_text(est)})")
     outcome = est.outcome()
     if outcome == "equivalent":
