@@ -6,6 +6,8 @@ Every number on the page is read from the study's own files: the verdict (``comp
 per-run summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``),
 each run's ``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``;
 after ``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
+The verdict's words (equivalent / different / inconclusive, the families, the primary question) are
+``normgeo.compare``'s, taken as they are.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from normgeo.runs.downstream import EVAL_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
-           "energy": "study-energy.png", "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png"}
+           "energy": "study-energy.png", "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
+           "val_curve_diff": "study-val_curve_diff.png"}
 
 
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
@@ -78,7 +81,8 @@ seed by seed (`downstream/wiki_next_sentence/acc`).
 """
 
 
-def main(out: Path) -> str:
+def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures") -> str:
+    """The page's markdown; the study's figures are copied into ``figures_dir``."""
     compare = out / "compare"
     verdict = (compare / "verdict.md").read_text().replace("# Verdict\n", "", 1).strip()
     if verdict.startswith("## "):
@@ -97,7 +101,7 @@ def main(out: Path) -> str:
     for name, target in FIGURES.items():
         source = compare / f"{name}.png"
         if source.is_file():
-            shutil.copyfile(source, ROOT / "docs" / "figures" / target)
+            shutil.copyfile(source, figures_dir / target)
     steps = int(summary["final_step"].max())
     probe_steps = sorted(int(x) for x in metrics[metrics["metric"] == "mem/peak_rss_mib"]["step"].unique())
     trained_probes = [x for x in probe_steps if x > 0]
@@ -129,7 +133,18 @@ running. On CPU that compares torch's CPU kernels, not the GPU kernels the paper
 
 {verdict}
 
-![The verdict: per-seed differences and 95% t-intervals](figures/study-verdict.png)
+![The verdict: per-seed differences, 95% and 90% t-intervals, and the equivalence margins](figures/study-verdict.png)
+
+![The paired difference of the validation curves, per contrast, with its pointwise 95% interval](figures/study-val_curve_diff.png)
+
+**Which numbers are bitwise.** On one machine with the same software, a re-run of a study pair gives
+identical records and losses, bit for bit (`tests/test_study.py` re-runs the `layer`/`rms` pair of seed 0
+with the study preset, shortened, and compares every records file and logged loss). Across machines none of
+the trained-run numbers are bitwise: CPUs differ in the order of floating-point sums (vector width, kernels,
+threads), so losses agree to a few decimals while the probe's records move more; a statistic that cuts a
+continuous quantity at a threshold (1 inside or outside the band) can flip between machines or adjacent
+probes. That is why the verdict tests continuous quantities pooled per run, over seeds, and over a window
+of probes, and keeps the in-band share as a description only.
 
 ## Loss and angles
 

@@ -13,8 +13,14 @@ and writes, to ``--out`` (default ``<folder>/compare``):
 - ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
 - ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.figures.norm_figures`);
 - ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
-  per-seed differences and their mean with a 95% t-interval, and what they support
-  (:mod:`normgeo.figures.verdict`).
+  per-seed differences, their mean with 95% and 90% t-intervals, the difference test and the equivalence
+  test (TOST) within the declared margins, raw and Holm-adjusted, and what they support: "equivalent",
+  "different" or "inconclusive" (:mod:`normgeo.figures.verdict`); ``val_curve_diff.{png,pdf}``: per
+  contrast the paired difference of the validation curves with its pointwise 95% interval.
+
+Margins: ``conf/compare/margins.yaml`` (the primary question is declared there too); ``--margins FILE``
+reads another file, ``--margin val_loss=0.01`` overrides one kind (repeatable). A bad margin is one line on
+stderr and exit status 2, nothing written.
 
 A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
 
@@ -33,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.compare import write_comparison
-from normgeo.figures.verdict import VERDICT_MD
+from normgeo.figures.verdict import VERDICT_MD, load_verdict_config
 from normgeo.measure.records import ANGLES_FILE
 
 
@@ -45,13 +51,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <first path>/compare)")
     parser.add_argument("--formats", default="png,pdf", help="figure formats, comma-separated (png,pdf)")
     parser.add_argument("--refs", default=None, help="references to draw, e.g. ones (default: all)")
+    parser.add_argument("--margins", type=Path, default=None,
+                        help="the verdict's margins file (default: conf/compare/margins.yaml)")
+    parser.add_argument("--margin", action="append", default=[], metavar="KIND=VALUE",
+                        help="override one equivalence margin, e.g. --margin val_loss=0.01 (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        verdict_config = load_verdict_config(args.margins, args.margin)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     first = args.paths[0]
     out_dir = args.out or (first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent)
     out_dir = out_dir / "compare" if args.out is None else out_dir
     try:
         written, damaged = write_comparison(
-            args.paths, out_dir, formats=args.formats.split(","), refs=args.refs.split(",") if args.refs else None
+            args.paths, out_dir, formats=args.formats.split(","), refs=args.refs.split(",") if args.refs else None,
+            verdict_config=verdict_config,
         )
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)

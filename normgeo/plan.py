@@ -9,15 +9,29 @@ time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. 
 
     python -m normgeo.plan experiment=paper_1b norm=rms
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
+
+Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g. ``val_loss`` (the final
+point) or ``val_loss/tail`` (the primary statistic); for ``tokens_per_s_ratio`` a relative margin, 0.05 =
+5%) with the standard deviation of the paired differences, given (``--sd``; for tokens/s, of the log-ratios)
+or measured on a sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
+``conf/compare/margins.yaml`` declares another). It prints the seeds per arm with which the equivalence test
+(TOST at 5%) shows equivalence within ±MARGIN with 80% power when the true difference is 0, the seeds with
+which the paired t-test detects a true difference of MARGIN with 80% power, and their GPU-hours (both arms,
+every seed, at this plan's GPU-hours per run):
+
+    python -m normgeo.plan experiment=paper_70m --seeds-for val_loss=0.01 --sweep outputs/study
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -34,7 +48,11 @@ from models.plan import (
     preflight_error,
     quiet_plan,
 )
+from normgeo.figures.style import norm_label
+from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
+from normgeo.figures.verdict import METRIC_TEXT, METRICS, load_verdict_config, paired_estimates, run_measures
+from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import ConfigError
@@ -244,24 +262,113 @@ def preflight(cfg: DictConfig) -> None:
         raise PlanRefusal(error)
 
 
+def parse_seeds_for(text: str) -> tuple[str, float]:
+    """``METRIC=MARGIN`` of ``--seeds-for``; ValueError with the fix."""
+    metric, sep, value = text.partition("=")
+    if not sep or metric not in METRICS:
+        raise ValueError(f"--seeds-for {text}: write METRIC=MARGIN with a verdict metric "
+                         f"({', '.join(METRICS)}), e.g. --seeds-for val_loss=0.01")
+    try:
+        margin = float(value)
+    except ValueError:
+        margin = math.nan
+    if not margin > 0 or math.isinf(margin):
+        raise ValueError(f"--seeds-for {text}: the margin is a positive number, e.g. {metric}=0.01")
+    return metric, margin
+
+
+def sweep_sd(sweep: Path, metric: str) -> tuple[float, str]:
+    """The SD of the per-seed differences of ``metric`` in the sweep's primary contrast (log-ratios for
+    tokens/s), and where it comes from in words."""
+    config = load_verdict_config()
+    arm, other, _ = config.primary
+    estimates, _ = paired_estimates(run_measures(load([sweep])), config)
+    found = [e for e in estimates if (e.arm, e.other, e.metric) == (arm, other, metric) and e.n >= 2]
+    if not found:
+        raise ValueError(f"--sweep {sweep}: no {arm} vs {other} pair with two or more seeds of {metric}; "
+                         f"give the SD with --sd")
+    est = max(found, key=lambda e: e.n)
+    values = [math.log(v) for v in est.values] if est.is_ratio else list(est.values)
+    where = f"{est.n} seeds of {sweep}" + (f", size {est.size}" if est.size else "")
+    return statistics.stdev(values), where
+
+
+def seeds_report(metric: str, margin: float, sd: float, source: str, report: dict, power: float = 0.8) -> dict:
+    """Seeds per arm for equivalence and for a difference at ``margin``, and their GPU-hours per GPU."""
+    config = load_verdict_config()
+    arm, other, _ = config.primary
+    test_margin = math.log1p(margin) if metric == "tokens_per_s_ratio" else margin
+    equivalence = seeds_for_equivalence(sd, test_margin, power=power, alpha=config.alpha)
+    difference = seeds_for_difference(sd, test_margin, power=power, alpha=config.alpha)
+    return {
+        "arm": arm, "other": other, "metric": metric, "margin": margin, "sd": sd, "sd_from": source,
+        "power": power, "alpha": config.alpha, "size": report["config"]["size"],
+        "seeds_equivalence": equivalence, "seeds_difference": difference,
+        "gpus": [{"gpu": r["name"], "gpu_hours_per_run": r["gpu_hours"],
+                  "gpu_hours_equivalence": 2 * equivalence * r["gpu_hours"],
+                  "gpu_hours_difference": 2 * difference * r["gpu_hours"]} for r in report["gpus"]],
+    }
+
+
+def print_seeds(seeds: dict) -> None:
+    unit = {"val_loss": " nats", "ones_dev": "°"}.get(seeds["metric"].split("/")[0], "")
+    margin = f"±{seeds['margin']:.0%}" if seeds["metric"] == "tokens_per_s_ratio" else f"±{seeds['margin']:g}{unit}"
+    pair = f"{norm_label(seeds['arm'])} vs {norm_label(seeds['other'])}"
+    print(f"seeds for {METRIC_TEXT[seeds['metric']]} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
+          f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, {seeds['power']:.0%} "
+          f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true difference of "
+          f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "
+          f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this plan's GPU-hours "
+          "per run (its FLOPs at plan.mfu; probes and validation not included).")
+    for row in seeds["gpus"]:
+        print(f"{pair} at {seeds['size']} to {margin}: {seeds['seeds_equivalence']} seeds per arm, "
+              f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} "
+              f"(2 x {seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a difference of "
+              f"{margin.lstrip('±')}: {seeds['seeds_difference']} seeds per arm, "
+              f"{row['gpu_hours_difference']:,.0f} GPU-hours)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="normgeo-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (no -m: plan one run at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    parser.add_argument("--seeds-for", metavar="METRIC=MARGIN", default=None,
+                        help="seeds per arm that resolve MARGIN for a verdict metric, e.g. val_loss=0.01")
+    parser.add_argument("--sd", type=float, default=None,
+                        help="SD of the paired per-seed differences (for --seeds-for)")
+    parser.add_argument("--sweep", type=Path, default=None,
+                        help="a sweep folder (outputs/study) whose primary contrast gives the SD (for --seeds-for)")
     args = parser.parse_args(argv)
     overrides, as_json = args.overrides, args.json
     try:
+        seeds_for = None
+        if args.seeds_for is None and (args.sd is not None or args.sweep is not None):
+            raise ValueError("--sd/--sweep: give them with --seeds-for METRIC=MARGIN")
+        if args.seeds_for is not None:
+            seeds_for = parse_seeds_for(args.seeds_for)
+            if (args.sd is None) == (args.sweep is None):
+                raise ValueError("--seeds-for: give the paired SD with --sd X or a sweep with --sweep DIR (one)")
+            if args.sd is not None and not (args.sd > 0 and math.isfinite(args.sd)):
+                raise ValueError(f"--sd {args.sd}: a positive number, e.g. --sd 0.03")
+            if args.sweep is not None and not args.sweep.is_dir():
+                raise ValueError(f"--sweep {args.sweep}: not a folder; give a sweep's output folder")
         cfg = compose(overrides)
+        if seeds_for is not None:
+            sd, source = (args.sd, "given") if args.sd is not None else sweep_sd(args.sweep, seeds_for[0])
         _, report = plan_config(cfg)
     except Exception as err:  # Hydra's override/composition errors, ConfigError, a plan's ValueError
-        if not _is_input_error(err):
+        if not (_is_input_error(err) or isinstance(err, FileNotFoundError)):
             raise
         print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    if seeds_for is not None:
+        report["seeds"] = seeds_report(*seeds_for, sd, source, report)
     if as_json:
         print(json.dumps(report, indent=1))
+    elif seeds_for is not None:
+        print_seeds(report["seeds"])
     else:
         print_report(report)
     return 0

@@ -86,3 +86,35 @@ def test_factorial_figures_from_the_runs_ellipsoid_and_energy_records(compared: 
     # normgeo.report on several runs draws the same figures through the same code.
     assert report_main([str(compared / run) for run in RUNS[::2]] + ["--out", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.glob("*.png")} >= {"ellipsoid.png", "energy.png", "factorial_ones.png"}
+
+
+def test_the_verdict_of_real_runs_tests_the_pooled_geometry_against_an_independent_computation(compared: Path) -> None:
+    """verdict.csv of the real 2 x 2 sweep: its columns, the primary flag, and the rank of 1 among the random
+    directions (pooled per run over layers and site classes at the last probe) re-computed from null.jsonl,
+    with its paired t-test and TOST from scipy's t distribution."""
+    import math
+
+    import numpy as np
+    from scipy import stats
+
+    table = pd.read_csv(compared / "compare" / "verdict.csv")
+    assert {"margin", "ci95_low", "ci95_high", "ci90_low", "ci90_high", "p_diff", "p_diff_holm", "p_tost",
+            "p_tost_holm", "primary", "family", "sentence"} <= set(table.columns)
+    layer_rms = table[(table["arm"] == "layer") & (table["other"] == "rms")].set_index("metric")
+    assert bool(layer_rms.loc["val_loss/tail", "primary"]) and table["primary"].sum() == 1
+
+    def pooled_rank(run: str) -> float:
+        rows = [r for r in read_rows(compared / run / "null.jsonl") if r["step"] is not None]
+        last = max(r["step"] for r in rows)
+        return float(np.mean([r["mean_rank_pct"] for r in rows if r["step"] == last]))
+
+    diffs = [pooled_rank(f"tiny-layer-s{seed}") - pooled_rank(f"tiny-rms-s{seed}") for seed in (0, 1)]
+    row = layer_rms.loc["rank_pct/last"]
+    assert row["n_seeds"] == 2 and row["mean"] == pytest.approx(np.mean(diffs))
+    mean, se, margin = np.mean(diffs), np.std(diffs, ddof=1) / math.sqrt(2), row["margin"]
+    assert row["p_diff"] == pytest.approx(2 * stats.t.sf(abs(mean / se), 1), rel=1e-6)
+    assert row["p_tost"] == pytest.approx(max(stats.t.sf((mean + margin) / se, 1),
+                                              stats.t.cdf((mean - margin) / se, 1)), rel=1e-6)
+    assert row["p_diff_holm"] >= row["p_diff"] and row["family"] == "exploratory"
+    text = (compared / "compare" / "verdict.md").read_text()
+    assert "**Exploratory family**" in text and "| LayerNorm | tiny | pre | 2 |" in text

@@ -169,3 +169,49 @@ def test_train_py_plan_true_prints_the_1b_paper_plan_and_writes_nothing(tmp_path
     assert result.returncode == 0, result.stderr
     assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+# --- seeds a margin needs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--seeds-for", "val_loss=0.01"], ["--seeds-for", "nope=0.01", "--sd", "1"],
+                                  ["--seeds-for", "val_loss=-1", "--sd", "1"], ["--sd", "0.1"],
+                                  ["--seeds-for", "val_loss=0.01", "--sd", "0"]])
+def test_seeds_for_bad_input_is_one_line_and_exit_2(args: list[str], capsys) -> None:
+    from normgeo.plan import main
+
+    assert main(["experiment=paper_70m", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --s"), err
+
+
+@pytest.mark.slow
+def test_seeds_for_a_margin_from_a_sweeps_paired_sd_with_gpu_hours(tmp_path: Path, capsys) -> None:
+    """The SD of a sweep's LayerNorm − RMSNorm validation-loss differences, the seeds it needs at ±0.02 nats
+    (statsmodels / the TOST power, checked against simulations in tests/test_verdict.py) and the GPU-hours."""
+    import json
+    import statistics
+
+    from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
+    from normgeo.plan import main
+    from tests.test_verdict import make_run
+
+    diffs = [0.01, -0.02, 0.015, 0.03]
+    for seed, diff in enumerate(diffs):
+        for norm, loss in (("rms", 5.0), ("layer", 5.0 + diff)):
+            run = make_run(tmp_path / "sweep", norm, seed, val_loss=loss, tokens_per_s=1000.0, dev=1.0)
+            (run / ".hydra").mkdir()
+            (run / ".hydra" / "config.yaml").write_text("max_steps: 10\n")
+    tiny = ["size=tiny", "seq_len=64", "micro_batch=4", "global_batch=8"]
+    assert main([*tiny, "--seeds-for", "val_loss=0.02", "--sweep", str(tmp_path / "sweep"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    seeds, sd = report["seeds"], statistics.stdev(diffs)
+    assert seeds["sd"] == pytest.approx(sd) and seeds["sd_from"].startswith("4 seeds of ")
+    assert seeds["seeds_equivalence"] == seeds_for_equivalence(sd, 0.02)
+    assert seeds["seeds_difference"] == seeds_for_difference(sd, 0.02)
+    for gpu, row in zip(report["gpus"], seeds["gpus"], strict=True):
+        assert row["gpu_hours_equivalence"] == pytest.approx(2 * seeds["seeds_equivalence"] * gpu["gpu_hours"])
+    assert main([*tiny, "--seeds-for", "val_loss=0.02", "--sd", str(sd)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"LayerNorm vs RMSNorm at tiny to ±0.02 nats: {seeds['seeds_equivalence']} seeds per arm, " in lines[1]
+    assert "GPU-hours on H100" in lines[-1]

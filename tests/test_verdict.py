@@ -1,6 +1,8 @@
-"""The verdict of normgeo.compare: paired contrasts over seeds with t-intervals, checked against an
-independent computation (scipy's one-sample t-test) on runs built with known differences; and a toy arm
-defined only in a test, trained by the real train.py, probed, compared and judged."""
+"""The verdict of normgeo.compare: paired contrasts over seeds with t-intervals, difference and equivalence
+tests (TOST) and Holm's correction within declared families, checked against independent computations
+(scipy's t distribution, Holm by hand) on per-seed values and on runs built with known differences; the
+seeds a margin needs, checked against a simulation; and a toy arm defined only in a test, trained by the
+real train.py, probed, compared and judged."""
 
 from __future__ import annotations
 
@@ -14,11 +16,21 @@ import pandas as pd
 import pytest
 import yaml
 from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 from models.norms import NORM_ARMS, contrasts, unregister_arm
 from normgeo.compare import main as compare_main
 from normgeo.figures.sweep import load
-from normgeo.figures.verdict import paired_estimates, run_measures, sentence, write_verdict
+from normgeo.figures.verdict import (
+    METRICS,
+    geometry_measures,
+    load_verdict_config,
+    paired_estimates,
+    run_measures,
+    sentence,
+    write_verdict,
+)
+from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence, tost_power
 from tests import toy_arm
 from tests.conftest import ARM_SETTINGS, FAST, ROOT
 
@@ -27,7 +39,7 @@ SITES = {0: ("ln1", "ln2"), 1: ("ln1", "ln2"), "final": ("final",)}
 
 def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s: float, dev: float,
              in_band: tuple[bool, bool] = (True, False), energy: float = 0.01, placement: str = "pre",
-             step_rates: tuple[float, ...] = ()) -> Path:
+             step_rates: tuple[float, ...] = (), rank: tuple[float, float] = (50.0, 50.0)) -> Path:
     """A run directory with the files the verdict reads, every |angle - 90| at the last step = ``dev``."""
     run_dir = root / f"{norm}{'-post' if placement == 'post' else ''}-s{seed}"
     run_dir.mkdir(parents=True)
@@ -35,14 +47,15 @@ def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s:
         "run_name": run_dir.name, "norm": {"name": norm}, "placement": {"name": placement}, "seed": seed,
         "size": {"name": "toy"}, "global_batch": 4, "seq_len": 8, "max_steps": 10}))
     angles, null, energy_rows = [], [], []
-    for step, band in zip((0, 10), in_band, strict=True):
+    for step, band, rank_pct in zip((0, 10), in_band, rank, strict=True):
         for layer, roles in SITES.items():
             for role in roles:
                 for suffix, sign in (("in", 1), ("out", -1)):
                     deg = 90 + sign * (dev if step == 10 else 1.0)
                     angles.append({"model": "m", "norm": norm, "step": step, "layer": layer, "site": f"{role}.{suffix}",
                                    "ref": "ones", "mean_deg": deg, "p05": deg - 3, "p95": deg + 3})
-                    null.append({"step": step, "layer": layer, "site": f"{role}.{suffix}", "in_null_band": band})
+                    null.append({"step": step, "layer": layer, "site": f"{role}.{suffix}", "in_null_band": band,
+                                 "mean_rank_pct": rank_pct})
                 energy_rows.append({"step": step, "layer": layer, "site": f"{role}.in", "quantity": "ones_fraction",
                                     "mean": energy})
     for name, rows in (("angles.jsonl", angles), ("null.jsonl", null), ("energy.jsonl", energy_rows)):
@@ -91,7 +104,8 @@ def test_intervals_agree_with_an_independent_t_interval(known_sweep) -> None:
         assert (dev.mean, dev.low, dev.high) == pytest.approx(independent_interval(truth["dev"]), rel=1e-9)
     # One seed of layer vs rms_bias: a difference, no interval.
     single = by_key[("layer", "rms_bias", "val_loss")]
-    assert single.n == 1 and single.low is None and "one seed: no interval is possible" in sentence(single)
+    assert single.n == 1 and single.low is None and "one seed: no interval and no test" in sentence(single)
+    assert single.outcome() == "no test" and single.test.p_diff is None
     # The dyt run has no partner seed: listed as unpaired, never dropped.
     assert list(unpaired["run"]) == ["dyt-s7"]
 
@@ -101,30 +115,41 @@ def test_the_words_say_what_the_numbers_support(known_sweep, tmp_path: Path) -> 
     comparison = load(sorted(p for p in root.iterdir() if p.is_dir()))
     estimates, _ = paired_estimates(run_measures(comparison))
     by_key = {(e.arm, e.other, e.metric): e for e in estimates}
-    # val: all three differences positive and tight -> RMSNorm lower; tokens/s all < 1 -> RMSNorm faster.
-    assert by_key[("layer", "rms", "val_loss")].distinguishable()
-    assert "RMSNorm reaches the lower validation loss, at 3 seeds" in sentence(by_key[("layer", "rms", "val_loss")])
-    assert "RMSNorm trains faster" in sentence(by_key[("layer", "rms", "tokens_per_s_ratio")])
+    # The primary statistic (the tail of the curve: here its last point), its own family: all three
+    # differences positive and tight -> different, RMSNorm lower.
+    primary = by_key[("layer", "rms", "val_loss/tail")]
+    assert primary.primary and primary.family_size == 1 and primary.p_diff_holm == primary.test.p_diff < 0.05
+    assert "different: RMSNorm reaches the lower validation loss, at 3 seeds" in sentence(primary)
+    # tokens/s all < 1: raw p < 0.05, but it is one of the exploratory family's tests: not different after Holm.
+    speed = by_key[("layer", "rms", "tokens_per_s_ratio")]
+    assert speed.test.p_diff < 0.05 <= speed.p_diff_holm and speed.outcome() == "inconclusive"
+    assert "inconclusive at 3 seeds" in sentence(speed)
     out = tmp_path / "verdict"
     out.mkdir()
     written = write_verdict(comparison, out, ("png",))
     text = (out / "verdict.md").read_text()
-    assert "## The paper's question: LayerNorm vs RMSNorm" in text and "dyt-s7" in text
+    assert "## The primary question" in text and "dyt-s7" in text
     table = pd.read_csv(out / "verdict.csv")
     assert set(table["metric"]) >= {"val_loss", "tokens_per_s_ratio", "ones_dev/ln1.in"}
-    assert (out / "verdict.png").stat().st_size > 5000 and len(written) == 3
-    # Per arm: 1 inside the null band at every first-step record, at none of the last step's.
-    assert "| LayerNorm | toy | pre | 3 | " in text and "| 100% | 0% |" in text
+    assert {"margin", "ci95_low", "ci95_high", "ci90_low", "ci90_high", "p_diff", "p_diff_holm", "p_tost",
+            "p_tost_holm", "primary", "sentence"} <= set(table.columns)
+    assert list(table[table["primary"]]["metric"]) == ["val_loss/tail"]
+    assert (out / "verdict.png").stat().st_size > 5000 and (out / "val_curve_diff.png").stat().st_size > 5000
+    assert len(written) == 4
+    assert "**Primary question**" in text and "**Exploratory family**" in text
+    # Per arm, described: 1 inside the null band at every first-step record, at none of the last step's.
+    assert "| LayerNorm | toy | pre | 3 | 100% | 0% |" in text
 
 
-def test_an_interval_containing_zero_reads_not_distinguishable(tmp_path: Path) -> None:
+def test_an_interval_containing_zero_and_wider_than_the_margin_reads_inconclusive(tmp_path: Path) -> None:
     for seed, diff in enumerate((0.05, -0.04, 0.01)):
         make_run(tmp_path, "rms", seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
         make_run(tmp_path, "layer", seed, val_loss=5.0 + diff, tokens_per_s=1000.0, dev=1.0)
     estimates, unpaired = paired_estimates(run_measures(load(sorted(tmp_path.iterdir()))))
-    val = next(e for e in estimates if e.metric == "val_loss")
-    assert val.low < 0 < val.high and not val.distinguishable()
-    assert sentence(val).endswith("not distinguishable at 3 seeds.") and unpaired.empty
+    val = next(e for e in estimates if e.metric == "val_loss/tail")
+    assert val.low < 0 < val.high and val.outcome() == "inconclusive"
+    assert sentence(val).endswith("inconclusive at 3 seeds (the 90% interval is wider than the margin ±0.02 nats; "
+                                  "nor is a difference resolved).") and unpaired.empty
 
 
 def test_throughput_is_the_median_step_rate_so_probe_steps_and_load_bursts_do_not_decide_it(tmp_path: Path) -> None:
@@ -174,3 +199,206 @@ def test_a_toy_arm_defined_in_a_test_trains_probes_and_is_judged(tmp_path: Path)
         assert "toy L2 norm vs LayerNorm" in (out / "compare" / "verdict.md").read_text()
     finally:
         unregister_arm(toy_arm.TOY)
+
+
+# --- equivalence, difference, inconclusive and the family, on constructed per-seed values --------------------
+
+CONFIG = load_verdict_config()
+
+
+def measures_of(per_metric: dict[str, list[float]], *, arms=("layer", "rms")) -> pd.DataFrame:
+    """Per-run rows of ``arms`` over seeds: the other arm at 0 (1000 tokens/s), the first arm at the given
+    per-seed difference (a ratio for tokens/s); every metric not given is unmeasured."""
+    seeds = len(next(iter(per_metric.values())))
+    rows = []
+    for seed in range(seeds):
+        for norm in arms:
+            row = {"run": f"{norm}-s{seed}", "norm": norm, "size": "toy", "placement": "pre", "seed": seed,
+                   **{m: None for m in METRICS}, "tokens_per_s": None}
+            for metric, values in per_metric.items():
+                column = "tokens_per_s" if metric == "tokens_per_s_ratio" else metric
+                base = 1000.0 if column == "tokens_per_s" else 0.0
+                row[column] = (base * values[seed] if column == "tokens_per_s" else values[seed]) \
+                    if norm == arms[0] else base
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def independent_tost(values, margin: float) -> tuple[float, float, float]:
+    """TOST p (the larger one-sided p) and the 90% interval from scipy's t distribution, by hand."""
+    x = np.asarray(values, dtype=float)
+    n, mean, se = x.size, x.mean(), x.std(ddof=1) / math.sqrt(x.size)
+    p_low = stats.t.sf((mean + margin) / se, n - 1)   # H0: difference <= -margin
+    p_high = stats.t.cdf((mean - margin) / se, n - 1)  # H0: difference >= +margin
+    q = stats.t.ppf(0.95, n - 1)
+    return max(p_low, p_high), mean - q * se, mean + q * se
+
+
+def by_metric(estimates) -> dict:
+    return {e.metric: e for e in estimates if (e.arm, e.other) == ("layer", "rms")}
+
+
+def test_equivalence_is_shown_when_the_90_percent_interval_lies_inside_the_margin() -> None:
+    diffs = [0.003, -0.002, 0.001, 0.0, -0.0015, 0.002]
+    estimate = by_metric(paired_estimates(measures_of({"val_loss/tail": diffs}), CONFIG)[0])["val_loss/tail"]
+    p_tost, low90, high90 = independent_tost(diffs, 0.02)
+    assert estimate.primary and estimate.margin == 0.02
+    assert estimate.test.p_tost == pytest.approx(p_tost, rel=1e-9) and estimate.ci90 == pytest.approx((low90, high90))
+    assert -0.02 < low90 < high90 < 0.02 and estimate.p_tost_holm == estimate.test.p_tost < 0.05
+    assert estimate.outcome() == "equivalent"
+    assert sentence(estimate).endswith("equivalent within ±0.02 nats, at 6 seeds.")
+    # A tighter margin than the data resolve: the same values are no longer shown equivalent.
+    tight = load_verdict_config(overrides=["val_loss=0.001"])
+    narrow = by_metric(paired_estimates(measures_of({"val_loss/tail": diffs}), tight)[0])["val_loss/tail"]
+    assert narrow.margin == 0.001 and narrow.outcome() == "inconclusive"
+    assert "the 90% interval is wider than the margin ±0.001 nats" in sentence(narrow)
+    assert not any(word in sentence(narrow) for word in ("equivalent", "the same", "holds", "no difference"))
+
+
+def test_a_difference_is_shown_when_the_adjusted_t_test_rejects() -> None:
+    diffs = [0.10, 0.12, 0.11, 0.09]
+    estimate = by_metric(paired_estimates(measures_of({"val_loss/tail": diffs}), CONFIG)[0])["val_loss/tail"]
+    assert estimate.test.p_diff == pytest.approx(stats.ttest_1samp(diffs, 0.0).pvalue, rel=1e-9)
+    assert estimate.outcome() == "different" and estimate.test.p_tost > 0.5
+    assert "different: RMSNorm reaches the lower validation loss, at 4 seeds." in sentence(estimate)
+
+
+def test_an_uncorrected_p_below_005_does_not_survive_holm_in_its_family() -> None:
+    """Four exploratory tests (and the primary, its own family): Holm by hand on the four p-values."""
+    per_metric = {
+        "val_loss/tail": [0.001, 0.002, -0.001, 0.0],       # primary
+        "val_loss": [0.030, 0.010, 0.045, 0.020],           # p ~ 0.03: raw < 0.05
+        "tokens_per_s_ratio": [1.01, 0.99, 1.02, 0.98],
+        "ones_dev/ln1.in": [0.5, -0.3, 0.8, 0.1],
+        "rank_pct/window": [4.0, -2.0, 1.0, 6.0],
+    }
+    estimates, _ = paired_estimates(measures_of(per_metric), CONFIG)
+    found = by_metric(estimates)
+    family = [found[m] for m in per_metric if m != "val_loss/tail"]
+    assert {e.family for e in family} == {"exploratory"} and {e.family_size for e in family} == {4}
+    raw = [e.test.p_diff for e in family]
+    # Holm by hand: sort, multiply the i-th smallest by (m - i), running maximum, at most 1.
+    order = sorted(range(4), key=lambda i: raw[i])
+    by_hand, running = [0.0] * 4, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (4 - rank) * raw[i]))
+        by_hand[i] = running
+    assert [e.p_diff_holm for e in family] == pytest.approx(by_hand, rel=1e-12)
+    final = found["val_loss"]
+    assert final.test.p_diff < 0.05 <= final.p_diff_holm
+    assert final.outcome() == "inconclusive" and "different" not in sentence(final)
+    # TOST is adjusted in the same family; the primary row is adjusted only within its own (one test).
+    assert [e.p_tost_holm for e in family] == pytest.approx(
+        list(multipletests([e.test.p_tost for e in family], method="holm")[1]), rel=1e-12)
+    primary = found["val_loss/tail"]
+    assert primary.primary and primary.family_size == 1 and primary.p_tost_holm == primary.test.p_tost
+
+
+def test_the_tokens_per_s_margin_is_relative_on_the_log_ratio() -> None:
+    ratios = [1.01, 0.995, 1.005, 0.99, 1.0]
+    estimate = by_metric(paired_estimates(measures_of({"tokens_per_s_ratio": ratios}), CONFIG)[0])["tokens_per_s_ratio"]
+    p_tost, low90, high90 = independent_tost(np.log(ratios), math.log(1.05))
+    assert estimate.test.p_tost == pytest.approx(p_tost, rel=1e-9)
+    assert estimate.ci90 == pytest.approx((math.exp(low90), math.exp(high90)), rel=1e-9)
+    assert estimate.margin == pytest.approx(0.05) and "equivalent within ±5%" in sentence(estimate)
+
+
+@pytest.mark.parametrize("override", ["val_loss=-1", "val_loss=abc", "nonsense=0.1", "val_loss"])
+def test_a_bad_margin_is_one_line_exit_2_and_nothing_written(tmp_path: Path, capsys, override: str) -> None:
+    make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    assert compare_main([str(tmp_path / "runs"), "--margin", override, "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and ("margin" in err[0])
+    assert not (tmp_path / "c").exists()
+
+
+def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_of_probes(tmp_path: Path) -> None:
+    """11 probes (steps 0..100): per step the mean over every (layer, site) record; the window is the last
+    4 probe steps (ceil(0.3 * 11)); the band edge distance is min(rank - 5, 95 - rank) per record."""
+    run = make_run(tmp_path, "rms", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    null, energy, truth = [], [], {}
+    for step in range(0, 101, 10):
+        ranks = [50 + step * 0.45 + layer for layer in range(3) for _ in range(2)]  # 2 sites per layer
+        null += [{"step": step, "layer": i // 2, "site": ("ln1.in", "ln1.out")[i % 2], "mean_rank_pct": r,
+                  "in_null_band": 5 <= r <= 95} for i, r in enumerate(ranks)]
+        energy += [{"step": step, "layer": layer, "site": "ln1.in", "quantity": "ones_fraction",
+                    "mean": 0.01 + step / 1e4 + layer / 1e3} for layer in range(3)]
+        truth[step] = (np.mean(ranks), np.mean([min(r - 5, 95 - r) for r in ranks]),
+                       np.mean([0.01 + step / 1e4 + layer / 1e3 for layer in range(3)]))
+    (run / "null.jsonl").write_text("".join(json.dumps(r) + "\n" for r in null))
+    (run / "energy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in energy))
+    measured = geometry_measures(run)
+    window = [70, 80, 90, 100]
+    for i, kind in enumerate(("rank_pct", "band_margin", "ones_energy")):
+        assert measured[f"{kind}/last"] == pytest.approx(truth[100][i])
+        assert measured[f"{kind}/window"] == pytest.approx(np.mean([truth[s][i] for s in window]))
+    assert measured["band_margin/last"] < 0 < measured["band_margin/window"]  # the last probe alone: outside
+    assert measured["in_band_first"] == 1.0 and 0 < measured["in_band_last"] < 1
+
+
+# --- seeds planned ---------------------------------------------------------------------------------------------
+
+
+def simulated_power(n: int, sd: float, margin: float, test: str, reps: int = 20_000, seed: int = 0) -> float:
+    """Monte-Carlo power of the paired tests with scipy's t quantiles (not the planner's code)."""
+    rng = np.random.default_rng(seed)
+    true = margin if test == "difference" else 0.0
+    x = rng.normal(true, sd, size=(reps, n))
+    mean, se = x.mean(axis=1), x.std(axis=1, ddof=1) / math.sqrt(n)
+    if test == "difference":
+        return float(np.mean(np.abs(mean / se) > stats.t.ppf(0.975, n - 1)))
+    q = stats.t.ppf(0.95, n - 1)
+    return float(np.mean((mean - q * se > -margin) & (mean + q * se < margin)))
+
+
+@pytest.mark.parametrize(("n", "sd", "margin"), [(4, 1.0, 2.0), (8, 1.0, 1.0), (20, 0.04, 0.02)])
+def test_tost_power_agrees_with_a_simulation(n: int, sd: float, margin: float) -> None:
+    simulated = simulated_power(n, sd, margin, "equivalence")
+    assert tost_power(n, sd, margin) == pytest.approx(simulated, abs=0.015)  # 3 SE of 20,000 draws ~ 0.01
+
+
+def test_seeds_for_a_margin_reach_80_percent_power_in_a_simulation() -> None:
+    sd, margin = 0.03, 0.02
+    equivalence = seeds_for_equivalence(sd, margin)
+    assert simulated_power(equivalence, sd, margin, "equivalence") >= 0.78
+    assert simulated_power(equivalence - 1, sd, margin, "equivalence") < 0.81
+    difference = seeds_for_difference(sd, margin)
+    assert simulated_power(difference, sd, margin, "difference") >= 0.78
+    assert simulated_power(difference - 1, sd, margin, "difference") < 0.81
+    assert equivalence > difference  # showing |d| < margin at d = 0 needs more seeds than detecting d = margin
+
+
+def write_intervention(run_dir: Path, action: str, delta_losses: dict[int, float]) -> None:
+    """intervention.jsonl's all-norms rows of a run: the loss change at each probe step."""
+    rows = [{"model": "m", "norm": "x", "step": step, "scope": "all", "action": action, "delta_loss": value}
+            for step, value in delta_losses.items()]
+    rows.append({"model": "m", "norm": "x", "step": 10, "scope": "layer", "action": action, "delta_loss": 9.0})
+    (run_dir / "intervention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(tmp_path: Path) -> None:
+    """Per arm, the run's loss change (all norms, last 30% of probes / last probe) over seeds against 0: taking
+    LayerNorm's centering out costs nothing within the margin here, putting it into RMSNorm costs 0.1 nats."""
+    removed = {0: [0.001, 0.002, -0.001], 1: [0.000, 0.001, 0.002], 2: [0.002, 0.000, 0.001]}  # steps 0, 5, 10
+    added = {0: [0.01, 0.09, 0.10], 1: [0.02, 0.11, 0.12], 2: [0.00, 0.10, 0.09]}
+    for seed in range(3):
+        for norm, action, values in (("layer", "remove", removed), ("rms", "add", added)):
+            run_dir = make_run(tmp_path, norm, seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+            write_intervention(run_dir, action, dict(zip((0, 5, 10), values[seed], strict=True)))
+    comparison = load(sorted(p for p in tmp_path.iterdir() if p.is_dir()))
+    estimates, _ = paired_estimates(run_measures(comparison))
+    per_arm = {(e.arm, e.metric): e for e in estimates if e.family == "intervention"}
+    assert set(per_arm) == {(arm, f"intervention_dloss/{at}") for arm in ("layer", "rms") for at in ("window", "last")}
+    assert all(e.family_size == 4 for e in per_arm.values())  # its own family: 2 arms x 2 statistics
+    last = per_arm[("layer", "intervention_dloss/last")]
+    assert last.values == pytest.approx([values[-1] for values in removed.values()])  # the all-norms rows only
+    window = per_arm[("rms", "intervention_dloss/window")]  # the last 30% of 3 probes: the last one
+    assert window.values == pytest.approx([values[-1] for values in added.values()])
+    assert (window.mean, window.low, window.high) == pytest.approx(independent_interval(window.values))
+    assert "free within ±0.02 nats (equivalent to the intact model), at 3 seeds" in sentence(last)
+    assert window.outcome() == "different"
+    assert "putting the mean subtraction into every norm of the trained model raises the loss" in sentence(window)
+    # Between the arms, the intervention's loss change is an exploratory contrast like any other metric.
+    contrast = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", "intervention_dloss/last")]
+    assert contrast.family == "exploratory" and contrast.values == pytest.approx(
+        [r[-1] - a[-1] for r, a in zip(removed.values(), added.values(), strict=True)])

@@ -14,7 +14,7 @@ from normgeo.figures.intervention import plot_intervention_steps  # noqa: E402
 from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
 from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table  # noqa: E402
-from normgeo.figures.verdict import write_verdict  # noqa: E402
+from normgeo.figures.verdict import VerdictConfig, write_verdict  # noqa: E402
 from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
 from normgeo.measure.records import DamagedRecords  # noqa: E402
 
@@ -119,10 +119,12 @@ def intervention_figure(comparison: Comparison, out_dir: Path, formats: Sequence
 
 
 def write_comparison(
-    paths: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png", "pdf"), refs: Sequence[str] | None = None
+    paths: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png", "pdf"), refs: Sequence[str] | None = None,
+    verdict_config: VerdictConfig | None = None,
 ) -> tuple[dict[str, list[Path]], list[DamagedRecords]]:
     """Tables and figures for the runs under ``paths`` into ``out_dir``; returns what was written and the
-    runs left out because a records file is damaged (the others are compared)."""
+    runs left out because a records file is damaged (the others are compared). ``verdict_config``: the
+    verdict's margins and primary question (default: ``conf/compare/margins.yaml``)."""
     comparison = load(paths)
     if refs:
         comparison.angles = comparison.angles[comparison.angles["ref"].isin(refs)]
@@ -138,7 +140,7 @@ def write_comparison(
     written["tables"] += [out_dir / "summary.csv", out_dir / "summary.md"]
     for name, maker in FIGURES.items():
         written[name] = maker(comparison, out_dir, formats)
-    written["verdict"] = write_verdict(comparison, out_dir, formats)
+    written["verdict"] = write_verdict(comparison, out_dir, formats, verdict_config)
     return written, comparison.damaged
 
 

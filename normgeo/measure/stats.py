@@ -17,13 +17,19 @@ them, because tokens of one document are not independent draws.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from scipy import integrate
 from scipy import stats as scipy_stats
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.power import TTestPower
+from statsmodels.stats.weightstats import DescrStatsW
 
 from normgeo.measure.geometry import angle_deg
 
@@ -52,6 +58,116 @@ def mean_t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
         return mean, None, None
     half = float(scipy_stats.t.ppf(0.5 + level / 2, df=x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
     return mean, mean - half, mean + half
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """One paired contrast over seeds: the mean difference, its 95% and 90% Student-t intervals, the
+    two-sided t-test against a zero difference and the two one-sided tests (TOST) of equivalence within ±margin.
+    Intervals and p-values are None below two seeds."""
+
+    n: int
+    mean: float
+    margin: float
+    ci95: tuple[float, float] | None
+    ci90: tuple[float, float] | None
+    p_diff: float | None
+    p_tost: float | None
+
+
+def paired_test(values: Sequence[float], margin: float, alpha: float = 0.05) -> PairedTest:
+    """The tests of per-seed differences ``values`` (arm - other) against 0 and against ±``margin``.
+
+    TOST at level ``alpha`` rejects "|true difference| >= margin" exactly when the (1 - 2 alpha) interval
+    (90% at alpha = 0.05) lies inside ±margin; its p-value is the larger of the two one-sided p-values
+    (statsmodels' ``ttost_mean``). The difference test is the one-sample t-test of the differences.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(x.mean()) if x.size else math.nan
+    if x.size < 2:
+        return PairedTest(int(x.size), mean, margin, None, None, None, None)
+    described = DescrStatsW(x)
+    ci95 = tuple(float(v) for v in described.tconfint_mean(alpha))
+    ci90 = tuple(float(v) for v in described.tconfint_mean(2 * alpha))
+    if float(x.std(ddof=1)) == 0.0:  # identical differences: the t statistics are infinite
+        p_diff = 0.0 if mean != 0 else 1.0
+        p_tost = 0.0 if abs(mean) < margin else 1.0
+    else:
+        p_diff = float(described.ttest_mean(0.0)[1])
+        p_tost = float(described.ttost_mean(-margin, margin)[0])
+    return PairedTest(int(x.size), mean, margin, ci95, ci90, p_diff, p_tost)
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm-adjusted p-values of one family (statsmodels' ``multipletests``); None stays None (no test)."""
+    tested = [i for i, p in enumerate(pvalues) if p is not None and not math.isnan(p)]
+    adjusted: list[float | None] = [None] * len(pvalues)
+    if tested:
+        # statsmodels' Holm branch ends with gc.collect(): a full pass over a heap that holds torch and pandas
+        # (~0.5 s a call). Objects frozen before the call are skipped by it, and unfrozen right after.
+        gc.freeze()
+        try:
+            corrected = multipletests([pvalues[i] for i in tested], method="holm")[1]
+        finally:
+            gc.unfreeze()
+        for i, p in zip(tested, corrected, strict=True):
+            adjusted[i] = float(p)
+    return adjusted
+
+
+def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: float = 0.05) -> int:
+    """Seeds (pairs) for a two-sided paired t-test at ``alpha`` to detect a true difference of ``margin``
+    with probability ``power``, for paired differences of standard deviation ``sd`` (statsmodels)."""
+    n = TTestPower().solve_power(effect_size=margin / sd, alpha=alpha, power=power, alternative="two-sided")
+    return max(2, math.ceil(float(np.asarray(n).item()) - 1e-9))
+
+
+def tost_power(n: int, sd: float, margin: float, true_difference: float = 0.0, alpha: float = 0.05) -> float:
+    """Probability that TOST at ``alpha`` shows equivalence within ±``margin`` with ``n`` paired seeds.
+
+    Exact for normal differences: TOST succeeds when |mean - 0| + t_crit * s / sqrt(n) < margin, the
+    mean is N(true_difference, sd^2 / n) and independent of s, with (n - 1) s^2 / sd^2 ~ chi2(n - 1); the
+    probability over the mean is integrated over the distribution of s (what Owen's Q function computes).
+    """
+    if n < 2:
+        return 0.0
+    df = n - 1
+    se = sd / math.sqrt(n)
+    t_crit = float(scipy_stats.t.ppf(1 - alpha, df))
+
+    def given_chi2(q: float) -> float:
+        half = margin - t_crit * sd * math.sqrt(q / df) / math.sqrt(n)  # the mean must lie within ±half
+        if half <= 0:
+            return 0.0
+        inside = (scipy_stats.norm.cdf((half - true_difference) / se)
+                  - scipy_stats.norm.cdf((-half - true_difference) / se))
+        return float(inside * scipy_stats.chi2.pdf(q, df))
+
+    # The integrand is 0 once t_crit * s / sqrt(n) >= margin: integrate up to that chi-square value.
+    upper = df * (margin * math.sqrt(n) / (t_crit * sd)) ** 2
+    value, _ = integrate.quad(given_chi2, 0.0, upper, limit=200)
+    return float(min(max(value, 0.0), 1.0))
+
+
+def seeds_for_equivalence(sd: float, margin: float, power: float = 0.8, alpha: float = 0.05,
+                          true_difference: float = 0.0, most: int = 100_000) -> int:
+    """The fewest seeds (pairs) with which TOST at ``alpha`` shows equivalence within ±``margin`` with
+    probability ``power`` when the true difference is ``true_difference`` (default: none)."""
+    if abs(true_difference) >= margin:
+        raise ValueError(f"true difference {true_difference} is not inside the margin ±{margin}")
+
+    def enough(n: int) -> bool:
+        return tost_power(n, sd, margin, true_difference, alpha) >= power
+
+    low, high = 2, 2
+    while not enough(high):  # power grows with n: double, then bisect
+        low, high = high + 1, high * 2
+        if high > most:
+            raise ValueError(f"more than {most} seeds for ±{margin} at SD {sd}")
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
+    return high
 
 
 def chan_merge(

@@ -1,0 +1,75 @@
+"""The CPU study (docs/make_study.sh) in small: one pair of its arms (``layer`` and ``rms``, seed 0) with the
+study preset on the real corpora, shortened, trained twice on this machine: every records file and every
+logged loss is identical bit for bit (what docs/study.md says is bitwise); and the study page
+(docs/study_page.py) renders the verdict of such a run tree with its new words."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from normgeo.compare import main as compare_main
+from tests.conftest import ROOT, metrics_rows
+
+pytestmark = pytest.mark.slow  # four real study-preset runs
+
+RECORDS = ("angles.jsonl", "null.jsonl", "energy.jsonl", "ellipsoid.jsonl")
+SHORT = ("max_steps=20", "checkpoint.steps=[10,20]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
+         "val_sequences=16", "probe.tokens=1024", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false")
+
+
+def study_pair(output_root: Path, data_root: Path, shared: Path) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=study_cpu", "seed=0", "norm=layer,rms",
+            f"data.source.path={shared / 'corpora' / 'webtext'}", f"probe.path={shared / 'corpora' / 'wikipedia'}",
+            f"output_root={output_root}", f"data_root={data_root}", *SHORT]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def twice(tmp_path_factory, shared: Path) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("study")
+    for name in ("a", "b"):
+        done = study_pair(root / name, root / "data", shared)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return root / "a", root / "b"
+
+
+def test_a_rerun_of_a_study_pair_on_the_same_machine_gives_identical_records(twice: tuple[Path, Path]) -> None:
+    first, second = twice
+    runs = sorted(p.name for p in first.iterdir() if (p / "angles.jsonl").is_file())
+    assert runs == ["study-layer-s0", "study-rms-s0"]
+    for run in runs:
+        for name in RECORDS:
+            assert (first / run / name).read_bytes() == (second / run / name).read_bytes(), f"{run}/{name}"
+        for metric in ("train/loss", "val/loss"):
+            a = [(r["step"], r[metric]) for r in metrics_rows(first / run) if r.get(metric)]
+            b = [(r["step"], r[metric]) for r in metrics_rows(second / run) if r.get(metric)]
+            assert a == b and len(a) == 4, (run, metric)  # steps 5, 10, 15, 20
+
+
+def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Path], tmp_path: Path) -> None:
+    out = twice[0]
+    assert compare_main([str(out), "--formats", "png"]) == 0
+    (out / "wall_s.txt").write_text("60\n")
+    (out / "disk_bytes.txt").write_text("1000\n")
+    (out / "commands.txt").write_text("python train.py -m ...\n")
+    spec = importlib.util.spec_from_file_location("study_page", ROOT / "docs" / "study_page.py")
+    study_page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study_page)
+    page = study_page.main(out, figures_dir=tmp_path)
+    assert "### The primary question" in page and "**Exploratory family**" in page
+    primary = next(line for line in page.splitlines() if line.startswith("- validation loss, mean of the last 20%"))
+    assert any(word in primary for word in ("equivalent within", "different:", "inconclusive at 1 seeds")) \
+        or "one seed: no interval and no test" in primary
+    assert "not distinguishable" not in page and " holds" not in page
+    assert (tmp_path / "study-val_curve_diff.png").stat().st_size > 5000
+    assert (tmp_path / "study-verdict.png").stat().st_size > 5000
+    table = pd.read_csv(out / "compare" / "verdict.csv")
+    tail = table[(table["metric"] == "val_loss/tail") & table["primary"]]
+    assert len(tail) == 1 and tail["n_seeds"].iloc[0] == 1  # one seed: the difference, no test
