@@ -114,3 +114,20 @@ def test_train_throughput_refuses_an_unknown_arm() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--arms", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown arm(s) nope" in done.stderr
+
+
+@pytest.mark.slow
+def test_probe_cost_reports_the_intervention_share() -> None:
+    """bench/probe_cost.py on the tiny model: every variant timed, the intervention's share printed."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "512", "--repeats", "1",
+         "--memory-tokens", "512"], capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
+    out = result.stdout
+    for variant in ("plain forward", "probe K=0", "probe K=64 +energy +intervention all ",
+                    "probe K=64 +energy +intervention all,layers"):
+        assert variant in out, variant
+    shares = re.findall(r"intervention (all|all,layers): share of the probe (-?[\d.]+)%, (-?[\d.]+) plain forwards", out)
+    assert [scope for scope, _, _ in shares] == ["all", "all,layers"]
+    # One block at a time costs more forwards than all norms at once (tiny: 2 blocks + final = 3 more).
+    assert float(shares[1][2]) > float(shares[0][2])
+    assert "peak RSS with probe.tokens=    512" in out
