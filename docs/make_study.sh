@@ -7,7 +7,7 @@
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
 #   STUDY_OVERRIDES="max_steps=4 optim.warmup_steps=0 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
-# Runs go seed by seed, each seed's arms back to back, so that a pair's tokens/s see the same machine load.
+#   STUDY_JOBS=2 bash docs/make_study.sh        # two seeds at a time, one core each
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/study}
@@ -19,17 +19,39 @@ mkdir -p "$OUT"
 start=$(date +%s)
 COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" output_root="$OUT"
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
-COMMANDS=(
-  "python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
-  "python train.py -m seed=0,1 norm=layer,rms,layer_nobias,rms_bias,dyt ${COMMON[*]}"
-  "python train.py -m seed=2,3,4 norm=layer,rms ${COMMON[*]}"
-  "python -m normgeo.compare $OUT --formats png"
-)
-printf '%s\n' "${COMMANDS[@]}" > "$OUT/commands.txt"
-for command in "${COMMANDS[@]}"; do
-  echo "+ $command"
-  $command
+# One command per seed: its arms back to back, so that a pair's tokens/s see the same machine load. With
+# STUDY_JOBS=2 the seeds go round-robin onto 2 lanes that run side by side, each with its share of the cores
+# (torch threads = cores / lanes): seeds 0, 2, 4 on one lane, 1, 3 on the other.
+JOBS=${STUDY_JOBS:-1}
+CORES=$(python -c 'import os; print(len(os.sched_getaffinity(0)))')
+THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
+PREPARE="python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
+seed_command() {
+  local arms=layer,rms
+  [ "$1" -lt 2 ] && arms=layer,rms,layer_nobias,rms_bias,dyt
+  echo "python train.py -m seed=$1 norm=$arms ${COMMON[*]}"
+}
+COMPARE="python -m normgeo.compare $OUT --formats png"
+{ echo "$PREPARE"; for seed in 0 1 2 3 4; do seed_command $seed; done; echo "$COMPARE"; } > "$OUT/commands.txt"
+echo "+ $PREPARE"
+$PREPARE
+lane() {  # the seeds of lane $1, one after the other
+  local seed
+  for seed in 0 1 2 3 4; do
+    if [ $(( seed % JOBS )) -eq "$1" ]; then
+      echo "+ [lane $1, $THREADS thread(s)] $(seed_command $seed)"
+      OMP_NUM_THREADS=$THREADS $(seed_command $seed)
+    fi
+  done
+}
+pids=()
+for ((lane_index = 0; lane_index < JOBS; lane_index++)); do
+  lane $lane_index &
+  pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
+echo "+ $COMPARE"
+$COMPARE
 end=$(date +%s)
 echo "$((end - start))" > "$OUT/wall_s.txt"
 du -sb "$OUT" | cut -f1 > "$OUT/disk_bytes.txt"
