@@ -62,6 +62,14 @@ def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[st
     for a, b in zip(ddp, fsdp, strict=True):
         assert (a["step"], a["layer"], a["site"], a["ref"]) == (b["step"], b["layer"], b["site"], b["ref"])
         assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
+    # The centering intervention runs its forwards on every rank's share (padded batches too, or the sharded
+    # model would hang) and all-reduces its sums: every probe token is predicted once, as under DDP.
+    fsdp, ddp = read_rows(runs["fsdp"] / "intervention.jsonl"), read_rows(runs["ddp"] / "intervention.jsonl")
+    assert len(fsdp) == len(ddp) == 3 * 4  # steps 0, 2, 4 x (all, blocks 0 and 1, final)
+    for a, b in zip(ddp, fsdp, strict=True):
+        assert (a["step"], a["scope_name"], a["tokens"], a["sequences"]) == (b["step"], b["scope_name"], 17 * 63, 17)
+        assert b["delta_loss"] == pytest.approx(a["delta_loss"], abs=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
 
 
 def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> None:

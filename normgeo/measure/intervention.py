@@ -309,7 +309,9 @@ class InterventionProbe:
                 else:
                     per_token = embedding_changes(intact, changed)
                     tokens = slice(None)
-                energy = torch.stack([fractions[site.name][:, tokens] for site in scope.sites]).mean(dim=0)
+                # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
+                seen = [fractions[site.name][:, tokens] for site in scope.sites if site.name in fractions]
+                energy = torch.stack(seen).mean(dim=0) if seen else torch.zeros(per_token.shape[:2])
                 self._add(index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(),
                           sequence_ids.cpu().numpy())
         finally:
