@@ -17,6 +17,7 @@ export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tik
 rm -rf "$OUT"
 mkdir -p "$OUT"
 start=$(date +%s)
+load_before=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)
 COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" output_root="$OUT"
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
 # One command per seed: its arms back to back, so that a pair's tokens/s see the same machine load. With
@@ -55,5 +56,6 @@ $COMPARE
 end=$(date +%s)
 echo "$((end - start))" > "$OUT/wall_s.txt"
 du -sb "$OUT" | cut -f1 > "$OUT/disk_bytes.txt"
+echo "$load_before / $(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown) (2 cores)" > "$OUT/load.txt"
 python docs/study_page.py "$OUT" > docs/study.md
 echo "study: $((end - start)) s; docs/study.md and docs/figures/study-*.png written"

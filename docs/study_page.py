@@ -26,7 +26,7 @@ from normgeo.runs.downstream import EVAL_FILE
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
            "energy": "study-energy.png", "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
-           "val_curve_diff": "study-val_curve_diff.png"}
+           "val_curve_diff": "study-val_curve_diff.png", "intervention": "study-intervention.png"}
 
 
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
@@ -81,6 +81,21 @@ seed by seed (`downstream/wiki_next_sentence/acc`).
 """
 
 
+def most_concurrent(runs: list[Path]) -> int:
+    """The most runs that were training at once: each run from its run_config.yaml (written at its start) to
+    its summary.json (written at its end)."""
+    events = []
+    for run in runs:
+        start, end = run / "run_config.yaml", run / "summary.json"
+        if start.is_file() and end.is_file():
+            events += [(start.stat().st_mtime, 1), (end.stat().st_mtime, -1)]
+    running = most = 0
+    for _, change in sorted(events):
+        running += change
+        most = max(most, running)
+    return max(most, 1)
+
+
 def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures") -> str:
     """The page's markdown; the study's figures are copied into ``figures_dir``."""
     compare = out / "compare"
@@ -102,6 +117,13 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures") -> str:
         source = compare / f"{name}.png"
         if source.is_file():
             shutil.copyfile(source, figures_dir / target)
+    lanes = most_concurrent(runs)
+    lanes_text = ("one after another on one 2-core machine" if lanes == 1 else
+                  f"{lanes} at a time on one 2-core machine (`STUDY_JOBS={lanes}`: whole seeds on lanes side by side, "
+                  "each with its share of the cores; counted from the runs' start and end times)")
+    load = out / "load.txt"
+    load_text = (f"; the machine's load average (1 min) before and after: {load.read_text().strip()}"
+                 if load.is_file() else "; the machine's load during the study was not recorded")
     steps = int(summary["final_step"].max())
     probe_steps = sorted(int(x) for x in metrics[metrics["metric"] == "mem/peak_rss_mib"]["step"].unique())
     trained_probes = [x for x in probe_steps if x > 0]
@@ -121,9 +143,9 @@ share every non-norm initial weight and every batch, so they are compared seed b
 *this* setting, as a demonstration of the method; at the paper's sizes the same commands run on GPUs
 (`experiment=paper_70m` … `paper_1b`). The verdict's tokens/s is each run's median per-step training
 throughput (`perf/tokens_per_s`: the steps that hold a probe or a validation do not move a median); the
-runs went one after another on one 2-core machine, each seed's arms back to back, with no other work
-running. On CPU that compares torch's CPU kernels, not the GPU kernels the paper's claim is about
-([benchmarks.md](benchmarks.md)). The table's `tokens_per_s` is the wall-clock rate, probes included.
+runs went {lanes_text}, each seed's arms back to back{load_text}. On CPU that compares torch's CPU kernels,
+not the GPU kernels the paper's claim is about ([benchmarks.md](benchmarks.md)). The table's `tokens_per_s`
+is the wall-clock rate, probes included.
 
 **Wall time** {wall_s / 60:.1f} minutes in all (data preparation, {len(runs)} runs, the comparison).
 **Disk** {disk / 1e9:.2f} GB for the study folder: checkpoints {checkpoint_mb:,.0f} MB, records
@@ -136,6 +158,8 @@ running. On CPU that compares torch's CPU kernels, not the GPU kernels the paper
 ![The verdict: per-seed differences, 95% and 90% t-intervals, and the equivalence margins](figures/study-verdict.png)
 
 ![The paired difference of the validation curves, per contrast, with its pointwise 95% interval](figures/study-val_curve_diff.png)
+
+![The centering intervention over training: Δ loss of taking the mean subtraction out of LayerNorm, of putting it into RMSNorm](figures/study-intervention.png)
 
 **Which numbers are bitwise.** On one machine with the same software, a re-run of a study pair gives
 identical records and losses, bit for bit (`tests/test_study.py` re-runs the `layer`/`rms` pair of seed 0
