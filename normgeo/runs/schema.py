@@ -387,8 +387,8 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     # A forward pass is about a third of a training step (forward + backward) per token.
     lines = []
     val_tokens = cfg.val_sequences * cfg.seq_len
-    validations = max(1, cfg.max_steps // cfg.val_every)
-    if validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
+    validations = cfg.max_steps // cfg.val_every
+    if validations and validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
         lines.append(f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
                      f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} training "
                      f"steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)")
