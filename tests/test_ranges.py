@@ -13,15 +13,12 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-import analyze
-import train
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import AnalyzeSchema, NumericKey, TrainSchema, costly_values, numeric_keys
-from tests.conftest import ROOT
+from tests.conftest import ROOT, call_entry_point
 
-SCRIPTS = {"train": (train, TrainSchema), "analyze": (analyze, AnalyzeSchema)}
+SCRIPTS = {"train": TrainSchema, "analyze": AnalyzeSchema}
 
 
 def introspected_numeric_keys(schema: type, prefix: str = "") -> set[str]:
@@ -52,7 +49,7 @@ def cases() -> list:
     checker refuses a float key's NaN and inf (quick); Hydra's type check an integer key's (the same code
     path for every key: slow-marked, ~100 cases)."""
     found = []
-    for script, (_, schema) in SCRIPTS.items():
+    for script, schema in SCRIPTS.items():
         for spec in numeric_keys(schema):
             found.append(pytest.param(script, spec.key, outside(spec), id=f"{script}:{spec.key}={outside(spec)}"))
             for value in ("nan", "inf"):
@@ -69,28 +66,11 @@ CASES = cases()
 def test_every_numeric_key_has_a_declared_range(script: str) -> None:
     """A new numeric key without a range fails here: the walker sees exactly the keys the types say are
     numeric, and each has a bound."""
-    schema = SCRIPTS[script][1]
+    schema = SCRIPTS[script]
     walked = numeric_keys(schema)
     assert {spec.key for spec in walked} == introspected_numeric_keys(schema)
     assert [spec.key for spec in walked if not spec.range.bounded] == []
     assert {case.values[1] for case in CASES if case.values[0] == script} == {spec.key for spec in walked}
-
-
-def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
-    """``python <script>.py <args>`` in this process: the same Hydra main, its exit code and stderr."""
-    module = SCRIPTS[script][0]
-    argv = sys.argv
-    GlobalHydra.instance().clear()
-    sys.argv = [f"{script}.py", *args]
-    try:
-        module.main()
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    finally:
-        sys.argv = argv
-        GlobalHydra.instance().clear()
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("script", "key", "value"), CASES)
