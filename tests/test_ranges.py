@@ -123,6 +123,19 @@ def test_more_validation_windows_than_the_split_holds_are_refused_once_the_data_
                           "tokens"), err
 
 
+@pytest.mark.slow
+def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Path, capsys) -> None:
+    """all-MiniLM-L6-v2 reads 512 positions: model.seq_len=1024 is capped, and 600 probe tokens are 2 sequences
+    of 512 only in name (the second one 88 tokens)."""
+    output_root = tmp_path / "out"
+    code, err = call_entry_point("analyze", ["model=minilm", "probe=pydoc", "probe.tokens=600", "progress=false",
+                                             f"output_root={output_root}"], capsys)
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == ("error: probe.tokens=600: expected at least 2 sequences of "
+                                            "model.seq_len=512 (1024 tokens); raise probe.tokens")
+    assert not output_root.exists()
+
+
 def test_costly_values_get_one_line_each_above_their_threshold() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         smoke = compose("train", overrides=["experiment=smoke"])

@@ -142,7 +142,7 @@ class CheckpointSchema:
 @dataclass
 class BootstrapSchema:
     replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
-    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 blocks", ge=1)
+    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks", ge=1)
 
 
 @dataclass
@@ -577,7 +577,8 @@ def key_docs(schema: type, prefix: str = "") -> list[str]:
         kind = str(f.type).replace("typing.", "")
         limits = f.metadata.get("range", Range())
         numeric = _numeric_type(typing.get_type_hints(schema)[f.name])
-        allowed = f" ({limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
+        each = "each " if numeric and numeric[2] else ""
+        allowed = f" ({each}{limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
         lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}{allowed}")
     return lines
 
