@@ -176,9 +176,10 @@ class LocalFilesSource:
     def _read(self, file: Path) -> Iterator[str]:
         suffix = file.suffix.lower()
         if suffix in (".jsonl", ".json"):
-            # Decoded whole, so that a bad byte is reported at its offset in the file; lines end at "\n" only
-            # (JSON strings may hold U+2028, which str.splitlines would split at).
-            for line_no, line in enumerate(self.decode(file, file.read_bytes()).split("\n"), 1):
+            # Decoded whole, so that a bad byte is reported at its offset in the file; lines end where a text-mode
+            # file's would (\n, \r\n, \r), not at U+2028 inside a JSON string as str.splitlines would split.
+            text = self.decode(file, file.read_bytes()).replace("\r\n", "\n").replace("\r", "\n")
+            for line_no, line in enumerate(text.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:
