@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import AnalyzeSchema, NumericKey, TrainSchema, costly_values, numeric_keys
 from tests.conftest import ROOT, call_entry_point
@@ -169,3 +170,13 @@ def test_real_subprocesses_refuse_with_one_line(script: str, override: str, mess
     if message.startswith("error: "):
         assert done.stderr.strip() == message, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("group", ["experiment", "size"])
+def test_every_shipped_preset_is_within_the_ranges(group: str, shared: Path) -> None:
+    """A range tighter than a value conf/ ships (size=study_cpu's gpus: 0, a CPU-only SLURM job) fails here."""
+    local = [f"data.source.path={shared / 'corpora' / 'webtext'}", f"probe.path={shared / 'corpora' / 'wikipedia'}"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for preset in sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")):
+            extra = local if preset == "study_cpu" and group == "experiment" else []
+            check_config("train", compose("train", overrides=[f"{group}={preset}", *extra]))

@@ -114,7 +114,7 @@ class SizeSchema:
     warmup_steps: int = doc(MISSING, "default warm-up (optim.warmup_steps)", ge=0)
     max_steps: int = doc(MISSING, "default max_steps", ge=1)
     micro_batch: int = doc(MISSING, "default micro_batch", ge=1)
-    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm)", ge=1)
+    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job", ge=0)
     minutes: int = doc(60, "SLURM time limit per job, minutes", ge=1)
 
 
