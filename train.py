@@ -50,10 +50,12 @@ from normgeo.runs.config import CONF_DIR
 from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_config
 from normgeo.runs.schema import costly_values
 from normgeo.runs.session import (  # noqa: F401
+    DIVERGED,
     Refused,
     RunDirectoryError,
     disk_full_refusal,
     remove_stale_temporaries_of_run,
+    replace_diverged_run,
     resume_checkpoint,
     resume_command,
 )
@@ -198,6 +200,8 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     requeue = install_requeue_handler()
     ckpt_path = start.ckpt_path  # a resume continues the same experiment, a new run a new directory
     if is_rank_zero():
+        if ckpt_path is None:
+            replace_diverged_run(run_dir)  # a diverged run in this folder: this corrected start replaces it
         remove_stale_temporaries_of_run(run_dir)  # what killed sessions were writing (checkpoints, probes)
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
@@ -225,7 +229,16 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
+        clock.on_train_end(trainer, module)  # Lightning skips it when fit raises
+        if trainer.is_global_zero:
+            summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=[],
+                                  stopped_by=DIVERGED)
+            write_summary(run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
+        raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
+                             "a lower optim.lr replaces it", step=err.step, loss=err.loss, lr=err.lr) from None
     figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
     if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
         from normgeo.figures.angles import write_run_figures

@@ -235,10 +235,11 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             last = self.dirpath / LAST
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+            lr = pl_module.hparams.get("lr", float("nan"))
             raise NonFiniteError(
-                f"the parameters are not finite after step {step}: stopping without saving; {kept}. "
-                "Lower the learning rate (optim.lr) or check the data."
-            )
+                f"training diverged: the parameters are not finite after step {step} (stopped without saving; "
+                f"{kept}); the likely cause is the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
+                step=step, loss=float("nan"), lr=lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_steps": list(self.saved_steps)}

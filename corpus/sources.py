@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,18 @@ class SourceError(ValueError):
     """A document source that cannot be read; the message says what to fix."""
 
 
+def special_file_kind(path: Path) -> str | None:
+    """``a FIFO (named pipe)``, ``a character device``, ... for a path that exists but is not a regular file
+    or a folder (reading one would block or never end), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISSOCK: "a socket"}
+    return next((name for test, name in kinds.items() if test(mode)), None)
+
+
 @dataclass
 class LocalFilesSource:
     """A directory (searched recursively), a single file, or a glob of ``.txt``/``.jsonl``/``.parquet``.
@@ -49,12 +62,15 @@ class LocalFilesSource:
     extensions are refused, all of them named at once, unless listed in ``plain_text_extensions``
     (then read as plain text). In a folder or glob, README/LICENSE/COPYING/NOTICE files are skipped.
     ``config_node`` is the config node the refusals name (``data.source``, or ``probe`` for probe=local).
+    Only regular files are read (a FIFO or a device is refused by name), decoded as ``encoding`` (UTF-8
+    unless set): a byte that does not decode is refused with the file and its byte offset.
     """
 
     path: str
     text_field: str = "text"
     plain_text_extensions: Sequence[str] = ()
     config_node: str = "data.source"
+    encoding: str = "utf-8"  # of the text files (.txt, .jsonl, ...); invalid bytes are refused, never replaced
     _files: list[Path] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -73,12 +89,19 @@ class LocalFilesSource:
         if any(ch in expanded for ch in "*?["):
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True))
         elif Path(expanded).is_dir():
-            matches = sorted(p for p in Path(expanded).rglob("*") if p.is_file() and not p.name.startswith("."))
+            matches = sorted(p for p in Path(expanded).rglob("*") if not p.is_dir() and not p.name.startswith("."))
         elif Path(expanded).is_file():
             matches = [Path(expanded)]
+        elif (kind := special_file_kind(Path(expanded))) is not None:
+            raise SourceError(f"{self.config_node}.path={self.path}: {kind}, not a regular file; give a text file, "
+                              "a folder or a glob of them")
         else:
             raise SourceError(f"{self.config_node}.path={self.path}: no such file or directory (give a directory, "
                               "file or glob)")
+        special = [(p, kind) for p in matches if (kind := special_file_kind(p)) is not None]
+        if special:
+            raise SourceError(f"{self.config_node}.path={self.path}: {special[0][0]} is {special[0][1]}, not a regular "
+                              "file; remove it from the folder or narrow the glob")
         matches = [p for p in matches if p.is_file()]
         if not matches:
             raise SourceError(f"{self.config_node}.path={self.path}: no files match")
@@ -115,8 +138,24 @@ class LocalFilesSource:
 
     def describe(self) -> str:
         where = f"local:{os.path.abspath(os.path.expanduser(self.path))}"
-        # Named only when set: data prepared before the option existed keeps its description (meta.json).
-        return f"{where} (plain text: {', '.join(self.extra_plain_text)})" if self.extra_plain_text else where
+        # Named only when set: data prepared before the options existed keeps its description (meta.json).
+        notes = [f"plain text: {', '.join(self.extra_plain_text)}"] if self.extra_plain_text else []
+        notes += [f"encoding: {self.encoding}"] if self.encoding.lower().replace("_", "-") not in ("utf-8", "utf8") else []
+        return f"{where} ({'; '.join(notes)})" if notes else where
+
+    def decode(self, file: Path, data: bytes) -> str:
+        """``data`` (the bytes of ``file``) as text in ``encoding``; SourceError at the first byte that does not
+        decode (a Latin-1 file read as UTF-8 would otherwise train on replacement characters)."""
+        try:
+            return data.decode(self.encoding)
+        except LookupError:
+            raise SourceError(f"{self.config_node}.encoding={self.encoding}: no such text encoding (e.g. utf-8, "
+                              "latin-1, cp1252)") from None
+        except UnicodeDecodeError as err:
+            raise SourceError(
+                f"{file}: not valid {self.encoding} at byte {err.start} ({data[err.start:err.start + 4].hex(' ')}); "
+                f"convert the file (e.g. iconv -f latin1 -t utf-8) or set {self.config_node}.encoding=latin-1 "
+                "(its real encoding)") from None
 
     def documents(self) -> Iterator[str]:
         for file in self.files():
@@ -137,17 +176,19 @@ class LocalFilesSource:
     def _read(self, file: Path) -> Iterator[str]:
         suffix = file.suffix.lower()
         if suffix in (".jsonl", ".json"):
-            with open(file, encoding="utf-8") as handle:
-                for line_no, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise SourceError(f"{file}:{line_no}: not a JSON line ({err.msg})") from err
-                    if self.text_field not in record:
-                        raise SourceError(f"{file}:{line_no}: no {self.text_field!r} field (set text_field)")
-                    yield self._text(record[self.text_field], f"{file}:{line_no}")
+            # Decoded whole, so that a bad byte is reported at its offset in the file; lines end where a text-mode
+            # file's would (\n, \r\n, \r), not at U+2028 inside a JSON string as str.splitlines would split.
+            text = self.decode(file, file.read_bytes()).replace("\r\n", "\n").replace("\r", "\n")
+            for line_no, line in enumerate(text.split("\n"), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise SourceError(f"{file}:{line_no}: not a JSON line ({err.msg})") from err
+                if self.text_field not in record:
+                    raise SourceError(f"{file}:{line_no}: no {self.text_field!r} field (set text_field)")
+                yield self._text(record[self.text_field], f"{file}:{line_no}")
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -155,10 +196,10 @@ class LocalFilesSource:
             for row, value in enumerate(table.column(self.text_field).to_pylist()):
                 yield self._text(value, f"{file} row {row}")
         else:
-            with open(file, "rb") as handle:
-                if b"\0" in handle.read(8192):  # text never holds NUL bytes; binaries almost always do
-                    raise SourceError(f"{file} is a binary file, not text: give .txt, .jsonl or .parquet files")
-            text = file.read_text(encoding="utf-8", errors="replace")
+            data = file.read_bytes()
+            if b"\0" in data[:8192]:  # text never holds NUL bytes; binaries almost always do
+                raise SourceError(f"{file} is a binary file, not text: give .txt, .jsonl or .parquet files")
+            text = self.decode(file, data)
             if text.startswith("<doc "):
                 articles = _WIKIEXTRACTOR_DOC.findall(text)
             elif _WIKITEXT_TITLE.fullmatch(next((line for line in text[:4096].splitlines() if line.strip()), "")):

@@ -15,11 +15,24 @@ class TokenizerError(RuntimeError):
     """The tokenizer's files cannot be loaded (offline without a cache); the message says what to set."""
 
 
+def unknown_tokenizer(name: str, key: str = "data.tokenizer") -> str | None:
+    """Why ``name`` is not a tiktoken encoding (one line naming ``key`` and the known ones), or None; asks
+    tiktoken's registry, loads no BPE files."""
+    import tiktoken
+
+    names = tiktoken.list_encoding_names()
+    if name in names:
+        return None
+    return f"{key}={name}: no such tiktoken encoding; choose one of {', '.join(names)}"
+
+
 @lru_cache(maxsize=4)
 def tiktoken_encoding(name: str = "gpt2"):
     """The tiktoken encoding; offline machines point TIKTOKEN_CACHE_DIR at a folder with its BPE files."""
     import tiktoken
 
+    if refusal := unknown_tokenizer(name):  # not a download problem: no such encoding at all
+        raise TokenizerError(refusal)
     try:
         return tiktoken.get_encoding(name)
     except Exception as err:  # network errors come in many types, and some span many lines

@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 class NonFiniteError(RuntimeError):
     """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
 
+    def __init__(self, message: str, *, step: int, loss: float, lr: float) -> None:
+        super().__init__(message)
+        self.step, self.loss, self.lr = step, loss, lr
+
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype the matmuls run in under a Lightning precision setting (bf16-mixed, 16-mixed, 32-true)."""
@@ -113,10 +117,11 @@ class LitGPT(L.LightningModule):
         self._loss_sum, self._micro_steps = None, 0
         step = self.trainer.global_step + 1
         if not torch.isfinite(global_loss):
+            lr = self.hparams.lr
             raise NonFiniteError(
-                f"the training loss is {global_loss.item()} at step {step}: stopping. The checkpoints "
-                "written so far are intact; lower the learning rate or resume from the last one."
-            )
+                f"training diverged: the training loss is {global_loss.item()} at step {step}; the likely cause is "
+                f"the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
+                step=step, loss=global_loss.item(), lr=lr)
         metrics = {
             "train/loss": global_loss,
             "train/lr": optimizer.param_groups[0]["lr"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,11 +237,17 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
             f"checkpoint not found: {file.resolve()} (give model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
             "or last.ckpt of a train.py run)"
         )
+    if not zipfile.is_zipfile(file):  # torch.save has written zip archives since torch 1.6
+        raise ModelLoadError(
+            f"model.checkpoint={file}: not a PyTorch checkpoint (not a zip archive); give a .ckpt of a train.py run, "
+            "<run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt"
+        )
     try:
         with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
             checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
-        raise ModelLoadError(f"could not read checkpoint {file}: {type(exc).__name__}: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # torch adds paragraphs of advice
+        raise ModelLoadError(f"model.checkpoint={file}: not a train.py checkpoint ({type(exc).__name__}: {first})") from exc
     if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
         raise ModelLoadError(
             f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "

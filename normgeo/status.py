@@ -9,6 +9,8 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
   to requeue) and not running now;
 * stopped:   ended cleanly at ``stop_at_step`` (continue with ``resume=auto``);
 * failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``);
+* diverged:  its training loss became inf/NaN (``summary.json`` says at which step); the same command
+  with a lower ``optim.lr`` replaces it;
 * analyzed:  not a training run but an ``analyze.py`` folder (``outputs/analyze/<model>``); its probe
   column reads ``pretrained`` for a model measured as published.
 

@@ -59,6 +59,28 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int =
     return result
 
 
+def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
+    """``python <script>.py <args>`` (train | analyze) in this process: the same Hydra main, its exit code and
+    stderr; a few hundred ms where a subprocess takes seconds (tests/test_ranges.py runs ~100)."""
+    import importlib
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    module = importlib.import_module(script)
+    argv = sys.argv
+    GlobalHydra.instance().clear()
+    sys.argv = [f"{script}.py", *args]
+    try:
+        module.main()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    finally:
+        sys.argv = argv
+        GlobalHydra.instance().clear()
+    return code, capsys.readouterr().err
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
     """Every CSV logger row of a run, session after session (csv/version_0, version_1, ...)."""
     versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))

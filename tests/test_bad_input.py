@@ -37,8 +37,8 @@ ROWS = table_rows()
 # or when the Trainer is built (the device count, RUNTIME[2]: tried on train.build_trainer in-process, a DDP
 # Trainer launches only in fit).
 RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
-           "probe.tokens=100000000", "seq_len=10000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train",
-           "val_sequences=100000")
+           "probe.tokens=100000000", "seq_len=10000 probe.tokens=20000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train",
+           "val_sequences=100000", "data=local data.source.path=/dev/zero", "model=checkpoint model.checkpoint=README.md")
 
 
 def refusal(script: str, args: str) -> str:

@@ -79,7 +79,8 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
         "global_batch=4",
         "micro_batch=2",
         "max_steps=2",
-        "optim.warmup_steps=0",  # fewer warm-up steps than max_steps (the schema's cross-key rule)
+        "optim.warmup_steps=0",  # fewer warm-up steps than max_steps (the schema's cross-key rule), and
+        "optim.lr=1e-6",  # about the rate the paper's 500-1000 warm-up steps give their first steps
         "probe.tokens=128",
         "logger=csv",  # wandb (the paper's logger) runs offline in test_training.py
         "log_every=1",  # the paper logs every 10 steps: this puts both steps' losses in metrics.csv
@@ -94,7 +95,8 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
         ]
     if experiment == "study_cpu":  # real local text already; the shared folder wherever it is
         overrides += [f"data.source.path={shared / 'corpora' / 'webtext' / 'openwebtext-10k.sujen07.val.dedup.jsonl'}",
-                      f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}"]
+                      f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}",
+                      "checkpoint.steps=[2]"]  # its schedule's steps 100 ... 1000 are beyond max_steps=2: refused
     if experiment in ("paper_410m", "paper_1b"):
         overrides.append("size.n_layer=2")
     return overrides

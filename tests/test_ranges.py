@@ -13,15 +13,13 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-import analyze
-import train
+from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import AnalyzeSchema, NumericKey, TrainSchema, costly_values, numeric_keys
-from tests.conftest import ROOT
+from tests.conftest import ROOT, call_entry_point
 
-SCRIPTS = {"train": (train, TrainSchema), "analyze": (analyze, AnalyzeSchema)}
+SCRIPTS = {"train": TrainSchema, "analyze": AnalyzeSchema}
 
 
 def introspected_numeric_keys(schema: type, prefix: str = "") -> set[str]:
@@ -52,7 +50,7 @@ def cases() -> list:
     checker refuses a float key's NaN and inf (quick); Hydra's type check an integer key's (the same code
     path for every key: slow-marked, ~100 cases)."""
     found = []
-    for script, (_, schema) in SCRIPTS.items():
+    for script, schema in SCRIPTS.items():
         for spec in numeric_keys(schema):
             found.append(pytest.param(script, spec.key, outside(spec), id=f"{script}:{spec.key}={outside(spec)}"))
             for value in ("nan", "inf"):
@@ -69,28 +67,11 @@ CASES = cases()
 def test_every_numeric_key_has_a_declared_range(script: str) -> None:
     """A new numeric key without a range fails here: the walker sees exactly the keys the types say are
     numeric, and each has a bound."""
-    schema = SCRIPTS[script][1]
+    schema = SCRIPTS[script]
     walked = numeric_keys(schema)
     assert {spec.key for spec in walked} == introspected_numeric_keys(schema)
     assert [spec.key for spec in walked if not spec.range.bounded] == []
     assert {case.values[1] for case in CASES if case.values[0] == script} == {spec.key for spec in walked}
-
-
-def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
-    """``python <script>.py <args>`` in this process: the same Hydra main, its exit code and stderr."""
-    module = SCRIPTS[script][0]
-    argv = sys.argv
-    GlobalHydra.instance().clear()
-    sys.argv = [f"{script}.py", *args]
-    try:
-        module.main()
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    finally:
-        sys.argv = argv
-        GlobalHydra.instance().clear()
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("script", "key", "value"), CASES)
@@ -143,6 +124,19 @@ def test_more_validation_windows_than_the_split_holds_are_refused_once_the_data_
                           "tokens"), err
 
 
+@pytest.mark.slow
+def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Path, capsys) -> None:
+    """all-MiniLM-L6-v2 reads 512 positions: model.seq_len=1024 is capped, and 600 probe tokens are 2 sequences
+    of 512 only in name (the second one 88 tokens)."""
+    output_root = tmp_path / "out"
+    code, err = call_entry_point("analyze", ["model=minilm", "probe=pydoc", "probe.tokens=600", "progress=false",
+                                             f"output_root={output_root}"], capsys)
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == ("error: probe.tokens=600: expected at least 2 sequences of "
+                                            "model.seq_len=512 (1024 tokens); raise probe.tokens")
+    assert not output_root.exists()
+
+
 def test_costly_values_get_one_line_each_above_their_threshold() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         smoke = compose("train", overrides=["experiment=smoke"])
@@ -176,3 +170,13 @@ def test_real_subprocesses_refuse_with_one_line(script: str, override: str, mess
     if message.startswith("error: "):
         assert done.stderr.strip() == message, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("group", ["experiment", "size"])
+def test_every_shipped_preset_is_within_the_ranges(group: str, shared: Path) -> None:
+    """A range tighter than a value conf/ ships (size=study_cpu's gpus: 0, a CPU-only SLURM job) fails here."""
+    local = [f"data.source.path={shared / 'corpora' / 'webtext'}", f"probe.path={shared / 'corpora' / 'wikipedia'}"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for preset in sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")):
+            extra = local if preset == "study_cpu" and group == "experiment" else []
+            check_config("train", compose("train", overrides=[f"{group}={preset}", *extra]))

@@ -114,12 +114,13 @@ def test_a_run_dir_under_a_file_is_refused_before_anything_is_created(tmp_path: 
 @pytest.mark.parametrize(("override", "parts"), [
     ("probe.tokens=100000000", ("the probe corpus has only 139,016 tokens but 100,000,000 were asked for",
                                 "lower probe.tokens")),
-    ("seq_len=10000", ("val.bin has", "tokens: too few for sequences of 10000")),
+    # probe.tokens: 2 sequences of seq_len at least (the schema's cross-key rule), so that the data is what fails
+    ("seq_len=10000 probe.tokens=20000", ("val.bin has", "tokens: too few for sequences of 10000")),
 ], ids=["probe-text-too-short", "data-too-short-for-seq_len"])
 def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace: Path, override: str,
                                                                       parts: tuple[str, ...]) -> None:
     run_dir = workspace / f"fresh-{override.split('=')[0]}"
-    done = run_train(run_dir, override, check=False)
+    done = run_train(run_dir, *override.split(), check=False)
     assert_refused(done, *parts)
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
     # The corrected command is not refused for what the failed one left behind (before: run_config.yaml).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,12 +121,37 @@ def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path
         assert a["count"] == b["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
 
 
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.slow
-def test_diverging_run_stops_with_a_message_and_writes_no_bad_checkpoint(tmp_path: Path) -> None:
-    result = run_train(tmp_path / "nan", "max_steps=5", "optim.lr=inf", "checkpoint.last_every=1", check=False)
-    assert result.returncode == 2
-    assert "not finite" in result.stderr and "optim.lr" in result.stderr
-    assert not (tmp_path / "nan" / "checkpoints" / "last.ckpt").exists()
+def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replaces_it(tmp_path: Path) -> None:
+    """optim.lr=1e6 is in range but diverges: one line naming the step and optim.lr, exit 2, the folder marked
+    diverged (summary.json); the same command again is refused with the corrected command, the folder as it
+    was; the corrected command (a lower optim.lr) replaces the diverged run in the same folder."""
+    run_dir = tmp_path / "run"
+    settings = ("max_steps=5", "checkpoint.last_every=1")
+    diverged = run_train(run_dir, *settings, "optim.lr=1e6", check=False)
+    assert diverged.returncode == 2, diverged.stderr[-3000:]
+    last = diverged.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: training diverged: the training loss is nan at step \d; the likely cause is the learning "
+                    r"rate, optim.lr=1e\+06: lower it .*is marked diverged in summary.json", last), last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["diverged"]["lr"] == 1e6 and summary["session_log"][-1]["ended"] == "diverged"
+    # No checkpoint holds the diverged weights: last.ckpt is the last finite step's, if any.
+    assert all(torch.isfinite(t).all() for t in torch.load(run_dir / "checkpoints" / "last.ckpt",
+                                                           weights_only=True)["state_dict"].values())
+    before = files_of(run_dir)
+    again = run_train(run_dir, *settings, "optim.lr=1e6", check=False)
+    assert again.returncode == 2
+    assert "diverged at step" in again.stderr and "optim.lr=100000" in again.stderr.strip().splitlines()[-1]
+    assert files_of(run_dir) == before
+    corrected = run_train(run_dir, *settings, "optim.lr=1e-3")
+    assert "replaced the run that diverged" in corrected.stderr + corrected.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "diverged" not in summary and summary["finished"] and summary["sessions"] == 1
+    assert [p.name for p in (run_dir / "csv").iterdir()] == ["version_0"]
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,9 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "probe.plain_text_extensions": [],
     "probe.source.plain_text_extensions": [],
     "data.source.plain_text_extensions": [],
+    "probe.encoding": "utf-8",
+    "probe.source.encoding": "utf-8",
+    "data.source.encoding": "utf-8",
 }
 
 

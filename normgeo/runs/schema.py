@@ -16,6 +16,7 @@ import difflib
 import functools
 import importlib
 import math
+import re
 import types
 import typing
 from dataclasses import MISSING as NO_DEFAULT
@@ -25,7 +26,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
+from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
 
@@ -141,7 +144,7 @@ class CheckpointSchema:
 @dataclass
 class BootstrapSchema:
     replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
-    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 blocks", ge=1)
+    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks", ge=1)
 
 
 @dataclass
@@ -151,6 +154,7 @@ class ProbeSchema:
     source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
     path: str | None = doc(None, "local files for probe=local")
     plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
+    encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 (bytes that do not decode are refused)")
     tokens: int = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len", ge=1)
     seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap", ge=0, le=SEED_MAX)
     include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
@@ -176,7 +180,8 @@ class DataSchema:
     _target_: str = doc(MISSING, "the data module's class (corpus.datamodule.TokenDataModule)")
     name: str = doc(MISSING, "the corpus's name (its prepared folder)")
     source: Any = doc(MISSING, "_target_ node of the training text (corpus.sources); data=local: path, "
-                      "text_field, plain_text_extensions (other extensions read as plain text, e.g. [.md])")
+                      "text_field, plain_text_extensions (other extensions read as plain text, e.g. [.md]), "
+                      "encoding (utf-8; e.g. latin-1)")
     directory: str = doc(MISSING, "where the prepared token files live")
     tokenizer: str = doc("gpt2", "tiktoken encoding")
     val_fraction: float = doc(0.005, "fraction of documents held out for validation", gt=0, lt=1)
@@ -391,8 +396,8 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     # A forward pass is about a third of a training step (forward + backward) per token.
     lines = []
     val_tokens = cfg.val_sequences * cfg.seq_len
-    validations = max(1, cfg.max_steps // cfg.val_every)
-    if validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
+    validations = cfg.max_steps // cfg.val_every
+    if validations and validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
         lines.append(f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
                      f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} training "
                      f"steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)")
@@ -557,6 +562,8 @@ def check_train(cfg: DictConfig) -> None:
                 steps, "positive, strictly increasing steps, e.g. checkpoint.steps=[500,1000]")
     _expect(cfg.resume in (None, "auto") or str(cfg.resume).endswith(".ckpt"), "resume", cfg.resume,
             "null, auto or the path of a .ckpt file")
+    if refusal := unknown_tokenizer(cfg.data.tokenizer, "data.tokenizer"):
+        raise ConfigError(refusal)
     check_cross_keys(cfg)
     check_trainer(cfg.trainer)
     check_intervention(cfg.probe)
@@ -578,6 +585,10 @@ def check_analyze(cfg: DictConfig) -> None:
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")
     check_intervention(cfg.probe)
+    _expect(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)) is not None, "device", cfg.device,
+            "auto, cpu, cuda or cuda:N")
+    if refusal := missing_cuda("device", str(cfg.device), "device=cpu (or device=auto)"):
+        raise ConfigError(refusal)
     check_probe_source(cfg.probe)
 
 
@@ -596,7 +607,8 @@ def key_docs(schema: type, prefix: str = "") -> list[str]:
         kind = str(f.type).replace("typing.", "")
         limits = f.metadata.get("range", Range())
         numeric = _numeric_type(typing.get_type_hints(schema)[f.name])
-        allowed = f" ({limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
+        each = "each " if numeric and numeric[2] else ""
+        allowed = f" ({each}{limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
         lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}{allowed}")
     return lines
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import logging
 import os
 import re
@@ -21,7 +22,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from corpus.atomic import DiskFullError, full_disk_cause
-from normgeo.runs.run_config import ResumeConfigError, resolved_run_config, verify_run_config
+from normgeo.runs.lock import LOCK_FILE
+from normgeo.runs.run_config import (
+    ResumeConfigError,
+    config_changes,
+    load_run_config,
+    resolved_run_config,
+    verify_run_config,
+)
 
 LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
 log = logging.getLogger(__name__)
@@ -119,6 +127,19 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     return resume
 
 
+def replace_diverged_run(run_dir: Path) -> None:
+    """Remove a diverged run's files (checkpoints, logs, records, its config and summary) before the session
+    that replaces it writes its own; called once the start is claimed (normgeo.runs.start)."""
+    record = divergence(run_dir)
+    if record is None:
+        return
+    for path in run_dir.iterdir():
+        if path.name not in KEPT_ON_REPLACE:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    log.warning("replaced the run that diverged at step %s (optim.lr=%s) in %s", record.get("step"), record.get("lr"),
+                run_dir)
+
+
 def remove_stale_temporaries_of_run(run_dir: Path) -> None:
     """A starting or resuming session deletes what killed sessions were writing (checkpoints, probes)."""
     from corpus.atomic import remove_stale_temporaries
@@ -134,12 +155,49 @@ def slurm_requeued() -> bool:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
 
 
+DIVERGED = "diverged"  # summary.json's record of a run whose training loss became inf/NaN (train.py writes it)
+# What a start that replaces a diverged run keeps: this session's own lock and Hydra files.
+KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log")
+
+
+def divergence(run_dir: Path) -> dict[str, Any] | None:
+    """The divergence record of the run in ``run_dir`` (step, loss, optim.lr), None if it did not diverge."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):  # none, or unreadable: not a record of a divergence
+        return None
+    record = summary.get(DIVERGED) if isinstance(summary, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def check_diverged_start(cfg: DictConfig, run_dir: Path, record: dict[str, Any], resume: str | None) -> None:
+    """The rule for a folder whose run diverged: a fresh start (resume=null) with a changed config replaces
+    it; the same config, or a resume, would only diverge again: refused, naming the command that works."""
+    saved = load_run_config(run_dir)
+    changed = saved is None or bool(config_changes(saved, resolved_run_config(cfg)))
+    if resume is None and changed:
+        return
+    lr = record.get("lr")
+    command = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in ("resume", "optim.lr")]
+    suggestion = shlex.join([*_program(), *command, f"optim.lr={lr / 10:g}" if isinstance(lr, float) else "optim.lr=..."])
+    raise RunDirectoryError(
+        f"{run_dir} holds a run that diverged at step {record.get('step')} (optim.lr={lr}); "
+        f"{'a resume' if resume is not None else 'the same config'} would diverge again. Start it afresh "
+        f"with a lower learning rate (the diverged run is then replaced): {suggestion}"
+    )
+
+
 def session_checkpoint(cfg: DictConfig) -> str | None:
-    """The checkpoint this session continues from, or a refusal (REFUSALS); reads, never writes."""
+    """The checkpoint this session continues from, or a refusal (REFUSALS); reads, never writes. A folder
+    whose run diverged is replaced by a fresh start with a changed config (check_diverged_start)."""
     resume = cfg.resume
     if resume is None and slurm_requeued():
         resume = "auto"  # a requeued job continues its own run, whatever its command line says
     run_dir = Path(cfg.run_dir)
+    if (record := divergence(run_dir)) is not None:
+        check_diverged_start(cfg, run_dir, record, resume)
+        if resume is None:
+            return None  # replaces the diverged run: nothing of it is compared or continued
     ckpt_path = resume_checkpoint(run_dir, resume)
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     return ckpt_path

@@ -29,6 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from models.hardware import missing_cuda
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
@@ -174,6 +175,10 @@ def check_start(cfg: DictConfig) -> Start:
     from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 
     check_config("train", cfg)
+    # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if refusal := missing_cuda("trainer.accelerator", accelerator, "trainer=cpu (or trainer=ddp_cpu) on this machine"):
+        raise StartError(refusal)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):

@@ -200,6 +200,10 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         updated_s_ago=updated,
         active_s=active_s,
     )
+    if state == "failed":
+        from normgeo.runs.session import divergence
+
+        state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
     return RunStatus(
         run=name,
         state=state,
