@@ -51,6 +51,7 @@ from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_
 from normgeo.runs.session import (  # noqa: F401
     Refused,
     RunDirectoryError,
+    RunFinished,
     disk_full_refusal,
     remove_stale_temporaries_of_run,
     resume_checkpoint,
@@ -266,6 +267,10 @@ def run(cfg: DictConfig) -> Refused | None:
     requeue = install_requeue_handler()
     try:
         start = take_start(cfg)  # decided before Hydra wrote (normgeo.runs.start): checks, then the lock
+    except RunFinished as done:  # a -m sweep's finished job (a single run's ends in StartCheck): the others go on
+        remove_if_empty(cfg.run_dir)
+        print(done, flush=True)
+        return None
     except START_ERRORS as err:
         remove_if_empty(cfg.run_dir)  # the folder Hydra created for a refused -m job
         return refuse(cfg, err)
