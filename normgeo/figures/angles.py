@@ -59,7 +59,9 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    # Below the panels: inside one, "best" still covered the points of a model with many layers (SmolLM2).
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
     tag = "pretrained" if step is None else f"step{step:07d}"
     return save_figure(fig, out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]

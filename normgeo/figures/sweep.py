@@ -142,7 +142,7 @@ def summary_table(comparison: Comparison) -> pd.DataFrame:
             "run": run.run,
             "final_step": final,
             "tokens": final * run.tokens_per_step if run.tokens_per_step else None,
-            "train_loss": last_value(metrics, "train/loss"),
+            "train_loss": final_train_loss(end, metrics),
             "val_loss": last_value(metrics, "val/loss"),
             "wall_s": end.get("wall_s"),
             "tokens_per_s": end.get("tokens_per_s"),
@@ -152,6 +152,14 @@ def summary_table(comparison: Comparison) -> pd.DataFrame:
             record[f"ones_deg/{site}"] = float(mean)
         records.append(record)
     return pd.DataFrame(records).sort_values(["arm", "seed"], kind="stable").reset_index(drop=True)
+
+
+def final_train_loss(summary: dict, metrics: pd.DataFrame) -> float | None:
+    """The loss of the run's last optimizer step: summary.json's (the trainer's, whatever ``log_every``),
+    else the last logged one (a run without a summary, e.g. killed)."""
+    if summary.get("train_loss") is not None:
+        return float(summary["train_loss"])
+    return last_value(metrics, "train/loss")
 
 
 def markdown(table: pd.DataFrame) -> str:

@@ -236,7 +236,7 @@ def _group_title(est: Estimate) -> str:
 def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpaired: pd.DataFrame) -> str:
     lines = ["# Verdict", ""]
     lines += [f"Paired by seed within each size and placement; differences are arm − other; 95% Student-t "
-              f"intervals over seeds ({len(measures)} runs).", ""]
+              f"intervals over seeds ({len(measures)} run{'' if len(measures) == 1 else 's'}).", ""]
     headline = [e for e in estimates if (e.arm, e.other) == ("layer", "rms")]
     if headline:
         lines += ["## The paper's question: LayerNorm vs RMSNorm", ""]
