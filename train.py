@@ -11,6 +11,7 @@ from slurm.requeue import install_requeue_handler, record_slurm_job, requeue_slu
 
 install_requeue_handler()
 
+import contextlib
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from callbacks.checkpointing import (
     CheckpointSchedule,
     OptimizerStepCallback,
     ScheduledCheckpoint,
+    SignalStop,
     StopAtStep,
     StopOnSignal,
     exit_if_interrupted,
@@ -203,11 +205,12 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
-    callbacks = [MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
+    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
+    # (at once during a validation or a probe); its handler is installed first.
+    stop = StopOnSignal(requeue, resume_command(cfg))
+    callbacks = [stop.installer, MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     clock = SessionClock()
     callbacks.append(clock)
-    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits.
-    stop = StopOnSignal(requeue, resume_command(cfg))
     callbacks.append(stop)
     module: LitGPT = instantiate(cfg.model)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
@@ -222,7 +225,9 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at this step.
+    with contextlib.suppress(SignalStop):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
     if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
         from normgeo.figures.angles import write_run_figures
