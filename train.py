@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from callbacks.checkpointing import (
     exit_if_interrupted,
 )
 from callbacks.progress import StepProgressBar, quiet_lightning
+from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -284,8 +286,9 @@ def run(cfg: DictConfig) -> Refused | None:
         trainer = train(cfg, start)
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
-        if not start.trained and not isinstance(err, (NonFiniteError, SystemExit)):
-            start.undo()  # failed before its first optimizer step: the directory as it was found
+        stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+        if not start.trained and (stopped or not isinstance(err, (NonFiniteError, SystemExit))):
+            start.undo()  # failed or stopped before its first optimizer step: the directory as it was found
         if isinstance(err, USER_ERRORS):
             return refuse(cfg, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
@@ -317,6 +320,10 @@ def main() -> None:
     trained or written)."""
     if PLAN_FLAG in sys.argv[1:]:
         sys.exit(plan_main([a for a in sys.argv[1:] if a != PLAN_FLAG]))
+    # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory
+    # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead.
+    stop_on_signals("before training started (checks, data preparation)",
+                    "nothing was trained; run the same command again")
     config_errors_exit_2(run)()
 
 
