@@ -422,6 +422,8 @@ class StopOnSignal(OptimizerStepCallback):
         self.interrupt.leave()
         if isinstance(exception, SignalStop):
             step = trainer.global_step
+            if str(exception).startswith("the validation"):
+                settle_abandoned_validation(trainer)
             log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
                         signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
             self.interrupt.stopped_at = step
@@ -460,6 +462,16 @@ class StopOnSignal(OptimizerStepCallback):
         else:
             return
         trainer.should_stop = True
+
+
+def settle_abandoned_validation(trainer: L.Trainer) -> None:
+    """Count an abandoned validation as run in the loop's progress, before last.ckpt is saved: the resume then
+    continues training after its step, as after any validation (its result was not logged; the next one
+    comes at the next ``val_every``). Left half-counted, Lightning would take it for a restart in the
+    middle of a validation and keep its counters one batch apart ever after."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    for tracker in (progress.total, progress.current):
+        tracker.started = tracker.processed = tracker.completed = tracker.ready
 
 
 class InstallInterrupt(L.Callback):

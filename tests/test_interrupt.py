@@ -189,3 +189,10 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     command = shlex.split(lines[-1])
     assert command[-2:] == [f"run_dir={run_dir}", "resume=auto"]
     assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    # The command continues from step 5 to the end (the abandoned validation is not repeated: no validation
+    # is due before max_steps, so the resume takes seconds, not the minutes of a validation).
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ckpt_step(last) == 8
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["steps"] for s in summary["session_log"]] == [[0, 5], [5, 8]]

@@ -190,13 +190,13 @@ def _dress_step_axes(ax, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> list[Path]:
-    """All figures for one run directory, written to ``<run_dir>/figures``."""
+def write_run_figures(run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None) -> list[Path]:
+    """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
     run_dir = Path(run_dir)
     rows = read_rows(run_dir / ANGLES_FILE)
     if not rows:
         return []
-    out_dir = run_dir / "figures"
+    out_dir = out_dir or run_dir / "figures"
     figures = []
     by_model = defaultdict(list)
     for row in rows:
