@@ -321,8 +321,9 @@ class Interrupt:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
         if not self.single_process:
             return
-        if self.received:
-            self.abandoned = what
+        if self.received:  # e.g. the validation Lightning runs when training stops: skipped, not abandoned
+            if self.stopped_at is None:
+                self.abandoned = what
             raise SignalStop(what)
         self.abandonable = what
 
@@ -424,9 +425,10 @@ class StopOnSignal(OptimizerStepCallback):
             step = trainer.global_step
             if str(exception).startswith("the validation"):
                 settle_abandoned_validation(trainer)
-            log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
-                        signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
-            self.interrupt.stopped_at = step
+            if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
+                log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
+                            signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
+                self.interrupt.stopped_at = step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.interrupt.uninstall()

@@ -196,3 +196,43 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     assert ckpt_step(last) == 8
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [s["steps"] for s in summary["session_log"]] == [[0, 5], [5, 8]]
+
+
+def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tmp_path: Path) -> None:
+    """Issue 27: the probe at a scheduled step (here 50,000 tokens) is abandoned on SIGTERM within seconds;
+    last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that step
+    first (the same weights), so that angles.jsonl has every scheduled step."""
+    from normgeo.measure.records import recorded_steps
+
+    run_dir = tmp_path / "run"
+    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=50000")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    err_path = tmp_path / "probe.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (last.exists() and ckpt_step(last) == 4):  # step 5 trains next, then its probe
+                assert proc.poll() is None, err_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no step 4 after 300 s"
+                time.sleep(0.02)
+            time.sleep(1.0)
+            assert proc.poll() is None and ckpt_step(last) == 4, "the probe at step 5 is not running"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    lines = err_path.read_text().splitlines()
+    print(f"SIGTERM during the probe: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 143 and took < 10.0, "\n".join(lines[-30:])
+    assert "(abandoned the probe at step 5)" in lines[-2]
+    assert ckpt_step(last) == 5 and (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()
+    assert 5 not in recorded_steps(run_dir / "angles.jsonl")
+    resumed = subprocess.run(shlex.split(lines[-1]), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(recorded_steps(run_dir / "angles.jsonl")) == [0, 5, 7]
