@@ -6,6 +6,7 @@
   reference (Figure 4);
 - ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
   the figures of several runs go to ``--out``, by default the first run's ``figures/`` (said on stderr);
+  with ``--out`` each run's own figures go to ``<out>/<run folder name>`` (else ``<run>/figures``);
 - with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.figures.norm_figures`);
 - ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,

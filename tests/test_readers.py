@@ -53,7 +53,7 @@ def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path) -> Non
     damaged.write_text(damaged.read_text()[:40])
     result = tool("compare", sweep)
     assert f"skipped {damaged.parent}: {damaged}:" in result.stderr
-    one_error_line(result, 1, "1 run(s) skipped for damaged files")
+    one_error_line(result, 1, "1 run(s) skipped for damaged records")
     out = sweep / "compare"
     assert "tiny-rms-s1" not in (out / "summary.md").read_text() and "tiny-rms-s0" in (out / "summary.md").read_text()
     assert (out / "verdict.md").is_file() and not [p for p in out.iterdir() if p.name.startswith(".")]
