@@ -11,9 +11,11 @@ from slurm.requeue import install_requeue_handler, record_slurm_job, requeue_slu
 
 install_requeue_handler()
 
+import contextlib
 import logging
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -30,11 +32,13 @@ from callbacks.checkpointing import (
     CheckpointSchedule,
     OptimizerStepCallback,
     ScheduledCheckpoint,
+    SignalStop,
     StopAtStep,
     StopOnSignal,
     exit_if_interrupted,
 )
 from callbacks.progress import StepProgressBar, quiet_lightning
+from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -53,6 +57,7 @@ from normgeo.runs.session import (  # noqa: F401
     DIVERGED,
     Refused,
     RunDirectoryError,
+    RunFinished,
     disk_full_refusal,
     remove_stale_temporaries_of_run,
     replace_diverged_run,
@@ -208,11 +213,12 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
-    callbacks = [MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
+    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
+    # (at once during a validation or a probe); its handler is installed first.
+    stop = StopOnSignal(requeue, resume_command(cfg))
+    callbacks = [stop.installer, MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     clock = SessionClock()
     callbacks.append(clock)
-    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits.
-    stop = StopOnSignal(requeue, resume_command(cfg))
     callbacks.append(stop)
     module: LitGPT = instantiate(cfg.model)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
@@ -230,7 +236,9 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at this step.
+        with contextlib.suppress(SignalStop):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
         clock.on_train_end(trainer, module)  # Lightning skips it when fit raises
         if trainer.is_global_zero:
@@ -283,6 +291,10 @@ def run(cfg: DictConfig) -> Refused | None:
     requeue = install_requeue_handler()
     try:
         start = take_start(cfg)  # decided before Hydra wrote (normgeo.runs.start): checks, then the lock
+    except RunFinished as done:  # a -m sweep's finished job (a single run's ends in StartCheck): the others go on
+        remove_if_empty(cfg.run_dir)
+        print(done, flush=True)
+        return None
     except START_ERRORS as err:
         remove_if_empty(cfg.run_dir)  # the folder Hydra created for a refused -m job
         return refuse(cfg, err)
@@ -291,8 +303,9 @@ def run(cfg: DictConfig) -> Refused | None:
         trainer = train(cfg, start)
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
-        if not start.trained and not isinstance(err, (NonFiniteError, SystemExit)):
-            start.undo()  # failed before its first optimizer step: the directory as it was found
+        stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+        if not start.trained and (stopped or not isinstance(err, (NonFiniteError, SystemExit))):
+            start.undo()  # failed or stopped before its first optimizer step: the directory as it was found
         if isinstance(err, USER_ERRORS):
             return refuse(cfg, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
@@ -324,6 +337,10 @@ def main() -> None:
     trained or written)."""
     if PLAN_FLAG in sys.argv[1:]:
         sys.exit(plan_main([a for a in sys.argv[1:] if a != PLAN_FLAG]))
+    # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory
+    # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead.
+    stop_on_signals("before training started (checks, data preparation)",
+                    "nothing was trained; run the same command again")
     config_errors_exit_2(run)()
 
 

@@ -13,14 +13,21 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from callbacks.checkpointing import CheckpointSchedule, OptimizerStepCallback
+from callbacks.checkpointing import CheckpointSchedule, Interrupt, OptimizerStepCallback
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
 from normgeo.measure.intervention import DEFAULT_SCOPES, INTERVENTION_FILE
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
+from normgeo.measure.records import (
+    ANGLES_FILE,
+    NULL_FILE,
+    REFERENCES_FILE,
+    recorded_steps,
+    save_references,
+    write_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +109,12 @@ class AngleProbe(OptimizerStepCallback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if trainer.global_step == 0:
+        step = trainer.global_step
+        if step == 0:
             self.probe(trainer, pl_module, step=0)
+        elif step in self.schedule and step not in recorded_steps(self.run_dir / ANGLES_FILE):
+            # A stop signal abandoned this step's probe and saved last.ckpt at the step: measure it now.
+            self.probe(trainer, pl_module, step=step)
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if step in self.schedule:
@@ -113,16 +124,17 @@ class AngleProbe(OptimizerStepCallback):
         model = pl_module.model
         config = model.config
         references = make_references(config.n_embd, self.seed, self.null_directions)
-        records = measure_records(
-            model, self.probe_ids(), config.block_size, references,
-            model_name=self.model_name, step=step,
-            tokens_per_step=pl_module.tokens_per_step,
-            seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
-            with_null=trainer.is_global_zero, intervention_kinds=self.intervention,
-            batch_size=self.batch_size, include_standardized=self.include_standardized,
-            autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
-            rank=trainer.global_rank, world_size=trainer.world_size,
-        )
+        with Interrupt.abandonable_region(f"the probe at step {step}"):  # it writes nothing until the end
+            records = measure_records(
+                model, self.probe_ids(), config.block_size, references,
+                model_name=self.model_name, step=step,
+                tokens_per_step=pl_module.tokens_per_step,
+                seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
+                with_null=trainer.is_global_zero, intervention_kinds=self.intervention,
+                batch_size=self.batch_size, include_standardized=self.include_standardized,
+                autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
+                rank=trainer.global_rank, world_size=trainer.world_size,
+            )
         if trainer.is_global_zero:
             save_references(self.run_dir / REFERENCES_FILE, references)
             write_step(self.run_dir / ANGLES_FILE, records.rows)

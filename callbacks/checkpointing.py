@@ -228,6 +228,17 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, trainer.global_step)
         trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
+        which the step's end would have written), so that the resume continues from this step."""
+        if isinstance(exception, SignalStop):
+            self._after_validation = None
+            step = trainer.global_step
+            if step in self.schedule and step in self.saved_steps:
+                trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
+            else:
+                self._save_step(trainer, pl_module, step)
+
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""
         # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
@@ -263,6 +274,12 @@ class StopAtStep(L.Callback):
             trainer.should_stop = True
 
 
+class SignalStop(Exception):
+    """A stop signal arrived while this session measured (a validation, a probe): the measurement is
+    abandoned at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
+    :meth:`ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
+
+
 class RequeueRequest(Protocol):
     """What train.py's USR1 handler records (``slurm.requeue.SlurmRequeue``)."""
 
@@ -286,6 +303,8 @@ class Interrupt:
     # The signal of a second interrupt, process-wide: its SystemExit may surface as another exception
     # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
     abandoning: int | None = None
+    # The installed one, process-wide: what measures (the probe) marks itself abandonable through it.
+    active: Interrupt | None = None
 
     def __init__(self) -> None:
         self.received = False
@@ -293,14 +312,51 @@ class Interrupt:
         self.stopped_at: int | None = None  # the step at which training stopped, on every rank
         self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
         self.resume_command = ""
+        # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
+        # one process only: ranks that did not receive the signal would wait in a collective.
+        self.abandonable: str | None = None
+        self.single_process = True
+        self.abandoned: str | None = None  # what a signal abandoned
+
+    def enter(self, what: str) -> None:
+        """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
+        if not self.single_process:
+            return
+        if self.received:  # e.g. the validation Lightning runs when training stops: skipped, not abandoned
+            if self.stopped_at is None:
+                self.abandoned = what
+            raise SignalStop(what)
+        self.abandonable = what
+
+    def leave(self) -> None:
+        self.abandonable = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def abandonable_region(cls, what: str) -> Iterator[None]:
+        """``with Interrupt.abandonable_region("the probe at step 5"):`` a stop signal inside abandons it
+        (no-op when no interrupt handler is installed)."""
+        interrupt = cls.active
+        if interrupt is None:
+            yield
+            return
+        interrupt.enter(what)
+        try:
+            yield
+        finally:
+            interrupt.leave()
 
     def install(self) -> None:
         Interrupt.abandoning = None
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 signal.signal(signum, self)
+            Interrupt.active = self
 
     def uninstall(self) -> None:
+        self.abandonable = None
+        if Interrupt.active is self:
+            Interrupt.active = None
         for signum in self.SIGNALS:
             if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
                 signal.signal(signum, self.DEFAULTS[signum])
@@ -313,6 +369,11 @@ class Interrupt:
             Interrupt.abandoning = signum
             raise SystemExit(128 + signum)
         self.received, self.signum = True, signum
+        if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
+            what, self.abandonable = self.abandonable, None
+            self.abandoned = what
+            self.say(f"{name}: abandoning {what}, saving last.ckpt ({name} again: stop now)")
+            raise SignalStop(what)
         self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
 
     def say(self, text: str) -> None:
@@ -350,10 +411,34 @@ class StopOnSignal(OptimizerStepCallback):
         if self.requeue is not None:
             self.requeue.training = True
         self.interrupt.announce = trainer.is_global_zero
-        self.interrupt.install()  # after Lightning's SIGTERM handler, which fit registers before this hook
+        self.interrupt.single_process = trainer.world_size == 1
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.training or trainer.state.fn == "fit":
+            self.interrupt.enter(f"the validation after step {trainer.global_step}")
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.interrupt.leave()  # its result is being logged: a signal from now on stops at the next step
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.interrupt.leave()
+        if isinstance(exception, SignalStop):
+            step = trainer.global_step
+            if str(exception).startswith("the validation"):
+                settle_abandoned_validation(trainer)
+            if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
+                log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
+                            signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
+                self.interrupt.stopped_at = step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.interrupt.uninstall()
+
+    @property
+    def installer(self) -> L.Callback:
+        """The callback that installs this stop's signal handler: first in the callback list, so that the
+        step-0 probe (another callback's on_train_start) is covered too."""
+        return InstallInterrupt(self.interrupt)
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if trainer.should_stop or step >= trainer.max_steps:
@@ -382,6 +467,27 @@ class StopOnSignal(OptimizerStepCallback):
         trainer.should_stop = True
 
 
+def settle_abandoned_validation(trainer: L.Trainer) -> None:
+    """Count an abandoned validation as run in the loop's progress, before last.ckpt is saved: the resume then
+    continues training after its step, as after any validation (its result was not logged; the next one
+    comes at the next ``val_every``). Left half-counted, Lightning would take it for a restart in the
+    middle of a validation and keep its counters one batch apart ever after."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    for tracker in (progress.total, progress.current):
+        tracker.started = tracker.processed = tracker.completed = tracker.ready
+
+
+class InstallInterrupt(L.Callback):
+    """Installs an :class:`Interrupt` on train start: after Lightning's SIGTERM handler, which fit registers
+    before this hook, and before the other callbacks' on_train_start (the step-0 probe)."""
+
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.interrupt.install()
+
+
 def exit_if_interrupted(trainer: L.Trainer) -> None:
     """After fit: when an :class:`Interrupt` stopped training, tell the user where it stopped and how to
     continue (the resume command is the last line on stderr), then exit 128 + the signal number."""
@@ -393,8 +499,9 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
     if trainer.is_global_zero:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
         saved = next((c.dirpath / LAST for c in trainer.callbacks if isinstance(c, ScheduledCheckpoint)), LAST)
-        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at} and "
-              f"saved {saved}; continue the run with:", file=sys.stderr)
+        abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
+        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}{abandoned} "
+              f"and saved {saved}; continue the run with:", file=sys.stderr)
         print(interrupt.resume_command, file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 

@@ -18,6 +18,7 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
+from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.runs.config import CONF_DIR
@@ -27,6 +28,7 @@ USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [
 
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    stop_on_signals("while preparing the data", "run the same command again to prepare it")
     verify_only = bool(overrides) and overrides[0] == "verify"
     overrides = overrides[verify_only:]
     try:

@@ -39,8 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.compare import write_comparison
+from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD, load_verdict_config
 from normgeo.measure.records import ANGLES_FILE
+from normgeo.runs.start import StartError, check_writable_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,13 +66,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = args.paths[0]
     out_dir = args.out or (first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent)
     out_dir = out_dir / "compare" if args.out is None else out_dir
+    try:  # every option checked before anything is written
+        formats = check_formats(args.formats.split(","))
+        check_writable_folder(out_dir, "--out")
+    except (ValueError, StartError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         written, damaged = write_comparison(
-            args.paths, out_dir, formats=args.formats.split(","), refs=args.refs.split(",") if args.refs else None,
+            args.paths, out_dir, formats=formats, refs=args.refs.split(",") if args.refs else None,
             verdict_config=verdict_config,
         )
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except PermissionError as err:  # a folder inside out_dir, or a file in it, that this user cannot write
+        print(f"error: --out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another --out=...",
+              file=sys.stderr)
         return 2
     for name, paths in written.items():
         print(f"{name}: {len(paths)} file(s)")

@@ -6,6 +6,7 @@
   reference (Figure 4);
 - ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
   the figures of several runs go to ``--out``, by default the first run's ``figures/`` (said on stderr);
+  with ``--out`` each run's own figures go to ``<out>/<run folder name>`` (else ``<run>/figures``);
 - with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.figures.norm_figures`);
 - ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
@@ -21,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.angles import plot_compare, write_run_figures
-from normgeo.measure.records import ANGLES_FILE, read_rows
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.runs.start import StartError, check_writable_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,31 +33,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="where the figures comparing several runs go (default: <first run>/figures)")
+                        help="where the figures go: each run's in <out>/<run folder name>, those comparing several "
+                             "runs in <out> (default: <run>/figures, and the first run's figures folder)")
     args = parser.parse_args(argv)
-    layer = int(args.layer) if args.layer is not None and args.layer.isdigit() else args.layer
-    runs = {}
+    layer = int(args.layer) if args.layer is not None and args.layer.lstrip("-").isdigit() else args.layer
+    # Everything is read and checked before the first figure is written.
+    runs: dict[str, list[dict]] = {}
+    skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:
         if not (run_dir / ANGLES_FILE).exists():
             print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)", file=sys.stderr)
             return 2
-        for figure in write_run_figures(run_dir, layer):
+        try:
+            runs[str(run_dir)] = read_rows(run_dir / ANGLES_FILE)
+            read_rows(run_dir / NULL_FILE)
+        except DamagedRecords as err:
+            print(f"skipped {run_dir}: {err}", file=sys.stderr)
+            skipped.append(err)
+    if not runs:
+        print(f"error: no readable run among {', '.join(map(str, args.run_dirs))} (damaged records, listed above)",
+              file=sys.stderr)
+        return 2
+    if layer is not None:
+        held = {row["layer"] for rows in runs.values() for row in rows}
+        if layer not in held:
+            blocks = sorted(x for x in held if isinstance(x, int))
+            named = sorted(str(x) for x in held if not isinstance(x, int))
+            span = f"0 to {blocks[-1]}" if blocks else "none"
+            print(f"error: --layer={args.layer}: no such layer in {'these runs' if len(runs) > 1 else 'this run'} "
+                  f"(blocks {span}{', or ' + ', '.join(named) if named else ''})", file=sys.stderr)
+            return 2
+    run_out = {run: (args.out / Path(run).name if args.out else Path(run) / "figures") for run in runs}
+    out_dir = args.out or Path(next(iter(runs))) / "figures"
+    try:
+        for folder in {*run_out.values(), out_dir}:
+            check_writable_folder(folder, "--out")
+    except StartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        write_figures(runs, run_out, out_dir, layer, said_where=args.out is not None)
+    except PermissionError as err:  # what os.access could not tell (a filesystem refusing even root)
+        print(f"error: cannot write {err.filename} ({err.strerror}); choose another --out=...", file=sys.stderr)
+        return 2
+    if skipped:
+        print(f"error: {len(skipped)} run(s) skipped for damaged records (listed above); the others are drawn",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_figures(runs: dict[str, list[dict]], run_out: dict[str, Path], out_dir: Path, layer: int | str | None,
+                  said_where: bool) -> None:
+    """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into ``out_dir``."""
+    for run_dir, folder in run_out.items():
+        for figure in write_run_figures(run_dir, layer, folder):
             print(figure)
-        runs[str(run_dir)] = read_rows(run_dir / ANGLES_FILE)
     if len(runs) > 1:
-        out_dir = args.out or args.run_dirs[0] / "figures"
         # Said before they are written: by default they land inside the first run's own folder.
-        where = "" if args.out else " (the first run's figures folder; --out to choose another)"
+        where = "" if said_where else " (the first run's figures folder; --out to choose another)"
         print(f"figures comparing the {len(runs)} runs go to {out_dir}{where}", file=sys.stderr)
         for ref in ("ones", "rand_a", "rand_b"):
             print(plot_compare(runs, out_dir, ref=ref))
         # The factorial's figures, drawn as normgeo.compare draws them.
         from normgeo.figures.norm_figures import write_norm_figures
 
-        for figure in write_norm_figures(args.run_dirs, out_dir):
+        for figure in write_norm_figures([Path(run) for run in runs], out_dir):
             print(figure)
-    return 0
-
 
 
 if __name__ == "__main__":

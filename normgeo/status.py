@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         help="without SLURM information, a run whose files changed this recently counts as running (15)",
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.active_minutes < float("inf"):  # NaN fails too
+        print(f"error: --active-minutes={args.active_minutes}: expected a number of minutes >= 0", file=sys.stderr)
+        return 2
     root = Path(args.root).resolve()
     if not root.is_dir():
         print(f"error: {root} is not a directory", file=sys.stderr)

@@ -117,3 +117,39 @@ def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(
     assert not run_dir.exists()  # python -m corpus composes its own config: no .hydra/ or log in a run dir
     meta = json.loads((folder / META_FILE).read_text())
     assert meta["format_version"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["corpus", "train.py"])
+def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(shared: Path, tmp_path: Path,
+                                                                                command: str) -> None:
+    """Issue 27: SIGTERM during data preparation (``python -m corpus``, or train.py preparing before it
+    trains) ends it within seconds with one line and exit 143; what was being written is removed whole."""
+    import signal
+    import time
+
+    data_root = tmp_path / "data"
+    overrides = [f"data_root={data_root}", "data=local", f"data.source.path={shared / 'corpora'}"]
+    args = ([sys.executable, "-m", "corpus", *overrides] if command == "corpus" else
+            [sys.executable, str(ROOT / "train.py"), *overrides, f"run_dir={tmp_path / 'run'}", "probe.tokens=512"])
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(data_root.rglob(f"*{TMP_SUFFIX}")):  # preparing: its temporaries are being written
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no preparation after 300 s"
+            time.sleep(0.01)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and took < 10.0, err[-3000:]
+    said = [line for line in err.splitlines() if "stopped, nothing half-written left" in line]  # a progress bar may close after it
+    assert len(said) == 1 and "SIGTERM " in said[0], err[-3000:]
+    assert "Traceback" not in err
+    assert not list(data_root.rglob(f"*{TMP_SUFFIX}")) and not list(data_root.rglob(META_FILE))
+    assert not (tmp_path / "run").exists()

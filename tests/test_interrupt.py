@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from corpus.atomic import TMP_SUFFIX
-from tests.conftest import ROOT, step_losses
+from tests.conftest import ROOT, metrics_rows, step_losses
 from tests.test_resume_kill import ckpt_step, train_args
 
 pytestmark = pytest.mark.slow
@@ -145,3 +145,94 @@ def test_ctrl_c_on_two_ddp_processes_stops_both_after_the_same_step(tmp_path: Pa
     run_dir = tmp_path / "run"
     outcome = signal_after_scheduled_step(run_dir, signal.SIGINT, "trainer=ddp_cpu", "trainer.devices=2", group=True)
     check_interrupted(run_dir, outcome, signal.SIGINT, ranks=2)
+
+
+def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path) -> None:
+    """Issue 27: a validation of 100,000 sequences (minutes) ignored SIGTERM until it ended. Now the signal
+    abandons it at once (its result is not logged), last.ckpt is saved at the step it followed, and the
+    printed command continues the run to its end."""
+    run_dir = tmp_path / "run"
+    settings = ("max_steps=8", "val_every=5", "val_sequences=100000", "checkpoint.steps=[5]",
+                "checkpoint.last_every=1")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    err_path = tmp_path / "validation.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            # last.ckpt at step 4, then step 5 trains (milliseconds) and its validation starts (minutes long).
+            while not (last.exists() and ckpt_step(last) == 4):
+                assert proc.poll() is None, err_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no step 4 after 300 s"
+                time.sleep(0.05)
+            time.sleep(3.0)
+            assert proc.poll() is None and ckpt_step(last) == 4, "the validation after step 5 is not running"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    lines = err_path.read_text().splitlines()
+    print(f"SIGTERM during validation: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 143, "\n".join(lines[-30:])
+    assert took < 10.0
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 5 and "optimizer_states" in state
+    assert (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()  # the scheduled one, as the step's end would
+    assert lines[-2].startswith(f"interrupted by SIGTERM: stopped after step 5 (abandoned the validation after "
+                                f"step 5) and saved {last}")
+    assert not any(row.get("val/loss") for row in metrics_rows(run_dir))  # the abandoned validation: not logged
+    command = shlex.split(lines[-1])
+    assert command[-2:] == [f"run_dir={run_dir}", "resume=auto"]
+    assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
+    # The command continues from step 5 to the end (the abandoned validation is not repeated: no validation
+    # is due before max_steps, so the resume takes seconds, not the minutes of a validation).
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ckpt_step(last) == 8
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["steps"] for s in summary["session_log"]] == [[0, 5], [5, 8]]
+
+
+def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tmp_path: Path) -> None:
+    """Issue 27: the probe at a scheduled step (here 50,000 tokens) is abandoned on SIGTERM within seconds;
+    last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that step
+    first (the same weights), so that angles.jsonl has every scheduled step."""
+    from normgeo.measure.records import recorded_steps
+
+    run_dir = tmp_path / "run"
+    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=50000")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    err_path = tmp_path / "probe.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (last.exists() and ckpt_step(last) == 4):  # step 5 trains next, then its probe
+                assert proc.poll() is None, err_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no step 4 after 300 s"
+                time.sleep(0.02)
+            time.sleep(1.0)
+            assert proc.poll() is None and ckpt_step(last) == 4, "the probe at step 5 is not running"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    lines = err_path.read_text().splitlines()
+    print(f"SIGTERM during the probe: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 143 and took < 10.0, "\n".join(lines[-30:])
+    assert "(abandoned the probe at step 5)" in lines[-2]
+    assert ckpt_step(last) == 5 and (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()
+    assert 5 not in recorded_steps(run_dir / "angles.jsonl")
+    resumed = subprocess.run(shlex.split(lines[-1]), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(recorded_steps(run_dir / "angles.jsonl")) == [0, 5, 7]

@@ -254,7 +254,7 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
         (tmp_path / name / "angles.jsonl").write_text('{"step": 0}\n')
         runs.append(str(tmp_path / name))
     drawn: list[Path] = []  # the drawing itself is tested elsewhere: only where it goes matters here
-    monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer: [])
+    monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer, out_dir=None: [])
     monkeypatch.setattr(report, "plot_compare", lambda runs, out_dir, ref: drawn.append(out_dir) or out_dir / ref)
     monkeypatch.setattr(normgeo.figures.norm_figures, "write_norm_figures", lambda run_dirs, out_dir: [])
     assert report.main(runs) == 0

@@ -61,7 +61,9 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    # Below the panels: inside one, "best" still covered the points of a model with many layers (SmolLM2).
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
     tag = "pretrained" if step is None else f"step{step:07d}"
     return save_figure(fig, out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
@@ -190,13 +192,13 @@ def _dress_step_axes(ax, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def write_run_figures(run_dir: str | Path, layer: int | str | None = None) -> list[Path]:
-    """All figures for one run directory, written to ``<run_dir>/figures``."""
+def write_run_figures(run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None) -> list[Path]:
+    """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
     run_dir = Path(run_dir)
     rows = read_rows(run_dir / ANGLES_FILE)
     if not rows:
         return []
-    out_dir = run_dir / "figures"
+    out_dir = out_dir or run_dir / "figures"
     figures = []
     by_model = defaultdict(list)
     for row in rows:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from corpus.atomic import TMP_SUFFIX  # noqa: E402
 from normgeo.figures.intervention import plot_intervention_steps  # noqa: E402
 from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
@@ -127,21 +131,38 @@ def write_comparison(
     verdict's margins and primary question (default: ``conf/compare/margins.yaml``)."""
     comparison = load(paths)
     if refs:
+        held = sorted(set(comparison.angles["ref"]))
+        if unknown := [ref for ref in refs if ref not in held]:
+            raise ValueError(f"--refs={','.join(refs)}: no records of {', '.join(unknown)}; the runs hold "
+                             f"{', '.join(held)}")
         comparison.angles = comparison.angles[comparison.angles["ref"].isin(refs)]
+    # Everything is drawn into a hidden staging folder first and moved in only when all of it is written:
+    # a failure half-way leaves out_dir as it was (and no out_dir it would have created).
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, list[Path]] = {"tables": []}
-    for name, frame in (("angles", comparison.angles), ("metrics", comparison.metrics)):
-        frame.to_parquet(out_dir / f"{name}.parquet", index=False)
-        frame.to_csv(out_dir / f"{name}.csv", index=False)
-        written["tables"] += [out_dir / f"{name}.parquet", out_dir / f"{name}.csv"]
-    summary = summary_table(comparison)
-    summary.to_csv(out_dir / "summary.csv", index=False)
-    (out_dir / "summary.md").write_text(markdown(summary))
-    written["tables"] += [out_dir / "summary.csv", out_dir / "summary.md"]
-    for name, maker in FIGURES.items():
-        written[name] = maker(comparison, out_dir, formats)
-    written["verdict"] = write_verdict(comparison, out_dir, formats, verdict_config)
-    return written, comparison.damaged
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".compare.", suffix=TMP_SUFFIX))
+    try:
+        written: dict[str, list[Path]] = {"tables": []}
+        for name, frame in (("angles", comparison.angles), ("metrics", comparison.metrics)):
+            frame.to_parquet(staging / f"{name}.parquet", index=False)
+            frame.to_csv(staging / f"{name}.csv", index=False)
+            written["tables"] += [staging / f"{name}.parquet", staging / f"{name}.csv"]
+        summary = summary_table(comparison)
+        summary.to_csv(staging / "summary.csv", index=False)
+        (staging / "summary.md").write_text(markdown(summary))
+        written["tables"] += [staging / "summary.csv", staging / "summary.md"]
+        for name, maker in FIGURES.items():
+            written[name] = maker(comparison, staging, formats)
+        written["verdict"] = write_verdict(comparison, staging, formats, verdict_config)
+        for path in staging.iterdir():
+            os.replace(path, out_dir / path.name)
+    except BaseException:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: [out_dir / p.name for p in paths] for name, paths in written.items()}, comparison.damaged
 
 
 

@@ -51,6 +51,20 @@ def layer_key(layer: str) -> float:
     return float(layer) if layer.lstrip("-").isdigit() else float("inf")
 
 
+def check_formats(formats: Sequence[str]) -> list[str]:
+    """The figure formats asked for (``--formats``), or ValueError naming those matplotlib cannot write:
+    checked before anything is written."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    supported = FigureCanvasBase.get_supported_filetypes()
+    asked = [f.strip().lower().lstrip(".") for f in formats if f.strip()]
+    unknown = [f for f in asked if f not in supported]
+    if unknown or not asked:
+        raise ValueError(f"--formats={','.join(formats)}: {', '.join(unknown) or 'no format'} is not a figure "
+                         f"format; choose from {', '.join(sorted(supported))} (e.g. --formats=png,pdf)")
+    return asked
+
+
 def save_figure(fig, out_dir: Path, stem: str, formats: Sequence[str] = ("png",)) -> list[Path]:
     """Write ``fig`` as ``out_dir/stem.<fmt>`` for each format, each file atomically, and close it."""
     paths = []

@@ -30,6 +30,7 @@ class Comparison:
     metrics: pd.DataFrame  # run, arm, seed, step, metric, value
     runs: pd.DataFrame  # one row per run: run, arm, placement, seed, size, norm, max_steps, tokens_per_step, run_dir
     damaged: list[DamagedRecords] = field(default_factory=list)  # runs left out: a records file is damaged
+    summaries: dict[str, dict] = field(default_factory=dict)  # run_dir -> its summary.json ({} when absent)
 
 
 # --- loading ---------------------------------------------------------------------------------------------
@@ -47,11 +48,34 @@ def run_directories(paths: Sequence[Path]) -> list[Path]:
 
 
 def run_config(run_dir: Path) -> dict:
-    """The run's resolved config: run_config.yaml (train.py's record), else Hydra's config.yaml."""
+    """The run's resolved config: run_config.yaml (train.py's record), else Hydra's config.yaml; raises
+    :class:`DamagedRecords` naming the file when it is not YAML."""
     for path in (run_dir / "run_config.yaml", run_dir / ".hydra" / "config.yaml"):
         if path.is_file():
-            return yaml.safe_load(path.read_text()) or {}
+            try:
+                config = yaml.safe_load(path.read_text(errors="replace")) or {}
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                raise DamagedRecords(path, mark.line + 1 if mark else 1, f"not YAML: {getattr(err, 'problem', err)}") from None
+            if not isinstance(config, dict):
+                raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
+            return config
     return {}
+
+
+def run_summary(run_dir: Path) -> dict:
+    """The run's summary.json ({} when absent); raises :class:`DamagedRecords` naming the file when it is cut
+    short or not a JSON object."""
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError as err:
+        raise DamagedRecords(path, err.lineno, f"{err.msg} at column {err.colno}") from None
+    if not isinstance(summary, dict):
+        raise DamagedRecords(path, 1, f"a JSON {type(summary).__name__}, not an object")
+    return summary
 
 
 # Every records file the comparison, its figures and the verdict read (read once here, so that one damaged
@@ -78,14 +102,15 @@ def records_frame(comparison: Comparison, filename: str) -> pd.DataFrame:
 def load(paths: Sequence[Path]) -> Comparison:
     """Every readable run under ``paths``; a run with a damaged records file is left out and listed in
     ``damaged``. Raises FileNotFoundError when no run is left."""
-    runs, angle_frames, metric_frames, damaged = [], [], [], []
+    runs, angle_frames, metric_frames, damaged, summaries = [], [], [], [], {}
     for run_dir in run_directories(paths):
         try:
             rows = [read_rows(run_dir / name) for name in RECORD_FILES][0]
+            config = run_config(run_dir)
+            summaries[str(run_dir)] = run_summary(run_dir)
         except DamagedRecords as err:
             damaged.append(err)
             continue
-        config = run_config(run_dir)
         norm = (config.get("norm") or {}).get("name") or rows[0]["norm"]
         placement = (config.get("placement") or {}).get("name") or "pre"  # runs older than the key: pre
         info = {
@@ -122,7 +147,7 @@ def load(paths: Sequence[Path]) -> Comparison:
         else pd.DataFrame(columns=[*order, "step", "metric", "value"])
     )
     return Comparison(angles=angles, metrics=metrics[order + ["step", "metric", "value"]], runs=runs_frame,
-                      damaged=damaged)
+                      damaged=damaged, summaries=summaries)
 
 
 def align_train_steps(metrics: pd.DataFrame, tokens_per_step: int | None) -> pd.DataFrame:
@@ -151,15 +176,14 @@ def summary_table(comparison: Comparison) -> pd.DataFrame:
         angles = comparison.angles[comparison.angles["run"] == run.run]
         final = int(angles["step"].max())
         metrics = comparison.metrics[comparison.metrics["run"] == run.run]
-        saved = Path(run.run_dir) / SUMMARY_FILE
-        end = json.loads(saved.read_text()) if saved.is_file() else {}
+        end = comparison.summaries.get(run.run_dir, {})
         record = {
             "arm": run.arm,
             "seed": run.seed,
             "run": run.run,
             "final_step": final,
             "tokens": final * run.tokens_per_step if run.tokens_per_step else None,
-            "train_loss": last_value(metrics, "train/loss"),
+            "train_loss": final_train_loss(end, metrics),
             "val_loss": last_value(metrics, "val/loss"),
             "wall_s": end.get("wall_s"),
             "tokens_per_s": end.get("tokens_per_s"),
@@ -169,6 +193,14 @@ def summary_table(comparison: Comparison) -> pd.DataFrame:
             record[f"ones_deg/{site}"] = float(mean)
         records.append(record)
     return pd.DataFrame(records).sort_values(["arm", "seed"], kind="stable").reset_index(drop=True)
+
+
+def final_train_loss(summary: dict, metrics: pd.DataFrame) -> float | None:
+    """The loss of the run's last optimizer step: summary.json's (the trainer's, whatever ``log_every``),
+    else the last logged one (a run without a summary, e.g. killed)."""
+    if summary.get("train_loss") is not None:
+        return float(summary["train_loss"])
+    return last_value(metrics, "train/loss")
 
 
 def markdown(table: pd.DataFrame) -> str:

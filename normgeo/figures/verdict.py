@@ -571,7 +571,8 @@ def family_text(estimates: Sequence[Estimate]) -> list[str]:
 def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpaired: pd.DataFrame) -> str:
     alpha = estimates[0].alpha if estimates else 0.05
     lines = ["# Verdict", ""]
-    lines += [f"Paired by seed within each size and placement ({len(measures)} runs); differences are arm − other. "
+    lines += [f"Paired by seed within each size and placement ({len(measures)} run{'' if len(measures) == 1 else 's'}); "
+              f"differences are arm − other. "
               f"Each row: 95% and 90% Student-t intervals over seeds; a two-sided paired t-test against a zero difference "
               f"and two one-sided tests (TOST) of equivalence within the declared margin, each at {alpha:g}; "
               f"the words follow the Holm-adjusted p-values: \"equivalent within ±margin\" (TOST), "

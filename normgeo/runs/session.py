@@ -39,7 +39,15 @@ class RunDirectoryError(RuntimeError):
     """The run directory holds an earlier run and no resume was asked for."""
 
 
+class RunFinished(Exception):
+    """A resume of a run whose checkpoint already reached the step this session would train to: nothing to
+    do, nothing written (train.py prints the one line and exits 0)."""
+
+
 REFUSALS = (RunDirectoryError, ResumeConfigError)
+# Files a run directory may hold without holding a run: the lock (normgeo.runs.lock.LOCK_FILE, kept after
+# its process; not imported to keep this module light) and a killed write's temporaries.
+NOT_A_RUN = (".normgeo.lock",)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,14 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
                 f"{passed_over[0]} and no other full-state checkpoint is readable: nothing to resume from. "
                 "Start the run again under another run_name=..., or delete the damaged file to start it here."
             )
+        if path is None and (traces := run_traces(run_dir)) and not slurm_requeued():
+            # A run killed before its first checkpoint, or one whose checkpoints were deleted: training it
+            # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run.
+            raise RunDirectoryError(
+                f"{run_dir} holds an earlier run ({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}) "
+                f"but no checkpoint to resume from: nothing to resume, and its files stay as they are. Start "
+                f"it fresh elsewhere: {fresh_command(run_dir)} (or delete {run_dir} to start it there)"
+            )
         for reason in passed_over:
             if reason not in _warned:
                 _warned.add(reason)
@@ -138,6 +154,43 @@ def replace_diverged_run(run_dir: Path) -> None:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     log.warning("replaced the run that diverged at step %s (optim.lr=%s) in %s", record.get("step"), record.get("lr"),
                 run_dir)
+
+
+def run_traces(run_dir: Path) -> list[str]:
+    """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
+    missing or empty folder, or one holding only the lock and a killed write's temporaries."""
+    from corpus.atomic import TMP_SUFFIX
+
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_A_RUN and not p.name.endswith(TMP_SUFFIX))
+
+
+def fresh_command(run_dir: Path) -> str:
+    """This session's command line without ``resume``, in the first free folder beside ``run_dir``."""
+    number = 2
+    while (free := run_dir.with_name(f"{run_dir.name}-{number}")).exists():
+        number += 1
+    overrides = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in PINNED_KEYS]
+    return shlex.join([*_program(), *overrides, f"run_dir={_hydra_value(str(free))}"])
+
+
+def training_target(cfg: DictConfig) -> int:
+    """The optimizer step this session trains to: ``stop_at_step`` when it comes first, else ``max_steps``."""
+    return min(int(cfg.stop_at_step), int(cfg.max_steps)) if cfg.stop_at_step else int(cfg.max_steps)
+
+
+def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
+    """The one line for a resume whose checkpoint already reached this session's target step; None when
+    there is training left to do."""
+    info = checkpoint_info(Path(ckpt_path))
+    target = training_target(cfg)
+    if not isinstance(info, CheckpointInfo) or info.step < target:
+        return None
+    if target < int(cfg.max_steps):
+        return (f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); nothing to do: "
+                f"raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}")
+    return f"{cfg.run_dir}: already finished at step {info.step}; nothing to do"
 
 
 def remove_stale_temporaries_of_run(run_dir: Path) -> None:
@@ -200,6 +253,8 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
             return None  # replaces the diverged run: nothing of it is compared or continued
     ckpt_path = resume_checkpoint(run_dir, resume)
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
+    if ckpt_path and (done := finished_message(ckpt_path, cfg)):
+        raise RunFinished(done)  # a resume must never rewrite a finished run's summary or logs
     return ckpt_path
 
 
@@ -213,10 +268,14 @@ def resume_command(cfg: DictConfig) -> str:
     ``resume=auto``; printed when a session is interrupted or finds its disk full."""
     overrides = _task_overrides()
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("~+") not in PINNED_KEYS]
-    run_dir = str(cfg.run_dir)
-    if not re.fullmatch(r"[\w/.:@%+-]+", run_dir):  # Hydra's grammar needs anything else quoted
-        run_dir = "'" + run_dir.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return shlex.join([*_program(), *kept, f"run_dir={run_dir}", "resume=auto"])
+    return shlex.join([*_program(), *kept, f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
+
+
+def _hydra_value(path: str) -> str:
+    """``path`` as a Hydra override value: quoted when Hydra's grammar needs it."""
+    if re.fullmatch(r"[\w/.:@%+-]+", path):
+        return path
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _task_overrides() -> list[str]:

@@ -34,7 +34,7 @@ from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
-from normgeo.runs.session import REFUSALS, session_checkpoint, slurm_requeued
+from normgeo.runs.session import REFUSALS, RunFinished, session_checkpoint, slurm_requeued
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class StartError(ValueError):
 
 # Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
 START_ERRORS = (ConfigError, StartError, RunInUseError, *REFUSALS)
+# Starts that do not happen: refused, or a finished run's resume (one line on stdout, exit 0).
+NO_START = (*START_ERRORS, RunFinished)
 # A claim keeps the bytes of files up to this size, for an undo to write back; a start never rewrites a
 # bigger one (checkpoints) before its first optimizer step.
 SNAPSHOT_MAX_BYTES = 16 << 20
@@ -245,7 +247,7 @@ def decide(root: DictConfig) -> Start | Exception:
     if key not in _outcomes:
         try:
             _outcomes[key] = start_session(task_config(root))
-        except START_ERRORS as err:
+        except NO_START as err:
             _outcomes[key] = err
     return _outcomes[key]
 
@@ -295,6 +297,9 @@ class StartCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         outcome = decide(config)
+        if isinstance(outcome, RunFinished):
+            print(outcome, flush=True)
+            raise SystemExit(0)
         if isinstance(outcome, Exception):
             print(f"error: {outcome}", file=sys.stderr, flush=True)
             raise SystemExit(CONFIG_ERROR_EXIT)

@@ -36,6 +36,9 @@ class SessionClock(L.Callback):
         if self.started is not None:
             self.wall_s = time.perf_counter() - self.started
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # a stop signal that abandoned a validation or a probe
+
 
 def _metric(trainer: L.Trainer, name: str) -> float | None:
     value = trainer.callback_metrics.get(name)

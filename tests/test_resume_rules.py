@@ -1,0 +1,58 @@
+"""Issue 27, one rule for resume on a folder (normgeo/runs/session.py): a finished run resumed again is left
+byte for byte as it was (one line, exit 0); a folder with an earlier run's files but no checkpoint is refused
+(exit 2, nothing touched) with the command that starts the run fresh elsewhere."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from normgeo.runs.session import RunDirectoryError, resume_checkpoint, run_traces
+from tests.conftest import run_train
+from tests.test_start_faults import assert_refused, sha_tree
+
+SMOKE = ("experiment=smoke", "max_steps=3")
+
+
+@pytest.fixture(scope="module")
+def finished_smoke(tmp_path_factory) -> Path:
+    """A smoke run trained to its end (3 steps, FAST sizes)."""
+    run_dir = tmp_path_factory.mktemp("resume") / "smoke-layer-s0"
+    run_train(run_dir, *SMOKE)
+    return run_dir
+
+
+def test_an_empty_or_missing_folder_starts_fresh_and_one_with_logs_is_refused(tmp_path: Path) -> None:
+    assert resume_checkpoint(tmp_path / "absent", "auto") is None
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".normgeo.lock").write_text("{}")  # a lock alone is no run
+    assert run_traces(tmp_path / "empty") == [] and resume_checkpoint(tmp_path / "empty", "auto") is None
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "train.log").write_text("[train] step 2\n")
+    with pytest.raises(RunDirectoryError, match=r"holds an earlier run \(train\.log\) but no checkpoint"):
+        resume_checkpoint(tmp_path / "logs", "auto")
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path) -> None:
+    before = sha_tree(finished_smoke)
+    result = run_train(finished_smoke, *SMOKE, "resume=auto", check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines() == [f"{finished_smoke}: already finished at step 3; nothing to do"]
+    assert "Traceback" not in result.stderr
+    assert sha_tree(finished_smoke) == before
+
+
+@pytest.mark.slow
+def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_smoke: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "smoke-layer-s0"
+    shutil.copytree(finished_smoke, run_dir)
+    shutil.rmtree(run_dir / "checkpoints")  # deleted, or a run killed before its first checkpoint
+    before = sha_tree(run_dir)
+    result = run_train(run_dir, *SMOKE, "resume=auto", check=False)
+    assert_refused(result, str(run_dir), "no checkpoint to resume from", f"run_dir={tmp_path / 'smoke-layer-s0-2'}")
+    assert "resume=auto" not in result.stderr.strip().splitlines()[-1].split("Start it fresh elsewhere:")[1]
+    assert sha_tree(run_dir) == before
+    assert not (tmp_path / "smoke-layer-s0-2").exists()
