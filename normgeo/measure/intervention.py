@@ -233,11 +233,14 @@ class InterventionProbe:
     Use as a context manager around the probe (it registers, on every intervenable norm, a pre-hook that
     records the energy fraction along 1 of each token during the intact forward), and pass
     :meth:`observe` as ``run_probe``'s ``on_batch``. ``num_sequences`` probe sequences are tracked by
-    their global index; :meth:`all_reduce` merges ranks (each sequence is measured on one rank).
+    their global index; :meth:`all_reduce` merges ranks (each sequence is measured on one rank) through
+    ``device``, the probe's (a CUDA device under NCCL).
     """
 
-    def __init__(self, norms: Sequence[NormSite], scopes: Sequence[Scope], num_sequences: int) -> None:
+    def __init__(self, norms: Sequence[NormSite], scopes: Sequence[Scope], num_sequences: int,
+                 device: torch.device | str = "cpu") -> None:
         self.norms = intervenable(norms)
+        self.device = torch.device(device)  # where all_reduce sends the sums (NCCL reduces CUDA tensors only)
         self.scopes = list(scopes)
         self.num_sequences = num_sequences
         self.output: str | None = None  # "next_token" or "embedding", from the first forward
@@ -333,9 +336,9 @@ class InterventionProbe:
             return
         assert self.seq_sum is not None and self.bin_sum is not None
         for name in ("seq_count", "seq_sum", "bin_count", "bin_sum", "bin_energy"):
-            tensor = torch.from_numpy(getattr(self, name))
-            dist.all_reduce(tensor)  # gloo and NCCL both reduce a float64 CPU/CUDA tensor; CPU here
-            setattr(self, name, tensor.numpy())
+            tensor = torch.from_numpy(getattr(self, name)).to(self.device)
+            dist.all_reduce(tensor)
+            setattr(self, name, tensor.cpu().numpy())
 
 
 INTERVENTION_FIELDS = (

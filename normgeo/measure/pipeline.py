@@ -125,7 +125,8 @@ def measure(
     num_sequences = sum(len(part) for part in parts)
     residual = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     scopes = intervention_scopes(residual, intervention_kinds) if intervention_kinds else []
-    intervention = InterventionProbe(residual, scopes, num_sequences) if scopes else None
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    intervention = InterventionProbe(residual, scopes, num_sequences, device=where) if scopes else None
     sites: list[ProbeSite] = []
     stats: AngleStatistics | None = None
     first = 0  # global index of the part's first window, for the per-sequence statistics
