@@ -197,12 +197,12 @@ def energy_fraction(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class IntactPrediction:
-    """What every scope's intervened forward is compared with: the intact forward's next-token
-    log-probabilities and probabilities (rows, T - 1, V), its loss on the true next tokens and its top-1
-    tokens (computed once per batch, whatever the number of scopes)."""
+    """What every scope's intervened forward is compared with, computed once per batch: the intact forward's
+    next-token probabilities (rows, T - 1, V), their negative entropy sum(p log p), the loss on the true next
+    tokens and the top-1 tokens."""
 
-    log_probs: torch.Tensor
     probs: torch.Tensor
+    neg_entropy: torch.Tensor
     loss: torch.Tensor
     top1: torch.Tensor
 
@@ -210,15 +210,22 @@ class IntactPrediction:
     def of(cls, logits: torch.Tensor, batch: torch.Tensor) -> IntactPrediction:
         log_probs = F.log_softmax(at_least_float32(logits[:, :-1]), dim=-1)
         loss = -log_probs.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return cls(log_probs, log_probs.exp(), loss, log_probs.argmax(dim=-1))
+        probs = log_probs.exp()
+        neg_entropy = torch.linalg.vecdot(probs, log_probs)
+        return cls(probs, neg_entropy, loss, log_probs.argmax(dim=-1))
 
 
 def next_token_changes(intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact loss."""
-    q_log = F.log_softmax(at_least_float32(intervened_logits[:, :-1]), dim=-1)
-    loss = -q_log.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-    kl = (intact.probs * (intact.log_probs - q_log)).sum(dim=-1).clamp(min=0.0)
-    agree = (intact.top1 == q_log.argmax(dim=-1)).float()
+    """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact loss.
+
+    With q = log_softmax(z) of the intervened logits z, KL = sum p log p - sum p z + logsumexp(z) (sum p = 1):
+    one reduction and one dot product over the vocabulary per scope, no (T, V) temporaries beyond z itself.
+    """
+    logits = at_least_float32(intervened_logits[:, :-1])
+    normalizer = torch.logsumexp(logits, dim=-1)
+    loss = normalizer - logits.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
+    kl = (intact.neg_entropy - torch.linalg.vecdot(intact.probs, logits) + normalizer).clamp(min=0.0)
+    agree = (intact.top1 == logits.argmax(dim=-1)).float()
     return torch.stack([loss - intact.loss, kl, agree, intact.loss], dim=-1)
 
 
