@@ -196,6 +196,7 @@ def run_probe(
                     rows_to_measure[0] = 0  # what on_batch runs is not measured by the angle hooks
                     on_batch(call, batch, output, rows, batch_ids[0])
                     rows_to_measure[0] = rows
+                del output  # the logits of a batch can be GBs: gone before the next forward
                 bar.update(rows_to_measure[0] * batch.shape[1])
     finally:
         for handle in handles:
