@@ -64,7 +64,7 @@ def with_analysis(arms_sweep, shared: Path) -> Path:
     if not (root / "analyze" / "minilm").is_dir():
         done = subprocess.run(
             [sys.executable, str(ROOT / "analyze.py"), "progress=false", "model=minilm", "probe=local",
-             f"probe.path={shared / 'corpora' / 'wikipedia'}", "probe.tokens=512", "model.seq_len=512",
+             f"probe.path={shared / 'corpora' / 'wikipedia'}", "probe.tokens=512", "model.seq_len=256",
              f"output_root={root}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )

@@ -18,8 +18,8 @@ from tests.conftest import ROOT, metrics_rows
 
 pytestmark = pytest.mark.slow  # four real study-preset runs
 
-RECORDS = ("angles.jsonl", "null.jsonl", "energy.jsonl", "ellipsoid.jsonl")
-SHORT = ("max_steps=20", "checkpoint.steps=[10,20]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
+RECORDS = ("angles.jsonl", "null.jsonl", "energy.jsonl", "ellipsoid.jsonl", "intervention.jsonl")
+SHORT = ("max_steps=20", "optim.warmup_steps=5", "checkpoint.steps=[10,20]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
          "val_sequences=16", "probe.tokens=1024", "trainer.enable_progress_bar=false",
          "trainer.enable_model_summary=false")
 

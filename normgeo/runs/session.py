@@ -26,6 +26,7 @@ from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
     ResumeConfigError,
     config_changes,
+    is_rank_zero,
     load_run_config,
     resolved_run_config,
     verify_run_config,
@@ -116,9 +117,10 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
                 f"{passed_over[0]} and no other full-state checkpoint is readable: nothing to resume from. "
                 "Start the run again under another run_name=..., or delete the damaged file to start it here."
             )
-        if path is None and (traces := run_traces(run_dir)) and not slurm_requeued():
+        if path is None and is_rank_zero() and (traces := run_traces(run_dir)) and not slurm_requeued():
             # A run killed before its first checkpoint, or one whose checkpoints were deleted: training it
-            # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run.
+            # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run;
+            # the other ranks of a start (srun's tasks, DDP's processes) see rank 0's fresh files and follow it.
             raise RunDirectoryError(
                 f"{run_dir} holds an earlier run ({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}) "
                 f"but no checkpoint to resume from: nothing to resume, and its files stay as they are. Start "
