@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,14 +159,28 @@ def replace_diverged_run(run_dir: Path) -> None:
                 run_dir)
 
 
+# When this process started (train.py imports this module before Hydra): the files that the other processes
+# of the same launch (srun's tasks, torchrun's ranks) write while they start are newer than this, less a skew.
+PROCESS_STARTED = time.time()
+LAUNCH_SKEW_S = 60.0
+
+
+def sibling_file(path: Path) -> bool:
+    """A file another process of this same multi-process launch wrote since it started (not an earlier run's)."""
+    together = int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
+    return together and path.stat().st_mtime >= PROCESS_STARTED - LAUNCH_SKEW_S
+
+
 def run_traces(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
-    missing or empty folder, or one holding only the lock and a killed write's temporaries."""
+    missing or empty folder, or one holding only the lock, a killed write's temporaries and the files that
+    the other processes of this launch have just written."""
     from corpus.atomic import TMP_SUFFIX
 
     if not run_dir.is_dir():
         return []
-    return sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_A_RUN and not p.name.endswith(TMP_SUFFIX))
+    return sorted(p.name for p in run_dir.iterdir()
+                  if p.name not in NOT_A_RUN and not p.name.endswith(TMP_SUFFIX) and not sibling_file(p))
 
 
 def fresh_command(run_dir: Path) -> str:
