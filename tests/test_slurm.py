@@ -96,6 +96,8 @@ class Job:
         self.run_dir = workdir / name
         command = ["sbatch", "--parsable", *CPU_TASKS, f"--job-name=ng-{name}",
                    f"--output={workdir}/logs/%x-%j.out", str(SBATCH), *DDP, f"max_steps={steps}",
+                   # checkpoint steps beyond max_steps are refused: a shorter job (3 to 7 steps) ends at its own
+                   *([] if steps >= 8 else [f"checkpoint.steps=[2,{steps}]"]),
                    f"run_dir={self.run_dir}", f"data_root={workdir / 'data'}", *overrides]
         env = {**os.environ, "NORMGEO_PYTHON": sys.executable}
         self.id = sh(*command, cwd=ROOT, env=env).stdout.strip().split(";")[0]
