@@ -184,6 +184,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
                 bootstrap_replicates=cfg.probe.bootstrap.replicates,
                 bootstrap_block=cfg.probe.bootstrap.block,
                 intervention=list(cfg.probe.intervention),
+                intervention_tokens=cfg.probe.intervention_tokens,
                 ids=probe_ids,
             )
         )

@@ -21,7 +21,7 @@ from models.pretrained import hf_encoder, hf_forward, load_checkpoint
 from normgeo.analysis import main as summary_main
 from normgeo.figures.analysis import pool
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.pipeline import measure, probe_ids
+from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
@@ -51,7 +51,9 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     ids = probe_ids(_wiki(shared), encode, separator, TOKENS, sample=False)
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
-    sites, stats, _ = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    records = measure_records(model, ids, SEQ_LEN, references, model_name="m", step=None, tokens_per_step=None,
+                              seed=1234, with_null=False, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    sites, stats = records.sites, records.stats
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
     null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)
     # The interval is a function of the per-sequence sums and the seed: the same seed, the same numbers.

@@ -98,7 +98,7 @@ def _norm_kind(module: nn.Module) -> str:
 def _unreadable(name: str, module: nn.Module, what: str) -> ValueError:
     return ValueError(
         f"cannot read the {what} of norm module {name!r} ({type(module).__name__}); build its NormSite by "
-        "hand and pass the list as `norms=` to normgeo.measure.probe.run_probe"
+        "hand and pass the list as `norms=` to normgeo.measure.pipeline.measure_records"
     )
 
 
@@ -169,7 +169,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             f"no normalization module found in {type(model).__name__} (its module classes: {classes}). "
             "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name ends with "
             "LayerNorm/RMSNorm/RmsNorm; if this model normalizes with another class, build the NormSite list "
-            "by hand and pass it as `norms=` to normgeo.measure.probe.run_probe"
+            "by hand and pass it as `norms=` to normgeo.measure.pipeline.measure_records"
         )
 
     positions = [_block_position(name, modules) for name, _ in found]

@@ -30,7 +30,7 @@ from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
-from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
+from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES, SCOPE_KINDS
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class ProbeSchema:
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
+    intervention_tokens: int = doc(DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this many "
+                                   "probe tokens (whole windows; the angles keep probe.tokens)", ge=1)
 
 
 @dataclass
