@@ -140,11 +140,17 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     """The start-up line that replaces Lightning's model summary table (whose FLOPs column reads 0)."""
     params = module.model.num_parameters()
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    probe = "probe off"
+    if cfg.probe.enabled:
+        scopes = list(cfg.probe.intervention)
+        probe = f"probe {cfg.probe.tokens:,} tokens" + (
+            f", centering intervention {','.join(scopes)} on the first "
+            f"{min(cfg.probe.intervention_tokens, cfg.probe.tokens):,}" if scopes else ", no centering intervention")
     return (
         f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
         f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
         f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
-        f"world size {trainer.world_size} · precision {trainer.precision}"
+        f"world size {trainer.world_size} · precision {trainer.precision} · {probe}"
     )
 
 

@@ -54,7 +54,10 @@ INTERVENTION_FILE = "intervention.jsonl"
 # SmolLM2-135M is already +-0.017 nats at 4,096 tokens (docs/intervention_numbers.md).
 DEFAULT_INTERVENTION_TOKENS = 8192
 SCOPE_KINDS = ("all", "layers", "site_classes")
-DEFAULT_SCOPES = ("all", "layers")
+# Every norm at once by default: one extra forward on the budget's tokens answers "does the mean subtraction
+# change the predictions"; the per-block breakdown (``layers``, about (L + 1) / 2 more forwards resumed
+# mid-stack) and ``site_classes`` are asked for (docs/probe.md, bench/probe_cost.py).
+DEFAULT_SCOPES = ("all",)
 INTERVENABLE_KINDS = ("layer", "rms")  # DyT ("tanh") has no centering to take out or put in
 ACTIONS = {"layer": "remove", "rms": "add"}
 # Edges of the bins of the per-token energy fraction along 1 (cos^2 of the angle with 1; an isotropic

@@ -305,6 +305,7 @@ def measure_records(
     rank: int = 0,
     world_size: int = 1,
     announce_cost: bool = False,
+    resume_mid_stack: bool = True,
 ) -> Records:
     """Every measurement of the probe on ``ids`` cut by :func:`windows`, merged over ranks, as records.
 
@@ -313,8 +314,9 @@ def measure_records(
     ``intervention.jsonl``; only the rank that writes needs them). ``intervention_kinds``: the centering
     intervention's scopes (``all``, ``layers``, ``site_classes``; none: not run), on the first
     ``intervention_tokens`` probe tokens in whole windows (None: all of them). ``announce_cost``: log the
-    forwards the probe will run before it starts. Call it on every rank: the statistics are all-reduced and
-    FSDP2-sharded gains all-gathered.
+    forwards the probe will run before it starts. ``resume_mid_stack=False`` re-runs every per-block scope's
+    forward from the embeddings (what the resumed forwards are tested and benchmarked against). Call it on
+    every rank: the statistics are all-reduced and FSDP2-sharded gains all-gathered.
     """
     parts = windows(ids, seq_len)
     if not parts:
@@ -332,7 +334,8 @@ def measure_records(
         budget, budget_tokens = budget_windows(parts, intervention_tokens)
         intervention = CenteringIntervention(
             model, norms, scopes, budget, token_budget=budget_tokens, device=where, with_rows=with_null,
-            bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block, seed=seed)
+            resume=resume_mid_stack, bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block,
+            seed=seed)
         measurements.append(intervention)
     if announce_cost:
         announce(parts, batch_size, world_size, intervention)
