@@ -12,6 +12,9 @@ Which class holds which arm exactly:
   with learned absolute positions; ``OPTForCausalLM`` (``do_layer_norm_before=False``) is post-LN but builds
   no final LayerNorm in that mode, while the harness's Post-LN model applies ``ln_f`` before the head (and
   OPT's positions are offset by 2), so OPT cannot hold it exactly.
+- A Pre-LN ``layer`` / ``layer_nobias`` arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, the algebra in
+  :mod:`models.export.convert`) -> the saved model code as the ``rms`` arm, with an untied head and, where the
+  final LayerNorm had a bias, an LM-head bias.
 
 The vocabulary keeps the harness's padded size (50257 rounded up to a multiple of 64 = 50304): the padded
 rows are part of the softmax the model was trained and validated with, so the exported log-probabilities
@@ -20,12 +23,15 @@ over the real 50257 tokens are the harness's to the last bit; a tokenizer never 
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.gpt import GPT
+from models.export.convert import lm_head_bias, rms_config, rms_weights
+from models.gpt import GPT, GPTConfig
 
 GPT2_ARMS = ("layer", "layer_nobias")  # pre-LN only
 
@@ -35,22 +41,22 @@ def holds_as_gpt2(gpt: GPT) -> bool:
     return gpt.config.placement == "pre" and gpt.config.norm in GPT2_ARMS
 
 
-def hf_class_name(gpt: GPT) -> str:
-    return "GPT2LMHeadModel" if holds_as_gpt2(gpt) else "NormGeoForCausalLM"
+def hf_class_name(gpt: GPT, as_rms: bool = False) -> str:
+    return "GPT2LMHeadModel" if holds_as_gpt2(gpt) and not as_rms else "NormGeoForCausalLM"
 
 
-def _weights(gpt: GPT) -> dict[str, torch.Tensor]:
-    """The model's tensors in float32, each once (a tied head is the embedding)."""
-    state = {name: tensor.detach().float().clone() for name, tensor in gpt.state_dict().items()}
+def _weights(gpt: GPT, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The model's tensors in ``dtype``, each once (a tied head is the embedding)."""
+    state = {name: tensor.detach().to(dtype).clone() for name, tensor in gpt.state_dict().items()}
     if gpt.config.tie_embeddings:
         state.pop("lm_head.weight")
     return state
 
 
-def _gpt2_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
+def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     cfg = gpt.config
-    source = _weights(gpt)
-    zeros = lambda n: torch.zeros(n)  # noqa: E731 - a bias GPT-2 always has and an arm may lack
+    source = _weights(gpt, dtype)
+    zeros = lambda n: torch.zeros(n, dtype=dtype)  # noqa: E731 - a bias GPT-2 always has and an arm may lack
     state = {"transformer.wte.weight": source["wte.weight"], "transformer.wpe.weight": source["wpe.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
@@ -68,7 +74,7 @@ def _gpt2_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def _gpt2(gpt: GPT) -> nn.Module:
+def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = gpt.config
@@ -78,45 +84,78 @@ def _gpt2(gpt: GPT) -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
     )
-    model = GPT2LMHeadModel(config)
-    model.load_state_dict(_gpt2_state_dict(gpt), strict=not cfg.tie_embeddings)
+    model = GPT2LMHeadModel(config).to(dtype)
+    model.load_state_dict(_gpt2_state_dict(gpt, dtype), strict=not cfg.tie_embeddings)
     return model
 
 
-def _normgeo(gpt: GPT) -> nn.Module:
+def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
+    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one dtype)."""
     from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
 
-    cfg = gpt.config
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     config = NormGeoConfig(
         vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
         n_head=cfg.n_head, norm=cfg.norm, norm_eps=cfg.norm_eps, placement=cfg.placement, bias=cfg.bias,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        lm_head_bias=lm_head_bias, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
+        eos_token_id=cfg.vocab_size - 1,
     )
-    model = NormGeoForCausalLM(config)
+    model = NormGeoForCausalLM(config).to(next(iter(weights.values())).dtype)
     # save_pretrained records the saved class only; AutoModel (the base model analyze.py measures) is added.
     model.config.auto_map = {"AutoConfig": "modeling_normgeo.NormGeoConfig",
                              "AutoModel": f"modeling_normgeo.{NormGeoModel.__name__}",
                              "AutoModelForCausalLM": "modeling_normgeo.NormGeoForCausalLM"}
-    state = {(k if k.startswith("lm_head.") else f"transformer.{k}"): v for k, v in _weights(gpt).items()}
+    state = {(k if k.startswith("lm_head.") else f"transformer.{k}"): v for k, v in weights.items()}
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model
 
 
-def to_hf(gpt: GPT) -> nn.Module:
-    """The ``transformers`` causal LM (float32, eval mode) whose logits are ``gpt``'s."""
-    model = _gpt2(gpt) if holds_as_gpt2(gpt) else _normgeo(gpt)
-    if gpt.config.tie_embeddings:
+def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
+          model_code: bool = False) -> nn.Module:
+    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s.
+
+    ``as_rms``: a Pre-LN LayerNorm arm converted to an RMSNorm model (:mod:`models.export.convert`), in the
+    saved model code (ValueError for an arm that does not convert). ``model_code``: the saved model code even
+    where ``GPT2LMHeadModel`` holds the arm (to time it beside its conversion with the same code)."""
+    if as_rms:
+        cfg = rms_config(gpt.config)
+        model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))
+    else:
+        cfg = gpt.config
+        model = _gpt2(gpt, dtype) if holds_as_gpt2(gpt) and not model_code else _normgeo(cfg, _weights(gpt, dtype))
+    if cfg.tie_embeddings:
         model.tie_weights()
-    if gpt.config.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
+    if cfg.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
         raise RuntimeError("the exported head's tying differs from the harness model's")
-    return model.float().eval()
+    return model.to(dtype).eval()
 
 
-def save_hf(gpt: GPT, out_dir: Path) -> None:
-    """``model.safetensors`` and ``config.json`` (plus the model code where no built-in class holds the arm)."""
-    to_hf(gpt).save_pretrained(out_dir, safe_serialization=True)
+def save_hf(gpt: GPT, out_dir: Path, as_rms: bool = False) -> None:
+    """``model.safetensors`` and ``config.json`` (plus the model code where no built-in class holds the arm);
+    ``as_rms``: the arm converted to RMSNorm (:mod:`models.export.convert`)."""
+    to_hf(gpt, as_rms=as_rms).save_pretrained(out_dir, safe_serialization=True)
+
+
+@dataclass(frozen=True)
+class RmsParity:
+    """How far the RMSNorm conversion's logits are from the original's on some token ids."""
+
+    float64_relative: float  # max |converted - original| / max |original|, both models in float64
+    float32_max_abs: float  # max |converted - original|, both in float32 (the saved weights)
+    # max |original in float32 - original in float64|: float32's own rounding, the scale float32_max_abs is on
+    float32_rounding: float
+
+
+@torch.no_grad()
+def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
+    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it was."""
+    reference64 = copy.deepcopy(gpt).double().eval()(ids)
+    diff64 = (to_hf(gpt, as_rms=True, dtype=torch.float64)(ids).logits - reference64).abs().max()
+    reference32 = copy.deepcopy(gpt).float().eval()(ids)
+    diff32 = (to_hf(gpt, as_rms=True)(ids).logits - reference32).abs().max()
+    return RmsParity(float((diff64 / reference64.abs().max()).item()), float(diff32.item()),
+                     float((reference32.double() - reference64).abs().max().item()))
 
 
 def load_hf(directory: str | Path, base: bool = False) -> nn.Module:
