@@ -26,8 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.export.convert import CONVERTIBLE_ARMS  # noqa: E402
-from models.export.hf import hf_class_name, load_hf, save_hf  # noqa: E402
+from models.export.hf import CONVERTIBLE_ARMS, hf_class_name, load_hf, save_hf  # noqa: E402
 from models.export.lens import to_transformer_lens, transformer_lens_refusal  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.norms import NORM_ARMS  # noqa: E402

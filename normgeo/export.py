@@ -16,7 +16,7 @@ beside ``--out`` and renamed into place: a failed export leaves nothing. Bad inp
 not saved, an arm the target cannot hold, an existing ``--out``) is one line on stderr and exit code 2.
 
 ``--as rms`` (with ``--to hf`` or ``--to nnsight``) converts a Pre-LN ``layer`` or ``layer_nobias`` arm into an
-RMSNorm model with the same logits (:mod:`models.export.convert`: writing weights centred, every LayerNorm's
+RMSNorm model with the same logits (:func:`models.export.hf.to_hf`: writing weights centred, every LayerNorm's
 gain and bias folded into the linear layer it feeds), saved in the RMS arm's format; the model card gives the
 parity measured at export. Post-LN, DyT and RMSNorm arms are refused (one line, exit code 2).
 """
@@ -38,8 +38,15 @@ from torch import nn
 from corpus.atomic import atomic_write_json, atomic_write_text
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
-from models.export.convert import lm_head_bias, rms_conversion_refusal
-from models.export.hf import RmsParity, hf_class_name, rms_parity, save_hf, to_hf
+from models.export.hf import (
+    RmsParity,
+    hf_class_name,
+    lm_head_bias,
+    rms_conversion_refusal,
+    rms_parity,
+    save_hf,
+    to_hf,
+)
 from models.export.lens import TRANSFORMER_LENS_TARGET, save_transformer_lens, transformer_lens_refusal
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT
@@ -185,7 +192,7 @@ def conversion_section(gpt: GPT, check: ConversionCheck) -> list[str]:
     return [
         f"## Converted from {arm_label(cfg.norm)} to RMSNorm", "",
         f"This is the Pre-LN `{cfg.norm}` arm converted to an RMSNorm model with the same logits "
-        "(`--as rms`, `models/export/convert.py`): every weight that writes into the residual stream (token and "
+        "(`--as rms`, `models/export/hf.py`): every weight that writes into the residual stream (token and "
         "position embeddings, each attention and MLP output projection and its bias) is centred across the "
         f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an RMSNorm on it "
         f"(same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear layer it feeds "
@@ -247,7 +254,7 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
 def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = None,
                checkpoint: Path | None = None, as_norm: str | None = None) -> Exported:
     """Write the export of one checkpoint to ``out_dir`` (which must not exist, or be empty); ExportError on bad
-    input. ``as_norm="rms"``: the Pre-LN LayerNorm arm converted to RMSNorm (:mod:`models.export.convert`)."""
+    input. ``as_norm="rms"``: the Pre-LN LayerNorm arm converted to RMSNorm (:func:`models.export.hf.to_hf`)."""
     if target not in TARGETS:
         raise ExportError(f"--to {target}: choose one of {', '.join(TARGETS)}")
     if as_norm is not None and as_norm not in CONVERSIONS:

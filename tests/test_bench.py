@@ -131,3 +131,16 @@ def test_probe_cost_reports_the_intervention_share() -> None:
     # One block at a time costs more forwards than all norms at once (tiny: 2 blocks + final = 3 more).
     assert float(shares[1][2]) > float(shares[0][2])
     assert "peak RSS with probe.tokens=    512" in out
+
+
+
+@pytest.mark.slow  # imports transformers and builds two 13M-parameter models: seconds
+def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion() -> None:
+    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--convert", "tiny", "--seq", "32", "--repeats", "2",
+                        "--impls", "stock")
+    (row,) = markdown_rows(output, "stock")
+    original, converted = (float(cell.removesuffix(" ms")) for cell in row[1:3])
+    assert original > 0 and converted > 0
+    assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)  # the ratio of the medians
+    low, high = (float(value) for value in row[4].split("-"))
+    assert 0 < low <= high

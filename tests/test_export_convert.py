@@ -11,8 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from models.export.convert import CONVERTIBLE_ARMS, rms_conversion_refusal, rms_weights
-from models.export.hf import hf_class_name, load_hf, rms_parity, save_hf, to_hf
+from models.export.hf import (
+    CONVERTIBLE_ARMS,
+    hf_class_name,
+    load_hf,
+    rms_conversion_refusal,
+    rms_parity,
+    rms_weights,
+    save_hf,
+    to_hf,
+)
 from models.gpt import GPT, GPTConfig
 from normgeo.export import ones_energy_and_centering
 from tests.test_export import token_ids
