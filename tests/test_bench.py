@@ -134,3 +134,16 @@ def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes() -> None:
     assert [(how, scopes) for how, scopes, _ in costs] == [("resumed mid-stack", "4"), ("re-run from the embeddings", "4")]
     assert "default probe (+intervention on the first 1024) +layers" in out
     assert "peak RSS of the default probe with probe.tokens=    512" in out
+
+
+
+@pytest.mark.slow  # imports transformers and builds two 13M-parameter models: seconds
+def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion() -> None:
+    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--convert", "tiny", "--seq", "32", "--repeats", "2",
+                        "--impls", "stock")
+    (row,) = markdown_rows(output, "stock")
+    original, converted = (float(cell.removesuffix(" ms")) for cell in row[1:3])
+    assert original > 0 and converted > 0
+    assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)  # the ratio of the medians
+    low, high = (float(value) for value in row[4].split("-"))
+    assert 0 < low <= high
