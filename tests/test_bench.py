@@ -136,7 +136,6 @@ def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes() -> None:
     assert "peak RSS of the default probe with probe.tokens=    512" in out
 
 
-
 @pytest.mark.slow  # imports transformers and builds two 13M-parameter models: seconds
 def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion() -> None:
     output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--convert", "tiny", "--seq", "32", "--repeats", "2",

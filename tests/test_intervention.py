@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -382,7 +383,7 @@ def test_a_model_that_cannot_be_resumed_falls_back_to_the_full_forward_and_says_
     def leaky_forward(batch: torch.Tensor) -> torch.Tensor:
         # A forward whose result depends on more than the blocks' outputs (state kept outside them).
         leaky_forward.count += 1
-        return model(batch) + 1e-2 * leaky_forward.count
+        return model(batch) + 0.5 * leaky_forward.count
 
     leaky_forward.count = 0
     with caplog.at_level("WARNING"):
@@ -405,3 +406,17 @@ def test_the_intervention_runs_on_its_token_budget_and_the_rows_say_so() -> None
     assert calls[0] == 3 * 2 + 2 * (4 * 2 + (2 + 1)) + 1
     whole, _ = scope_rows(model, ids[: 5 * SEQ], resume=True)
     assert_same_rows(rows, whole)  # the same windows measured alone give the same rows
+
+
+def test_the_progress_bar_counts_forwards_and_ends_at_its_total(capsys) -> None:
+    model = tiny("layer", layers=3)
+    ids = token_ids(9 * SEQ)
+    parts, norms = windows(ids, SEQ), residual_norms(find_norm_sites(model))
+    scopes = intervention_scopes(norms, ("all", "layers"))
+    intervention = CenteringIntervention(model, norms, scopes, 9, token_budget=9 * SEQ)
+    run_probe(model, parts, [intervention], norms=norms, batch_size=4, progress=True)
+    bars = re.findall(r"(\d+\.\d)/([\d.]+) forwards", capsys.readouterr().err)
+    # 3 batches, each: the intact forward, "all" and the 4 resumed block scopes at (L - l + 1) / (L + 1).
+    total = 3 * (1 + 1 + sum((3 - layer + 1) / 4 for layer in range(4)))
+    assert float(bars[-1][0]) == pytest.approx(total, abs=0.05) and float(bars[-1][1]) == pytest.approx(total, abs=0.05)
+    assert len({n for n, _ in bars}) > 3  # it moved within the batches, not only after each

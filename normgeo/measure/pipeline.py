@@ -187,7 +187,7 @@ def run_probe(
 
     handles = [norm.module.register_forward_hook(make_hook(i, norm)) for i, norm in enumerate(norms)]
     bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress,
-               bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} forwards [{elapsed}<{remaining}]")
+               bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]")
     started = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
