@@ -217,9 +217,9 @@ def our_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def outputs(tmp_path_factory: pytest.TempPathFactory, shared: Path, our_checkpoint: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("outputs")
     _ok(_analyze("model=minilm", "probe=local", f"probe.path={shared / 'corpora' / 'wikipedia'}",
-                 "probe.tokens=4096", "model.seq_len=4096", f"output_root={root}"))
+                 "probe.tokens=4096", "model.seq_len=4096", "probe.intervention=[all,layers]", f"output_root={root}"))
     _ok(_analyze("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms",
-                 "probe=pydoc", "probe.tokens=300", f"output_root={root}"))
+                 "probe=pydoc", "probe.tokens=300", "probe.intervention=[all,layers]", f"output_root={root}"))
     return {"minilm": root / "analyze" / "minilm", "ours": root / "analyze" / "ours-rms"}
 
 
@@ -276,7 +276,7 @@ def test_cli_minilm_intervention_reports_the_change_of_its_output_vectors(output
     """An encoder has no next token to predict: the centering intervention reports the cosine between its
     intact and intervened output vectors (with the block-bootstrap interval), and says so."""
     rows = read_rows(outputs["minilm"] / "intervention.jsonl")
-    # The default scopes: all 13 norms, then each block's (the embedding norm is its own "layer").
+    # all 13 norms, then each block's, as asked (the embedding norm is its own "layer", run in full; the blocks resumed).
     assert [r["scope_name"] for r in rows] == ["all", "layer embed", *(f"layer {i}" for i in range(6))]
     for row in rows:
         assert row["output"] == "embedding" and row["action"] == "remove" and row["tokens"] == 4096

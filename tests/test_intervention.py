@@ -25,6 +25,7 @@ from normgeo.measure.intervention import (
     INTERVENTION_FIELDS,
     INTERVENTION_FILE,
     CenteringIntervention,
+    block_stack,
     intervened,
     intervention_scopes,
 )
@@ -420,3 +421,13 @@ def test_the_progress_bar_counts_forwards_and_ends_at_its_total(capsys) -> None:
     total = 3 * (1 + 1 + sum((3 - layer + 1) / 4 for layer in range(4)))
     assert float(bars[-1][0]) == pytest.approx(total, abs=0.05) and float(bars[-1][1]) == pytest.approx(total, abs=0.05)
     assert len({n for n, _ in bars}) > 3  # it moved within the batches, not only after each
+
+
+def test_the_block_list_is_found_from_the_norms_and_two_stacks_are_not_resumed() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = tiny("rms", layers=3)
+    assert block_stack(model, residual_norms(find_norm_sites(model))) == (model.blocks, "")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2))
+    stack, why = block_stack(t5, residual_norms(find_norm_sites(t5)))
+    assert stack is None and why == "its norms are in more than one block list"

@@ -268,22 +268,20 @@ def embedding_changes(intact: torch.Tensor, intervened_hidden: torch.Tensor) -> 
 def block_stack(model: nn.Module, norms: Sequence[NormSite]) -> tuple[nn.ModuleList | None, str]:
     """The ModuleList that holds the blocks of the norms' integer layers, or (None, why it cannot be found).
 
-    Every norm in block l must sit under ``<stack>.<l>.``, and all under the same stack: a model with two
-    stacks (an encoder and a decoder) or blocks the names do not reveal cannot be resumed mid-stack.
+    Every norm of block l must sit in entry l of one and the same list (:attr:`NormSite.block`): a model with
+    two stacks (an encoder and a decoder) cannot be resumed mid-stack.
     """
-    prefixes = set()
+    stacks = set()
     for norm in norms:
         if not isinstance(norm.layer, int):
             continue
-        marker = f".{norm.layer}."
-        head, found, _ = f".{norm.name}".rpartition(marker)
-        if not found:
-            return None, f"norm {norm.name!r} of block {norm.layer} is not under a '<blocks>.{norm.layer}.' path"
-        prefixes.add(head.lstrip("."))
-    if len(prefixes) != 1:
-        return None, "no single block list holds its norms" if prefixes else "it has no norm inside a block"
-    prefix = prefixes.pop()
-    stack = model.get_submodule(prefix) if prefix else model
+        if norm.block is None or not norm.block.endswith(f".{norm.layer}"):
+            return None, f"norm {norm.name!r} of block {norm.layer} is not found in entry {norm.layer} of a block list"
+        stacks.add(norm.block.removesuffix(f".{norm.layer}"))
+    if len(stacks) != 1:
+        return None, "its norms are in more than one block list" if stacks else "it has no norm inside a block"
+    prefix = stacks.pop()
+    stack = model.get_submodule(prefix)
     if not isinstance(stack, nn.ModuleList):
         return None, f"{prefix!r} is a {type(stack).__name__}, not a list of blocks"
     return stack, ""
@@ -346,6 +344,11 @@ class BlockReplay:
         finally:
             for i, block in enumerate(originals):
                 self.stack[i] = block
+
+
+def distributed() -> bool:
+    """Whether this process is one of several in torch.distributed."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def eager() -> contextlib.AbstractContextManager:
@@ -516,12 +519,15 @@ class CenteringIntervention(Measurement):
         try:
             with eager(), self.replay.resumed_at(middle):
                 resumed = batch.forward(batch.tokens)
-            agrees = same_output(batch.output, resumed)
+            why = "" if same_output(batch.output, resumed) else "does not reproduce the intact forward"
         except Exception as exc:  # any failure of a resumed forward means: do not resume
-            self._fall_back(f"a forward resumed at block {middle} raised {type(exc).__name__}: {exc}")
-            return
-        if not agrees:
-            self._fall_back(f"a forward resumed at block {middle} does not reproduce the intact forward")
+            why = f"raised {type(exc).__name__}: {exc}"
+        if distributed():  # one decision for every rank: a sharded model's ranks must run the same forwards
+            failed = torch.tensor([float(bool(why))], device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            why = why or ("does not reproduce the intact forward on another rank" if failed.item() else "")
+        if why:
+            self._fall_back(f"a forward resumed at block {middle} {why}")
 
     def _add(self, scope: int, per_token: np.ndarray, energy: np.ndarray, sequence_ids: np.ndarray) -> None:
         assert self.seq_sum is not None and self.bin_sum is not None
@@ -534,7 +540,7 @@ class CenteringIntervention(Measurement):
         np.add.at(self.bin_energy[scope], bins, flat)
 
     def all_reduce(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not self.scopes:
+        if not distributed() or not self.scopes:
             return
         # Every rank ran the same intervened batches (lead_id), so every rank's sums exist and have one shape.
         assert self.seq_sum is not None and self.bin_sum is not None

@@ -64,6 +64,7 @@ class NormSite:
     eps: float
     dim: int  # the normalized size d
     module: nn.Module = field(compare=False, hash=False, repr=False)
+    block: str | None = None  # qualified name of the block that holds it (e.g. "model.layers.3"); None outside blocks
 
 
 class NoNormFoundError(ValueError):
@@ -180,6 +181,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             block_members[pos[1]].add(pos[2])
 
     layers: list[int | str] = []
+    blocks: list[str | None] = [pos[1] if pos is not None else None for pos in positions]
     candidates: list[list[str]] = []  # role, then fallbacks that tell colliding norms apart
     for i, ((name, _), pos) in enumerate(zip(found, positions, strict=True)):
         attr = name.rsplit(".", 1)[-1]
@@ -220,6 +222,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             eps=_norm_eps(name, module) if _norm_kind(module) in STANDARDIZABLE_KINDS else 0.0,
             dim=_norm_dim(name, module),
             module=module,
+            block=blocks[i],
         )
         for i, (name, module) in enumerate(found)
     ]
