@@ -186,7 +186,8 @@ def run_probe(
         return hook
 
     handles = [norm.module.register_forward_hook(make_hook(i, norm)) for i, norm in enumerate(norms)]
-    bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress,
+    # Redrawn at every forward (a few hundred per probe at most), so a slow model's bar moves within a batch.
+    bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress, mininterval=0, miniters=1,
                bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]")
     started = time.perf_counter()
     try:
