@@ -113,7 +113,8 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
              "for equivalence within its margin (TOST); power at the observed SD and Holm's first-step level. Every "
              "other row is described, not tested. Raw and adjusted p-values, per-seed values: `verdict.csv`.", ""]
     if estimates and max(e.n for e in estimates) < 2:
-        lines += [f"**One seed per arm**: {ONE_SEED}; the tables give each difference only.", ""]
+        lines += [f"**{ONE_SEED.capitalize()}** (every contrast has one seed per arm); the tables give each "
+                  "difference only.", ""]
     for family, title in FAMILY_TITLES.items():
         members = [e for e in estimates if e.family == family]
         if not members and family == "described":
