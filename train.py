@@ -21,6 +21,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -218,6 +219,8 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.threads is not None:  # a fixed count: the floating-point order is part of the experiment
+        torch.set_num_threads(cfg.threads)
 
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits

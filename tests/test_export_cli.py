@@ -20,7 +20,9 @@ from models.pretrained import load_checkpoint
 from normgeo.export import check_conversion
 from normgeo.export import main as export_main
 from normgeo.figures.sweep import load
-from normgeo.figures.verdict import paired_estimates, run_measures, sentence
+from normgeo.verdict.families import paired_estimates
+from normgeo.verdict.measures import run_measures
+from normgeo.verdict.words import sentence
 from tests.conftest import ROOT, run_sweep
 from tests.test_export_convert import FLOAT32_MAX_ABS, FLOAT64_RELATIVE
 from tests.test_verdict import independent_interval, make_run
@@ -129,10 +131,9 @@ def test_downstream_scores_reach_the_verdict_as_paired_contrasts(tmp_path: Path)
     differences = [a - b for a, b in zip(accuracy["layer"], accuracy["rms"], strict=True)]
     assert est.values == pytest.approx(differences)
     assert (est.mean, est.low, est.high) == pytest.approx(independent_interval(differences), rel=1e-9)
-    # Raw, the accuracy difference is significant; Holm-adjusted among the exploratory rows it is not, and
-    # the words follow the adjusted p-value.
-    assert est.test.p_diff < 0.05 < est.p_diff_holm and est.family == "exploratory"
-    assert "inconclusive at 3 seeds" in sentence(est) and "±0.02 (accuracy)" in sentence(est)
+    # Raw, the accuracy difference is significant; undeclared, the row is described: its interval, no test words.
+    assert est.test.p_diff < 0.05 and est.family == "described" and est.p_diff_holm is None
+    assert sentence(est).endswith("described, not tested).") and "different" not in sentence(est)
 
 
 # --- slow: real runs ------------------------------------------------------------------------------------------
