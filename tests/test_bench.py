@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from models.norms import NORM_ARMS
 from tests.conftest import ROOT
@@ -131,3 +132,12 @@ def test_probe_cost_reports_the_intervention_share() -> None:
     # One block at a time costs more forwards than all norms at once (tiny: 2 blocks + final = 3 more).
     assert float(shares[1][2]) > float(shares[0][2])
     assert "peak RSS with probe.tokens=    512" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--device", "cuda"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("bench/probe_cost.py: --device=cuda: no CUDA GPU on this machine") and "--device cpu" in line
