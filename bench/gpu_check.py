@@ -115,7 +115,7 @@ class Mode:
         return ["trainer=gpu", "compile=true"]
 
     def tiny(self) -> list[str]:
-        """The model of the strategy and agreement parts."""
+        """The model of the DDP and FSDP2 parts."""
         if self.standin:
             return ["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=8", "micro_batch=4",
                     "probe.tokens=512"]
@@ -430,7 +430,8 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
             met = "met" if abs(ratio - 1) <= TARGETS["memory_ratio"] else "missed"
             cells.append(f"{row.path.split()[-1]}: measured {peak / 2**30:.2f} GiB, ratio {ratio:.3f} "
                          f"(target within ±{TARGETS['memory_ratio']:.0%}: {met})")
-    summary = f"planned {total / 2**30:.3f} GiB ({planned.data['precision']}, no checkpointing); " + "; ".join(cells)
+    summary = (f"planned {total / 2**30:.3f} GiB (the layer arm, {planned.data['precision']}, no checkpointing); "
+               + "; ".join(cells))
     details = [f"- plan: {planned.details[0]}", "- measured: `torch.cuda.max_memory_allocated()` over each arm's "
                "training (the train rows); the plan traces the eager model, training ran compiled"]
     return Outcome(path, ok, summary, planned.seconds, details)
