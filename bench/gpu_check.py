@@ -569,10 +569,10 @@ def norm_cost(ctx: Context) -> Outcome:
         if int(d) == widest and kind in ARMS:
             fraction = 1 / float(to_floor)  # achieved bytes/s over the copy's
             met = f", target ≥ {TARGETS['floor_fraction']:.0%}: {'met' if fraction >= TARGETS['floor_fraction'] else 'missed'}"
-            cells.append(f"{impl} {kind}: {copy_gbs * fraction:,.0f} GB/s = {fraction:.0%} of the floor"
+            cells.append(f"{impl} {kind}: {copy_gbs * fraction:.4g} GB/s = {fraction:.0%} of the floor"
                          f"{met if impl != 'stock' else ''}")
     ratios = re.findall(rf"^d={widest}\s+(\S+)\s+layer / rms ([0-9.]+)", done.stdout, re.M)
-    summary = (f"d = {widest}, copy {copy_gbs:,.0f} GB/s: " + "; ".join(cells) + "; LayerNorm / RMSNorm "
+    summary = (f"d = {widest}, copy {copy_gbs:.4g} GB/s: " + "; ".join(cells) + "; LayerNorm / RMSNorm "
                + ", ".join(f"{impl} {ratio}" for impl, ratio in ratios))
     device_line = done.stdout.splitlines()[0]
     return Outcome("norm cost", True, summary, seconds, [f"- `{shown}`", f"- {ctx.shown(device_line)}"])
