@@ -44,6 +44,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -140,7 +141,7 @@ QUIET = ["logger=csv", "log_every=1", "val_every=100000", "trainer.enable_progre
 
 @dataclass
 class Outcome:
-    """One path's row: passed or why not, its numbers (label -> text), the details under the table."""
+    """One path's row: passed or not, its numbers or why it failed, the details under the table, its data."""
 
     path: str
     passed: bool
@@ -172,10 +173,16 @@ class Context:
         if timeout < 5:
             return None, shown, 0.0
         start = time.monotonic()
+        # Its own process group: at the budget, torchrun's workers and the compiler's go with it, freeing the GPU.
+        process = subprocess.Popen(list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=self.env, start_new_session=True)
         try:
-            done = subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=self.env)
+            stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
             return None, shown, time.monotonic() - start
+        done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         return done, shown, time.monotonic() - start
 
 
