@@ -34,13 +34,11 @@ from models.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.figures.analysis import print_summary, summarize, write_summary
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.intervention import print_intervention
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
 from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, REFERENCES_FILE, save_references, write_step
+from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import ANALYZE_CONF_DIR
 from normgeo.runs.schema import probe_size_refusal
@@ -112,19 +110,19 @@ def analyze(cfg: DictConfig) -> Path:
         bootstrap_block=cfg.probe.bootstrap.block,
         forward=loaded.forward, norms=norms, batch_size=cfg.model.batch_size,
         include_standardized=cfg.probe.include_standardized, device=device, progress=cfg.progress,
-        intervention_kinds=scopes,
+        intervention_kinds=scopes, intervention_tokens=cfg.probe.intervention_tokens, announce_cost=True,
     )
     measured_at = time.perf_counter()
     rows, null = records.rows, records.null
 
     save_references(out_dir / REFERENCES_FILE, references)
-    write_step(out_dir / ANGLES_FILE, rows)
-    if null:
-        write_step(out_dir / NULL_FILE, null)
-    write_step(out_dir / ENERGY_FILE, records.energy)
-    write_step(out_dir / ELLIPSOID_FILE, records.ellipsoid)
-    if records.intervention:
-        write_step(out_dir / INTERVENTION_FILE, records.intervention)
+    for name, file_rows in records.files.items():
+        write_step(out_dir / name, file_rows)
+    if not records.intervention and (out_dir / INTERVENTION_FILE).exists():
+        # An earlier analysis's intervention would be drawn as this one's: this run measured none.
+        (out_dir / INTERVENTION_FILE).unlink()
+        log.warning("removed %s from an earlier analysis: this run measured no intervention "
+                    "(probe.intervention=[])", INTERVENTION_FILE)
     figures = write_run_figures(out_dir)
     summary = summarize(rows, null)
     write_summary(out_dir, summary)
@@ -156,12 +154,12 @@ def analyze(cfg: DictConfig) -> Path:
     atomic_write_json(out_dir / RUN_INFO_FILE, info)
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
     if records.intervention:
+        budget = records.intervention[0]["intervention_tokens"]
         print_intervention(records.intervention, title=f"{cfg.model.name}: the centering intervention "
-                           f"({len(ids):,} tokens, 95% block-bootstrap intervals)")
+                           f"(the first {budget:,} tokens, 95% block-bootstrap intervals)")
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
              f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
-    written = [ANGLES_FILE, NULL_FILE, REFERENCES_FILE, ENERGY_FILE, ELLIPSOID_FILE]
-    written += [INTERVENTION_FILE] if records.intervention else []
+    written = [*records.files, REFERENCES_FILE]
     log.info("wrote %s, summary.csv/md and %d figure(s) to %s", ", ".join(written), len(figures), out_dir)
     return out_dir
 

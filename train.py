@@ -22,6 +22,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -141,11 +142,17 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     """The start-up line that replaces Lightning's model summary table (whose FLOPs column reads 0)."""
     params = module.model.num_parameters()
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    probe = "probe off"
+    if cfg.probe.enabled:
+        scopes = list(cfg.probe.intervention)
+        probe = f"probe {cfg.probe.tokens:,} tokens" + (
+            f", centering intervention {','.join(scopes)} on the first "
+            f"{min(cfg.probe.intervention_tokens, cfg.probe.tokens):,}" if scopes else ", no centering intervention")
     return (
         f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
         f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
         f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
-        f"world size {trainer.world_size} · precision {trainer.precision}"
+        f"world size {trainer.world_size} · precision {trainer.precision} · {probe}"
     )
 
 
@@ -185,6 +192,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
                 bootstrap_replicates=cfg.probe.bootstrap.replicates,
                 bootstrap_block=cfg.probe.bootstrap.block,
                 intervention=list(cfg.probe.intervention),
+                intervention_tokens=cfg.probe.intervention_tokens,
                 ids=probe_ids,
             )
         )
@@ -212,6 +220,8 @@ def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.threads is not None:  # a fixed count: the floating-point order is part of the experiment
+        torch.set_num_threads(cfg.threads)
 
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits

@@ -479,24 +479,26 @@ def resume(ctx: Context, strategy: str) -> Outcome:
 
 
 def probe_cost(ctx: Context) -> Outcome:
-    """bench/probe_cost.py on the device: the probe's variants against a plain forward."""
-    args = (["--size", "tiny", "--tokens", "512", "--batch-size", "2", "--repeats", "1"] if ctx.mode.standin
-            else ["--size", "70m", "--tokens", "16384", "--batch-size", "8", "--repeats", "3"])
+    """bench/probe_cost.py on the device: the default probe (angles, K = 64 null directions, energy, the
+    intervention's default scope on its token budget) and the angle probe alone, against a plain forward."""
+    args = (["--size", "tiny", "--tokens", "512", "--budget-tokens", "256", "--batch-size", "2", "--repeats", "1"]
+            if ctx.mode.standin else ["--size", "70m", "--tokens", "32768", "--batch-size", "8", "--repeats", "2"])
     done, shown, seconds = ctx.run([sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args,
-                                    "--memory-tokens"], ctx.mode.budget(120))
+                                    "--memory-tokens"], ctx.mode.budget(150))
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("probe cost", False, reason, seconds, [f"`{shown}`"])
-    ratios = dict(re.findall(r"^(.+?) / plain forward \(best\): ([0-9.]+)$", done.stdout, re.M))
-    wanted = {"angles + null + energy": "probe K=64 +energy", "+ intervention (default: all, layers)":
-              "probe K=64 +energy +intervention all,layers"}
-    missing = [v for v in wanted.values() if v not in ratios]
-    if missing:
-        return Outcome("probe cost", False, f"no ratio for {missing[0]} in its output", seconds, [f"`{shown}`"])
-    summary = "; ".join(f"{label}: {float(ratios[key]):.2f}× a plain forward" for label, key in wanted.items())
-    timings = [line for line in done.stdout.splitlines() if " best " in line and " median " in line]
-    return Outcome("probe cost", True, summary, seconds, [f"- `{shown}`", *[f"- `{ctx.shown(t.strip())}`"
-                                                                            for t in timings]])
+    default = re.search(r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout, re.M)
+    angles = re.search(r"^\s*angle probe K=64 \+energy / plain forward \(best\): ([0-9.]+)$", done.stdout, re.M)
+    if default is None or angles is None:
+        return Outcome("probe cost", False, "no default-probe or angle-probe ratio in its output", seconds,
+                       [f"`{shown}`"])
+    summary = (f"default probe (angles, K = 64, energy, intervention on its budget): {float(default.group(2)):.2f}× a "
+               f"plain forward over {int(default.group(1)):,} tokens; angles + energy alone: "
+               f"{float(angles.group(1)):.2f}×")
+    timings = [line.strip() for line in done.stdout.splitlines() if " best " in line and " median " in line]
+    return Outcome("probe cost", True, summary, seconds,
+                   [f"- `{shown}`", *[f"- `{ctx.shown(line)}`" for line in timings]])
 
 
 def probe_reference(ctx: Context) -> Outcome:

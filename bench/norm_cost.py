@@ -25,6 +25,16 @@ divided by the copy bandwidth of this machine, measured in the same run from ``d
     python bench/norm_cost.py                    # d = 512, 768, 1024, 2048 over 8,192 tokens, stock + compiled
     python bench/norm_cost.py --repeats 9 --markdown
     python bench/norm_cost.py --impls stock      # no compiler needed
+
+``--convert SIZE`` times a whole model instead: the eval forward (``torch.inference_mode``, ``--seq`` tokens) of a
+Pre-LN ``layer`` model of a paper size (``conf/train/size/SIZE.yaml``, untied head as train.yaml trains it, initial
+weights) against its RMSNorm conversion (``python -m normgeo.export --to hf --as rms``), both in the exported
+model code (``models/export/modeling_normgeo.py``), so they differ only in what the conversion changes: every
+LayerNorm becomes an RMSNorm and the final LayerNorm's bias an LM-head bias. ``stock``: the models as built;
+``compiled``: ``torch.compile(model, dynamic=False)``, the whole model. The four (implementation, model) pairs
+are interleaved and rotated as above; the table gives the medians and the converted / original ratio.
+
+    python bench/norm_cost.py --convert 70m --repeats 5
 """
 
 from __future__ import annotations
@@ -40,10 +50,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from models.export.hf import to_hf  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm  # noqa: E402
 
 REFERENCE = "rms"
@@ -52,6 +65,8 @@ LIGER = "liger"
 # The ratios that answer "is RMSNorm cheaper": the paper's two arms, and mean subtraction alone (no bias in either).
 RATIOS = (("layer", REFERENCE), ("layer_nobias", REFERENCE))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SIZES = Path(__file__).resolve().parent.parent / "conf" / "train" / "size"
+CONVERT_MODELS = ("original", "converted")  # --convert: the LayerNorm model, and its RMSNorm conversion
 
 
 @dataclass
@@ -209,6 +224,53 @@ def ratios(table: list[dict]) -> list[dict]:
     return out
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: torch.device) -> None:
+    """--convert: the forward of a ``layer`` model of ``size`` against its RMSNorm conversion, per implementation."""
+    preset = OmegaConf.load(SIZES / f"{size}.yaml")
+    gpt = GPT(GPTConfig(n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd, block_size=seq,
+                        norm="layer", tie_embeddings=False)).eval()
+    ids = torch.randint(0, gpt.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    built = {"original": to_hf(gpt, model_code=True).to(device), "converted": to_hf(gpt, as_rms=True).to(device)}
+    calls: dict[tuple[str, str], Callable[[], object]] = {}
+    for impl in impls:
+        for name in CONVERT_MODELS:
+            model = torch.compile(built[name], dynamic=False) if impl == "compiled" else built[name]
+
+            def forward(model: nn.Module = model) -> object:
+                with torch.inference_mode():
+                    return model(ids).logits
+
+            calls[impl, name] = forward
+            for _ in range(2):  # warm-up (and compilation)
+                forward()
+    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+    keys = list(calls)
+    for repeat in range(repeats):
+        for key in keys[repeat % len(keys):] + keys[: repeat % len(keys)]:
+            synchronize(device)
+            start = time.perf_counter()
+            calls[key]()
+            synchronize(device)
+            seconds[key].append(time.perf_counter() - start)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {where}, float32, torch {torch.__version__}; {size} `layer` arm ({gpt.num_parameters():,} "
+          f"parameters) and its RMSNorm conversion, eval forward over 1 x {seq} tokens; {repeats} interleaved "
+          "repeats, median shown\n")
+    print("| implementation | original (LayerNorm) | converted (RMSNorm) | converted / original | per repeat |")
+    print("| --- | --- | --- | --- | --- |")
+    for impl in impls:
+        original, converted = seconds[impl, "original"], seconds[impl, "converted"]
+        per_repeat = [c / o for c, o in zip(converted, original, strict=True)]
+        print(f"| {impl} | {statistics.median(original) * 1e3:.1f} ms | {statistics.median(converted) * 1e3:.1f} ms | "
+              f"{statistics.median(converted) / statistics.median(original):.3f} | "
+              f"{min(per_repeat):.3f}-{max(per_repeat):.3f} |")
+
+
 def refuse(message: str) -> None:
     print(f"bench/norm_cost.py: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -226,12 +288,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
     parser.add_argument("--target-ms", type=float, default=40.0, help="about this long per measurement")
     parser.add_argument("--markdown", action="store_true", help="also print markdown tables at the end")
+    parser.add_argument("--convert", metavar="SIZE", default=None,
+                        help="time a Pre-LN LayerNorm model of this conf/train/size preset against its RMSNorm "
+                             "conversion instead (stock and compiled)")
+    parser.add_argument("--seq", type=int, default=1024, help="--convert: tokens per forward")
     args = parser.parse_args(argv)
     dims = [int(d) for d in args.dims.split(",")]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPES[args.dtype]
-    available = available_impls(device)
+    available = [impl for impl in available_impls(device) if not args.convert or impl in NORM_IMPLS]
     impls = available if args.impls is None else args.impls.split(",")
     unknown = [impl for impl in impls if impl not in available]
     if unknown:
@@ -243,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
         # (arm, width): room for all, and an error rather than a silent eager fallback if that is not enough.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(dims) * len(NORM_ARMS))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if args.convert:
+        if not (SIZES / f"{args.convert}.yaml").is_file():
+            refuse(f"--convert {args.convert}: no such size; choose from "
+                   f"{', '.join(sorted(p.stem for p in SIZES.glob('*.yaml')))}")
+        convert_cost(args.convert, args.seq, impls, args.repeats, device)
+        return
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
 
     results, bandwidths = measure(dims, impls, args.tokens, args.repeats, args.copy_mib, args.target_ms / 1e3, device,

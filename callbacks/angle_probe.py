@@ -15,14 +15,11 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, Interrupt, OptimizerStepCallback
 from normgeo.figures.logged_figures import log_figures
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import DEFAULT_SCOPES, INTERVENTION_FILE
+from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
 from normgeo.measure.records import (
     ANGLES_FILE,
-    NULL_FILE,
     REFERENCES_FILE,
     recorded_steps,
     save_references,
@@ -75,6 +72,7 @@ class AngleProbe(OptimizerStepCallback):
         bootstrap_replicates: int = 1000,
         bootstrap_block: int = 1,
         intervention: Sequence[str] = DEFAULT_SCOPES,
+        intervention_tokens: int = DEFAULT_INTERVENTION_TOKENS,
         ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -93,6 +91,8 @@ class AngleProbe(OptimizerStepCallback):
         self.bootstrap_replicates = bootstrap_replicates
         self.bootstrap_block = bootstrap_block
         self.intervention = tuple(intervention)
+        self.intervention_tokens = intervention_tokens
+        self._announced = False  # the probe's cost is logged before its first run only
         self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
     def probe_ids(self) -> np.ndarray:
@@ -131,20 +131,17 @@ class AngleProbe(OptimizerStepCallback):
                 tokens_per_step=pl_module.tokens_per_step,
                 seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
                 with_null=trainer.is_global_zero, intervention_kinds=self.intervention,
+                intervention_tokens=self.intervention_tokens,
+                announce_cost=trainer.is_global_zero and not self._announced,
                 batch_size=self.batch_size, include_standardized=self.include_standardized,
                 autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
                 rank=trainer.global_rank, world_size=trainer.world_size,
             )
+        self._announced = True
         if trainer.is_global_zero:
             save_references(self.run_dir / REFERENCES_FILE, references)
-            write_step(self.run_dir / ANGLES_FILE, records.rows)
-            if records.null:
-                write_step(self.run_dir / NULL_FILE, records.null)
-            # What centering removes per token, and the set the norms' outputs lie in (seed 003).
-            write_step(self.run_dir / ENERGY_FILE, records.energy)
-            write_step(self.run_dir / ELLIPSOID_FILE, records.ellipsoid)
-            if records.intervention:
-                write_step(self.run_dir / INTERVENTION_FILE, records.intervention)
+            for name, rows in records.files.items():
+                write_step(self.run_dir / name, rows)
             self._log(trainer, records.rows, step, records.intervention)
         return records.rows
 

@@ -27,6 +27,7 @@ class TokenDataModule(L.LightningDataModule):
         tokenizer: str = "gpt2",
         val_fraction: float = 0.005,
         val_sequences: int = 64,
+        val_seed: int | None = None,
         auto_prepare: bool = True,
         num_workers: int = 0,
         prepare_command: str = "",
@@ -43,6 +44,7 @@ class TokenDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self.val_fraction = val_fraction
         self.val_sequences = val_sequences
+        self.val_seed = seed if val_seed is None else val_seed  # one draw for every arm and seed when given
         self.auto_prepare = auto_prepare
         self.num_workers = num_workers
         self.prepare_command = prepare_command or f"python -m corpus data={name}"
@@ -110,5 +112,5 @@ class TokenDataModule(L.LightningDataModule):
         world = self.trainer.world_size
         # Equal shards on every rank, or synchronized logging would wait on a rank with fewer batches.
         count = max(world * self.micro_batch, self.val_sequences // (world * self.micro_batch) * world * self.micro_batch)
-        dataset = TokenWindows(str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.seed)
+        dataset = TokenWindows(str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed)
         return self._loader(dataset, ShardSampler(count, self.trainer.global_rank, world))

@@ -20,7 +20,7 @@ start=$(date +%s)
 load_before=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)
 COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" output_root="$OUT"
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
-# One command per seed: its arms back to back, so that a pair's tokens/s see the same machine load. With
+# One command per seed: its arms back to back. With
 # STUDY_JOBS=2 the seeds go round-robin onto 2 lanes that run side by side, each with its share of the cores
 # (torch threads = cores / lanes): seeds 0, 2, 4 on one lane, 1, 3 on the other.
 JOBS=${STUDY_JOBS:-1}
@@ -57,5 +57,5 @@ end=$(date +%s)
 echo "$((end - start))" > "$OUT/wall_s.txt"
 du -sb "$OUT" | cut -f1 > "$OUT/disk_bytes.txt"
 echo "$load_before / $(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown) (2 cores)" > "$OUT/load.txt"
-python docs/study_page.py "$OUT" > docs/study.md
+python docs/study_page.py "$OUT" ${STUDY_PILOT:-} > docs/study.md  # STUDY_PILOT=outputs/pilot: its split on the page
 echo "study: $((end - start)) s; docs/study.md and docs/figures/study-*.png written"

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from normgeo.figures.analysis import summarize, summary_markdown  # noqa: E402
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
+from normgeo.runs.config import repo_relative  # noqa: E402
 
 GROUPS = (("early", 0, 9), ("middle", 10, 19), ("late", 20, 29))
 
@@ -110,7 +111,7 @@ def main() -> None:
     lines += smoke(out) + [""]
     for model in ("smollm2-135m-instruct-q4_1", "minilm"):
         lines += pretrained(out, model)
-    print("\n".join(lines))
+    print(repo_relative("\n".join(lines)))  # paths as the repository sees them
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Writes docs/study.md (to stdout) from a finished ``docs/make_study.sh`` folder, and copies its figures.
 
-    python docs/study_page.py outputs/study > docs/study.md
+    python docs/study_page.py outputs/study [outputs/pilot] > docs/study.md
+
+The page stays under 150 lines: the described rows of the verdict, the per-arm geometry, every run and the
+memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Paths are written
+relative to the repository (``../shared/...``).
 
 Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the
 per-run summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``),
@@ -19,14 +23,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from corpus.atomic import atomic_write_text
 from normgeo.figures.sweep import markdown
 from normgeo.measure.stats import mean_t_interval
+from normgeo.runs.config import repo_relative
 from normgeo.runs.downstream import EVAL_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
            "energy": "study-energy.png", "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
            "val_curve_diff": "study-val_curve_diff.png", "intervention": "study-intervention.png"}
+PAGE_SECTIONS = ("The primary question", "Declared secondary questions")  # the rest: study_details.md
+DETAILS_MD, DETAILS_CSV = "study_details.md", "study_verdict.csv"
 
 
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
@@ -96,19 +104,28 @@ def most_concurrent(runs: list[Path]) -> int:
     return max(most, 1)
 
 
-def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures") -> str:
-    """The page's markdown; the study's figures are copied into ``figures_dir``."""
+def verdict_sections(verdict: str) -> tuple[str, str]:
+    """(the page's part: the intro, the primary question and the declared secondaries; the rest: the described
+    rows, per arm, unpaired runs), headings moved one level down (under "## Verdict")."""
+    parts = verdict.replace("# Verdict\n", "", 1).split("\n## ")
+    kept = [parts[0].strip()] + [f"### {p.strip()}" for p in parts[1:] if p.startswith(PAGE_SECTIONS)]
+    rest = [f"## {p.strip()}" for p in parts[1:] if not p.startswith(PAGE_SECTIONS)]
+    return "\n\n".join(kept), "\n\n".join(rest)
+
+
+def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path | None = None,
+         details_dir: Path = ROOT / "docs") -> str:
+    """The page's markdown (at most 150 lines); the study's figures are copied into ``figures_dir``, the rest
+    (the described rows, per arm, every run, memory) goes to ``study_details.md`` and ``study_verdict.csv`` in
+    ``details_dir``. ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page."""
     compare = out / "compare"
-    verdict = (compare / "verdict.md").read_text().replace("# Verdict\n", "", 1).strip()
-    if verdict.startswith("## "):
-        verdict = "\n" + verdict
-    verdict = verdict.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")  # under "## Verdict"
+    verdict, rest = verdict_sections((compare / "verdict.md").read_text())
     summary = pd.read_csv(compare / "summary.csv")
     metrics = pd.read_parquet(compare / "metrics.parquet")
     memory, worst_growth = memory_table(metrics)
     wall_s = int((out / "wall_s.txt").read_text())
     disk = int((out / "disk_bytes.txt").read_text())
-    commands = (out / "commands.txt").read_text().strip()
+    commands = repo_relative((out / "commands.txt").read_text().strip())
     runs = sorted(p.parent for p in out.glob("*/summary.json"))
     run_disk = [json.loads((run / "summary.json").read_text()).get("disk_bytes") or {} for run in runs]
     checkpoint_mb = sum(d.get("checkpoints", 0) for d in run_disk) / 1e6
@@ -118,57 +135,71 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures") -> str:
         if source.is_file():
             shutil.copyfile(source, figures_dir / target)
     lanes = most_concurrent(runs)
-    lanes_text = ("one after another on one 2-core machine" if lanes == 1 else
-                  f"{lanes} at a time on one 2-core machine (`STUDY_JOBS={lanes}`: whole seeds on lanes side by side, "
-                  "each with its share of the cores; counted from the runs' start and end times)")
-    load = out / "load.txt"
-    load_text = (f"; the machine's load average (1 min) before and after: {load.read_text().strip()}"
-                 if load.is_file() else "; the machine's load during the study was not recorded")
+    lanes_text = ("one after another" if lanes == 1 else f"{lanes} at a time (`STUDY_JOBS={lanes}`)")
     steps = int(summary["final_step"].max())
     probe_steps = sorted(int(x) for x in metrics[metrics["metric"] == "mem/peak_rss_mib"]["step"].unique())
     trained_probes = [x for x in probe_steps if x > 0]
     every = trained_probes[1] - trained_probes[0] if len(trained_probes) > 1 else steps
     tokens = int(summary["tokens"].max())
-    columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s", "tokens_per_s"]
-    table = markdown(summary[columns])
+    columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s"]
+    shutil.copyfile(compare / "verdict.csv", details_dir / DETAILS_CSV)
+    atomic_write_text(details_dir / DETAILS_MD, repo_relative(f"""# The CPU study: the rest of its verdict, every run, memory
+
+Generated by `python docs/study_page.py` beside [study.md](study.md), from the same study folder. Every row of
+the verdict, with raw and adjusted p-values and per-seed values: [{DETAILS_CSV}]({DETAILS_CSV}).
+
+{rest}
+
+## Every run
+
+{markdown(summary[columns])}
+
+## Memory across probes
+
+Each probe logs the process's RSS (`mem/rss_mib`) and its peak RSS (`mem/peak_rss_mib`); the step-0 probe comes
+before the optimizer state exists. Runs of one sweep share a process (Hydra's basic launcher), so a later run
+starts from the earlier runs' peak.
+
+{memory}
+"""))
+    pilot_text = ""
+    if pilot is not None and (pilot / "pilot.md").is_file():
+        table = (pilot / "pilot.md").read_text().split("\n| run |")[0].split("\n", 1)[1].strip()
+        pilot_text = f"## Where the variance comes from: the pilot\n\n{repo_relative(table)}\n"
     return f"""# The CPU study: LayerNorm, RMSNorm, the factorial cells and DyT, over seeds
 
 Generated by `bash docs/make_study.sh` (then `python docs/study_page.py`) on the current code: {len(runs)} runs
-of the `study_cpu` preset (4 blocks, d = 64, 32-token windows, 8 sequences a step; `conf/train/size/study_cpu.yaml`)
-on real OpenWebText text (`../shared/corpora/webtext`), {steps} optimizer steps and {tokens:,} tokens each, probed
-at step 0 and every {every} steps ({len(probe_steps)} probes) on 2,048 Wikipedia tokens (`../shared/corpora/wikipedia`). The arms of one seed
-share every non-norm initial weight and every batch, so they are compared seed by seed.
+of the `study_cpu` preset (`conf/train/experiment/study_cpu.yaml`, `conf/train/size/study_cpu.yaml`) on real
+OpenWebText text (`../shared/corpora/webtext`), {steps} optimizer steps and {tokens:,} tokens each, probed at step 0
+and every {every} steps ({len(probe_steps)} probes) on Wikipedia text (`../shared/corpora/wikipedia`), {lanes_text}
+on one 2-core machine. The arms of one seed share every non-norm initial weight and every batch, so they are
+compared seed by seed. These are small models trained briefly on a CPU: the numbers answer the question for
+*this* setting; at the paper's sizes the same commands run on GPUs (`experiment=paper_70m` … `paper_1b`).
+Throughput is not part of this verdict (the runs share the machine with other work); the norms' cost is
+[benchmarks.md](benchmarks.md)'s (`bench/norm_cost.py`).
 
-**Scope.** These are small models trained briefly on a 2-core CPU: the numbers answer the question for
-*this* setting, as a demonstration of the method; at the paper's sizes the same commands run on GPUs
-(`experiment=paper_70m` … `paper_1b`). The verdict's tokens/s is each run's median per-step training
-throughput (`perf/tokens_per_s`: the steps that hold a probe or a validation do not move a median); the
-runs went {lanes_text}, each seed's arms back to back{load_text}. On CPU that compares torch's CPU kernels,
-not the GPU kernels the paper's claim is about ([benchmarks.md](benchmarks.md)). The table's `tokens_per_s`
-is the wall-clock rate, probes included.
+**Wall time** {wall_s / 60:.1f} minutes in all. **Disk** {disk / 1e9:.2f} GB for the study folder: checkpoints
+{checkpoint_mb:,.0f} MB, records {records_mb:,.1f} MB. Memory: the largest growth of a run's peak RSS from its first
+trained probe to its last is {worst_growth:+,.0f} MiB.
 
-**Wall time** {wall_s / 60:.1f} minutes in all (data preparation, {len(runs)} runs, the comparison).
-**Disk** {disk / 1e9:.2f} GB for the study folder: checkpoints {checkpoint_mb:,.0f} MB, records
-{records_mb:,.1f} MB over all runs (each run's `summary.json`, `disk_bytes`), the rest prepared data and logs.
-
+{pilot_text}
 ## Verdict
 
 {verdict}
 
-![The verdict: per-seed differences, 95% and 90% t-intervals, and the equivalence margins](figures/study-verdict.png)
+The described rows (every other contrast and metric, no test), the per-arm geometry, every run and the memory
+table: [{DETAILS_MD}]({DETAILS_MD}); every row with raw and adjusted p-values: [{DETAILS_CSV}]({DETAILS_CSV}).
+
+![The declared questions: per-seed differences, 95% and 90% t-intervals, the margins](figures/study-verdict.png)
 
 ![The paired difference of the validation curves, per contrast, with its pointwise 95% interval](figures/study-val_curve_diff.png)
 
-![The centering intervention over training: Δ loss of taking the mean subtraction out of LayerNorm, of putting it into RMSNorm](figures/study-intervention.png)
+![The centering intervention over training](figures/study-intervention.png)
 
-**Which numbers are bitwise.** On one machine with the same software, a re-run of a study pair gives
-identical records and losses, bit for bit (`tests/test_study.py` re-runs the `layer`/`rms` pair of seed 0
-with the study preset, shortened, and compares every records file and logged loss). Across machines none of
-the trained-run numbers are bitwise: CPUs differ in the order of floating-point sums (vector width, kernels,
-threads), so losses agree to a few decimals while the probe's records move more; a statistic that cuts a
-continuous quantity at a threshold (1 inside or outside the band) can flip between machines or adjacent
-probes. That is why the verdict tests continuous quantities pooled per run, over seeds, and over a window
-of probes, and keeps the in-band share as a description only.
+**Which numbers are bitwise.** On one machine with the same software and thread count, a re-run of a study
+pair gives identical records and losses, bit for bit (`tests/test_study.py`). Another thread count or another
+CPU changes the order of floating-point sums: losses agree to a few decimals, records move more, so the verdict
+tests continuous quantities pooled per run, over seeds.
 
 ## Loss and angles
 
@@ -178,23 +209,7 @@ of probes, and keeps the in-band share as a description only.
 
 ![Energy along 1 at the norm inputs](figures/study-energy.png)
 
-![ln1.in: angle with 1 per layer over training](figures/study-overlay_ln1.in_ones.png)
-
 {downstream_section(out, summary)}
-## Every run
-
-{table}
-
-## Memory across probes
-
-Each probe logs the process's RSS (`mem/rss_mib`) and its peak RSS (`mem/peak_rss_mib`). A long run must
-stay flat once training has begun (the step-0 probe comes before the optimizer state exists): the largest
-growth of the peak from the first trained probe (step {trained_probes[0] if trained_probes else 0}) to the last (step {steps}) of any run is
-{worst_growth:+,.0f} MiB. Runs of one sweep share a process (Hydra's basic launcher), so a later run starts
-from the earlier runs' peak.
-
-{memory}
-
 ## The exact commands
 
 ```bash
@@ -204,4 +219,4 @@ from the earlier runs' peak.
 
 
 if __name__ == "__main__":
-    sys.stdout.write(main(Path(sys.argv[1])))
+    sys.stdout.write(main(Path(sys.argv[1]), pilot=Path(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -13,13 +13,16 @@ and writes, to ``--out`` (default ``<folder>/compare``):
 - ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
 - ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.figures.norm_figures`);
 - ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
-  per-seed differences, their mean with 95% and 90% t-intervals, the difference test and the equivalence
-  test (TOST) within the declared margins, raw and Holm-adjusted, and what they support: "equivalent",
-  "different" or "inconclusive" (:mod:`normgeo.figures.verdict`); ``val_curve_diff.{png,pdf}``: per
-  contrast the paired difference of the validation curves with its pointwise 95% interval.
+  per-seed differences, their mean with 95% and 90% t-intervals (:mod:`normgeo.verdict`). The primary question
+  and at most 6 secondary endpoints, declared in the margins file, are tested for a difference and for
+  equivalence within their margins (TOST), Holm-adjusted within the secondary family, with their power at the
+  observed SD, and say what they support: "equivalent", "different" or "inconclusive"; every other row is
+  described (intervals and per-seed values, no test). ``verdict.md`` is one table per family;
+  ``val_curve_diff.{png,pdf}``: per contrast the paired difference of the validation curves with its
+  pointwise 95% interval (:mod:`normgeo.figures.verdict`).
 
-Margins: ``conf/compare/margins.yaml`` (the primary question is declared there too); ``--margins FILE``
-reads another file, ``--margin val_loss=0.01`` overrides one kind (repeatable). A bad margin is one line on
+Margins: ``conf/compare/margins.yaml`` (the primary question and the secondary endpoints are declared there
+too); ``--margins FILE`` reads another file, ``--margin val_loss=0.01`` overrides one key (repeatable). A bad margin is one line on
 stderr and exit status 2, nothing written.
 
 A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
@@ -40,9 +43,10 @@ from pathlib import Path
 
 from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
-from normgeo.figures.verdict import VERDICT_MD, load_verdict_config
+from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
 from normgeo.runs.start import StartError, check_writable_folder
+from normgeo.verdict.declared import load_verdict_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--margins", type=Path, default=None,
                         help="the verdict's margins file (default: conf/compare/margins.yaml)")
     parser.add_argument("--margin", action="append", default=[], metavar="KIND=VALUE",
-                        help="override one equivalence margin, e.g. --margin val_loss=0.01 (repeatable)")
+                        help="override one margin, e.g. --margin val_loss=0.01 (repeatable)")
     args = parser.parse_args(argv)
     try:
         verdict_config = load_verdict_config(args.margins, args.margin)

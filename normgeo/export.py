@@ -14,11 +14,17 @@ each with the tokenizer and a model card (``README.md``: arm, size, step, tokens
 config, how to load it) and ``normgeo_export.json`` (where it came from). The directory is assembled
 beside ``--out`` and renamed into place: a failed export leaves nothing. Bad input (no checkpoint, a step
 not saved, an arm the target cannot hold, an existing ``--out``) is one line on stderr and exit code 2.
+
+``--as rms`` (with ``--to hf`` or ``--to nnsight``) converts a Pre-LN ``layer`` or ``layer_nobias`` arm into an
+RMSNorm model with the same logits (:func:`models.export.hf.to_hf`: writing weights centred, every LayerNorm's
+gain and bias folded into the linear layer it feeds), saved in the RMS arm's format; the model card gives the
+parity measured at export. Post-LN, DyT and RMSNorm arms are refused (one line, exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -26,18 +32,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from corpus.atomic import atomic_write_json, atomic_write_text
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
-from models.export.hf import hf_class_name, save_hf
+from models.export.hf import (
+    RmsParity,
+    hf_class_name,
+    lm_head_bias,
+    rms_conversion_refusal,
+    rms_parity,
+    save_hf,
+    to_hf,
+)
 from models.export.lens import TRANSFORMER_LENS_TARGET, save_transformer_lens, transformer_lens_refusal
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT
 from models.norms import arm_label
 from models.pretrained import ModelLoadError, load_checkpoint
+from normgeo.measure.pipeline import measure_records
+from normgeo.measure.probe import make_references
 from normgeo.runs.metrics import read_metrics
 
 TARGETS = ("hf", "transformer-lens", "nnsight")
+CONVERSIONS = ("rms",)  # --as: the norm a Pre-LN LayerNorm arm is converted to
+CONVERTING_TARGETS = ("hf", "nnsight")  # the targets that save the Hugging Face directory
+# The token ids the model card's parity is measured on: (sequences, tokens), seeded, capped at the context.
+PARITY_SHAPE = (4, 64)
+PARITY_SEED = 0
 EXPORT_INFO = "normgeo_export.json"
 CHECKPOINT_NAME = "step-{step:07d}.ckpt"
 
@@ -53,6 +77,33 @@ class Exported:
     step: int | None
     target: str
     model_class: str
+    conversion: ConversionCheck | None = None  # --as rms: what the export measured on the conversion
+
+
+@dataclass(frozen=True)
+class ConversionCheck:
+    """What ``--as rms`` measures on the converted model before it writes it (the model card's numbers)."""
+
+    parity: RmsParity
+    ones_energy: float  # the largest energy fraction along 1 at any norm input (float64; ~0 by construction)
+    add_centering_delta_loss: float  # the centering intervention "add centering" at every norm: its Δloss (float64)
+
+
+def ones_energy_and_centering(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """(the largest energy fraction along 1 at any norm input, the Δloss of the centering intervention at every
+    norm at once) of ``model`` on ``ids`` (sequences, tokens), from the measurement pipeline."""
+    records = measure_records(model, ids.flatten(), ids.shape[1], make_references(model.config.n_embd),
+                              model_name="export", step=None, tokens_per_step=None, seed=PARITY_SEED,
+                              batch_size=ids.shape[0], intervention_kinds=("all",))
+    energy = [row["max"] for row in records.energy if row["quantity"] == "ones_fraction"]
+    (everywhere,) = records.intervention
+    return max(energy), everywhere["delta_loss"]
+
+
+def check_conversion(gpt: GPT, ids: torch.Tensor) -> ConversionCheck:
+    """The RMSNorm conversion's logit parity, and the probe's view of it (float64), on ``ids``."""
+    energy, delta_loss = ones_energy_and_centering(to_hf(gpt, as_rms=True, dtype=torch.float64), ids)
+    return ConversionCheck(rms_parity(gpt, ids), energy, delta_loss)
 
 
 def saved_steps(run_dir: Path) -> dict[int, Path]:
@@ -127,8 +178,47 @@ or, with normgeo installed, `models.export.lens.load_transformer_lens("{dir}")`.
 }
 
 
+def parity_ids(gpt: GPT) -> torch.Tensor:
+    """The token ids the export measures the conversion's parity on (seeded, real GPT-2 ids)."""
+    sequences, tokens = PARITY_SHAPE
+    return torch.randint(0, gpt.config.vocab_size, (sequences, min(tokens, gpt.config.block_size)),
+                         generator=torch.Generator().manual_seed(PARITY_SEED))
+
+
+def conversion_section(gpt: GPT, check: ConversionCheck) -> list[str]:
+    """The model card's account of ``--as rms``: what changed, and the parity measured at export."""
+    cfg = gpt.config
+    sequences, tokens = parity_ids(gpt).shape
+    return [
+        f"## Converted from {arm_label(cfg.norm)} to RMSNorm", "",
+        f"This is the Pre-LN `{cfg.norm}` arm converted to an RMSNorm model with the same logits "
+        "(`--as rms`, `models/export/hf.py`): every weight that writes into the residual stream (token and "
+        "position embeddings, each attention and MLP output projection and its bias) is centred across the "
+        f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an RMSNorm on it "
+        f"(same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear layer it feeds "
+        "(ln1 into the attention's qkv, ln2 into the MLP's first layer, the final norm into the LM head), and "
+        "every RMSNorm has gain 1.", "",
+        "- The LM head is **untied** from the input embedding: it holds the final norm's gain (and the embedding "
+        "is centred)" + (" and was tied in training." if cfg.tie_embeddings else "; it was untied in training too."),
+        ("- The LM head has a **bias**: the final LayerNorm's bias, folded into it (`lm_head_bias: true` in "
+         "`config.json`)." if lm_head_bias(cfg) else
+         "- The LM head has no bias (the arm's LayerNorms have none)."),
+        "- The residual stream is the original's minus its mean at every position: the angle with **1** that "
+        "normgeo measures reads 90° here by construction. Measure the original export (without `--as`) for the "
+        "trained geometry.", "",
+        f"Measured at export on {sequences} x {tokens} seeded token ids:", "",
+        "| check | value |", "|---|---|",
+        f"| logit parity, float64 | {check.parity.float64_relative:.1e} (max abs difference / max abs logit) |",
+        f"| logit parity, float32 (these weights) | {check.parity.float32_max_abs:.1e} (max abs difference; the "
+        f"original's own float32 logits are {check.parity.float32_rounding:.1e} from its float64 ones) |",
+        f"| energy along 1 at the norm inputs, float64 | {check.ones_energy:.1e} (largest fraction) |",
+        f"| centering intervention \"add centering\" (every norm), float64 | Δloss {check.add_centering_delta_loss:.1e} "
+        "nats |", "",
+    ]
+
+
 def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hparams: dict, target: str,
-               model_class: str) -> str:
+               model_class: str, conversion: ConversionCheck | None = None) -> str:
     cfg = gpt.config
     tokens = step * tokens_per_step(hparams["global_batch"], cfg.block_size) if step is not None and "global_batch" in hparams else None
     val = _validation_loss(run_dir, step)
@@ -136,9 +226,9 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
     lines = [
         f"# normgeo {arm_label(cfg.norm)} ({cfg.placement}-norm), step {step}", "",
         "A GPT-2 language model trained by the normgeo harness, exported with "
-        f"`python -m normgeo.export --to {target}`.", "",
+        f"`python -m normgeo.export --to {target}{' --as rms' if conversion else ''}`.", "",
         "| | |", "|---|---|",
-        f"| arm | `{cfg.norm}` ({arm_label(cfg.norm)}) |",
+        f"| arm | `{cfg.norm}` ({arm_label(cfg.norm)}){', converted to RMSNorm' if conversion else ''} |",
         f"| placement | {cfg.placement}-norm |",
         f"| size | {cfg.n_layer} layers, d = {cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}, "
         f"{gpt.num_parameters():,} parameters |",
@@ -154,16 +244,24 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
         "## How to load", "",
         HOW_TO_LOAD[target].format(dir="<this directory>", cls=model_class), "",
     ]
+    if conversion is not None:
+        lines += conversion_section(gpt, conversion)
     if run_config.is_file():
         lines += ["## The run's config", "", "```yaml", run_config.read_text().rstrip(), "```", ""]
     return "\n".join(lines)
 
 
 def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = None,
-               checkpoint: Path | None = None) -> Exported:
-    """Write the export of one checkpoint to ``out_dir`` (which must not exist, or be empty); ExportError on bad input."""
+               checkpoint: Path | None = None, as_norm: str | None = None) -> Exported:
+    """Write the export of one checkpoint to ``out_dir`` (which must not exist, or be empty); ExportError on bad
+    input. ``as_norm="rms"``: the Pre-LN LayerNorm arm converted to RMSNorm (:func:`models.export.hf.to_hf`)."""
     if target not in TARGETS:
         raise ExportError(f"--to {target}: choose one of {', '.join(TARGETS)}")
+    if as_norm is not None and as_norm not in CONVERSIONS:
+        raise ExportError(f"--as {as_norm}: choose one of {', '.join(CONVERSIONS)}")
+    if as_norm is not None and target not in CONVERTING_TARGETS:
+        raise ExportError(f"--as {as_norm} writes a Hugging Face directory: use it with --to "
+                          f"{' or --to '.join(CONVERTING_TARGETS)}, not --to {target}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
     path = choose_checkpoint(run_dir, step, checkpoint)
@@ -173,11 +271,14 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         raise ExportError(str(exc)) from exc
     if target == "transformer-lens" and (refusal := transformer_lens_refusal(gpt.config)):
         raise ExportError(refusal)
+    if as_norm is not None and (refusal := rms_conversion_refusal(gpt)):
+        raise ExportError(f"--as {as_norm}: {refusal}")
     try:
         tokenizer = gpt2_tokenizer(gpt.config.block_size)
     except TokenizerError as exc:
         raise ExportError(str(exc)) from exc
-    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt)
+    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt, as_rms=as_norm is not None)
+    conversion = check_conversion(gpt, parity_ids(gpt)) if as_norm is not None else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
@@ -187,14 +288,16 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         if target == "transformer-lens":
             save_transformer_lens(gpt, partial)
         else:
-            save_hf(gpt, partial)
+            save_hf(gpt, partial, as_rms=as_norm is not None)
         tokenizer.save_pretrained(partial)
-        atomic_write_text(partial / "README.md", model_card(gpt, run_dir, path, saved_step, hparams, target, model_class))
+        atomic_write_text(partial / "README.md",
+                          model_card(gpt, run_dir, path, saved_step, hparams, target, model_class, conversion))
         atomic_write_json(partial / EXPORT_INFO, {
             "run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()), "step": saved_step,
             "target": target, "model_class": model_class, "norm": gpt.config.norm,
             "placement": gpt.config.placement, "tie_embeddings": gpt.config.tie_embeddings,
             **({"transformer_lens": TRANSFORMER_LENS_TARGET} if target == "transformer-lens" else {}),
+            **({"as": as_norm, "conversion": dataclasses.asdict(conversion)} if conversion is not None else {}),
         })
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above); rename needs the name free
@@ -202,7 +305,7 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Exported(out_dir, path, saved_step, target, model_class)
+    return Exported(out_dir, path, saved_step, target, model_class, conversion)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,13 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     which.add_argument("--checkpoint", type=Path, default=None, help="export this .ckpt")
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library")
     parser.add_argument("--out", required=True, type=Path, help="the new directory to write")
+    parser.add_argument("--as", dest="as_norm", default=None, choices=CONVERSIONS,
+                        help="convert a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (--to hf/nnsight)")
     args = parser.parse_args(argv)
     try:
-        exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint)
+        exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint, args.as_norm)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {exported.checkpoint} (step {exported.step}) as {exported.model_class} to {exported.out_dir}")
+    if (check := exported.conversion) is not None:
+        print(f"converted to RMSNorm: logit parity {check.parity.float64_relative:.1e} relative in float64, "
+              f"{check.parity.float32_max_abs:.1e} max abs in float32; energy along 1 at the norm inputs "
+              f"{check.ones_energy:.1e}; add-centering Δloss {check.add_centering_delta_loss:.1e}")
     return 0
 
 

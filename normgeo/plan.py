@@ -11,9 +11,8 @@ time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. 
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
 
 Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g. ``val_loss`` (the final
-point) or ``val_loss/tail`` (the primary statistic); for ``tokens_per_s_ratio`` a relative margin, 0.05 =
-5%) with the standard deviation of the paired differences, given (``--sd``; for tokens/s, of the log-ratios)
-or measured on a sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
+point) or ``val_loss/tail`` (the primary statistic)) with the standard deviation of the paired differences,
+given (``--sd``) or measured on a sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
 ``conf/compare/margins.yaml`` declares another). It prints the seeds per arm with which the equivalence test
 (TOST at 5%) shows equivalence within ±MARGIN with 80% power when the true difference is 0, the seeds with
 which the paired t-test detects a true difference of MARGIN with 80% power, and their GPU-hours (both arms,
@@ -51,11 +50,14 @@ from models.plan import (
 from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
-from normgeo.figures.verdict import METRIC_TEXT, METRICS, load_verdict_config, paired_estimates, run_measures
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import ConfigError
+from normgeo.verdict.declared import load_verdict_config
+from normgeo.verdict.families import paired_estimates
+from normgeo.verdict.measures import run_measures
+from normgeo.verdict.metrics import METRICS, metric
 
 CONFIG_ERROR_EXIT = 2
 
@@ -264,8 +266,8 @@ def preflight(cfg: DictConfig) -> None:
 
 def parse_seeds_for(text: str) -> tuple[str, float]:
     """``METRIC=MARGIN`` of ``--seeds-for``; ValueError with the fix."""
-    metric, sep, value = text.partition("=")
-    if not sep or metric not in METRICS:
+    name, sep, value = text.partition("=")
+    if not sep or name not in METRICS:
         raise ValueError(f"--seeds-for {text}: write METRIC=MARGIN with a verdict metric "
                          f"({', '.join(METRICS)}), e.g. --seeds-for val_loss=0.01")
     try:
@@ -273,22 +275,22 @@ def parse_seeds_for(text: str) -> tuple[str, float]:
     except ValueError:
         margin = math.nan
     if not margin > 0 or math.isinf(margin):
-        raise ValueError(f"--seeds-for {text}: the margin is a positive number, e.g. {metric}=0.01")
-    return metric, margin
+        raise ValueError(f"--seeds-for {text}: the margin is a positive number, e.g. {name}=0.01")
+    return name, margin
 
 
 def sweep_sd(sweep: Path, metric: str) -> tuple[float, str]:
-    """The SD of the per-seed differences of ``metric`` in the sweep's primary contrast (log-ratios for
-    tokens/s), and where it comes from in words."""
+    """The SD of the per-seed differences of ``metric`` in the sweep's primary contrast, and where it comes from
+    in words."""
     config = load_verdict_config()
-    arm, other, _ = config.primary
+    arm, other = config.primary.arm, config.primary.other
     estimates, _ = paired_estimates(run_measures(load([sweep])), config)
     found = [e for e in estimates if (e.arm, e.other, e.metric) == (arm, other, metric) and e.n >= 2]
     if not found:
         raise ValueError(f"--sweep {sweep}: no {arm} vs {other} pair with two or more seeds of {metric}; "
                          f"give the SD with --sd")
     est = max(found, key=lambda e: e.n)
-    values = [math.log(v) for v in est.values] if est.is_ratio else list(est.values)
+    values = list(est.values)
     where = f"{est.n} seeds of {sweep}" + (f", size {est.size}" if est.size else "")
     return statistics.stdev(values), where
 
@@ -296,10 +298,9 @@ def sweep_sd(sweep: Path, metric: str) -> tuple[float, str]:
 def seeds_report(metric: str, margin: float, sd: float, source: str, report: dict, power: float = 0.8) -> dict:
     """Seeds per arm for equivalence and for a difference at ``margin``, and their GPU-hours per GPU."""
     config = load_verdict_config()
-    arm, other, _ = config.primary
-    test_margin = math.log1p(margin) if metric == "tokens_per_s_ratio" else margin
-    equivalence = seeds_for_equivalence(sd, test_margin, power=power, alpha=config.alpha)
-    difference = seeds_for_difference(sd, test_margin, power=power, alpha=config.alpha)
+    arm, other = config.primary.arm, config.primary.other
+    equivalence = seeds_for_equivalence(sd, margin, power=power, alpha=config.alpha)
+    difference = seeds_for_difference(sd, margin, power=power, alpha=config.alpha)
     return {
         "arm": arm, "other": other, "metric": metric, "margin": margin, "sd": sd, "sd_from": source,
         "power": power, "alpha": config.alpha, "size": report["config"]["size"],
@@ -311,10 +312,10 @@ def seeds_report(metric: str, margin: float, sd: float, source: str, report: dic
 
 
 def print_seeds(seeds: dict) -> None:
-    unit = {"val_loss": " nats", "ones_dev": "°"}.get(seeds["metric"].split("/")[0], "")
-    margin = f"±{seeds['margin']:.0%}" if seeds["metric"] == "tokens_per_s_ratio" else f"±{seeds['margin']:g}{unit}"
+    about = metric(seeds["metric"])
+    margin = about.margin_text(seeds["margin"])
     pair = f"{norm_label(seeds['arm'])} vs {norm_label(seeds['other'])}"
-    print(f"seeds for {METRIC_TEXT[seeds['metric']]} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
+    print(f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
           f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, {seeds['power']:.0%} "
           f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true difference of "
           f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "

@@ -21,7 +21,7 @@ from models.pretrained import hf_encoder, hf_forward, load_checkpoint
 from normgeo.analysis import main as summary_main
 from normgeo.figures.analysis import pool
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.pipeline import measure, probe_ids
+from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
@@ -51,7 +51,9 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     ids = probe_ids(_wiki(shared), encode, separator, TOKENS, sample=False)
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
-    sites, stats, _ = measure(model, ids, SEQ_LEN, references, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    records = measure_records(model, ids, SEQ_LEN, references, model_name="m", step=None, tokens_per_step=None,
+                              seed=1234, with_null=False, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    sites, stats = records.sites, records.stats
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
     null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)
     # The interval is a function of the per-sequence sums and the seed: the same seed, the same numbers.
@@ -215,9 +217,9 @@ def our_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def outputs(tmp_path_factory: pytest.TempPathFactory, shared: Path, our_checkpoint: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("outputs")
     _ok(_analyze("model=minilm", "probe=local", f"probe.path={shared / 'corpora' / 'wikipedia'}",
-                 "probe.tokens=4096", "model.seq_len=4096", f"output_root={root}"))
+                 "probe.tokens=4096", "model.seq_len=4096", "probe.intervention=[all,layers]", f"output_root={root}"))
     _ok(_analyze("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms",
-                 "probe=pydoc", "probe.tokens=300", f"output_root={root}"))
+                 "probe=pydoc", "probe.tokens=300", "probe.intervention=[all,layers]", f"output_root={root}"))
     return {"minilm": root / "analyze" / "minilm", "ours": root / "analyze" / "ours-rms"}
 
 
@@ -274,7 +276,7 @@ def test_cli_minilm_intervention_reports_the_change_of_its_output_vectors(output
     """An encoder has no next token to predict: the centering intervention reports the cosine between its
     intact and intervened output vectors (with the block-bootstrap interval), and says so."""
     rows = read_rows(outputs["minilm"] / "intervention.jsonl")
-    # The default scopes: all 13 norms, then each block's (the embedding norm is its own "layer").
+    # all 13 norms, then each block's, as asked (the embedding norm is its own "layer", run in full; the blocks resumed).
     assert [r["scope_name"] for r in rows] == ["all", "layer embed", *(f"layer {i}" for i in range(6))]
     for row in rows:
         assert row["output"] == "embedding" and row["action"] == "remove" and row["tokens"] == 4096

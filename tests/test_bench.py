@@ -118,20 +118,35 @@ def test_train_throughput_refuses_an_unknown_arm() -> None:
 
 
 @pytest.mark.slow
-def test_probe_cost_reports_the_intervention_share() -> None:
-    """bench/probe_cost.py on the tiny model: every variant timed, the intervention's share printed."""
+def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes() -> None:
+    """bench/probe_cost.py on the tiny model: every variant timed, the default probe's ratio and the scopes'
+    cost resumed and re-run printed."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "512", "--repeats", "1",
-         "--memory-tokens", "512"], capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
+        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "1024",
+         "--budget-tokens", "256", "--repeats", "1", "--memory-tokens", "512"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
     out = result.stdout
-    for variant in ("plain forward", "probe K=0", "probe K=64 +energy +intervention all ",
-                    "probe K=64 +energy +intervention all,layers"):
+    for variant in ("plain forward", "angle probe K=0", "angle probe K=64 +energy",
+                    "default probe (+intervention on the first 1024)", "resumed mid-stack", "re-run from the embeddings"):
         assert variant in out, variant
-    shares = re.findall(r"intervention (all|all,layers): share of the probe (-?[\d.]+)%, (-?[\d.]+) plain forwards", out)
-    assert [scope for scope, _, _ in shares] == ["all", "all,layers"]
-    # One block at a time costs more forwards than all norms at once (tiny: 2 blocks + final = 3 more).
-    assert float(shares[1][2]) > float(shares[0][2])
-    assert "peak RSS with probe.tokens=    512" in out
+    assert re.search(r"DEFAULT PROBE / PLAIN FORWARD at 1024 probe tokens: \d+\.\d{3}", out)
+    costs = re.findall(r"intervention all,layers (resumed mid-stack|re-run from the embeddings): the (\d+) scope\(s\) "
+                       r"cost (-?[\d.]+) plain forwards", out)
+    assert [(how, scopes) for how, scopes, _ in costs] == [("resumed mid-stack", "4"), ("re-run from the embeddings", "4")]
+    assert "default probe (+intervention on the first 1024) +layers" in out
+    assert "peak RSS of the default probe with probe.tokens=    512" in out
+
+
+@pytest.mark.slow  # imports transformers and builds two 13M-parameter models: seconds
+def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion() -> None:
+    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--convert", "tiny", "--seq", "32", "--repeats", "2",
+                        "--impls", "stock")
+    (row,) = markdown_rows(output, "stock")
+    original, converted = (float(cell.removesuffix(" ms")) for cell in row[1:3])
+    assert original > 0 and converted > 0
+    assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)  # the ratio of the medians
+    low, high = (float(value) for value in row[4].split("-"))
+    assert 0 < low <= high
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -17,10 +17,14 @@ from models.export.hf import load_hf
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT, GPTConfig
 from models.pretrained import load_checkpoint
+from normgeo.export import check_conversion
 from normgeo.export import main as export_main
 from normgeo.figures.sweep import load
-from normgeo.figures.verdict import paired_estimates, run_measures, sentence
+from normgeo.verdict.families import paired_estimates
+from normgeo.verdict.measures import run_measures
+from normgeo.verdict.words import sentence
 from tests.conftest import ROOT, run_sweep
+from tests.test_export_convert import FLOAT32_MAX_ABS, FLOAT64_RELATIVE
 from tests.test_verdict import independent_interval, make_run
 
 WIKIPEDIA = "corpora/wikipedia/enwiki-wikiextractor"
@@ -77,6 +81,18 @@ def test_transformer_lens_refuses_an_arm_it_cannot_hold(capsys, tmp_path: Path, 
     assert reason in refused(capsys, tmp_path, run, "--to", "transformer-lens", "--out", tmp_path / "tl")
 
 
+@pytest.mark.parametrize(("norm", "placement", "to", "reason"), [
+    ("layer", "post", "hf", "only Pre-LN arms convert"), ("dyt", "pre", "hf", "no mean subtraction to take out"),
+    ("rms", "pre", "nnsight", "RMSNorm model already"), ("layer", "pre", "transformer-lens", "use it with --to hf"),
+])
+def test_convert_refuses_what_it_cannot_convert_with_one_line(capsys, tmp_path: Path, norm: str, placement: str,
+                                                              to: str, reason: str) -> None:
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", norm, placement)
+    err = refused(capsys, tmp_path, run, "--to", to, "--as", "rms", "--out", tmp_path / "converted")
+    assert err.startswith("error: --as rms") and reason in err
+
+
 @pytest.mark.slow  # builds the BPE merges / reads the whole corpus: seconds on a busy machine
 def test_the_tokenizer_round_trips_the_probe_text(shared: Path) -> None:
     """The exported tokenizer gives tiktoken's ids on the probe text (Wikipedia articles) and decodes it back."""
@@ -115,10 +131,9 @@ def test_downstream_scores_reach_the_verdict_as_paired_contrasts(tmp_path: Path)
     differences = [a - b for a, b in zip(accuracy["layer"], accuracy["rms"], strict=True)]
     assert est.values == pytest.approx(differences)
     assert (est.mean, est.low, est.high) == pytest.approx(independent_interval(differences), rel=1e-9)
-    # Raw, the accuracy difference is significant; Holm-adjusted among the exploratory rows it is not, and
-    # the words follow the adjusted p-value.
-    assert est.test.p_diff < 0.05 < est.p_diff_holm and est.family == "exploratory"
-    assert "inconclusive at 3 seeds" in sentence(est) and "±0.02 (accuracy)" in sentence(est)
+    # Raw, the accuracy difference is significant; undeclared, the row is described: its interval, no test words.
+    assert est.test.p_diff < 0.05 and est.family == "described" and est.p_diff_holm is None
+    assert sentence(est).endswith("described, not tested).") and "different" not in sentence(est)
 
 
 # --- slow: real runs ------------------------------------------------------------------------------------------
@@ -149,6 +164,33 @@ def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_pat
     assert f"| step | {step} |" in card and "| tokens seen | 1,024 |" in card and f"norm:\n  name: {norm}" in card
     assert json.loads((out / "normgeo_export.json").read_text())["step"] == 2
     assert not list(tmp_path.glob(".*partial*"))
+
+
+@pytest.mark.slow
+def test_a_trained_layer_run_converts_to_rms_with_the_same_logits(trained: Path, tmp_path: Path) -> None:
+    """``--to hf --as rms`` on a trained LayerNorm run: AutoModelForCausalLM loads an RMSNorm model with the
+    checkpoint's logits (float32 from the directory, float64 in memory), a mean-zero residual stream and an
+    "add centering" intervention that changes nothing."""
+    run = next(trained.glob("*-layer-s0"))
+    out = tmp_path / "rms"
+    result = run_module("normgeo.export", run, "--to", "hf", "--as", "rms", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "converted to RMSNorm: logit parity" in result.stdout
+    gpt, step, _ = load_checkpoint(run / "checkpoints" / "step-0000003.ckpt")
+    model = load_hf(out)
+    assert type(model).__name__ == "NormGeoForCausalLM" and model.config.norm == "rms"
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids).logits - gpt(ids)).abs().max().item() <= FLOAT32_MAX_ABS
+    check = check_conversion(gpt, ids)
+    assert check.parity.float64_relative <= FLOAT64_RELATIVE and check.parity.float32_max_abs <= FLOAT32_MAX_ABS
+    assert check.ones_energy <= 1e-12 and abs(check.add_centering_delta_loss) <= 1e-12
+    card = (out / "README.md").read_text()
+    assert "## Converted from LayerNorm to RMSNorm" in card and f"| step | {step} |" in card
+    assert "**untied**" in card and "untied in training too" in card and "**bias**" in card  # train.yaml: untied
+    info = json.loads((out / "normgeo_export.json").read_text())
+    assert info["as"] == "rms" and info["conversion"]["parity"]["float32_max_abs"] <= FLOAT32_MAX_ABS
+    assert "| energy along 1 at the norm inputs, float64 |" in card
 
 
 @pytest.mark.slow

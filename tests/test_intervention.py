@@ -4,26 +4,33 @@
 - inputs made orthogonal to 1 (TransformerLens' "center writing weights") leave the predictions unchanged;
 - a known component along 1 changes the loss exactly as the closed form says;
 - at initialization, LayerNorm without its centering *is* RMSNorm (and the reverse);
-- hooks leave the model bitwise as it was, also when a forward raises.
+- hooks leave the model bitwise as it was, also when a forward raises;
+- scopes resumed mid-stack equal the full re-run (our GPT, GPT-2 and Llama from transformers), a model that
+  cannot be resumed falls back, and the token budget bounds what is intervened on.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from models.gpt import GPT, GPTConfig
+from models.pretrained import hf_forward
 from normgeo.measure.intervention import (
     ENERGY_EDGES,
     INTERVENTION_FIELDS,
+    INTERVENTION_FILE,
+    CenteringIntervention,
+    block_stack,
     intervened,
     intervention_scopes,
 )
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.pipeline import measure_records
+from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
 
 SEQ = 12
@@ -255,17 +262,22 @@ def test_hooks_leave_the_model_bitwise_as_it_was_also_when_a_forward_raises() ->
     assert no_hooks(model) and torch.equal(model(ids), before)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
-    calls = []
+    blocks = list(model.blocks)
+    # Forwards: 1 intact, 2 the resumed-forward check, 3 scope "all", 4 "layer 0", 5 "layer 1": resumed at
+    # block 1, so block 0 is swapped for its recorded output while the norm hooks are in place.
+    for failing_call in (3, 5):
+        calls = []
 
-    def failing_forward(batch: torch.Tensor) -> torch.Tensor:
-        calls.append(len(calls))
-        if len(calls) == 2:  # the first intervened forward, with the swap's hooks in place
-            raise RuntimeError("a forward failed")
-        return model(batch)
+        def failing_forward(batch: torch.Tensor, failing_call: int = failing_call, calls: list = calls) -> torch.Tensor:
+            calls.append(len(calls))
+            if len(calls) == failing_call:
+                raise RuntimeError("a forward failed")
+            return model(batch)
 
-    with pytest.raises(RuntimeError, match="a forward failed"):
-        records(model, ids.numpy().reshape(-1), forward=failing_forward)
-    assert len(calls) == 2 and no_hooks(model)
+        with pytest.raises(RuntimeError, match="a forward failed"):
+            records(model, ids.numpy().reshape(-1), forward=failing_forward)
+        assert len(calls) == failing_call and no_hooks(model)
+        assert all(a is b for a, b in zip(model.blocks, blocks, strict=True))
     assert torch.equal(model(ids), before)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
@@ -287,3 +299,135 @@ def test_scopes_rows_and_their_contract() -> None:
     assert 0 <= every["top1_agreement_ci_low"] <= every["top1_agreement"] <= every["top1_agreement_ci_high"] <= 1
     assert records(tiny("dyt"), token_ids(3 * SEQ)) == []
     assert records(tiny("rms"), token_ids(3 * SEQ), kinds=()) == []
+
+
+# --- resumed mid-stack and the token budget --------------------------------------------------------------
+
+def scope_rows(model: torch.nn.Module, ids: np.ndarray, *, resume: bool, budget: int | None = None,
+               forward=None) -> tuple[list[dict], CenteringIntervention]:
+    """intervention.jsonl's rows with every scope (all, each block, each site class), resumed or re-run."""
+    parts = windows(ids, SEQ)
+    norms = residual_norms(find_norm_sites(model))
+    count, tokens = budget_windows(parts, budget)
+    scopes = intervention_scopes(norms, ("all", "layers", "site_classes"))
+    intervention = CenteringIntervention(model, norms, scopes, count, token_budget=tokens, resume=resume,
+                                         bootstrap_replicates=200)
+    run_probe(model, parts, [intervention], norms=norms, batch_size=4, forward=forward)
+    keys = {"model": "t", "norm": "x", "step": None, "tokens_seen": None}
+    return intervention.records(keys)[INTERVENTION_FILE], intervention
+
+
+def assert_same_rows(resumed: list[dict], rerun: list[dict]) -> None:
+    assert [r["scope_name"] for r in resumed] == [r["scope_name"] for r in rerun]
+    for a, b in zip(resumed, rerun, strict=True):
+        for name in ("delta_loss", "kl", "top1_agreement", "cosine", "loss_intact", "tokens", "sequences"):
+            if b[name] is None:
+                assert a[name] is None
+            else:  # float32 forwards of the same operations on the same inputs: equal to float precision
+                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (a["scope_name"], name)
+
+
+def block_calls(blocks: torch.nn.ModuleList) -> list[int]:
+    calls = [0]
+    for block in blocks:
+        block.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(("norm", "placement"), [("layer", "pre"), ("rms", "pre"), ("layer", "post")])
+def test_scopes_resumed_mid_stack_equal_the_full_rerun_on_our_gpt(norm: str, placement: str) -> None:
+    layers = 3
+    model = tiny(norm, placement, layers=layers)
+    randomize_norms(model)
+    ids = token_ids(5 * SEQ + 3)
+    calls = block_calls(model.blocks)
+    resumed, intervention = scope_rows(model, ids, resume=True)
+    assert intervention.replay is not None  # it did resume: no fallback
+    # Per batch (3: 4 windows, 1, then the 3-token tail): the intact forward, "all" and 3 site classes in full,
+    # and each block's scope from its own block on (final: no block at all); once, the check resumed at block 1.
+    per_batch = layers + 4 * layers + sum(layers - block for block in range(layers))
+    assert calls[0] == 3 * per_batch + (layers - layers // 2)
+    calls[0] = 0
+    rerun, intervention = scope_rows(model, ids, resume=False)
+    assert intervention.replay is None and calls[0] == 3 * (layers + 4 * layers + (layers + 1) * layers)
+    assert_same_rows(resumed, rerun)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_scopes_resumed_mid_stack_equal_the_full_rerun_on_hugging_face_models(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+        model, blocks = transformers.GPT2LMHeadModel(config).eval(), "transformer.h"
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=WIDTH, intermediate_size=32,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+                                          max_position_embeddings=SEQ)
+        model, blocks = transformers.LlamaForCausalLM(config).eval(), "model.layers"
+    with torch.no_grad():  # norms away from their initial gain 1 and bias 0
+        for name, param in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    ids = token_ids(5 * SEQ + 3)
+    resumed, intervention = scope_rows(model, ids, resume=True, forward=hf_forward(model))
+    assert intervention.replay is not None and intervention.replay.stack is model.get_submodule(blocks)
+    rerun, _ = scope_rows(model, ids, resume=False, forward=hf_forward(model))
+    assert_same_rows(resumed, rerun)
+    assert any(abs(r["delta_loss"]) > 1e-4 for r in rerun)  # the scopes change something: not trivially equal
+
+
+def test_a_model_that_cannot_be_resumed_falls_back_to_the_full_forward_and_says_so(caplog) -> None:
+    model = tiny("layer", layers=3)
+    randomize_norms(model)
+
+    def leaky_forward(batch: torch.Tensor) -> torch.Tensor:
+        # A forward whose result depends on more than the blocks' outputs (state kept outside them).
+        leaky_forward.count += 1
+        return model(batch) + 0.5 * leaky_forward.count
+
+    leaky_forward.count = 0
+    with caplog.at_level("WARNING"):
+        rows, intervention = scope_rows(model, token_ids(4 * SEQ), resume=True, forward=leaky_forward)
+    assert intervention.replay is None and no_hooks(model)
+    assert [r.message for r in caplog.records].count(
+        "centering intervention: the model cannot be resumed mid-stack (a forward resumed at block 1 does not "
+        "reproduce the intact forward); each of its per-block scopes runs the full forward") == 1
+
+
+def test_the_intervention_runs_on_its_token_budget_and_the_rows_say_so() -> None:
+    model = tiny("rms", layers=2)
+    ids = token_ids(10 * SEQ)
+    calls = block_calls(model.blocks)
+    rows, _ = scope_rows(model, ids, resume=True, budget=5 * SEQ - 1)  # rounded up to whole windows: 5
+    assert {r["intervention_tokens"] for r in rows} == {5 * SEQ}
+    assert {(r["tokens"], r["sequences"]) for r in rows} == {(5 * (SEQ - 1), 5)}
+    # Batches of 4 windows: 3 intact forwards; the scopes ("all" and 3 site classes in full, blocks 0 and 1
+    # resumed) on the first two batches only; once, the check resumed at block 1.
+    assert calls[0] == 3 * 2 + 2 * (4 * 2 + (2 + 1)) + 1
+    whole, _ = scope_rows(model, ids[: 5 * SEQ], resume=True)
+    assert_same_rows(rows, whole)  # the same windows measured alone give the same rows
+
+
+def test_the_progress_bar_counts_forwards_and_ends_at_its_total(capsys) -> None:
+    model = tiny("layer", layers=3)
+    ids = token_ids(9 * SEQ)
+    parts, norms = windows(ids, SEQ), residual_norms(find_norm_sites(model))
+    scopes = intervention_scopes(norms, ("all", "layers"))
+    intervention = CenteringIntervention(model, norms, scopes, 9, token_budget=9 * SEQ)
+    run_probe(model, parts, [intervention], norms=norms, batch_size=4, progress=True)
+    bars = re.findall(r"(\d+\.\d)/([\d.]+) forwards", capsys.readouterr().err)
+    # 3 batches, each: the intact forward, "all" and the 4 resumed block scopes at (L - l + 1) / (L + 1).
+    total = 3 * (1 + 1 + sum((3 - layer + 1) / 4 for layer in range(4)))
+    assert float(bars[-1][0]) == pytest.approx(total, abs=0.05) and float(bars[-1][1]) == pytest.approx(total, abs=0.05)
+    assert len({n for n, _ in bars}) > 3  # it moved within the batches, not only after each
+
+
+def test_the_block_list_is_found_from_the_norms_and_two_stacks_are_not_resumed() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = tiny("rms", layers=3)
+    assert block_stack(model, residual_norms(find_norm_sites(model))) == (model.blocks, "")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2))
+    stack, why = block_stack(t5, residual_norms(find_norm_sites(t5)))
+    assert stack is None and why == "its norms are in more than one block list"

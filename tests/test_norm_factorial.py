@@ -14,7 +14,8 @@ from models.norms import NORM_ARMS, DynamicTanh, RMSNormWithBias, make_norm
 from normgeo.measure.ellipsoid import ellipsoid_rows, norm_geometry, principal_axes, semi_axes
 from normgeo.measure.energy import QUANTITIES, EnergyStatistics
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.probe import make_references, residual_norms, run_probe
+from normgeo.measure.pipeline import probe_angles
+from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.records import read_rows
 from normgeo.measure.stats import QUANTILES
 from tests.conftest import run_train
@@ -109,7 +110,7 @@ def test_probe_streams_energy_at_every_norm_input() -> None:
     norms = residual_norms(find_norm_sites(model))
     energy = EnergyStatistics(len(norms))
     sequences = torch.randint(0, 1000, (3, 16), generator=torch.Generator().manual_seed(3))
-    run_probe(model, sequences, make_references(32, null_directions=0), norms=norms, energy=energy)
+    probe_angles(model, sequences, make_references(32, null_directions=0), norms=norms, energy=energy)
     assert energy.count[:, 0].tolist() == [48.0] * len(norms)
     inputs = {}
     model.blocks[1].ln2.register_forward_hook(lambda m, i, o: inputs.setdefault("x", i[0]))

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from models.gpt import GPT, GPTConfig
+from normgeo.measure.angles import AngleMeasurement
 from normgeo.measure.geometry import angle_deg
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.probe import REFERENCE_NAMES, make_references, run_probe
+from normgeo.measure.pipeline import probe_angles, run_probe
+from normgeo.measure.probe import REFERENCE_NAMES, make_references, residual_norms
 from normgeo.measure.records import FIELDS, read_rows, statistics_rows, write_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +43,7 @@ def test_probe_angles_match_a_direct_computation_on_captured_tensors(norm: str) 
             captured.setdefault((site.layer, f"{site.role}.in"), []).append(inputs[0].detach().clone())
             captured.setdefault((site.layer, f"{site.role}.out"), []).append(output.detach().clone())
         handles.append(site.module.register_forward_hook(hook))
-    sites, stats = run_probe(model, sequences, references, batch_size=3, include_standardized=False)
+    sites, stats = probe_angles(model, sequences, references, batch_size=3, include_standardized=False)
     for handle in handles:
         handle.remove()
     rows = statistics_rows(sites, stats, model="tiny", norm=norm, step=0, tokens_seen=0)
@@ -71,7 +73,7 @@ def test_layernorm_standardization_is_orthogonal_to_ones_but_rms_is_not() -> Non
         # Give every residual vector a component along 1, so that only mean subtraction removes it.
         with torch.no_grad():
             model.wpe.weight += 0.5
-        sites, stats = run_probe(model, sequences, make_references(32), include_standardized=True)
+        sites, stats = probe_angles(model, sequences, make_references(32), include_standardized=True)
         rows = statistics_rows(sites, stats, model="tiny", norm=norm, step=0, tokens_seen=0)
         std_rows = [r for r in rows if r["site"].endswith(".std") and r["ref"] == "ones"]
         if norm == "layer":
@@ -80,19 +82,26 @@ def test_layernorm_standardization_is_orthogonal_to_ones_but_rms_is_not() -> Non
             assert any(abs(r["mean_deg"] - 90) > 1 for r in std_rows)
 
 
-@pytest.mark.parametrize("measured", [0, 3, 9])
-def test_padding_runs_forward_passes_but_measures_only_the_real_sequences(measured: int) -> None:
-    """pad_to: the rank with fewer probe sequences makes as many forward passes as the others (FSDP)."""
+@pytest.mark.parametrize("windows", [1, 7, 19])
+def test_padding_runs_forward_passes_but_measures_only_the_real_sequences(windows: int) -> None:
+    """Rank 1 of 2, which holds fewer probe windows, makes as many forward passes as rank 0 (FSDP)."""
     model = tiny_gpt("layer")
-    sequences = torch.randint(0, 50257, (measured, 16), generator=torch.Generator().manual_seed(1))
+    part = torch.randint(0, 50257, (windows, 16), generator=torch.Generator().manual_seed(1))
+    real = part[1::2]  # rank 1's windows: 0, 3 and 9 of them
+    norms = residual_norms(find_norm_sites(model))
     calls: list[int] = []
     forward = lambda batch: calls.append(len(batch)) or model(batch)  # noqa: E731
-    sites, padded = run_probe(model, sequences, make_references(32), batch_size=4, pad_to=10, forward=forward)
-    assert calls == [4, 4, 2]  # ceil(10 / 4) passes whatever the number of real sequences
+    angles = AngleMeasurement(norms, make_references(32), num_sequences=windows)
+    run_probe(model, [part], [angles], norms=norms, batch_size=4, forward=forward, rank=1, world_size=2)
+    padded = angles.stats
+    share = -(-windows // 2)  # rank 0's
+    assert calls == [min(4, share - start) for start in range(0, share, 4)]  # whatever rank 1 really holds
+    measured = len(real)
     assert padded.count.eq(measured * 16).all() and padded.norm_count.eq(measured * 16).all()
     assert padded.null_count.eq(measured * 16).all() and padded.seq_count.sum(dim=1).eq(measured * 16).all()
+    assert padded.seq_count[:, 1::2].sum() == padded.seq_count.sum()  # rank 1's global ids are the odd ones
     if measured:
-        _, plain = run_probe(model, sequences, make_references(32), batch_size=4)
+        _, plain = probe_angles(model, real, make_references(32), batch_size=4)
         torch.testing.assert_close(padded.mean, plain.mean)
         assert torch.equal(padded.hist, plain.hist)
 

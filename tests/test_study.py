@@ -6,6 +6,7 @@ logged loss is identical bit for bit (what docs/study.md says is bitwise); and t
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,18 +59,21 @@ def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Pa
     assert compare_main([str(out), "--formats", "png"]) == 0
     (out / "wall_s.txt").write_text("60\n")
     (out / "disk_bytes.txt").write_text("1000\n")
-    (out / "commands.txt").write_text("python train.py -m ...\n")
+    (out / "commands.txt").write_text(f"python train.py -m output_root={out}\n")
     spec = importlib.util.spec_from_file_location("study_page", ROOT / "docs" / "study_page.py")
     study_page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study_page)
-    page = study_page.main(out, figures_dir=tmp_path)
-    assert "### The primary question" in page and "**Exploratory family**" in page
-    primary = next(line for line in page.splitlines() if line.startswith("- validation loss, mean of the last 20%"))
-    assert any(word in primary for word in ("equivalent within", "different:", "inconclusive at 1 seeds")) \
-        or "one seed: no interval and no test" in primary
+    page = study_page.main(out, figures_dir=tmp_path, details_dir=tmp_path)
+    assert "### The primary question" in page and "### Declared secondary questions" in page
+    assert len(page.splitlines()) <= 150 and "## Described" not in page  # the described rows: beside it
+    assert "## Described, not tested" in (tmp_path / "study_details.md").read_text()
+    assert page.count("no interval and no test") == 1  # one seed per arm, said once
+    assert "| LayerNorm − RMSNorm | `val_loss/tail` | 1 |" in page
     assert "not distinguishable" not in page and " holds" not in page
+    assert not re.search(r"(?<![\w./])/(?!/)(tmp|work|home|root)/", page)  # no absolute path of this machine
     assert (tmp_path / "study-val_curve_diff.png").stat().st_size > 5000
     assert (tmp_path / "study-verdict.png").stat().st_size > 5000
-    table = pd.read_csv(out / "compare" / "verdict.csv")
+    table = pd.read_csv(tmp_path / "study_verdict.csv")
     tail = table[(table["metric"] == "val_loss/tail") & table["primary"]]
     assert len(tail) == 1 and tail["n_seeds"].iloc[0] == 1  # one seed: the difference, no test
+    assert (table["family"] == "secondary").sum() <= 6 and set(table["family"]) <= {"primary", "secondary", "described"}

@@ -12,6 +12,27 @@ Which class holds which arm exactly:
   with learned absolute positions; ``OPTForCausalLM`` (``do_layer_norm_before=False``) is post-LN but builds
   no final LayerNorm in that mode, while the harness's Post-LN model applies ``ln_f`` before the head (and
   OPT's positions are offset by 2), so OPT cannot hold it exactly.
+- A Pre-LN ``layer`` / ``layer_nobias`` arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, below) -> the
+  saved model code as the ``rms`` arm, with an untied head and, where the final LayerNorm had a bias, an LM-head
+  bias.
+
+**A Pre-LN LayerNorm arm as an RMSNorm model with the same logits** (``to_hf(gpt, as_rms=True)``). The algebra
+(Jiang et al. 2023, "Pre-RMSNorm and Pre-CRMSNorm Transformers", arXiv 2305.14858; the same steps as
+TransformerLens' ``center_writing_weights`` + ``fold_ln``):
+
+1. Centre every weight that writes into the residual stream: each row of the token and position embeddings,
+   each output column of every attention and MLP output projection (``W - 1 mean_out(W)``) and their biases,
+   made mean-zero across the d channels. The residual stream is then the original one minus its mean at every
+   position: mean-zero, and a LayerNorm reads it exactly as before (it subtracts the mean anyway).
+2. On a mean-zero x, ``LayerNorm(x) = g * x / sqrt(mean(x^2) + eps) + b = g * RMSNorm(x) + b`` (same eps).
+3. Fold ``g`` and ``b`` forward into the linear layer each norm feeds: ``W (g * n + b) + c = (W diag g) n +
+   (W b + c)``: ln1 into the attention's qkv, ln2 into the MLP's first layer, ln_f into the LM head. The final
+   norm's gain makes a tied head untied (the head is ``W_U diag g``, the embedding is centred), and its bias
+   becomes a bias of the LM head (``W_U b``). The RMSNorms keep gain 1.
+
+Post-LN does not convert: there the residual stream *is* the norm's output, which is not mean-zero after its
+bias, and the sublayers read the stream un-normalized. Dropout in training mode zeroes single channels of the
+residual writes, so they would no longer be mean-zero.
 
 The vocabulary keeps the harness's padded size (50257 rounded up to a multiple of 64 = 50304): the padded
 rows are part of the softmax the model was trained and validated with, so the exported log-probabilities
@@ -20,14 +41,99 @@ over the real 50257 tokens are the harness's to the last bit; a tokenizer never 
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.gpt import GPT
+from models.gpt import GPT, GPTConfig
 
 GPT2_ARMS = ("layer", "layer_nobias")  # pre-LN only
+CONVERTIBLE_ARMS = ("layer", "layer_nobias")
+CONVERTED_NORM = "rms"
+# Each residual norm, and the linear layer (in models.gpt's names) its output feeds.
+FOLDS = {"ln1": "attn.c_attn", "ln2": "mlp.c_fc"}
+
+
+def rms_conversion_refusal(gpt: GPT) -> str | None:
+    """Why ``gpt`` cannot be converted to an RMSNorm model with the same logits, or None if it can."""
+    cfg = gpt.config
+    if cfg.norm in ("rms", "rms_bias"):
+        return f"the {cfg.norm!r} arm is an RMSNorm model already: nothing to convert (export it without --as rms)"
+    if cfg.norm not in CONVERTIBLE_ARMS:
+        return (f"the {cfg.norm!r} arm has no mean subtraction to take out: only the Pre-LN LayerNorm arms "
+                f"({', '.join(CONVERTIBLE_ARMS)}) convert to RMSNorm")
+    if cfg.placement != "pre":
+        return (f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the norm's output "
+                "(not mean-zero after the bias) and the sublayers read it un-normalized, so no RMSNorm model has its "
+                "logits; only Pre-LN arms convert")
+    if gpt.training and cfg.dropout > 0:
+        return (f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single channels of the "
+                "residual writes, which are then not mean-zero; call .eval() first")
+    return None
+
+
+def centred_rows(weight: torch.Tensor) -> torch.Tensor:
+    """Each row made mean-zero across its last dimension (an embedding row: one vector written to the stream)."""
+    return weight - weight.mean(dim=-1, keepdim=True)
+
+
+def centred_outputs(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's (out, in) weight whose every output (column) is mean-zero across the ``out`` channels."""
+    return weight - weight.mean(dim=0, keepdim=True)
+
+
+def rms_config(config: GPTConfig) -> GPTConfig:
+    """The converted model's config: RMSNorm, untied head, linear biases wherever a LayerNorm bias lands."""
+    return replace(config, norm=CONVERTED_NORM, tie_embeddings=False, dropout=0.0,
+                   bias=config.bias or lm_head_bias(config))
+
+
+def lm_head_bias(config: GPTConfig) -> bool:
+    """Whether the converted model's LM head has a bias: the final LayerNorm's bias folded into it."""
+    return config.norm == "layer"
+
+
+def rms_weights(gpt: GPT, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The converted model's tensors in ``models.gpt``'s names (plus ``lm_head.bias`` where the final norm had
+    one), computed in float64 and returned in ``dtype``; see the module docstring for the algebra."""
+    if refusal := rms_conversion_refusal(gpt):
+        raise ValueError(refusal)
+    cfg, target = gpt.config, rms_config(gpt.config)
+    source = {name: tensor.detach().to(torch.float64) for name, tensor in gpt.state_dict().items()}
+    ones = torch.ones(cfg.n_embd, dtype=torch.float64)
+
+    def bias_of(name: str, size: int) -> torch.Tensor:
+        # A bias the original lacks is zero; the converted model has one where a LayerNorm bias lands.
+        return source.get(name, torch.zeros(size, dtype=torch.float64))
+
+    def fold(norm: str, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = source[f"{linear}.weight"]
+        gain, shift = source[f"{norm}.weight"], bias_of(f"{norm}.bias", cfg.n_embd)
+        return weight * gain, bias_of(f"{linear}.bias", weight.shape[0]) + weight @ shift
+
+    out = {"wte.weight": centred_rows(source["wte.weight"]), "wpe.weight": centred_rows(source["wpe.weight"])}
+    for i in range(cfg.n_layer):
+        block = f"blocks.{i}."
+        for norm, linear in FOLDS.items():
+            weight, bias = fold(block + norm, block + linear)
+            out[f"{block}{linear}.weight"] = weight
+            if target.bias:
+                out[f"{block}{linear}.bias"] = bias
+            out[f"{block}{norm}.weight"] = ones
+        for linear in ("attn.c_proj", "mlp.c_proj"):  # the sublayers' writes into the residual stream
+            out[f"{block}{linear}.weight"] = centred_outputs(source[f"{block}{linear}.weight"])
+            if target.bias:
+                bias = bias_of(f"{block}{linear}.bias", cfg.n_embd)
+                out[f"{block}{linear}.bias"] = bias - bias.mean()
+    head, head_bias = fold("ln_f", "lm_head")  # lm_head.weight is the (uncentred) embedding when tied
+    out["lm_head.weight"] = head
+    if lm_head_bias(cfg):
+        out["lm_head.bias"] = head_bias
+    out["ln_f.weight"] = ones
+    return {name: tensor.to(dtype) for name, tensor in out.items()}
 
 
 def holds_as_gpt2(gpt: GPT) -> bool:
@@ -35,22 +141,22 @@ def holds_as_gpt2(gpt: GPT) -> bool:
     return gpt.config.placement == "pre" and gpt.config.norm in GPT2_ARMS
 
 
-def hf_class_name(gpt: GPT) -> str:
-    return "GPT2LMHeadModel" if holds_as_gpt2(gpt) else "NormGeoForCausalLM"
+def hf_class_name(gpt: GPT, as_rms: bool = False) -> str:
+    return "GPT2LMHeadModel" if holds_as_gpt2(gpt) and not as_rms else "NormGeoForCausalLM"
 
 
-def _weights(gpt: GPT) -> dict[str, torch.Tensor]:
-    """The model's tensors in float32, each once (a tied head is the embedding)."""
-    state = {name: tensor.detach().float().clone() for name, tensor in gpt.state_dict().items()}
+def _weights(gpt: GPT, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The model's tensors in ``dtype``, each once (a tied head is the embedding)."""
+    state = {name: tensor.detach().to(dtype).clone() for name, tensor in gpt.state_dict().items()}
     if gpt.config.tie_embeddings:
         state.pop("lm_head.weight")
     return state
 
 
-def _gpt2_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
+def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     cfg = gpt.config
-    source = _weights(gpt)
-    zeros = lambda n: torch.zeros(n)  # noqa: E731 - a bias GPT-2 always has and an arm may lack
+    source = _weights(gpt, dtype)
+    zeros = lambda n: torch.zeros(n, dtype=dtype)  # noqa: E731 - a bias GPT-2 always has and an arm may lack
     state = {"transformer.wte.weight": source["wte.weight"], "transformer.wpe.weight": source["wpe.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
@@ -68,7 +174,7 @@ def _gpt2_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def _gpt2(gpt: GPT) -> nn.Module:
+def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = gpt.config
@@ -78,45 +184,78 @@ def _gpt2(gpt: GPT) -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
     )
-    model = GPT2LMHeadModel(config)
-    model.load_state_dict(_gpt2_state_dict(gpt), strict=not cfg.tie_embeddings)
+    model = GPT2LMHeadModel(config).to(dtype)
+    model.load_state_dict(_gpt2_state_dict(gpt, dtype), strict=not cfg.tie_embeddings)
     return model
 
 
-def _normgeo(gpt: GPT) -> nn.Module:
+def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
+    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one dtype)."""
     from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
 
-    cfg = gpt.config
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     config = NormGeoConfig(
         vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
         n_head=cfg.n_head, norm=cfg.norm, norm_eps=cfg.norm_eps, placement=cfg.placement, bias=cfg.bias,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        lm_head_bias=lm_head_bias, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
+        eos_token_id=cfg.vocab_size - 1,
     )
-    model = NormGeoForCausalLM(config)
+    model = NormGeoForCausalLM(config).to(next(iter(weights.values())).dtype)
     # save_pretrained records the saved class only; AutoModel (the base model analyze.py measures) is added.
     model.config.auto_map = {"AutoConfig": "modeling_normgeo.NormGeoConfig",
                              "AutoModel": f"modeling_normgeo.{NormGeoModel.__name__}",
                              "AutoModelForCausalLM": "modeling_normgeo.NormGeoForCausalLM"}
-    state = {(k if k.startswith("lm_head.") else f"transformer.{k}"): v for k, v in _weights(gpt).items()}
+    state = {(k if k.startswith("lm_head.") else f"transformer.{k}"): v for k, v in weights.items()}
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model
 
 
-def to_hf(gpt: GPT) -> nn.Module:
-    """The ``transformers`` causal LM (float32, eval mode) whose logits are ``gpt``'s."""
-    model = _gpt2(gpt) if holds_as_gpt2(gpt) else _normgeo(gpt)
-    if gpt.config.tie_embeddings:
+def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
+          model_code: bool = False) -> nn.Module:
+    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s.
+
+    ``as_rms``: a Pre-LN LayerNorm arm converted to an RMSNorm model (the module docstring's algebra), in the
+    saved model code (ValueError for an arm that does not convert). ``model_code``: the saved model code even
+    where ``GPT2LMHeadModel`` holds the arm (to time it beside its conversion with the same code)."""
+    if as_rms:
+        cfg = rms_config(gpt.config)
+        model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))
+    else:
+        cfg = gpt.config
+        model = _gpt2(gpt, dtype) if holds_as_gpt2(gpt) and not model_code else _normgeo(cfg, _weights(gpt, dtype))
+    if cfg.tie_embeddings:
         model.tie_weights()
-    if gpt.config.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
+    if cfg.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
         raise RuntimeError("the exported head's tying differs from the harness model's")
-    return model.float().eval()
+    return model.to(dtype).eval()
 
 
-def save_hf(gpt: GPT, out_dir: Path) -> None:
-    """``model.safetensors`` and ``config.json`` (plus the model code where no built-in class holds the arm)."""
-    to_hf(gpt).save_pretrained(out_dir, safe_serialization=True)
+def save_hf(gpt: GPT, out_dir: Path, as_rms: bool = False) -> None:
+    """``model.safetensors`` and ``config.json`` (plus the model code where no built-in class holds the arm);
+    ``as_rms``: the arm converted to RMSNorm (the module docstring's algebra)."""
+    to_hf(gpt, as_rms=as_rms).save_pretrained(out_dir, safe_serialization=True)
+
+
+@dataclass(frozen=True)
+class RmsParity:
+    """How far the RMSNorm conversion's logits are from the original's on some token ids."""
+
+    float64_relative: float  # max |converted - original| / max |original|, both models in float64
+    float32_max_abs: float  # max |converted - original|, both in float32 (the saved weights)
+    # max |original in float32 - original in float64|: float32's own rounding, the scale float32_max_abs is on
+    float32_rounding: float
+
+
+@torch.no_grad()
+def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
+    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it was."""
+    reference64 = copy.deepcopy(gpt).double().eval()(ids)
+    diff64 = (to_hf(gpt, as_rms=True, dtype=torch.float64)(ids).logits - reference64).abs().max()
+    reference32 = copy.deepcopy(gpt).float().eval()(ids)
+    diff32 = (to_hf(gpt, as_rms=True)(ids).logits - reference32).abs().max()
+    return RmsParity(float((diff64 / reference64.abs().max()).item()), float(diff32.item()),
+                     float((reference32.double() - reference64).abs().max().item()))
 
 
 def load_hf(directory: str | Path, base: bool = False) -> nn.Module:

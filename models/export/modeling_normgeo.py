@@ -7,6 +7,8 @@ the same norm modules, GELU with the tanh approximation, SDPA causal attention),
 harness model's. Norms: ``layer`` / ``layer_nobias`` (torch LayerNorm with / without bias), ``rms``
 (torch RMSNorm with the eps the arm trained with, not torch's machine-epsilon default), ``rms_bias``
 (RMSNorm plus a bias), ``dyt`` (``weight * tanh(alpha * x) + bias``); placement ``pre`` or ``post``.
+``lm_head_bias``: the LM head has a bias, which a LayerNorm arm converted to RMSNorm needs (its final
+LayerNorm's bias, folded into the head: ``python -m normgeo.export RUN --to hf --as rms``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class NormGeoConfig(PretrainedConfig):
         norm_eps: float = 1e-5,
         placement: str = "pre",
         bias: bool = True,
+        lm_head_bias: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs,
     ) -> None:
@@ -48,6 +51,7 @@ class NormGeoConfig(PretrainedConfig):
         self.norm_eps = norm_eps
         self.placement = placement
         self.bias = bias
+        self.lm_head_bias = lm_head_bias
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -183,7 +187,7 @@ class NormGeoForCausalLM(NormGeoPreTrainedModel, GenerationMixin):
     def __init__(self, config: NormGeoConfig) -> None:
         super().__init__(config)
         self.transformer = NormGeoModel(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -18,9 +18,10 @@ from normgeo.figures.intervention import plot_intervention_steps  # noqa: E402
 from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
 from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table  # noqa: E402
-from normgeo.figures.verdict import VerdictConfig, write_verdict  # noqa: E402
+from normgeo.figures.verdict import write_verdict  # noqa: E402
 from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
 from normgeo.measure.records import DamagedRecords  # noqa: E402
+from normgeo.verdict.declared import VerdictConfig  # noqa: E402
 
 FigureMaker = Callable[[Comparison, Path, Sequence[str]], list[Path]]
 FIGURES: dict[str, FigureMaker] = {}

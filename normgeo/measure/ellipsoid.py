@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from normgeo.measure.geometry import STANDARDIZABLE_KINDS
+from normgeo.measure.measurement import Measurement, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import json_number, one_cpu_thread
 
@@ -120,3 +121,13 @@ def ellipsoid_rows(
             row.update({k: v if k == "axes_dim" or v is None else json_number(v) for k, v in geometry.items()})
             rows.append(row)
     return rows
+
+
+class EllipsoidMeasurement(Measurement):
+    """``ellipsoid.jsonl``: read from the norms' gains and biases when the records are made; no token needed."""
+
+    def __init__(self, norms: Sequence[NormSite]) -> None:
+        self.norms = list(norms)
+
+    def records(self, where: RecordKeys) -> dict[str, list[dict]]:
+        return {ELLIPSOID_FILE: ellipsoid_rows(self.norms, **where)}

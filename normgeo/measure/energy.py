@@ -18,7 +18,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge, json_number
+from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
+from normgeo.measure.norm_sites import NormSite
+from normgeo.measure.probe import input_sites
+from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge, json_number, one_cpu_thread
 
 ENERGY_FILE = "energy.jsonl"
 QUANTITIES = ("ones_fraction", "jacobian_proxy")
@@ -143,3 +146,23 @@ def energy_rows(
             row.update({name: json_number(quantiles[s, q, i]) for i, name in enumerate(QUANTILE_FIELDS)})
             rows.append(row)
     return rows
+
+
+class EnergyMeasurement(Measurement):
+    """``energy.jsonl``: what centering removes at every norm input (site k is the k-th norm's input)."""
+
+    def __init__(self, norms: Sequence[NormSite], device: torch.device | str = "cpu",
+                 stats: EnergyStatistics | None = None) -> None:
+        self.norms = list(norms)
+        self.stats = stats if stats is not None else EnergyStatistics(len(self.norms), device=device)
+
+    def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
+                     batch: ProbeBatch) -> None:
+        with one_cpu_thread(self.stats.device):
+            self.stats.update(index, inputs)
+
+    def all_reduce(self) -> None:
+        self.stats.all_reduce()
+
+    def records(self, where: RecordKeys) -> dict[str, list[dict]]:
+        return {ENERGY_FILE: energy_rows(input_sites(self.norms), self.stats, **where)}

@@ -13,8 +13,9 @@ module's own gain, bias and eps, and compares the model's predictions with and w
 Scopes (:func:`intervention_scopes`): every norm at once (``all``), each block's norms one block at a time
 (``layers``: blocks 0..L-1, then ``final``, and ``embed`` where a model has one), or each site class across
 blocks (``site_classes``: ``ln1``, ``ln2``, ``final``). Each scope costs one extra no-grad forward over the
-probe tokens: the intact forward is the angle probe's own (:func:`normgeo.measure.probe.run_probe` hands
-its output to :meth:`InterventionProbe.observe`).
+first ``probe.intervention_tokens`` probe tokens (:class:`CenteringIntervention`), the intact forward being
+the probe's own; a scope in one block resumes at that block from the intact forward's residual stream
+(:class:`BlockReplay`), so the per-block scopes together cost about (L + 1) / 2 forwards of the blocks, not L + 1.
 
 Measured per scope, on next-token prediction over the probe text: the mean change of the loss (nats,
 intervened - intact), the mean KL(intact || intervened) and the top-1 agreement, each with a 95% block
@@ -32,6 +33,7 @@ per-bin sums. Hooks are removed whatever happens, so the model is left bitwise a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -41,12 +43,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import block_bootstrap_means, json_number
 
+log = logging.getLogger(__name__)
+
 INTERVENTION_FILE = "intervention.jsonl"
+# Probe tokens the intervention runs on (probe.intervention_tokens): its 95% interval of the loss change on
+# SmolLM2-135M is already +-0.017 nats at 4,096 tokens (docs/intervention_numbers.md).
+DEFAULT_INTERVENTION_TOKENS = 8192
 SCOPE_KINDS = ("all", "layers", "site_classes")
-DEFAULT_SCOPES = ("all", "layers")
+# Every norm at once by default: one extra forward on the budget's tokens answers "does the mean subtraction
+# change the predictions"; the per-block breakdown (``layers``, about (L + 1) / 2 more forwards resumed
+# mid-stack) and ``site_classes`` are asked for (docs/probe.md, bench/probe_cost.py).
+DEFAULT_SCOPES = ("all",)
 INTERVENABLE_KINDS = ("layer", "rms")  # DyT ("tanh") has no centering to take out or put in
 ACTIONS = {"layer": "remove", "rms": "add"}
 # Edges of the bins of the per-token energy fraction along 1 (cos^2 of the angle with 1; an isotropic
@@ -195,11 +206,23 @@ def energy_fraction(x: torch.Tensor) -> torch.Tensor:
     return (x.sum(dim=-1).square() / (x.shape[-1] * square)).nan_to_num(0.0)
 
 
+# Tokens per chunk of the vocabulary-sized work. On CPU 64 x 50,304 float32 logits (13 MB) stay in cache across
+# the max, exp-sum and dot passes (measured on 2 cores: 1.3-1.5x faster than whole-batch reductions); on a GPU
+# larger chunks keep the kernels big while bounding the exp temporary (1,024 x 50,304 x 4 B = 206 MB).
+VOCAB_CHUNK_TOKENS = {"cpu": 64, "cuda": 1024}
+
+
+def vocab_chunks(tokens: int, device: torch.device) -> list[slice]:
+    """Slices of ``tokens`` predicted tokens for the vocabulary-sized work on ``device``."""
+    size = VOCAB_CHUNK_TOKENS.get(device.type, 1024)
+    return [slice(start, min(start + size, tokens)) for start in range(0, tokens, size)]
+
+
 @dataclass
 class IntactPrediction:
     """What every scope's intervened forward is compared with, computed once per batch: the intact forward's
-    next-token probabilities (rows, T - 1, V), their negative entropy sum(p log p), the loss on the true next
-    tokens and the top-1 tokens."""
+    next-token probabilities (tokens, V) over the batch's predicted tokens flattened, their negative entropy
+    sum(p log p), the loss on the true next tokens and the top-1 tokens."""
 
     probs: torch.Tensor
     neg_entropy: torch.Tensor
@@ -208,25 +231,42 @@ class IntactPrediction:
 
     @classmethod
     def of(cls, logits: torch.Tensor, batch: torch.Tensor) -> IntactPrediction:
-        log_probs = F.log_softmax(at_least_float32(logits[:, :-1]), dim=-1)
-        loss = -log_probs.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-        probs = log_probs.exp()
-        neg_entropy = torch.linalg.vecdot(probs, log_probs)
-        return cls(probs, neg_entropy, loss, log_probs.argmax(dim=-1))
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        targets = batch[:, 1:].reshape(-1)
+        dtype = torch.promote_types(flat.dtype, torch.float32)
+        probs = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+        neg_entropy = torch.empty(len(flat), dtype=dtype, device=flat.device)
+        loss = torch.empty(len(flat), dtype=dtype, device=flat.device)
+        top1 = torch.empty(len(flat), dtype=torch.long, device=flat.device)
+        for chunk in vocab_chunks(len(flat), flat.device):
+            log_probs = F.log_softmax(at_least_float32(flat[chunk]), dim=-1)
+            torch.exp(log_probs, out=probs[chunk])
+            neg_entropy[chunk] = torch.linalg.vecdot(probs[chunk], log_probs)
+            loss[chunk] = -log_probs.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1)
+            top1[chunk] = log_probs.argmax(dim=-1)
+        return cls(probs, neg_entropy, loss, top1)
 
 
 def next_token_changes(intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact loss.
 
-    With q = log_softmax(z) of the intervened logits z, KL = sum p log p - sum p z + logsumexp(z) (sum p = 1):
-    one reduction and one dot product over the vocabulary per scope, no (T, V) temporaries beyond z itself.
+    With q = log_softmax(z) of the intervened logits z, KL = sum p log p - sum p z + logsumexp(z) (sum p = 1).
+    Per chunk of tokens (:func:`vocab_chunks`): one max pass (the top-1 too), one exp-sum pass and one dot
+    product over the vocabulary; nothing (T, V)-sized is allocated beyond the model's own logits.
     """
-    logits = at_least_float32(intervened_logits[:, :-1])
-    normalizer = torch.logsumexp(logits, dim=-1)
-    loss = normalizer - logits.gather(-1, batch[:, 1:].unsqueeze(-1)).squeeze(-1)
-    kl = (intact.neg_entropy - torch.linalg.vecdot(intact.probs, logits) + normalizer).clamp(min=0.0)
-    agree = (intact.top1 == logits.argmax(dim=-1)).float()
-    return torch.stack([loss - intact.loss, kl, agree, intact.loss], dim=-1)
+    rows, length = intervened_logits.shape[0], intervened_logits.shape[1] - 1
+    flat = intervened_logits[:, :-1].reshape(-1, intervened_logits.shape[-1])
+    targets = batch[:, 1:].reshape(-1)
+    changes = torch.empty((len(flat), 4), dtype=intact.probs.dtype, device=flat.device)
+    for chunk in vocab_chunks(len(flat), flat.device):
+        logits = at_least_float32(flat[chunk])
+        top, top1 = logits.max(dim=-1)
+        normalizer = top + (logits - top.unsqueeze(-1)).exp_().sum(dim=-1).log()
+        loss = normalizer - logits.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1)
+        kl = (intact.neg_entropy[chunk] - torch.linalg.vecdot(intact.probs[chunk], logits) + normalizer).clamp(min=0.0)
+        changes[chunk] = torch.stack(
+            [loss - intact.loss[chunk], kl, (top1 == intact.top1[chunk]).to(kl.dtype), intact.loss[chunk]], dim=-1)
+    return changes.view(rows, length, 4)
 
 
 def embedding_changes(intact: torch.Tensor, intervened_hidden: torch.Tensor) -> torch.Tensor:
@@ -234,53 +274,200 @@ def embedding_changes(intact: torch.Tensor, intervened_hidden: torch.Tensor) -> 
     return F.cosine_similarity(at_least_float32(intact), at_least_float32(intervened_hidden), dim=-1).unsqueeze(-1)
 
 
-class InterventionProbe:
-    """Runs every scope's intervened forward after each intact probe forward and keeps the sums.
+def block_stack(model: nn.Module, norms: Sequence[NormSite]) -> tuple[nn.ModuleList | None, str]:
+    """The ModuleList that holds the blocks of the norms' integer layers, or (None, why it cannot be found).
 
-    Use as a context manager around the probe (it registers, on every intervenable norm, a pre-hook that
-    records the energy fraction along 1 of each token during the intact forward), and pass
-    :meth:`observe` as ``run_probe``'s ``on_batch``. ``num_sequences`` probe sequences are tracked by
-    their global index; :meth:`all_reduce` merges ranks (each sequence is measured on one rank) through
-    ``device``, the probe's (a CUDA device under NCCL).
+    Every norm of block l must sit in entry l of one and the same list (:attr:`NormSite.block`): a model with
+    two stacks (an encoder and a decoder) cannot be resumed mid-stack.
+    """
+    stacks = set()
+    for norm in norms:
+        if not isinstance(norm.layer, int):
+            continue
+        if norm.block is None or not norm.block.endswith(f".{norm.layer}"):
+            return None, f"norm {norm.name!r} of block {norm.layer} is not found in entry {norm.layer} of a block list"
+        stacks.add(norm.block.removesuffix(f".{norm.layer}"))
+    if len(stacks) != 1:
+        return None, "its norms are in more than one block list" if stacks else "it has no norm inside a block"
+    prefix = stacks.pop()
+    stack = model.get_submodule(prefix)
+    if not isinstance(stack, nn.ModuleList):
+        return None, f"{prefix!r} is a {type(stack).__name__}, not a list of blocks"
+    return stack, ""
+
+
+class _Replay(nn.Module):
+    """Stands in for a block whose output on the current batch is known: returns it without computing."""
+
+    def __init__(self, output: object) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.output
+
+
+class BlockReplay:
+    """Resume a forward at block l: blocks 0..l-1 are swapped for stand-ins that return their outputs of the
+    intact forward (recorded on the current batch only), so only blocks l.. and the head compute.
+
+    Exact whenever nothing before block l changes: a scope that intervenes in block l (or the final norm)
+    sees the same residual stream at block l's input as a full re-run, and the blocks that run see the same
+    inputs. Every rank swaps the same blocks, so a sharded model's collectives stay matched.
     """
 
-    def __init__(self, norms: Sequence[NormSite], scopes: Sequence[Scope], num_sequences: int,
-                 device: torch.device | str = "cpu") -> None:
-        self.norms = intervenable(norms)
-        self.device = torch.device(device)  # where all_reduce sends the sums (NCCL reduces CUDA tensors only)
-        self.scopes = list(scopes)
-        self.num_sequences = num_sequences
-        self.output: str | None = None  # "next_token" or "embedding", from the first forward
-        self.seq_count = np.zeros((len(self.scopes), num_sequences))
-        self.seq_sum: np.ndarray | None = None  # (scopes, sequences, fields)
-        self.bin_count = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))
-        self.bin_sum: np.ndarray | None = None  # (scopes, bins, fields)
-        self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
-        self._recording = False
-        self._fractions: dict[str, torch.Tensor] = {}
+    def __init__(self, stack: nn.ModuleList) -> None:
+        self.stack = stack
+        self.outputs: list[object] = [None] * len(stack)
+        self.recording = False
         self._handles: list = []
 
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return NEXT_TOKEN_FIELDS if self.output == "next_token" else EMBEDDING_FIELDS
-
-    def __enter__(self) -> InterventionProbe:
-        def make_recorder(site: NormSite) -> Callable:
-            def record(module: nn.Module, inputs: tuple) -> None:
-                if self._recording:
-                    self._fractions[site.name] = energy_fraction(inputs[0])
+    def __enter__(self) -> BlockReplay:
+        def make_recorder(index: int) -> Callable:
+            def record(module: nn.Module, inputs: tuple, output: object) -> None:
+                if self.recording:
+                    self.outputs[index] = output
 
             return record
 
-        self._handles = [norm.module.register_forward_pre_hook(make_recorder(norm)) for norm in self.norms]
-        self._recording = True
+        self._handles = [block.register_forward_hook(make_recorder(i)) for i, block in enumerate(self.stack)]
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._recording = False
+        self.outputs = [None] * len(self.stack)
+
+    @contextlib.contextmanager
+    def resumed_at(self, layer: int) -> Iterator[None]:
+        """Within the block, a forward computes only blocks ``layer``.. (``len(stack)``: the final norm and head)."""
+        originals = [self.stack[i] for i in range(layer)]
+        try:
+            if layer:
+                # Every stand-in returns block layer-1's output: the ones before it are ignored by their successor.
+                stand_in = _Replay(self.outputs[layer - 1])
+                for i in range(layer):
+                    self.stack[i] = stand_in
+            yield
+        finally:
+            for i, block in enumerate(originals):
+                self.stack[i] = block
+
+
+def distributed() -> bool:
+    """Whether this process is one of several in torch.distributed."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """The intervened forwards run eagerly: hooks and swapped blocks would make a compiled model recompile."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def same_output(a: object, b: object) -> bool:
+    """Whether two forwards' outputs agree to rounding: within 1e-3 of the largest |value| in float32 or 64,
+    5e-2 in a 16-bit dtype (a compiled intact forward against an eager resumed one differs by a few ulps; a
+    resumed forward that does not reproduce the model differs by the size of the values)."""
+    x, y = model_output(a)[1], model_output(b)[1]
+    tolerance = 5e-2 if torch.finfo(x.dtype).bits <= 16 else 1e-3
+    x, y = x.float(), y.float()
+    return x.shape == y.shape and bool((x - y).abs().max() <= tolerance * x.abs().max().clamp(min=1.0))
+
+
+class CenteringIntervention(Measurement):
+    """The centering intervention as a probe measurement: after each intact forward, every scope's intervened
+    forward, the changes added up per probe sequence and per energy bin (``intervention.jsonl``).
+
+    Only probe sequences number < ``num_sequences`` are intervened on (the windows of the first
+    ``probe.intervention_tokens`` tokens, ``token_budget`` of them): the angles need many tokens, the loss
+    change's interval is narrow after a few thousand. Scopes in one block (``layer l``, ``layer final``)
+    resume the forward at that block (:class:`BlockReplay`) where ``model``'s blocks can be found and a
+    resumed forward reproduces the intact one on the first batch; otherwise every scope runs the full
+    forward, and a warning says so once. ``device``: where :meth:`all_reduce` sends the sums (NCCL reduces
+    CUDA tensors only). ``with_rows=False``: :meth:`records` gives nothing (the bootstrap costs; only the
+    writing rank needs them).
+    """
+
+    def __init__(self, model: nn.Module, norms: Sequence[NormSite], scopes: Sequence[Scope], num_sequences: int,
+                 *, token_budget: int, device: torch.device | str = "cpu", with_rows: bool = True,
+                 bootstrap_replicates: int = 1000, bootstrap_block: int = 1, seed: int = 1234,
+                 resume: bool = True) -> None:
+        self.norms = intervenable(norms)
+        self.scopes = list(scopes)
+        self.num_sequences = num_sequences
+        self.token_budget = token_budget
+        self.device = torch.device(device)
+        self.with_rows = with_rows
+        self.bootstrap = {"replicates": bootstrap_replicates, "block": bootstrap_block, "seed": seed}
+        self.output: str | None = None  # "next_token" or "embedding", from the first forward
+        self.seq_count = np.zeros((len(self.scopes), num_sequences))
+        self.seq_sum: np.ndarray | None = None  # (scopes, sequences, fields)
+        self.bin_count = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))
+        self.bin_sum: np.ndarray | None = None  # (scopes, bins, fields)
+        self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
+        self._fractions: dict[str, torch.Tensor] = {}
+        self._intervenable = {norm.name for norm in self.norms}
+        stack, why = block_stack(model, self.norms) if resume else (None, "resume=False")
+        resumable = [s for s in self.scopes if s.kind == "layer" and (isinstance(s.layer, int) or s.layer == "final")]
+        self.replay = BlockReplay(stack) if stack is not None and resumable else None
+        self._checked = False  # the replay's first-batch check against the intact forward
+        if stack is None and resumable:
+            self._fall_back(why)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return NEXT_TOKEN_FIELDS if self.output == "next_token" else EMBEDDING_FIELDS
+
+    def _fall_back(self, why: str) -> None:
+        if self.replay is not None:
+            self.replay.__exit__(None, None, None)  # its recording hooks go now, not at the probe's end
+        log.warning("centering intervention: the model cannot be resumed mid-stack (%s); each of its per-block "
+                    "scopes runs the full forward", why)
+        self.replay = None
+
+    def resume_layer(self, scope: Scope) -> int | None:
+        """The block a scope's forward resumes at, or None for a full forward."""
+        if self.replay is None or scope.kind != "layer":
+            return None
+        if scope.layer == "final":
+            return len(self.replay.stack)
+        return scope.layer if isinstance(scope.layer, int) else None
+
+    def __enter__(self) -> CenteringIntervention:
+        if self.replay is not None:
+            self.replay.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.replay is not None:
+            self.replay.__exit__(*exc_info)
+
+    def intervenes(self, lead_id: int) -> bool:
+        """Whether the batch whose smallest global sequence id is ``lead_id`` holds intervened sequences."""
+        return bool(self.scopes) and lead_id < self.num_sequences
+
+    def scope_cost(self, scope: Scope) -> float:
+        """A scope's forward in full forwards: one resumed at block l of L runs (L - l + 1) / (L + 1) of the
+        model (the head and embeddings counted as one more block): the estimate the probe announces."""
+        layer = self.resume_layer(scope)
+        if layer is None:
+            return 1.0
+        blocks = len(self.replay.stack)
+        return (blocks - layer + 1) / (blocks + 1)
+
+    def forwards_per_batch(self, lead_id: int) -> float:
+        return sum(self.scope_cost(scope) for scope in self.scopes) if self.intervenes(lead_id) else 0.0
+
+    def before_batch(self, batch: ProbeBatch) -> None:
+        if self.replay is not None:  # the blocks' outputs are kept only for batches that are intervened on
+            self.replay.recording = self.intervenes(batch.lead_id)
+
+    def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
+                     batch: ProbeBatch) -> None:
+        if norm.name in self._intervenable and self.intervenes(batch.lead_id):
+            self._fractions[norm.name] = energy_fraction(inputs)
 
     def _allocate(self, output: str) -> None:
         self.output = output
@@ -289,43 +476,67 @@ class InterventionProbe:
         self.bin_sum = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1, fields))
 
     @torch.no_grad()
-    def observe(
-        self, call: Callable[[torch.Tensor], object], batch: torch.Tensor, output: object, rows: int,
-        sequence_ids: torch.Tensor,
-    ) -> None:
-        """After the intact forward of ``batch`` (whose first ``rows`` rows are probe sequences number
-        ``sequence_ids``; the rest padding): run each scope's intervened forward and add up the changes.
+    def observe_batch(self, batch: ProbeBatch) -> None:
+        """Each scope's intervened forward of the batch, compared with the intact one.
 
-        The forwards run even when ``rows`` is 0 (a padded batch), so that every rank of a sharded model
-        makes the same collective calls.
+        Runs for every batch with intervened sequences on any rank (``lead_id``), also where this rank's rows
+        are all past the budget or padding, so that every rank of a sharded model makes the same calls.
         """
-        kind, intact = model_output(output)
+        fractions, self._fractions = self._fractions, {}
+        if not self.intervenes(batch.lead_id):
+            return
+        if self.replay is not None:
+            self.replay.recording = False
+        kind, intact = model_output(batch.output)
         if self.output is None:
             self._allocate(kind)
+        # The real rows within the budget: sequence ids ascend within a batch.
+        rows = int((batch.sequence_ids[: batch.rows] < self.num_sequences).sum())
+        ids = batch.sequence_ids[:rows]
         intact = intact[:rows].detach()
-        reference = IntactPrediction.of(intact, batch[:rows]) if kind == "next_token" and rows else None
-        fractions = {name: value[:rows] for name, value in self._fractions.items()}
-        self._fractions = {}
-        self._recording = False
+        reference = IntactPrediction.of(intact, batch.tokens[:rows]) if kind == "next_token" and rows else None
+        fractions = {name: value[:rows] for name, value in fractions.items()}
+        if self.replay is not None and not self._checked:
+            self._check_replay(batch)
+        for index, scope in enumerate(self.scopes):
+            layer = self.resume_layer(scope)
+            resumed = self.replay.resumed_at(layer) if layer is not None else contextlib.nullcontext()
+            with eager(), resumed, intervened(scope.sites):
+                changed = model_output(batch.forward(batch.tokens))[1][:rows]
+            batch.progress(self.scope_cost(scope))
+            if rows == 0:
+                continue
+            if kind == "next_token":
+                per_token = next_token_changes(reference, changed, batch.tokens[:rows])
+                tokens = slice(0, -1)  # the last token has no next token
+            else:
+                per_token = embedding_changes(intact, changed)
+                tokens = slice(None)
+            # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
+            seen = [fractions[site.name][:, tokens] for site in scope.sites if site.name in fractions]
+            energy = torch.stack(seen).mean(dim=0) if seen else torch.zeros(per_token.shape[:2])
+            self._add(index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(), ids.cpu().numpy())
+        if self.replay is not None:
+            self.replay.outputs = [None] * len(self.replay.stack)  # this batch's activations go now
+
+    def _check_replay(self, batch: ProbeBatch) -> None:
+        """Once: a forward resumed at the middle block, with nothing intervened, must give the intact output;
+        a model whose blocks share state outside their outputs (or raise when resumed) falls back."""
+        self._checked = True
+        assert self.replay is not None
+        middle = len(self.replay.stack) // 2
         try:
-            for index, scope in enumerate(self.scopes):
-                with intervened(scope.sites):
-                    changed = model_output(call(batch))[1][:rows]
-                if rows == 0:
-                    continue
-                if kind == "next_token":
-                    per_token = next_token_changes(reference, changed, batch[:rows])
-                    tokens = slice(0, -1)  # the last token has no next token
-                else:
-                    per_token = embedding_changes(intact, changed)
-                    tokens = slice(None)
-                # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
-                seen = [fractions[site.name][:, tokens] for site in scope.sites if site.name in fractions]
-                energy = torch.stack(seen).mean(dim=0) if seen else torch.zeros(per_token.shape[:2])
-                self._add(index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(),
-                          sequence_ids.cpu().numpy())
-        finally:
-            self._recording = True
+            with eager(), self.replay.resumed_at(middle):
+                resumed = batch.forward(batch.tokens)
+            why = "" if same_output(batch.output, resumed) else "does not reproduce the intact forward"
+        except Exception as exc:  # any failure of a resumed forward means: do not resume
+            why = f"raised {type(exc).__name__}: {exc}"
+        if distributed():  # one decision for every rank: a sharded model's ranks must run the same forwards
+            failed = torch.tensor([float(bool(why))], device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            why = why or ("does not reproduce the intact forward on another rank" if failed.item() else "")
+        if why:
+            self._fall_back(f"a forward resumed at block {middle} {why}")
 
     def _add(self, scope: int, per_token: np.ndarray, energy: np.ndarray, sequence_ids: np.ndarray) -> None:
         assert self.seq_sum is not None and self.bin_sum is not None
@@ -338,19 +549,24 @@ class InterventionProbe:
         np.add.at(self.bin_energy[scope], bins, flat)
 
     def all_reduce(self) -> None:
-        """Sum every rank's sums into every rank's (no-op outside torch.distributed)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not self.scopes:
+        if not distributed() or not self.scopes:
             return
+        # Every rank ran the same intervened batches (lead_id), so every rank's sums exist and have one shape.
         assert self.seq_sum is not None and self.bin_sum is not None
         for name in ("seq_count", "seq_sum", "bin_count", "bin_sum", "bin_energy"):
             tensor = torch.from_numpy(getattr(self, name)).to(self.device)
             dist.all_reduce(tensor)
             setattr(self, name, tensor.cpu().numpy())
 
+    def records(self, where: RecordKeys) -> dict[str, list[dict]]:
+        if not self.with_rows:
+            return {}
+        return {INTERVENTION_FILE: intervention_rows(self, **where, **self.bootstrap)}
+
 
 INTERVENTION_FIELDS = (
     "model", "norm", "step", "tokens_seen", "scope", "scope_name", "layer", "site_class", "sites", "action",
-    "output", "tokens", "sequences",
+    "output", "intervention_tokens", "tokens", "sequences",
     "delta_loss", "delta_loss_ci_low", "delta_loss_ci_high",
     "kl", "kl_ci_low", "kl_ci_high",
     "top1_agreement", "top1_agreement_ci_low", "top1_agreement_ci_high",
@@ -362,7 +578,7 @@ INTERVENTION_FIELDS = (
 
 
 def intervention_rows(
-    probe: InterventionProbe,
+    probe: CenteringIntervention,
     *,
     model: str,
     norm: str,
@@ -389,7 +605,7 @@ def intervention_rows(
             "scope": scope.kind, "scope_name": scope.name, "layer": scope.layer, "site_class": scope.site_class,
             "sites": [site.role if site.layer == site.role else f"{site.layer}.{site.role}" for site in scope.sites],
             "action": scope.action,
-            "output": probe.output, "tokens": int(probe.seq_count[index].sum()), "sequences": int(measured.sum()),
+            "output": probe.output, "intervention_tokens": probe.token_budget, "tokens": int(probe.seq_count[index].sum()), "sequences": int(measured.sum()),
         }
         for name in ("delta_loss", "kl", "top1_agreement", "cosine"):
             mean, low, high = estimate.get(name, (None, None, None))

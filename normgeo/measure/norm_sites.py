@@ -64,6 +64,7 @@ class NormSite:
     eps: float
     dim: int  # the normalized size d
     module: nn.Module = field(compare=False, hash=False, repr=False)
+    block: str | None = None  # qualified name of the block that holds it (e.g. "model.layers.3"); None outside blocks
 
 
 class NoNormFoundError(ValueError):
@@ -98,7 +99,7 @@ def _norm_kind(module: nn.Module) -> str:
 def _unreadable(name: str, module: nn.Module, what: str) -> ValueError:
     return ValueError(
         f"cannot read the {what} of norm module {name!r} ({type(module).__name__}); build its NormSite by "
-        "hand and pass the list as `norms=` to normgeo.measure.probe.run_probe"
+        "hand and pass the list as `norms=` to normgeo.measure.pipeline.measure_records"
     )
 
 
@@ -169,7 +170,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             f"no normalization module found in {type(model).__name__} (its module classes: {classes}). "
             "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name ends with "
             "LayerNorm/RMSNorm/RmsNorm; if this model normalizes with another class, build the NormSite list "
-            "by hand and pass it as `norms=` to normgeo.measure.probe.run_probe"
+            "by hand and pass it as `norms=` to normgeo.measure.pipeline.measure_records"
         )
 
     positions = [_block_position(name, modules) for name, _ in found]
@@ -180,6 +181,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             block_members[pos[1]].add(pos[2])
 
     layers: list[int | str] = []
+    blocks: list[str | None] = [pos[1] if pos is not None else None for pos in positions]
     candidates: list[list[str]] = []  # role, then fallbacks that tell colliding norms apart
     for i, ((name, _), pos) in enumerate(zip(found, positions, strict=True)):
         attr = name.rsplit(".", 1)[-1]
@@ -220,6 +222,7 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             eps=_norm_eps(name, module) if _norm_kind(module) in STANDARDIZABLE_KINDS else 0.0,
             dim=_norm_dim(name, module),
             module=module,
+            block=blocks[i],
         )
         for i, (name, module) in enumerate(found)
     ]

@@ -4,30 +4,44 @@ The training callback (``callbacks/angle_probe.py``, every rank its share) and `
 process) both call :func:`probe_ids` for the tokens and :func:`measure_records` for the records, so the
 same checkpoint and tokens give the same records whichever measured them: one windowing rule
 (:func:`windows`), one ``tokens_seen`` rule (:func:`tokens_seen`) and one ``include_standardized``
-default (:data:`normgeo.measure.probe.INCLUDE_STANDARDIZED`).
+default (:data:`normgeo.measure.probe.INCLUDE_STANDARDIZED`). The norms are found once; every
+measurement (:class:`normgeo.measure.measurement.Measurement`: angles, energy, ellipsoid, the centering
+intervention) sees the same intact forward of each batch through :func:`run_probe`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
-from normgeo.measure.ellipsoid import ellipsoid_rows
-from normgeo.measure.energy import EnergyStatistics, energy_rows
-from normgeo.measure.intervention import InterventionProbe, intervention_rows, intervention_scopes
+from normgeo.measure.angles import AngleMeasurement
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE, EllipsoidMeasurement
+from normgeo.measure.energy import ENERGY_FILE, EnergyMeasurement, EnergyStatistics
+from normgeo.measure.intervention import (
+    DEFAULT_INTERVENTION_TOKENS,
+    INTERVENTION_FILE,
+    CenteringIntervention,
+    intervention_scopes,
+)
+from normgeo.measure.measurement import Measurement, ProbeBatch
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
-from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, input_sites, residual_norms, run_probe
-from normgeo.measure.records import null_rows, statistics_rows
+from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE
 from normgeo.measure.stats import AngleStatistics
+
+log = logging.getLogger(__name__)
 
 
 class AnalysisError(RuntimeError):
@@ -91,100 +105,180 @@ def norm_kind(norms: Sequence[NormSite] | Sequence[ProbeSite]) -> str:
     return "+".join(sorted({norm.kind for norm in residual_norms(norms)}))
 
 
-def measure(
+def budget_windows(parts: Sequence[torch.Tensor], token_budget: int | None) -> tuple[int, int]:
+    """(windows, tokens) of the first ``token_budget`` probe tokens in whole windows (all of them for None):
+    the windows that start before the budget, in the global order of :func:`windows`."""
+    count = tokens = 0
+    for part in parts:
+        for _ in range(len(part)):
+            if token_budget is not None and tokens >= token_budget:
+                return count, tokens
+            count, tokens = count + 1, tokens + part.shape[1]
+    return count, tokens
+
+
+def probe_batches(parts: Sequence[torch.Tensor], batch_size: int, rank: int = 0, world_size: int = 1
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """This rank's probe batches: (global ids of its real rows, its windows padded to the largest share,
+    ``lead_id``: the smallest global id any rank holds in the batch, the same on every rank)."""
+    batches = []
+    first = 0
+    for part in parts:
+        ids = torch.arange(first, first + len(part))[rank::world_size]
+        share = part[rank::world_size]
+        padded = math.ceil(len(part) / world_size)
+        if padded > len(share):
+            share = torch.cat([share, share.new_zeros((padded - len(share), part.shape[1]))])
+        batches += [(ids[start : start + batch_size], share[start : start + batch_size], first + world_size * start)
+                    for start in range(0, padded, batch_size)]
+        first += len(part)
+    return batches
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def run_probe(
     model: nn.Module,
-    ids: np.ndarray | torch.Tensor,
-    seq_len: int,
-    references: dict[str, np.ndarray],
+    parts: Sequence[torch.Tensor],
+    measurements: Sequence[Measurement],
     *,
-    batch_size: int,
+    norms: Sequence[NormSite],
     forward: Callable[[torch.Tensor], object] | None = None,
-    norms: Sequence[NormSite] | None = None,
-    include_standardized: bool = INCLUDE_STANDARDIZED,
+    batch_size: int = 8,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
     progress: bool = False,
     rank: int = 0,
     world_size: int = 1,
-    energy: EnergyStatistics | None = None,
-    intervention_kinds: Sequence[str] = (),
-) -> tuple[list[ProbeSite], AngleStatistics, InterventionProbe | None]:
-    """Angles at every norm for every token of ``ids`` cut by :func:`windows`, merged over ranks.
+) -> None:
+    """Stream the probe windows ``parts`` (each (n, T), as :func:`windows` cuts them) through ``model`` once and
+    hand every measurement each batch (:mod:`normgeo.measure.measurement`: ``before_batch``, ``observe_norm``
+    in the intact forward through one hook per norm of ``norms``, ``observe_batch`` after it).
 
-    Rank ``rank`` of ``world_size`` measures windows ``rank, rank + world_size, ...`` of each part and
-    pads its share to as many forward passes as the largest (a sharded model's all-gathers are
-    collective); the statistics are then all-reduced, so every rank returns the whole probe's.
-    ``energy``: also stream what centering removes at every residual norm's input into it (all-reduced too).
-    ``intervention_kinds``: the scopes of the centering intervention to run after each forward
-    (:func:`normgeo.measure.intervention.intervention_scopes`); its sums come back all-reduced (None when
-    no scope was asked for or the model has no norm to intervene on).
+    Rank ``rank`` of ``world_size`` runs windows ``rank, rank + world_size, ...`` of each part, padded to as
+    many forwards as the largest share (a sharded model's all-gathers are collective); padding rows are never
+    measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``autocast`` gives the
+    precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch.
     """
-    parts = windows(ids, seq_len)
-    if not parts:
-        raise AnalysisError("no probe tokens to measure")
-    num_sequences = sum(len(part) for part in parts)
-    residual = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
-    scopes = intervention_scopes(residual, intervention_kinds) if intervention_kinds else []
-    where = torch.device(device) if device is not None else next(model.parameters()).device
-    intervention = InterventionProbe(residual, scopes, num_sequences, device=where) if scopes else None
-    sites: list[ProbeSite] = []
-    stats: AngleStatistics | None = None
-    first = 0  # global index of the part's first window, for the per-sequence statistics
-    with intervention or contextlib.nullcontext():
-        for index, part in enumerate(parts):
-            global_ids = torch.arange(first, first + len(part))
-            part_sites, part_stats = run_probe(
-                model,
-                part[rank::world_size],
-                references,
-                forward=forward,
-                norms=residual,
-                batch_size=batch_size,
-                include_standardized=include_standardized,
-                autocast=autocast,
-                device=device,
-                progress=progress and index == 0,
-                pad_to=math.ceil(len(part) / world_size),
-                sequence_ids=global_ids[rank::world_size],
-                num_sequences=num_sequences,
-                energy=energy,
-                on_batch=intervention.observe if intervention is not None else None,
-            )
-            first += len(part)
-            if stats is None:
-                sites, stats = part_sites, part_stats
-            else:
-                stats.merge(part_stats)
-    assert stats is not None
-    stats.all_reduce()
-    if energy is not None:
-        energy.all_reduce()
-    if intervention is not None:
-        intervention.all_reduce()
-    return sites, stats, intervention
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    call = forward or (lambda batch: model(batch))
+    batches = probe_batches(parts, batch_size, rank, world_size)
+    total = sum(1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements) for _, _, lead_id in batches)
+    current: list[ProbeBatch | None] = [None]  # the batch being measured; None while other forwards run
+
+    def make_hook(index: int, norm: NormSite) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor | tuple) -> None:
+            batch = current[0]
+            if batch is None or batch.rows == 0:
+                return
+            out = (output[0] if isinstance(output, tuple) else output)[: batch.rows]
+            for measurement in measurements:
+                measurement.observe_norm(index, norm, inputs[0][: batch.rows], out, batch)
+
+        return hook
+
+    handles = [norm.module.register_forward_hook(make_hook(i, norm)) for i, norm in enumerate(norms)]
+    # Redrawn at every forward (a few hundred per probe at most), so a slow model's bar moves within a batch.
+    bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress, mininterval=0, miniters=1,
+               bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]")
+    started = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            for measurement in measurements:
+                stack.enter_context(measurement)
+            stack.enter_context(eval_mode(model))
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(autocast())
+            stack.enter_context(bar)
+            for number, (ids, tokens, lead_id) in enumerate(batches):
+                rows = len(ids)
+                batch = ProbeBatch(tokens=tokens.to(device, non_blocking=True), rows=rows, sequence_ids=ids,
+                                   lead_id=lead_id, forward=call, progress=bar.update)
+                for measurement in measurements:
+                    measurement.before_batch(batch)
+                current[0] = batch
+                batch.output = call(batch.tokens)
+                current[0] = None  # the measurements' own forwards are not observed
+                bar.update(1)
+                for measurement in measurements:
+                    measurement.observe_batch(batch)
+                batch.output = None  # the logits of a batch can be GBs: gone before the next forward
+                if number == 0 and progress and len(batches) > 1:
+                    done = 1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements)
+                    log.info("probe: the first batch took %.1f s; the probe will take about %s",
+                             time.perf_counter() - started,
+                             tqdm.format_interval((time.perf_counter() - started) * total / done))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass
 class Records:
-    """What one measurement yields: ``angles.jsonl``'s rows, ``null.jsonl``'s (if asked for),
-    ``energy.jsonl``'s (what centering removes at each norm input), ``ellipsoid.jsonl``'s (the set
-    each norm's outputs lie in, from its gain and bias) and ``intervention.jsonl``'s (what the model
-    predicts with the centering taken out or put in; [] when not asked for)."""
+    """What one measurement yields: the probe's sites and angle statistics, the norm label, and the rows of
+    every file the measurements write (``angles.jsonl``, ``null.jsonl`` if asked for, ``energy.jsonl``,
+    ``ellipsoid.jsonl``, ``intervention.jsonl`` if asked for)."""
 
     sites: list[ProbeSite]
     stats: AngleStatistics
-    rows: list[dict]
-    null: list[dict]
-    energy: list[dict]
-    ellipsoid: list[dict]
     norm: str
-    intervention: list[dict]
+    files: dict[str, list[dict]]
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.files[ANGLES_FILE]
+
+    @property
+    def null(self) -> list[dict]:
+        return self.files.get(NULL_FILE, [])
+
+    @property
+    def energy(self) -> list[dict]:
+        return self.files[ENERGY_FILE]
+
+    @property
+    def ellipsoid(self) -> list[dict]:
+        return self.files[ELLIPSOID_FILE]
+
+    @property
+    def intervention(self) -> list[dict]:
+        return self.files.get(INTERVENTION_FILE, [])
 
 
 def record_norm_label(model: nn.Module, sites: Sequence[ProbeSite]) -> str:
     """The ``norm`` field of the records: our GPT's configured arm (``layer_nobias`` and ``rms_bias`` are
     LayerNorm and RMSNorm modules too), else the kind found in the model."""
     return model.config.norm if isinstance(model, GPT) else norm_kind(sites)
+
+
+def announce(parts: Sequence[torch.Tensor], batch_size: int, world_size: int,
+             intervention: CenteringIntervention | None) -> None:
+    """Before the probe starts: its forwards per batch and in all, the intervention's share said."""
+    batches = [lead for _, _, lead in probe_batches(parts, batch_size, 0, world_size)]
+    tokens = sum(part.numel() for part in parts)
+    if intervention is None:
+        log.info("probe: %s tokens, %d forward(s) of up to %d x %d per rank; no centering intervention",
+                 f"{tokens:,}", len(batches), batch_size, parts[0].shape[1])
+        return
+    extra = [intervention.forwards_per_batch(lead) for lead in batches]
+    intervened = sum(1 for cost in extra if cost)
+    resumed = sum(1 for scope in intervention.scopes if intervention.resume_layer(scope) is not None)
+    log.info(
+        "probe: %s tokens, %d batch(es) of up to %d x %d per rank; the centering intervention on the first %s "
+        "tokens (%d batch(es)): %d scope forward(s) per batch (%d resumed mid-stack), about %.1f forwards per "
+        "batch there; %.1f forwards in all, %.1fx the angle probe alone",
+        f"{tokens:,}", len(batches), batch_size, parts[0].shape[1], f"{intervention.token_budget:,}", intervened,
+        len(intervention.scopes), resumed, 1 + max(extra), len(batches) + sum(extra),
+        (len(batches) + sum(extra)) / len(batches),
+    )
 
 
 def measure_records(
@@ -197,38 +291,85 @@ def measure_records(
     step: int | None,
     tokens_per_step: int | None,
     seed: int,
+    batch_size: int,
     bootstrap_replicates: int = 1000,
     bootstrap_block: int = 1,
     with_null: bool = True,
     intervention_kinds: Sequence[str] = (),
-    **measure_kwargs,
+    intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS,
+    norms: Sequence[NormSite] | None = None,
+    forward: Callable[[torch.Tensor], object] | None = None,
+    include_standardized: bool = INCLUDE_STANDARDIZED,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    announce_cost: bool = False,
+    resume_mid_stack: bool = True,
 ) -> Records:
-    """:func:`measure`, then the records: ``model_name``, the model's norm (:func:`record_norm_label`),
-    ``step`` and :func:`tokens_seen`. ``with_null=False`` skips ``null.jsonl``'s rows (their bootstrap
-    costs; only the rank that writes needs them). ``intervention_kinds``: the centering intervention's
-    scopes (``all``, ``layers``, ``site_classes``; none: not run). Call it on every rank: the statistics are all-reduced and
-    FSDP2-sharded gains all-gathered."""
-    norms = residual_norms(measure_kwargs.pop("norms", None) or find_norm_sites(model))
-    energy = EnergyStatistics(len(norms), device=measure_kwargs.get("device") or "cpu")
-    sites, stats, intervention = measure(model, ids, seq_len, references, norms=norms, energy=energy,
-                                         intervention_kinds=intervention_kinds, **measure_kwargs)
-    norm = record_norm_label(model, sites)
-    seen = tokens_seen(step, tokens_per_step)
-    where = {"model": model_name, "norm": norm, "step": step, "tokens_seen": seen}
-    rows = statistics_rows(sites, stats, **where)
-    null = (
-        null_rows(sites, stats, **where, replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
-        if with_null
-        else []
-    )
-    changes = (
-        intervention_rows(intervention, **where, replicates=bootstrap_replicates, block=bootstrap_block, seed=seed)
-        if intervention is not None and with_null
-        else []
-    )
-    return Records(
-        sites=sites, stats=stats, rows=rows, null=null, norm=norm,
-        energy=energy_rows(input_sites(norms), energy, **where),
-        ellipsoid=ellipsoid_rows(norms, **where),
-        intervention=changes,
-    )
+    """Every measurement of the probe on ``ids`` cut by :func:`windows`, merged over ranks, as records.
+
+    The records carry ``model_name``, the model's norm (:func:`record_norm_label`), ``step`` and
+    :func:`tokens_seen`. ``with_null=False`` skips the rows whose bootstrap costs (``null.jsonl``,
+    ``intervention.jsonl``; only the rank that writes needs them). ``intervention_kinds``: the centering
+    intervention's scopes (``all``, ``layers``, ``site_classes``; none: not run), on the first
+    ``intervention_tokens`` probe tokens in whole windows (None: all of them). ``announce_cost``: log the
+    forwards the probe will run before it starts. ``resume_mid_stack=False`` re-runs every per-block scope's
+    forward from the embeddings (what the resumed forwards are tested and benchmarked against). Call it on
+    every rank: the statistics are all-reduced and FSDP2-sharded gains all-gathered.
+    """
+    parts = windows(ids, seq_len)
+    if not parts:
+        raise AnalysisError("no probe tokens to measure")
+    num_sequences = sum(len(part) for part in parts)
+    norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    angles = AngleMeasurement(norms, references, num_sequences=num_sequences, device=where,
+                              include_standardized=include_standardized, with_null=with_null,
+                              bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block, seed=seed)
+    measurements: list[Measurement] = [angles, EnergyMeasurement(norms, device=where), EllipsoidMeasurement(norms)]
+    scopes = intervention_scopes(norms, intervention_kinds) if intervention_kinds else []
+    intervention = None
+    if scopes:
+        budget, budget_tokens = budget_windows(parts, intervention_tokens)
+        intervention = CenteringIntervention(
+            model, norms, scopes, budget, token_budget=budget_tokens, device=where, with_rows=with_null,
+            resume=resume_mid_stack, bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block,
+            seed=seed)
+        measurements.append(intervention)
+    if announce_cost:
+        announce(parts, batch_size, world_size, intervention)
+    run_probe(model, parts, measurements, norms=norms, forward=forward, batch_size=batch_size, autocast=autocast,
+              device=device, progress=progress, rank=rank, world_size=world_size)
+    for measurement in measurements:
+        measurement.all_reduce()
+    norm = record_norm_label(model, angles.sites)
+    keys = {"model": model_name, "norm": norm, "step": step, "tokens_seen": tokens_seen(step, tokens_per_step)}
+    files: dict[str, list[dict]] = {}
+    for measurement in measurements:
+        files.update(measurement.records(keys))
+    return Records(sites=angles.sites, stats=angles.stats, norm=norm, files=files)
+
+
+def probe_angles(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    references: dict[str, np.ndarray],
+    *,
+    norms: Sequence[NormSite] | None = None,
+    energy: EnergyStatistics | None = None,
+    include_standardized: bool = INCLUDE_STANDARDIZED,
+    **probe_options,
+) -> tuple[list[ProbeSite], AngleStatistics]:
+    """The angle statistics (and, into ``energy``, the energy along 1) of ``sequences`` (n, T) on one process:
+    :func:`run_probe` with the angle measurement alone, not all-reduced, for tests and benchmarks."""
+    norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
+    device = probe_options.get("device") or next(model.parameters()).device
+    angles = AngleMeasurement(norms, references, num_sequences=len(sequences), device=device,
+                              include_standardized=include_standardized)
+    measurements: list[Measurement] = [angles]
+    if energy is not None:
+        measurements.append(EnergyMeasurement(norms, stats=energy))
+    run_probe(model, [sequences], measurements, norms=norms, **probe_options)
+    return angles.sites, angles.stats

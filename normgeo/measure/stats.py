@@ -122,6 +122,16 @@ def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: fl
     return max(2, math.ceil(float(np.asarray(n).item()) - 1e-9))
 
 
+def difference_power(n: int, sd: float, margin: float, alpha: float = 0.05) -> float:
+    """Probability that the two-sided paired t-test at ``alpha`` rejects a zero difference with ``n`` seeds
+    when the true difference is ``margin`` and the paired differences have standard deviation ``sd``
+    (statsmodels; the power function :func:`seeds_for_difference` inverts)."""
+    if n < 2:
+        return 0.0
+    power = TTestPower().power(effect_size=margin / sd, nobs=n, alpha=alpha, alternative="two-sided")
+    return float(np.asarray(power).item())
+
+
 def tost_power(n: int, sd: float, margin: float, true_difference: float = 0.0, alpha: float = 0.05) -> float:
     """Probability that TOST at ``alpha`` shows equivalence within ±``margin`` with ``n`` paired seeds.
 

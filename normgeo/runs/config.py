@@ -17,6 +17,21 @@ from normgeo.runs.start import register_resolver
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
 CONF_ROOT = Path(__file__).resolve().parents[2] / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
+REPO_ROOT = CONF_ROOT.parent
+# An absolute path in a generated page: a "/" not inside a word, a number or a URL ("https://"), then no space.
+ABSOLUTE_PATH = re.compile(r"(?<![\w./])/(?!/)[^\s,;)'\"`]+")
+
+
+def repo_relative(text: str, root: Path = REPO_ROOT) -> str:
+    """``text`` with every absolute path on this machine written relative to the repository (``../shared/...``),
+    so that a generated page's commands and sources run from any checkout."""
+
+    def relative(match: re.Match[str]) -> str:
+        path = match.group(0)
+        top = Path("/", Path(path).parts[1]) if len(Path(path).parts) > 1 else None
+        return os.path.relpath(path, root) if top is not None and top.exists() else path
+
+    return ABSOLUTE_PATH.sub(relative, text)
 ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
 SHARED_CONF_DIR = str(CONF_ROOT / "shared")
 

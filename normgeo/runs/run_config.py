@@ -82,6 +82,9 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "probe.encoding": "utf-8",
     "probe.source.encoding": "utf-8",
     "data.source.encoding": "utf-8",
+    "threads": None,
+    "val_seed": None,
+    "data.val_seed": None,
 }
 
 

@@ -30,7 +30,7 @@ from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
-from normgeo.measure.intervention import DEFAULT_SCOPES, SCOPE_KINDS
+from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES, SCOPE_KINDS
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class ProbeSchema:
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
+    intervention_tokens: int = doc(DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this many "
+                                   "probe tokens (whole windows; the angles keep probe.tokens)", ge=1)
 
 
 @dataclass
@@ -191,8 +193,10 @@ class DataSchema:
     global_batch: int = doc(MISSING, "filled from the top level", ge=1)
     micro_batch: int = doc(MISSING, "filled from the top level", ge=1)
     max_steps: int = doc(MISSING, "filled from the top level", ge=1)
-    seed: int = doc(MISSING, "filled from the top level", ge=0, le=SEED_MAX)
+    seed: int = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
+                    "alone, the initial weights keep seed", ge=0, le=SEED_MAX)
     val_sequences: int = doc(MISSING, "filled from the top level", ge=1)
+    val_seed: int | None = doc(None, "filled from the top level (val_seed)", ge=0, le=SEED_MAX)
     num_workers: int = doc(MISSING, "filled from the top level", ge=0)
 
 
@@ -208,7 +212,10 @@ class PlanSchema:
 
 @dataclass
 class TrainSchema:
-    seed: int = doc(0, "weights, data order and dropout", ge=0, le=SEED_MAX)
+    seed: int = doc(0, "initial weights and dropout; also the batch order through data.seed (default: seed)",
+                    ge=0, le=SEED_MAX)
+    threads: int | None = doc(None, "torch CPU threads (torch.set_num_threads); null: torch's default "
+                              "(OMP_NUM_THREADS, else every core). The count sets the floating-point sum order", ge=1)
     run_name: str = doc(MISSING, "the run directory's name")
     output_root: str = doc("outputs", "where run directories go")
     run_dir: str = doc(MISSING, "the run directory")
@@ -224,6 +231,8 @@ class TrainSchema:
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
     val_every: int = doc(1000, "optimizer steps between validations", ge=1)
     val_sequences: int = doc(64, "validation sequences; at most the validation split's distinct windows", ge=1)
+    val_seed: int | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); a "
+                               "number: the same windows for every arm and seed", ge=0, le=SEED_MAX)
     log_every: int = doc(10, "optimizer steps between logged metrics", ge=1)
     norm: NormSchema = node(NormSchema, "group norm: the arm")
     placement: PlacementSchema = node(PlacementSchema, "group placement: pre (GPT-2) or post (norm after each add)")

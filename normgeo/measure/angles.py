@@ -1,0 +1,74 @@
+"""The angle measurement: every token vector before and after every norm against 1, the two random references
+and the null directions, streamed into :class:`normgeo.measure.stats.AngleStatistics` (``angles.jsonl``,
+``null.jsonl``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from normgeo.measure.geometry import STANDARDIZABLE_KINDS, standardize
+from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
+from normgeo.measure.norm_sites import NormSite
+from normgeo.measure.probe import INCLUDE_STANDARDIZED, NULL_KEY, REFERENCE_NAMES, ProbeSite, probe_sites
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, null_rows, statistics_rows
+from normgeo.measure.stats import AngleStatistics
+
+
+class AngleMeasurement(Measurement):
+    """Angles at each norm's ``in``, ``out`` (and ``std``: the input standardized, LayerNorm/RMSNorm only).
+
+    ``references`` are :func:`normgeo.measure.probe.make_references`'s (with ``NULL_KEY`` for the null
+    directions); per-sequence sums are kept for ``num_sequences`` probe sequences (the block bootstrap of
+    ``null.jsonl``). ``with_null=False`` leaves ``null.jsonl``'s rows out of :meth:`records` (their
+    bootstrap costs; only the rank that writes needs them).
+    """
+
+    def __init__(self, norms: Sequence[NormSite], references: dict[str, np.ndarray], *, num_sequences: int,
+                 device: torch.device | str = "cpu", include_standardized: bool = INCLUDE_STANDARDIZED,
+                 with_null: bool = True, bootstrap_replicates: int = 1000, bootstrap_block: int = 1,
+                 seed: int = 1234) -> None:
+        self.norms = list(norms)
+        self.include_standardized = include_standardized
+        self.sites = probe_sites(self.norms, include_standardized)
+        self.device = torch.device(device)
+        null = references.get(NULL_KEY)
+        self.stats = AngleStatistics(
+            len(self.sites),
+            torch.from_numpy(np.stack([references[name] for name in REFERENCE_NAMES])),
+            device=self.device,
+            null_directions=torch.from_numpy(null) if null is not None and len(null) else None,
+            num_sequences=num_sequences,
+        )
+        index = {site: i for i, site in enumerate(self.sites)}
+        # Per norm: the statistics' site numbers of its input, output and standardized input (or None).
+        self.site_numbers = [
+            (
+                index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)],
+                index[ProbeSite(norm.layer, f"{norm.role}.out", norm.kind, norm.dim)],
+                index.get(ProbeSite(norm.layer, f"{norm.role}.std", norm.kind, norm.dim)),
+            )
+            for norm in self.norms
+        ]
+        self.with_null = with_null
+        self.bootstrap = {"replicates": bootstrap_replicates, "block": bootstrap_block, "seed": seed}
+
+    def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
+                     batch: ProbeBatch) -> None:
+        in_site, out_site, std_site = self.site_numbers[index]
+        ids = batch.sequence_ids
+        self.stats.update(in_site, inputs.to(self.device), ids)
+        self.stats.update(out_site, output.to(self.device), ids)
+        if std_site is not None and norm.kind in STANDARDIZABLE_KINDS:
+            self.stats.update(std_site, standardize(inputs.to(self.device).float(), norm.kind, norm.eps), ids)
+
+    def all_reduce(self) -> None:
+        self.stats.all_reduce()
+
+    def records(self, where: RecordKeys) -> dict[str, list[dict]]:
+        files = {ANGLES_FILE: statistics_rows(self.sites, self.stats, **where)}
+        if self.with_null:
+            files[NULL_FILE] = null_rows(self.sites, self.stats, **where, **self.bootstrap)
+        return files
