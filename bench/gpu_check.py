@@ -14,7 +14,7 @@ On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_nu
   ``trainer=fsdp`` (FSDP2), 4 steps with the probe, against a second run resumed from the first one's
   step-2 checkpoint: the losses, the probe's angles and the final weights must be equal;
 - ``probe cost``: ``bench/probe_cost.py --device cuda`` (angles, K = 64 null directions, energy, and the
-  intervention's default scopes) against a plain forward;
+  intervention's default scope on its token budget) against a plain forward;
 - ``probe agreement``: ``analyze.py`` in float32 on the GPU and on the CPU over the same checkpoint: every
   angle statistic within 1e-3 degrees;
 - ``norm cost``: ``bench/norm_cost.py`` on the GPU (stock, compiled, Liger where installed): GB/s and the
