@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -198,13 +199,13 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
     return callbacks
 
 
-def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
+def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Fit one run. ``start``: what normgeo.runs.start checked and claimed before Hydra wrote (decided
-    here when None, e.g. bench/ calling train() directly)."""
+    here when None, e.g. bench/ calling train() directly); ``extra_callbacks``: bench/'s timers."""
     if start is None:
         start = take_start(cfg)
         try:
-            return train(cfg, start)
+            return train(cfg, start, extra_callbacks)
         finally:
             start.release()
     preflight(cfg)  # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
@@ -227,6 +228,7 @@ def train(cfg: DictConfig, start: Start | None = None) -> L.Trainer:
     # (at once during a validation or a probe); its handler is installed first.
     stop = StopOnSignal(requeue, resume_command(cfg))
     callbacks = [stop.installer, MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
+    callbacks.extend(extra_callbacks)
     clock = SessionClock()
     callbacks.append(clock)
     callbacks.append(stop)

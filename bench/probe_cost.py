@@ -18,6 +18,7 @@ probe), to show it does not grow with N.
 
     python bench/probe_cost.py                       # 70m, 32768 + 4096 tokens, memory at 4096 and 16384
     python bench/probe_cost.py --size 160m --tokens 65536 --memory-tokens 8192 65536
+    python bench/probe_cost.py --device cuda --batch-size 8 --memory-tokens      # on a GPU
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hydra.utils import instantiate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.gpt import GPT  # noqa: E402
+from models.hardware import missing_cuda  # noqa: E402
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES  # noqa: E402
 from normgeo.measure.pipeline import measure_records  # noqa: E402
 from normgeo.measure.probe import make_references  # noqa: E402
@@ -57,9 +59,10 @@ def token_ids(count: int) -> torch.Tensor:
 
 
 def plain_forward(model: GPT, ids: torch.Tensor, batch_size: int) -> None:
+    device = next(model.parameters()).device  # the probe moves its batches there too
     with torch.no_grad():
         for batch in ids.view(-1, model.config.block_size).split(batch_size):
-            model(batch)
+            model(batch.to(device))
 
 
 def probe(model: GPT, ids: torch.Tensor, batch_size: int, *, null: int = 64, energy_and_rows: bool = True,
@@ -72,18 +75,25 @@ def probe(model: GPT, ids: torch.Tensor, batch_size: int, *, null: int = 64, ene
                     resume_mid_stack=resume)
 
 
-def peak_rss_child(size: str, tokens: int, batch_size: int) -> None:
-    model = build(size)
+def peak_rss_child(size: str, tokens: int, batch_size: int, device: torch.device) -> None:
+    model = build(size).to(device)
     probe(model, token_ids(tokens), batch_size, scopes=DEFAULT_SCOPES)
-    print(json.dumps({"tokens": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    peak_gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    print(json.dumps({"tokens": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_gpu_mib": peak_gpu}))
 
 
 def timed(variants: dict, model: GPT, batch_size: int, repeats: int) -> dict[str, list[float]]:
+    cuda = next(model.parameters()).device.type == "cuda"
     timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
         for name, fn in variants.items():
+            if cuda:  # queued kernels are counted in the variant that queued them
+                torch.cuda.synchronize()
             start = time.perf_counter()
             fn(model, batch_size)
+            if cuda:
+                torch.cuda.synchronize()
             timings[name].append(time.perf_counter() - start)
     return timings
 
@@ -109,13 +119,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-tokens", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--device", default="cpu", help="where the model and the probe run: cpu or cuda")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if reason := missing_cuda("--device", args.device, "--device cpu"):
+        print(f"bench/probe_cost.py: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    device = torch.device(args.device)
     if args.child:
-        return peak_rss_child(args.size, args.tokens, args.batch_size)
+        return peak_rss_child(args.size, args.tokens, args.batch_size, device)
 
-    model = build(args.size)
-    print(f"size={args.size} batch={args.batch_size} threads={torch.get_num_threads()} "
+    model = build(args.size).to(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"size={args.size} device={where} batch={args.batch_size} threads={torch.get_num_threads()} "
           f"repeats={args.repeats} load average before={os.getloadavg()[0]:.2f} "
           f"intervention budget={DEFAULT_INTERVENTION_TOKENS} scopes={','.join(DEFAULT_SCOPES)}")
     probe(model, token_ids(model.config.block_size), 1)  # warm-up: allocator, kernels
@@ -147,10 +163,12 @@ def main() -> None:
     for tokens in args.memory_tokens:
         out = subprocess.run(
             [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),
-             "--batch-size", str(args.batch_size)], capture_output=True, text=True, check=True,
+             "--batch-size", str(args.batch_size), "--device", args.device], capture_output=True, text=True, check=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: {result['peak_rss_mib']:.0f} MiB")
+        gpu = f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB" if result["peak_gpu_mib"] is not None else ""
+        print(f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: {result['peak_rss_mib']:.0f} MiB"
+              f"{gpu}")
 
 
 if __name__ == "__main__":

@@ -75,18 +75,7 @@ class StepTimer(L.Callback):
 
 def harness_tokens_per_s(cfg: DictConfig, skip: int) -> float:
     timer = StepTimer(skip)
-    import train as train_module
-
-    original = train_module.build_trainer
-
-    def build_with_timer(cfg, run_dir, callbacks):
-        return original(cfg, run_dir, [*callbacks, timer])
-
-    train_module.build_trainer = build_with_timer
-    try:
-        train(cfg)
-    finally:
-        train_module.build_trainer = original
+    train(cfg, extra_callbacks=[timer])
     steps = cfg.max_steps - skip
     return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 

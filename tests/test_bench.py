@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from models.norms import NORM_ARMS
 from tests.conftest import ROOT
@@ -146,3 +147,12 @@ def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion(
     assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)  # the ratio of the medians
     low, high = (float(value) for value in row[4].split("-"))
     assert 0 < low <= high
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--device", "cuda"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("bench/probe_cost.py: --device=cuda: no CUDA GPU on this machine") and "--device cpu" in line
