@@ -409,11 +409,11 @@ class CenteringIntervention(Measurement):
         self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
         self._fractions: dict[str, torch.Tensor] = {}
         self._intervenable = {norm.name for norm in self.norms}
-        stack, why = block_stack(model, self.norms) if resume else (None, "resume=False")
         resumable = [s for s in self.scopes if s.kind == "layer" and (isinstance(s.layer, int) or s.layer == "final")]
-        self.replay = BlockReplay(stack) if stack is not None and resumable else None
+        stack, why = block_stack(model, self.norms) if resume and resumable else (None, "")
+        self.replay = BlockReplay(stack) if stack is not None else None
         self._checked = False  # the replay's first-batch check against the intact forward
-        if stack is None and resumable:
+        if why:
             self._fall_back(why)
 
     @property
