@@ -23,6 +23,7 @@ from pathlib import Path
 
 from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.runs.identity import DuplicateRuns, check_unique_runs
 from normgeo.runs.start import StartError, check_writable_folder
 
 
@@ -38,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layer = int(args.layer) if args.layer is not None and args.layer.lstrip("-").isdigit() else args.layer
     # Everything is read and checked before the first figure is written.
+    try:  # the rule of every sweep reader: two folders of one arm and seed are refused, each named
+        check_unique_runs(args.run_dirs)
+    except DuplicateRuns as err:
+        print(err, file=sys.stderr)
+        return 2
     runs: dict[str, list[dict]] = {}
     skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:

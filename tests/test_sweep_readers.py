@@ -1,0 +1,75 @@
+"""Issue 34: every reader of a sweep identifies a run the same way and reads every records file the same way
+(through the entry points, on copies of the real sweep of conftest ``arms_sweep``).
+
+1. Two folders of one arm and seed (a backup copy) are refused by ``compare``, ``status``, ``report`` and the
+   verdict alike: exit 2, each folder named on a line of its own, nothing written.
+2. Each records file cut mid-line is named with its file and line by ``report``, ``compare`` and ``status``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from normgeo.figures.sweep import load
+from normgeo.runs.identity import DuplicateRuns
+from normgeo.verdict.families import pairings
+from normgeo.verdict.measures import run_measures
+from tests.conftest import ROOT
+from tests.test_start_faults import sha_tree
+
+pytestmark = pytest.mark.slow  # the trained sweep, and a python -m per case
+
+
+def tool(name: str, *args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"normgeo.{name}", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def sweep(arms_sweep, tmp_path: Path) -> Path:
+    """A copy of the sweep's four trained runs (tests change it)."""
+    root = tmp_path / "outputs"
+    shutil.copytree(arms_sweep[0], root, ignore=shutil.ignore_patterns("compare", "wandb"))
+    return root
+
+
+def refused_as_duplicate(result: subprocess.CompletedProcess, *folders: Path) -> None:
+    """Exit 2, no traceback, each folder alone on a line, the last line the error with the fix."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    for folder in folders:
+        assert f"  {folder.resolve()}" in lines, result.stderr
+    assert lines[-1].startswith("error: ") and "duplicates of one run" in lines[-1] and "move all but one" in lines[-1]
+    assert "truth value" not in result.stderr
+
+
+def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path) -> None:
+    original = sweep / "tiny-layer-s0"
+    backup = sweep / "backup" / "tiny-layer-s0"
+    shutil.copytree(original, backup)
+    before = sha_tree(sweep)
+    # compare: before, it paired one of the two without a word (or ended in pandas' "truth value" message)
+    refused_as_duplicate(tool("compare", sweep), original, backup)
+    assert sha_tree(sweep) == before and not (sweep / "compare").exists()
+    refused_as_duplicate(tool("status", sweep, "--no-slurm"), original, backup)
+    refused_as_duplicate(tool("report", original, backup, "--out", sweep.parent / "figures"), original, backup)
+    assert sha_tree(sweep) == before and not (sweep.parent / "figures").exists()
+    # The same folder named twice is one run, not a duplicate.
+    assert tool("report", original, original, "--out", sweep.parent / "figures").returncode == 0
+
+
+def test_the_verdict_refuses_two_runs_of_one_arm_and_seed(sweep: Path) -> None:
+    comparison = load([sweep])
+    measures = run_measures(comparison)
+    copy = measures.iloc[[0]].assign(run_dir="/elsewhere/copy", run="copy")
+    with pytest.raises(DuplicateRuns, match=r"(?s)same run \(norm=\w+ placement=pre size=tiny seed=\d\).*"
+                                            r"  /elsewhere/copy\n"):
+        pairings(pd.concat([measures, copy], ignore_index=True))
+    found, unpaired = pairings(measures)
+    assert found and unpaired.empty
