@@ -18,6 +18,7 @@ import pytest
 
 from normgeo.figures.sweep import load
 from normgeo.runs.identity import DuplicateRuns
+from normgeo.runs.records import RECORD_FILES
 from normgeo.verdict.families import pairings
 from normgeo.verdict.measures import run_measures
 from tests.conftest import ROOT
@@ -73,3 +74,37 @@ def test_the_verdict_refuses_two_runs_of_one_arm_and_seed(sweep: Path) -> None:
         pairings(pd.concat([measures, copy], ignore_index=True))
     found, unpaired = pairings(measures)
     assert found and unpaired.empty
+
+
+def cut_mid_line(path: Path) -> int:
+    """Cut ``path`` in the middle of its second line (a copy cut short); the damaged line's number."""
+    text = path.read_text()
+    first = text.index("\n") + 1
+    path.write_text(text[: first + 20])
+    return 2
+
+
+@pytest.mark.parametrize("name", RECORD_FILES)
+def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name: str) -> None:
+    damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
+    damaged = damaged_run / name
+    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, f"the trained run has no {name} to damage"
+    where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
+    before = sha_tree(damaged_run)
+    # report: the run is skipped and named, the intact one drawn (before: intervention.jsonl gave a traceback)
+    result = tool("report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records")
+    result = tool("report", damaged_run.resolve())
+    assert result.returncode == 2 and "Traceback" not in result.stderr and where in result.stderr
+    # compare: the same line, the other three runs compared
+    result = tool("compare", sweep)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
+    # status: every run listed, the damaged one as damaged, with the same file and line
+    result = tool("status", sweep, "--no-slurm")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"damaged tiny-rms-s1: {where}" in result.stderr
+    assert sha_tree(damaged_run) == before

@@ -11,12 +11,10 @@ from pathlib import Path
 import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
 from normgeo.runs.identity import check_unique_runs, identity_from_config, read_run_config
 from normgeo.runs.metrics import last_value, read_metrics
+from normgeo.runs.records import read_run_records
 from normgeo.runs.status import find_runs, is_analysis
 
 SUMMARY_FILE = "summary.json"  # written by train.py at the end of a run
@@ -62,11 +60,6 @@ def run_summary(run_dir: Path) -> dict:
     return summary
 
 
-# Every records file the comparison, its figures and the verdict read (read once here, so that one damaged
-# file leaves its run out instead of stopping the figures or the verdict half-way).
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE)
-
-
 def records_frame(comparison: Comparison, filename: str) -> pd.DataFrame:
     """One records file (``energy.jsonl``, ``intervention.jsonl``, ...) of every run, with the run's name,
     arm and seed; empty if no run has it."""
@@ -91,7 +84,7 @@ def load(paths: Sequence[Path]) -> Comparison:
     check_unique_runs(found)  # two folders of one arm and seed: refused before anything is read
     for run_dir in found:
         try:
-            rows = [read_rows(run_dir / name) for name in RECORD_FILES][0]
+            rows = read_run_records(run_dir)[ANGLES_FILE]  # every records file read: a damaged one skips the run
             config = read_run_config(run_dir)
             summaries[str(run_dir)] = run_summary(run_dir)
         except DamagedRecords as err:
