@@ -100,6 +100,8 @@ def check_unique(identities: Iterable[tuple[str | Path, RunIdentity]]) -> None:
     """Raise :class:`DuplicateRuns` when two folders share an identity (the one rule of every reader)."""
     by_identity: dict[RunIdentity, list[str]] = {}
     for folder, identity in identities:
+        if identity.norm is None:  # nothing says which run it is (no config, no norm in its records): no duplicate
+            continue
         by_identity.setdefault(identity, []).append(str(folder))
     groups = [(identity, sorted(folders)) for identity, folders in by_identity.items() if len(folders) > 1]
     if groups:
