@@ -50,10 +50,22 @@ def refused_as_duplicate(result: subprocess.CompletedProcess, *folders: Path) ->
     assert "truth value" not in result.stderr
 
 
-def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path) -> None:
+def as_third_arm(run: Path, folder: Path, norm: str) -> None:
+    """A copy of ``run`` whose config names another norm: a third arm for the verdict to pair."""
+    shutil.copytree(run, folder)
+    for config in (folder / "run_config.yaml", folder / ".hydra" / "config.yaml"):
+        text = config.read_text()
+        assert "norm:\n  name: rms\n" in text
+        config.write_text(text.replace("norm:\n  name: rms\n", f"norm:\n  name: {norm}\n"))
+
+
+@pytest.mark.parametrize("third_arm", [False, True])
+def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path, third_arm: bool) -> None:
     original = sweep / "tiny-layer-s0"
     backup = sweep / "backup" / "tiny-layer-s0"
     shutil.copytree(original, backup)
+    if third_arm:  # before: compare ended in pandas' "The truth value of a Series is ambiguous"
+        as_third_arm(sweep / "tiny-rms-s0", sweep / "third" / "tiny-rms_bias-s0", "rms_bias")
     before = sha_tree(sweep)
     # compare: before, it paired one of the two without a word (or ended in pandas' "truth value" message)
     refused_as_duplicate(tool("compare", sweep), original, backup)
