@@ -71,6 +71,8 @@ def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path, third_ar
     refused_as_duplicate(tool("compare", sweep), original, backup)
     assert sha_tree(sweep) == before and not (sweep / "compare").exists()
     refused_as_duplicate(tool("status", sweep, "--no-slurm"), original, backup)
+    refused_as_duplicate(tool("plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
+                         original, backup)  # the verdict's SD from a sweep: the same rule
     refused_as_duplicate(tool("report", original, backup, "--out", sweep.parent / "figures"), original, backup)
     assert sha_tree(sweep) == before and not (sweep.parent / "figures").exists()
     # The same folder named twice is one run, not a duplicate.
