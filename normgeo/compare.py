@@ -31,6 +31,9 @@ A run with a damaged records file (a line of ``angles.jsonl`` cut short, ...) is
 stderr with the file and line, the other runs are compared and written, and the exit status is 1
 (2: no readable run, nothing written).
 
+Two folders holding the same run (arm keys and seed: a backup copy, two sweeps under one folder) are refused
+before anything is read: each folder on a line of stderr, exit status 2 (:mod:`normgeo.runs.identity`).
+
 Figures of other kinds plug in with :func:`register_figure`.
 """
 
@@ -45,6 +48,7 @@ from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
+from normgeo.runs.identity import DuplicateRuns
 from normgeo.runs.start import StartError, check_writable_folder
 from normgeo.verdict.declared import load_verdict_config
 
@@ -81,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.paths, out_dir, formats=formats, refs=args.refs.split(",") if args.refs else None,
             verdict_config=verdict_config,
         )
+    except DuplicateRuns as err:  # its message names each folder on a line and ends with the error line
+        print(err, file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

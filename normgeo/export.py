@@ -153,11 +153,21 @@ def _validation_loss(run_dir: Path, step: int | None) -> tuple[float, int] | Non
     return float(row["value"]), int(row["step"])
 
 
+# Said in the card of every export with its own model code: when trust_remote_code=True is needed, and why the
+# tokenizer is loaded by its class (AutoTokenizer reads config.json first, finds custom code and asks about it).
+CUSTOM_CODE = (
+    "`trust_remote_code=True` is needed for the model only: `{cls}` (a norm or placement transformers has no class "
+    "for) is defined in `modeling_normgeo.py` beside the weights, which transformers runs. The tokenizer is GPT-2's "
+    "and needs no code: `GPT2TokenizerFast.from_pretrained` loads it without asking. "
+    "`AutoTokenizer.from_pretrained` reads `config.json` first, finds the model's custom code there and asks "
+    "whether to run it; `AutoTokenizer.from_pretrained(DIR, trust_remote_code=False)` loads the same tokenizer "
+    "without asking."
+)
 HOW_TO_LOAD = {
     "hf": """```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, GPT2TokenizerFast
 model = AutoModelForCausalLM.from_pretrained("{dir}", trust_remote_code=True)  # {cls}
-tokenizer = AutoTokenizer.from_pretrained("{dir}")
+tokenizer = GPT2TokenizerFast.from_pretrained("{dir}")  # GPT-2's BPE: no custom code
 logits = model(**tokenizer("The norm of", return_tensors="pt")).logits
 ```""",
     "nnsight": """```python
@@ -244,6 +254,8 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
         "## How to load", "",
         HOW_TO_LOAD[target].format(dir="<this directory>", cls=model_class), "",
     ]
+    if target != "transformer-lens" and model_class != "GPT2LMHeadModel":
+        lines += [CUSTOM_CODE.format(cls=model_class), ""]
     if conversion is not None:
         lines += conversion_section(gpt, conversion)
     if run_config.is_file():

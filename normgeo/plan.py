@@ -53,6 +53,7 @@ from normgeo.figures.tables import print_table
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
+from normgeo.runs.identity import DuplicateRuns
 from normgeo.runs.schema import ConfigError
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import paired_estimates
@@ -359,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if seeds_for is not None:
             sd, source = (args.sd, "given") if args.sd is not None else sweep_sd(args.sweep, seeds_for[0])
         _, report = plan_config(cfg)
+    except DuplicateRuns as err:  # --sweep holding two folders of one run: each named, as compare names them
+        print(err, file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     except Exception as err:  # Hydra's override/composition errors, ConfigError, a plan's ValueError
         if not (_is_input_error(err) or isinstance(err, FileNotFoundError)):
             raise

@@ -12,6 +12,9 @@
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
   one panel per site kind (before the norm, after it);
 - ``null_steps_<model>_<norm>_layer<l>_<site>.png``: the same at one layer against the training step.
+
+Every records file of a run is read before the first figure (:mod:`normgeo.runs.records`): a damaged line is
+named with its file and line and the run skipped (exit 1; 2 when no run is left), as ``compare`` does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.angles import plot_compare, write_run_figures
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.runs.identity import DuplicateRuns, check_unique_runs
+from normgeo.runs.records import read_run_records
 from normgeo.runs.start import StartError, check_writable_folder
 
 
@@ -38,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layer = int(args.layer) if args.layer is not None and args.layer.lstrip("-").isdigit() else args.layer
     # Everything is read and checked before the first figure is written.
+    try:  # the rule of every sweep reader: two folders of one arm and seed are refused, each named
+        check_unique_runs(args.run_dirs)
+    except DuplicateRuns as err:
+        print(err, file=sys.stderr)
+        return 2
     runs: dict[str, list[dict]] = {}
     skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:
@@ -45,8 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)", file=sys.stderr)
             return 2
         try:
-            runs[str(run_dir)] = read_rows(run_dir / ANGLES_FILE)
-            read_rows(run_dir / NULL_FILE)
+            runs[str(run_dir)] = read_run_records(run_dir)[ANGLES_FILE]  # every records file, one rule
         except DamagedRecords as err:
             print(f"skipped {run_dir}: {err}", file=sys.stderr)
             skipped.append(err)

@@ -15,7 +15,8 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
   column reads ``pretrained`` for a model measured as published.
 
 A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
-``damaged``; the file and line go to stderr and the exit status is 1.
+``damaged``; the file and line go to stderr and the exit status is 1. Two folders holding the same run (arm
+keys and seed, :mod:`normgeo.runs.identity`) are refused as ``normgeo.compare`` refuses them: each named, exit 2.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
@@ -30,7 +31,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from normgeo.figures.tables import print_table
-from normgeo.runs.status import RunStatus, find_runs, run_status
+from normgeo.runs.identity import DuplicateRuns, check_unique_runs
+from normgeo.runs.status import RunStatus, find_runs, is_analysis, run_status
 
 
 def _age(seconds: float | None) -> str:
@@ -73,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"error: {root} is not a directory", file=sys.stderr)
         return 2
-    rows = [
-        run_status(run_dir, root, use_slurm=not args.no_slurm, active_s=args.active_minutes * 60)
-        for run_dir in find_runs(root)
-    ]
+    run_dirs = list(find_runs(root))
+    try:  # the same rule as compare and report: two folders of one arm and seed are refused, each named
+        check_unique_runs(run_dir for run_dir in run_dirs if not is_analysis(run_dir))
+    except DuplicateRuns as err:
+        print(err, file=sys.stderr)
+        return 2
+    rows = [run_status(run_dir, root, use_slurm=not args.no_slurm, active_s=args.active_minutes * 60)
+            for run_dir in run_dirs]
     if not rows:
         print(f"no runs under {root} (a run directory holds .hydra/config.yaml)", file=sys.stderr)
         return 1

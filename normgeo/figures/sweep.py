@@ -9,14 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from normgeo.figures.style import POST_SUFFIX
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
+from normgeo.runs.identity import check_unique_runs, identity_from_config, read_run_config
 from normgeo.runs.metrics import last_value, read_metrics
+from normgeo.runs.records import read_run_records
 from normgeo.runs.status import find_runs, is_analysis
 
 SUMMARY_FILE = "summary.json"  # written by train.py at the end of a run
@@ -47,22 +45,6 @@ def run_directories(paths: Sequence[Path]) -> list[Path]:
     return sorted(dict.fromkeys(p.resolve() for p in found))
 
 
-def run_config(run_dir: Path) -> dict:
-    """The run's resolved config: run_config.yaml (train.py's record), else Hydra's config.yaml; raises
-    :class:`DamagedRecords` naming the file when it is not YAML."""
-    for path in (run_dir / "run_config.yaml", run_dir / ".hydra" / "config.yaml"):
-        if path.is_file():
-            try:
-                config = yaml.safe_load(path.read_text(errors="replace")) or {}
-            except yaml.YAMLError as err:
-                mark = getattr(err, "problem_mark", None)
-                raise DamagedRecords(path, mark.line + 1 if mark else 1, f"not YAML: {getattr(err, 'problem', err)}") from None
-            if not isinstance(config, dict):
-                raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
-            return config
-    return {}
-
-
 def run_summary(run_dir: Path) -> dict:
     """The run's summary.json ({} when absent); raises :class:`DamagedRecords` naming the file when it is cut
     short or not a JSON object."""
@@ -76,11 +58,6 @@ def run_summary(run_dir: Path) -> dict:
     if not isinstance(summary, dict):
         raise DamagedRecords(path, 1, f"a JSON {type(summary).__name__}, not an object")
     return summary
-
-
-# Every records file the comparison, its figures and the verdict read (read once here, so that one damaged
-# file leaves its run out instead of stopping the figures or the verdict half-way).
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE)
 
 
 def records_frame(comparison: Comparison, filename: str) -> pd.DataFrame:
@@ -103,22 +80,24 @@ def load(paths: Sequence[Path]) -> Comparison:
     """Every readable run under ``paths``; a run with a damaged records file is left out and listed in
     ``damaged``. Raises FileNotFoundError when no run is left."""
     runs, angle_frames, metric_frames, damaged, summaries = [], [], [], [], {}
-    for run_dir in run_directories(paths):
+    found = run_directories(paths)
+    check_unique_runs(found)  # two folders of one arm and seed: refused before anything is read
+    for run_dir in found:
         try:
-            rows = [read_rows(run_dir / name) for name in RECORD_FILES][0]
-            config = run_config(run_dir)
+            rows = read_run_records(run_dir)[ANGLES_FILE]  # every records file read: a damaged one skips the run
+            config = read_run_config(run_dir)
             summaries[str(run_dir)] = run_summary(run_dir)
         except DamagedRecords as err:
             damaged.append(err)
             continue
-        norm = (config.get("norm") or {}).get("name") or rows[0]["norm"]
-        placement = (config.get("placement") or {}).get("name") or "pre"  # runs older than the key: pre
+        identity = identity_from_config(config, rows[0]["norm"])
+        norm, placement = identity.norm, identity.placement
         info = {
             "run": config.get("run_name") or run_dir.name,
             "arm": norm + (POST_SUFFIX if placement == "post" else ""),
             "placement": placement,
-            "seed": config.get("seed"),
-            "size": (config.get("size") or {}).get("name"),
+            "seed": identity.seed,
+            "size": identity.size,
         }
         tokens_per_step = (config.get("global_batch") or 0) * (config.get("seq_len") or 0) or None
         runs.append({**info, "norm": norm, "max_steps": config.get("max_steps"), "tokens_per_step": tokens_per_step,

@@ -30,7 +30,12 @@ from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
-from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES, SCOPE_KINDS
+from normgeo.measure.intervention import (
+    DEFAULT_INTERVENTION_TOKENS,
+    DEFAULT_SCOPES,
+    INTERVENABLE_KINDS,
+    SCOPE_KINDS,
+)
 
 
 @dataclass(frozen=True)
@@ -418,6 +423,19 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     if cfg.max_steps > COSTLY_STEPS_FACTOR * preset:
         lines.append(f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, {cfg.max_steps / preset:,.0f}x "
                      f"the {preset:,} steps of size={cfg.size.name}")
+    return lines
+
+
+def unmeasured_values(cfg: DictConfig) -> list[str]:
+    """One line per setting that asks for a measurement this run cannot make (the run goes on without it):
+    intervention scopes on an arm whose norms have no centering to take out or put in (DyT)."""
+    lines = []
+    arm = NORM_ARMS.get(cfg.norm.name)
+    scopes = list(cfg.probe.get("intervention") or [])
+    if cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS:
+        lines.append(f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take out or put "
+                     f"in (its norms are {arm.site_kind} sites, not {' or '.join(INTERVENABLE_KINDS)}), so no "
+                     "intervention is measured and no intervention.jsonl written; probe.intervention=[] says so")
     return lines
 
 

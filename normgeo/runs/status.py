@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.runs.records import read_run_records
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
@@ -97,7 +98,7 @@ def last_loss(run_dir: Path) -> float | None:
 
 def last_probe_step(run_dir: Path) -> int | str | None:
     """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
-    steps = {row.get("step") for row in read_rows(run_dir / ANGLES_FILE)}  # raises DamagedRecords
+    steps = {row.get("step") for row in read_run_records(run_dir)[ANGLES_FILE]}  # every file; raises DamagedRecords
     trained = [s for s in steps if s is not None]
     return max(trained) if trained else ("pretrained" if steps else None)
 

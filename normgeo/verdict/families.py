@@ -29,6 +29,7 @@ import pandas as pd
 from models.norms import contrasts
 from normgeo.measure.stats import PairedTest, difference_power, holm, paired_test, tost_power
 from normgeo.runs.downstream import is_downstream
+from normgeo.runs.identity import RunIdentity, check_unique
 from normgeo.verdict.declared import Endpoint, VerdictConfig, load_verdict_config
 from normgeo.verdict.metrics import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
 
@@ -136,13 +137,23 @@ def _sized(measures: pd.DataFrame) -> pd.DataFrame:
     return measures.assign(size=measures["size"].astype(object).where(measures["size"].notna(), None))
 
 
+def measured_identity(row: dict) -> RunIdentity:
+    """The identity of a run's row of measures (the keys :func:`normgeo.runs.identity.run_identity` reads)."""
+    seed = row.get("seed")
+    return RunIdentity(norm=row["norm"], placement=row.get("placement") or "pre", size=row.get("size"),
+                       seed=None if seed is None or pd.isna(seed) else int(seed))
+
+
 def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
     """Every registry contrast present in ``measures`` per (size, placement), and the unpaired runs."""
     found: list[Pairing] = []
     paired_runs: set[str] = set()
     measures = _sized(measures)
+    # One run per arm and seed, by the readers' one rule: duplicates raise DuplicateRuns naming each folder
+    # (before: the first of them was paired without a word, or a Series ended in pandas' "truth value").
+    check_unique((row.get("run_dir") or row["run"], measured_identity(row)) for row in measures.to_dict("records"))
     for (size, placement), group in measures.groupby(["size", "placement"], sort=True, dropna=False):
-        by_arm = {norm: rows.drop_duplicates("seed").set_index("seed") for norm, rows in group.groupby("norm")}
+        by_arm = {norm: rows.set_index("seed") for norm, rows in group.groupby("norm")}
         for arm, other, isolates in contrasts():
             if arm not in by_arm or other not in by_arm:
                 continue

@@ -102,7 +102,7 @@ def run_measures(tables: RunTables) -> pd.DataFrame:
         at_last = angles[angles["step"] == last]
         metrics = tables.metrics[tables.metrics["run"] == run.run]
         row = {
-            "run": run.run, "norm": run.norm, "size": run.size, "placement": run.placement, "seed": run.seed,
+            "run": run.run, "run_dir": run.run_dir, "norm": run.norm, "size": run.size, "placement": run.placement, "seed": run.seed,
             "last_step": last,
             "val_loss": last_value(metrics, "val/loss"),
             "val_loss/tail": tail_mean(validation_curve(metrics), VAL_TAIL),

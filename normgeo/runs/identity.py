@@ -1,0 +1,119 @@
+"""Which run a folder holds: its arm keys (norm, placement, size) and seed, read the same way by every reader of
+a sweep (``normgeo.compare``, ``normgeo.status``, ``normgeo.report`` and the verdict).
+
+Two folders with the same identity (a backup copy, two sweeps under one folder) are refused: every reader
+exits 2 naming each folder on a line of its own, and reads nothing until one of them is moved out. Taking one
+of the two would pair (or draw) a run that the user may not have meant, and which one is "newest" depends on
+copies' modification times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+
+CONFIG_FILES = ("run_config.yaml", ".hydra/config.yaml")  # train.py's record first, else Hydra's
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The keys that make a run one arm's one seed: two runs with equal identities are the same run."""
+
+    norm: str | None
+    placement: str
+    size: str | None
+    seed: int | None
+
+    def __str__(self) -> str:
+        return f"norm={self.norm} placement={self.placement} size={self.size} seed={self.seed}"
+
+
+def read_run_config(run_dir: Path) -> dict:
+    """The run's resolved config: run_config.yaml, else Hydra's config.yaml ({} when neither); raises
+    :class:`DamagedRecords` naming the file when it is not a YAML mapping."""
+    for name in CONFIG_FILES:
+        path = run_dir / name
+        if path.is_file():
+            try:
+                config = yaml.safe_load(path.read_text(errors="replace")) or {}
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                raise DamagedRecords(path, mark.line + 1 if mark else 1,
+                                     f"not YAML: {getattr(err, 'problem', err)}") from None
+            if not isinstance(config, dict):
+                raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
+            return config
+    return {}
+
+
+def recorded_norm(run_dir: Path) -> str | None:
+    """The norm of the run's first angles record: what a copied run without its config still says."""
+    try:
+        with open(run_dir / ANGLES_FILE, encoding="utf-8", errors="replace") as handle:
+            row = json.loads(handle.readline())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return row.get("norm") if isinstance(row, dict) else None
+
+
+def identity_from_config(config: Mapping, norm: str | None = None) -> RunIdentity:
+    """A run's identity from its config; ``norm`` stands in where the config has none (a copied run)."""
+    seed = config.get("seed")
+    return RunIdentity(
+        norm=(config.get("norm") or {}).get("name") or norm,
+        placement=(config.get("placement") or {}).get("name") or "pre",  # runs older than the key: pre
+        size=(config.get("size") or {}).get("name"),
+        seed=int(seed) if seed is not None else None,
+    )
+
+
+def run_identity(run_dir: Path) -> RunIdentity:
+    """The identity of the run in ``run_dir``; raises :class:`DamagedRecords` when its config is damaged."""
+    config = read_run_config(run_dir)
+    return identity_from_config(config, None if (config.get("norm") or {}).get("name") else recorded_norm(run_dir))
+
+
+class DuplicateRuns(ValueError):
+    """Two or more folders hold the same run (arm keys and seed). The message names each folder on a line of
+    its own and ends with the fix on the last line."""
+
+    def __init__(self, groups: list[tuple[RunIdentity, list[str]]]) -> None:
+        self.groups = groups
+        lines = []
+        for identity, folders in groups:
+            lines.append(f"{len(folders)} folders hold the same run ({identity}):")
+            lines += [f"  {folder}" for folder in folders]
+        count = sum(len(folders) for _, folders in groups)
+        lines.append(f"error: {count} run folders are duplicates of one run (listed above): move all but one of "
+                     "each out of the sweep folder (a backup copy, or two sweeps under one folder), or name the run "
+                     "directories to read one by one; nothing was read or written")
+        super().__init__("\n".join(lines))
+
+
+def check_unique(identities: Iterable[tuple[str | Path, RunIdentity]]) -> None:
+    """Raise :class:`DuplicateRuns` when two folders share an identity (the one rule of every reader)."""
+    by_identity: dict[RunIdentity, list[str]] = {}
+    for folder, identity in identities:
+        if identity.norm is None:  # nothing says which run it is (no config, no norm in its records): no duplicate
+            continue
+        by_identity.setdefault(identity, []).append(str(folder))
+    groups = [(identity, sorted(folders)) for identity, folders in by_identity.items() if len(folders) > 1]
+    if groups:
+        raise DuplicateRuns(groups)
+
+
+def check_unique_runs(run_dirs: Iterable[Path]) -> None:
+    """:func:`check_unique` over run directories; a run whose config is damaged is left to its reader."""
+    identities = []
+    for run_dir in dict.fromkeys(Path(d).resolve() for d in run_dirs):  # one folder named twice is one run
+        try:
+            identities.append((run_dir, run_identity(run_dir)))
+        except DamagedRecords:
+            continue
+    check_unique(identities)

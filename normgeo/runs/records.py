@@ -1,0 +1,21 @@
+"""Every records file of a run, read by one rule for every reader (``compare``, ``status``, ``report``, the
+verdict): a damaged line (a copy cut short, a full disk) raises :class:`DamagedRecords` naming the file and
+line, and the reader leaves that run out (``status`` lists it as damaged), naming it on stderr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE
+from normgeo.measure.energy import ENERGY_FILE
+from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+
+# Read whole before any figure or table is made, so that one damaged file leaves its run out instead of
+# stopping a figure or the verdict half-way.
+RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE)
+
+
+def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
+    """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line)."""
+    return {name: read_rows(Path(run_dir) / name) for name in RECORD_FILES}

@@ -1,0 +1,124 @@
+"""Issue 34: every reader of a sweep identifies a run the same way and reads every records file the same way
+(through the entry points, on copies of the real sweep of conftest ``arms_sweep``).
+
+1. Two folders of one arm and seed (a backup copy) are refused by ``compare``, ``status``, ``report`` and the
+   verdict alike: exit 2, each folder named on a line of its own, nothing written.
+2. Each records file cut mid-line is named with its file and line by ``report``, ``compare`` and ``status``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from normgeo.figures.sweep import load
+from normgeo.runs.identity import DuplicateRuns
+from normgeo.runs.records import RECORD_FILES
+from normgeo.verdict.families import pairings
+from normgeo.verdict.measures import run_measures
+from tests.conftest import ROOT
+from tests.test_start_faults import sha_tree
+
+pytestmark = pytest.mark.slow  # the trained sweep, and a python -m per case
+
+
+def tool(name: str, *args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"normgeo.{name}", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def sweep(arms_sweep, tmp_path: Path) -> Path:
+    """A copy of the sweep's four trained runs (tests change it)."""
+    root = tmp_path / "outputs"
+    shutil.copytree(arms_sweep[0], root, ignore=shutil.ignore_patterns("compare", "wandb"))
+    return root
+
+
+def refused_as_duplicate(result: subprocess.CompletedProcess, *folders: Path) -> None:
+    """Exit 2, no traceback, each folder alone on a line, the last line the error with the fix."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    for folder in folders:
+        assert f"  {folder.resolve()}" in lines, result.stderr
+    assert lines[-1].startswith("error: ") and "duplicates of one run" in lines[-1] and "move all but one" in lines[-1]
+    assert "truth value" not in result.stderr
+
+
+def as_third_arm(run: Path, folder: Path, norm: str) -> None:
+    """A copy of ``run`` whose config names another norm: a third arm for the verdict to pair."""
+    shutil.copytree(run, folder)
+    for config in (folder / "run_config.yaml", folder / ".hydra" / "config.yaml"):
+        text = config.read_text()
+        assert "norm:\n  name: rms\n" in text
+        config.write_text(text.replace("norm:\n  name: rms\n", f"norm:\n  name: {norm}\n"))
+
+
+@pytest.mark.parametrize("third_arm", [False, True])
+def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path, third_arm: bool) -> None:
+    original = sweep / "tiny-layer-s0"
+    backup = sweep / "backup" / "tiny-layer-s0"
+    shutil.copytree(original, backup)
+    if third_arm:  # before: compare ended in pandas' "The truth value of a Series is ambiguous"
+        as_third_arm(sweep / "tiny-rms-s0", sweep / "third" / "tiny-rms_bias-s0", "rms_bias")
+    before = sha_tree(sweep)
+    # compare: before, it paired one of the two without a word (or ended in pandas' "truth value" message)
+    refused_as_duplicate(tool("compare", sweep), original, backup)
+    assert sha_tree(sweep) == before and not (sweep / "compare").exists()
+    refused_as_duplicate(tool("status", sweep, "--no-slurm"), original, backup)
+    refused_as_duplicate(tool("plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
+                         original, backup)  # the verdict's SD from a sweep: the same rule
+    refused_as_duplicate(tool("report", original, backup, "--out", sweep.parent / "figures"), original, backup)
+    assert sha_tree(sweep) == before and not (sweep.parent / "figures").exists()
+    # The same folder named twice is one run, not a duplicate.
+    assert tool("report", original, original, "--out", sweep.parent / "figures").returncode == 0
+
+
+def test_the_verdict_refuses_two_runs_of_one_arm_and_seed(sweep: Path) -> None:
+    comparison = load([sweep])
+    measures = run_measures(comparison)
+    copy = measures.iloc[[0]].assign(run_dir="/elsewhere/copy", run="copy")
+    with pytest.raises(DuplicateRuns, match=r"(?s)same run \(norm=\w+ placement=pre size=tiny seed=\d\).*"
+                                            r"  /elsewhere/copy\n"):
+        pairings(pd.concat([measures, copy], ignore_index=True))
+    found, unpaired = pairings(measures)
+    assert found and unpaired.empty
+
+
+def cut_mid_line(path: Path) -> int:
+    """Cut ``path`` in the middle of its second line (a copy cut short); the damaged line's number."""
+    text = path.read_text()
+    first = text.index("\n") + 1
+    path.write_text(text[: first + 20])
+    return 2
+
+
+@pytest.mark.parametrize("name", RECORD_FILES)
+def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name: str) -> None:
+    damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
+    damaged = damaged_run / name
+    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, f"the trained run has no {name} to damage"
+    where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
+    before = sha_tree(damaged_run)
+    # report: the run is skipped and named, the intact one drawn (before: intervention.jsonl gave a traceback)
+    result = tool("report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records")
+    result = tool("report", damaged_run.resolve())
+    assert result.returncode == 2 and "Traceback" not in result.stderr and where in result.stderr
+    # compare: the same line, the other three runs compared
+    result = tool("compare", sweep)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
+    # status: every run listed, the damaged one as damaged, with the same file and line
+    result = tool("status", sweep, "--no-slurm")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"damaged tiny-rms-s1: {where}" in result.stderr
+    assert sha_tree(damaged_run) == before
