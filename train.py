@@ -147,7 +147,8 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
         scopes = list(cfg.probe.intervention)
         probe = f"probe {cfg.probe.tokens:,} tokens" + (
             f", centering intervention {','.join(scopes)} on the first "
-            f"{min(cfg.probe.intervention_tokens, cfg.probe.tokens):,}" if scopes else ", no centering intervention")
+            f"{min(cfg.probe.intervention_tokens or cfg.probe.tokens, cfg.probe.tokens):,}"
+            if scopes else ", no centering intervention")
     return (
         f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
         f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "

@@ -72,7 +72,7 @@ class AngleProbe(OptimizerStepCallback):
         bootstrap_replicates: int = 1000,
         bootstrap_block: int = 1,
         intervention: Sequence[str] = DEFAULT_SCOPES,
-        intervention_tokens: int = DEFAULT_INTERVENTION_TOKENS,
+        intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS,
         ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)

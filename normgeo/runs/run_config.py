@@ -83,6 +83,7 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "probe.source.encoding": "utf-8",
     "data.source.encoding": "utf-8",
     "threads": None,
+    "probe.intervention_tokens": None,  # every probe token was intervened on
     "val_seed": None,
     "data.val_seed": None,
 }

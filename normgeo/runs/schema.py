@@ -169,8 +169,9 @@ class ProbeSchema:
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: int = doc(DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this many "
-                                   "probe tokens (whole windows; the angles keep probe.tokens)", ge=1)
+    intervention_tokens: int | None = doc(DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this "
+                                          "many probe tokens (whole windows; the angles keep probe.tokens); "
+                                          "null: all of them", ge=1)
 
 
 @dataclass
