@@ -102,5 +102,6 @@ def test_every_train_key_has_a_doc_in_help() -> None:
     groups = done.stdout.split("== Configuration groups ==")[1].split("==")[0]
     assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups  # analyze's presets stay out
     for line in ("optim.lr: float = (from conf/)  # peak learning rate (a finite number > 0)",
-                 "checkpoint.steps: list[int] | None = null", "seed: int = 0  # weights, data order and dropout (an integer in [0, 4294967295])"):
+                 "checkpoint.steps: list[int] | None = null", "seed: int = 0  # initial weights and dropout; also the batch order through data.seed (default: seed) "
+                 "(an integer in [0, 4294967295])"):
         assert line in done.stdout
