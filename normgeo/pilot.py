@@ -37,8 +37,9 @@ import pandas as pd
 import torch
 
 from corpus.atomic import atomic_write_text
-from corpus.prepare import load_prepared
+from corpus.prepare import PreparedData, load_prepared
 from corpus.stream import TokenWindows
+from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
 from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
@@ -79,6 +80,8 @@ class Split:
     sd_study: float | None
     seeds_equivalence: int | None
     seeds_difference: int | None
+    mean_final: float  # the runs' mean final validation loss (nats)
+    unigram: float | None  # the validation targets' unigram cross-entropy (corpus.unigram)
 
 
 def run_table(root: Path, metric: str) -> pd.DataFrame:
@@ -118,23 +121,36 @@ def sd_of(values: Sequence[float]) -> float | None:
     return statistics.stdev(values) if len(values) >= 2 else None
 
 
-def window_losses(run_dir: Path) -> np.ndarray:
-    """The run's last checkpoint, scored window by window on the validation windows it was validated on (the
-    data module's draw: ``val_seed``, else ``seed``; ``val_sequences`` rounded to whole micro-batches)."""
-    config = load_run_config(run_dir) or {}
-    data = config["data"]
-    checkpoints = run_dir / "checkpoints"
-    last = checkpoints / "last.ckpt"
-    found = last if last.is_file() else max(checkpoints.glob("step-*.ckpt"), default=None)
-    if found is None:
-        raise PilotError(f"{run_dir}: no checkpoint to score the validation windows with")
-    model, _, _ = load_checkpoint(found)
+def validation_windows(run_dir: Path) -> tuple[PreparedData, TokenWindows, int, int]:
+    """(the prepared data, the windows, their count, the micro-batch) of the run's validation: the data module's
+    draw (``val_seed``, else ``seed``; ``val_sequences`` rounded to whole micro-batches)."""
+    data = (load_run_config(run_dir) or {})["data"]
     prepared = load_prepared(data["directory"], tokenizer=data.get("tokenizer", "gpt2"))
     micro = int(data["micro_batch"])
     count = max(micro, int(data["val_sequences"]) // micro * micro)
     seed = data.get("val_seed")
     windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(data["seq_len"]), count,
                            int(data["seed"] if seed is None else seed))
+    return prepared, windows, count, micro
+
+
+def unigram_baseline(run_dir: Path) -> float:
+    """The unigram cross-entropy (nats) of the run's validation targets under its training split's token
+    frequencies (:mod:`corpus.unigram`): what learning the frequencies alone reaches."""
+    prepared, windows, count, _ = validation_windows(run_dir)
+    targets = np.stack([windows[i][1].numpy() for i in range(count)])
+    return unigram_cross_entropy(prepared, targets)
+
+
+def window_losses(run_dir: Path) -> np.ndarray:
+    """The run's last checkpoint, scored window by window on the validation windows it was validated on."""
+    checkpoints = run_dir / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    found = last if last.is_file() else max(checkpoints.glob("step-*.ckpt"), default=None)
+    if found is None:
+        raise PilotError(f"{run_dir}: no checkpoint to score the validation windows with")
+    model, _, _ = load_checkpoint(found)
+    _, windows, count, micro = validation_windows(run_dir)
     losses = []
     with torch.no_grad():
         for start in range(0, count, micro):
@@ -200,9 +216,10 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     margin = config.margin(name)
     seeds_eq = seeds_for_equivalence(sd_study, margin, alpha=config.alpha) if sd_study else None
     seeds_diff = seeds_for_difference(sd_study, margin, alpha=config.alpha) if sd_study else None
+    unigram = unigram_baseline(Path(base["arm_run"].iloc[0])) if score_windows and not base.empty else None
     split = Split(name, arm, other, margin, sd_w, len(weights), sd_b, len(batches), sd_fp, len(moved),
                   max(arm_moves) if arm_moves else None, sd_val, windows, gap, sd_arm, sd_other, correlation,
-                  sd_study, seeds_eq, seeds_diff)
+                  sd_study, seeds_eq, seeds_diff, float(runs["final"].mean()), unigram)
     return split, runs
 
 
@@ -228,6 +245,9 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
              "removes 2 ρ sd sd of the variance: near 0, the arms' runs decorrelate and the pairing buys nothing).",
              f"- The thread count moved one arm's `{s.metric}` by at most {_n(s.largest_fp_move)} nats "
              f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g}).",
+             f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the {len(runs)} runs; "
+             f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
+             f"smoothing) is {_n(s.unigram, '.3f')}.",
              f"- Check: the checkpoints scored on the validation windows differ from the logged final difference by "
              f"{_n(s.checkpoint_gap, '+.5f')} nats.",
              f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds per arm to "

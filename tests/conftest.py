@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("NORMGEO_SHARED", ROOT.parent / "shared")).resolve()
@@ -59,15 +61,12 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int =
     return result
 
 
-def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
-    """``python <script>.py <args>`` (train | analyze) in this process: the same Hydra main, its exit code and
-    stderr; a few hundred ms where a subprocess takes seconds (tests/test_ranges.py runs ~100)."""
-    import importlib
-
-    from hydra.core.global_hydra import GlobalHydra
-
+def run_entry_point(script: str, args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``python <script>.py <args>`` (train | analyze) in this process: the same Hydra main, its exit code,
+    stdout and stderr; a few hundred ms where a subprocess takes seconds (tests/test_ranges.py runs ~100)."""
     module = importlib.import_module(script)
     argv = sys.argv
+    capsys.readouterr()
     GlobalHydra.instance().clear()
     sys.argv = [f"{script}.py", *args]
     try:
@@ -78,7 +77,21 @@ def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
     finally:
         sys.argv = argv
         GlobalHydra.instance().clear()
-    return code, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([f"{script}.py", *args], code, out, err)
+
+
+def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
+    """:func:`run_entry_point`'s exit code and stderr."""
+    done = run_entry_point(script, args, capsys)
+    return done.returncode, done.stderr
+
+
+def train_in_process(run_dir: Path, *overrides: str, capsys) -> subprocess.CompletedProcess:
+    """:func:`run_train`'s command line through train.py's main in this process: for the refusals and no-ops
+    that end before training starts (a real process is still needed for DDP, signals or another environment)."""
+    return run_entry_point("train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides],
+                           capsys)
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

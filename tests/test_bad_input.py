@@ -1,7 +1,7 @@
 """The bad-input table of docs/reliability.md is the contract: every row is tried here.
 
 Every row composes in-process (Hydra ``compose`` + normgeo.runs.schema's check, fast); the starred rows also
-run as real ``python train.py``/``analyze.py`` subprocesses for the exit code and "nothing written".
+run through the scripts' Hydra main for the exit code and "nothing written", a few as real subprocesses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, call_entry_point
 
 ROW = re.compile(r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> \*)? \| `(?P<message>[^`]*)`.*\| (?P<exit>\d) \|$")
 
@@ -70,18 +70,43 @@ def test_each_bad_input_is_refused_at_compose_time_with_its_message(row: dict) -
         assert part in message, message
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("row", [r for r in ROWS if r["star"]], ids=lambda r: f"{r['script']} {r['args']}")
-def test_starred_bad_inputs_exit_2_and_leave_nothing_behind(row: dict, tmp_path: Path) -> None:
-    output_root, data_root = tmp_path / "out", tmp_path / "data"
-    args = [sys.executable, str(ROOT / f"{row['script']}.py"), *row["args"].split(), f"output_root={output_root}"]
-    if row["script"] == "train":
-        args += ["experiment=smoke", f"data_root={data_root}"]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == int(row["exit"]), done.stderr[-3000:]
+# The starred rows run through the scripts' Hydra main in this process (call_entry_point: the exit code and
+# stderr a subprocess gets, a second instead of seven); these few also as real subprocesses, one per kind of
+# refusal (Hydra's merge, the schema's check, a start check), for the process's own exit code.
+SUBPROCESS_ROWS = ("optim.lr=abc", "trainer.devices=0", "data=local data.source.path=/dev/zero", "model.seq_len=0")
+
+
+def check_refused(row: dict, code: int, stderr: str, output_root: Path, data_root: Path) -> None:
+    assert code == int(row["exit"]), stderr[-3000:]
     for part in row["message"].replace("<data_root>", str(data_root)).split(" ... "):
-        assert part in done.stderr, done.stderr[-3000:]
+        assert part in stderr, stderr[-3000:]
     assert not output_root.exists() or not any(output_root.iterdir()), sorted(output_root.rglob("*"))
+
+
+def starred_args(row: dict, output_root: Path, data_root: Path) -> list[str]:
+    args = [*row["args"].split(), f"output_root={output_root}"]
+    return args + (["experiment=smoke", f"data_root={data_root}"] if row["script"] == "train" else [])
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["star"]], ids=lambda r: f"{r['script']} {r['args']}")
+def test_starred_bad_inputs_exit_2_and_leave_nothing_behind(row: dict, tmp_path: Path, capsys) -> None:
+    output_root, data_root = tmp_path / "out", tmp_path / "data"
+    code, stderr = call_entry_point(row["script"], starred_args(row, output_root, data_root), capsys)
+    check_refused(row, code, stderr, output_root, data_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", [r for r in ROWS if r["star"] and r["args"] in SUBPROCESS_ROWS],
+                         ids=lambda r: f"{r['script']} {r['args']}")
+def test_starred_bad_inputs_as_real_processes(row: dict, tmp_path: Path) -> None:
+    output_root, data_root = tmp_path / "out", tmp_path / "data"
+    args = [sys.executable, str(ROOT / f"{row['script']}.py"), *starred_args(row, output_root, data_root)]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    check_refused(row, done.returncode, done.stderr, output_root, data_root)
+
+
+def test_every_subprocess_row_is_a_starred_row() -> None:
+    assert set(SUBPROCESS_ROWS) <= {r["args"] for r in ROWS if r["star"]}
 
 
 def test_the_device_count_is_checked_against_the_global_batch(tmp_path: Path) -> None:

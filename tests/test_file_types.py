@@ -22,7 +22,7 @@ from corpus.tokenize import tiktoken_encoding
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_train, train_in_process
 
 CSV_ROW = "Another row of comma separated text about the quick brown fox"
 PROSE = "The quick brown fox jumps over the lazy dog, again and again. " * 200
@@ -153,11 +153,11 @@ def test_python_m_corpus_refuses_other_types_and_prepares_them_with_the_option(t
 
 
 @pytest.mark.slow
-def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_option(tmp_path: Path) -> None:
+def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_option(tmp_path: Path, capsys) -> None:
     folder = csv_and_py(tmp_path / "mixed")
     run_dir, data_root = tmp_path / "run", tmp_path / "data"
     args = ("data=local", f"data.source.path={folder}", "data.val_fraction=0.05", "max_steps=2", "probe.enabled=false")
-    refused = run_train(run_dir, *args, check=False)
+    refused = train_in_process(run_dir, *args, capsys=capsys)
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = error_lines(refused.stderr)
     assert "3 files of unsupported types (.csv: 2, .py: 1)" in line
@@ -169,10 +169,10 @@ def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_op
 
 
 @pytest.mark.slow
-def test_probe_local_refuses_other_types_before_writing(tmp_path: Path) -> None:
+def test_probe_local_refuses_other_types_before_writing(tmp_path: Path, capsys) -> None:
     folder = csv_and_py(tmp_path / "mixed")
     run_dir = tmp_path / "run"
-    refused = run_train(run_dir, "probe=local", f"probe.path={folder}", "max_steps=2", check=False)
+    refused = train_in_process(run_dir, "probe=local", f"probe.path={folder}", "max_steps=2", capsys=capsys)
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = error_lines(refused.stderr)
     assert line.endswith("3 files of unsupported types (.csv: 2, .py: 1); supported: .jsonl, .json, .parquet, "

@@ -155,8 +155,9 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     run_dir = tmp_path / "run"
     # 4,000 validation windows one at a time (the most the pydoc split's ~5,000 tokens allow, with room to spare
     # for another CPython's docs): thousands of forward passes, tens of seconds.
+    # No probe: at step 5 it would come before the validation, and on a loaded machine outlast the 3 s wait.
     settings = ("max_steps=8", "val_every=5", "val_sequences=4000", "micro_batch=1", "checkpoint.steps=[5]",
-                "checkpoint.last_every=1")
+                "checkpoint.last_every=1", "probe.enabled=false")
     last = run_dir / "checkpoints" / "last.ckpt"
     err_path = tmp_path / "validation.stderr"
     with open(err_path, "w") as err:
@@ -202,14 +203,14 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
 
 
 def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tmp_path: Path) -> None:
-    """Issue 27: the probe at a scheduled step (here 50,000 tokens) is abandoned on SIGTERM within seconds;
+    """Issue 27: the probe at a scheduled step (here 16,384 tokens, seconds) is abandoned on SIGTERM within seconds;
     last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that step
     first (the same weights), so that angles.jsonl has every scheduled step."""
     from normgeo.measure.records import recorded_steps
 
     run_dir = tmp_path / "run"
     # A long probe of the angles alone (the intervention's extra forwards would only make its resume slower).
-    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=50000",
+    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=16384",
                 "probe.intervention=[]")
     last = run_dir / "checkpoints" / "last.ckpt"
     err_path = tmp_path / "probe.stderr"

@@ -18,7 +18,7 @@ from normgeo.measure.pipeline import probe_angles
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.records import read_rows
 from normgeo.measure.stats import QUANTILES
-from tests.conftest import run_train
+from tests.conftest import run_train, train_in_process
 
 
 def tiny(norm: str, placement: str = "pre") -> GPT:
@@ -121,7 +121,7 @@ def test_probe_streams_energy_at_every_norm_input() -> None:
 
 
 @pytest.mark.slow
-def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path) -> None:
+def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
     run_train(run_dir, "norm=rms_bias", "placement=post", "max_steps=2", "checkpoint.steps=[2]")
     ellipsoid, energy = read_rows(run_dir / "ellipsoid.jsonl"), read_rows(run_dir / "energy.jsonl")
@@ -130,7 +130,7 @@ def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path) -
     assert all(r["bias_ones_deg"] is not None for r in ellipsoid if r["step"] == 2)  # the bias has moved
     assert {r["quantity"] for r in energy} == set(QUANTITIES) and all(0 <= r["mean"] <= 1 for r in energy
                                                                         if r["quantity"] == "ones_fraction")
-    refused = run_train(tmp_path / "bad", "placement=sandwich", check=False)
+    refused = train_in_process(tmp_path / "bad", "placement=sandwich", capsys=capsys)
     assert refused.returncode != 0 and "placement" in refused.stderr
 
 

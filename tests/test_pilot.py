@@ -4,17 +4,21 @@ initial weights, the batch order and the thread count varied one at a time, and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from corpus.datamodule import TokenDataModule
 from corpus.stream import TokenWindows
 from normgeo.pilot import main as pilot_main
+from normgeo.pilot import validation_windows
 from normgeo.plan import main as plan_main
 from tests.conftest import ROOT
 
@@ -50,6 +54,24 @@ def test_the_pilot_splits_the_paired_sd_by_source(pilot: Path) -> None:
     assert split["sd_validation"] > 0 and split["sd_study"] >= max(split["sd_weights"], split["sd_batches"])
     assert split["seeds_equivalence"] >= 2 and "--seeds-for val_loss/tail=0.02" in (pilot / "pilot.md").read_text()
     assert "'run_name=pilot-${norm.name}" in (pilot / "commands.txt").read_text()
+
+
+@pytest.mark.slow
+def test_the_unigram_baseline_is_the_validation_targets_cross_entropy_under_the_train_counts(pilot: Path) -> None:
+    """An independent count: a Counter over train.bin, add-half over the vocabulary, the run's own windows."""
+    split = json.loads((pilot / "pilot.json").read_text())
+    run = next(pilot.glob("pilot-layer-w0-b0-t1"))
+    _, windows, count, _ = validation_windows(run)
+    directory = next((pilot / "data").glob("local-*"))
+    meta = json.loads((directory / "meta.json").read_text())
+    train = np.fromfile(directory / "train.bin", dtype=np.uint16)
+    counts = Counter(train.tolist())
+    total = len(train) + 0.5 * meta["vocab_size"]
+    targets = [int(t) for i in range(count) for t in windows[i][1]]
+    expected = -sum(math.log((counts.get(t, 0) + 0.5) / total) for t in targets) / len(targets)
+    assert split["unigram"] == pytest.approx(expected, rel=1e-9)
+    assert 0 < split["unigram"] < math.log(meta["vocab_size"])  # the frequencies say more than a uniform guess
+    assert "unigram cross-entropy (the training split's token frequencies" in (pilot / "pilot.md").read_text()
 
 
 @pytest.mark.slow

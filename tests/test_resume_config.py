@@ -24,7 +24,7 @@ from normgeo.runs.run_config import (
     save_run_config,
     verify_run_config,
 )
-from tests.conftest import run_train, step_losses
+from tests.conftest import FAST, call_entry_point, run_train, step_losses
 
 # 4 steps, no probe (it is not what is tested here, and each session is a subprocess on 2 CPU cores).
 COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
@@ -227,15 +227,17 @@ def snapshot(run_dir: Path) -> dict[str, tuple[int, bytes]]:
 )
 @pytest.mark.slow
 def test_a_changed_experiment_is_refused_and_leaves_the_run_untouched(
-    stopped_run: Path, overrides: list[str], expected: list[str]
+    stopped_run: Path, overrides: list[str], expected: list[str], capsys
 ) -> None:
+    """Through train.py's Hydra main in this process (conftest.call_entry_point: its exit code and stderr)."""
     assert (stopped_run / RUN_CONFIG_FILE).exists()
     before = snapshot(stopped_run)
-    result = run_train(stopped_run, *COMMON, "resume=auto", *overrides, check=False)
-    assert result.returncode == 2, result.stderr[-3000:]
+    code, stderr = call_entry_point("train", [*FAST, f"run_dir={stopped_run}", f"data_root={stopped_run.parent / 'data'}",
+                                              *COMMON, "resume=auto", *overrides], capsys)
+    assert code == 2, stderr[-3000:]
     for line in expected:
-        assert line in result.stderr, result.stderr[-3000:]
-    assert "run_name=" in result.stderr and "original values" in result.stderr
+        assert line in stderr, stderr[-3000:]
+    assert "run_name=" in stderr and "original values" in stderr
     assert snapshot(stopped_run) == before
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint, run_traces
-from tests.conftest import run_train
+from tests.conftest import run_train, train_in_process
 from tests.test_start_faults import assert_refused, sha_tree
 
 SMOKE = ("experiment=smoke", "max_steps=3")
@@ -36,9 +36,9 @@ def test_an_empty_or_missing_folder_starts_fresh_and_one_with_logs_is_refused(tm
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path) -> None:
+def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path, capsys) -> None:
     before = sha_tree(finished_smoke)
-    result = run_train(finished_smoke, *SMOKE, "resume=auto", check=False)
+    result = train_in_process(finished_smoke, *SMOKE, "resume=auto", capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines() == [f"{finished_smoke}: already finished at step 3; nothing to do"]
     assert "Traceback" not in result.stderr
@@ -46,12 +46,13 @@ def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_smoke: Path, tmp_path: Path) -> None:
+def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_smoke: Path, tmp_path: Path,
+                                                                      capsys) -> None:
     run_dir = tmp_path / "smoke-layer-s0"
     shutil.copytree(finished_smoke, run_dir)
     shutil.rmtree(run_dir / "checkpoints")  # deleted, or a run killed before its first checkpoint
     before = sha_tree(run_dir)
-    result = run_train(run_dir, *SMOKE, "resume=auto", check=False)
+    result = train_in_process(run_dir, *SMOKE, "resume=auto", capsys=capsys)
     assert_refused(result, str(run_dir), "no checkpoint to resume from", f"run_dir={tmp_path / 'smoke-layer-s0-2'}")
     assert "resume=auto" not in result.stderr.strip().splitlines()[-1].split("Start it fresh elsewhere:")[1]
     assert sha_tree(run_dir) == before

@@ -14,7 +14,7 @@ import pytest
 from callbacks.checkpointing import CheckpointSchedule
 from normgeo.measure.records import read_rows
 from normgeo.status import main as status_main
-from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, run_train, step_losses
+from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, step_losses, train_in_process
 
 
 def test_schedule_always_ends_with_the_final_step() -> None:
@@ -33,15 +33,15 @@ def test_the_final_step_off_the_schedule_is_checkpointed_probed_and_figured(arms
 
 
 @pytest.mark.slow
-def test_a_refused_launch_leaves_hydra_files_and_log_untouched(arms_sweep, tmp_path: Path) -> None:
+def test_a_refused_launch_leaves_hydra_files_and_log_untouched(arms_sweep, tmp_path: Path, capsys) -> None:
     root, _, _ = arms_sweep
     run = root / "tiny-layer-s0"
     before = {p: p.read_bytes() for p in [*run.glob(".hydra/*"), run / "train.log"]}
-    refused = run_train(run, "max_steps=20", check=False)
+    refused = train_in_process(run, "max_steps=20", capsys=capsys)
     assert refused.returncode == 2 and "already holds a run" in refused.stderr
     assert {p: p.read_bytes() for p in [*run.glob(".hydra/*"), run / "train.log"]} == before
     # A refused resume that would change the experiment: same guarantee.
-    refused = run_train(run, *ARM_SETTINGS, "resume=auto", "optim.lr=0.5", check=False)
+    refused = train_in_process(run, *ARM_SETTINGS, "resume=auto", "optim.lr=0.5", capsys=capsys)
     assert refused.returncode == 2 and "optim.lr" in refused.stderr
     assert {p: p.read_bytes() for p in [*run.glob(".hydra/*"), run / "train.log"]} == before
 

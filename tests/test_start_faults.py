@@ -17,7 +17,7 @@ import pytest
 
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.start import StartError, check_writable_folder, restore, take_snapshot
-from tests.conftest import FAST, ROOT, run_train
+from tests.conftest import FAST, ROOT, run_train, train_in_process
 
 
 def sha_tree(folder: Path) -> dict[str, str] | None:
@@ -118,9 +118,9 @@ def test_a_run_dir_under_a_file_is_refused_before_anything_is_created(tmp_path: 
     ("seq_len=10000 probe.tokens=20000", ("val.bin has", "tokens: too few for sequences of 10000")),
 ], ids=["probe-text-too-short", "data-too-short-for-seq_len"])
 def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace: Path, override: str,
-                                                                      parts: tuple[str, ...]) -> None:
+                                                                      parts: tuple[str, ...], capsys) -> None:
     run_dir = workspace / f"fresh-{override.split('=')[0]}"
-    done = run_train(run_dir, *override.split(), check=False)
+    done = train_in_process(run_dir, *override.split(), capsys=capsys)
     assert_refused(done, *parts)
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
     # The corrected command is not refused for what the failed one left behind (before: run_config.yaml).
@@ -129,7 +129,7 @@ def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace
 
 
 @pytest.mark.slow
-def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(workspace: Path) -> None:
+def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(workspace: Path, capsys) -> None:
     text = workspace / "probe-text"
     text.mkdir()
     for index in range(12):
@@ -141,7 +141,7 @@ def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(wo
     for path in sorted(text.iterdir())[2:]:
         path.unlink()
     before = sha_tree(run_dir)
-    done = run_train(run_dir, *probe, "resume=auto", check=False)
+    done = train_in_process(run_dir, *probe, "resume=auto", capsys=capsys)
     assert_refused(done, "the probe corpus has only", "but 2,000 were asked for", "lower probe.tokens")
     assert sha_tree(run_dir) == before  # before: it trained on and failed at the next probe (exit 1)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from normgeo.measure.records import read_rows
-from tests.conftest import ROOT, run_train, step_losses
+from tests.conftest import ROOT, run_train, step_losses, train_in_process
 
 
 def load(path: Path) -> dict:
@@ -85,14 +85,14 @@ def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> Non
 
 
 @pytest.mark.slow
-def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path) -> None:
+def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capsys) -> None:
     common = ["max_steps=8", "checkpoint.steps=[3,6]", "checkpoint.last_every=1"]
     whole = tmp_path / "whole"
     run_train(whole, *common)
     split = tmp_path / "split"
     run_train(split, *common, "stop_at_step=4")
     assert load(split / "checkpoints" / "last.ckpt")["global_step"] == 4
-    refused = run_train(split, *common, check=False)
+    refused = train_in_process(split, *common, capsys=capsys)
     assert refused.returncode == 2 and "resume=auto" in refused.stderr
     run_train(split, *common, "resume=auto")
     assert step_losses(split) == step_losses(whole)
@@ -159,27 +159,27 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     [("norm=foo", ["layer", "rms"]), ("size=3b", ["1b", "410m", "70m", "tiny"]), ("trainer=tpu", ["ddp", "fsdp"])],
 )
 @pytest.mark.slow
-def test_unknown_options_list_the_valid_ones(tmp_path: Path, override: str, expected: list[str]) -> None:
-    result = run_train(tmp_path / "bad", override, check=False)
+def test_unknown_options_list_the_valid_ones(tmp_path: Path, override: str, expected: list[str], capsys) -> None:
+    result = train_in_process(tmp_path / "bad", override, capsys=capsys)
     assert result.returncode != 0
     assert all(choice in result.stderr for choice in expected), result.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_missing_openwebtext_names_the_prepare_command(tmp_path: Path) -> None:
-    result = run_train(tmp_path / "owt", "data=openwebtext", check=False)
+def test_missing_openwebtext_names_the_prepare_command(tmp_path: Path, capsys) -> None:
+    result = train_in_process(tmp_path / "owt", "data=openwebtext", capsys=capsys)
     assert result.returncode == 2
     assert "python -m corpus data=openwebtext" in result.stderr
 
 
 @pytest.mark.slow
-def test_truncated_training_data_is_refused_before_training(tmp_path: Path) -> None:
+def test_truncated_training_data_is_refused_before_training(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "first"
     run_train(run_dir, "max_steps=1", "probe.enabled=false")
     train_bin = tmp_path / "data" / "pydoc" / "train.bin"
     with open(train_bin, "r+b") as handle:
         handle.truncate(train_bin.stat().st_size // 2)
-    result = run_train(tmp_path / "second", "max_steps=1", "probe.enabled=false", check=False)
+    result = train_in_process(tmp_path / "second", "max_steps=1", "probe.enabled=false", capsys=capsys)
     assert result.returncode == 2 and "truncated" in result.stderr
     assert not (tmp_path / "second" / "checkpoints").exists()
 
