@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
+from xdist.scheduler import LoadFileScheduling
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("NORMGEO_SHARED", ROOT.parent / "shared")).resolve()
@@ -28,6 +29,32 @@ def shared() -> Path:
     if not (SHARED / "corpora").is_dir():
         pytest.skip(f"the shared test data folder {SHARED} is missing (set NORMGEO_SHARED)")
     return SHARED
+
+
+# Under pytest-xdist's ``--dist loadfile`` (the README's command) each file runs on one worker, so its module
+# fixtures are built once; the files that share one of these session fixtures also run on one worker, so that
+# the fixture is built once per suite instead of once per worker (tens of seconds each).
+# tests/test_layout.py checks this table against the fixtures each file uses.
+SHARED_FIXTURE_FILES = {
+    "arms_sweep": ("test_compare.py", "test_loggers.py", "test_readers.py", "test_run_state.py",
+                   "test_sweep_readers.py"),
+    "pretrained": ("test_analyze.py", "test_norm_sites.py", "test_pretrained.py"),
+}
+SHARED_FIXTURE_OF_GROUP = {"arms_sweep": ("arms_sweep",),
+                           "pretrained": ("smollm2_model_and_tokenizer", "minilm_model_and_tokenizer")}
+
+
+class SharedFixtureScheduling(LoadFileScheduling):
+    """``loadfile`` with the files of one SHARED_FIXTURE_FILES group as one unit of work."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        name = Path(path).name
+        return next((group for group, files in SHARED_FIXTURE_FILES.items() if name in files), path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadFileScheduling | None:
+    return SharedFixtureScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 # Small, fast settings for real training runs on CPU (2 layers, d=32, 64-token context).

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ast
+import re
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SHARED_FIXTURE_FILES, SHARED_FIXTURE_OF_GROUP
 
 # Lowest first: a module may import from its own floor and the floors below, never above.
 FLOORS = ("corpus", "models", "normgeo", "callbacks")
@@ -160,3 +161,11 @@ def test_normgeo_subpackages_import_down_their_floors() -> None:
         if imported.startswith("normgeo.") and (floor(imported) is None or floor(imported) > floor(name))
     ]
     assert upward == []
+
+
+def test_the_files_sharing_a_session_fixture_are_scheduled_together() -> None:
+    """conftest.SHARED_FIXTURE_FILES names exactly the test files that use each shared session fixture."""
+    for group, fixtures in SHARED_FIXTURE_OF_GROUP.items():
+        users = {path.name for path in (ROOT / "tests").glob("test_*.py")
+                 if any(re.search(rf"\b{fixture}\b", path.read_text()) for fixture in fixtures)}
+        assert users == set(SHARED_FIXTURE_FILES[group]), group
