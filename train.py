@@ -54,7 +54,7 @@ from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_config
-from normgeo.runs.schema import costly_values, unmeasured_values
+from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import (  # noqa: F401
     DIVERGED,
     Refused,
@@ -243,6 +243,8 @@ def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence
         log.info("%s", describe_run(cfg, trainer, module))
         for line in costly_values(cfg, probes=len(schedule) + 1):  # legal but costly values, one line each
             log.warning("costly: %s", line)
+        for line in odd_values(cfg):  # valid but probably not meant: said once, the run goes on as asked
+            log.warning("odd: %s", line)
         for line in unmeasured_values(cfg):  # asked for, but nothing to measure: said once, the run goes on
             log.warning("nothing measured: %s", line)
     if ckpt_path:

@@ -11,7 +11,7 @@
 #   # defaults: outputs/pilot (deleted first), ../shared/corpora/webtext; PILOT_SEEDS=K (4), PILOT_FP=F (2)
 #   PILOT_OVERRIDES="optim.min_lr_ratio=0 global_batch=16" bash docs/make_pilot.sh   # a candidate design
 #   PILOT_OVERRIDES="max_steps=6 optim.warmup_steps=0 checkpoint.steps=[6] val_every=3" bash docs/make_pilot.sh /tmp/p  # a dry run
-#   PILOT_JOBS=2 bash docs/make_pilot.sh    # the 1-thread runs on 2 lanes side by side (the 2-thread runs alone)
+#   PILOT_JOBS=2 bash docs/make_pilot.sh    # the runs on 2 lanes side by side
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/pilot}
@@ -28,28 +28,28 @@ COMMON=(experiment=study_cpu probe.enabled=false data.source.path="$WEBTEXT" out
         "'run_name=pilot-\${norm.name}-w\${seed}-b\${data.seed}-t\${threads}'" trainer.enable_progress_bar=false
         ${PILOT_OVERRIDES:-})
 PREPARE="python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
-run() {  # one (seed, data.seed, threads): both arms
-  echo "python train.py -m seed=$1 data.seed=$2 threads=$3 norm=layer,rms ${COMMON[*]}"
+run() {  # one run: arm $1, seed $2, data.seed $3, threads $4
+  echo "python train.py seed=$2 data.seed=$3 threads=$4 norm=$1 ${COMMON[*]}"
 }
-ONE=()  # the 1-thread runs: weights, then batch order
-for ((s = 0; s < K; s++)); do ONE+=("$(run $s 0 1)"); done
-for ((b = 1; b < K; b++)); do ONE+=("$(run 0 $b 1)"); done
-TWO=()
-for ((s = 0; s < F; s++)); do TWO+=("$(run $s 0 2)"); done
+RUNS=()  # initial weights, then batch order, then the same runs at another thread count; both arms each
+for ((s = 0; s < K; s++)); do for arm in layer rms; do RUNS+=("$(run $arm $s 0 1)"); done; done
+for ((b = 1; b < K; b++)); do for arm in layer rms; do RUNS+=("$(run $arm 0 $b 1)"); done; done
+for ((s = 0; s < F; s++)); do for arm in layer rms; do RUNS+=("$(run $arm $s 0 2)"); done; done
 PILOT="python -m normgeo.pilot $OUT"
-{ echo "$PREPARE"; printf '%s\n' "${ONE[@]}" "${TWO[@]}"; echo "$PILOT"; } > "$OUT/commands.txt"
+{ echo "$PREPARE"; printf '%s\n' "${RUNS[@]}"; echo "$PILOT"; } > "$OUT/commands.txt"
 echo "+ $PREPARE"
 $PREPARE
+# The runs go round-robin onto the lanes. A run's numbers depend on its thread count, not on what else shares
+# the machine, so the 2-thread runs may share the cores with another lane: only the wall time changes.
 lane() {
   local i
-  for ((i = 0; i < ${#ONE[@]}; i++)); do
-    if [ $(( i % JOBS )) -eq "$1" ]; then echo "+ [lane $1] ${ONE[$i]}"; eval "${ONE[$i]}"; fi
+  for ((i = 0; i < ${#RUNS[@]}; i++)); do
+    if [ $(( i % JOBS )) -eq "$1" ]; then echo "+ [lane $1] ${RUNS[$i]}"; eval "${RUNS[$i]}"; fi
   done
 }
 pids=()
 for ((l = 0; l < JOBS; l++)); do lane $l & pids+=($!); done
 for pid in "${pids[@]}"; do wait "$pid"; done
-for command in "${TWO[@]}"; do echo "+ $command"; eval "$command"; done
 echo "$(( $(date +%s) - start ))" > "$OUT/wall_s.txt"
 echo "+ $PILOT"
 $PILOT

@@ -72,7 +72,7 @@ FAST = [
     "log_every=1",
     "val_every=1000",
     "probe.tokens=512",
-    "optim.warmup_steps=0",  # size=tiny warms up for 20 steps: more than these short runs have (a refused config)
+    "optim.warmup_steps=0",  # size=tiny warms up for 20 steps: more than these short runs have (an odd config)
 ]
 
 

@@ -85,7 +85,7 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
         "global_batch=4",
         "micro_batch=2",
         "max_steps=2",
-        "optim.warmup_steps=0",  # fewer warm-up steps than max_steps (the schema's cross-key rule), and
+        "optim.warmup_steps=0",  # fewer warm-up steps than max_steps (else a warning at start), and
         "optim.lr=1e-6",  # about the rate the paper's 500-1000 warm-up steps give their first steps
         "probe.tokens=128",
         "logger=csv",  # wandb (the paper's logger) runs offline in test_training.py

@@ -6,6 +6,7 @@ per case would take minutes); a few of the same cases run as real subprocesses (
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import typing
@@ -104,7 +105,6 @@ def check_train_refusal(overrides: list[str], tmp_path: Path, capsys) -> str:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["max_steps=3"], "error: optim.warmup_steps=20: expected fewer warm-up steps than max_steps=3"),
     (["checkpoint.steps=[100,500]"], "error: checkpoint.steps=[100, 500]: step 500 is beyond max_steps=200"),
     (["probe.tokens=300"], "error: probe.tokens=300: expected at least 2 sequences of seq_len=256 (512 tokens)"),
     (["probe.bootstrap.block=9"], "error: probe.bootstrap.block=9: the probe's 16 sequences (probe.tokens=4096 / "
@@ -114,6 +114,25 @@ def test_cross_key_rules_are_refused_by_the_entry_point(overrides: list[str], me
                                                         capsys) -> None:
     assert check_train_refusal(overrides, tmp_path, capsys).startswith(message)
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (["experiment=smoke", "max_steps=10"], "optim.warmup_steps=20 is not fewer than max_steps=10: the learning rate "
+                                           "rises for the whole run and never reaches its peak"),
+    (["experiment=smoke", "max_steps=4", "optim.warmup_steps=4"], "reaches its peak only at the last step"),
+])
+def test_a_warm_up_as_long_as_the_run_is_odd_not_refused(overrides: list[str], words: str, tmp_path: Path,
+                                                         capsys) -> None:
+    """Issue 34: `python train.py experiment=smoke max_steps=10` was refused (the preset warms up for 20 steps);
+    now one warning line at start (read from the run's train.log, which holds what the console shows), and
+    the run trains to its end."""
+    run_dir = tmp_path / "run"
+    code, err = call_entry_point("train", [*overrides, f"run_dir={run_dir}", f"data_root={tmp_path / 'data'}",
+                                           "probe.enabled=false", "trainer.enable_progress_bar=false"], capsys)
+    assert code == 0, err[-3000:]
+    (line,) = [line for line in (run_dir / "train.log").read_text().splitlines() if "odd: " in line]
+    assert words in line and "(0: none) warms up, then decays" in line
+    assert json.loads((run_dir / "summary.json").read_text())["finished"]
 
 
 def test_more_validation_windows_than_the_split_holds_are_refused_once_the_data_is_prepared(tmp_path: Path,

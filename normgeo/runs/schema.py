@@ -129,7 +129,7 @@ class SizeSchema:
 class OptimSchema:
     lr: float = doc(MISSING, "peak learning rate", gt=0)
     min_lr_ratio: float = doc(0.1, "cosine decay ends at this fraction of the peak", ge=0, le=1)
-    warmup_steps: int = doc(MISSING, "linear warm-up steps (0: none); fewer than max_steps", ge=0)
+    warmup_steps: int = doc(MISSING, "linear warm-up steps (0: none); not fewer than max_steps: a warning", ge=0)
     weight_decay: float = doc(0.1, "AdamW weight decay on matrices", ge=0)
     betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values", ge=0, lt=1)
 
@@ -379,10 +379,6 @@ def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
     """The rules between train.py's keys, in one place; ``val_tokens``: the prepared validation split's
     tokens (its size rule applies once the data is prepared, normgeo.runs.start)."""
     max_steps = cfg.max_steps
-    warmup = cfg.optim.warmup_steps
-    _expect(warmup == 0 or warmup < max_steps, "optim.warmup_steps", warmup,
-            f"fewer warm-up steps than max_steps={max_steps} (else the learning rate never reaches its peak); "
-            "lower optim.warmup_steps (0: no warm-up)")
     steps = cfg.checkpoint.steps
     if steps is not None and (beyond := [s for s in steps if s > max_steps]):
         raise ConfigError(f"checkpoint.steps={_shown(steps)}: step {beyond[0]} is beyond max_steps={max_steps}; "
@@ -425,6 +421,17 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
         lines.append(f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, {cfg.max_steps / preset:,.0f}x "
                      f"the {preset:,} steps of size={cfg.size.name}")
     return lines
+
+
+def odd_values(cfg: DictConfig) -> list[str]:
+    """One line per setting that is valid but probably not what was meant (the run goes on as asked): a
+    warm-up as long as the run or longer, whose learning rate reaches its peak late or never decays."""
+    warmup, max_steps = cfg.optim.warmup_steps, cfg.max_steps
+    if warmup and warmup >= max_steps:
+        return [f"optim.warmup_steps={warmup} is not fewer than max_steps={max_steps}: the learning rate rises for "
+                f"the whole run and {'reaches its peak only at the last step' if warmup == max_steps else 'never reaches its peak'}, "
+                "with no decay; optim.warmup_steps below max_steps (0: none) warms up, then decays"]
+    return []
 
 
 def unmeasured_values(cfg: DictConfig) -> list[str]:
