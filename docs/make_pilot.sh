@@ -20,6 +20,7 @@ K=${PILOT_SEEDS:-4}
 F=${PILOT_FP:-2}
 JOBS=${PILOT_JOBS:-1}
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
+echo "docs/make_pilot.sh: deleting $OUT first"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 start=$(date +%s)

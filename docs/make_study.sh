@@ -8,12 +8,14 @@
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
 #   STUDY_OVERRIDES="max_steps=4 optim.warmup_steps=0 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
 #   STUDY_JOBS=2 bash docs/make_study.sh        # two seeds at a time, one core each
+#   STUDY_SEEDS=8 bash docs/make_study.sh       # the primary arms' seeds (default 5)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/study}
 WEBTEXT=${2:-${NORMGEO_SHARED:-../shared}/corpora/webtext}
 PROBE=${3:-${NORMGEO_SHARED:-../shared}/corpora/wikipedia}
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
+echo "docs/make_study.sh: deleting $OUT first; at the end docs/study.md, docs/study_details.md, docs/study_verdict.csv and docs/figures/study-*.png are rewritten"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -22,8 +24,9 @@ COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" out
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
 # One command per seed: its arms back to back. With
 # STUDY_JOBS=2 the seeds go round-robin onto 2 lanes that run side by side, each with its share of the cores
-# (torch threads = cores / lanes): seeds 0, 2, 4 on one lane, 1, 3 on the other.
+# (torch threads = cores / lanes): seeds 0, 2, 4, ... on one lane, 1, 3, ... on the other.
 JOBS=${STUDY_JOBS:-1}
+SEEDS=${STUDY_SEEDS:-5}  # the primary arms' seeds; the other arms run on the first 2
 CORES=$(python -c 'import os; print(len(os.sched_getaffinity(0)))')
 THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 PREPARE="python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
@@ -33,12 +36,12 @@ seed_command() {
   echo "python train.py -m seed=$1 norm=$arms ${COMMON[*]}"
 }
 COMPARE="python -m normgeo.compare $OUT --formats png"
-{ echo "$PREPARE"; for seed in 0 1 2 3 4; do seed_command $seed; done; echo "$COMPARE"; } > "$OUT/commands.txt"
+{ echo "$PREPARE"; for ((seed = 0; seed < SEEDS; seed++)); do seed_command $seed; done; echo "$COMPARE"; } > "$OUT/commands.txt"
 echo "+ $PREPARE"
 $PREPARE
 lane() {  # the seeds of lane $1, one after the other
   local seed
-  for seed in 0 1 2 3 4; do
+  for ((seed = 0; seed < SEEDS; seed++)); do
     if [ $(( seed % JOBS )) -eq "$1" ]; then
       echo "+ [lane $1, $THREADS thread(s)] $(seed_command $seed)"
       OMP_NUM_THREADS=$THREADS $(seed_command $seed)

@@ -26,8 +26,10 @@ import pandas as pd
 from corpus.atomic import atomic_write_text
 from normgeo.figures.sweep import markdown
 from normgeo.measure.stats import mean_t_interval
+from normgeo.pilot import unigram_baseline
 from normgeo.runs.config import repo_relative
 from normgeo.runs.downstream import EVAL_FILE
+from normgeo.verdict.declared import load_verdict_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
@@ -134,6 +136,14 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path |
         source = compare / f"{name}.png"
         if source.is_file():
             shutil.copyfile(source, figures_dir / target)
+    primary = load_verdict_config().primary
+    primary_arms = summary[summary["arm"].isin([primary.arm, primary.other])]
+    unigram = unigram_baseline(runs[0])  # every run validates on the same windows (val_seed)
+    learned = (f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
+               f"average over the {len(primary_arms)} runs of the primary question's arms ({primary_arms['val_loss'].min():.3f} "
+               f"to {primary_arms['val_loss'].max():.3f}), against {unigram:.3f} for the validation text's unigram "
+               "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
+               f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give.")
     lanes = most_concurrent(runs)
     lanes_text = ("one after another" if lanes == 1 else f"{lanes} at a time (`STUDY_JOBS={lanes}`)")
     steps = int(summary["final_step"].max())
@@ -181,6 +191,8 @@ Throughput is not part of this verdict (the runs share the machine with other wo
 **Wall time** {wall_s / 60:.1f} minutes in all. **Disk** {disk / 1e9:.2f} GB for the study folder: checkpoints
 {checkpoint_mb:,.0f} MB, records {records_mb:,.1f} MB. Memory: the largest growth of a run's peak RSS from its first
 trained probe to its last is {worst_growth:+,.0f} MiB.
+
+{learned}
 
 {pilot_text}
 ## Verdict

@@ -45,6 +45,7 @@ from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.runs.metrics import read_metrics
 from normgeo.runs.run_config import load_run_config
+from normgeo.runs.summary import read_summary
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.measures import VAL_TAIL, tail_mean, validation_curve
 
@@ -80,20 +81,25 @@ class Split:
     sd_study: float | None
     seeds_equivalence: int | None
     seeds_difference: int | None
+    design: str  # what the runs trained: tokens per step, steps, learning-rate schedule, validation windows
     mean_final: float  # the runs' mean final validation loss (nats)
     unigram: float | None  # the validation targets' unigram cross-entropy (corpus.unigram)
 
 
 def run_table(root: Path, metric: str) -> pd.DataFrame:
     """One row per finished run under ``root``: norm, seed, data_seed, threads, run_dir, the metric and the
-    final validation loss."""
+    final validation loss. A run stopped before its end (no summary.json saying finished) is not a pilot point."""
     rows = []
     for config_path in sorted(root.glob("*/run_config.yaml")):
         run_dir = config_path.parent
         config = load_run_config(run_dir) or {}
+        try:
+            finished = bool(read_summary(run_dir).get("finished"))
+        except json.JSONDecodeError:  # a summary cut short: not a finished run
+            finished = False
         curve = validation_curve(read_metrics(run_dir))
-        if curve.empty:
-            continue  # a run that never validated (stopped early): not a pilot point
+        if curve.empty or not finished:
+            continue
         data = config.get("data") or {}
         values = {"val_loss": float(curve.iloc[-1]), "val_loss/tail": tail_mean(curve, VAL_TAIL)}
         rows.append({"run": run_dir.name, "run_dir": str(run_dir), "norm": (config.get("norm") or {}).get("name"),
@@ -115,6 +121,16 @@ def pairs(runs: pd.DataFrame, arm: str, other: str) -> pd.DataFrame:
                         "arm_run": a.loc[common, "run_dir"], "other_run": b.loc[common, "run_dir"]})
     out["d"] = out["arm"] - out["other"]
     return out.reset_index()
+
+
+def design_text(run_dir: Path) -> str:
+    """The training design of a pilot run, from its run config, in one line."""
+    config = load_run_config(run_dir) or {}
+    optim = config.get("optim") or {}
+    return (f"{config.get('global_batch')} sequences x {config.get('seq_len')} tokens per step, "
+            f"{config.get('max_steps'):,} steps, peak learning rate {optim.get('lr'):g} after "
+            f"{optim.get('warmup_steps')} warm-up steps, cosine to {optim.get('min_lr_ratio'):g} of the peak, "
+            f"{config.get('val_sequences')} validation windows (val_seed={config.get('val_seed')})")
 
 
 def sd_of(values: Sequence[float]) -> float | None:
@@ -219,7 +235,8 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     unigram = unigram_baseline(Path(base["arm_run"].iloc[0])) if score_windows and not base.empty else None
     split = Split(name, arm, other, margin, sd_w, len(weights), sd_b, len(batches), sd_fp, len(moved),
                   max(arm_moves) if arm_moves else None, sd_val, windows, gap, sd_arm, sd_other, correlation,
-                  sd_study, seeds_eq, seeds_diff, float(runs["final"].mean()), unigram)
+                  sd_study, seeds_eq, seeds_diff, design_text(Path(runs["run_dir"].iloc[0])),
+                  float(runs["final"].mean()), unigram)
     return split, runs
 
 
@@ -231,6 +248,7 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
     s = split
     pair = f"{arm_label(s.arm)} − {arm_label(s.other)}"
     lines = [f"# The pilot: where the variance of {pair} `{s.metric}` comes from", "",
+             f"The design priced: {s.design}.", "",
              f"{len(runs)} runs. Each part is the SD of the paired difference with only that source varied "
              "(nats); `python -m normgeo.pilot` (normgeo/pilot.py says how each is computed).", "",
              "| source | varied | pairs | SD of the paired difference |", "|---|---|---|---|",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 from collections import Counter
@@ -18,7 +19,7 @@ import pytest
 from corpus.datamodule import TokenDataModule
 from corpus.stream import TokenWindows
 from normgeo.pilot import main as pilot_main
-from normgeo.pilot import validation_windows
+from normgeo.pilot import run_table, validation_windows
 from normgeo.plan import main as plan_main
 from tests.conftest import ROOT
 
@@ -54,6 +55,17 @@ def test_the_pilot_splits_the_paired_sd_by_source(pilot: Path) -> None:
     assert split["sd_validation"] > 0 and split["sd_study"] >= max(split["sd_weights"], split["sd_batches"])
     assert split["seeds_equivalence"] >= 2 and "--seeds-for val_loss/tail=0.02" in (pilot / "pilot.md").read_text()
     assert "'run_name=pilot-${norm.name}" in (pilot / "commands.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_end_is_not_a_pilot_point(pilot: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "p"
+    shutil.copytree(pilot, copy, ignore=shutil.ignore_patterns("data"))
+    assert len(run_table(copy, "val_loss/tail")) == 8
+    summary = copy / "pilot-layer-w1-b0-t1" / "summary.json"
+    summary.write_text(summary.read_text().replace('"finished": true', '"finished": false'))
+    kept = run_table(copy, "val_loss/tail")
+    assert len(kept) == 7 and "pilot-layer-w1-b0-t1" not in set(kept["run"])
 
 
 @pytest.mark.slow

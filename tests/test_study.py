@@ -69,6 +69,12 @@ def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Pa
     assert "## Described, not tested" in (tmp_path / "study_details.md").read_text()
     assert page.count("no interval and no test") == 1  # one seed per arm, said once
     assert "| LayerNorm − RMSNorm | `val_loss/tail` | 1 |" in page
+    learned = re.search(r"Final validation loss (\d\.\d{3}) nats on average over the 2 runs .* against (\d\.\d{3}) "
+                        r"for the validation text's unigram cross-entropy", page)
+    assert learned, page[:2000]
+    finals = [float(r["val/loss"]) for run in ("study-layer-s0", "study-rms-s0") for r in metrics_rows(out / run)
+              if r.get("val/loss") and int(r["step"]) == 20]
+    assert float(learned.group(1)) == pytest.approx(sum(finals) / 2, abs=6e-4)
     assert "not distinguishable" not in page and " holds" not in page
     assert not re.search(r"(?<![\w./])/(?!/)(tmp|work|home|root)/", page)  # no absolute path of this machine
     assert (tmp_path / "study-val_curve_diff.png").stat().st_size > 5000
