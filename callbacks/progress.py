@@ -9,7 +9,7 @@ hook while their totals still assume epochs. tqdm rather than rich: rich's live 
 until it stops when stderr is not a terminal (a SLURM log would stay empty for the whole run), and
 tqdm's ``logging_redirect_tqdm`` keeps log lines (probe, checkpoints) from tearing the bar.
 
-On a terminal the bar reads ``step 40/100 |████      | loss 6.1234 · 41.2k tok/s · 0:12 elapsed · ETA
+On a terminal the bar reads ``step 40/100 |████      | loss 6.1234 · 41.2k train tok/s · 0:12 elapsed · ETA
 0:18``. When stderr is not a terminal (SLURM logs, pipes, tests) there is no bar: the same status is
 logged as a plain line at the first step, every ``log_interval_s`` seconds, after each validation and at
 the end. Only rank 0 prints (Lightning disables progress bars on the other ranks).
@@ -72,13 +72,14 @@ def format_count(value: float) -> str:
 
 
 def format_metrics(metrics: Mapping[str, Any]) -> list[str]:
-    """The progress-bar metrics as ``name value`` fields: losses to 4 decimals, ``tok/s`` last."""
+    """The progress-bar metrics as ``name value`` fields: losses to 4 decimals, the last optimizer step's
+    training rate last (``train tok/s``: tokens of that step over the time since the step before)."""
     fields, rate = [], None
     for name, value in metrics.items():
         if name == "v_num":
             continue
         if name == "tok/s" and isinstance(value, (int, float)):
-            rate = f"{format_count(value)} tok/s"
+            rate = f"{format_count(value)} train tok/s"  # the last step's; the summary's rate is overall
         elif isinstance(value, float) and name.endswith("loss"):
             fields.append(f"{name} {value:.4f}")
         elif isinstance(value, float):

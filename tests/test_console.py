@@ -53,7 +53,7 @@ def test_durations_counts_and_status_fields_read_naturally() -> None:
     assert status_fields(metrics, elapsed=71, eta=3725, total=6) == [
         "loss 10.4143",
         "val/loss 10.2000",
-        "581 tok/s",
+        "581 train tok/s",
         "1:11 elapsed",
         "ETA 1:02:05",
     ]
@@ -61,10 +61,10 @@ def test_durations_counts_and_status_fields_read_naturally() -> None:
 
 
 def test_the_bar_narrows_and_then_goes_on_a_narrow_terminal() -> None:
-    text = "loss 2.0000 · 12.3k tok/s · 0:01 elapsed · ETA 0:00"  # 51 characters
+    text = "loss 2.0000 · 12.3k train tok/s · 0:01 elapsed · ETA 0:00"  # 57 characters
     assert "{bar:20}" in bar_format(5, 5, text, 0)  # unknown width
     assert "{bar:20}" in bar_format(5, 5, text, 200)
-    assert "{bar:6}" in bar_format(5, 5, text, 70)
+    assert "{bar:6}" in bar_format(5, 5, text, 76)
     assert "{bar" not in bar_format(5, 5, text, 40)
 
 
@@ -82,7 +82,7 @@ def test_the_count_starts_at_the_restored_step_and_moves_on_optimizer_steps(capl
     assert frames[1].startswith("step 50/100 |")
     counts = [f.split(" |")[0] for f in frames if f.startswith("step")]
     assert sorted(set(counts)) == ["step 50/100", "step 51/100", "step 52/100"]  # redrawn, never 53 or 100+
-    assert "loss 3.2500 · 41.2k tok/s" in frames[-1] and "ETA " in frames[-1]
+    assert "loss 3.2500 · 41.2k train tok/s" in frames[-1] and "ETA " in frames[-1]
 
     # No terminal: plain log lines, at the first step and the last at least.
     trainer.global_step = 0
@@ -155,7 +155,7 @@ def test_a_run_prints_steps_loss_and_throughput_and_no_lightning_noise(tmp_path:
     counts = [(int(k), int(n)) for k, n in re.findall(r"\bstep (\d+)/(\d+)\b", console)]
     assert counts and {n for _, n in counts} == {4} and max(k for k, _ in counts) == 4, console
     assert re.search(
-        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} · [\d.]+[kMG]? tok/s · \d+:\d\d elapsed · ETA 0:00",
+        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} · [\d.]+[kMG]? train tok/s · \d+:\d\d elapsed · ETA 0:00",
         console,
     ), console
     assert "model: " in console and "accumulation 2 x micro_batch 4 x world size 1" in console

@@ -131,7 +131,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"run summary: step {summary['step']}/{summary['max_steps']}"
         f"{' (finished)' if summary['finished'] else ''} · train loss {number(summary['train_loss'], '.4f')}"
         f" · val loss {number(summary['val_loss'], '.4f')} · {summary['tokens_seen']:,} tokens"
-        f" · {number(summary['tokens_per_s'], ',.0f')} tok/s · wall {summary['wall_s']:.1f} s",
+        f" · {number(summary['tokens_per_s'], ',.0f')} tok/s overall (the session's tokens over its wall time: "
+        f"start-up, probes and validation included) · wall {summary['wall_s']:.1f} s",
         f"  records:     {summary['records'] or '-'}",
         f"  figures:     {len(summary['figures'])} in {Path(summary['figures'][0]).parent if summary['figures'] else '-'}",
         f"  checkpoints: {summary['checkpoints']}",
