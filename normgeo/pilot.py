@@ -97,7 +97,8 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
             finished = bool(read_summary(run_dir).get("finished"))
         except json.JSONDecodeError:  # a summary cut short: not a finished run
             finished = False
-        curve = validation_curve(read_metrics(run_dir))
+        metrics = read_metrics(run_dir)
+        curve = validation_curve(metrics)
         if curve.empty or not finished:
             continue
         data = config.get("data") or {}
@@ -105,9 +106,17 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
         rows.append({"run": run_dir.name, "run_dir": str(run_dir), "norm": (config.get("norm") or {}).get("name"),
                      "seed": int(config.get("seed", 0)), "data_seed": int(data.get("seed", config.get("seed", 0))),
                      "threads": config.get("threads"), "val_seed": data.get("val_seed"), "metric": values[metric],
-                     "final": values["val_loss"]})
+                     "final": values["val_loss"], "rise": largest_rise(metrics)})
     return pd.DataFrame(rows, columns=["run", "run_dir", "norm", "seed", "data_seed", "threads", "val_seed",
-                                       "metric", "final"])
+                                       "metric", "final", "rise"])
+
+
+def largest_rise(metrics: pd.DataFrame) -> float | None:
+    """The largest rise of the logged training loss above its running minimum (nats): a spike. In the CPU
+    study's runs an ordinary run rises about 1 nat once, early (docs/pilot/); one that diverged for a while at
+    its peak learning rate and came back, over 4."""
+    train = metrics[metrics["metric"] == "train/loss"].dropna(subset=["value"]).sort_values("step")["value"]
+    return float((train - train.cummin()).max()) if len(train) else None
 
 
 def pairs(runs: pd.DataFrame, arm: str, other: str) -> pd.DataFrame:
@@ -272,9 +281,11 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
              f"show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference of "
              f"{s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
              f"--sd {_n(s.sd_study)}`.", "",
-             "| run | arm | seed | data.seed | threads | " + s.metric + " |", "|---|---|---|---|---|---|"]
+             "| run | arm | seed | data.seed | threads | " + s.metric + " | largest rise of train/loss above its "
+             "running minimum |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r.run} | {r.norm} | {r.seed} | {r.data_seed} | {r.threads if r.threads is not None else '-'} | "
-              f"{r.metric:.4f} |" for r in runs.sort_values(["seed", "data_seed", "norm"]).itertuples()]
+              f"{r.metric:.4f} | {_n(r.rise, '.2f')} |"
+              for r in runs.sort_values(["seed", "data_seed", "threads", "norm"]).itertuples()]
     return "\n".join(lines) + "\n"
 
 
