@@ -21,7 +21,7 @@ from corpus.stream import TokenWindows
 from normgeo.pilot import main as pilot_main
 from normgeo.pilot import run_table, validation_windows
 from normgeo.plan import main as plan_main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, metrics_rows
 
 TINY = "max_steps=6 optim.warmup_steps=0 checkpoint.steps=[6] val_every=3 val_sequences=16"
 
@@ -55,6 +55,10 @@ def test_the_pilot_splits_the_paired_sd_by_source(pilot: Path) -> None:
     assert split["sd_validation"] > 0 and split["sd_study"] >= max(split["sd_weights"], split["sd_batches"])
     assert split["seeds_equivalence"] >= 2 and "--seeds-for val_loss/tail=0.02" in (pilot / "pilot.md").read_text()
     assert "'run_name=pilot-${norm.name}" in (pilot / "commands.txt").read_text()
+    # Each run's largest rise of train/loss above its running minimum, recomputed from its CSV log.
+    losses = [float(r["train/loss"]) for r in metrics_rows(pilot / "pilot-rms-w1-b0-t1") if r.get("train/loss")]
+    rise = max(loss - min(losses[: i + 1]) for i, loss in enumerate(losses))
+    assert runs.set_index("run").loc["pilot-rms-w1-b0-t1", "rise"] == pytest.approx(rise, abs=1e-6)
 
 
 @pytest.mark.slow
