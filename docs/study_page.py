@@ -28,7 +28,7 @@ from normgeo.figures.sweep import markdown
 from normgeo.measure.stats import mean_t_interval
 from normgeo.pilot import unigram_baseline
 from normgeo.runs.config import repo_relative
-from normgeo.runs.downstream import EVAL_FILE
+from normgeo.runs.downstream import read_eval
 from normgeo.verdict.declared import load_verdict_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,12 +62,10 @@ def downstream_section(out: Path, summary: pd.DataFrame) -> str:
     """Per arm and task: the mean accuracy over seeds with its 95% t-interval (empty before export_study.sh)."""
     rows = []
     for run in summary.itertuples():
-        path = out / run.run / EVAL_FILE
-        if path.is_file():
-            record = json.loads(path.read_text())
-            rows += [{"arm": run.arm, "seed": run.seed, "task": task, "step": record.get("step"),
-                      "examples": scores.get("examples"), "acc": scores.get("acc")}
-                     for task, scores in record.get("tasks", {}).items()]
+        record = read_eval(out / run.run)
+        rows += [{"arm": run.arm, "seed": run.seed, "task": task, "step": scores.get("step", record.get("step")),
+                  "examples": scores.get("examples"), "acc": scores.get("acc")}
+                 for task, scores in record.get("tasks", {}).items()]
     if not rows:
         return ""
     frame = pd.DataFrame(rows)

@@ -3,7 +3,7 @@
 Each run's checkpoint (``--step N``, default its highest saved step) is exported as a Hugging Face directory
 (:mod:`normgeo.export`, into a temporary folder) and evaluated with lm-evaluation-harness' own
 ``simple_evaluate`` on ``HFLM`` (float32, the run's context length). The scores go to ``<run>/eval.json``
-(written atomically), where ``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like
+(written atomically; a second evaluation with other tasks keeps the first one's scores), where ``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like
 the validation loss.
 
 Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/tasks`` builds
@@ -25,7 +25,7 @@ from corpus.atomic import atomic_write_json
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
 from normgeo.export import ExportError, choose_checkpoint, export_run
-from normgeo.runs.downstream import EVAL_FILE
+from normgeo.runs.downstream import EVAL_FILE, merged_eval, read_eval
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpora" / "wikipedia" / "enwiki-wikiextractor"
 
@@ -61,11 +61,10 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
                                  log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                  torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})
-    record = {
-        "step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
-        "lm_eval_version": lm_eval.__version__,
-        "tasks": {task: _scores(values, samples, task) for task, values in sorted(output["results"].items())},
-    }
+    measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
+                "lm_eval_version": lm_eval.__version__}
+    scores = {task: _scores(values, samples, task) for task, values in output["results"].items()}
+    record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
     atomic_write_json(run_dir / EVAL_FILE, record)
     return record
 
@@ -103,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for run_dir in args.run_dirs:
             choose_checkpoint(run_dir, args.step)
-    except ExportError as exc:
+            read_eval(run_dir)  # a damaged eval.json is named now, not after the evaluation
+    except (ExportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.include_path is not None and not args.include_path.is_dir():

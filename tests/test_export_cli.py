@@ -225,6 +225,8 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
     made = run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA, "--examples", 40)
     assert made.returncode == 0, made.stderr[-3000:]
     runs = sorted(p for p in trained.iterdir() if (p / "checkpoints").is_dir())
+    earlier = {"step": 2, "limit": 5, "tasks": {"an_earlier_task": {"acc": 0.5, "step": 2, "limit": 5}}}
+    (runs[0] / "eval.json").write_text(json.dumps(earlier))  # an earlier evaluation's score: kept
     result = run_module("normgeo.evaluate", *runs, "--tasks", TASK_NAME, "--include-path", task_dir,
                         "--limit", 8, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -232,6 +234,9 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
         record = json.loads((run / "eval.json").read_text())
         scores = record["tasks"][TASK_NAME]
         assert record["step"] == 3 and scores["examples"] == 8 and 0 <= scores["acc"] <= 1
+        assert scores["step"] == 3 and scores["limit"] == 8  # what this task was measured at
+    assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
+        "an_earlier_task"]
     compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare")
     assert compared.returncode == 0, compared.stderr[-3000:]
     verdict = (tmp_path / "compare" / "verdict.csv").read_text()

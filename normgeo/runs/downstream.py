@@ -1,8 +1,9 @@
 """A run's downstream scores (``eval.json``, written by ``python -m normgeo.evaluate``), read back for the verdict.
 
-``eval.json`` holds, per lm-evaluation-harness task, the scores of one exported checkpoint: ``{"step": N,
-"checkpoint": ..., "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "acc_norm": ...}}, ...}``. The
-verdict reads each score as the run's metric ``downstream/<task>/<metric>`` (higher is better).
+``eval.json`` holds, per lm-evaluation-harness task, its scores and what they were measured at: ``{"step": N,
+"checkpoint": ..., "limit": ..., "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "step": N, "limit": ...,
+...}}}``. Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as
+the run's metric ``downstream/<task>/<metric>`` (higher is better).
 """
 
 from __future__ import annotations
@@ -16,12 +17,32 @@ DOWNSTREAM_PREFIX = "downstream/"
 SCORES = ("acc", "acc_norm")  # the scores compared; their standard errors stay in eval.json
 
 
-def downstream_scores(run_dir: Path) -> dict[str, float]:
-    """``{"downstream/<task>/<score>": value}`` from the run's eval.json; empty without one."""
+def read_eval(run_dir: Path) -> dict:
+    """The run's eval.json ({} without one); a damaged one is a ValueError naming the file and the fix."""
     path = Path(run_dir) / EVAL_FILE
     if not path.is_file():
         return {}
-    tasks = json.loads(path.read_text()).get("tasks", {})
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: damaged ({err.msg} at line {err.lineno}); move it away and evaluate again") from err
+    if not isinstance(record, dict) or not isinstance(record.get("tasks", {}), dict):
+        raise ValueError(f"{path}: not an eval.json (no tasks mapping); move it away and evaluate again")
+    return record
+
+
+def merged_eval(earlier: dict, measured: dict, scores: dict[str, dict]) -> dict:
+    """eval.json after an evaluation: every earlier task's score kept, each task just measured replaced; each
+    task carries what it was measured at (``measured``: step, checkpoint, limit, lm-eval version), the top
+    level the latest evaluation's."""
+    tasks = dict(earlier.get("tasks", {}))
+    tasks.update({task: {**values, **measured} for task, values in scores.items()})
+    return {**measured, "tasks": dict(sorted(tasks.items()))}
+
+
+def downstream_scores(run_dir: Path) -> dict[str, float]:
+    """``{"downstream/<task>/<score>": value}`` from the run's eval.json; empty without one."""
+    tasks = read_eval(run_dir).get("tasks", {})
     return {f"{DOWNSTREAM_PREFIX}{task}/{score}": float(values[score])
             for task, values in sorted(tasks.items()) for score in SCORES
             if isinstance(values.get(score), (int, float)) and math.isfinite(values[score])}
