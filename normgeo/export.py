@@ -55,6 +55,7 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.runs.metrics import read_metrics
+from normgeo.runs.run_config import RUN_CONFIG_FILE
 
 TARGETS = ("hf", "transformer-lens", "nnsight")
 CONVERSIONS = ("rms",)  # --as: the norm a Pre-LN LayerNorm arm is converted to
@@ -276,6 +277,11 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
                           f"{' or --to '.join(CONVERTING_TARGETS)}, not --to {target}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
+    resolved = out_dir.resolve()
+    if inside := next((d for d in (resolved, *resolved.parents) if (d / RUN_CONFIG_FILE).is_file()), None):
+        raise ExportError(f"--out {out_dir} is inside the run directory {inside}, where resume, status and the "
+                          f"sweep readers look for runs and checkpoints; write it beside the run, e.g. --out "
+                          f"{inside.parent / f'{inside.name}-{target}'}")
     path = choose_checkpoint(run_dir, step, checkpoint)
     try:
         gpt, saved_step, hparams = load_checkpoint(path)

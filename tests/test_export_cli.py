@@ -71,6 +71,12 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
     assert "exists and is not empty" in refused(capsys, tmp_path, run, "--to", "hf", "--out", tmp_path / "taken")
+    # Into a run directory (where resume, status and the sweep readers look): refused, the fix beside it.
+    (run / "run_config.yaml").write_text("seed: 0\n")
+    for inside in (run / "exported", run / "checkpoints" / "hf"):
+        message = refused(capsys, tmp_path, run, "--to", "hf", "--out", inside)
+        assert f"is inside the run directory {run.resolve()}" in message
+        assert message.endswith(f"--out {run.resolve().parent / 'dyt-post-hf'}")
 
 
 @pytest.mark.parametrize(("norm", "placement", "reason"), [("dyt", "pre", "no tanh norm"),
