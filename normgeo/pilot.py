@@ -24,6 +24,7 @@ folder (``--out``), and prints ``pilot.md``. Bad input: one line on stderr, exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -239,8 +240,11 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     correlation = (float(np.corrcoef(weights["arm"], weights["other"])[0, 1])
                    if len(weights) >= 3 and sd_arm and sd_other else None)
     margin = config.margin(name)
-    seeds_eq = seeds_for_equivalence(sd_study, margin, alpha=config.alpha) if sd_study else None
-    seeds_diff = seeds_for_difference(sd_study, margin, alpha=config.alpha) if sd_study else None
+    seeds_eq = seeds_diff = None  # also when more than the planners' 100,000 seeds would be needed
+    with contextlib.suppress(ValueError):
+        seeds_eq = seeds_for_equivalence(sd_study, margin, alpha=config.alpha) if sd_study else None
+    with contextlib.suppress(ValueError):
+        seeds_diff = seeds_for_difference(sd_study, margin, alpha=config.alpha) if sd_study else None
     unigram = unigram_baseline(Path(base["arm_run"].iloc[0])) if score_windows and not base.empty else None
     split = Split(name, arm, other, margin, sd_w, len(weights), sd_b, len(batches), sd_fp, len(moved),
                   max(arm_moves) if arm_moves else None, sd_val, windows, gap, sd_arm, sd_other, correlation,

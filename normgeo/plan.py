@@ -369,7 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if seeds_for is not None:
-        report["seeds"] = seeds_report(*seeds_for, sd, source, report)
+        try:
+            report["seeds"] = seeds_report(*seeds_for, sd, source, report)
+        except ValueError as err:  # more seeds than the planners search: say so, not a traceback
+            print(f"error: --seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer",
+                  file=sys.stderr)
+            return CONFIG_ERROR_EXIT
     if as_json:
         print(json.dumps(report, indent=1))
     elif seeds_for is not None:

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from normgeo.measure.geometry import angle_deg
-from normgeo.measure.stats import NULL_QUANTILES, QUANTILES, AngleStatistics, block_bootstrap, null_comparison
+from normgeo.measure.stats import (
+    NULL_QUANTILES,
+    QUANTILES,
+    AngleStatistics,
+    block_bootstrap,
+    difference_power,
+    null_comparison,
+    seeds_for_difference,
+)
 
 
 def exact_angles(x: torch.Tensor, refs: torch.Tensor) -> np.ndarray:
@@ -223,3 +231,15 @@ def test_engine_angles_are_accurate_near_0_90_and_180_degrees(target_deg: float)
     assert stats.min[0, 0].item() == pytest.approx(target_deg, abs=2e-5)
     assert stats.max[0, 0].item() == pytest.approx(target_deg, abs=2e-5)
     np.testing.assert_allclose(angle_deg(x, ref).numpy(), target_deg, atol=2e-5)
+
+
+@pytest.mark.parametrize(("sd", "margin"), [(0.017, 0.02), (0.5, 0.02), (2.0, 0.02)])
+def test_seeds_for_difference_is_the_fewest_with_the_power(sd: float, margin: float) -> None:
+    """Also where statsmodels' root finder gives up on a small effect (it returns nan): the search finds it."""
+    n = seeds_for_difference(sd, margin)
+    assert difference_power(n, sd, margin) >= 0.8 > difference_power(n - 1, sd, margin)
+
+
+def test_more_seeds_than_the_planners_search_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="more than 100000 seeds"):
+        seeds_for_difference(1000.0, 0.001)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from scipy import stats as scipy_stats
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import DescrStatsW
+from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
 from normgeo.measure.geometry import angle_deg
 
@@ -115,11 +117,27 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     return adjusted
 
 
-def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: float = 0.05) -> int:
+def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: float = 0.05,
+                         most: int = 100_000) -> int:
     """Seeds (pairs) for a two-sided paired t-test at ``alpha`` to detect a true difference of ``margin``
     with probability ``power``, for paired differences of standard deviation ``sd`` (statsmodels)."""
-    n = TTestPower().solve_power(effect_size=margin / sd, alpha=alpha, power=power, alternative="two-sided")
-    return max(2, math.ceil(float(np.asarray(n).item()) - 1e-9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # a tiny effect: its root finder gives up (nan)
+        n = float(np.asarray(TTestPower().solve_power(effect_size=margin / sd, alpha=alpha, power=power,
+                                                      alternative="two-sided")).item())
+    if math.isfinite(n) and n > most:
+        raise ValueError(f"more than {most} seeds to detect {margin} at SD {sd}")
+    if math.isfinite(n):
+        return max(2, math.ceil(n - 1e-9))
+    low, high = 2, 2  # power grows with n: double, then bisect
+    while difference_power(high, sd, margin, alpha) < power:
+        low, high = high + 1, high * 2
+        if high > most:
+            raise ValueError(f"more than {most} seeds to detect {margin} at SD {sd}")
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if difference_power(middle, sd, margin, alpha) >= power else (middle + 1, high)
+    return high
 
 
 def difference_power(n: int, sd: float, margin: float, alpha: float = 0.05) -> float:
