@@ -34,7 +34,8 @@ def _centered_gram(gain: torch.Tensor) -> torch.Tensor:
     """P G^2 P - 1 1^T / N: its eigenvalue along 1 is -1, below all others (>= 0), so it sorts first.
 
     With P = I - 1 1^T / N and g = G^2 1, (P G^2 P)_ij = g_i [i = j] - (g_i + g_j) / N + sum(g) / N^2: built
-    entry by entry in O(N^2), where the two dense products cost 4 N^3 (seconds at N = 2048, each probe)."""
+    entry by entry in O(N^2), where the two dense products cost 4 N^3 (about a second at N = 2048, per norm
+    and probe; the eigenvalues that follow still cost more)."""
     n = gain.numel()
     squared = gain.square()
     return (torch.diag(squared) - (squared.unsqueeze(0) + squared.unsqueeze(1)) / n
