@@ -2,9 +2,9 @@
 # The CPU study (docs/study.md): the arms layer and rms with STUDY_SEEDS seeds, layer_nobias, rms_bias and
 # dyt with 2, each 1,000 optimizer steps of 512 tokens on real OpenWebText text with 11 probes
 # (experiment=study_cpu; each probe also runs the centering intervention, intervention.jsonl), then
-# normgeo.compare with its verdict, then docs/study.md and its figures. With STUDY_JOBS=2, about 10 minutes
-# per run on each of the 2 lanes of a 2-core machine (the variance pilot's runs, docs/pilot/round2/): the
-# seeds the pilot asks for must fit in the 2 hours of issue 32.
+# normgeo.compare with its verdict, then docs/study.md and its figures. With STUDY_JOBS=2, the variance
+# pilot's runs (docs/pilot/round2/, probes off) took 15-16 minutes each on one of the 2 lanes of a 2-core
+# machine that was also running tests; on idle cores it is not measured yet.
 #
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
