@@ -155,7 +155,7 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     run_dir = tmp_path / "run"
     # 4,000 validation windows one at a time (the most the pydoc split's ~5,000 tokens allow, with room to spare
     # for another CPython's docs): thousands of forward passes, tens of seconds.
-    # No probe: at step 5 it would come before the validation, and on a loaded machine outlast the 3 s wait.
+    # No probe: at step 5 it would come before the validation and make the test longer.
     settings = ("max_steps=8", "val_every=5", "val_sequences=4000", "micro_batch=1", "checkpoint.steps=[5]",
                 "checkpoint.last_every=1", "probe.enabled=false")
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -165,12 +165,15 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + 300
-            # last.ckpt at step 4, then step 5 trains (milliseconds) and its validation starts (minutes long).
-            while not (last.exists() and ckpt_step(last) == 4):
+            # The validation windows map val.bin at their first batch (corpus.stream.TokenWindows): from then on
+            # step 5's validation, the run's first, is running. A fixed wait after step 4 was not enough on a
+            # loaded machine: the signal landed in step 5's training.
+            maps = Path(f"/proc/{proc.pid}/maps")
+            while "/val.bin" not in maps.read_text():
                 assert proc.poll() is None, err_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no step 4 after 300 s"
+                assert time.monotonic() < deadline, "no validation after 300 s"
                 time.sleep(0.05)
-            time.sleep(3.0)
+            time.sleep(0.5)
             assert proc.poll() is None and ckpt_step(last) == 4, "the validation after step 5 is not running"
             sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
