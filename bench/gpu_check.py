@@ -62,15 +62,14 @@ from hydra import compose, initialize_config_dir
 from lightning.fabric.utilities.throughput import get_available_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from models.hardware import missing_cuda
+from models.norms import compile_refusal
+from normgeo.measure.records import ANGLES_FILE, read_rows
+from normgeo.runs.config import CONF_DIR
+from normgeo.runs.metrics import read_metrics
+from train import train
 
-from models.hardware import missing_cuda  # noqa: E402
-from models.norms import compile_refusal  # noqa: E402
-from normgeo.measure.records import ANGLES_FILE, read_rows  # noqa: E402
-from normgeo.runs.config import CONF_DIR  # noqa: E402
-from normgeo.runs.metrics import read_metrics  # noqa: E402
-from train import train  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PAGE = "gpu_numbers.md"
 RESULT = "GPU_CHECK_RESULT "  # the prefix of a child's one JSON line on stdout

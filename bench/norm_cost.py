@@ -53,11 +53,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.export.hf import to_hf  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm  # noqa: E402
+from models.export.hf import to_hf
+from models.gpt import GPT, GPTConfig
+from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm
 
 REFERENCE = "rms"
 EPS = 1e-5

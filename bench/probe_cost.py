@@ -30,20 +30,17 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.gpt import GPT  # noqa: E402
-from models.hardware import missing_cuda  # noqa: E402
-from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES  # noqa: E402
-from normgeo.measure.pipeline import measure_records  # noqa: E402
-from normgeo.measure.probe import make_references  # noqa: E402
-from normgeo.runs.config import CONF_DIR  # noqa: E402
+from models.gpt import GPT
+from models.hardware import missing_cuda
+from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
+from normgeo.measure.pipeline import measure_records
+from normgeo.measure.probe import make_references
+from normgeo.runs.config import CONF_DIR
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
 

@@ -27,7 +27,6 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,16 +40,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from corpus.prepare import load_prepared  # noqa: E402
-from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.hardware import default_precision  # noqa: E402
-from models.lit import compute_dtype  # noqa: E402
-from models.norms import NORM_ARMS  # noqa: E402
-from normgeo.runs.config import CONF_DIR  # noqa: E402
-from train import train  # noqa: E402
+from corpus.prepare import load_prepared
+from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets
+from models.gpt import GPT, GPTConfig
+from models.hardware import default_precision
+from models.lit import compute_dtype
+from models.norms import NORM_ARMS
+from normgeo.runs.config import CONF_DIR
+from train import train
 
 VARIANTS = ("harness", "plain", "minimal")
 REFERENCE_ARM = "rms"

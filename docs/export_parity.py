@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.export.hf import CONVERTIBLE_ARMS, hf_class_name, load_hf, save_hf  # noqa: E402
-from models.export.lens import to_transformer_lens, transformer_lens_refusal  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.norms import NORM_ARMS  # noqa: E402
-from models.pretrained import load_checkpoint  # noqa: E402
-from normgeo.export import check_conversion, choose_checkpoint  # noqa: E402
+from models.export.hf import CONVERTIBLE_ARMS, hf_class_name, load_hf, save_hf
+from models.export.lens import to_transformer_lens, transformer_lens_refusal
+from models.gpt import GPT, GPTConfig
+from models.norms import NORM_ARMS
+from models.pretrained import load_checkpoint
+from normgeo.export import check_conversion, choose_checkpoint
 
 
 def perturbed(norm: str, placement: str, tie: bool, bias: bool = True, along_ones: float = 0.0) -> GPT:

@@ -9,12 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from normgeo.figures.intervention import interval_text  # noqa: E402
-from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
-from normgeo.measure.records import read_rows  # noqa: E402
-from normgeo.runs.config import repo_relative  # noqa: E402
+from normgeo.figures.intervention import interval_text
+from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.records import read_rows
+from normgeo.runs.config import repo_relative
 
 
 def model_section(folder: Path) -> list[str]:

@@ -8,12 +8,9 @@ the disk the checkpoint schedule fills. Planned by ``python -m normgeo.plan`` (f
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.plan import GPUS  # noqa: E402  (after the repository is on the path)
-from normgeo.plan import compose, plan_config  # noqa: E402
+from models.plan import GPUS
+from normgeo.plan import compose, plan_config
 
 SIZES = ("70m", "160m", "410m", "1b")
 NORMS = ("layer", "rms")

@@ -10,11 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from normgeo.figures.analysis import summarize, summary_markdown  # noqa: E402
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
-from normgeo.runs.config import repo_relative  # noqa: E402
+from normgeo.figures.analysis import summarize, summary_markdown
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.runs.config import repo_relative
 
 GROUPS = (("early", 0, 9), ("middle", 10, 19), ("late", 20, 29))
 

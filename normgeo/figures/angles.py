@@ -6,17 +6,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from normgeo.figures.intervention import plot_intervention_layers  # noqa: E402
-from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure  # noqa: E402
-from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows  # noqa: E402
-from normgeo.runs.config import slug  # noqa: E402
+from normgeo.figures.intervention import plot_intervention_layers
+from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
+from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.runs.config import slug
 
 
 def _layer_position(layer, n_layers: int) -> float:

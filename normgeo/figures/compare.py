@@ -8,20 +8,17 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from corpus.atomic import TMP_SUFFIX  # noqa: E402
-from normgeo.figures.intervention import plot_intervention_steps  # noqa: E402
-from normgeo.figures.norm_figures import NORM_FIGURES  # noqa: E402
-from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure  # noqa: E402
-from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table  # noqa: E402
-from normgeo.figures.verdict import write_verdict  # noqa: E402
-from normgeo.measure.intervention import INTERVENTION_FILE  # noqa: E402
-from normgeo.measure.records import DamagedRecords  # noqa: E402
-from normgeo.verdict.declared import VerdictConfig  # noqa: E402
+from corpus.atomic import TMP_SUFFIX
+from normgeo.figures.intervention import plot_intervention_steps
+from normgeo.figures.norm_figures import NORM_FIGURES
+from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure
+from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table
+from normgeo.figures.verdict import write_verdict
+from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.records import DamagedRecords
+from normgeo.verdict.declared import VerdictConfig
 
 FigureMaker = Callable[[Comparison, Path, Sequence[str]], list[Path]]
 FIGURES: dict[str, FigureMaker] = {}

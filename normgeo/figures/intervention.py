@@ -12,15 +12,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, save_figure  # noqa: E402
-from normgeo.figures.tables import print_table  # noqa: E402
-from normgeo.runs.config import slug  # noqa: E402
+from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, save_figure
+from normgeo.figures.tables import print_table
+from normgeo.runs.config import slug
 
 ACTION_TEXT = {"remove": "mean subtraction removed", "add": "mean subtraction added", "mixed": "removed (LayerNorm) and added (RMSNorm)"}
 

@@ -16,17 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure  # noqa: E402
-from normgeo.figures.sweep import Comparison, load, records_frame  # noqa: E402
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE  # noqa: E402
-from normgeo.measure.energy import ENERGY_FILE  # noqa: E402
-from normgeo.runs.metrics import last_value  # noqa: E402
+from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure
+from normgeo.figures.sweep import Comparison, load, records_frame
+from normgeo.measure.ellipsoid import ELLIPSOID_FILE
+from normgeo.measure.energy import ENERGY_FILE
+from normgeo.runs.metrics import last_value
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",

@@ -9,14 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from corpus.atomic import atomic_open  # noqa: E402
-from models.norms import arm_color as registered_color  # noqa: E402
-from models.norms import arm_label as registered_label  # noqa: E402
+from corpus.atomic import atomic_open
+from models.norms import arm_color as registered_color
+from models.norms import arm_label as registered_label
 
 # rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
 REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}

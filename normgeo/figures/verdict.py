@@ -9,20 +9,17 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from corpus.atomic import atomic_write_text  # noqa: E402
-from normgeo.figures.style import arm_color, norm_label, save_figure  # noqa: E402
-from normgeo.figures.sweep import Comparison  # noqa: E402
-from normgeo.measure.stats import mean_t_interval  # noqa: E402
-from normgeo.verdict.declared import VerdictConfig, load_verdict_config  # noqa: E402
-from normgeo.verdict.families import Estimate, Pairing, paired_estimates, pairings  # noqa: E402
-from normgeo.verdict.measures import VAL_TAIL, run_measures, validation_curve  # noqa: E402
-from normgeo.verdict.words import contrast_text, verdict_markdown, verdict_table  # noqa: E402
+from corpus.atomic import atomic_write_text
+from normgeo.figures.style import arm_color, norm_label, save_figure
+from normgeo.figures.sweep import Comparison
+from normgeo.measure.stats import mean_t_interval
+from normgeo.verdict.declared import VerdictConfig, load_verdict_config
+from normgeo.verdict.families import Estimate, Pairing, paired_estimates, pairings
+from normgeo.verdict.measures import VAL_TAIL, run_measures, validation_curve
+from normgeo.verdict.words import contrast_text, verdict_markdown, verdict_table
 
 VERDICT_CSV = "verdict.csv"
 VERDICT_MD = "verdict.md"
