@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,6 @@ class StepProgressBar(ProgressBar):
             ]
             loggers = [lg for lg in loggers if any(_is_console_handler(h) for h in lg.handlers)]
             if loggers:
-                from tqdm.contrib.logging import logging_redirect_tqdm
 
                 self._redirect.enter_context(logging_redirect_tqdm(loggers=loggers))
 

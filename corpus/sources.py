@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 
@@ -311,7 +312,6 @@ class PydocSource:
         return "pydoc_data.topics"
 
     def documents(self) -> Iterator[str]:
-        from pydoc_data.topics import topics
 
         for name in sorted(topics):
             yield topics[name]

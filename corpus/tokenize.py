@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 
 import numpy as np
+import tiktoken
 
 EncodeBatch = Callable[[list[str]], list[list[int]]]
 
@@ -18,7 +19,6 @@ class TokenizerError(RuntimeError):
 def unknown_tokenizer(name: str, key: str = "data.tokenizer") -> str | None:
     """Why ``name`` is not a tiktoken encoding (one line naming ``key`` and the known ones), or None; asks
     tiktoken's registry, loads no BPE files."""
-    import tiktoken
 
     names = tiktoken.list_encoding_names()
     if name in names:
@@ -29,7 +29,6 @@ def unknown_tokenizer(name: str, key: str = "data.tokenizer") -> str | None:
 @lru_cache(maxsize=4)
 def tiktoken_encoding(name: str = "gpt2"):
     """The tiktoken encoding; offline machines point TIKTOKEN_CACHE_DIR at a folder with its BPE files."""
-    import tiktoken
 
     if refusal := unknown_tokenizer(name):  # not a download problem: no such encoding at all
         raise TokenizerError(refusal)

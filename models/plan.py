@@ -17,6 +17,7 @@ and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check call
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -475,7 +476,6 @@ def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom
 @contextmanager
 def quiet_plan() -> Iterator[None]:
     """Fake-tensor tracing warns about nothing the user can act on (e.g. autocast on CPU)."""
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

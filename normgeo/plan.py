@@ -32,8 +32,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from models.hardware import default_precision
 from models.plan import (
@@ -69,8 +74,6 @@ class PlanRefusal(ValueError):
 
 def compose(overrides: Sequence[str]) -> DictConfig:
     """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))
@@ -249,7 +252,6 @@ def _mb(value: int | None) -> str:
 def preflight(cfg: DictConfig) -> None:
     """train.py, before the first step: on a GPU, raise PlanRefusal when the planned peak cannot fit the
     device's memory. Skipped on the CPU and with plan.check=false."""
-    import torch
 
     if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
         return
@@ -385,8 +387,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_input_error(err: Exception) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     return isinstance(err, ValueError | HydraException | OmegaConfBaseException)
 

@@ -53,6 +53,7 @@ class SharedFixtureScheduling(LoadFileScheduling):
         return next((group for group, files in SHARED_FIXTURE_FILES.items() if name in files), path)
 
 
+@pytest.hookimpl(optionalhook=True)  # also without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadFileScheduling | None:
     return SharedFixtureScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 

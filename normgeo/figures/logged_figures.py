@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from matplotlib.image import imread
+
 
 def figure_key(path: Path, prefix: str = "figures") -> str:
     """``figures/<file stem>``: one key per figure, so that wandb never mixes image sizes under one key
@@ -21,7 +23,6 @@ def log_figures(loggers: Iterable, figures: Mapping[str, Path], step: int) -> No
             for key, path in figures.items():
                 logger.log_image(key=key, images=[str(path)], step=step, caption=[path.stem])
         elif isinstance(logger, TensorBoardLogger):
-            from matplotlib.image import imread
 
             for key, path in figures.items():
                 logger.experiment.add_image(key, imread(path)[..., :3], global_step=step, dataformats="HWC")

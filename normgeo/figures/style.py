@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.backend_bases import FigureCanvasBase
 
 from corpus.atomic import atomic_open
 from models.norms import arm_color as registered_color
@@ -51,7 +52,6 @@ def layer_key(layer: str) -> float:
 def check_formats(formats: Sequence[str]) -> list[str]:
     """The figure formats asked for (``--formats``), or ValueError naming those matplotlib cannot write:
     checked before anything is written."""
-    from matplotlib.backend_bases import FigureCanvasBase
 
     supported = FigureCanvasBase.get_supported_filetypes()
     asked = [f.strip().lower().lstrip(".") for f in formats if f.strip()]

@@ -23,9 +23,12 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from corpus.sources import LocalFilesSource, SourceError
+from corpus.stream import accumulation_steps
 from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
 from models.hardware import missing_cuda
@@ -525,7 +528,6 @@ def check_trainer(trainer: DictConfig) -> None:
 
 def training_device_type(trainer: DictConfig) -> str:
     """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
-    import torch
 
     accelerator = str(trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
@@ -540,7 +542,6 @@ LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 def _local_files_refusal(path: str, extensions: tuple[str, ...], config_node: str) -> str | None:
     """Why a local source cannot be read (a missing path, files of unsupported types), or None; cached:
     one launch checks its config several times (normgeo.runs.checks, normgeo.runs.session)."""
-    from corpus.sources import LocalFilesSource, SourceError
 
     try:
         LocalFilesSource(path, plain_text_extensions=extensions, config_node=config_node).check()
@@ -574,7 +575,6 @@ def check_probe_source(probe: DictConfig) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
-    from corpus.stream import accumulation_steps  # the one divisibility rule (also StepSampler's)
 
     _unknown_keys(cfg, TrainSchema, "train.py")
     check_ranges(cfg, TrainSchema)

@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from corpus.atomic import DiskFullError, full_disk_cause
+from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause, remove_stale_temporaries
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
     ResumeConfigError,
@@ -62,7 +66,6 @@ class CheckpointInfo:
 def _read_checkpoint_info(path: str, mtime_ns: int, size: int) -> CheckpointInfo | str:
     """Step and kind of a checkpoint, or why it cannot be read (cached per file version: train.py
     decides three times per launch, and mmap reads only the pickled metadata of a 12 GB file)."""
-    import torch
 
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -175,7 +178,6 @@ def run_traces(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
     missing or empty folder, or one holding only the lock, a killed write's temporaries and the files that
     the other processes of this launch have just written."""
-    from corpus.atomic import TMP_SUFFIX
 
     if not run_dir.is_dir():
         return []
@@ -212,7 +214,6 @@ def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
 
 def remove_stale_temporaries_of_run(run_dir: Path) -> None:
     """A starting or resuming session deletes what killed sessions were writing (checkpoints, probes)."""
-    from corpus.atomic import remove_stale_temporaries
 
     count, size = remove_stale_temporaries(run_dir)
     if count:
@@ -296,7 +297,6 @@ def _hydra_value(path: str) -> str:
 
 
 def _task_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         return list(HydraConfig.get().overrides.task)
@@ -347,7 +347,6 @@ class Refused:
 
 
 def _refusal_report_base() -> type:
-    from hydra.experimental.callback import Callback
 
     return Callback
 
@@ -362,7 +361,6 @@ class RefusalReport(_refusal_report_base()):
         self.refused: list[Refused] = []
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.utils import JobStatus
 
         if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, Refused):
             self.refused.append(job_return.return_value)
@@ -370,7 +368,6 @@ class RefusalReport(_refusal_report_base()):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.refused:
             return
-        import sys
 
         lines = [f"{len(self.refused)} job(s) of the sweep were refused (the others ran):"]
         lines += [f"  {r.run_dir}: {r.message.splitlines()[0]}" for r in self.refused]

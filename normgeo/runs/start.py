@@ -26,10 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from corpus.prepare import PreparedDataError
+from corpus.sources import SourceError
+from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
+from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
@@ -169,12 +175,7 @@ class Start:
 def check_start(cfg: DictConfig) -> Start:
     """Everything a user can get wrong that is known before training, cheapest first; raises one of
     START_ERRORS. Writes nothing in the run directory (data is prepared under data_root, as training would)."""
-    from hydra.utils import instantiate
 
-    from corpus.prepare import PreparedDataError
-    from corpus.sources import SourceError
-    from corpus.tokenize import TokenizerError
-    from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 
     check_config("train", cfg)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
@@ -255,7 +256,6 @@ def decide(root: DictConfig) -> Start | Exception:
 def take_start(cfg: DictConfig) -> Start:
     """The task function's start: the one decided before Hydra wrote (decide), or decided now (no Hydra);
     raises the refusal."""
-    from hydra.core.hydra_config import HydraConfig
 
     key = _job_key(cfg.run_dir, (), None)
     if HydraConfig.initialized():

@@ -9,8 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.runs.metrics import last_value, read_metrics
 from normgeo.runs.records import read_run_records
+from normgeo.runs.session import divergence, newest_resumable
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
@@ -49,7 +54,6 @@ def find_runs(root: Path) -> Iterator[Path]:
 
 def is_analysis(run_dir: Path) -> bool:
     """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
-    from omegaconf import OmegaConf
 
     try:
         cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
@@ -60,9 +64,7 @@ def is_analysis(run_dir: Path) -> bool:
 
 def run_config(run_dir: Path) -> tuple[int | None, int | None]:
     """(max_steps, stop_at_step) from the run's saved Hydra config."""
-    from omegaconf import OmegaConf
 
-    import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
 
     try:
         cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
@@ -74,7 +76,6 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
 def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
     """Step of the checkpoint resume=auto would continue from (normgeo.runs.session.newest_resumable), else
     of the newest scheduled checkpoint."""
-    from normgeo.runs.session import newest_resumable
 
     path, step, _ = newest_resumable(run_dir)
     if path is not None:
@@ -88,7 +89,6 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 def last_loss(run_dir: Path) -> float | None:
     """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
     wandb: normgeo.runs.metrics)."""
-    from normgeo.runs.metrics import last_value, read_metrics
 
     try:
         return last_value(read_metrics(run_dir), "train/loss")
@@ -202,7 +202,6 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         active_s=active_s,
     )
     if state == "failed":
-        from normgeo.runs.session import divergence
 
         state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
     return RunStatus(
