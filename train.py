@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSchedule,
@@ -47,6 +48,7 @@ from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
+from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
 from normgeo.plan import main as plan_main
@@ -175,8 +177,6 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
     if cfg.stop_at_step:
         callbacks.append(StopAtStep(cfg.stop_at_step))
     if cfg.probe.enabled:
-        from callbacks.angle_probe import AngleProbe
-
         callbacks.append(
             AngleProbe(
                 str(run_dir),
@@ -266,8 +266,6 @@ def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence
                              "a lower optim.lr replaces it", step=err.step, loss=err.loss, lr=err.lr) from None
     figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
     if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
-        from normgeo.figures.angles import write_run_figures
-
         figures = write_run_figures(run_dir)
         for figure in figures:
             log.info("figure: %s", figure)

@@ -14,6 +14,7 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule, Interrupt, OptimizerStepCallback
+from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
@@ -174,8 +175,6 @@ class AngleProbe(OptimizerStepCallback):
                 logger.log_table(key="probe/angles", columns=columns, data=data)
         if self.log_table and plotting:
             # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
-            from normgeo.figures.angles import plot_layers
-
             figure = plot_layers(rows, self.run_dir / "figures", step=step)
             log_figures(plotting, {"probe/layers": figure}, step=step)
         log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("NORMGEO_SHARED", ROOT.parent / "shared"))
 ARMS = ("layer", "rms")
@@ -80,7 +82,6 @@ def main() -> None:
     finally:
         if args.keep is None:
             shutil.rmtree(folder, ignore_errors=True)
-    import torch
 
     table = ["| arm | wall time | checkpoints | records | figures | logs and config | run folder |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

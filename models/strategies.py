@@ -12,6 +12,8 @@ import logging
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from models.gpt import GPT
 
@@ -72,8 +74,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def shard(self, model: GPT) -> None:
         """Apply FSDP2 to ``model`` in place (called from ``LitGPT.configure_model``)."""
-        from torch.distributed._composable import checkpoint
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)

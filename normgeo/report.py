@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.angles import plot_compare, write_run_figures
+from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.runs.identity import DuplicateRuns, check_unique_runs
 from normgeo.runs.records import read_run_records
@@ -105,8 +106,6 @@ def write_figures(runs: dict[str, list[dict]], run_out: dict[str, Path], out_dir
         for ref in ("ones", "rand_a", "rand_b"):
             print(plot_compare(runs, out_dir, ref=ref))
         # The factorial's figures, drawn as normgeo.compare draws them.
-        from normgeo.figures.norm_figures import write_norm_figures
-
         for figure in write_norm_figures([Path(run) for run in runs], out_dir):
             print(figure)
 

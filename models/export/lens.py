@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from einops import rearrange
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.gpt import GPT, GPTConfig
@@ -62,7 +64,6 @@ def transformer_lens_config(config: GPTConfig) -> dict:
 
 def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
     """The model's weights under HookedTransformer's names and shapes (per-head attention matrices)."""
-    from einops import rearrange
 
     cfg = gpt.config
     source = {name: tensor.detach().float() for name, tensor in gpt.state_dict().items()}
@@ -123,7 +124,6 @@ def to_transformer_lens(gpt: GPT, process: bool = False, tokenizer=None):
 
 def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
     """``tl_config.json`` (HookedTransformerConfig's arguments) and ``model.safetensors`` (its state dict)."""
-    from safetensors.torch import save_file
 
     refusal = transformer_lens_refusal(gpt.config)
     if refusal:
@@ -134,7 +134,6 @@ def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
 
 def load_transformer_lens(directory: str | Path, tokenizer=None):
     """A ``--to transformer-lens`` export back as a HookedTransformer, processing off."""
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     config = json.loads((directory / TL_CONFIG_FILE).read_text())

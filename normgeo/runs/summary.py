@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.loggers import WandbLogger
 
 from corpus.atomic import atomic_open
 
@@ -46,7 +47,6 @@ def _metric(trainer: L.Trainer, name: str) -> float | None:
 
 
 def _log_dir(logger: Any) -> str | None:
-    from lightning.pytorch.loggers import WandbLogger
 
     if isinstance(logger, WandbLogger):
         return str(Path(logger.experiment.dir).parent)  # wandb/<offline->run-<time>-<id>
