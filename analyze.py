@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from corpus.atomic import atomic_write_json
+from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.sources import SourceError
 from models.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.figures.analysis import print_summary, summarize, write_summary
@@ -199,6 +199,7 @@ def _settle(succeeded: bool) -> None:
 
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def run(cfg: DictConfig) -> None:
+    stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
     try:
         analyze(cfg)
     except USER_ERRORS as err:

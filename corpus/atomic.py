@@ -66,7 +66,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes 0600 files; give them the usual mode
+        os.chmod(tmp_name, usual_file_mode())  # mkstemp makes 0600 files; give them the usual mode
         os.replace(tmp_name, path)
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
@@ -98,10 +98,20 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> tuple[int, int]:
     return count, size
 
 
-def _umask() -> int:
+def usual_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0666 less the umask (0644 under the usual 022)."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
+
+
+def give_usual_file_modes(folder: Path) -> None:
+    """Every file under ``folder`` readable as the user's other files are: libraries that write through
+    private temporaries (safetensors) leave 0600 files."""
+    mode = usual_file_mode()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

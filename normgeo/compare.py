@@ -44,6 +44,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.atomic import stop_on_signals
 from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--margin", action="append", default=[], metavar="KIND=VALUE",
                         help="override one margin, e.g. --margin val_loss=0.01 (repeatable)")
     args = parser.parse_args(argv)
+    stop_on_signals("during the comparison", "--out is as it was; run the same command again")
     try:
         verdict_config = load_verdict_config(args.margins, args.margin)
     except ValueError as err:

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from corpus.atomic import atomic_write_json
+from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
 from normgeo.export import ExportError, choose_checkpoint, export_run
@@ -84,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder")
     parser.add_argument("--examples", type=int, default=500, help="--make-task's number of examples")
     args = parser.parse_args(argv)
+    # The temporary export is removed and eval.json keeps what it held (the runs evaluated before it: updated).
+    stop_on_signals("during the evaluation", "run the same command again")
 
     if args.make_task is not None:
         try:

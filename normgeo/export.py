@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corpus.atomic import atomic_write_json, atomic_write_text
+from corpus.atomic import atomic_write_json, atomic_write_text, give_usual_file_modes, stop_on_signals
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
 from models.export.hf import (
@@ -317,6 +317,7 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
             **({"transformer_lens": TRANSFORMER_LENS_TARGET} if target == "transformer-lens" else {}),
             **({"as": as_norm, "conversion": dataclasses.asdict(conversion)} if conversion is not None else {}),
         })
+        give_usual_file_modes(partial)
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above); rename needs the name free
         os.rename(partial, out_dir)
@@ -338,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--as", dest="as_norm", default=None, choices=CONVERSIONS,
                         help="convert a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (--to hf/nnsight)")
     args = parser.parse_args(argv)
+    stop_on_signals("during the export", "--out was not written; run the same command again")
     try:
         exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint, args.as_norm)
     except ExportError as exc:

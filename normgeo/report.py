@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.atomic import stop_on_signals
 from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where the figures go: each run's in <out>/<run folder name>, those comparing several "
                              "runs in <out> (default: <run>/figures, and the first run's figures folder)")
     args = parser.parse_args(argv)
+    stop_on_signals("while drawing the report", "each figure is whole or absent; run the same command again")
     layer = int(args.layer) if args.layer is not None and args.layer.lstrip("-").isdigit() else args.layer
     # Everything is read and checked before the first figure is written.
     try:  # the rule of every sweep reader: two folders of one arm and seed are refused, each named

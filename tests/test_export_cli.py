@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from corpus.atomic import usual_file_mode
 from corpus.next_sentence import CHOICES, TASK_NAME, build_examples, sentences
 from corpus.sources import LocalFilesSource
 from corpus.tokenize import tiktoken_encoding
@@ -170,6 +174,9 @@ def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_pat
     assert f"| step | {step} |" in card and "| tokens seen | 1,024 |" in card and f"norm:\n  name: {norm}" in card
     assert json.loads((out / "normgeo_export.json").read_text())["step"] == 2
     assert not list(tmp_path.glob(".*partial*"))
+    # Every file with the user's usual mode (safetensors writes 0600 files by itself).
+    assert {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()} == {
+        path.name: usual_file_mode() for path in out.iterdir()}
 
 
 @pytest.mark.slow
@@ -277,3 +284,55 @@ def test_every_target_loads_back_with_the_checkpoint_logits(tmp_path: Path, targ
             logits = load_hf(out)(ids).logits
     assert (logits - expected).abs().max().item() <= 1e-5
     assert "## How to load" in (out / "README.md").read_text()
+
+
+def signal_when(args: list, ready, env: dict) -> subprocess.CompletedProcess:
+    """Run ``python -m <args>``, send SIGTERM as soon as ``ready()`` holds (polled every millisecond)."""
+    proc = subprocess.Popen([sys.executable, "-m", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    deadline = time.monotonic() + 600
+    while not ready():
+        assert proc.poll() is None, f"{args[0]} ended before the signal:\n{proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothing(trained: Path, shared: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Issue 34: SIGTERM in the middle of each command ends it with exit 143 and one line, without a traceback;
+    the export's .partial folder, the evaluation's temporary export and compare's staging folder are removed,
+    and eval.json and --out are as they were."""
+    run = next(trained.glob("*-layer-s0"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+
+    def check(result: subprocess.CompletedProcess, doing: str) -> None:
+        assert result.returncode == 143, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(f"SIGTERM {doing}: stopped")
+        assert not list(scratch.glob("normgeo-*")) and not list(tmp_path.glob(".*"))  # (torch caches its own there)
+
+    out = tmp_path / "exported"
+    check(signal_when(["normgeo.export", run, "--to", "hf", "--out", out],
+                      lambda: any(p.name.startswith(".exported.partial") for p in tmp_path.iterdir()), env),
+          "during the export")
+    assert not out.exists()
+
+    task_dir = tmp_path / "tasks"
+    assert run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA,
+                      "--examples", 40).returncode == 0
+    before = (run / "eval.json").read_bytes() if (run / "eval.json").exists() else None
+    check(signal_when(["normgeo.evaluate", run, "--tasks", TASK_NAME, "--include-path", task_dir],
+                      lambda: any((p / "hf").is_dir() for p in scratch.iterdir()), env), "during the evaluation")
+    assert ((run / "eval.json").read_bytes() if (run / "eval.json").exists() else None) == before
+
+    compare_out = tmp_path / "compare"
+    check(signal_when(["normgeo.compare", trained, "--out", compare_out],
+                      lambda: compare_out.is_dir() and any(compare_out.glob(".compare.*")), env),
+          "during the comparison")
+    assert not compare_out.exists()  # it created the folder: gone with the staging
