@@ -16,6 +16,7 @@ Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from pathlib import Path
 from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
+from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
 from normgeo.runs.downstream import EVAL_FILE, merged_eval, read_eval
 
@@ -100,11 +102,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: give run directories to evaluate (or --make-task DIR)", file=sys.stderr)
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    # Every refusal before the first (slow) evaluation: the checkpoints, the include path, the task names.
+    # Every refusal before the first (slow) evaluation: the options, the checkpoints, the run folders (eval.json is
+    # written into each after its evaluation), the include path, the task names.
+    refusal = (f"--tasks {args.tasks!r}: no task name in it; give e.g. --tasks {TASK_NAME}" if not tasks else
+               f"--limit {args.limit}: give at least 1 example per task, or leave --limit out for all of them"
+               if args.limit is not None and args.limit < 1 else
+               f"--batch-size {args.batch_size}: give at least 1" if args.batch_size < 1 else
+               missing_cuda("--device", args.device, "--device cpu"))
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     try:
         for run_dir in args.run_dirs:
             choose_checkpoint(run_dir, args.step)
             read_eval(run_dir)  # a damaged eval.json is named now, not after the evaluation
+            if not os.access(run_dir, os.W_OK):
+                raise ExportError(f"run directory {run_dir} is not writable: its eval.json could not be saved after "
+                                  "the evaluation (chmod u+w it, or evaluate a copy)")
     except (ExportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -119,7 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}", file=sys.stderr)
         return 2
     for run_dir in args.run_dirs:
-        record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
+        try:
+            record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
+        except ExportError as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
+            print(f"error: {run_dir}: {exc}", file=sys.stderr)
+            return 2
         scores = "; ".join(f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items())
         print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")
     return 0

@@ -56,6 +56,7 @@ from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.runs.metrics import read_metrics
 from normgeo.runs.run_config import RUN_CONFIG_FILE
+from normgeo.runs.session import divergence
 
 TARGETS = ("hf", "transformer-lens", "nnsight")
 CONVERSIONS = ("rms",)  # --as: the norm a Pre-LN LayerNorm arm is converted to
@@ -122,6 +123,11 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path |
     if checkpoint is not None:
         if not checkpoint.is_file():
             raise ExportError(f"--checkpoint {checkpoint}: no such file (give a .ckpt from <run_dir>/checkpoints/)")
+        # The model card and normgeo_export.json describe run_dir: a checkpoint of another run would be mislabelled.
+        owner = checkpoint.resolve().parent.parent
+        if (owner / RUN_CONFIG_FILE).is_file() and owner != run_dir.resolve():
+            raise ExportError(f"--checkpoint {checkpoint} belongs to the run {owner}, not {run_dir}: give {owner} "
+                              "as the run directory")
         return checkpoint
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist (give a train.py run directory, e.g. outputs/smoke-rms-s0)")
@@ -345,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (diverged := divergence(args.run_dir)) is not None:
+        print(f"warning: {args.run_dir} diverged at step {diverged.get('step')} (its summary.json): the export "
+              f"holds its checkpoint of step {exported.step}, saved before the divergence", file=sys.stderr)
     print(f"exported {exported.checkpoint} (step {exported.step}) as {exported.model_class} to {exported.out_dir}")
     if (check := exported.conversion) is not None:
         print(f"converted to RMSNorm: logit parity {check.parity.float64_relative:.1e} relative in float64, "

@@ -21,9 +21,11 @@ from models.export.hf import load_hf
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT, GPTConfig
 from models.pretrained import load_checkpoint
+from normgeo.evaluate import main as evaluate_main
 from normgeo.export import check_conversion
 from normgeo.export import main as export_main
 from normgeo.figures.sweep import load
+from normgeo.runs.session import DIVERGED
 from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import run_measures
 from normgeo.verdict.words import sentence
@@ -81,6 +83,46 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path
         message = refused(capsys, tmp_path, run, "--to", "hf", "--out", inside)
         assert f"is inside the run directory {run.resolve()}" in message
         assert message.endswith(f"--out {run.resolve().parent / 'dyt-post-hf'}")
+    # A checkpoint of another run would get this run's model card: refused, naming its run.
+    other = tmp_path / "other-run"
+    foreign = hand_checkpoint(other / "checkpoints" / "step-0000003.ckpt", "rms")
+    (other / "run_config.yaml").write_text("seed: 1\n")
+    message = refused(capsys, tmp_path, run, "--checkpoint", foreign, "--to", "hf", "--out", out)
+    assert message.endswith(f"belongs to the run {other.resolve()}, not {run}: give {other.resolve()} as the run directory")
+
+
+def test_a_diverged_run_exports_with_a_warning(capsys, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
+    (run / "summary.json").write_text(json.dumps({DIVERGED: {"step": 7, "loss": float("nan"), "lr": 0.1}}))
+    assert export_main([str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' "Writing model shards" bar)
+    assert err == (f"warning: {run} diverged at step 7 (its summary.json): the export holds its checkpoint of "
+                   "step 5, saved before the divergence")
+
+
+def test_evaluate_checks_every_option_before_the_evaluation(capsys, tmp_path: Path) -> None:
+    """Issue 34: options that used to fail after minutes of work (or in lm-eval's traceback) are one line, exit 2."""
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
+
+    def evaluate_refuses(*args: str) -> str:
+        assert evaluate_main([str(run), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+        return err
+
+    assert "no task name in it" in evaluate_refuses("--tasks", ",")
+    assert "give at least 1 example per task" in evaluate_refuses("--limit", "0")
+    assert "give at least 1 example per task" in evaluate_refuses("--limit", "-3")
+    assert "--batch-size 0: give at least 1" in evaluate_refuses("--batch-size", "0")
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU on this machine" in evaluate_refuses("--device", "cuda")
+    # A truncated checkpoint: found when it is loaded, one line naming the run.
+    checkpoint = run / "checkpoints" / "step-0000005.ckpt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
+    assert evaluate_refuses("--tasks", "lambada_openai").startswith(f"error: {run}: ")
 
 
 @pytest.mark.parametrize(("norm", "placement", "reason"), [("dyt", "pre", "no tanh norm"),
