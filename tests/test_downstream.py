@@ -23,7 +23,11 @@ def test_a_new_evaluation_replaces_only_the_tasks_it_measured(tmp_path: Path) ->
     assert {k: second[k] for k in SECOND} == SECOND  # the top level: the latest evaluation
     (tmp_path / EVAL_FILE).write_text(json.dumps(second))
     assert downstream_scores(tmp_path) == {"downstream/arc_easy/acc": 0.4, "downstream/lambada/acc": 0.3,
-                                           "downstream/piqa/acc": 0.62}
+                                           "downstream/piqa/acc": 0.62,
+                                           # what each task was measured at: the verdict pairs only equal ones
+                                           "measured_at/arc_easy": "step 200, limit 50",
+                                           "measured_at/lambada": "step 100, limit none",
+                                           "measured_at/piqa": "step 200, limit 50"}
 
 
 @pytest.mark.parametrize("text", ['{"step": 3, "tasks": {"piqa": {"acc": 0.5', '["not", "a", "record"]'])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,9 +27,10 @@ from normgeo.export import check_conversion
 from normgeo.export import main as export_main
 from normgeo.figures.sweep import load
 from normgeo.runs.session import DIVERGED
-from normgeo.verdict.families import paired_estimates
+from normgeo.verdict.declared import load_verdict_config
+from normgeo.verdict.families import downstream_mismatches, paired_estimates
 from normgeo.verdict.measures import run_measures
-from normgeo.verdict.words import sentence
+from normgeo.verdict.words import sentence, verdict_markdown
 from tests.conftest import ROOT, run_sweep
 from tests.test_export_convert import FLOAT32_MAX_ABS, FLOAT64_RELATIVE
 from tests.test_verdict import independent_interval, make_run
@@ -186,6 +188,38 @@ def test_downstream_scores_reach_the_verdict_as_paired_contrasts(tmp_path: Path)
     # Raw, the accuracy difference is significant; undeclared, the row is described: its interval, no test words.
     assert est.test.p_diff < 0.05 and est.family == "described" and est.p_diff_holm is None
     assert sentence(est).endswith("described, not tested).") and "different" not in sentence(est)
+
+
+def test_downstream_scores_measured_at_different_limits_are_not_paired(tmp_path: Path) -> None:
+    """Issue 34: seed 1's RMSNorm run was evaluated on 8 examples, its LayerNorm partner on all: that seed is left
+    out of the contrast, and verdict.md says which runs and how to make them comparable."""
+    for norm in ("layer", "rms"):
+        for seed in (0, 1, 2):
+            run_dir = make_run(tmp_path, norm, seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+            limit = 8 if (norm, seed) == ("rms", 1) else None
+            (run_dir / "eval.json").write_text(json.dumps(
+                {"step": 10, "tasks": {TASK_NAME: {"acc": 0.3 + 0.01 * seed, "step": 10, "limit": limit}}}))
+    measures = run_measures(load(sorted(p for p in tmp_path.iterdir() if p.is_dir())))
+    estimates, unpaired = paired_estimates(measures)
+    est = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", f"downstream/{TASK_NAME}/acc")]
+    assert est.seeds == (0, 2)
+    lines = downstream_mismatches(measures)
+    assert lines == [f"{TASK_NAME}, seed 1: layer-s1 was evaluated at step 10, limit none, rms-s1 at step 10, "
+                     "limit 8; not paired (evaluate both with the same --step and --limit)"]
+    assert f"- {lines[0]}" in verdict_markdown(estimates, measures, unpaired, not_paired=lines)
+
+
+def test_a_declared_arm_no_run_has_is_named(tmp_path: Path) -> None:
+    for norm in ("layer", "rms"):
+        for seed in (0, 1):
+            make_run(tmp_path, norm, seed, val_loss=5.0 + 0.01 * seed, tokens_per_s=1000.0, dev=1.0)
+    measures = run_measures(load(sorted(p for p in tmp_path.iterdir() if p.is_dir())))
+    config = load_verdict_config()
+    config = dataclasses.replace(config, primary=dataclasses.replace(config.primary, arm="layer_nobias"))
+    estimates, unpaired = paired_estimates(measures, config)
+    page = verdict_markdown(estimates, measures, unpaired, config)
+    primary = page.split("## The primary question")[1].split("##")[0]
+    assert "None: no run of the declared arm(s) `layer_nobias` in these runs" in primary
 
 
 # --- slow: real runs ------------------------------------------------------------------------------------------

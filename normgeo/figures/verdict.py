@@ -17,7 +17,7 @@ from normgeo.figures.style import arm_color, norm_label, save_figure
 from normgeo.figures.sweep import Comparison
 from normgeo.measure.stats import mean_t_interval
 from normgeo.verdict.declared import VerdictConfig, load_verdict_config
-from normgeo.verdict.families import Estimate, Pairing, paired_estimates, pairings
+from normgeo.verdict.families import Estimate, Pairing, downstream_mismatches, paired_estimates, pairings
 from normgeo.verdict.measures import VAL_TAIL, run_measures, validation_curve
 from normgeo.verdict.words import contrast_text, verdict_markdown, verdict_table
 
@@ -120,7 +120,8 @@ def write_verdict(comparison: Comparison, out_dir: Path, formats: Sequence[str] 
     measures = run_measures(comparison)
     estimates, unpaired = paired_estimates(measures, config)
     found, _ = pairings(measures)
-    atomic_write_text(out_dir / VERDICT_MD, verdict_markdown(estimates, measures, unpaired))
+    atomic_write_text(out_dir / VERDICT_MD, verdict_markdown(estimates, measures, unpaired, config,
+                                                             downstream_mismatches(measures)))
     atomic_write_text(out_dir / VERDICT_CSV, verdict_table(estimates).to_csv(index=False))
     return [out_dir / VERDICT_MD, out_dir / VERDICT_CSV, *verdict_figure(estimates, out_dir, formats),
             *curve_figure(comparison, found, config, out_dir, formats)]

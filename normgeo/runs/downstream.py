@@ -14,6 +14,7 @@ from pathlib import Path
 
 EVAL_FILE = "eval.json"
 DOWNSTREAM_PREFIX = "downstream/"
+MEASURED_AT_PREFIX = "measured_at/"  # the measures' column of what a task's scores were measured at
 SCORES = ("acc", "acc_norm")  # the scores compared; their standard errors stay in eval.json
 
 
@@ -40,12 +41,26 @@ def merged_eval(earlier: dict, measured: dict, scores: dict[str, dict]) -> dict:
     return {**measured, "tasks": dict(sorted(tasks.items()))}
 
 
-def downstream_scores(run_dir: Path) -> dict[str, float]:
-    """``{"downstream/<task>/<score>": value}`` from the run's eval.json; empty without one."""
-    tasks = read_eval(run_dir).get("tasks", {})
-    return {f"{DOWNSTREAM_PREFIX}{task}/{score}": float(values[score])
-            for task, values in sorted(tasks.items()) for score in SCORES
-            if isinstance(values.get(score), (int, float)) and math.isfinite(values[score])}
+def downstream_scores(run_dir: Path) -> dict[str, float | str]:
+    """``{"downstream/<task>/<score>": value}`` from the run's eval.json, and per task what its scores were
+    measured at (``{"measured_at/<task>": "step 3, limit 8"}``: scores measured otherwise are not comparable);
+    empty without one."""
+    record = read_eval(run_dir)
+    scores: dict[str, float | str] = {}
+    for task, values in sorted(record.get("tasks", {}).items()):
+        found = {f"{DOWNSTREAM_PREFIX}{task}/{score}": float(values[score]) for score in SCORES
+                 if isinstance(values.get(score), (int, float)) and math.isfinite(values[score])}
+        if found:
+            # Older eval.json files hold these at the top level only.
+            step, limit = (values.get(key, record.get(key)) for key in ("step", "limit"))
+            scores.update(found)
+            scores[f"{MEASURED_AT_PREFIX}{task}"] = f"step {step}, limit {limit if limit is not None else 'none'}"
+    return scores
+
+
+def measured_at_key(metric: str) -> str:
+    """``downstream/<task>/<score>`` -> ``measured_at/<task>``."""
+    return MEASURED_AT_PREFIX + metric.removeprefix(DOWNSTREAM_PREFIX).split("/")[0]
 
 
 def is_downstream(metric: str) -> bool:

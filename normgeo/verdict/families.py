@@ -28,7 +28,7 @@ import pandas as pd
 
 from models.norms import contrasts
 from normgeo.measure.stats import PairedTest, difference_power, holm, paired_test, tost_power
-from normgeo.runs.downstream import is_downstream
+from normgeo.runs.downstream import SCORES, is_downstream, measured_at_key
 from normgeo.runs.identity import RunIdentity, check_unique
 from normgeo.verdict.declared import Endpoint, VerdictConfig, load_verdict_config
 from normgeo.verdict.metrics import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
@@ -166,6 +166,36 @@ def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
     return found, measures[~measures["run"].isin(paired_runs)]
 
 
+SCORE_PAIRED_FIRST = SCORES[0]  # the score whose pairing downstream_mismatches reports for its task
+
+
+def measured_apart(by_run: pd.DataFrame, arm_run: str, other_run: str, name: str) -> tuple[str, str] | None:
+    """What the two runs' scores of a downstream metric were measured at, when it differs; else None."""
+    key = measured_at_key(name)
+    pair = (by_run.loc[arm_run].get(key), by_run.loc[other_run].get(key))
+    return (str(pair[0]), str(pair[1])) if pair[0] != pair[1] else None
+
+
+def downstream_mismatches(measures: pd.DataFrame) -> list[str]:
+    """One line per seed pair whose downstream scores were measured at different steps or example limits (and so
+    are left out of the pairing), saying how to make them comparable."""
+    found, _ = pairings(measures)
+    by_run = measures.set_index("run")
+    lines = []
+    for pairing in found:
+        for task_metric in downstream_metrics(measures):
+            if not task_metric.endswith(f"/{SCORE_PAIRED_FIRST}"):
+                continue  # one line per task, not per score
+            for seed, arm_run, other_run in zip(pairing.seeds, pairing.arm_runs, pairing.other_runs, strict=True):
+                apart = measured_apart(by_run, arm_run, other_run, task_metric)
+                if apart and not pd.isna(by_run.loc[arm_run].get(task_metric, float("nan"))) and not pd.isna(
+                        by_run.loc[other_run].get(task_metric, float("nan"))):
+                    task = task_metric.split("/")[1]
+                    lines.append(f"{task}, seed {seed}: {arm_run} was evaluated at {apart[0]}, {other_run} at "
+                                 f"{apart[1]}; not paired (evaluate both with the same --step and --limit)")
+    return lines
+
+
 def downstream_metrics(measures: pd.DataFrame) -> list[str]:
     """The ``downstream/<task>/<score>`` columns some run has: contrasted like ``val_loss``."""
     return sorted(c for c in measures.columns if is_downstream(c))
@@ -179,6 +209,8 @@ def contrast_estimate(by_run: pd.DataFrame, pairing: Pairing, name: str, config:
         x, y = by_run.loc[arm_run].get(name), by_run.loc[other_run].get(name)
         if x is None or y is None or pd.isna(x) or pd.isna(y):
             continue  # a run that never validated / never logged it: the seed is left out of this metric
+        if is_downstream(name) and measured_apart(by_run, arm_run, other_run, name):
+            continue  # scores at another step or example limit: not comparable (downstream_mismatches says so)
         used.append(seed)
         values.append(float(x) - float(y))
     return Estimate(pairing.arm, pairing.other, pairing.isolates, pairing.size, pairing.placement, name,

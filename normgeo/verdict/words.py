@@ -11,6 +11,7 @@ import pandas as pd
 
 from models.norms import arm_label
 from normgeo.measure.stats import mean_t_interval
+from normgeo.verdict.declared import Endpoint, VerdictConfig
 from normgeo.verdict.families import Estimate
 from normgeo.verdict.metrics import INTACT
 
@@ -102,7 +103,20 @@ def family_table(estimates: Sequence[Estimate], where: bool = False) -> list[str
     return lines
 
 
-def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpaired: pd.DataFrame) -> str:
+def absent_arms_line(endpoints: Sequence[Endpoint], measures: pd.DataFrame) -> str:
+    """Why a declared family has no row: the declared arms that no run of the sweep has, named."""
+    present = set(measures["norm"]) if "norm" in measures else set()
+    absent = sorted({side for e in endpoints for side in (e.arm, e.other)} - present - {INTACT})
+    if absent:
+        return (f"None: no run of the declared arm(s) {', '.join(f'`{a}`' for a in absent)} in these runs "
+                "(`conf/compare/margins.yaml`; train them, or declare arms the sweep has).")
+    return "None: the declared contrast's arms have no common seed in these runs."
+
+
+def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpaired: pd.DataFrame,
+                     config: VerdictConfig | None = None, not_paired: Sequence[str] = ()) -> str:
+    """verdict.md: per family a table (sentences for the declared questions), the arms, the unpaired runs and
+    the downstream scores left unpaired (``not_paired``: measured at different steps or limits)."""
     alpha = estimates[0].alpha if estimates else 0.05
     where = len({(e.size, e.placement) for e in estimates}) > 1
     lines = ["# Verdict", "",
@@ -127,14 +141,16 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
         if family in ("primary", "secondary"):
             said = [f"- {sentence(e)}" for e in members if e.n >= 2]
             lines += said + ([""] if said else [])
-        lines += (family_table(members, where) if members else
-                  ["None: the declared contrast's arms have no common seed in these runs."]) + [""]
+        declared = ((config.primary,) if family == "primary" else config.secondary) if config else ()
+        lines += (family_table(members, where) if members else [absent_arms_line(declared, measures)]) + [""]
     lines += ["## Per arm", "", *per_arm_lines(measures), "", "## Unpaired runs", ""]
     if unpaired.empty:
         lines.append("None: every run has a partner seed in some contrast.")
     else:
         lines += [f"- {r.run} ({arm_label(r.norm)}, seed {r.seed}, size {r.size}, {r.placement}-norm): no run of "
                   "a contrasted arm with the same seed, size and placement" for r in unpaired.itertuples()]
+    if not_paired:
+        lines += ["", "## Downstream scores not paired", "", *(f"- {line}" for line in not_paired)]
     return "\n".join(lines) + "\n"
 
 
