@@ -16,15 +16,17 @@ Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
+from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
 from normgeo.runs.downstream import EVAL_FILE, merged_eval, read_eval
@@ -40,6 +42,21 @@ def _scores(results: dict, samples: dict, task: str) -> dict:
     return scores
 
 
+def truncated_examples(task, context: int, limit: int | None, encode: Callable[[str], list[int]]) -> int | None:
+    """How many of a multiple-choice task's examples (the first ``limit``) have a choice whose context + choice is
+    longer than the model's ``context`` tokens: lm-eval cuts those from the left, so the model scores a truncated
+    context. None for other kinds of task, or when the task's documents cannot be read this way."""
+    if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
+        return None
+    try:
+        docs = list(itertools.islice(task.eval_docs, limit))
+        delimiter = task.config.target_delimiter
+        return sum(any(len(encode(f"{task.doc_to_text(doc)}{delimiter}{choice}")) > context
+                       for choice in task.doc_to_choice(doc)) for doc in docs)
+    except (TypeError, ValueError, KeyError, AttributeError):  # choices that are not text (e.g. indices)
+        return None
+
+
 def task_manager(include_path: Path | None):
     """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes seconds."""
     from lm_eval.tasks import TaskManager
@@ -53,12 +70,16 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import get_task_dict
 
     with tempfile.TemporaryDirectory(prefix="normgeo-eval-") as scratch:
         exported = export_run(run_dir, "hf", Path(scratch) / "hf", step=step)
         # HFLM reads the context length from the config (n_positions / max_position_embeddings).
         model = HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
                      device=device, dtype="float32")
+        encode = tiktoken_encoding().encode_ordinary
+        truncated = {name: truncated_examples(task, model.max_length, limit, encode)
+                     for name, task in get_task_dict(list(tasks), manager).items() if isinstance(name, str)}
         output = simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                  log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                  torch_random_seed=0, fewshot_random_seed=0)
@@ -66,6 +87,13 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
                 "lm_eval_version": lm_eval.__version__}
     scores = {task: _scores(values, samples, task) for task, values in output["results"].items()}
+    for task, count in truncated.items():
+        if count is not None and task in scores:
+            scores[task]["truncated"] = count  # examples the model saw cut to its context (from the left)
+            if count:
+                print(f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples are longer "
+                      f"than the model's {model.max_length}-token context; lm-eval cut them from the left, so the "
+                      "score is of truncated examples (eval.json records the count)", file=sys.stderr)
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
     atomic_write_json(run_dir / EVAL_FILE, record)
     return record

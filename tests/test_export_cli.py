@@ -319,11 +319,19 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
     result = run_module("normgeo.evaluate", *runs, "--tasks", TASK_NAME, "--include-path", task_dir,
                         "--limit", 8, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The examples longer than the runs' 64-token context, counted here from the task's own file.
+    encode = tiktoken_encoding().encode_ordinary
+    examples = [json.loads(line) for line in (task_dir / "next_sentence.jsonl").read_text().splitlines()][:8]
+    longer = sum(any(len(encode(f"{e['context']} {choice}")) > 64 for choice in e["choices"]) for e in examples)
+    assert longer > 0  # Wikipedia paragraphs: most do not fit
     for run in runs:
         record = json.loads((run / "eval.json").read_text())
         scores = record["tasks"][TASK_NAME]
         assert record["step"] == 3 and scores["examples"] == 8 and 0 <= scores["acc"] <= 1
         assert scores["step"] == 3 and scores["limit"] == 8  # what this task was measured at
+        assert scores["truncated"] == longer
+        assert (f"warning: {run}: {TASK_NAME}: {longer} of 8 examples are longer than the model's 64-token context"
+                in result.stderr)
     assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
         "an_earlier_task"]
     compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare")
