@@ -55,7 +55,7 @@ from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
-from normgeo.runs.run_config import is_rank_zero, resolved_run_config, save_run_config
+from normgeo.runs.run_config import SUMMARY_FILE, is_rank_zero, resolved_run_config, save_run_config
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import (  # noqa: F401
     DIVERGED,
@@ -69,7 +69,7 @@ from normgeo.runs.session import (  # noqa: F401
     resume_command,
 )
 from normgeo.runs.start import START_ERRORS, Start, remove_if_empty, take_start
-from normgeo.runs.summary import SUMMARY_FILE, SessionClock, format_summary, run_summary, write_summary
+from normgeo.runs.summary import SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"

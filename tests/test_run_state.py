@@ -5,6 +5,7 @@ analyze.py folders (pretrained records have step null)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,16 @@ def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path
     assert {rows[f"tiny-{n}-s{s}"]["state"] for n in ("layer", "rms") for s in (0, 1)} == {"finished"}
     assert status_main([str(with_analysis), "--no-slurm"]) == 0
     assert "pretrained" in capsys.readouterr().out
+
+
+def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(arms_sweep, tmp_path: Path, capsys) -> None:
+    """Issue 34: its summary.json says it finished; before, status read the missing checkpoints as running/failed."""
+    copy = tmp_path / "tiny-rms-s1"
+    shutil.copytree(arms_sweep[0] / "tiny-rms-s1", copy)
+    shutil.rmtree(copy / "checkpoints")
+    assert status_main([str(copy), "--no-slurm", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["state"], row["step"], row["max_steps"]) == ("finished", 3, 3)
 
 
 def test_end_of_run_summary_on_the_console_and_in_summary_json(arms_sweep) -> None:

@@ -15,9 +15,8 @@ from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
 from normgeo.runs.identity import check_unique_runs, identity_from_config, read_run_config
 from normgeo.runs.metrics import last_value, read_metrics
 from normgeo.runs.records import read_run_records
+from normgeo.runs.run_config import SUMMARY_FILE
 from normgeo.runs.status import find_runs, is_analysis
-
-SUMMARY_FILE = "summary.json"  # written by train.py at the end of a run
 
 
 @dataclass

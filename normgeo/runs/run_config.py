@@ -24,6 +24,7 @@ from models.hardware import default_precision
 log = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.yaml"
+SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 
 # Dotted keys (and everything under them) that may differ between sessions of one run: where the run

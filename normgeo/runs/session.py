@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause, remove_stale_temporaries
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
+    SUMMARY_FILE,
     ResumeConfigError,
     config_changes,
     is_rank_zero,
@@ -234,7 +235,7 @@ KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log")
 def divergence(run_dir: Path) -> dict[str, Any] | None:
     """The divergence record of the run in ``run_dir`` (step, loss, optim.lr), None if it did not diverge."""
     try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        summary = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
     except (OSError, ValueError):  # none, or unreadable: not a record of a divergence
         return None
     record = summary.get(DIVERGED) if isinstance(summary, dict) else None

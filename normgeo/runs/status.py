@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -15,6 +16,7 @@ import normgeo.runs.config  # noqa: F401  (registers the resolvers the config us
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.runs.metrics import last_value, read_metrics
 from normgeo.runs.records import read_run_records
+from normgeo.runs.run_config import SUMMARY_FILE
 from normgeo.runs.session import divergence, newest_resumable
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -177,6 +179,17 @@ def infer_state(
     return "failed"
 
 
+def finished_by_summary(run_dir: Path) -> int | None:
+    """The last step of a run whose summary.json says it finished, else None (summary.json read here, not
+    through normgeo.runs.summary, which imports Lightning: status stays quick)."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    finished = isinstance(summary, dict) and summary.get("finished") is True
+    return summary["step"] if finished and isinstance(summary.get("step"), int) else None
+
+
 def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
     try:  # one damaged file is this run's problem, not the whole listing's
@@ -202,8 +215,9 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         active_s=active_s,
     )
     if state == "failed":
-
         state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
+    if step is None and (finished_step := finished_by_summary(run_dir)) is not None:
+        state, step = "finished", finished_step  # its checkpoints deleted since (to save space)
     return RunStatus(
         run=name,
         state=state,

@@ -17,8 +17,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
 from corpus.atomic import atomic_open
-
-SUMMARY_FILE = "summary.json"
+from normgeo.runs.run_config import SUMMARY_FILE
 
 
 class SessionClock(L.Callback):
