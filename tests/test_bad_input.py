@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from normgeo.runs.checks import check_config
+from normgeo.runs.checks import check_config, unquoted_non_ascii
 from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
 from tests.conftest import ROOT, call_entry_point
@@ -130,3 +130,16 @@ def test_every_train_key_has_a_doc_in_help() -> None:
                  "checkpoint.steps: list[int] | None = null", "seed: int = 0  # initial weights and dropout; also the batch order through data.seed (default: seed) "
                  "(an integer in [0, 4294967295])"):
         assert line in done.stdout
+
+
+@pytest.mark.parametrize("script", ["train", "analyze"])
+def test_a_non_ascii_value_outside_quotes_is_one_line_with_the_quoting_that_works(script: str, tmp_path: Path,
+                                                                                 capsys) -> None:
+    """Issue 34: Hydra's lexer stopped at the first non-ASCII character with an error naming no fix."""
+    folder = tmp_path / "ünïcode"
+    code, stderr = call_entry_point(script, [f"output_root={folder}"], capsys)
+    assert code == 2 and stderr.strip() == (
+        f"error: output_root={folder}: Hydra reads non-ASCII characters only inside quotes: write "
+        f"output_root='{folder}' (in a shell: \"output_root='{folder}'\")")
+    assert not folder.exists()
+    assert unquoted_non_ascii([f"output_root='{folder}'", "norm=layer,rms", 'probe.path="é"']) is None

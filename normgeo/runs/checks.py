@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -57,6 +57,18 @@ class ConfigCheck(Callback):
         _composed = True  # each job is checked on its own (the task function; normgeo_if_accepted)
 
 
+def unquoted_non_ascii(args: Sequence[str]) -> str | None:
+    """The first ``key=value`` override whose value holds non-ASCII characters outside quotes, as the line that
+    says how to write it: Hydra's override grammar stops at them with a lexer error that names no fix."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
+        if sep and not value.isascii() and not quoted:
+            return (f"{arg}: Hydra reads non-ASCII characters only inside quotes: write {key}='{value}' "
+                    f"(in a shell: \"{key}='{value}'\")")
+    return None
+
+
 def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     """``hydra_main`` (a @hydra.main function called without arguments), with Hydra's own config errors
     exiting 2 like every other refused input instead of Hydra's 1."""
@@ -64,6 +76,9 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     def main() -> Any:
         global _composed
         _composed = False  # each call composes anew (a test or a notebook calls main more than once)
+        if refusal := unquoted_non_ascii(sys.argv[1:]):
+            print(f"error: {refusal}", file=sys.stderr)
+            raise SystemExit(CONFIG_ERROR_EXIT)
         try:
             return hydra_main()
         except SystemExit as done:
