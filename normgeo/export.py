@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import shutil
 import sys
@@ -35,7 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corpus.atomic import atomic_write_json, atomic_write_text, give_usual_file_modes, stop_on_signals
+from corpus.atomic import (
+    atomic_write_json,
+    atomic_write_text,
+    full_disk_cause,
+    give_usual_file_modes,
+    stop_on_signals,
+)
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
 from models.export.hf import (
@@ -324,11 +331,21 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
             **({"as": as_norm, "conversion": dataclasses.asdict(conversion)} if conversion is not None else {}),
         })
         give_usual_file_modes(partial)
-        if out_dir.is_dir():
-            out_dir.rmdir()  # empty (checked above); rename needs the name free
-        os.rename(partial, out_dir)
-    except BaseException:
+        try:
+            if out_dir.is_dir():
+                out_dir.rmdir()  # empty (checked above); rename needs the name free
+            os.rename(partial, out_dir)
+        except OSError as err:  # another export wrote --out in the meantime
+            raise ExportError(f"--out {out_dir} was written by another command while this export ran: nothing of "
+                              "this one was kept; choose a new directory") from err
+    except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
+        full = full_disk_cause(err)
+        # safetensors' Rust writer reports a full disk as a SafetensorError, not an OSError: "(os error 28)".
+        if full is not None or any(f"(os error {code})" in str(err) for code in (errno.ENOSPC, errno.EDQUOT)):
+            where = full.filename if full is not None and full.filename else out_dir.parent
+            raise ExportError(f"--out {out_dir}: the disk is full ({where}): nothing was kept; free some space and "
+                              "run the same command again") from err
         raise
     return Exported(out_dir, path, saved_step, target, model_class, conversion)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import normgeo.export as export
 from corpus.atomic import usual_file_mode
 from corpus.next_sentence import CHOICES, TASK_NAME, build_examples, sentences
 from corpus.sources import LocalFilesSource
@@ -420,3 +421,24 @@ def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothin
                       lambda: compare_out.is_dir() and any(compare_out.glob(".compare.*")), env),
           "during the comparison")
     assert not compare_out.exists()  # it created the folder: gone with the staging
+
+
+def test_another_export_into_the_same_out_meanwhile_is_one_line(capsys, tmp_path: Path, monkeypatch) -> None:
+    """Two exports started into one --out: the one that renames second finds it taken (here another export's
+    files appear while this one writes), says so in one line, exit 2, and leaves the other's files alone."""
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
+    out = tmp_path / "hf"
+    save_hf = export.save_hf
+
+    def save_while_another_export_finishes(gpt, partial, **kwargs):
+        save_hf(gpt, partial, **kwargs)
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # the other export's
+
+    monkeypatch.setattr(export, "save_hf", save_while_another_export_finishes)
+    assert export_main([str(run), "--to", "hf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: --out {out} was written by another command while this export ran: nothing of this one "
+                   "was kept; choose a new directory")
+    assert [p.name for p in out.iterdir()] == ["config.json"] and not list(tmp_path.glob(".hf.partial*"))

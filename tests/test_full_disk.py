@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, atomic_open, full_disk_cause
+from normgeo.export import main as export_main
 from tests.conftest import FAST, ROOT, step_losses
+from tests.test_export_cli import hand_checkpoint
 
 MAX_STEPS = 6
 # step-0000002.ckpt (weights, ~13 MB) and last.ckpt (full state, ~39 MB) fit in 60 MB; the next last.ckpt
@@ -88,3 +90,20 @@ def test_a_full_disk_exits_2_naming_the_file_and_the_run_resumes_after_freeing_s
         assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, capsys) -> None:
+    """Issue 34: the export's weights (~6 MB) do not fit a 2 MB disk: exit 2, one line naming --out, no
+    traceback, no .partial folder; before: safetensors' OSError as a traceback."""
+    run = tmp_path / "run"
+    hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "2m")
+    try:
+        assert export_main([str(run), "--to", "hf", "--out", str(disk / "hf")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"error: --out {disk / 'hf'}: the disk is full (") and err.endswith(
+            "nothing was kept; free some space and run the same command again")
+        assert not list(disk.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
