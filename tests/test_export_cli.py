@@ -23,6 +23,7 @@ from models.export.hf import load_hf
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT, GPTConfig
 from models.pretrained import load_checkpoint
+from normgeo.compare import main as compare_main
 from normgeo.evaluate import main as evaluate_main
 from normgeo.export import check_conversion
 from normgeo.export import main as export_main
@@ -442,3 +443,16 @@ def test_another_export_into_the_same_out_meanwhile_is_one_line(capsys, tmp_path
     assert err == (f"error: --out {out} was written by another command while this export ran: nothing of this one "
                    "was kept; choose a new directory")
     assert [p.name for p in out.iterdir()] == ["config.json"] and not list(tmp_path.glob(".hf.partial*"))
+
+
+def test_a_truncated_eval_json_is_named_by_compare(capsys, tmp_path: Path) -> None:
+    for norm in ("layer", "rms"):
+        for seed in (0, 1):
+            make_run(tmp_path / "sweep", norm, seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    damaged = tmp_path / "sweep" / "rms-s1" / "eval.json"
+    damaged.write_text('{"step": 10, "tasks": {"wiki_next_sentence": {"acc": 0.3')
+    runs = sorted(str(p) for p in (tmp_path / "sweep").iterdir())
+    assert compare_main([*runs, "--out", str(tmp_path / "compare"), "--formats", "png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {damaged}: damaged (") and err.endswith("move it away and evaluate again")
+    assert "\n" not in err and not (tmp_path / "compare").exists()
