@@ -67,6 +67,7 @@ def task_manager(include_path: Path | None):
 def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None, limit: int | None = None,
                  batch_size: int = 8, device: str = "cpu") -> dict:
     """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
+    # lm-eval takes seconds to import: only once every option has been checked (main).
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -77,22 +78,23 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
         # HFLM reads the context length from the config (n_positions / max_position_embeddings).
         model = HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
                      device=device, dtype="float32")
+        context = model.max_length  # tokens; longer examples are cut (truncated_examples counts them)
         encode = tiktoken_encoding().encode_ordinary
-        truncated = {name: truncated_examples(task, model.max_length, limit, encode)
+        truncated = {name: truncated_examples(task, context, limit, encode)
                      for name, task in get_task_dict(list(tasks), manager).items() if isinstance(name, str)}
         output = simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                  log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                  torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
-                "lm_eval_version": lm_eval.__version__}
+                "context": context, "lm_eval_version": lm_eval.__version__}
     scores = {task: _scores(values, samples, task) for task, values in output["results"].items()}
     for task, count in truncated.items():
         if count is not None and task in scores:
             scores[task]["truncated"] = count  # examples the model saw cut to its context (from the left)
             if count:
                 print(f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples are longer "
-                      f"than the model's {model.max_length}-token context; lm-eval cut them from the left, so the "
+                      f"than the model's {context}-token context; lm-eval cut them from the left, so the "
                       "score is of truncated examples (eval.json records the count)", file=sys.stderr)
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
     atomic_write_json(run_dir / EVAL_FILE, record)

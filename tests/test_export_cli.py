@@ -330,7 +330,7 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
         record = json.loads((run / "eval.json").read_text())
         scores = record["tasks"][TASK_NAME]
         assert record["step"] == 3 and scores["examples"] == 8 and 0 <= scores["acc"] <= 1
-        assert scores["step"] == 3 and scores["limit"] == 8  # what this task was measured at
+        assert (scores["step"], scores["limit"], scores["context"]) == (3, 8, 64)  # what it was measured at
         assert scores["truncated"] == longer
         assert (f"warning: {run}: {TASK_NAME}: {longer} of 8 examples are longer than the model's 64-token context"
                 in result.stderr)

@@ -1,8 +1,8 @@
 """A run's downstream scores (``eval.json``, written by ``python -m normgeo.evaluate``), read back for the verdict.
 
 ``eval.json`` holds, per lm-evaluation-harness task, its scores and what they were measured at: ``{"step": N,
-"checkpoint": ..., "limit": ..., "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "step": N, "limit": ...,
-...}}}``. Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as
+"checkpoint": ..., "limit": ..., "context": 32, "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "step": N,
+"limit": ..., "context": 32, "truncated": 8, ...}}}`` (``truncated``: the examples longer than the context). Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as
 the run's metric ``downstream/<task>/<metric>`` (higher is better).
 """
 
@@ -52,9 +52,10 @@ def downstream_scores(run_dir: Path) -> dict[str, float | str]:
                  if isinstance(values.get(score), (int, float)) and math.isfinite(values[score])}
         if found:
             # Older eval.json files hold these at the top level only.
-            step, limit = (values.get(key, record.get(key)) for key in ("step", "limit"))
+            step, limit, context = (values.get(key, record.get(key)) for key in ("step", "limit", "context"))
             scores.update(found)
-            scores[f"{MEASURED_AT_PREFIX}{task}"] = f"step {step}, limit {limit if limit is not None else 'none'}"
+            scores[f"{MEASURED_AT_PREFIX}{task}"] = (f"step {step}, limit {limit if limit is not None else 'none'}"
+                                                     + (f", context {context}" if context is not None else ""))
     return scores
 
 
