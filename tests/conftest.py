@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import csv
+import functools
 import importlib
 import os
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -44,13 +47,46 @@ SHARED_FIXTURE_OF_GROUP = {"arms_sweep": ("arms_sweep",),
                            "pretrained": ("smollm2_model_and_tokenizer", "minilm_model_and_tokenizer")}
 
 
+@functools.cache
+def slow_marks(path: str) -> tuple[bool, frozenset[str]]:
+    """Whether a test file is marked slow as a whole (``pytestmark``), and the test functions marked slow in it,
+    read from its source (xdist's controller schedules by node id and never imports the tests)."""
+    tree = ast.parse((ROOT / path).read_text())
+    whole = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                and "slow" in ast.unparse(node.value) for node in tree.body)
+    marked = frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                       and any("slow" in ast.unparse(decorator) for decorator in node.decorator_list))
+    return whole, marked
+
+
+def estimated_cost(nodeid: str) -> int:
+    """A test's rough cost for ordering the work: a slow test (real training, subprocesses) ~20 quick ones."""
+    path, _, name = nodeid.partition("::")
+    whole, marked = slow_marks(path)
+    return SLOW_COST if whole or name.split("[")[0] in marked else 1
+
+
+SLOW_COST = 20
+
+
 class SharedFixtureScheduling(LoadFileScheduling):
-    """``loadfile`` with the files of one SHARED_FIXTURE_FILES group as one unit of work."""
+    """``loadfile`` with the files of one SHARED_FIXTURE_FILES group as one unit of work, and the units handed
+    out costliest first (xdist orders them by test count, which put the few-but-long files, the pilot, the GPU
+    check's CPU stand-in, the signal tests, at the end, where one worker ran them while the other sat idle)."""
+
+    ordered = False
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
         name = Path(path).name
         return next((group for group, files in SHARED_FIXTURE_FILES.items() if name in files), path)
+
+    def _assign_work_unit(self, node) -> None:
+        if not self.ordered:  # the work queue is complete at the first assignment
+            self.workqueue = OrderedDict(sorted(self.workqueue.items(),
+                                                key=lambda unit: -sum(map(estimated_cost, unit[1]))))
+            self.ordered = True
+        super()._assign_work_unit(node)
 
 
 @pytest.hookimpl(optionalhook=True)  # also without xdist (-p no:xdist)
