@@ -24,12 +24,16 @@ from pathlib import Path
 import pandas as pd
 
 from corpus.atomic import atomic_write_text
-from normgeo.figures.sweep import markdown
-from normgeo.measure.stats import mean_t_interval
+from normgeo.figures.style import norm_label
+from normgeo.figures.sweep import load, markdown
+from normgeo.measure.stats import mean_t_interval, seeds_for_equivalence, smallest_decidable_margin
 from normgeo.pilot import unigram_baseline
+from normgeo.plan import compose, plan_config, seeds_report
 from normgeo.runs.config import repo_relative
 from normgeo.runs.downstream import read_eval
 from normgeo.verdict.declared import load_verdict_config
+from normgeo.verdict.families import Estimate, paired_estimates
+from normgeo.verdict.measures import run_measures
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
@@ -37,6 +41,8 @@ FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_
            "val_curve_diff": "study-val_curve_diff.png", "intervention": "study-intervention.png"}
 PAGE_SECTIONS = ("The primary question", "Declared secondary questions")  # the rest: study_details.md
 DETAILS_MD, DETAILS_CSV = "study_details.md", "study_verdict.csv"
+PRIMARY_METRIC = "val_loss/tail"
+PLAN_GPUS = ("H100 SXM 80 GB", "A100 80 GB")  # of normgeo.plan's GPU table
 
 
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
@@ -89,6 +95,78 @@ seed by seed (`downstream/wiki_next_sentence/acc`).
 """
 
 
+def primary_estimate(paths: list[Path]) -> Estimate | None:
+    """The primary question's estimate, recomputed from the study folder (or its runs) as normgeo.compare does."""
+    estimates, _ = paired_estimates(run_measures(load(paths)), load_verdict_config())
+    return next((e for e in estimates if e.primary and e.n >= 2), None)
+
+
+def answer_text(primary: Estimate) -> str:
+    """The primary question in two sentences: its outcome at the declared margin, and the margin these seeds
+    can decide at the observed paired SD (with the seeds the declared margin would need)."""
+    low, high = primary.ci90
+    reachable = smallest_decidable_margin(primary.n, primary.sd)
+    needed = seeds_for_equivalence(primary.sd, primary.margin)
+    words = {"equivalent": f"equivalent within ±{primary.margin:g} nats",
+             "different": f"different (the difference is resolved; equivalence within ±{primary.margin:g} nats is not)",
+             "inconclusive": f"not decided at ±{primary.margin:g} nats (the 90% interval is wider than the margin, and "
+                             "no difference is resolved)"}[primary.outcome()]
+    return (f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss over the last "
+            f"20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to {high:+.4f}: "
+            f"**{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} seeds decide "
+            f"equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); ±{primary.margin:g} "
+            f"nats would take {needed} seeds, about {2 * needed} runs.")
+
+
+def gpu_plan_text(sd: float, margin: float) -> str:
+    """What the same decision costs at 70m and 160m on GPUs (``normgeo.plan --seeds-for``), from this study's
+    paired SD: a plan, not a measurement (the SD at those sizes is not measured here)."""
+    rows = []
+    for experiment in ("paper_70m", "paper_160m"):
+        _, report = plan_config(compose([f"experiment={experiment}"]))
+        seeds = seeds_report(PRIMARY_METRIC, margin, sd, "this study", report)
+        by_gpu = {row["gpu"]: row for row in seeds["gpus"]}
+        for gpu in PLAN_GPUS:
+            row = by_gpu[gpu]
+            rows.append({"size": seeds["size"], "GPU": gpu, f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
+                         "GPU-hours per run": f"{row['gpu_hours_per_run']:.2f}",
+                         "GPU-hours, both arms": f"{row['gpu_hours_equivalence']:,.0f}"})
+    return f"""**On GPUs (a plan from this CPU study's paired SD, not a measurement).** The same decision at
+±{margin:g} nats with `python -m normgeo.plan experiment=paper_70m --seeds-for {PRIMARY_METRIC}={margin:g} --sd
+{sd:.4f}` (and `paper_160m`): FLOPs at the plan's MFU, probes and validation not included; the paired SD at those
+sizes is not measured here and may differ.
+
+{markdown(pd.DataFrame(rows))}
+"""
+
+
+def threads_section(out: Path, threads: Path) -> str:
+    """The study's runs re-trained with 2 torch threads instead of 1 (``docs/make_threads_check.sh``): how far the
+    floating-point order moves each run's primary metric and the pair's difference."""
+    once = run_measures(load([out])).set_index("run")[PRIMARY_METRIC]
+    again = run_measures(load([threads])).set_index("run")[PRIMARY_METRIC]
+    rows, moved = [], {}
+    for run, b in sorted(again.items()):
+        a = once[run]
+        moved[run] = b - a
+        rows.append({"run": run, "1 thread": f"{a:.4f}", "2 threads": f"{b:.4f}", "moved": f"{b - a:+.4f}"})
+    primary = load_verdict_config().primary
+    pair = [f"study-{primary.arm}-s0", f"study-{primary.other}-s0"]
+    difference = moved[pair[0]] - moved[pair[1]] if all(run in moved for run in pair) else None
+    said = ("" if difference is None else f" The pair's difference ({norm_label(primary.arm)} − "
+            f"{norm_label(primary.other)}, seed 0) moved by {difference:+.4f} nats.")
+    return f"""## Floating-point order: two runs re-trained with 2 threads
+
+`bash docs/make_threads_check.sh` re-trains the two runs of seed 0 of the primary question with `threads=2` (the
+study's lanes run 1 thread each), everything else the same: the order of the floating-point sums changes, nothing
+else. The primary metric (validation loss over the last 20% of training) of each:
+
+{markdown(pd.DataFrame(rows))}
+Largest move of a run: {max(map(abs, moved.values())):.4f} nats, against a quarter of the margin
+({load_verdict_config().margins['val_loss'] / 4:.3f}).{said}
+"""
+
+
 def most_concurrent(runs: list[Path]) -> int:
     """The most runs that were training at once: each run from its run_config.yaml (written at its start) to
     its summary.json (written at its end)."""
@@ -114,10 +192,11 @@ def verdict_sections(verdict: str) -> tuple[str, str]:
 
 
 def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path | None = None,
-         details_dir: Path = ROOT / "docs") -> str:
+         details_dir: Path = ROOT / "docs", threads: Path | None = None) -> str:
     """The page's markdown (at most 150 lines); the study's figures are copied into ``figures_dir``, the rest
     (the described rows, per arm, every run, memory) goes to ``study_details.md`` and ``study_verdict.csv`` in
-    ``details_dir``. ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page."""
+    ``details_dir``. ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page; ``threads``: a
+    ``docs/make_threads_check.sh`` folder (two runs re-trained with 2 threads)."""
     compare = out / "compare"
     verdict, rest = verdict_sections((compare / "verdict.md").read_text())
     summary = pd.read_csv(compare / "summary.csv")
@@ -170,6 +249,10 @@ starts from the earlier runs' peak.
 
 {memory}
 """))
+    estimate = primary_estimate([out])
+    answer = answer_text(estimate) if estimate is not None else ""
+    plan = gpu_plan_text(estimate.sd, estimate.margin) if estimate is not None else ""
+    threads_text = threads_section(out, threads) if threads is not None else ""
     pilot_text = ""
     if pilot is not None and (pilot / "pilot.md").is_file():
         table = (pilot / "pilot.md").read_text().split("\n| run |")[0].split("\n", 1)[1].strip()
@@ -190,9 +273,12 @@ Throughput is not part of this verdict (the runs share the machine with other wo
 {checkpoint_mb:,.0f} MB, records {records_mb:,.1f} MB. Memory: the largest growth of a run's peak RSS from its first
 trained probe to its last is {worst_growth:+,.0f} MiB.
 
+{answer}
+
 {learned}
 
 {pilot_text}
+{plan}
 ## Verdict
 
 {verdict}
@@ -206,6 +292,7 @@ table: [{DETAILS_MD}]({DETAILS_MD}); every row with raw and adjusted p-values: [
 
 ![The centering intervention over training](figures/study-intervention.png)
 
+{threads_text}
 **Which numbers are bitwise.** On one machine with the same software and thread count, a re-run of a study
 pair gives identical records and losses, bit for bit (`tests/test_study.py`). Another thread count or another
 CPU changes the order of floating-point sums: losses agree to a few decimals, records move more, so the verdict
@@ -229,4 +316,6 @@ tests continuous quantities pooled per run, over seeds.
 
 
 if __name__ == "__main__":
-    sys.stdout.write(main(Path(sys.argv[1]), pilot=Path(sys.argv[2]) if len(sys.argv) > 2 else None))
+    # python docs/study_page.py STUDY [PILOT [THREADS]] (an empty PILOT: none)
+    given = [Path(arg) if arg else None for arg in sys.argv[2:4]] + [None, None]
+    sys.stdout.write(main(Path(sys.argv[1]), pilot=given[0], threads=given[1]))

@@ -15,6 +15,9 @@ from normgeo.measure.stats import (
     difference_power,
     null_comparison,
     seeds_for_difference,
+    seeds_for_equivalence,
+    smallest_decidable_margin,
+    tost_power,
 )
 
 
@@ -243,3 +246,14 @@ def test_seeds_for_difference_is_the_fewest_with_the_power(sd: float, margin: fl
 def test_more_seeds_than_the_planners_search_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="more than 100000 seeds"):
         seeds_for_difference(1000.0, 0.001)
+
+
+@pytest.mark.parametrize(("n", "sd"), [(7, 0.022), (13, 0.022), (5, 0.08), (30, 0.002)])
+def test_the_smallest_decidable_margin_inverts_the_seeds_a_margin_needs(n: int, sd: float) -> None:
+    """The CPU study's page states the margin its seeds reach: at it TOST has 80% power with n seeds, and n
+    seeds are exactly enough for it (a hair narrower needs more)."""
+    margin = smallest_decidable_margin(n, sd)
+    assert tost_power(n, sd, margin) == pytest.approx(0.8, abs=1e-6)
+    assert seeds_for_equivalence(sd, margin * 1.001) <= n < seeds_for_equivalence(sd, margin * 0.99)
+    with pytest.raises(ValueError, match="at least 2 seeds"):
+        smallest_decidable_margin(1, sd)

@@ -198,6 +198,25 @@ def seeds_for_equivalence(sd: float, margin: float, power: float = 0.8, alpha: f
     return high
 
 
+
+def smallest_decidable_margin(n: int, sd: float, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The narrowest margin within which TOST at ``alpha`` with ``n`` paired seeds shows equivalence with
+    probability ``power`` when the true difference is 0: :func:`tost_power` inverted over the margin (bisection;
+    the margin a study of ``n`` seeds can decide, where :func:`seeds_for_equivalence` gives the seeds a margin
+    needs)."""
+    if n < 2 or not (sd > 0 and math.isfinite(sd)):
+        raise ValueError(f"a margin needs at least 2 seeds and a positive SD (n={n}, sd={sd})")
+    low, high = 0.0, sd
+    while tost_power(n, sd, high, 0.0, alpha) < power:
+        low, high = high, high * 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        if tost_power(n, sd, middle, 0.0, alpha) >= power:
+            high = middle
+        else:
+            low = middle
+    return high
+
 def chan_merge(
     count_a: torch.Tensor, mean_a: torch.Tensor, m2_a: torch.Tensor,
     count_b: torch.Tensor, mean_b: torch.Tensor, m2_b: torch.Tensor,

@@ -56,7 +56,6 @@ def find_runs(root: Path) -> Iterator[Path]:
 
 def is_analysis(run_dir: Path) -> bool:
     """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
-
     try:
         cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     except Exception:
