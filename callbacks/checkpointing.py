@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
+from normgeo.runs.run_config import LAST_CHECKPOINT
 
-LAST = "last.ckpt"
 log = logging.getLogger(__name__)
 
 
@@ -222,11 +222,11 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
             trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
             self.saved_steps.append(step)
-        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
+        trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_finite(trainer, pl_module, trainer.global_step)
-        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
+        trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
@@ -235,7 +235,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             self._after_validation = None
             step = trainer.global_step
             if step in self.schedule and step in self.saved_steps:
-                trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
+                trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
             else:
                 self._save_step(trainer, pl_module, step)
 
@@ -244,7 +244,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
         finite = all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters())
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
-            last = self.dirpath / LAST
+            last = self.dirpath / LAST_CHECKPOINT
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
             lr = pl_module.hparams.get("lr", float("nan"))
             raise NonFiniteError(
@@ -498,7 +498,7 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
     signum = interrupt.signum or signal.SIGTERM
     if trainer.is_global_zero:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
-        saved = next((c.dirpath / LAST for c in trainer.callbacks if isinstance(c, ScheduledCheckpoint)), LAST)
+        saved = next((c.dirpath / LAST_CHECKPOINT for c in trainer.callbacks if isinstance(c, ScheduledCheckpoint)), LAST_CHECKPOINT)
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
         print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}{abandoned} "
               f"and saved {saved}; continue the run with:", file=sys.stderr)

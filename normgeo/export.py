@@ -62,7 +62,7 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.runs.metrics import read_metrics
-from normgeo.runs.run_config import RUN_CONFIG_FILE
+from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
 
 TARGETS = ("hf", "transformer-lens", "nnsight")
@@ -139,7 +139,7 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path |
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist (give a train.py run directory, e.g. outputs/smoke-rms-s0)")
     steps = saved_steps(run_dir)
-    last = run_dir / "checkpoints" / "last.ckpt"
+    last = run_dir / "checkpoints" / LAST_CHECKPOINT
     if not steps and not last.is_file():
         raise ExportError(f"{run_dir} has no checkpoints (no {run_dir / 'checkpoints'}/step-*.ckpt or last.ckpt): "
                           "give a train.py run directory that has saved one")

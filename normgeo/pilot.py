@@ -45,7 +45,7 @@ from models.norms import arm_label
 from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.runs.metrics import read_metrics
-from normgeo.runs.run_config import load_run_config
+from normgeo.runs.run_config import LAST_CHECKPOINT, load_run_config
 from normgeo.runs.summary import read_summary
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.measures import VAL_TAIL, tail_mean, validation_curve
@@ -171,7 +171,7 @@ def unigram_baseline(run_dir: Path) -> float:
 def window_losses(run_dir: Path) -> np.ndarray:
     """The run's last checkpoint, scored window by window on the validation windows it was validated on."""
     checkpoints = run_dir / "checkpoints"
-    last = checkpoints / "last.ckpt"
+    last = checkpoints / LAST_CHECKPOINT
     found = last if last.is_file() else max(checkpoints.glob("step-*.ckpt"), default=None)
     if found is None:
         raise PilotError(f"{run_dir}: no checkpoint to score the validation windows with")

@@ -24,6 +24,7 @@ from models.hardware import default_precision
 log = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.yaml"
+LAST_CHECKPOINT = "last.ckpt"  # in <run>/checkpoints/: the full state to resume from
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause, remove_stale_temporaries
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
+    LAST_CHECKPOINT,
     SUMMARY_FILE,
     ResumeConfigError,
     config_changes,
@@ -38,7 +39,6 @@ from normgeo.runs.run_config import (
     verify_run_config,
 )
 
-LAST = "last.ckpt"  # callbacks.checkpointing.LAST (not imported: that module pulls in Lightning)
 log = logging.getLogger(__name__)
 
 
@@ -84,7 +84,7 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     """Checkpoints a resume may continue from, in the order tried: last.ckpt and SLURM's hpc_ckpt_*.ckpt
     newest first, then the scheduled step-*.ckpt newest first (full state only with keep_optimizer)."""
     newest = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
-    newest += [p for p in [run_dir / "checkpoints" / LAST] if p.exists()]
+    newest += [p for p in [run_dir / "checkpoints" / LAST_CHECKPOINT] if p.exists()]
     newest.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     return newest + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
 
@@ -108,7 +108,7 @@ _warned: set[str] = set()
 def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     """The checkpoint to continue from: the newest readable full-state one (:func:`newest_resumable`)."""
     if resume is None:
-        existing = [p for p in resume_candidates(run_dir) if p.name == LAST or p.name.startswith("hpc_ckpt_")]
+        existing = [p for p in resume_candidates(run_dir) if p.name == LAST_CHECKPOINT or p.name.startswith("hpc_ckpt_")]
         if existing:
             raise RunDirectoryError(
                 f"{run_dir} already holds a run ({existing[0].name}). Continue it with resume=auto, "
