@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import normgeo.report as report
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import PRECISION_SHORT, PRECISIONS, ConfigError
@@ -245,9 +246,6 @@ def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(tmp_p
 
 
 def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkeypatch, capsys) -> None:
-    import normgeo.figures.norm_figures
-    import normgeo.report as report
-
     runs = []
     for name in ("layer", "rms"):
         (tmp_path / name).mkdir()
@@ -256,7 +254,7 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
     drawn: list[Path] = []  # the drawing itself is tested elsewhere: only where it goes matters here
     monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer, out_dir=None: [])
     monkeypatch.setattr(report, "plot_compare", lambda runs, out_dir, ref: drawn.append(out_dir) or out_dir / ref)
-    monkeypatch.setattr(normgeo.figures.norm_figures, "write_norm_figures", lambda run_dirs, out_dir: [])
+    monkeypatch.setattr(report, "write_norm_figures", lambda run_dirs, out_dir: [])
     assert report.main(runs) == 0
     assert (f"figures comparing the 2 runs go to {tmp_path / 'layer' / 'figures'} (the first run's figures folder; "
             "--out to choose another)") in capsys.readouterr().err
