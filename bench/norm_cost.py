@@ -82,6 +82,7 @@ class ArmResult:
 
 def liger_builders() -> dict[str, Callable[[int], nn.Module]]:
     """Liger's modules for the arms it has (its LayerNorm always carries a bias: the ``layer`` arm)."""
+    # Optional (GPU kernels): only when it is installed and asked for.
     from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
 
     def rms(dim: int) -> nn.Module:

@@ -191,6 +191,7 @@ class LocalFilesSource:
                     raise SourceError(f"{file}:{line_no}: no {self.text_field!r} field (set text_field)")
                 yield self._text(record[self.text_field], f"{file}:{line_no}")
         elif suffix == ".parquet":
+            # Only for parquet sources (pyarrow is heavy to import).
             import pyarrow.parquet as pq
 
             table = pq.read_table(file, columns=[self.text_field])
@@ -234,6 +235,7 @@ class HubParquetSource:
         return "hub:" + " | ".join(self.candidates)
 
     def documents(self) -> Iterator[str]:
+        # HF datasets takes seconds to import: only for hub sources.
         import datasets
         from fsspec.core import url_to_fs
 
@@ -270,6 +272,7 @@ class HubParquetSource:
         of English Wikipedia (one article per row) touch ~100 row groups all over the dump instead of
         its first file.
         """
+        # Only for parquet sources (pyarrow is heavy to import).
         import pyarrow.parquet as pq
         from fsspec.core import url_to_fs
 

@@ -137,6 +137,7 @@ def compile_refusal(device_type: str) -> str | None:
 
     Cheap checks of what inductor needs (no compilation): a supported Python, Triton for CUDA, a working
     C++ compiler for CPU (``$CXX`` or g++)."""
+    # The compiler's modules load only when compile=true is checked.
     import torch._dynamo
 
     if not torch._dynamo.is_dynamo_supported():

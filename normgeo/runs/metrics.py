@@ -45,6 +45,7 @@ def _csv_rows(run_dir: Path) -> Iterator[tuple[int, int, str, float]]:
 
 
 def _tensorboard_rows(run_dir: Path) -> Iterator[tuple[int, int, str, float]]:
+    # Optional: only for runs logged to TensorBoard.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for version in sorted((run_dir / "tensorboard").glob("version_*"), key=_version):
@@ -96,6 +97,7 @@ def wandb_records(path: Path) -> Iterator[bytes]:
 
 def wandb_history(path: Path) -> Iterator[dict]:
     """The history rows (``{"_step": k, "train/loss": ...}``) of one ``.wandb`` transaction log."""
+    # wandb is heavy to import: only for runs logged to wandb alone.
     from wandb.proto import wandb_internal_pb2
 
     for data in wandb_records(path):
