@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.distributed.tensor import DTensor
 
+from callbacks.lightning_loops import settle_abandoned_validation, validation_follows
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
 from normgeo.runs.run_config import LAST_CHECKPOINT
@@ -170,18 +171,6 @@ class OptimizerStepCallback(L.Callback):
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         raise NotImplementedError
-
-
-def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after this training batch (its own rule, asked, not copied).
-
-    Called from a checkpoint callback's on_train_batch_end: Lightning runs Checkpoint callbacks last, so
-    a ``should_stop`` set by StopAtStep or a requeue (which also triggers validation) is already seen.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if epoch_loop.val_loop.skip:
-        return False
-    return epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
@@ -465,16 +454,6 @@ class StopOnSignal(OptimizerStepCallback):
         else:
             return
         trainer.should_stop = True
-
-
-def settle_abandoned_validation(trainer: L.Trainer) -> None:
-    """Count an abandoned validation as run in the loop's progress, before last.ckpt is saved: the resume then
-    continues training after its step, as after any validation (its result was not logged; the next one
-    comes at the next ``val_every``). Left half-counted, Lightning would take it for a restart in the
-    middle of a validation and keep its counters one batch apart ever after."""
-    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
-    for tracker in (progress.total, progress.current):
-        tracker.started = tracker.processed = tracker.completed = tracker.ready
 
 
 class InstallInterrupt(L.Callback):

@@ -1,0 +1,31 @@
+"""The one place that reaches into Lightning's private loop state (``trainer.fit_loop``), for the two things its
+public API does not say: whether a validation follows this training batch, and how to count a validation a stop
+signal abandoned. tests/test_lightning_loops.py checks every private name used here on a real Trainer, so a
+Lightning release that renames one fails that test rather than a run.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after this training batch (its own rule, asked, not copied).
+
+    Called from a checkpoint callback's on_train_batch_end: Lightning runs Checkpoint callbacks last, so
+    a ``should_stop`` set by StopAtStep or a requeue (which also triggers validation) is already seen.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop.val_loop.skip:
+        return False
+    return epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+def settle_abandoned_validation(trainer: L.Trainer) -> None:
+    """Count an abandoned validation as run in the loop's progress, before last.ckpt is saved: the resume then
+    continues training after its step, as after any validation (its result was not logged; the next one
+    comes at the next ``val_every``). Left half-counted, Lightning would take it for a restart in the
+    middle of a validation and keep its counters one batch apart ever after."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    for tracker in (progress.total, progress.current):
+        tracker.started = tracker.processed = tracker.completed = tracker.ready
