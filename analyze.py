@@ -118,10 +118,12 @@ def analyze(cfg: DictConfig) -> Path:
     save_references(out_dir / REFERENCES_FILE, references)
     for name, file_rows in records.files.items():
         write_step(out_dir / name, file_rows)
-    if not records.intervention and (out_dir / INTERVENTION_FILE).exists():
-        # An earlier analysis's intervention would be drawn as this one's: this run measured none.
-        (out_dir / INTERVENTION_FILE).unlink()
-        log.warning("removed %s from an earlier analysis: this run measured no intervention "
+    stale = [out_dir / INTERVENTION_FILE, *(out_dir / "figures").glob("intervention_*")]
+    if not records.intervention and any(path.exists() for path in stale):
+        # An earlier analysis's intervention (its records and figures) would read as this one's: it measured none.
+        for path in stale:
+            path.unlink(missing_ok=True)
+        log.warning("removed %s and its figures from an earlier analysis: this run measured no intervention "
                     "(probe.intervention=[])", INTERVENTION_FILE)
     figures = write_run_figures(out_dir)
     summary = summarize(rows, null)

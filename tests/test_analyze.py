@@ -351,3 +351,20 @@ def test_failed_start_leaves_an_earlier_analysis_as_it_was(outputs: dict[str, Pa
                       "probe=pydoc", f"output_root={out.parent.parent}")
     assert result.returncode == 2 and "checkpoint not found" in result.stderr
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_and_figures(our_checkpoint: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Issue 34: the same command with probe.intervention=[] after one with the scopes kept the first run's
+    intervention.jsonl and redrew its figures as if this run had measured them."""
+    args = ("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms", "probe=pydoc",
+            "probe.tokens=300", f"output_root={tmp_path}")
+    _ok(_analyze(*args))  # the default scopes
+    out = tmp_path / "analyze" / "ours-rms"
+    assert (out / "intervention.jsonl").is_file() and list((out / "figures").glob("intervention_*"))
+    again = _analyze(*args, "probe.intervention=[]")
+    _ok(again)
+    assert not (out / "intervention.jsonl").exists() and not list((out / "figures").glob("intervention_*"))
+    assert "removed intervention.jsonl and its figures from an earlier analysis" in again.stdout + again.stderr
+    assert list((out / "figures").glob("layers_*"))  # this run's own figures
