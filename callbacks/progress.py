@@ -72,15 +72,18 @@ def format_count(value: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_metrics(metrics: Mapping[str, Any]) -> list[str]:
-    """The progress-bar metrics as ``name value`` fields: losses to 4 decimals, the last optimizer step's
-    training rate last (``train tok/s``: tokens of that step over the time since the step before)."""
+def format_metrics(metrics: Mapping[str, Any], validated_at: int | None = None) -> list[str]:
+    """The progress-bar metrics as ``name value`` fields: losses to 4 decimals, the validation loss with the
+    step it was measured after (``validated_at``), the last optimizer step's training rate last (``train tok/s``:
+    tokens of that step over the time since the step before)."""
     fields, rate = [], None
     for name, value in metrics.items():
         if name == "v_num":
             continue
         if name == "tok/s" and isinstance(value, (int, float)):
             rate = f"{format_count(value)} train tok/s"  # the last step's; the summary's rate is overall
+        elif name == "val/loss" and isinstance(value, float) and validated_at is not None:
+            fields.append(f"{name} {value:.4f} (step {validated_at})")
         elif isinstance(value, float) and name.endswith("loss"):
             fields.append(f"{name} {value:.4f}")
         elif isinstance(value, float):
@@ -90,9 +93,10 @@ def format_metrics(metrics: Mapping[str, Any]) -> list[str]:
     return fields + ([rate] if rate else [])
 
 
-def status_fields(metrics: Mapping[str, Any], *, elapsed: float, eta: float | None, total: int) -> list[str]:
+def status_fields(metrics: Mapping[str, Any], *, elapsed: float, eta: float | None, total: int,
+                  validated_at: int | None = None) -> list[str]:
     """Everything after the step count: metrics, elapsed time, ETA (when the total is known)."""
-    fields = format_metrics(metrics) + [f"{format_duration(elapsed)} elapsed"]
+    fields = format_metrics(metrics, validated_at) + [f"{format_duration(elapsed)} elapsed"]
     if total > 0:
         fields.append(f"ETA {format_duration(eta)}")
     return fields
@@ -270,7 +274,8 @@ class StepProgressBar(ProgressBar):
         origin = self._pace if self._pace is not None and self._step > self._pace[0] else self._start
         eta = eta_seconds(self._step, self._total, since_step=origin[0], elapsed=now - origin[1])
         fields = status_fields(
-            self.get_metrics(trainer, pl_module), elapsed=now - self._start[1], eta=eta, total=self._total
+            self.get_metrics(trainer, pl_module), elapsed=now - self._start[1], eta=eta, total=self._total,
+            validated_at=getattr(pl_module, "validated_at", None),  # LitGPT's; another module's: not said
         )
         return fields + (["validating"] if self._validating else [])
 

@@ -66,6 +66,7 @@ class LitGPT(L.LightningModule):
         self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
+        self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
         self._last_step_time: float | None = None
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
@@ -151,6 +152,7 @@ class LitGPT(L.LightningModule):
         # Lightning would log the validation after update k at step k-1: at k, like the loss and probe.
         if not self.trainer.sanity_checking:
             self.log("step", float(self.trainer.global_step), on_epoch=True, on_step=False)
+            self.validated_at = self.trainer.global_step  # the console says which validation a val/loss is
 
     def configure_optimizers(self):
         hp = self.hparams

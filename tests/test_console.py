@@ -58,6 +58,8 @@ def test_durations_counts_and_status_fields_read_naturally() -> None:
         "ETA 1:02:05",
     ]
     assert status_fields({}, elapsed=1, eta=None, total=0) == ["0:01 elapsed"]
+    # Issue 34: two "step 100/100" lines showed different val/loss; each now says which validation it is.
+    assert status_fields(metrics, elapsed=71, eta=0, total=6, validated_at=4)[1] == "val/loss 10.2000 (step 4)"
 
 
 def test_the_bar_narrows_and_then_goes_on_a_narrow_terminal() -> None:
@@ -155,9 +157,10 @@ def test_a_run_prints_steps_loss_and_throughput_and_no_lightning_noise(tmp_path:
     counts = [(int(k), int(n)) for k, n in re.findall(r"\bstep (\d+)/(\d+)\b", console)]
     assert counts and {n for _, n in counts} == {4} and max(k for k, _ in counts) == 4, console
     assert re.search(
-        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} · [\d.]+[kMG]? train tok/s · \d+:\d\d elapsed · ETA 0:00",
-        console,
+        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} \(step 4\) · [\d.]+[kMG]? train tok/s · \d+:\d\d elapsed · "
+        r"ETA 0:00", console,
     ), console
+    assert re.search(r"run summary: step 4/4 \(finished\) · train loss \d+\.\d{4} · val loss \d+\.\d{4} \(step 4\)", console)
     assert "model: " in console and "accumulation 2 x micro_batch 4 x world size 1" in console
     assert "run directory:" in console and "probe at step 0" in console
     for noise in (

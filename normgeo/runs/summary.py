@@ -81,6 +81,7 @@ def run_summary(
         "finished": step >= trainer.max_steps,
         "train_loss": _metric(trainer, "train/loss"),
         "val_loss": _metric(trainer, "val/loss"),
+        "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
         "tokens_seen": step * tokens_per_step,
         "wall_s": round(wall_s, 3),
         "sessions": int(previous.get("sessions") or 0) + 1,
@@ -126,10 +127,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     def number(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    validated = f" (step {summary['val_step']})" if summary.get("val_step") is not None else ""
     lines = [
         f"run summary: step {summary['step']}/{summary['max_steps']}"
         f"{' (finished)' if summary['finished'] else ''} · train loss {number(summary['train_loss'], '.4f')}"
-        f" · val loss {number(summary['val_loss'], '.4f')} · {summary['tokens_seen']:,} tokens"
+        f" · val loss {number(summary['val_loss'], '.4f')}{validated}"
+        f" · {summary['tokens_seen']:,} tokens"
         f" · {number(summary['tokens_per_s'], ',.0f')} tok/s overall (the session's tokens over its wall time: "
         f"start-up, probes and validation included) · wall {summary['wall_s']:.1f} s",
         f"  records:     {summary['records'] or '-'}",
