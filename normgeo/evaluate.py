@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from corpus.atomic import atomic_write_json, stop_on_signals
+from corpus.atomic import atomic_write_json, full_disk_cause, stop_on_signals
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
@@ -167,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
         except ExportError as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
             print(f"error: {run_dir}: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            if (full := full_disk_cause(exc)) is None:
+                raise
+            print(f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as it was; "
+                  "free some space and run the same command again", file=sys.stderr)
             return 2
         scores = "; ".join(f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items())
         print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")

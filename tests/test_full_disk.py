@@ -10,6 +10,7 @@ A real full disk: the run directory is a small tmpfs (this needs root and a cont
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -19,9 +20,11 @@ import pytest
 import torch
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, atomic_open, full_disk_cause
+from corpus.next_sentence import TASK_NAME
+from normgeo.evaluate import main as evaluate_main
 from normgeo.export import main as export_main
 from tests.conftest import FAST, ROOT, step_losses
-from tests.test_export_cli import hand_checkpoint
+from tests.test_export_cli import WIKIPEDIA, hand_checkpoint
 
 MAX_STEPS = 6
 # step-0000002.ckpt (weights, ~13 MB) and last.ckpt (full state, ~39 MB) fit in 60 MB; the next last.ckpt
@@ -105,5 +108,35 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Pat
         assert err.startswith(f"error: --out {disk / 'hf'}: the disk is full (") and err.endswith(
             "nothing was kept; free some space and run the same command again")
         assert not list(disk.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_an_evaluation_whose_run_folder_is_full_is_one_line_and_keeps_eval_json(tmp_path: Path, shared: Path,
+                                                                                  capsys) -> None:
+    """Issue 34: eval.json is written after the evaluation: on a full disk, one line naming the run, exit 2,
+    the earlier eval.json whole; before: a traceback after the whole evaluation."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "8m")
+    try:
+        run = disk / "run"
+        hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
+        earlier = json.dumps({"step": 5, "tasks": {"an_earlier_task": {"acc": 0.5}}})
+        (run / "eval.json").write_text(earlier)
+        filler = disk / "filler"
+        with open(filler, "wb") as handle:  # the rest of the disk
+            try:
+                while True:
+                    handle.write(b"\0" * 65536)
+                    handle.flush()
+            except OSError:
+                pass
+        tasks = tmp_path / "tasks"
+        assert evaluate_main(["--make-task", str(tasks), "--corpus", str(shared / WIKIPEDIA), "--examples", "4"]) == 0
+        capsys.readouterr()
+        assert evaluate_main([str(run), "--tasks", TASK_NAME, "--include-path", str(tasks), "--limit", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"error: {run}: the disk is full (") and err.endswith("run the same command again")
+        assert (run / "eval.json").read_text() == earlier
     finally:
         subprocess.run(["umount", str(disk)], check=False)
