@@ -9,8 +9,8 @@ hook while their totals still assume epochs. tqdm rather than rich: rich's live 
 until it stops when stderr is not a terminal (a SLURM log would stay empty for the whole run), and
 tqdm's ``logging_redirect_tqdm`` keeps log lines (probe, checkpoints) from tearing the bar.
 
-On a terminal the bar reads ``step 40/100 |████      | loss 6.1234 · 41.2k train tok/s · 0:12 elapsed · ETA
-0:18``. When stderr is not a terminal (SLURM logs, pipes, tests) there is no bar: the same status is
+On a terminal the bar reads ``step 40/100 |████      | loss 6.1234 · 41.2k train tok/s · 00:12 elapsed · ETA
+00:18``. When stderr is not a terminal (SLURM logs, pipes, tests) there is no bar: the same status is
 logged as a plain line at the first step, every ``log_interval_s`` seconds, after each validation and at
 the end. Only rank 0 prints (Lightning disables progress bars on the other ranks).
 
@@ -49,27 +49,10 @@ def eta_seconds(step: int, total: int, *, since_step: int, elapsed: float) -> fl
 
 
 def format_duration(seconds: float | None) -> str:
-    """``0:07``, ``12:34``, ``3:02:01``, ``2d 03:02:01``; ``?`` when unknown."""
+    """tqdm's ``00:07``, ``12:34``, ``3:02:01``; ``?`` when unknown."""
     if seconds is None or not math.isfinite(seconds):
         return "?"
-    minutes, secs = divmod(int(round(max(seconds, 0.0))), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    if days:
-        return f"{days}d {hours:02d}:{minutes:02d}:{secs:02d}"
-    if hours:
-        return f"{hours}:{minutes:02d}:{secs:02d}"
-    return f"{minutes}:{secs:02d}"
-
-
-def format_count(value: float) -> str:
-    """Three significant digits with a k/M/G suffix: ``812``, ``41.2k``, ``1.05M``."""
-    for suffix, size in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0)):
-        if abs(value) >= size * 0.9995 or suffix == "":
-            scaled = value / size
-            digits = 2 if abs(scaled) < 9.995 else 1 if abs(scaled) < 99.95 else 0
-            return f"{scaled:.{digits}f}{suffix}"
-    raise AssertionError("unreachable")
+    return tqdm.format_interval(max(seconds, 0.0))
 
 
 def format_metrics(metrics: Mapping[str, Any], validated_at: int | None = None) -> list[str]:
@@ -81,7 +64,7 @@ def format_metrics(metrics: Mapping[str, Any], validated_at: int | None = None) 
         if name == "v_num":
             continue
         if name == "tok/s" and isinstance(value, (int, float)):
-            rate = f"{format_count(value)} train tok/s"  # the last step's; the summary's rate is overall
+            rate = f"{tqdm.format_sizeof(value)} train tok/s"  # the last step's; the summary's rate is overall
         elif name == "val/loss" and isinstance(value, float) and validated_at is not None:
             fields.append(f"{name} {value:.4f} (step {validated_at})")
         elif isinstance(value, float) and name.endswith("loss"):
