@@ -213,7 +213,6 @@ class StepProgressBar(ProgressBar):
             ]
             loggers = [lg for lg in loggers if any(_is_console_handler(h) for h in lg.handlers)]
             if loggers:
-
                 self._redirect.enter_context(logging_redirect_tqdm(loggers=loggers))
 
     def on_train_batch_end(

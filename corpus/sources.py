@@ -315,7 +315,6 @@ class PydocSource:
         return "pydoc_data.topics"
 
     def documents(self) -> Iterator[str]:
-
         for name in sorted(topics):
             yield topics[name]
 

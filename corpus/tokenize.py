@@ -19,7 +19,6 @@ class TokenizerError(RuntimeError):
 def unknown_tokenizer(name: str, key: str = "data.tokenizer") -> str | None:
     """Why ``name`` is not a tiktoken encoding (one line naming ``key`` and the known ones), or None; asks
     tiktoken's registry, loads no BPE files."""
-
     names = tiktoken.list_encoding_names()
     if name in names:
         return None
@@ -29,7 +28,6 @@ def unknown_tokenizer(name: str, key: str = "data.tokenizer") -> str | None:
 @lru_cache(maxsize=4)
 def tiktoken_encoding(name: str = "gpt2"):
     """The tiktoken encoding; offline machines point TIKTOKEN_CACHE_DIR at a folder with its BPE files."""
-
     if refusal := unknown_tokenizer(name):  # not a download problem: no such encoding at all
         raise TokenizerError(refusal)
     try:

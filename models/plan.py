@@ -476,7 +476,6 @@ def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom
 @contextmanager
 def quiet_plan() -> Iterator[None]:
     """Fake-tensor tracing warns about nothing the user can act on (e.g. autocast on CPU)."""
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield

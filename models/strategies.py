@@ -74,7 +74,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def shard(self, model: GPT) -> None:
         """Apply FSDP2 to ``model`` in place (called from ``LitGPT.configure_model``)."""
-
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         for block in model.blocks:

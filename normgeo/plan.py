@@ -74,7 +74,6 @@ class PlanRefusal(ValueError):
 
 def compose(overrides: Sequence[str]) -> DictConfig:
     """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
-
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))
     check_config("train", cfg)
@@ -252,7 +251,6 @@ def _mb(value: int | None) -> str:
 def preflight(cfg: DictConfig) -> None:
     """train.py, before the first step: on a GPU, raise PlanRefusal when the planned peak cannot fit the
     device's memory. Skipped on the CPU and with plan.check=false."""
-
     if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
         return
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count())
@@ -387,7 +385,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_input_error(err: Exception) -> bool:
-
     return isinstance(err, ValueError | HydraException | OmegaConfBaseException)
 
 

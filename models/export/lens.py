@@ -64,7 +64,6 @@ def transformer_lens_config(config: GPTConfig) -> dict:
 
 def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
     """The model's weights under HookedTransformer's names and shapes (per-head attention matrices)."""
-
     cfg = gpt.config
     source = {name: tensor.detach().float() for name, tensor in gpt.state_dict().items()}
     heads, width = cfg.n_head, cfg.n_embd
@@ -125,7 +124,6 @@ def to_transformer_lens(gpt: GPT, process: bool = False, tokenizer=None):
 
 def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
     """``tl_config.json`` (HookedTransformerConfig's arguments) and ``model.safetensors`` (its state dict)."""
-
     refusal = transformer_lens_refusal(gpt.config)
     if refusal:
         raise ValueError(refusal)
@@ -135,7 +133,6 @@ def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
 
 def load_transformer_lens(directory: str | Path, tokenizer=None):
     """A ``--to transformer-lens`` export back as a HookedTransformer, processing off."""
-
     directory = Path(directory)
     config = json.loads((directory / TL_CONFIG_FILE).read_text())
     return hooked_transformer(config, load_file(str(directory / TL_WEIGHTS_FILE)), tokenizer=tokenizer)

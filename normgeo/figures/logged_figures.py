@@ -24,7 +24,6 @@ def log_figures(loggers: Iterable, figures: Mapping[str, Path], step: int) -> No
             for key, path in figures.items():
                 logger.log_image(key=key, images=[str(path)], step=step, caption=[path.stem])
         elif isinstance(logger, TensorBoardLogger):
-
             for key, path in figures.items():
                 logger.experiment.add_image(key, imread(path)[..., :3], global_step=step, dataformats="HWC")
             logger.experiment.flush()

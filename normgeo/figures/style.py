@@ -52,7 +52,6 @@ def layer_key(layer: str) -> float:
 def check_formats(formats: Sequence[str]) -> list[str]:
     """The figure formats asked for (``--formats``), or ValueError naming those matplotlib cannot write:
     checked before anything is written."""
-
     supported = FigureCanvasBase.get_supported_filetypes()
     asked = [f.strip().lower().lstrip(".") for f in formats if f.strip()]
     unknown = [f for f in asked if f not in supported]

@@ -528,7 +528,6 @@ def check_trainer(trainer: DictConfig) -> None:
 
 def training_device_type(trainer: DictConfig) -> str:
     """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
-
     accelerator = str(trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         return "cuda"
@@ -542,7 +541,6 @@ LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 def _local_files_refusal(path: str, extensions: tuple[str, ...], config_node: str) -> str | None:
     """Why a local source cannot be read (a missing path, files of unsupported types), or None; cached:
     one launch checks its config several times (normgeo.runs.checks, normgeo.runs.session)."""
-
     try:
         LocalFilesSource(path, plain_text_extensions=extensions, config_node=config_node).check()
     except SourceError as err:
@@ -575,7 +573,6 @@ def check_probe_source(probe: DictConfig) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
-
     _unknown_keys(cfg, TrainSchema, "train.py")
     check_ranges(cfg, TrainSchema)
     _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")

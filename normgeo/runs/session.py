@@ -67,7 +67,6 @@ class CheckpointInfo:
 def _read_checkpoint_info(path: str, mtime_ns: int, size: int) -> CheckpointInfo | str:
     """Step and kind of a checkpoint, or why it cannot be read (cached per file version: train.py
     decides three times per launch, and mmap reads only the pickled metadata of a 12 GB file)."""
-
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         return CheckpointInfo(int(ckpt["global_step"]), "optimizer_states" in ckpt)
@@ -179,7 +178,6 @@ def run_traces(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
     missing or empty folder, or one holding only the lock, a killed write's temporaries and the files that
     the other processes of this launch have just written."""
-
     if not run_dir.is_dir():
         return []
     return sorted(p.name for p in run_dir.iterdir()
@@ -215,7 +213,6 @@ def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
 
 def remove_stale_temporaries_of_run(run_dir: Path) -> None:
     """A starting or resuming session deletes what killed sessions were writing (checkpoints, probes)."""
-
     count, size = remove_stale_temporaries(run_dir)
     if count:
         log.warning("removed %d stale temporary file(s), %s bytes, left in %s by a killed session",
@@ -298,7 +295,6 @@ def _hydra_value(path: str) -> str:
 
 
 def _task_overrides() -> list[str]:
-
     if HydraConfig.initialized():
         return list(HydraConfig.get().overrides.task)
     return [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
@@ -347,12 +343,7 @@ class Refused:
     message: str
 
 
-def _refusal_report_base() -> type:
-
-    return Callback
-
-
-class RefusalReport(_refusal_report_base()):
+class RefusalReport(Callback):
     """Hydra callback: after a ``-m`` sweep, list the jobs train.py refused (and exit 2 if any).
 
     A refused job returns :class:`Refused` instead of exiting, so the other jobs of the sweep still run.
@@ -362,7 +353,6 @@ class RefusalReport(_refusal_report_base()):
         self.refused: list[Refused] = []
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-
         if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, Refused):
             self.refused.append(job_return.return_value)
 

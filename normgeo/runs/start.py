@@ -175,8 +175,6 @@ class Start:
 def check_start(cfg: DictConfig) -> Start:
     """Everything a user can get wrong that is known before training, cheapest first; raises one of
     START_ERRORS. Writes nothing in the run directory (data is prepared under data_root, as training would)."""
-
-
     check_config("train", cfg)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
@@ -256,7 +254,6 @@ def decide(root: DictConfig) -> Start | Exception:
 def take_start(cfg: DictConfig) -> Start:
     """The task function's start: the one decided before Hydra wrote (decide), or decided now (no Hydra);
     raises the refusal."""
-
     key = _job_key(cfg.run_dir, (), None)
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()

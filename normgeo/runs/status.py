@@ -65,8 +65,6 @@ def is_analysis(run_dir: Path) -> bool:
 
 def run_config(run_dir: Path) -> tuple[int | None, int | None]:
     """(max_steps, stop_at_step) from the run's saved Hydra config."""
-
-
     try:
         cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
         return int(cfg.max_steps), (int(cfg.stop_at_step) if cfg.get("stop_at_step") else None)
@@ -77,7 +75,6 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
 def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
     """Step of the checkpoint resume=auto would continue from (normgeo.runs.session.newest_resumable), else
     of the newest scheduled checkpoint."""
-
     path, step, _ = newest_resumable(run_dir)
     if path is not None:
         return step, path
@@ -90,7 +87,6 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 def last_loss(run_dir: Path) -> float | None:
     """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
     wandb: normgeo.runs.metrics)."""
-
     try:
         return last_value(read_metrics(run_dir), "train/loss")
     except Exception:  # a log being written, or cut short by a kill: the loss column stays empty

@@ -46,7 +46,6 @@ def _metric(trainer: L.Trainer, name: str) -> float | None:
 
 
 def _log_dir(logger: Any) -> str | None:
-
     if isinstance(logger, WandbLogger):
         return str(Path(logger.experiment.dir).parent)  # wandb/<offline->run-<time>-<id>
     return getattr(logger, "log_dir", None)
