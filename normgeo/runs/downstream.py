@@ -2,8 +2,9 @@
 
 ``eval.json`` holds, per lm-evaluation-harness task, its scores and what they were measured at: ``{"step": N,
 "checkpoint": ..., "limit": ..., "context": 32, "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "step": N,
-"limit": ..., "context": 32, "truncated": 8, ...}}}`` (``truncated``: the examples longer than the context). Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as
-the run's metric ``downstream/<task>/<metric>`` (higher is better).
+"limit": ..., "context": 32, "truncated": 8, ...}}}`` (``truncated``: the examples longer than the context).
+Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as the run's
+metric ``downstream/<task>/<metric>`` (higher is better), paired only with scores measured alike.
 """
 
 from __future__ import annotations
