@@ -9,7 +9,7 @@
 #   bash docs/make_study.sh [output_root] [webtext_path] [probe_path]
 #   # defaults: outputs/study (deleted first), ../shared/corpora/webtext, ../shared/corpora/wikipedia
 #   STUDY_OVERRIDES="max_steps=4 optim.warmup_steps=0 checkpoint.steps=[2,4] val_every=2" bash docs/make_study.sh /tmp/s  # a dry run
-#   STUDY_JOBS=2 bash docs/make_study.sh        # two seeds at a time, one core each
+#   STUDY_JOBS=2 bash docs/make_study.sh        # two runs at a time, one core each
 #   STUDY_SEEDS=13 bash docs/make_study.sh      # the primary arms' seeds (default 7: the pilot's SD reaches +-0.03 nats)
 #   STUDY_PILOT=docs/pilot/round2 bash docs/make_study.sh  # the variance pilot's split on the page
 set -euo pipefail
@@ -25,29 +25,32 @@ start=$(date +%s)
 load_before=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)
 COMMON=(experiment=study_cpu data.source.path="$WEBTEXT" probe.path="$PROBE" output_root="$OUT"
         data_root="$OUT/data" trainer.enable_progress_bar=false ${STUDY_OVERRIDES:-})
-# One command per seed: its arms back to back. With
-# STUDY_JOBS=2 the seeds go round-robin onto 2 lanes that run side by side, each with its share of the cores
-# (torch threads = cores / lanes): seeds 0, 2, 4, ... on one lane, 1, 3, ... on the other.
+# One command per run. With STUDY_JOBS=2 the runs go round-robin onto 2 lanes that run side by side, each with
+# its share of the cores (torch threads = cores / lanes), so that each lane trains the same number of runs
+# (by seed, 7 seeds put 11 runs on one lane and 9 on the other: 20 minutes of one idle core).
 JOBS=${STUDY_JOBS:-1}
 SEEDS=${STUDY_SEEDS:-7}  # the primary arms' seeds; the other arms run on the first 2
 CORES=$(python -c 'import os; print(len(os.sched_getaffinity(0)))')
 THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 PREPARE="python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
-seed_command() {
-  local arms=layer,rms
-  [ "$1" -lt 2 ] && arms=layer,rms,layer_nobias,rms_bias,dyt
-  echo "python train.py -m seed=$1 norm=$arms ${COMMON[*]}"
+RUNS=()  # "seed arm": the primary arms seed by seed, then the other arms on seeds 0 and 1
+for ((seed = 0; seed < SEEDS; seed++)); do RUNS+=("$seed layer" "$seed rms"); done
+for ((seed = 0; seed < (SEEDS < 2 ? SEEDS : 2); seed++)); do
+  for arm in layer_nobias rms_bias dyt; do RUNS+=("$seed $arm"); done
+done
+run_command() {  # seed $1, arm $2
+  echo "python train.py seed=$1 norm=$2 ${COMMON[*]}"
 }
 COMPARE="python -m normgeo.compare $OUT --formats png"
-{ echo "$PREPARE"; for ((seed = 0; seed < SEEDS; seed++)); do seed_command $seed; done; echo "$COMPARE"; } > "$OUT/commands.txt"
+{ echo "$PREPARE"; for run in "${RUNS[@]}"; do run_command $run; done; echo "$COMPARE"; } > "$OUT/commands.txt"
 echo "+ $PREPARE"
 $PREPARE
-lane() {  # the seeds of lane $1, one after the other
-  local seed
-  for ((seed = 0; seed < SEEDS; seed++)); do
-    if [ $(( seed % JOBS )) -eq "$1" ]; then
-      echo "+ [lane $1, $THREADS thread(s)] $(seed_command $seed)"
-      OMP_NUM_THREADS=$THREADS $(seed_command $seed)
+lane() {  # the runs of lane $1, one after the other
+  local index
+  for ((index = 0; index < ${#RUNS[@]}; index++)); do
+    if [ $(( index % JOBS )) -eq "$1" ]; then
+      echo "+ [lane $1, $THREADS thread(s)] $(run_command ${RUNS[$index]})"
+      OMP_NUM_THREADS=$THREADS $(run_command ${RUNS[$index]})
     fi
   done
 }

@@ -12,10 +12,10 @@ OUT=${2:-outputs/study-threads}
 PILOT=${3:-docs/pilot/round2}
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
 [ -f "$STUDY/commands.txt" ] || { echo "error: $STUDY has no commands.txt: run bash docs/make_study.sh first" >&2; exit 2; }
-# The study's own command for seed 0, its arms narrowed to the primary question's, into another folder (its data
-# reused), with 2 threads.
-SEED0=$(grep -m1 -- "train.py -m seed=0 " "$STUDY/commands.txt")
-COMMAND="$(echo "$SEED0" | sed -E "s/ norm=[^ ]+/ norm=layer,rms/; s# output_root=[^ ]+# output_root=$OUT#") threads=2"
+# The study's own command for seed 0 (one run per command, or a sweep of its arms), as a sweep of the primary
+# question's two arms, into another folder (its data reused), with 2 threads.
+SEED0=$(grep -m1 -E -- "train.py (-m )?seed=0 norm=" "$STUDY/commands.txt")
+COMMAND="$(echo "$SEED0" | sed -E "s/train.py (-m )?/train.py -m /; s/ norm=[^ ]+/ norm=layer,rms/; s# output_root=[^ ]+# output_root=$OUT#") threads=2"
 echo "docs/make_threads_check.sh: deleting $OUT first; at the end docs/study.md and docs/study_details.md are rewritten"
 rm -rf "$OUT"
 mkdir -p "$OUT"
