@@ -229,6 +229,8 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path |
     every = trained_probes[1] - trained_probes[0] if len(trained_probes) > 1 else steps
     tokens = int(summary["tokens"].max())
     columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s"]
+    processes = ("Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run starts "
+                 "from the earlier runs' peak." if " -m " in commands else "Each run is a process of its own.")
     shutil.copyfile(compare / "verdict.csv", details_dir / DETAILS_CSV)
     atomic_write_text(details_dir / DETAILS_MD, repo_relative(f"""# The CPU study: the rest of its verdict, every run, memory
 
@@ -244,8 +246,7 @@ the verdict, with raw and adjusted p-values and per-seed values: [{DETAILS_CSV}]
 ## Memory across probes
 
 Each probe logs the process's RSS (`mem/rss_mib`) and its peak RSS (`mem/peak_rss_mib`); the step-0 probe comes
-before the optimizer state exists. Runs of one sweep share a process (Hydra's basic launcher), so a later run
-starts from the earlier runs' peak.
+before the optimizer state exists. {processes}
 
 {memory}
 """))
