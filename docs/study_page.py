@@ -149,12 +149,12 @@ def threads_section(out: Path, threads: Path) -> str:
     for run, b in sorted(again.items()):
         a = once[run]
         moved[run] = b - a
-        rows.append({"run": run, "1 thread": f"{a:.4f}", "2 threads": f"{b:.4f}", "moved": f"{b - a:+.4f}"})
+        rows.append({"run": run, "1 thread": f"{a:.6f}", "2 threads": f"{b:.6f}", "moved": f"{b - a:+.1e}"})
     primary = load_verdict_config().primary
     pair = [f"study-{primary.arm}-s0", f"study-{primary.other}-s0"]
     difference = moved[pair[0]] - moved[pair[1]] if all(run in moved for run in pair) else None
     said = ("" if difference is None else f" The pair's difference ({norm_label(primary.arm)} − "
-            f"{norm_label(primary.other)}, seed 0) moved by {difference:+.4f} nats.")
+            f"{norm_label(primary.other)}, seed 0) moved by {difference:+.1e} nats.")
     return f"""## Floating-point order: two runs re-trained with 2 threads
 
 `bash docs/make_threads_check.sh` re-trains the two runs of seed 0 of the primary question with `threads=2` (the
@@ -162,7 +162,7 @@ study's lanes run 1 thread each), everything else the same: the order of the flo
 else. The primary metric (validation loss over the last 20% of training) of each:
 
 {markdown(pd.DataFrame(rows))}
-Largest move of a run: {max(map(abs, moved.values())):.4f} nats, against a quarter of the margin
+Largest move of a run: {max(map(abs, moved.values())):.1e} nats, against a quarter of the margin
 ({load_verdict_config().margins['val_loss'] / 4:.3f}).{said}
 """
 

@@ -274,8 +274,10 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
              f"- Each arm over the initial weights: SD {_n(s.sd_arm)} ({arm_label(s.arm)}), {_n(s.sd_other)} "
              f"({arm_label(s.other)}); their correlation within a seed: {_n(s.correlation, '.2f')} (the pairing "
              "removes 2 ρ sd sd of the variance: near 0, the arms' runs decorrelate and the pairing buys nothing).",
-             f"- The thread count moved one arm's `{s.metric}` by at most {_n(s.largest_fp_move)} nats "
-             f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g}).",
+             (f"- The thread count moved one arm's `{s.metric}` by at most {_n(s.largest_fp_move)} nats "
+              f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g})." if s.n_fp else
+              "- The floating-point order: no pair of runs with another thread count here (the study re-trains "
+              "two of its runs with 2 threads: `docs/make_threads_check.sh`)."),
              f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the {len(runs)} runs; "
              f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
              f"smoothing) is {_n(s.unigram, '.3f')}.",
