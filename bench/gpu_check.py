@@ -6,7 +6,7 @@ On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_nu
   AdamW, NCCL, Lightning's bf16 peak FLOP/s (the MFU denominator) and which optional packages import;
 - ``train 70m`` / ``train 410m``, both norm arms: ``train.py``'s own ``train()`` with ``trainer=gpu``
   (bf16-mixed, ``compile=true``, fused AdamW) for a few hundred steps: tokens/s and MFU as the harness logs
-  them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, Lightning's ``get_available_flops``), the
+  them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, ``models.hardware.peak_flops``), the
   first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
 - ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan``'s prediction for
   the same overrides (``plan=true``), as a ratio;
@@ -26,6 +26,7 @@ lane. Exit status 1 names each path that failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
+    python bench/gpu_check.py --parts 'train 410m'         # that part again; the page keeps the other rows
 
 ``--cpu-standin`` runs the same parts on the CPU (gloo, float32, compile off: it would take minutes here),
 so that the check itself does not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``.
@@ -59,10 +60,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from lightning.fabric.utilities.throughput import get_available_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.hardware import missing_cuda
+from models.hardware import missing_cuda, peak_flops
 from models.norms import compile_refusal
 from normgeo.measure.records import ANGLES_FILE, read_rows
 from normgeo.runs.config import CONF_DIR
@@ -262,7 +262,7 @@ def environment_child(standin: bool) -> dict:
         info.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                     bf16=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    info["peak_flops"] = get_available_flops(device, dtype) if device.type == "cuda" else None
+    info["peak_flops"] = peak_flops(device, dtype)
     # The kernel train.py's attention asks for: flash, causal, in the training dtype; an error if it cannot run.
     q = torch.randn(2, 4, 256, 64, device=device, dtype=dtype)
     try:
@@ -368,7 +368,7 @@ def environment(ctx: Context) -> Outcome:
                f"- bf16: {info['bf16']}; flash-attention SDPA (causal, {'bf16' if info['gpu'] else 'float32'}): "
                f"{info['flash_sdpa']}; fused AdamW: {info['fused_adamw']}; NCCL: {info['nccl']}; "
                f"torch.compile: {info['compile']}",
-               f"- Lightning's `get_available_flops` (bf16): {peak}", f"- packages importable: {packages}"]
+               f"- dense bf16 peak (`models.hardware.peak_flops`, the MFU denominator): {peak}", f"- packages importable: {packages}"]
     ok = info["bf16"] and info["flash_sdpa"] == "ran"
     return Outcome("environment", ok, summary if ok else f"bf16 or flash SDPA missing: {summary}", seconds, details,
                    data=info)
@@ -608,10 +608,50 @@ def analyze_smollm2(ctx: Context) -> Outcome:
 # -------------------------------------------------------------------------------------------------- page
 
 
-def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.datetime, wall_s: float) -> str:
+@dataclass(frozen=True)
+class KeptRow:
+    """A path this run did not repeat: its table row and section as an earlier run of the check wrote them."""
+
+    path: str
+    row: str
+    section: list[str]
+    generated: str  # when that run was, as its page says
+
+
+def earlier_rows(page_file: Path, repeated: set[str]) -> list[KeptRow]:
+    """The rows of the page already at ``page_file`` whose paths are not in ``repeated``, in its order; a row
+    that page had kept keeps its own date."""
+    if not page_file.is_file():
+        return []
+    text = page_file.read_text()
+    when = re.search(r"on (\d{4}-\d\d-\d\d \d\d:\d\d) UTC", text)
+    page_date = when.group(1) if when else "an earlier run"
+    sections = {m.group(1): re.sub(r"^_kept from the run of [^_]*_\n+", "", m.group(2).strip()).splitlines()
+                for m in re.finditer(r"^## ([^\n]+)\n\n(.*?)(?=^## |\Z)", text, re.M | re.S)}
+    kept = []
+    for m in re.finditer(r"^\| ([^|]+?) \| (passed|FAILED) \| (.*)$", text, re.M):
+        path, generated = m.group(1), page_date
+        if earlier := re.fullmatch(r"(.+) \(kept: ([^)]+)\)", path):
+            path, generated = earlier.groups()
+        if path not in repeated:
+            kept.append(KeptRow(path, f"| {path} (kept: {generated}) | {m.group(2)} | {m.group(3)}",
+                                sections.get(path, []), generated))
+    return kept
+
+
+def page_position(path: str) -> int:
+    """Where a row goes on the page: its part's place in ORDER (a size's arms, then its memory row)."""
+    part = re.sub(r"^memory (\S+)$", r"train \1", re.sub(r"^(train \S+) \S+$", r"\1", path))
+    return ORDER.index(part) if part in ORDER else len(ORDER)
+
+
+def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.datetime, wall_s: float,
+         parts: Sequence[str] = ORDER, kept: Sequence[KeptRow] = ()) -> str:
     machine = (f"{info.get('gpu')}, driver {info.get('driver')}" if info.get("gpu")
                else f"CPU stand-in ({info.get('cpu', platform.machine())}, {info.get('threads', '?')} threads)")
     command = "python bench/gpu_check.py" + (" --cpu-standin --out DIR" if ctx.mode.standin else "")
+    if set(parts) != set(ORDER):
+        command += f" --parts '{','.join(parts)}'"
     lines = [
         "# GPU check", "",
         f"Generated by `{command}` on {started:%Y-%m-%d %H:%M} UTC: {machine}; torch {info.get('torch', torch.__version__)}"
@@ -625,21 +665,31 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
         lines += ["Targets (reported against, not enforced): MFU at 410m ≥ 40%; measured peak memory within 10% of the "
                   "plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. `<work>` is the check's scratch "
                   "folder.", ""]
+    if kept:
+        lines += [f"Rows marked *kept* are from the run of {' and '.join(sorted({k.generated for k in kept}))} UTC "
+                  "named in each, on the code of that day: this run repeated only the parts it names.", ""]
     lines += ["| path | status | numbers | seconds |", "| --- | --- | --- | --- |"]
-    for o in outcomes:
-        lines.append(f"| {o.path} | {'passed' if o.passed else 'FAILED'} | {o.summary.replace('|', '/')} | "
-                     f"{o.seconds:.0f} |")
-    for o in outcomes:
-        lines += ["", f"## {o.path}", "", *(o.details or ["-"])]
+    rows = sorted([*outcomes, *kept], key=lambda r: page_position(r.path))  # kept rows in their places
+    for r in rows:
+        lines.append(r.row if isinstance(r, KeptRow) else
+                     f"| {r.path} | {'passed' if r.passed else 'FAILED'} | {r.summary.replace('|', '/')} | "
+                     f"{r.seconds:.0f} |")
+    for r in rows:
+        if isinstance(r, KeptRow):
+            lines += ["", f"## {r.path}", "", f"_kept from the run of {r.generated} UTC_", "", *(r.section or ["-"])]
+        else:
+            lines += ["", f"## {r.path}", "", *(r.details or ["-"])]
     return "\n".join(ctx.shown(line) for line in lines) + "\n"
 
 
-def check(mode: Mode, out: Path, work_root: Path) -> int:
+def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, seconds: float | None = None) -> int:
+    """Run ``parts`` (all by default; the environment always) and write the page. A page of some parts keeps
+    the other parts' rows from the page already in ``out``, each marked with the date of the run that made it."""
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
     work_root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{started:%Y%m%d-%H%M%S}-", dir=work_root))
-    ctx = Context(mode, work, clock + (STANDIN_BUDGET_S if mode.standin else WHOLE_BUDGET_S))
+    ctx = Context(mode, work, clock + (seconds or (STANDIN_BUDGET_S if mode.standin else WHOLE_BUDGET_S)))
     # Timed parts take the device one at a time, while the host lane (no GPU: the plans, the CPU reference)
     # runs beside them; then the untimed parts (tiny models, correctness) share the device, side by side.
     timed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
@@ -649,22 +699,24 @@ def check(mode: Mode, out: Path, work_root: Path) -> int:
         "probe cost": lambda: probe_cost(ctx),
         "norm cost": lambda: norm_cost(ctx),
     }
+    chosen = {"environment", *parts}
     with ThreadPoolExecutor(1) as host:
-        plans = {size: host.submit(plan, ctx, size) for size in ("70m", "410m")}
-        reference = host.submit(probe_reference, ctx)
-        results = {name: guarded(name, fn) for name, fn in timed.items()}
+        plans = {size: host.submit(plan, ctx, size) for size in ("70m", "410m") if f"train {size}" in chosen}
+        reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
+        results = {name: guarded(name, fn) for name, fn in timed.items() if name in chosen}
         untimed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
             "ddp resume": lambda: resume(ctx, "ddp"),
             "fsdp resume": lambda: resume(ctx, "fsdp"),
             "probe agreement": lambda: probe_agreement(ctx, reference),
             "analyze smollm2": lambda: analyze_smollm2(ctx),
         }
-        with ThreadPoolExecutor(len(untimed)) as side:
+        untimed = {name: fn for name, fn in untimed.items() if name in chosen}
+        with ThreadPoolExecutor(max(1, len(untimed))) as side:
             futures = {name: side.submit(guarded, name, fn) for name, fn in untimed.items()}
             results.update({name: future.result() for name, future in futures.items()})
         planned = {size: future.result() for size, future in plans.items()}
     outcomes: list[Outcome] = []
-    for name in ORDER:  # the page's order, whatever the order of the runs
+    for name in (n for n in ORDER if n in results):  # the page's order, whatever the order of the runs
         result = results[name]
         outcomes += result if isinstance(result, list) else [result]
         if name.startswith("train "):
@@ -672,7 +724,11 @@ def check(mode: Mode, out: Path, work_root: Path) -> int:
             outcomes.append(memory(ctx, size, result if isinstance(result, list) else [result], planned[size]))
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
     out.mkdir(parents=True, exist_ok=True)
-    (out / PAGE).write_text(page(outcomes, ctx, info, started, time.monotonic() - clock))
+    kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
+    text = page(outcomes, ctx, info, started, time.monotonic() - clock, parts=parts, kept=kept)
+    partial = out / f".{PAGE}.partial"  # a page is replaced whole or not at all
+    partial.write_text(text)
+    partial.replace(out / PAGE)
     failed = [o.path for o in outcomes if not o.passed]
     print(f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} paths passed "
           f"in {time.monotonic() - clock:.0f} s")
@@ -699,6 +755,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"folder for {PAGE} (default: docs/; required with --cpu-standin)")
     parser.add_argument("--work", type=Path, default=None,
                         help="scratch folder for the runs (default: outputs/gpu_check, or DIR/work with --out DIR)")
+    parser.add_argument("--parts", default=None,
+                        help=f"comma-separated parts to run again (of: {', '.join(ORDER)}); the page keeps the other "
+                             "parts' rows from its earlier run, marked kept")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"the whole run's time (default {WHOLE_BUDGET_S} on a GPU, {STANDIN_BUDGET_S} stand-in): "
+                             "parts still running then fail as out of time, and the page is written")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -717,9 +779,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)",
               file=sys.stderr)
         return 2
+    parts = ORDER if args.parts is None else tuple(part.strip() for part in args.parts.split(",") if part.strip())
+    if unknown := [part for part in parts if part not in ORDER]:
+        print(f"bench/gpu_check.py: --parts: unknown part(s) {', '.join(map(repr, unknown))}; choose from: "
+              f"{', '.join(ORDER)}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else ROOT / "docs"
     work = args.work or (args.out / "work" if args.out is not None else ROOT / "outputs" / "gpu_check")
-    return check(mode, out.resolve(), work.resolve())
+    if args.seconds is not None and args.seconds <= 0:
+        print(f"bench/gpu_check.py: --seconds {args.seconds:g}: give a positive number of seconds", file=sys.stderr)
+        return 2
+    return check(mode, out.resolve(), work.resolve(), parts, args.seconds)
 
 
 if __name__ == "__main__":

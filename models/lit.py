@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import random
@@ -11,10 +10,12 @@ import time
 import lightning as L
 import numpy as np
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from corpus.stream import tokens_per_step
 from models.gpt import GPT, GPTConfig
+from models.hardware import peak_flops
 from models.strategies import FSDP2Strategy, compile_blocks
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LitGPT(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         compile: bool = False,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         # logger=False: train.py logs the whole run config once; the module's subset would repeat it.
@@ -83,8 +85,8 @@ class LitGPT(L.LightningModule):
         return tokens_per_step(self.hparams.global_batch, self.seq_len)
 
     def on_train_start(self) -> None:
-        # Lightning's table of dense peak FLOP/s by GPU and dtype; None on CPU and unknown GPUs (no MFU).
-        self._peak_flops = get_available_flops(self.device, compute_dtype(str(self.trainer.precision)))
+        # Dense peak FLOP/s by GPU and dtype; None on CPU and unknown GPUs (no MFU).
+        self._peak_flops = peak_flops(self.device, compute_dtype(str(self.trainer.precision)))
 
     def configure_model(self) -> None:
         """Shard (FSDP2) and/or compile once; Lightning calls this hook again for every stage."""
@@ -162,10 +164,8 @@ class LitGPT(L.LightningModule):
             {"params": [p for n, p in named if n in self._matrix_names], "weight_decay": hp.weight_decay},
             {"params": [p for n, p in named if n not in self._matrix_names], "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        optimizer = torch.optim.AdamW(
-            groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps, **({"fused": True} if fused else {})
-        )
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps,
+                                      fused=self._fused_adamw())
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(
@@ -173,6 +173,31 @@ class LitGPT(L.LightningModule):
             ),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _fused_adamw(self) -> bool:
+        """AdamW's fused kernel: as asked (optim.fused), by default on CUDA only (CPU runs keep foreach's
+        floating-point order). Not under an fp16 GradScaler with clipping: the fused step unscales the gradients
+        itself, so they could not be clipped unscaled before it (Lightning refuses that pairing)."""
+        fused = self.device.type == "cuda" if self.hparams.fused is None else bool(self.hparams.fused)
+        trainer = self._trainer  # None for a module on its own (its optimizer built outside a Trainer)
+        scaled = trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
+        if fused and scaled and trainer.gradient_clip_val:
+            if self.hparams.fused:
+                log.warning("optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales "
+                            "the gradients itself); AdamW runs unfused")
+            return False
+        return fused
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        # Lightning's mixed precision refuses to clip before any fused optimizer's step, for fp16's sake (that
+        # step unscales the gradients). bf16-mixed has no scaler, the gradients are already true: clip them.
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val or 0.0,
+                                     gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         for state in checkpoint.get("optimizer_states", []):

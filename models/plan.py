@@ -50,6 +50,9 @@ GPUS: dict[str, GPU] = {
     "a100-80gb": GPU("A100 80 GB", 81920 * 2**20, 312e12),
     # NVIDIA H100 datasheet, SXM5: BF16 tensor core 1,979 TFLOPS with sparsity -> 989.4 dense; 81559 MiB.
     "h100-80gb": GPU("H100 SXM 80 GB", 81559 * 2**20, 989.4e12),
+    # NVIDIA H200 datasheet, SXM: BF16 tensor core 1,979 TFLOPS with sparsity -> 989.4 dense; 143771 MiB
+    # (nvidia-smi on a lent H200).
+    "h200-141gb": GPU("H200 SXM 141 GB", 143771 * 2**20, 989.4e12),
 }
 
 # Lightning precision setting -> (dtype the parameters are stored in, autocast dtype or None).

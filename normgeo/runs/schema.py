@@ -135,6 +135,7 @@ class OptimSchema:
     warmup_steps: int = doc(MISSING, "linear warm-up steps (0: none); not fewer than max_steps: a warning", ge=0)
     weight_decay: float = doc(0.1, "AdamW weight decay on matrices", ge=0)
     betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values", ge=0, lt=1)
+    fused: bool | None = doc(None, "AdamW's fused kernel: null = on CUDA only; true also on the CPU")
 
 
 @dataclass
