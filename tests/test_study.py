@@ -23,7 +23,7 @@ from tests.test_verdict import make_run
 pytestmark = pytest.mark.slow  # four real study-preset runs
 
 RECORDS = ("angles.jsonl", "null.jsonl", "energy.jsonl", "ellipsoid.jsonl", "intervention.jsonl")
-SHORT = ("max_steps=20", "optim.warmup_steps=5", "checkpoint.steps=[10,20]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
+SHORT = ("max_steps=10", "optim.warmup_steps=5", "checkpoint.steps=[5,10]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
          "val_sequences=16", "probe.tokens=1024", "trainer.enable_progress_bar=false",
          "trainer.enable_model_summary=false")
 
@@ -54,7 +54,7 @@ def test_a_rerun_of_a_study_pair_on_the_same_machine_gives_identical_records(twi
         for metric in ("train/loss", "val/loss"):
             a = [(r["step"], r[metric]) for r in metrics_rows(first / run) if r.get(metric)]
             b = [(r["step"], r[metric]) for r in metrics_rows(second / run) if r.get(metric)]
-            assert a == b and len(a) == 4, (run, metric)  # steps 5, 10, 15, 20
+            assert a == b and len(a) == 2, (run, metric)  # steps 5 and 10
 
 
 def load_study_page():
@@ -101,7 +101,7 @@ def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Pa
                         r"for the validation text's unigram cross-entropy", page)
     assert learned, page[:2000]
     finals = [float(r["val/loss"]) for run in ("study-layer-s0", "study-rms-s0") for r in metrics_rows(out / run)
-              if r.get("val/loss") and int(r["step"]) == 20]
+              if r.get("val/loss") and int(r["step"]) == 10]
     assert float(learned.group(1)) == pytest.approx(sum(finals) / 2, abs=6e-4)
     assert "not distinguishable" not in page and " holds" not in page
     assert "| study-layer-s0 |" in page.split("## Floating-point order")[1] and "Largest move of a run: 0.0e+00" in page
