@@ -21,6 +21,7 @@ from pathlib import Path
 from pydoc_data.topics import topics
 
 import numpy as np
+from fsspec.core import url_to_fs
 
 # What LocalFilesSource reads (docs/data.md): records with a text field, and plain text. "" is a file with
 # no extension (WikiExtractor's wiki_00), .raw WikiText's files. Anything else is refused unless named in
@@ -237,7 +238,6 @@ class HubParquetSource:
     def documents(self) -> Iterator[str]:
         # HF datasets takes seconds to import: only for hub sources.
         import datasets
-        from fsspec.core import url_to_fs
 
         offline_hint = (
             "On a machine without internet, prepare the data on one with internet (python -m corpus data=...) "
@@ -274,7 +274,6 @@ class HubParquetSource:
         """
         # Only for parquet sources (pyarrow is heavy to import).
         import pyarrow.parquet as pq
-        from fsspec.core import url_to_fs
 
         for pattern in self.candidates:
             try:

@@ -68,21 +68,19 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
                  batch_size: int = 8, device: str = "cpu") -> dict:
     """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
     # lm-eval takes seconds to import: only once every option has been checked (main).
-    import lm_eval
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import get_task_dict
+    import lm_eval.models.huggingface
+    import lm_eval.tasks
 
     with tempfile.TemporaryDirectory(prefix="normgeo-eval-") as scratch:
         exported = export_run(run_dir, "hf", Path(scratch) / "hf", step=step)
         # HFLM reads the context length from the config (n_positions / max_position_embeddings).
-        model = HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
+        model = lm_eval.models.huggingface.HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
                      device=device, dtype="float32")
         context = model.max_length  # tokens; longer examples are cut (truncated_examples counts them)
         encode = tiktoken_encoding().encode_ordinary
         truncated = {name: truncated_examples(task, context, limit, encode)
-                     for name, task in get_task_dict(list(tasks), manager).items() if isinstance(name, str)}
-        output = simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
+                     for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items() if isinstance(name, str)}
+        output = lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                  log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                  torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})

@@ -47,7 +47,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
 from models.gpt import GPT, GPTConfig
 
 GPT2_ARMS = ("layer", "layer_nobias")  # pre-LN only
@@ -175,9 +177,6 @@ def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
-    # transformers takes seconds to import: only when a model is exported or loaded.
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     cfg = gpt.config
     config = GPT2Config(
         vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
@@ -192,9 +191,6 @@ def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
 
 def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
     """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one dtype)."""
-    # Imports transformers (seconds): only for the arms it holds.
-    from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
-
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     config = NormGeoConfig(
@@ -262,8 +258,5 @@ def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
 
 def load_hf(directory: str | Path, base: bool = False) -> nn.Module:
     """An exported directory back as a causal LM (or the base model), float32, eval mode."""
-    # transformers takes seconds to import: only when a model is exported or loaded.
-    from transformers import AutoModel, AutoModelForCausalLM
-
     auto = AutoModel if base else AutoModelForCausalLM
     return auto.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.float32).eval()

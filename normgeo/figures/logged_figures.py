@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from matplotlib.image import imread
 
 
@@ -16,9 +17,6 @@ def figure_key(path: Path, prefix: str = "figures") -> str:
 
 def log_figures(loggers: Iterable, figures: Mapping[str, Path], step: int) -> None:
     """Each figure under its key: wandb images, TensorBoard images (HWC, RGB)."""
-    # Lightning is heavy to import; the readers of this package (compare, status) never log.
-    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             for key, path in figures.items():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Collection, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
 
 def print_table(
     header: Sequence[str],
@@ -20,9 +23,6 @@ def print_table(
     ``width``: the console's columns (default: the terminal's; 160 when piped). A table wider than that
     folds its header and text cells onto more lines; a right-aligned (number) cell is never cut or folded.
     """
-    from rich.console import Console  # rich costs ~0.1 s to import: only when a table is printed
-    from rich.table import Table
-
     table = Table(title=title)
     for index, name in enumerate(header):
         number = name not in left
