@@ -179,7 +179,10 @@ class LitGPT(L.LightningModule):
         floating-point order). Not under an fp16 GradScaler with clipping: the fused step unscales the gradients
         itself, so they could not be clipped unscaled before it (Lightning refuses that pairing)."""
         fused = self.device.type == "cuda" if self.hparams.fused is None else bool(self.hparams.fused)
-        trainer = self._trainer  # None for a module on its own (its optimizer built outside a Trainer)
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # a module on its own: its optimizer built outside a Trainer
+            trainer = None
         scaled = trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
         if fused and scaled and trainer.gradient_clip_val:
             if self.hparams.fused:
