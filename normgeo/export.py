@@ -313,9 +313,9 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
+    try:  # made inside the try: a signal landing just after the mkdir still finds it removed
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
         if target == "transformer-lens":
             save_transformer_lens(gpt, partial)
         else:

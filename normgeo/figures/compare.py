@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -137,9 +136,12 @@ def write_comparison(
     # Everything is drawn into a hidden staging folder first and moved in only when all of it is written:
     # a failure half-way leaves out_dir as it was (and no out_dir it would have created).
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".compare.", suffix=TMP_SUFFIX))
+    # Named first and made inside the try: a signal landing just after a mkdir still finds it removed.
+    staging = out_dir / f".compare.{os.getpid()}{TMP_SUFFIX}"
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed process that had this PID
+        staging.mkdir()
         written: dict[str, list[Path]] = {"tables": []}
         for name, frame in (("angles", comparison.angles), ("metrics", comparison.metrics)):
             frame.to_parquet(staging / f"{name}.parquet", index=False)
