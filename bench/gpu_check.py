@@ -6,7 +6,7 @@ On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_nu
   AdamW, NCCL, Lightning's bf16 peak FLOP/s (the MFU denominator) and which optional packages import;
 - ``train 70m`` / ``train 410m``, both norm arms: ``train.py``'s own ``train()`` with ``trainer=gpu``
   (bf16-mixed, ``compile=true``, fused AdamW) for a few hundred steps: tokens/s and MFU as the harness logs
-  them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, ``models.hardware.peak_flops``), the
+  them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, ``models.lit.peak_flops``), the
   first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
 - ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan``'s prediction for
   the same overrides (``plan=true``), as a ratio;
@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.hardware import missing_cuda, peak_flops
+from models.hardware import missing_cuda
+from models.lit import peak_flops
 from models.norms import compile_refusal
 from normgeo.measure.records import ANGLES_FILE, read_rows
 from normgeo.runs.config import CONF_DIR
@@ -368,7 +369,7 @@ def environment(ctx: Context) -> Outcome:
                f"- bf16: {info['bf16']}; flash-attention SDPA (causal, {'bf16' if info['gpu'] else 'float32'}): "
                f"{info['flash_sdpa']}; fused AdamW: {info['fused_adamw']}; NCCL: {info['nccl']}; "
                f"torch.compile: {info['compile']}",
-               f"- dense bf16 peak (`models.hardware.peak_flops`, the MFU denominator): {peak}", f"- packages importable: {packages}"]
+               f"- dense bf16 peak (`models.lit.peak_flops`, the MFU denominator): {peak}", f"- packages importable: {packages}"]
     ok = info["bf16"] and info["flash_sdpa"] == "ran"
     return Outcome("environment", ok, summary if ok else f"bf16 or flash SDPA missing: {summary}", seconds, details,
                    data=info)

@@ -1,30 +1,13 @@
-"""The default training precision of the accelerator, its dense peak FLOP/s (the MFU denominator), and
-whether an asked-for CUDA device exists on this machine."""
+"""The default training precision of the accelerator (peak FLOP/s for MFU: Lightning's get_available_flops),
+and whether an asked-for CUDA device exists on this machine."""
 
 from __future__ import annotations
 
 import re
 
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 
 CUDA_NAMES = ("gpu", "cuda")  # Lightning's accelerator names that need a CUDA GPU
-
-# Lightning's table finds no H200 named as CUDA reports it ("NVIDIA H200": its rows need "sxm1" or "nvl1"),
-# and its H200 rows hold the with-sparsity figures. The H200 SXM has the H100 SXM's tensor cores and clocks:
-# NVIDIA's H200 datasheet gives BF16 1,979 TFLOPS with sparsity, 989.4 dense.
-H200_DENSE_FLOPS: dict[torch.dtype, float] = {torch.bfloat16: 989.4e12, torch.float16: 989.4e12,
-                                               torch.float32: 66.9e12}
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of ``device`` in ``dtype``: Lightning's get_available_flops, the H200 added; None on
-    the CPU and on GPUs neither knows (no MFU then)."""
-    if device.type != "cuda":
-        return None
-    if "h200" in torch.cuda.get_device_name(device).lower():
-        return H200_DENSE_FLOPS.get(dtype)
-    return get_available_flops(device, dtype)
 
 
 def missing_cuda(key: str, device: str, fallback: str) -> str | None:

@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
-from lightning.pytorch.accelerators import AcceleratorRegistry
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from corpus.sources import LocalFilesSource, SourceError
@@ -498,6 +496,11 @@ def check_trainer(trainer: DictConfig) -> None:
     """The Trainer arguments Lightning itself would refuse inside ``instantiate`` (exit 1, after Hydra
     wrote .hydra/ and train.log): devices, num_nodes, precision, accelerator, strategy; checked by name,
     without building a Trainer (a strategy node's class is located, not constructed)."""
+    # Lightning's public registries: the names its Trainer accepts (its own check, asked, not copied). Imported
+    # here: analyze.py and the sweep readers load this schema, and Lightning would add 3 s to their start.
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
     _expect(_devices_ok(trainer.get("devices", "auto")), "trainer.devices", trainer.get("devices"), DEVICES_EXPECTED)
     nodes = trainer.get("num_nodes", 1)
     _expect(isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1, "trainer.num_nodes", nodes,
@@ -505,7 +508,6 @@ def check_trainer(trainer: DictConfig) -> None:
     precision = trainer.get("precision")
     _expect(precision is None or precision in (*PRECISIONS, *PRECISION_SHORT), "trainer.precision", precision,
             f"null (bf16-mixed on GPUs that have it, else 32-true), {', '.join(PRECISIONS)} (or 32, 16, bf16, 64)")
-    # Lightning's public registries: the names its Trainer accepts (its own check, asked, not copied).
     accelerators = ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())]
     accelerator = trainer.get("accelerator", "auto")
     _expect(accelerator in accelerators, "trainer.accelerator", accelerator, f"one of {', '.join(accelerators)}")
