@@ -74,15 +74,16 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
     with tempfile.TemporaryDirectory(prefix="normgeo-eval-") as scratch:
         exported = export_run(run_dir, "hf", Path(scratch) / "hf", step=step)
         # HFLM reads the context length from the config (n_positions / max_position_embeddings).
-        model = lm_eval.models.huggingface.HFLM(pretrained=str(exported.out_dir), trust_remote_code=True, batch_size=batch_size,
-                     device=device, dtype="float32")
+        model = lm_eval.models.huggingface.HFLM(pretrained=str(exported.out_dir), trust_remote_code=True,
+                                                batch_size=batch_size, device=device, dtype="float32")
         context = model.max_length  # tokens; longer examples are cut (truncated_examples counts them)
         encode = tiktoken_encoding().encode_ordinary
         truncated = {name: truncated_examples(task, context, limit, encode)
-                     for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items() if isinstance(name, str)}
+                     for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items()
+                     if isinstance(name, str)}
         output = lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
-                                 log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
-                                 torch_random_seed=0, fewshot_random_seed=0)
+                                         log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                         torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
                 "context": context, "lm_eval_version": lm_eval.__version__}
