@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._dynamo.utils import counters
 
 from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
@@ -210,6 +211,24 @@ def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
     # Adam's first step is about lr per coordinate whatever the gradient's scale, until the scale nears eps:
     # gradients clipped to a norm of 1e-12 move the weights by a ten-thousandth of that.
     assert clipped < 1e-2 * free, (clipped, free)
+
+
+def test_fp16_with_a_grad_scaler_and_clipping_runs_adamw_unfused_with_one_warning(caplog) -> None:
+    """16-mixed's scaler: a fused step unscales inside, so clipping could not come first (Lightning raises). Asked
+    for anyway, AdamW runs unfused, says so in one line, and the step is taken (CPU's GradScaler stands in)."""
+    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=1, global_batch=2,
+                    lr=1e-2, warmup_steps=0, fused=True)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[fp16], max_steps=1, gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level("WARNING", logger="models.lit"):
+        trainer.fit(module, batches)
+    assert trainer.global_step == 1 and trainer.optimizers[0].defaults["fused"] is False
+    assert [r.getMessage() for r in caplog.records if r.name == "models.lit"] == [
+        "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales the gradients itself); "
+        "AdamW runs unfused"]
 
 
 def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time() -> None:
