@@ -38,6 +38,7 @@ from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import ANALYZE_CONF_DIR
@@ -76,8 +77,8 @@ def analyze(cfg: DictConfig) -> Path:
     """Measure one model and write its outputs; returns the output directory."""
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
-    scopes = list(cfg.probe.intervention)
-    loaded = load_model(cfg.model, lm_head=bool(scopes))
+    probe = ProbeConfig.from_config(cfg.probe, batch_size=cfg.model.batch_size)  # analyze batches by the model's key
+    loaded = load_model(cfg.model, lm_head=bool(probe.intervention))
     model = loaded.model
     if cfg.model.get("device_map"):
         device = None  # accelerate placed the layers; inputs go where the first parameter is
@@ -99,18 +100,13 @@ def analyze(cfg: DictConfig) -> Path:
              device or "device_map", seq_len)
 
     source = instantiate(cfg.probe.source)
-    ids = probe_ids(source, loaded.encode_batch, loaded.separator, cfg.probe.tokens, sample=cfg.probe.sample,
-                    seed=cfg.probe.seed, min_doc_tokens=cfg.probe.min_doc_tokens)
+    ids = probe_ids(source, loaded.encode_batch, loaded.separator, probe)
     tokenized_at = time.perf_counter()
-    references = make_references(dim, cfg.probe.seed, cfg.probe.null_directions)
+    references = make_references(dim, probe.seed, probe.null_directions)
     records = measure_records(
-        model, ids, seq_len, references,
+        model, ids, seq_len, references, probe,
         model_name=cfg.model.name, step=loaded.step, tokens_per_step=loaded.tokens_per_step,
-        seed=cfg.probe.seed, bootstrap_replicates=cfg.probe.bootstrap.replicates,
-        bootstrap_block=cfg.probe.bootstrap.block,
-        forward=loaded.forward, norms=norms, batch_size=cfg.model.batch_size,
-        include_standardized=cfg.probe.include_standardized, device=device, progress=cfg.progress,
-        intervention_kinds=scopes, intervention_tokens=cfg.probe.intervention_tokens, announce_cost=True,
+        forward=loaded.forward, norms=norms, device=device, progress=cfg.progress, announce_cost=True,
     )
     measured_at = time.perf_counter()
     rows, null = records.rows, records.null

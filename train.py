@@ -26,6 +26,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
@@ -51,10 +52,12 @@ from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
+from normgeo.runs.metrics import CSV_DIR
 from normgeo.runs.run_config import SUMMARY_FILE, is_rank_zero, resolved_run_config, save_run_config
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import (  # noqa: F401
@@ -77,9 +80,10 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml combine, e.g. logger=[csv,wandb]);
-    a null entry (logger.wandb=null) is skipped; a plain list still works."""
+    a null entry (logger.wandb=null) is skipped; a plain list still works. A CSVLogger is always among them:
+    its metrics.csv is what status, compare, the pilot and the export read (normgeo.runs.metrics)."""
     configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
-    loggers = []
+    loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
     for logger_cfg in configs:
         if not logger_cfg:
             continue
@@ -178,24 +182,8 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
         callbacks.append(StopAtStep(cfg.stop_at_step))
     if cfg.probe.enabled:
         callbacks.append(
-            AngleProbe(
-                str(run_dir),
-                schedule,
-                instantiate(cfg.probe.source),
-                model_name=f"normgeo-{cfg.size.name}",
-                tokens=cfg.probe.tokens,
-                batch_size=cfg.probe.batch_size,
-                seed=cfg.probe.seed,
-                include_standardized=cfg.probe.include_standardized,
-                null_directions=cfg.probe.null_directions,
-                min_doc_tokens=cfg.probe.min_doc_tokens,
-                sample_documents=cfg.probe.sample,
-                bootstrap_replicates=cfg.probe.bootstrap.replicates,
-                bootstrap_block=cfg.probe.bootstrap.block,
-                intervention=list(cfg.probe.intervention),
-                intervention_tokens=cfg.probe.intervention_tokens,
-                ids=probe_ids,
-            )
+            AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
+                       ProbeConfig.from_config(cfg.probe), ids=probe_ids)
         )
     return callbacks
 

@@ -329,7 +329,7 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
         except Exception as err:  # one arm's failure is its row's; the other arm still runs
             results[arm] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
             continue
-        frame = read_metrics(run_dir, "csv")
+        frame = read_metrics(run_dir)
         per_step = {m: frame[frame["metric"] == m].sort_values("step")["value"].tolist()
                     for m in ("perf/tokens_per_s", "perf/mfu", "train/loss")}
         optimizer = trainer.optimizers[0]
@@ -460,7 +460,7 @@ def resume(ctx: Context, strategy: str) -> Outcome:
         reason = failure(done, took, ctx)
         if reason is not None:
             return Outcome(path, False, reason, seconds, details)
-    losses = [read_metrics(run_dir, "csv") for run_dir in (full, resumed)]
+    losses = [read_metrics(run_dir) for run_dir in (full, resumed)]
     by_step = [dict(zip(f[f["metric"] == "train/loss"]["step"], f[f["metric"] == "train/loss"]["value"], strict=True))
                for f in losses]
     steps = sorted(by_step[1])

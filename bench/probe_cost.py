@@ -40,6 +40,7 @@ from models.hardware import missing_cuda
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.config import CONF_DIR
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
@@ -66,9 +67,10 @@ def probe(model: GPT, ids: torch.Tensor, batch_size: int, *, null: int = 64, ene
           scopes: tuple[str, ...] = (), budget: int = DEFAULT_INTERVENTION_TOKENS, resume: bool = True) -> None:
     """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid and
     every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
-    measure_records(model, ids, model.config.block_size, make_references(model.config.n_embd, null_directions=null),
-                    model_name="bench", step=0, tokens_per_step=None, seed=1234, batch_size=batch_size,
-                    with_null=energy_and_rows, intervention_kinds=scopes, intervention_tokens=budget,
+    config = ProbeConfig(tokens=len(ids), batch_size=batch_size, null_directions=null, intervention=scopes,
+                         intervention_tokens=budget)
+    measure_records(model, ids, model.config.block_size, make_references(model.config.n_embd, config.seed, null),
+                    config, model_name="bench", step=0, tokens_per_step=None, with_null=energy_and_rows,
                     resume_mid_stack=resume)
 
 

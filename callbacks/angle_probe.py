@@ -16,9 +16,9 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from callbacks.checkpointing import CheckpointSchedule, Interrupt, OptimizerStepCallback
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
-from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
-from normgeo.measure.probe import INCLUDE_STANDARDIZED, make_references
+from normgeo.measure.probe import make_references
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import (
     ANGLES_FILE,
     REFERENCES_FILE,
@@ -55,44 +55,15 @@ class AngleProbe(OptimizerStepCallback):
     RMSNorm, per scope of ``intervention``) and the logger entries.
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        schedule: CheckpointSchedule,
-        source,
-        model_name: str,
-        tokens: int = 1_000_000,
-        batch_size: int = 8,
-        seed: int = 1234,
-        tokenizer: str = "gpt2",
-        include_standardized: bool = INCLUDE_STANDARDIZED,
-        log_table: bool = True,
-        null_directions: int = 64,
-        min_doc_tokens: int = 0,
-        sample_documents: bool = True,
-        bootstrap_replicates: int = 1000,
-        bootstrap_block: int = 1,
-        intervention: Sequence[str] = DEFAULT_SCOPES,
-        intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS,
-        ids: np.ndarray | None = None,
-    ) -> None:
+    def __init__(self, run_dir: str, schedule: CheckpointSchedule, source, model_name: str, probe: ProbeConfig,
+                 *, tokenizer: str = "gpt2", log_table: bool = True, ids: np.ndarray | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.schedule = schedule
         self.source = source
         self.model_name = model_name
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.seed = seed
+        self.config = probe
         self.tokenizer = tokenizer
-        self.include_standardized = include_standardized
         self.log_table = log_table
-        self.null_directions = null_directions
-        self.min_doc_tokens = min_doc_tokens
-        self.sample_documents = sample_documents
-        self.bootstrap_replicates = bootstrap_replicates
-        self.bootstrap_block = bootstrap_block
-        self.intervention = tuple(intervention)
-        self.intervention_tokens = intervention_tokens
         self._announced = False  # the probe's cost is logged before its first run only
         self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
@@ -103,9 +74,7 @@ class AngleProbe(OptimizerStepCallback):
         ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
         """
         if self._ids is None:
-            self._ids = tiktoken_probe_ids(self.source, self.tokens, tokenizer=self.tokenizer,
-                                           sample=self.sample_documents, seed=self.seed,
-                                           min_doc_tokens=self.min_doc_tokens)
+            self._ids = tiktoken_probe_ids(self.source, self.config, tokenizer=self.tokenizer)
         return self._ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -124,17 +93,12 @@ class AngleProbe(OptimizerStepCallback):
     def probe(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> list[dict]:
         model = pl_module.model
         config = model.config
-        references = make_references(config.n_embd, self.seed, self.null_directions)
+        references = make_references(config.n_embd, self.config.seed, self.config.null_directions)
         with Interrupt.abandonable_region(f"the probe at step {step}"):  # it writes nothing until the end
             records = measure_records(
-                model, self.probe_ids(), config.block_size, references,
-                model_name=self.model_name, step=step,
-                tokens_per_step=pl_module.tokens_per_step,
-                seed=self.seed, bootstrap_replicates=self.bootstrap_replicates, bootstrap_block=self.bootstrap_block,
-                with_null=trainer.is_global_zero, intervention_kinds=self.intervention,
-                intervention_tokens=self.intervention_tokens,
-                announce_cost=trainer.is_global_zero and not self._announced,
-                batch_size=self.batch_size, include_standardized=self.include_standardized,
+                model, self.probe_ids(), config.block_size, references, self.config,
+                model_name=self.model_name, step=step, tokens_per_step=pl_module.tokens_per_step,
+                with_null=trainer.is_global_zero, announce_cost=trainer.is_global_zero and not self._announced,
                 autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
                 rank=trainer.global_rank, world_size=trainer.world_size,
             )

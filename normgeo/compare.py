@@ -1,6 +1,6 @@
 """The arms side by side: ``python -m normgeo.compare outputs/`` (a sweep folder or run directories).
 
-Loads every run's ``angles.jsonl``, logged metrics (whichever logger it used) and config into tidy tables
+Loads every run's ``angles.jsonl``, logged metrics (the CSV every run writes) and config into tidy tables
 and writes, to ``--out`` (default ``<folder>/compare``):
 
 - ``angles.parquet`` / ``angles.csv``: one row per (run, step, layer, site, reference), with the run's

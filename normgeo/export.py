@@ -61,6 +61,7 @@ from models.norms import arm_label
 from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.metrics import read_metrics
 from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
@@ -101,9 +102,10 @@ class ConversionCheck:
 def ones_energy_and_centering(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     """(the largest energy fraction along 1 at any norm input, the Δloss of the centering intervention at every
     norm at once) of ``model`` on ``ids`` (sequences, tokens), from the measurement pipeline."""
-    records = measure_records(model, ids.flatten(), ids.shape[1], make_references(model.config.n_embd),
-                              model_name="export", step=None, tokens_per_step=None, seed=PARITY_SEED,
-                              batch_size=ids.shape[0], intervention_kinds=("all",))
+    probe = ProbeConfig(tokens=ids.numel(), batch_size=ids.shape[0], seed=PARITY_SEED, intervention=("all",),
+                        intervention_tokens=None)
+    records = measure_records(model, ids.flatten(), ids.shape[1], make_references(model.config.n_embd), probe,
+                              model_name="export", step=None, tokens_per_step=None)
     energy = [row["max"] for row in records.energy if row["quantity"] == "ones_fraction"]
     (everywhere,) = records.intervention
     return max(energy), everywhere["delta_loss"]

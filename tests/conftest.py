@@ -197,7 +197,7 @@ def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dic
     layer = root / "tiny-layer-s0"
     before = {str(p.relative_to(layer)): p.read_bytes() for p in [*layer.glob(".hydra/*"), layer / "train.log"]}
     # All three loggers at once in the sweep's jobs (tests/test_loggers.py reads them).
-    sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[csv,wandb,tensorboard]")
+    sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[wandb,tensorboard]")
     return root, sweep, before
 
 

@@ -23,6 +23,7 @@ from normgeo.figures.analysis import pool
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
 from tests.conftest import ROOT
 
@@ -48,11 +49,12 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     """The sequences analyze.py measures and its records, by (layer, site, ref) and, for null.jsonl's,
     by (layer, site, "null")."""
     encode, separator = hf_encoder(tokenizer)
-    ids = probe_ids(_wiki(shared), encode, separator, TOKENS, sample=False)
+    ids = probe_ids(_wiki(shared), encode, separator, ProbeConfig(TOKENS, sample=False))
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
-    records = measure_records(model, ids, SEQ_LEN, references, model_name="m", step=None, tokens_per_step=None,
-                              seed=1234, with_null=False, forward=hf_forward(model), norms=norms, batch_size=BATCH)
+    records = measure_records(model, ids, SEQ_LEN, references, ProbeConfig(TOKENS, batch_size=BATCH, intervention=()),
+                              model_name="m", step=None, tokens_per_step=None, with_null=False,
+                              forward=hf_forward(model), norms=norms)
     sites, stats = records.sites, records.stats
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
     null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)

@@ -34,6 +34,7 @@ from normgeo.measure.intervention import (
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
+from normgeo.measure.probe_config import ProbeConfig
 
 SEQ = 12
 WIDTH = 16
@@ -71,9 +72,9 @@ def token_ids(count: int, seed: int = 0) -> np.ndarray:
 
 def records(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> list[dict]:
     """intervention.jsonl's rows of one probe, by the pipeline the training probe and analyze.py call."""
-    return measure_records(model, ids, SEQ, make_references(WIDTH), model_name="t", step=0, tokens_per_step=None,
-                           seed=0, bootstrap_replicates=200, batch_size=4, intervention_kinds=kinds,
-                           **kwargs).intervention
+    probe = ProbeConfig(len(ids), batch_size=4, seed=0, bootstrap_replicates=200, intervention=tuple(kinds))
+    return measure_records(model, ids, SEQ, make_references(WIDTH), probe, model_name="t", step=0,
+                           tokens_per_step=None, **kwargs).intervention
 
 
 # --- a hand-written GPT forward, in float64 -------------------------------------------------------------

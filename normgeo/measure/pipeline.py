@@ -30,7 +30,6 @@ from normgeo.measure.angles import AngleMeasurement
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE, EllipsoidMeasurement
 from normgeo.measure.energy import ENERGY_FILE, EnergyMeasurement, EnergyStatistics
 from normgeo.measure.intervention import (
-    DEFAULT_INTERVENTION_TOKENS,
     INTERVENTION_FILE,
     CenteringIntervention,
     intervention_scopes,
@@ -38,6 +37,7 @@ from normgeo.measure.intervention import (
 from normgeo.measure.measurement import Measurement, ProbeBatch
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE
 from normgeo.measure.stats import AngleStatistics
 
@@ -48,23 +48,14 @@ class AnalysisError(RuntimeError):
     """A user error in a measurement (bad config, too small a corpus); the message says what to fix."""
 
 
-def probe_ids(
-    source,
-    encode_batch: EncodeBatch,
-    separator: int | None,
-    tokens: int,
-    *,
-    sample: bool = True,
-    seed: int = 1234,
-    min_doc_tokens: int = 0,
-) -> np.ndarray:
-    """The first ``tokens`` token ids of the source's documents in its seeded sampling order (those under
-    ``min_doc_tokens`` skipped); an :class:`AnalysisError` saying what to change if there are fewer."""
-    if tokens <= 0:
-        raise AnalysisError(f"probe.tokens must be positive, not {tokens}")
+def probe_ids(source, encode_batch: EncodeBatch, separator: int | None, probe: ProbeConfig) -> np.ndarray:
+    """The first ``probe.tokens`` token ids of the source's documents in its seeded sampling order (those under
+    ``probe.min_doc_tokens`` skipped); an :class:`AnalysisError` saying what to change if there are fewer."""
+    if probe.tokens <= 0:
+        raise AnalysisError(f"probe.tokens must be positive, not {probe.tokens}")
     try:
-        documents = probe_documents(source, sample=sample, seed=seed)
-        return first_tokens(documents, encode_batch, separator, tokens, min_tokens=min_doc_tokens)
+        documents = probe_documents(source, sample=probe.sample, seed=probe.seed)
+        return first_tokens(documents, encode_batch, separator, probe.tokens, min_tokens=probe.min_doc_tokens)
     except SourceError as exc:  # a ValueError too, but about reading the corpus, not its size
         raise AnalysisError(
             f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
@@ -73,13 +64,11 @@ def probe_ids(
         raise AnalysisError(f"{exc} ({source.describe()}): lower probe.tokens or give a larger corpus") from exc
 
 
-def tiktoken_probe_ids(
-    source, tokens: int, *, tokenizer: str = "gpt2", sample: bool = True, seed: int = 1234, min_doc_tokens: int = 0
-) -> np.ndarray:
+def tiktoken_probe_ids(source, probe: ProbeConfig, tokenizer: str = "gpt2") -> np.ndarray:
     """:func:`probe_ids` with a tiktoken encoding: the training probe's tokens, computed once by train.py's
     start check (normgeo.runs.start) and handed to the probe callback."""
     encode, eot, _ = tiktoken_batch_encoder(tokenizer)
-    return probe_ids(source, encode, eot, tokens, sample=sample, seed=seed, min_doc_tokens=min_doc_tokens)
+    return probe_ids(source, encode, eot, probe)
 
 
 def windows(ids: np.ndarray | torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -286,20 +275,14 @@ def measure_records(
     ids: np.ndarray | torch.Tensor,
     seq_len: int,
     references: dict[str, np.ndarray],
+    probe: ProbeConfig,
     *,
     model_name: str,
     step: int | None,
     tokens_per_step: int | None,
-    seed: int,
-    batch_size: int,
-    bootstrap_replicates: int = 1000,
-    bootstrap_block: int = 1,
     with_null: bool = True,
-    intervention_kinds: Sequence[str] = (),
-    intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS,
     norms: Sequence[NormSite] | None = None,
     forward: Callable[[torch.Tensor], object] | None = None,
-    include_standardized: bool = INCLUDE_STANDARDIZED,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
     progress: bool = False,
@@ -308,16 +291,16 @@ def measure_records(
     announce_cost: bool = False,
     resume_mid_stack: bool = True,
 ) -> Records:
-    """Every measurement of the probe on ``ids`` cut by :func:`windows`, merged over ranks, as records.
+    """Every measurement ``probe`` asks for on ``ids`` cut by :func:`windows`, merged over ranks, as records.
 
     The records carry ``model_name``, the model's norm (:func:`record_norm_label`), ``step`` and
     :func:`tokens_seen`. ``with_null=False`` skips the rows whose bootstrap costs (``null.jsonl``,
-    ``intervention.jsonl``; only the rank that writes needs them). ``intervention_kinds``: the centering
-    intervention's scopes (``all``, ``layers``, ``site_classes``; none: not run), on the first
-    ``intervention_tokens`` probe tokens in whole windows (None: all of them). ``announce_cost``: log the
-    forwards the probe will run before it starts. ``resume_mid_stack=False`` re-runs every per-block scope's
-    forward from the embeddings (what the resumed forwards are tested and benchmarked against). Call it on
-    every rank: the statistics are all-reduced and FSDP2-sharded gains all-gathered.
+    ``intervention.jsonl``; only the rank that writes needs them). The centering intervention runs its
+    ``probe.intervention`` scopes (none: not run) on the first ``probe.intervention_tokens`` probe tokens in
+    whole windows. ``announce_cost``: log the forwards the probe will run before it starts.
+    ``resume_mid_stack=False`` re-runs every per-block scope's forward from the embeddings (what the resumed
+    forwards are tested and benchmarked against). Call it on every rank: the statistics are all-reduced and
+    FSDP2-sharded gains all-gathered.
     """
     parts = windows(ids, seq_len)
     if not parts:
@@ -326,21 +309,22 @@ def measure_records(
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     where = torch.device(device) if device is not None else next(model.parameters()).device
     angles = AngleMeasurement(norms, references, num_sequences=num_sequences, device=where,
-                              include_standardized=include_standardized, with_null=with_null,
-                              bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block, seed=seed)
+                              include_standardized=probe.include_standardized, with_null=with_null,
+                              bootstrap_replicates=probe.bootstrap_replicates, bootstrap_block=probe.bootstrap_block,
+                              seed=probe.seed)
     measurements: list[Measurement] = [angles, EnergyMeasurement(norms, device=where), EllipsoidMeasurement(norms)]
-    scopes = intervention_scopes(norms, intervention_kinds) if intervention_kinds else []
+    scopes = intervention_scopes(norms, probe.intervention) if probe.intervention else []
     intervention = None
     if scopes:
-        budget, budget_tokens = budget_windows(parts, intervention_tokens)
+        budget, budget_tokens = budget_windows(parts, probe.intervention_tokens)
         intervention = CenteringIntervention(
             model, norms, scopes, budget, token_budget=budget_tokens, device=where, with_rows=with_null,
-            resume=resume_mid_stack, bootstrap_replicates=bootstrap_replicates, bootstrap_block=bootstrap_block,
-            seed=seed)
+            resume=resume_mid_stack, bootstrap_replicates=probe.bootstrap_replicates,
+            bootstrap_block=probe.bootstrap_block, seed=probe.seed)
         measurements.append(intervention)
     if announce_cost:
-        announce(parts, batch_size, world_size, intervention)
-    run_probe(model, parts, measurements, norms=norms, forward=forward, batch_size=batch_size, autocast=autocast,
+        announce(parts, probe.batch_size, world_size, intervention)
+    run_probe(model, parts, measurements, norms=norms, forward=forward, batch_size=probe.batch_size, autocast=autocast,
               device=device, progress=progress, rank=rank, world_size=world_size)
     for measurement in measurements:
         measurement.all_reduce()

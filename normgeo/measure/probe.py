@@ -19,6 +19,7 @@ from normgeo.measure.norm_sites import NormSite
 REFERENCE_NAMES = ("ones", "rand_a", "rand_b")
 NULL_KEY = "null"  # the (K, d) null directions in the references dict and probe_references.npz
 DEFAULT_NULL_DIRECTIONS = 64
+DEFAULT_SEED = 1234  # the probe's: reference vectors, null directions, document sampling and bootstrap
 # rand_b is stored with norm 3 sqrt(d) only to match the paper's "random vector of another norm": the
 # engine normalizes every reference and angles are scale-invariant, so rand_b is just a second random
 # direction. It is kept for comparison with the paper's figures.
@@ -28,7 +29,7 @@ RAND_B_NORM_RATIO = 3.0
 INCLUDE_STANDARDIZED = True
 
 
-def make_references(dim: int, seed: int = 1234, null_directions: int = DEFAULT_NULL_DIRECTIONS) -> dict[str, np.ndarray]:
+def make_references(dim: int, seed: int = DEFAULT_SEED, null_directions: int = DEFAULT_NULL_DIRECTIONS) -> dict[str, np.ndarray]:
     """The uniform vector 1, two random directions and ``null_directions`` more, from a model-independent seed.
 
     ``rand_a`` has the norm of 1 (sqrt(d)), ``rand_b`` 3 sqrt(d) (the paper's "other norm"; no angle

@@ -33,12 +33,8 @@ from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
-from normgeo.measure.intervention import (
-    DEFAULT_INTERVENTION_TOKENS,
-    DEFAULT_SCOPES,
-    INTERVENABLE_KINDS,
-    SCOPE_KINDS,
-)
+from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
+from normgeo.measure.probe_config import ProbeConfig
 
 
 @dataclass(frozen=True)
@@ -152,8 +148,8 @@ class CheckpointSchema:
 
 @dataclass
 class BootstrapSchema:
-    replicates: int = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
-    block: int = doc(1, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks", ge=1)
+    replicates: int = doc(ProbeConfig.bootstrap_replicates, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
+    block: int = doc(ProbeConfig.bootstrap_block, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks", ge=1)
 
 
 @dataclass
@@ -165,15 +161,15 @@ class ProbeSchema:
     plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
     encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 (bytes that do not decode are refused)")
     tokens: int = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len", ge=1)
-    seed: int = doc(1234, "reference vectors, null directions, document sampling and bootstrap", ge=0, le=SEED_MAX)
-    include_standardized: bool = doc(True, "also measure LayerNorm's standardization (.std sites)")
-    null_directions: int = doc(64, "random unit directions that 1 is compared with; 0: none", ge=0)
-    sample: bool = doc(True, "documents in a seeded order over the whole source")
-    min_doc_tokens: int = doc(0, "skip documents shorter than this (title-only stubs)", ge=0)
+    seed: int = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap", ge=0, le=SEED_MAX)
+    include_standardized: bool = doc(ProbeConfig.include_standardized, "also measure LayerNorm's standardization (.std sites)")
+    null_directions: int = doc(ProbeConfig.null_directions, "random unit directions that 1 is compared with; 0: none", ge=0)
+    sample: bool = doc(ProbeConfig.sample, "documents in a seeded order over the whole source")
+    min_doc_tokens: int = doc(ProbeConfig.min_doc_tokens, "skip documents shorter than this (title-only stubs)", ge=0)
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
-    intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes (intervention.jsonl): "
+    intervention: list[str] = doc(list(ProbeConfig.intervention), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: int | None = doc(DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this "
+    intervention_tokens: int | None = doc(ProbeConfig.intervention_tokens, "the intervention runs on the first this "
                                           "many probe tokens (whole windows; the angles keep probe.tokens); "
                                           "null: all of them", ge=1)
 
@@ -184,7 +180,7 @@ class TrainProbeSchema(ProbeSchema):
     batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
-    batch_size: int = doc(8, "probe sequences per forward pass", ge=1)
+    batch_size: int = doc(ProbeConfig.batch_size, "probe sequences per forward pass", ge=1)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from corpus.sources import SourceError
 from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
+from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
@@ -188,9 +189,7 @@ def check_start(cfg: DictConfig) -> Start:
     try:
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
-            probe_ids = tiktoken_probe_ids(
-                instantiate(cfg.probe.source), cfg.probe.tokens, sample=cfg.probe.sample, seed=cfg.probe.seed,
-                min_doc_tokens=cfg.probe.min_doc_tokens)
+            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), ProbeConfig.from_config(cfg.probe))
         datamodule = instantiate(cfg.data)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len

@@ -85,8 +85,7 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The train/loss of the highest logged step, from whichever logger the run used (CSV, TensorBoard,
-    wandb: normgeo.runs.metrics)."""
+    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.runs.metrics)."""
     try:
         return last_value(read_metrics(run_dir), "train/loss")
     except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
