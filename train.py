@@ -31,17 +31,10 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.angle_probe import AngleProbe
-from callbacks.checkpointing import (
-    AtomicCheckpointIO,
-    CheckpointSchedule,
-    OptimizerStepCallback,
-    ScheduledCheckpoint,
-    SignalStop,
-    StopAtStep,
-    StopOnSignal,
-    exit_if_interrupted,
-)
+from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint, StopAtStep
+from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
+from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
@@ -58,7 +51,13 @@ from normgeo.plan import preflight
 from normgeo.runs.checks import config_errors_exit_2
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.metrics import CSV_DIR
-from normgeo.runs.run_config import SUMMARY_FILE, is_rank_zero, resolved_run_config, save_run_config
+from normgeo.runs.run_config import (
+    LAST_CHECKPOINT,
+    SUMMARY_FILE,
+    is_rank_zero,
+    resolved_run_config,
+    save_run_config,
+)
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import (  # noqa: F401
     DIVERGED,
@@ -215,7 +214,7 @@ def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence
     schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
     # (at once during a validation or a probe); its handler is installed first.
-    stop = StopOnSignal(requeue, resume_command(cfg))
+    stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
     callbacks = [stop.installer, MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     callbacks.extend(extra_callbacks)
     clock = SessionClock()

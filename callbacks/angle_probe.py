@@ -13,7 +13,9 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from callbacks.checkpointing import CheckpointSchedule, Interrupt, OptimizerStepCallback
+from callbacks.checkpointing import CheckpointSchedule
+from callbacks.optimizer_step import OptimizerStepCallback
+from callbacks.signals import Interrupt
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids

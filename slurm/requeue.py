@@ -1,7 +1,7 @@
 """SLURM's requeue signal and session bookkeeping for train.py; standard library only, so that train.py can
 install the USR1 handler before its slow imports (Python dies of a USR1 it has no handler for).
 
-:class:`callbacks.checkpointing.RequeueOnSignal` is the training side: it stops every rank at the next
+:class:`callbacks.signals.StopOnSignal` is the training side: it stops every rank at the next
 optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
 """
 

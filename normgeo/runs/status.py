@@ -21,7 +21,7 @@ from normgeo.runs.session import divergence, newest_resumable
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
-REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.checkpointing.RequeueOnSignal
+REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.signals.StopOnSignal
 SESSION_MARKER = "run directory:"  # logged by train.py at the start of every session
 SKIP_DIRS = {".submitit", "checkpoints", "csv", "figures", "wandb", "tensorboard", ".hydra", "lightning_logs"}
 

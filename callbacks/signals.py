@@ -1,0 +1,262 @@
+"""Stopping a run on a signal: the user's Ctrl-C or SIGTERM, and SLURM's requeue signal (USR1).
+
+:class:`StopOnSignal` stops every rank after the same optimizer step (``last.ckpt`` is then written by the
+checkpoint callback); a validation or a probe in progress is abandoned at once (:class:`SignalStop`);
+train.py prints the resume command and exits 128 + the signal number (:func:`exit_if_interrupted`), or
+requeues the SLURM job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import lightning as L
+import torch
+
+from callbacks.lightning_loops import settle_abandoned_validation
+from callbacks.optimizer_step import OptimizerStepCallback
+from normgeo.runs.run_config import LAST_CHECKPOINT
+
+log = logging.getLogger(__name__)
+
+
+class SignalStop(Exception):
+    """A stop signal arrived while this session measured (a validation, a probe): the measurement is
+    abandoned at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
+    :meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
+
+
+class RequeueRequest(Protocol):
+    """What train.py's USR1 handler records (``slurm.requeue.SlurmRequeue``)."""
+
+    received: bool  # a requeue signal arrived on this rank
+    training: bool  # from on_train_start on, the handler only records and StopOnSignal acts
+    stopped_at: int | None  # the step at which training stopped so that the job can be requeued
+
+
+class Interrupt:
+    """The user's SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``) while training: recorded, so that
+    :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved at
+    that step; train.py then prints the resume command and exits 128 + the signal number (130, 143).
+
+    Replaces, from train start on, Python's KeyboardInterrupt (Lightning turns it into exit 1 without
+    saving) and Lightning's SIGTERM handler (it stops at the next batch without saving). A second signal
+    stops at once: whatever is being written is abandoned (atomic writes keep the previous file).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    # The signal of a second interrupt, process-wide: its SystemExit may surface as another exception
+    # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
+    abandoning: int | None = None
+    # The installed one, process-wide: what measures (the probe) marks itself abandonable through it.
+    active: Interrupt | None = None
+
+    def __init__(self) -> None:
+        self.received = False
+        self.signum: int | None = None  # the signal this rank received first
+        self.stopped_at: int | None = None  # the step at which training stopped, on every rank
+        self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
+        self.resume_command = ""
+        # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
+        # one process only: ranks that did not receive the signal would wait in a collective.
+        self.abandonable: str | None = None
+        self.single_process = True
+        self.abandoned: str | None = None  # what a signal abandoned
+
+    def enter(self, what: str) -> None:
+        """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
+        if not self.single_process:
+            return
+        if self.received:  # e.g. the validation Lightning runs when training stops: skipped, not abandoned
+            if self.stopped_at is None:
+                self.abandoned = what
+            raise SignalStop(what)
+        self.abandonable = what
+
+    def leave(self) -> None:
+        self.abandonable = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def abandonable_region(cls, what: str) -> Iterator[None]:
+        """``with Interrupt.abandonable_region("the probe at step 5"):`` a stop signal inside abandons it
+        (no-op when no interrupt handler is installed)."""
+        interrupt = cls.active
+        if interrupt is None:
+            yield
+            return
+        interrupt.enter(what)
+        try:
+            yield
+        finally:
+            interrupt.leave()
+
+    def install(self) -> None:
+        Interrupt.abandoning = None
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                signal.signal(signum, self)
+            Interrupt.active = self
+
+    def uninstall(self) -> None:
+        self.abandonable = None
+        if Interrupt.active is self:
+            Interrupt.active = None
+        for signum in self.SIGNALS:
+            if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
+                signal.signal(signum, self.DEFAULTS[signum])
+
+    def __call__(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.received:
+            self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
+                     f"continue with:\n{self.resume_command}")
+            Interrupt.abandoning = signum
+            raise SystemExit(128 + signum)
+        self.received, self.signum = True, signum
+        if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
+            what, self.abandonable = self.abandonable, None
+            self.abandoned = what
+            self.say(f"{name}: abandoning {what}, saving last.ckpt ({name} again: stop now)")
+            raise SignalStop(what)
+        self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
+
+    def say(self, text: str) -> None:
+        if self.announce:
+            # os.write, not print: a signal can land while the main thread is inside a print to stderr.
+            os.write(2, (text + "\n").encode())
+
+
+class StopOnSignal(OptimizerStepCallback):
+    """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once:
+    SLURM's requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
+
+    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
+    makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied
+    update, and no collective that could meet another rank's all-reduce. ``last.ckpt`` is then written
+    on train end by :class:`callbacks.checkpointing.ScheduledCheckpoint`; train.py requeues the job, or prints the resume command.
+    """
+
+    def __init__(self, requeue: RequeueRequest | None = None, resume_command: str = "",
+                 last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
+        self.requeue = requeue
+        self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message
+        self.interrupt = Interrupt()
+        self.interrupt.resume_command = resume_command
+
+    @property
+    def stopped_by(self) -> str | None:
+        """Why this session stopped before its end: "requeue" or "interrupted by SIGINT"; None otherwise."""
+        if self.requeue is not None and self.requeue.stopped_at is not None:
+            return "requeue"
+        if self.interrupt.stopped_at is not None:
+            return f"interrupted by {signal.Signals(self.interrupt.signum or signal.SIGTERM).name}"
+        return None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.requeue is not None:
+            self.requeue.training = True
+        self.interrupt.announce = trainer.is_global_zero
+        self.interrupt.single_process = trainer.world_size == 1
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.training or trainer.state.fn == "fit":
+            self.interrupt.enter(f"the validation after step {trainer.global_step}")
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.interrupt.leave()  # its result is being logged: a signal from now on stops at the next step
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.interrupt.leave()
+        if isinstance(exception, SignalStop):
+            step = trainer.global_step
+            if str(exception).startswith("the validation"):
+                settle_abandoned_validation(trainer)
+            if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
+                log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
+                            signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
+                self.interrupt.stopped_at = step
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.interrupt.uninstall()
+
+    @property
+    def installer(self) -> L.Callback:
+        """The callback that installs this stop's signal handler: first in the callback list, so that the
+        step-0 probe (another callback's on_train_start) is covered too."""
+        return InstallInterrupt(self.interrupt)
+
+    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if trainer.should_stop or step >= trainer.max_steps:
+            return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
+        # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
+        # reaches every rank, a kill only one): any rank's signal stops all of them at this same step.
+        # One all-reduce per optimizer step: [requeue, SIGINT, SIGTERM] summed over the ranks.
+        interrupt = self.interrupt
+        flags = [bool(self.requeue and self.requeue.received), interrupt.signum == signal.SIGINT,
+                 interrupt.signum == signal.SIGTERM]
+        if trainer.world_size > 1:
+            total = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+            flags = [n > 0 for n in trainer.strategy.reduce(total, reduce_op="sum").tolist()]
+        requeue, sigint, sigterm = flags  # one process: no collective, and no GPU sync per step
+        if requeue and self.requeue is not None:
+            log.warning("requeue signal: stopping after step %d to save last.ckpt and requeue the job", step)
+            self.requeue.stopped_at = step
+        elif sigint or sigterm:
+            # Every rank exits with the signal the user sent, whichever rank received it.
+            interrupt.signum = signal.SIGINT if sigint else signal.SIGTERM
+            log.warning("interrupt (%s): stopping after step %d to save last.ckpt",
+                        signal.Signals(interrupt.signum).name, step)
+            interrupt.stopped_at = step
+        else:
+            return
+        trainer.should_stop = True
+
+
+class InstallInterrupt(L.Callback):
+    """Installs an :class:`Interrupt` on train start: after Lightning's SIGTERM handler, which fit registers
+    before this hook, and before the other callbacks' on_train_start (the step-0 probe)."""
+
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.interrupt.install()
+
+
+def exit_if_interrupted(trainer: L.Trainer) -> None:
+    """After fit: when an :class:`Interrupt` stopped training, tell the user where it stopped and how to
+    continue (the resume command is the last line on stderr), then exit 128 + the signal number."""
+    stop = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
+    if stop is None or stop.interrupt.stopped_at is None:
+        return
+    interrupt = stop.interrupt
+    signum = interrupt.signum or signal.SIGTERM
+    if trainer.is_global_zero:
+        wait_for_other_ranks(trainer)  # their last words must come before the resume command
+        saved = stop.last_checkpoint
+        abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
+        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}{abandoned} "
+              f"and saved {saved}; continue the run with:", file=sys.stderr)
+        print(interrupt.resume_command, file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def wait_for_other_ranks(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
+    """Rank 0 of Lightning's DDP launcher waits for the other ranks' processes (its children) to exit."""
+    deadline = time.monotonic() + timeout_s
+    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
