@@ -165,6 +165,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self.last_every = schedule.last_every
         self.keep_optimizer = schedule.keep_optimizer
         self._after_validation: int | None = None  # a step whose checkpoints wait for its validation
+        self._last_saved_at: int | None = None  # the step of this session's newest last.ckpt
         self.saved_steps: list[int] = []
 
     @staticmethod
@@ -190,11 +191,18 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
             trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
             self.saved_steps.append(step)
+        self._save_last(trainer)
+
+    def _save_last(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
+        self._last_saved_at = trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._last_saved_at == trainer.global_step:
+            return  # the final (or stopping) step's last.ckpt is written already: the full state, once (a 1b
+            # run's is 12 GB)
         self._check_finite(trainer, pl_module, trainer.global_step)
-        trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
+        self._save_last(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
@@ -203,7 +211,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             self._after_validation = None
             step = trainer.global_step
             if step in self.schedule and step in self.saved_steps:
-                trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
+                self._save_last(trainer)
             else:
                 self._save_step(trainer, pl_module, step)
 
