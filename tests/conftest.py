@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import functools
 import importlib
+import io
 import os
 import subprocess
 import sys
@@ -125,22 +127,27 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int =
     return result
 
 
-def run_entry_point(script: str, args: list[str], capsys) -> subprocess.CompletedProcess:
-    """``python <script>.py <args>`` (train | analyze) in this process: the same Hydra main, its exit code,
-    stdout and stderr; a few hundred ms where a subprocess takes seconds (tests/test_ranges.py runs ~100)."""
+def main_exit_code(script: str, args: list[str]) -> int:
+    """``python <script>.py <args>`` (train | analyze) through the script's Hydra main in this process: its
+    exit code (a few hundred ms where a new interpreter spends seconds importing Lightning and torch)."""
     module = importlib.import_module(script)
     argv = sys.argv
-    capsys.readouterr()
     GlobalHydra.instance().clear()
     sys.argv = [f"{script}.py", *args]
     try:
         module.main()
-        code = 0
+        return 0
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
+        return done.code if isinstance(done.code, int) else 1
     finally:
         sys.argv = argv
         GlobalHydra.instance().clear()
+
+
+def run_entry_point(script: str, args: list[str], capsys) -> subprocess.CompletedProcess:
+    """:func:`main_exit_code` with its stdout and stderr (tests/test_ranges.py runs ~100 of them)."""
+    capsys.readouterr()
+    code = main_exit_code(script, args)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess([f"{script}.py", *args], code, out, err)
 
@@ -156,6 +163,19 @@ def train_in_process(run_dir: Path, *overrides: str, capsys) -> subprocess.Compl
     that end before training starts (a real process is still needed for DDP, signals or another environment)."""
     return run_entry_point("train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides],
                            capsys)
+
+
+def train_here(run_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    """:func:`run_train` in this process, for a single-process run whose test reads its files and output: the
+    same main, without a new interpreter's seconds of imports (DDP, signals and other environments need
+    :func:`run_train`)."""
+    args = [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main_exit_code("train", args)
+    if check and code != 0:
+        raise AssertionError(f"train.py failed ({code}):\n{out.getvalue()[-3000:]}\n{err.getvalue()[-6000:]}")
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

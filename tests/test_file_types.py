@@ -22,7 +22,7 @@ from corpus.tokenize import tiktoken_encoding
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
-from tests.conftest import ROOT, run_train, train_in_process
+from tests.conftest import ROOT, train_here, train_in_process
 
 CSV_ROW = "Another row of comma separated text about the quick brown fox"
 PROSE = "The quick brown fox jumps over the lazy dog, again and again. " * 200
@@ -162,7 +162,7 @@ def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_op
     (line,) = error_lines(refused.stderr)
     assert "3 files of unsupported types (.csv: 2, .py: 1)" in line
     assert not run_dir.exists() and not data_root.exists()
-    run_train(run_dir, *args, "data.source.plain_text_extensions=[.csv,.py]")
+    train_here(run_dir, *args, "data.source.plain_text_extensions=[.csv,.py]")
     (prepared,) = data_root.glob("local-*")
     assert f"{CSV_ROW} 7" in decoded(prepared)
     assert (run_dir / "checkpoints" / "last.ckpt").exists()

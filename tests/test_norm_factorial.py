@@ -18,7 +18,7 @@ from normgeo.measure.pipeline import probe_angles
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.records import read_rows
 from normgeo.measure.stats import QUANTILES
-from tests.conftest import run_train, train_in_process
+from tests.conftest import run_train, train_here, train_in_process
 
 
 def tiny(norm: str, placement: str = "pre") -> GPT:
@@ -123,7 +123,7 @@ def test_probe_streams_energy_at_every_norm_input() -> None:
 @pytest.mark.slow
 def test_smoke_factorial_cell_post_norm_writes_the_new_records(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
-    run_train(run_dir, "norm=rms_bias", "placement=post", "max_steps=2", "checkpoint.steps=[2]")
+    train_here(run_dir, "norm=rms_bias", "placement=post", "max_steps=2", "checkpoint.steps=[2]")
     ellipsoid, energy = read_rows(run_dir / "ellipsoid.jsonl"), read_rows(run_dir / "energy.jsonl")
     assert sorted({r["step"] for r in ellipsoid}) == [0, 2] and {r["norm"] for r in ellipsoid} == {"rms_bias"}
     assert len([r for r in ellipsoid if r["step"] == 2]) == 2 * 2 + 1  # ln1, ln2 per block and ln_f
@@ -151,7 +151,7 @@ def test_dyt_squashes_with_a_learned_alpha_and_is_found_as_a_norm() -> None:
 @pytest.mark.slow
 def test_smoke_dyt_trains_and_probes_without_std_sites_or_ellipsoid(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run_train(run_dir, "norm=dyt", "max_steps=2", "checkpoint.steps=[2]")
+    train_here(run_dir, "norm=dyt", "max_steps=2", "checkpoint.steps=[2]")
     rows = read_rows(run_dir / "angles.jsonl")
     assert {r["norm"] for r in rows} == {"dyt"} and sorted({r["step"] for r in rows}) == [0, 2]
     assert {r["site"].rpartition(".")[2] for r in rows} == {"in", "out"}  # no standardized input for DyT

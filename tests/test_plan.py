@@ -23,7 +23,7 @@ from models.plan import (
     trace_step,
 )
 from normgeo.plan import main as plan_main
-from tests.conftest import FAST, ROOT, run_train
+from tests.conftest import FAST, ROOT, train_here
 
 SIZES = {  # small contexts and batches: a real CPU step in seconds
     "tiny": dict(n_layer=2, n_head=2, n_embd=128),
@@ -81,7 +81,7 @@ def test_counted_flops_agree_with_6n_plus_12ltd_within_5_percent(size: str) -> N
 def test_checkpoint_sizes_agree_with_the_files_a_smoke_run_writes(tmp_path: Path) -> None:
     overrides = ["max_steps=2", "checkpoint.steps=[1]", "checkpoint.last_every=0", "probe.enabled=false"]
     run_dir = tmp_path / "run"
-    run_train(run_dir, *overrides)
+    train_here(run_dir, *overrides)
     from normgeo.plan import checkpoint_disk, compose, setup_from_config
 
     cfg = compose([*FAST, f"run_dir={run_dir}", *overrides])

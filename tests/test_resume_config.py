@@ -24,7 +24,7 @@ from normgeo.runs.run_config import (
     save_run_config,
     verify_run_config,
 )
-from tests.conftest import FAST, call_entry_point, run_train, step_losses
+from tests.conftest import FAST, call_entry_point, run_train, step_losses, train_here
 
 # 4 steps, no probe (it is not what is tested here, and each session is a subprocess on 2 CPU cores).
 COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
@@ -192,7 +192,7 @@ def test_a_fresh_start_checks_a_config_left_without_checkpoints(tmp_path: Path) 
 def stopped_run(tmp_path_factory) -> Path:
     """A run of 4 steps stopped after step 2 on one device: the refused resumes all try to continue it."""
     run_dir = tmp_path_factory.mktemp("resume-config") / "run"
-    run_train(run_dir, *COMMON, "stop_at_step=2")
+    train_here(run_dir, *COMMON, "stop_at_step=2")
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     return run_dir
 
@@ -200,7 +200,7 @@ def stopped_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def whole_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("resume-config") / "whole"
-    run_train(run_dir, *COMMON)
+    train_here(run_dir, *COMMON)
     return run_dir
 
 
@@ -248,7 +248,7 @@ def test_a_smaller_micro_batch_and_another_stop_step_are_accepted(
     run_dir = tmp_path / "moved"  # a copy elsewhere: run_dir may change too
     shutil.copytree(stopped_run, run_dir)
     saved = (run_dir / RUN_CONFIG_FILE).read_bytes()
-    run_train(run_dir, *COMMON, "resume=auto", "micro_batch=2", "stop_at_step=3")
+    train_here(run_dir, *COMMON, "resume=auto", "micro_batch=2", "stop_at_step=3")
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 3
     assert last["run_config"]["micro_batch"] == 2 and last["run_config"]["run_dir"] == str(run_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint, run_traces
-from tests.conftest import run_train, train_in_process
+from tests.conftest import train_here, train_in_process
 from tests.test_start_faults import assert_refused, sha_tree
 
 SMOKE = ("experiment=smoke", "max_steps=3")
@@ -20,7 +20,7 @@ SMOKE = ("experiment=smoke", "max_steps=3")
 def finished_smoke(tmp_path_factory) -> Path:
     """A smoke run trained to its end (3 steps, FAST sizes)."""
     run_dir = tmp_path_factory.mktemp("resume") / "smoke-layer-s0"
-    run_train(run_dir, *SMOKE)
+    train_here(run_dir, *SMOKE)
     return run_dir
 
 

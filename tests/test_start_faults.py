@@ -17,7 +17,7 @@ import pytest
 
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.start import StartError, check_writable_folder, restore, take_snapshot
-from tests.conftest import FAST, ROOT, run_train, train_in_process
+from tests.conftest import FAST, ROOT, run_train, train_here, train_in_process
 
 
 def sha_tree(folder: Path) -> dict[str, str] | None:
@@ -125,7 +125,7 @@ def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
     # The corrected command is not refused for what the failed one left behind (before: run_config.yaml).
     if override.startswith("probe"):
-        run_train(run_dir, "max_steps=1")
+        train_here(run_dir, "max_steps=1")
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(wo
         (text / f"{index:02d}.txt").write_text(f"Document {index}. " + "The quick brown fox jumps over the lazy dog. " * 20)
     probe = ["probe=local", f"probe.path={text}", "probe.tokens=2000", "max_steps=4", "checkpoint.steps=[2]"]
     run_dir = workspace / "resumable"
-    run_train(run_dir, *probe, "stop_at_step=2")
+    train_here(run_dir, *probe, "stop_at_step=2")
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     for path in sorted(text.iterdir())[2:]:
         path.unlink()
@@ -151,7 +151,7 @@ def test_a_claimed_start_that_fails_before_its_first_step_is_undone(workspace: P
     """Two devices that do not divide the global batch: known once the Trainer is built, after the claim
     (Hydra's .hydra/ and train.log, the lock, the loggers); the undo restores every file."""
     run_dir = workspace / "undone"
-    run_train(run_dir, "max_steps=4", "stop_at_step=2")
+    train_here(run_dir, "max_steps=4", "stop_at_step=2")
     before = sha_tree(run_dir)
     done = run_train(run_dir, "max_steps=4", "resume=auto", "trainer=ddp_cpu", "micro_batch=8", check=False)
     assert_refused(done, "global batch 8 is not divisible by micro batch 8 x 2 devices")
@@ -213,7 +213,7 @@ def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_i
         first.kill()  # SIGKILL: the kernel drops its lock
         first.wait()
     step = checkpoint_info(run_dir / "checkpoints" / "last.ckpt").step
-    third = run_train(run_dir, *long_run, "resume=auto", f"stop_at_step={step + 1}")
+    third = train_here(run_dir, *long_run, "resume=auto", f"stop_at_step={step + 1}")
     assert "resuming from" in third.stderr + third.stdout + (run_dir / "train.log").read_text()
     assert checkpoint_info(run_dir / "checkpoints" / "last.ckpt").step == step + 1
     assert f'"pid": {first.pid},' not in (run_dir / LOCK_FILE).read_text()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from normgeo.measure.records import read_rows
-from tests.conftest import ROOT, run_train, step_losses, train_in_process
+from tests.conftest import ROOT, run_train, step_losses, train_here, train_in_process
 
 
 def load(path: Path) -> dict:
@@ -25,7 +25,7 @@ def accumulated_run(tmp_path_factory) -> Path:
     (and at the final step 6, which every schedule ends with); 500 probe tokens: 7 windows of 64 and a
     52-token tail."""
     run_dir = tmp_path_factory.mktemp("acc") / "run"
-    run_train(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0",
+    train_here(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0",
               "probe.tokens=500")
     return run_dir
 
@@ -88,13 +88,13 @@ def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> Non
 def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, capsys) -> None:
     common = ["max_steps=8", "checkpoint.steps=[3,6]", "checkpoint.last_every=1"]
     whole = tmp_path / "whole"
-    run_train(whole, *common)
+    train_here(whole, *common)
     split = tmp_path / "split"
-    run_train(split, *common, "stop_at_step=4")
+    train_here(split, *common, "stop_at_step=4")
     assert load(split / "checkpoints" / "last.ckpt")["global_step"] == 4
     refused = train_in_process(split, *common, capsys=capsys)
     assert refused.returncode == 2 and "resume=auto" in refused.stderr
-    run_train(split, *common, "resume=auto")
+    train_here(split, *common, "resume=auto")
     assert step_losses(split) == step_losses(whole)
     assert len(step_losses(whole)) == 8
     assert read_rows(split / "angles.jsonl") == read_rows(whole / "angles.jsonl")
@@ -107,7 +107,7 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path
 def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path: Path) -> None:
     common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
     single = tmp_path / "single"
-    run_train(single, *common)
+    train_here(single, *common)
     ddp = tmp_path / "ddp"
     run_train(ddp, *common, "trainer=ddp_cpu", "trainer.devices=2", "trainer.enable_progress_bar=false")
     single_losses, ddp_losses = step_losses(single), step_losses(ddp)
@@ -132,7 +132,7 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     was; the corrected command (a lower optim.lr) replaces the diverged run in the same folder."""
     run_dir = tmp_path / "run"
     settings = ("max_steps=5", "checkpoint.last_every=1")
-    diverged = run_train(run_dir, *settings, "optim.lr=1e6", check=False)
+    diverged = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
     assert diverged.returncode == 2, diverged.stderr[-3000:]
     last = diverged.stderr.strip().splitlines()[-1]
     assert re.match(r"error: training diverged: the training loss is nan at step \d; the likely cause is the learning "
@@ -143,11 +143,11 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     assert all(torch.isfinite(t).all() for t in torch.load(run_dir / "checkpoints" / "last.ckpt",
                                                            weights_only=True)["state_dict"].values())
     before = files_of(run_dir)
-    again = run_train(run_dir, *settings, "optim.lr=1e6", check=False)
+    again = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
     assert again.returncode == 2
     assert "diverged at step" in again.stderr and "optim.lr=100000" in again.stderr.strip().splitlines()[-1]
     assert files_of(run_dir) == before
-    corrected = run_train(run_dir, *settings, "optim.lr=1e-3")
+    corrected = train_here(run_dir, *settings, "optim.lr=1e-3")
     assert "replaced the run that diverged" in corrected.stderr + corrected.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "diverged" not in summary and summary["finished"] and summary["sessions"] == 1
@@ -175,7 +175,7 @@ def test_missing_openwebtext_names_the_prepare_command(tmp_path: Path, capsys) -
 @pytest.mark.slow
 def test_truncated_training_data_is_refused_before_training(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "first"
-    run_train(run_dir, "max_steps=1", "probe.enabled=false")
+    train_here(run_dir, "max_steps=1", "probe.enabled=false")
     train_bin = tmp_path / "data" / "pydoc" / "train.bin"
     with open(train_bin, "r+b") as handle:
         handle.truncate(train_bin.stat().st_size // 2)
@@ -196,7 +196,7 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
     """compile=true (torch.compile, inductor on CPU) under 2-process DDP is a speed switch: same losses
     and probe records as the eager single-process run (DDP equals one process: test above)."""
     common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
-    run_train(tmp_path / "eager", *common)
+    train_here(tmp_path / "eager", *common)
     compiled_run = run_train(tmp_path / "compiled", *common, "compile=true", "trainer=ddp_cpu", "trainer.devices=2")
     assert "torch.compile: model compiled" in compiled_run.stdout + compiled_run.stderr
     eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
@@ -215,8 +215,8 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
 def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: Path) -> None:
     """bf16 autocast on CPU: the model runs in bf16, the probe's angles are still computed in float32."""
     common = ["experiment=smoke", "max_steps=3", "optim.warmup_steps=0", "checkpoint.steps=[3]"]
-    run_train(tmp_path / "fp32", *common)
-    run_train(tmp_path / "bf16", *common, "trainer.precision=bf16-mixed")
+    train_here(tmp_path / "fp32", *common)
+    train_here(tmp_path / "bf16", *common, "trainer.precision=bf16-mixed")
     fp32, bf16 = step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16")
     assert sorted(bf16) == [1, 2, 3]
     # bf16 keeps 8 bits of mantissa: the losses agree to a few parts in a thousand, not to float32 rounding.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from normgeo.runs.schema import unmeasured_values
-from tests.conftest import run_train
+from tests.conftest import train_here
 from tests.test_user_faults import composed_train
 
 LINE = "nothing measured: probe.intervention=[all]: norm=dyt has no centering"
@@ -31,7 +31,7 @@ def test_intervention_scopes_on_an_arm_without_centering_are_named(overrides: li
 @pytest.mark.slow  # trains a tiny DyT arm for 2 steps
 def test_a_dyt_run_with_intervention_scopes_says_so_once_and_runs(tmp_path: Path) -> None:
     run = tmp_path / "outputs" / "dyt"
-    result = run_train(run, "norm=dyt", "probe.intervention=[all]", "max_steps=2", "checkpoint.steps=[2]",
+    result = train_here(run, "norm=dyt", "probe.intervention=[all]", "max_steps=2", "checkpoint.steps=[2]",
                        "checkpoint.last_every=0")
     said = result.stdout + result.stderr
     assert said.count(LINE) == 1, said[-3000:]

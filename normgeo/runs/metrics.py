@@ -30,7 +30,7 @@ def read_metrics(run_dir: str | Path) -> pd.DataFrame:
         path = version / "metrics.csv"
         if not path.is_file() or path.stat().st_size == 0:  # a killed session never flushed its metrics
             continue
-        wide = pd.read_csv(path, float_precision="round_trip").drop(columns="epoch", errors="ignore").dropna(subset=["step"])
+        wide = pd.read_csv(path).drop(columns="epoch", errors="ignore").dropna(subset=["step"])
         tidy = wide.melt(id_vars="step", var_name="metric", value_name="value").dropna(subset=["value"])
         frames.append(tidy.assign(session=session_number(version)))
     if not frames:
