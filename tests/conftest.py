@@ -158,6 +158,18 @@ def call_entry_point(script: str, args: list[str], capsys) -> tuple[int, str]:
     return done.returncode, done.stderr
 
 
+def module_main(capfd, name: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """``python -m normgeo.<name> <args>`` through the module's ``main`` in this process (without a new
+    interpreter's seconds of imports): its exit code, stdout and stderr."""
+    capfd.readouterr()
+    try:
+        code = importlib.import_module(f"normgeo.{name}").main([str(a) for a in args])
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([name, *map(str, args)], code or 0, out, err)
+
+
 def train_in_process(run_dir: Path, *overrides: str, capsys) -> subprocess.CompletedProcess:
     """:func:`run_train`'s command line through train.py's main in this process: for the refusals and no-ops
     that end before training starts (a real process is still needed for DDP, signals or another environment)."""
@@ -165,17 +177,22 @@ def train_in_process(run_dir: Path, *overrides: str, capsys) -> subprocess.Compl
                            capsys)
 
 
+def entry_point_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """:func:`main_exit_code` with what it printed, for a test without capsys (a module fixture)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main_exit_code(script, args)
+    return subprocess.CompletedProcess([f"{script}.py", *args], code, out.getvalue(), err.getvalue())
+
+
 def train_here(run_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
     """:func:`run_train` in this process, for a single-process run whose test reads its files and output: the
     same main, without a new interpreter's seconds of imports (DDP, signals and other environments need
     :func:`run_train`)."""
-    args = [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main_exit_code("train", args)
-    if check and code != 0:
-        raise AssertionError(f"train.py failed ({code}):\n{out.getvalue()[-3000:]}\n{err.getvalue()[-6000:]}")
-    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
+    done = entry_point_here("train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides])
+    if check and done.returncode != 0:
+        raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return done
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
-from tests.conftest import ROOT
+from tests.conftest import entry_point_here
 
 SEQ_LEN, BATCH = 32, 2
 TOKENS = 3 * SEQ_LEN + 12  # two batches of windows and a shorter remainder sequence
@@ -184,11 +183,9 @@ def test_pool_is_exact() -> None:
 # The command line
 
 
-def _analyze(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "analyze.py"), "progress=false", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )
+def _analyze(*overrides: str) -> subprocess.CompletedProcess:
+    """``python analyze.py progress=false <overrides>``, through its main in this process."""
+    return entry_point_here("analyze", ["progress=false", *overrides])
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import module_main
 from tests.test_start_faults import sha_tree
 
-pytestmark = pytest.mark.slow  # the trained sweep, and a python -m per case
-
-
-def tool(name: str, *args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"normgeo.{name}", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+pytestmark = pytest.mark.slow  # the trained sweep
 
 
 def one_error_line(result: subprocess.CompletedProcess, code: int, *parts: str) -> str:
@@ -39,19 +33,19 @@ def sweep(arms_sweep, tmp_path: Path) -> Path:
     return root
 
 
-def test_an_unknown_figure_format_is_refused_before_anything_is_written(sweep: Path) -> None:
+def test_an_unknown_figure_format_is_refused_before_anything_is_written(sweep: Path, capfd) -> None:
     before = sha_tree(sweep)
-    one_error_line(tool("compare", sweep, "--formats=png,xyz"), 2, "--formats=png,xyz", "xyz is not a figure format",
+    one_error_line(module_main(capfd, "compare", sweep, "--formats=png,xyz"), 2, "--formats=png,xyz", "xyz is not a figure format",
                    "png")
     assert sha_tree(sweep) == before and not (sweep / "compare").exists()  # before: 7 files, then a traceback
-    one_error_line(tool("compare", sweep, "--refs=ones,nosuch"), 2, "--refs=ones,nosuch", "no records of nosuch")
+    one_error_line(module_main(capfd, "compare", sweep, "--refs=ones,nosuch"), 2, "--refs=ones,nosuch", "no records of nosuch")
     assert sha_tree(sweep) == before
 
 
-def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path) -> None:
+def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path, capfd) -> None:
     damaged = sweep / "tiny-rms-s1" / "summary.json"
     damaged.write_text(damaged.read_text()[:40])
-    result = tool("compare", sweep)
+    result = module_main(capfd, "compare", sweep)
     assert f"skipped {damaged.parent}: {damaged}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped for damaged records")
     out = sweep / "compare"
@@ -61,30 +55,30 @@ def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path) -> Non
     for run in sweep.glob("tiny-*"):
         (run / "summary.json").write_text("{")
     shutil.rmtree(out)
-    one_error_line(tool("compare", sweep), 2, "no readable training runs", "summary.json")
+    one_error_line(module_main(capfd, "compare", sweep), 2, "no readable training runs", "summary.json")
     assert not out.exists()
 
 
-def test_an_unwritable_output_folder_says_out(sweep: Path) -> None:
+def test_an_unwritable_output_folder_says_out(sweep: Path, capfd) -> None:
     # /sys refuses a new folder even to root (os.access cannot tell there: the write itself is refused).
-    one_error_line(tool("compare", sweep, "--out=/sys/normgeo-compare"), 2, "/sys/normgeo-compare",
+    one_error_line(module_main(capfd, "compare", sweep, "--out=/sys/normgeo-compare"), 2, "/sys/normgeo-compare",
                    "choose another --out=")
-    one_error_line(tool("report", sweep / "tiny-layer-s0", "--out=/sys/normgeo-report"), 2, "choose another --out=")
+    one_error_line(module_main(capfd, "report", sweep / "tiny-layer-s0", "--out=/sys/normgeo-report"), 2, "choose another --out=")
 
 
-def test_report_checks_the_layer_and_skips_a_damaged_run(sweep: Path) -> None:
+def test_report_checks_the_layer_and_skips_a_damaged_run(sweep: Path, capfd) -> None:
     before = sha_tree(sweep)
-    one_error_line(tool("report", sweep / "tiny-layer-s0", "--layer=99"), 2, "--layer=99: no such layer",
+    one_error_line(module_main(capfd, "report", sweep / "tiny-layer-s0", "--layer=99"), 2, "--layer=99: no such layer",
                    "blocks 0 to 1", "final")
     assert sha_tree(sweep) == before  # before: the figures of the last step, then a traceback
     angles = sweep / "tiny-rms-s0" / "angles.jsonl"
     angles.write_text(angles.read_text()[:-30])  # cut mid-line
-    result = tool("report", sweep / "tiny-layer-s0", sweep / "tiny-rms-s0", f"--out={sweep / 'figs'}")
+    result = module_main(capfd, "report", sweep / "tiny-layer-s0", sweep / "tiny-rms-s0", f"--out={sweep / 'figs'}")
     assert f"skipped {angles.parent}: {angles}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped")
     assert list((sweep / "figs" / "tiny-layer-s0").glob("layers_*.png")) and not (sweep / "figs" / "tiny-rms-s0").exists()
 
 
-def test_status_checks_its_options() -> None:
-    one_error_line(tool("status", "--active-minutes=-1", "--no-slurm"), 2, "--active-minutes=-1.0")
-    one_error_line(tool("status", "--active-minutes=nan", "--no-slurm"), 2, "--active-minutes=nan")
+def test_status_checks_its_options(capfd) -> None:
+    one_error_line(module_main(capfd, "status", "--active-minutes=-1", "--no-slurm"), 2, "--active-minutes=-1.0")
+    one_error_line(module_main(capfd, "status", "--active-minutes=nan", "--no-slurm"), 2, "--active-minutes=nan")

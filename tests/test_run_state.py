@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from callbacks.checkpointing import CheckpointSchedule
 from normgeo.measure.records import read_rows
 from normgeo.status import main as status_main
-from tests.conftest import ARM_SETTINGS, ROOT, metrics_rows, step_losses, train_in_process
+from tests.conftest import ARM_SETTINGS, entry_point_here, metrics_rows, step_losses, train_in_process
 
 
 def test_schedule_always_ends_with_the_final_step() -> None:
@@ -63,12 +61,9 @@ def with_analysis(arms_sweep, shared: Path) -> Path:
     """The sweep folder plus an analyze.py folder of a pretrained model (records with step null)."""
     root = arms_sweep[0]
     if not (root / "analyze" / "minilm").is_dir():
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "analyze.py"), "progress=false", "model=minilm", "probe=local",
-             f"probe.path={shared / 'corpora' / 'wikipedia'}", "probe.tokens=512", "model.seq_len=256",
-             f"output_root={root}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )
+        done = entry_point_here("analyze", ["progress=false", "model=minilm", "probe=local",
+                                            f"probe.path={shared / 'corpora' / 'wikipedia'}", "probe.tokens=512",
+                                            "model.seq_len=256", f"output_root={root}"])
         assert done.returncode == 0, done.stderr[-3000:]
     return root
 

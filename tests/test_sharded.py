@@ -7,8 +7,6 @@ the other before padding), which hangs a sharded model unless every rank runs th
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 
 from models.lit import LitGPT
 from normgeo.measure.records import read_rows
-from tests.conftest import ROOT, run_train, step_losses
+from tests.conftest import entry_point_here, run_train, step_losses
 
 pytestmark = pytest.mark.slow  # trained runs shared by the module (the quick tier skips them)
 
@@ -84,11 +82,8 @@ def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> No
 
 def test_analyze_reads_an_fsdp_checkpoint(runs: dict[str, Path], shared: Path, tmp_path: Path) -> None:
     ckpt = runs["fsdp"] / "checkpoints" / "step-0000004.ckpt"
-    done = subprocess.run(
-        [sys.executable, "analyze.py", "model=checkpoint", f"model.checkpoint={ckpt}", "probe=pydoc",
-         "probe.tokens=256", "progress=false", f"out_dir={tmp_path / 'out'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
+    done = entry_point_here("analyze", ["model=checkpoint", f"model.checkpoint={ckpt}", "probe=pydoc",
+                                        "probe.tokens=256", "progress=false", f"out_dir={tmp_path / 'out'}"])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_rows(tmp_path / "out" / "angles.jsonl")
     assert rows and {r["step"] for r in rows} == {4} and {r["norm"] for r in rows} == {"layer"}

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from normgeo.runs.identity import DuplicateRuns
 from normgeo.runs.records import RECORD_FILES
 from normgeo.verdict.families import pairings
 from normgeo.verdict.measures import run_measures
-from tests.conftest import ROOT
+from tests.conftest import ROOT, module_main
 from tests.test_start_faults import sha_tree
 
 pytestmark = pytest.mark.slow  # the trained sweep
@@ -32,18 +31,6 @@ def tool(name: str, *args: str | Path) -> subprocess.CompletedProcess:
     """``python -m normgeo.<name> <args>``: a real process."""
     return subprocess.run([sys.executable, "-m", f"normgeo.{name}", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
-
-
-def entry(capfd, name: str, *args: str | Path) -> subprocess.CompletedProcess:
-    """The same command's ``main`` in this process (what ``python -m`` runs, without seconds of imports): its
-    exit code and what it wrote to stderr, as :func:`tool` gives them."""
-    capfd.readouterr()
-    try:
-        code = importlib.import_module(f"normgeo.{name}").main([str(a) for a in args])
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess([name, *map(str, args)], code or 0, out, err)
 
 
 @pytest.fixture
@@ -84,13 +71,13 @@ def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path, third_ar
     # compare: before, it paired one of the two without a word (or ended in pandas' "truth value" message)
     refused_as_duplicate(tool("compare", sweep), original, backup)
     assert sha_tree(sweep) == before and not (sweep / "compare").exists()
-    refused_as_duplicate(entry(capfd, "status", sweep, "--no-slurm"), original, backup)
-    refused_as_duplicate(entry(capfd, "plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
+    refused_as_duplicate(module_main(capfd, "status", sweep, "--no-slurm"), original, backup)
+    refused_as_duplicate(module_main(capfd, "plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
                          original, backup)  # the verdict's SD from a sweep: the same rule
-    refused_as_duplicate(entry(capfd, "report", original, backup, "--out", sweep.parent / "figures"), original, backup)
+    refused_as_duplicate(module_main(capfd, "report", original, backup, "--out", sweep.parent / "figures"), original, backup)
     assert sha_tree(sweep) == before and not (sweep.parent / "figures").exists()
     # The same folder named twice is one run, not a duplicate.
-    assert entry(capfd, "report", original, original, "--out", sweep.parent / "figures").returncode == 0
+    assert module_main(capfd, "report", original, original, "--out", sweep.parent / "figures").returncode == 0
 
 
 def test_the_verdict_refuses_two_runs_of_one_arm_and_seed(sweep: Path) -> None:
@@ -120,19 +107,19 @@ def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name
     where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
     before = sha_tree(damaged_run)
     # report: the run is skipped and named, the intact one drawn (before: intervention.jsonl gave a traceback)
-    result = entry(capfd, "report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
+    result = module_main(capfd, "report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records")
-    result = entry(capfd, "report", damaged_run.resolve())
+    result = module_main(capfd, "report", damaged_run.resolve())
     assert result.returncode == 2 and "Traceback" not in result.stderr and where in result.stderr
     # compare: the same line, the other three runs compared
-    result = entry(capfd, "compare", sweep)
+    result = module_main(capfd, "compare", sweep)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
     assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
     # status: every run listed, the damaged one as damaged, with the same file and line
-    result = entry(capfd, "status", sweep, "--no-slurm")
+    result = module_main(capfd, "status", sweep, "--no-slurm")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"damaged tiny-rms-s1: {where}" in result.stderr
     assert sha_tree(damaged_run) == before

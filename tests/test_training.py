@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from normgeo.measure.records import read_rows
-from tests.conftest import ROOT, run_train, step_losses, train_here, train_in_process
+from tests.conftest import entry_point_here, run_train, step_losses, train_here, train_in_process
 
 
 def load(path: Path) -> dict:
@@ -63,12 +61,9 @@ def test_analyze_of_a_checkpoint_gives_the_training_probe_records(accumulated_ru
     """One measurement pipeline: analyze.py on the step-5 checkpoint, with the run's probe tokens,
     writes exactly the records (counts, tokens_seen, every number) the training probe wrote at step 5."""
     ckpt = accumulated_run / "checkpoints" / "step-0000005.ckpt"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "analyze.py"), "model=checkpoint", f"model.checkpoint={ckpt}",
-         "model.name=normgeo-tiny", "probe=pydoc", "probe.tokens=500", f"out_dir={tmp_path / 'out'}",
-         "progress=false"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
+    done = entry_point_here("analyze", ["model=checkpoint", f"model.checkpoint={ckpt}", "model.name=normgeo-tiny",
+                                        "probe=pydoc", "probe.tokens=500", f"out_dir={tmp_path / 'out'}",
+                                        "progress=false"])
     assert done.returncode == 0, done.stderr[-3000:]
     trained = [r for r in read_rows(accumulated_run / "angles.jsonl") if r["step"] == 5]
     analyzed = read_rows(tmp_path / "out" / "angles.jsonl")
