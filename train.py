@@ -48,7 +48,7 @@ from normgeo.measure.pipeline import AnalysisError
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
-from normgeo.runs.checks import config_errors_exit_2
+from normgeo.runs.checks import config_errors_exit_2, task_started
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.metrics import CSV_DIR
 from normgeo.runs.run_config import (
@@ -70,7 +70,7 @@ from normgeo.runs.session import (  # noqa: F401
     resume_checkpoint,
     resume_command,
 )
-from normgeo.runs.start import START_ERRORS, Start, remove_if_empty, take_start
+from normgeo.runs.start import START_ERRORS, Start, close_file_logs, open_run_files, start_session
 from normgeo.runs.summary import SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
@@ -86,11 +86,18 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     for logger_cfg in configs:
         if not logger_cfg:
             continue
+        if logger_cfg._target_.endswith("CSVLogger") and same_folder(
+                Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"), run_dir / CSV_DIR):
+            continue  # that CSV is written already (the csv logger configs from before it always was name it)
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
             loggers.append(instantiate(logger_cfg))
     return loggers
+
+
+def same_folder(a: Path, b: Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def make_wandb_logger(logger_cfg: DictConfig, run_dir: Path):
@@ -187,15 +194,9 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
     return callbacks
 
 
-def train(cfg: DictConfig, start: Start | None = None, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
-    """Fit one run. ``start``: what normgeo.runs.start checked and claimed before Hydra wrote (decided
-    here when None, e.g. bench/ calling train() directly); ``extra_callbacks``: bench/'s timers."""
-    if start is None:
-        start = take_start(cfg)
-        try:
-            return train(cfg, start, extra_callbacks)
-        finally:
-            start.release()
+def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """Fit one run. ``start``: what normgeo.runs.start checked and claimed (bench/ calls
+    ``with start_session(cfg) as start: train(cfg, start, ...)``); ``extra_callbacks``: bench/'s timers."""
     preflight(cfg)  # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -288,20 +289,20 @@ USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, An
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def run(cfg: DictConfig) -> Refused | None:
-    """compose (Hydra, checked by normgeo.runs.schema) -> instantiate -> fit."""
+    """compose (Hydra) -> validate and claim (normgeo.runs.start) -> build and fit (train) -> finish."""
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = install_requeue_handler()
+    task_started()  # an exit 1 from now on is this task's, not one of Hydra's config errors
     try:
-        start = take_start(cfg)  # decided before Hydra wrote (normgeo.runs.start): checks, then the lock
-    except RunFinished as done:  # a -m sweep's finished job (a single run's ends in StartCheck): the others go on
-        remove_if_empty(cfg.run_dir)
+        start = start_session(cfg)  # the config checked, then the run, then the claim: nothing written before
+    except RunFinished as done:  # nothing left to train: one line, exit 0 (a sweep's other jobs go on)
         print(done, flush=True)
         return None
     except START_ERRORS as err:
-        remove_if_empty(cfg.run_dir)  # the folder Hydra created for a refused -m job
         return refuse(cfg, err)
-    log.info("run directory: %s", cfg.run_dir)
     try:
+        open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
+        log.info("run directory: %s", cfg.run_dir)
         trainer = train(cfg, start)
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
@@ -317,6 +318,7 @@ def run(cfg: DictConfig) -> Refused | None:
     finally:
         finish_wandb_run()
         start.release()
+        close_file_logs(start.run_dir)  # train.log: the next job of a -m sweep (same process) has its own
     exit_if_interrupted(trainer)  # Ctrl-C/SIGTERM: last.ckpt saved; print the resume command, exit 130/143
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():

@@ -68,6 +68,7 @@ from models.norms import compile_refusal
 from normgeo.measure.records import ANGLES_FILE, read_rows
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.metrics import read_metrics
+from normgeo.runs.start import start_session
 from train import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,7 +326,8 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
         try:
             with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
                 cfg = compose("train", overrides=overrides)
-                trainer = train(cfg, extra_callbacks=[clock])
+                with start_session(cfg) as start:
+                    trainer = train(cfg, start, extra_callbacks=[clock])
         except Exception as err:  # one arm's failure is its row's; the other arm still runs
             results[arm] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
             continue

@@ -47,6 +47,7 @@ from models.hardware import default_precision
 from models.lit import compute_dtype
 from models.norms import NORM_ARMS
 from normgeo.runs.config import CONF_DIR
+from normgeo.runs.start import start_session
 from train import train
 
 VARIANTS = ("harness", "plain", "minimal")
@@ -72,7 +73,8 @@ class StepTimer(L.Callback):
 
 def harness_tokens_per_s(cfg: DictConfig, skip: int) -> float:
     timer = StepTimer(skip)
-    train(cfg, extra_callbacks=[timer])
+    with start_session(cfg) as start:
+        train(cfg, start, extra_callbacks=[timer])
     steps = cfg.max_steps - skip
     return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 

@@ -1,8 +1,9 @@
 """The config check: impossible values are refused right after composition, before anything is written.
 
-Hydra runs :class:`ConfigCheck` (conf/*/*.yaml hydra.callbacks) before it creates the output directory;
-a refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config
-errors (:func:`config_errors_exit_2`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
+analyze.py's Hydra runs :class:`ConfigCheck` (conf/analyze/analyze.yaml hydra.callbacks) before it creates
+the output directory; train.py checks in its task function (normgeo.runs.start.check_start: Hydra writes nothing
+into its run directory). A refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as
+do Hydra's own config errors (:func:`config_errors_exit_2`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from normgeo.runs.schema import SCHEMAS, ConfigError
 # for a crash of the task alike; before the config is composed it can only be the former.
 CONFIG_ERROR_EXIT = 2
 _composed = False  # set once Hydra composed a config: a SystemExit(1) after that is not a config error
+
+
+def task_started() -> None:
+    """Hydra composed the config and called the task function: an exit 1 from now on is the task's."""
+    global _composed
+    _composed = True
 
 
 def task_config(root: DictConfig) -> DictConfig:
@@ -44,8 +51,7 @@ class ConfigCheck(Callback):
         self.schema = schema
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _composed
-        _composed = True
+        task_started()
         try:
             check_config(self.schema, task_config(config))
         except ConfigError as err:
@@ -53,8 +59,7 @@ class ConfigCheck(Callback):
             raise SystemExit(CONFIG_ERROR_EXIT) from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _composed
-        _composed = True  # each job is checked on its own (the task function; normgeo_if_accepted)
+        task_started()  # each job is checked on its own, by its task function
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:

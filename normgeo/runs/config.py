@@ -11,7 +11,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from normgeo.runs.schema import SCHEMAS, key_docs
-from normgeo.runs.start import register_resolver
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
@@ -62,7 +61,6 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("model_slug", slug)  # conf/analyze/analyze.yaml's output folder
     if not OmegaConf.has_resolver("normgeo_key_docs"):  # hydra.help.template: every key with its doc
         OmegaConf.register_new_resolver("normgeo_key_docs", _key_docs)
-    register_resolver()  # normgeo_if_accepted (conf/train/train.yaml's hydra.output_subdir and train.log)
 
 
 def _key_docs(schema: str) -> str:

@@ -1,6 +1,6 @@
 """Whether a train.py session may continue or start the run in its run directory: the resume decisions
 (which checkpoint, refused when the directory holds a run or a resume would change the experiment), made
-before anything is written (normgeo.runs.start runs them before Hydra writes ``.hydra/`` or ``train.log``),
+before anything is written (normgeo.runs.start runs them before the run writes ``.hydra/`` or ``train.log``),
 and the report of the jobs a ``-m`` sweep refused.
 """
 

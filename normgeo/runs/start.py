@@ -1,15 +1,12 @@
 """A train.py session's start: every check a user can fail before training, the claim of the run directory,
 and the undo of a start that fails before its first optimizer step.
 
-Hydra creates the run directory, writes ``.hydra/`` and opens ``train.log`` before the task function runs,
-so a start is decided before that, once per job (:func:`decide`): a single run in :class:`StartCheck` (a
-Hydra callback whose ``on_run_start`` comes before Hydra creates anything), a ``-m`` sweep's job in the
-``normgeo_if_accepted`` resolver (conf/train/train.yaml sends Hydra's files nowhere when it refuses).
-Deciding is :func:`check_start` (the config, the run directory, the lock, the resume, the probe text and
-its tokenizer, the prepared data; it writes nothing in the run directory), then :func:`claim` (snapshot,
-folder, lock) in the launching process. train.py's task function takes the outcome (:func:`take_start`):
-a refusal exits 2 with one line and the directory as it was; a start that fails before its first
-optimizer step is undone (:meth:`Start.undo`): the files as they were found, byte for byte, and a
+Hydra writes nothing into the run directory (conf/train/train.yaml), so train.py's task function decides its
+start itself (:func:`start_session`): :func:`check_start` (the config, the run directory, the lock, the
+resume, the probe text and its tokenizer, the prepared data; it writes nothing in the run directory), then
+:func:`claim` (snapshot, folder, lock) in the launching process, then :func:`open_run_files` (``.hydra/``,
+``train.log``). A refusal exits 2 with one line and the directory as it was; a start that fails before its
+first optimizer step is undone (:meth:`Start.undo`): the files as they were found, byte for byte, and a
 directory the start created removed.
 """
 
@@ -37,7 +34,7 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, task_config
+from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
@@ -151,6 +148,7 @@ def close_file_logs(run_dir: Path) -> None:
 class Start:
     """A checked start: what training needs from the checks, and (launching process) the claim."""
 
+    config: DictConfig  # the composed config it was checked against
     run_dir: Path
     ckpt_path: str | None
     datamodule: Any  # corpus.datamodule.TokenDataModule, prepared and loaded
@@ -171,6 +169,12 @@ class Start:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def __enter__(self) -> Start:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 def check_start(cfg: DictConfig) -> Start:
@@ -196,7 +200,7 @@ def check_start(cfg: DictConfig) -> Start:
         check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
     except (TokenizerError, AnalysisError, PreparedDataError, SourceError, ValueError) as err:
         raise StartError(str(err)) from err
-    return Start(run_dir, ckpt_path, datamodule, probe_ids)
+    return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids)
 
 
 def claim(start: Start) -> None:
@@ -225,80 +229,26 @@ def start_session(cfg: DictConfig) -> Start:
     return start
 
 
-# One outcome per job, decided by the first of StartCheck / the resolver and taken by the task function.
-_outcomes: dict[tuple, Start | Exception] = {}
-_taken: set[tuple] = set()
+def open_run_files(start: Start) -> None:
+    """What Hydra would have written into the run directory before the task, written now that the start is
+    accepted (conf/train/train.yaml sends Hydra's own files nowhere): ``.hydra/`` (the composed config, Hydra's
+    config, the command's overrides; rank 0) and ``<job name>.log`` (``train.log``; a DDP child rank's own)."""
+    hydra_cfg = HydraConfig.get()
+    if is_rank_zero():
+        task = OmegaConf.select(hydra_cfg, "overrides.task", default=[])
+        folder = start.run_dir / ".hydra"
+        folder.mkdir(exist_ok=True)
+        for name, node in (("config.yaml", start.config), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                           ("overrides.yaml", task)):
+            OmegaConf.save(node, folder / name)
+    start.run_dir.mkdir(parents=True, exist_ok=True)  # another rank (an srun task) may not have seen rank 0's yet
+    handler = logging.FileHandler(start.run_dir / f"{hydra_cfg.job.name}.log")
+    handler.setFormatter(logging.Formatter(hydra_cfg.job_logging.formatters.simple.format))
+    logging.getLogger().addHandler(handler)
 
 
-def _job_key(run_dir: Any, overrides: Any, num: Any) -> tuple:
-    return str(run_dir), tuple(str(o) for o in overrides or ()), str(num)
-
-
-def _root_key(root: DictConfig) -> tuple:
-    return _job_key(root.run_dir, OmegaConf.select(root, "hydra.overrides.task", default=()),
-                    OmegaConf.select(root, "hydra.job.num", default=None, throw_on_missing=False))
-
-
-def decide(root: DictConfig) -> Start | Exception:
-    """This job's start (Hydra's full config, ``hydra`` node included): decided once, kept for take_start."""
-    key = _root_key(root)
-    if key not in _outcomes:
-        try:
-            _outcomes[key] = start_session(task_config(root))
-        except NO_START as err:
-            _outcomes[key] = err
-    return _outcomes[key]
-
-
-def take_start(cfg: DictConfig) -> Start:
-    """The task function's start: the one decided before Hydra wrote (decide), or decided now (no Hydra);
-    raises the refusal."""
-    key = _job_key(cfg.run_dir, (), None)
-    if HydraConfig.initialized():
-        hydra_cfg = HydraConfig.get()
-        key = _job_key(cfg.run_dir, hydra_cfg.overrides.task, OmegaConf.select(
-            hydra_cfg, "job.num", default=None, throw_on_missing=False))
-    outcome = _outcomes.pop(key, None)
-    if outcome is None:
-        outcome = start_session(cfg)
-    _taken.add(key)  # a later resolution of normgeo_if_accepted for this job: accepted, not decided again
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
-
-def if_accepted(value: Any, refused: Any = None, *, _root_: DictConfig) -> Any:
-    """``value`` when this job may start in its run directory (decide), else ``refused`` (null, /dev/null)."""
-    if "run_dir" not in _root_ or OmegaConf.is_missing(_root_.hydra.runtime, "output_dir"):
-        return value  # not a job being started (--cfg hydra --resolve)
-    if _root_key(_root_) in _taken:
-        return value
-    return refused if isinstance(decide(_root_), Exception) else value
-
-
-def register_resolver() -> None:
-    if not OmegaConf.has_resolver("normgeo_if_accepted"):
-        OmegaConf.register_new_resolver("normgeo_if_accepted", if_accepted)
-
-
-def remove_if_empty(run_dir: str | os.PathLike) -> None:
-    """The folder Hydra creates for a -m sweep's job before the task function refuses it."""
-    with contextlib.suppress(OSError):
-        Path(run_dir).rmdir()
-
-
-class StartCheck(Callback):
-    """Hydra callback (conf/train/train.yaml): decide a single run's start before Hydra creates its
-    directory (exit 2 and one line when refused); check that a sweep's folder can be created."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        outcome = decide(config)
-        if isinstance(outcome, RunFinished):
-            print(outcome, flush=True)
-            raise SystemExit(0)
-        if isinstance(outcome, Exception):
-            print(f"error: {outcome}", file=sys.stderr, flush=True)
-            raise SystemExit(CONFIG_ERROR_EXIT)
+class SweepFolderCheck(Callback):
+    """Hydra callback (conf/train/train.yaml): a sweep's folder can be created (exit 2, one line, if not)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
