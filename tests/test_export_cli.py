@@ -336,7 +336,7 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
                 in result.stderr)
     assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
         "an_earlier_task"]
-    compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare")
+    compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare", "--formats", "png")
     assert compared.returncode == 0, compared.stderr[-3000:]
     verdict = (tmp_path / "compare" / "verdict.csv").read_text()
     assert f"downstream/{TASK_NAME}/acc" in verdict

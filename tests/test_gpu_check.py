@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import importlib.util
 import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,23 @@ SCRIPT = str(ROOT / "bench" / "gpu_check.py")
 # One row per path the check covers, in the page's order.
 PATHS = ["environment", "train 70m layer", "train 70m rms", "memory 70m", "train 410m layer", "train 410m rms",
          "memory 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost", "analyze smollm2"]
+
+
+@functools.cache
+def gpu_check_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(capsys, *args: str) -> subprocess.CompletedProcess:
+    """bench/gpu_check.py's main in this process, for the refusals that come before any part runs."""
+    capsys.readouterr()
+    code = gpu_check_module().main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["gpu_check.py", *args], code, out, err)
 
 
 def page_rows(page: str) -> dict[str, list[str]]:
@@ -46,18 +66,16 @@ def test_cpu_standin_runs_every_path_and_writes_the_page(tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
-def test_without_cuda_or_standin_one_line_exit_2(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+def test_without_cuda_or_standin_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    done = refused(capsys, "--out", str(tmp_path))
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("bench/gpu_check.py: device=cuda: no CUDA GPU on this machine") and "--cpu-standin" in line
     assert not (tmp_path / "gpu_numbers.md").exists()
 
 
-def test_standin_without_out_refuses_in_one_line() -> None:
-    done = subprocess.run([sys.executable, SCRIPT, "--cpu-standin"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+def test_standin_without_out_refuses_in_one_line(capsys) -> None:
+    done = refused(capsys, "--cpu-standin")
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)")
 
@@ -100,9 +118,8 @@ def test_parts_rerun_some_paths_and_keep_the_others_rows_with_their_date(tmp_pat
     assert "_kept from the run of " in section and "bench/probe_cost.py --device cuda" in section
 
 
-def test_parts_names_unknown_parts_in_one_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, SCRIPT, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_parts_names_unknown_parts_in_one_line(tmp_path: Path, capsys) -> None:
+    done = refused(capsys, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m")
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --parts: unknown part(s) 'train 7m'; choose from: " + ", ".join(
             ["environment", "train 70m", "train 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement",

@@ -45,7 +45,7 @@ def test_an_unknown_figure_format_is_refused_before_anything_is_written(sweep: P
 def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path, capfd) -> None:
     damaged = sweep / "tiny-rms-s1" / "summary.json"
     damaged.write_text(damaged.read_text()[:40])
-    result = module_main(capfd, "compare", sweep)
+    result = module_main(capfd, "compare", sweep, "--formats=png")
     assert f"skipped {damaged.parent}: {damaged}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped for damaged records")
     out = sweep / "compare"
