@@ -7,6 +7,7 @@
 #
 #   bash docs/make_benchmarks.sh             # every section, a new page
 #   bash docs/make_benchmarks.sh norm_cost   # only "Each norm arm alone", replaced in the existing page
+#   bash docs/make_benchmarks.sh training_loop   # or arms_in_training: that section only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
@@ -51,21 +52,24 @@ case "${1:-all}" in
       arms_in_training
     } > "$tmp"
     ;;
-  norm_cost)
-    # The section from its heading up to the next "## " heading is replaced; the rest of the page is kept.
-    norm_cost > "$tmp.section"
-    python - "$page" "$tmp.section" "$tmp" <<'PY'
+  norm_cost|training_loop|arms_in_training)
+    # The section from its heading up to the next "## " heading (or the end) is replaced; the rest is kept.
+    "$1" > "$tmp.section"
+    python - "$page" "$tmp.section" "$tmp" "$1" <<'PY'
 import re, sys
-page, section, out = (open(p).read() if i < 2 else p for i, p in enumerate(sys.argv[1:]))
-pattern = re.compile(r"^## Each norm arm alone:.*?(?=^## )", re.S | re.M)
+page, section = (open(p).read() for p in sys.argv[1:3])
+out, name = sys.argv[3:5]
+heading = {"norm_cost": "Each norm arm alone:", "training_loop": "The training loop:",
+           "arms_in_training": "Each arm in training"}[name]
+pattern = re.compile(rf"^## {re.escape(heading)}.*?(?=^## |\Z)", re.S | re.M)
 if not pattern.search(page):
-    sys.exit(f"{sys.argv[1]}: no '## Each norm arm alone:' section to replace; run bash docs/make_benchmarks.sh")
-open(out, "w").write(pattern.sub(lambda _: section.rstrip("\n") + "\n\n", page, count=1))
+    sys.exit(f"{sys.argv[1]}: no '## {heading}' section to replace; run bash docs/make_benchmarks.sh")
+open(out, "w").write(pattern.sub(lambda _: section.rstrip("\n") + "\n\n", page, count=1).rstrip("\n") + "\n")
 PY
     rm -f "$tmp.section"
     ;;
   *)
-    echo "docs/make_benchmarks.sh: unknown section '$1': give none (every section) or norm_cost" >&2
+    echo "docs/make_benchmarks.sh: unknown section '$1': give none (every section), norm_cost, training_loop or arms_in_training" >&2
     exit 2
     ;;
 esac
