@@ -88,7 +88,7 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
             continue
         if logger_cfg._target_.endswith("CSVLogger") and same_folder(
                 Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"), run_dir / CSV_DIR):
-            continue  # that CSV is written already (the csv logger configs from before it always was name it)
+            continue  # the CSV every run writes already (older logger configs still name it)
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
