@@ -24,12 +24,14 @@ interleaved the same way, with each arm's ratio to ``rms``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
+import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -179,6 +181,15 @@ def markdown(results: dict[str, list[float]], reference: str) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def scratch(folder: Path) -> Iterator[Path]:
+    """``folder`` removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at 70m)."""
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
@@ -206,7 +217,7 @@ def main() -> None:
     names = arms or list(VARIANTS)
     results: dict[str, list[float]] = {name: [] for name in names}
     run = 0
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch(workdir):
         for repeat in range(args.repeats):
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
