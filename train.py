@@ -48,9 +48,9 @@ from normgeo.measure.pipeline import AnalysisError
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
+from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.checks import config_errors_exit_2, task_started
 from normgeo.runs.config import CONF_DIR
-from normgeo.runs.metrics import CSV_DIR
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
@@ -80,7 +80,7 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml combine, e.g. logger=[csv,wandb]);
     a null entry (logger.wandb=null) is skipped; a plain list still works. A CSVLogger is always among them:
-    its metrics.csv is what status, compare, the pilot and the export read (normgeo.runs.metrics)."""
+    its metrics.csv is what status, compare, the pilot and the export read (normgeo.readers.metrics)."""
     configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
     loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
     for logger_cfg in configs:

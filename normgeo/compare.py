@@ -32,7 +32,7 @@ stderr with the file and line, the other runs are compared and written, and the 
 (2: no readable run, nothing written).
 
 Two folders holding the same run (arm keys and seed: a backup copy, two sweeps under one folder) are refused
-before anything is read: each folder on a line of stderr, exit status 2 (:mod:`normgeo.runs.identity`).
+before anything is read: each folder on a line of stderr, exit status 2 (:mod:`normgeo.readers.identity`).
 
 Figures of other kinds plug in with :func:`register_figure`.
 """
@@ -49,7 +49,7 @@ from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
-from normgeo.runs.identity import DuplicateRuns
+from normgeo.readers.identity import DuplicateRuns
 from normgeo.runs.start import StartError, check_writable_folder
 from normgeo.verdict.declared import load_verdict_config
 

@@ -29,7 +29,7 @@ from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
-from normgeo.runs.downstream import EVAL_FILE, merged_eval, read_eval
+from normgeo.readers.downstream import EVAL_FILE, merged_eval, read_eval
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpora" / "wikipedia" / "enwiki-wikiextractor"
 

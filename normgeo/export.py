@@ -62,7 +62,7 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.runs.metrics import read_metrics
+from normgeo.readers.metrics import read_metrics
 from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
 

@@ -44,7 +44,7 @@ from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
 from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
-from normgeo.runs.metrics import read_metrics
+from normgeo.readers.metrics import read_metrics
 from normgeo.runs.run_config import LAST_CHECKPOINT, load_run_config
 from normgeo.runs.summary import read_summary
 from normgeo.verdict.declared import load_verdict_config

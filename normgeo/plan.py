@@ -56,9 +56,9 @@ from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
+from normgeo.readers.identity import DuplicateRuns
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
-from normgeo.runs.identity import DuplicateRuns
 from normgeo.runs.schema import ConfigError
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import paired_estimates

@@ -16,7 +16,7 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 
 A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
 ``damaged``; the file and line go to stderr and the exit status is 1. Two folders holding the same run (arm
-keys and seed, :mod:`normgeo.runs.identity`) are refused as ``normgeo.compare`` refuses them: each named, exit 2.
+keys and seed, :mod:`normgeo.readers.identity`) are refused as ``normgeo.compare`` refuses them: each named, exit 2.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
@@ -31,8 +31,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from normgeo.figures.tables import print_table
-from normgeo.runs.identity import DuplicateRuns, check_unique_runs
-from normgeo.runs.status import RunStatus, find_runs, is_analysis, run_status
+from normgeo.readers.identity import DuplicateRuns, check_unique_runs
+from normgeo.readers.status import RunStatus, find_runs, is_analysis, run_status
 
 
 def _age(seconds: float | None) -> str:

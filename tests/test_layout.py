@@ -65,7 +65,7 @@ def test_the_layout_check_sees_a_missing_module() -> None:
 
 
 # Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top.
-NORMGEO_FLOORS = ("normgeo.measure", "normgeo.runs", "normgeo.verdict", "normgeo.figures")
+NORMGEO_FLOORS = ("normgeo.measure", "normgeo.runs", "normgeo.readers", "normgeo.verdict", "normgeo.figures")
 OWN_PACKAGES = ("corpus", "models", "normgeo", "callbacks", "slurm")
 
 

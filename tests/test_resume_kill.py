@@ -20,8 +20,8 @@ import torch
 
 from corpus.atomic import TMP_SUFFIX
 from normgeo.measure.records import read_rows
+from normgeo.readers.status import run_status
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint
-from normgeo.runs.status import run_status
 from tests.conftest import FAST, ROOT
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 
 from normgeo.figures.sweep import load
-from normgeo.runs.identity import DuplicateRuns
-from normgeo.runs.records import RECORD_FILES
+from normgeo.readers.identity import DuplicateRuns
+from normgeo.readers.records import RECORD_FILES
 from normgeo.verdict.families import pairings
 from normgeo.verdict.measures import run_measures
 from tests.conftest import ROOT, module_main

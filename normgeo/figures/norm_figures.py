@@ -23,7 +23,7 @@ from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label,
 from normgeo.figures.sweep import Comparison, load, records_frame
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
-from normgeo.runs.metrics import last_value
+from normgeo.readers.metrics import last_value
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",

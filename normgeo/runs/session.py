@@ -89,7 +89,7 @@ def resume_candidates(run_dir: Path) -> list[Path]:
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
-    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.runs.status): the first
+    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.readers.status): the first
     readable full-state candidate, its step, and why each newer candidate was passed over."""
     passed_over: list[str] = []
     for path in resume_candidates(run_dir):

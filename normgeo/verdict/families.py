@@ -28,8 +28,8 @@ import pandas as pd
 
 from models.norms import contrasts
 from normgeo.measure.stats import PairedTest, difference_power, holm, paired_test, tost_power
-from normgeo.runs.downstream import SCORES, is_downstream, measured_at_key
-from normgeo.runs.identity import RunIdentity, check_unique
+from normgeo.readers.downstream import SCORES, is_downstream, measured_at_key
+from normgeo.readers.identity import RunIdentity, check_unique
 from normgeo.verdict.declared import Endpoint, VerdictConfig, load_verdict_config
 from normgeo.verdict.metrics import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
 
@@ -138,7 +138,7 @@ def _sized(measures: pd.DataFrame) -> pd.DataFrame:
 
 
 def measured_identity(row: dict) -> RunIdentity:
-    """The identity of a run's row of measures (the keys :func:`normgeo.runs.identity.run_identity` reads)."""
+    """The identity of a run's row of measures (the keys :func:`normgeo.readers.identity.run_identity` reads)."""
     seed = row.get("seed")
     return RunIdentity(norm=row["norm"], placement=row.get("placement") or "pre", size=row.get("size"),
                        seed=None if seed is None or pd.isna(seed) else int(seed))

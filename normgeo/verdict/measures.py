@@ -17,8 +17,8 @@ import pandas as pd
 from normgeo.measure.energy import ENERGY_FILE
 from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import NULL_FILE, read_rows
-from normgeo.runs.downstream import downstream_scores
-from normgeo.runs.metrics import last_value
+from normgeo.readers.downstream import downstream_scores
+from normgeo.readers.metrics import last_value
 from normgeo.verdict.metrics import GEOMETRY, INTERVENTION, INTERVENTION_METRICS, SITE_CLASSES
 
 VAL_TAIL = 0.2     # the primary statistic: the mean of the last 20% of the validation points

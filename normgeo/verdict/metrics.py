@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from normgeo.runs.downstream import DOWNSTREAM_PREFIX, is_downstream
+from normgeo.readers.downstream import DOWNSTREAM_PREFIX, is_downstream
 
 SITE_CLASSES = ("ln1.in", "ln2.in", "final.in", "ln1.out", "ln2.out", "final.out")
 INTERVENTION = "intervention_dloss"  # the centering intervention's loss change, all norms at once

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
-from normgeo.runs.metrics import last_value, read_metrics
-from normgeo.runs.records import read_run_records
+from normgeo.readers.metrics import last_value, read_metrics
+from normgeo.readers.records import read_run_records
 from normgeo.runs.run_config import SUMMARY_FILE
 from normgeo.runs.session import divergence, newest_resumable
 
@@ -85,7 +85,7 @@ def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.runs.metrics)."""
+    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.readers.metrics)."""
     try:
         return last_value(read_metrics(run_dir), "train/loss")
     except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
