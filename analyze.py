@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.sources import SourceError
@@ -40,31 +39,21 @@ from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, 
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
-from normgeo.runs.checks import config_errors_exit_2
-from normgeo.runs.config import ANALYZE_CONF_DIR
-from normgeo.runs.schema import probe_size_refusal
+from normgeo.runs.checks import check_config, config_errors_exit_2, task_started
+from normgeo.runs.config import (
+    ANALYZE_CONF_DIR,
+    attach_log_file,
+    close_file_logs,
+    remove_created,
+    topmost_missing,
+    write_hydra_files,
+)
+from normgeo.runs.schema import ConfigError, probe_size_refusal
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
-# Hydra writes its files under these names (conf/analyze/analyze.yaml); they take their real names only once the
-# outputs are written, so a failed start leaves an earlier analysis's files as they were.
+# The log's name until the outputs are written: a failed start leaves an earlier analysis's analyze.log as it was.
 PARTIAL = ".partial"
-_NEW_DIRS: set[Path] = set()  # output folders (and parents) that did not exist before Hydra made them
-
-
-def _note_new_dirs(path: str) -> str:
-    """conf/analyze/analyze.yaml's ``normgeo_new_dir`` resolver: ``path`` unchanged, noting which of it and its
-    parents do not exist yet. Hydra resolves it before it creates them, so a failed start can remove
-    exactly the folders it made, never one that was there before."""
-    for folder in (Path(path), *Path(path).parents):
-        if folder.exists():
-            break
-        _NEW_DIRS.add(folder)
-    return path
-
-
-if not OmegaConf.has_resolver("normgeo_new_dir"):
-    OmegaConf.register_new_resolver("normgeo_new_dir", _note_new_dirs)
 
 
 def _device(cfg: DictConfig) -> torch.device:
@@ -165,49 +154,37 @@ def analyze(cfg: DictConfig) -> Path:
 USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 
-def _settle(succeeded: bool) -> None:
-    """Give Hydra's files of this session their real names, or, on a failed start, remove them and the
-    output folder if that leaves it empty (a folder holding an earlier analysis stays as it was)."""
-    hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    partial = [out_dir / hydra_cfg.output_subdir] if hydra_cfg.output_subdir else []
-    partial += [Path(h.filename) for h in hydra_cfg.job_logging.get("handlers", {}).values() if "filename" in h]
-    for path in (p for p in partial if p.name.endswith(PARTIAL)):
-        final = path.with_name(path.name.removesuffix(PARTIAL))
-        if succeeded:
-            if final.is_dir():
-                shutil.rmtree(final)
-            if path.exists():
-                path.replace(final)
-        elif path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    if not succeeded:
-        for folder in (out_dir, *out_dir.parents):  # the output folder, then the parents Hydra made
-            if folder != out_dir and folder not in _NEW_DIRS:
-                break
-            if folder != out_dir and [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
-                (folder / "multirun.yaml").unlink()  # a -m sweep folder this session made, no job done
-            try:
-                folder.rmdir()  # only if empty: a folder holding an earlier analysis stays
-            except OSError:
-                break
-
-
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def run(cfg: DictConfig) -> None:
-    stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
+    """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write -> Hydra's files (.hydra/,
+    analyze.log) only then. A refusal or failure removes the folders this start created and its partial log,
+    so an earlier analysis in out_dir stays as it was."""
+    task_started()  # an exit 1 from now on is this task's, not one of Hydra's config errors
     try:
-        analyze(cfg)
-    except USER_ERRORS as err:
-        _settle(succeeded=False)
-        print(f"error: {err}", file=sys.stderr)
+        check_config("analyze", cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except BaseException:
-        _settle(succeeded=False)
+    stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
+    out_dir = Path(cfg.out_dir)
+    created = topmost_missing(out_dir)
+    log_file = out_dir / f"{HydraConfig.get().job.name}.log"
+    partial_log = log_file.with_name(log_file.name + PARTIAL)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        attach_log_file(partial_log)
+        analyze(cfg)
+    except BaseException as err:
+        close_file_logs(out_dir)
+        partial_log.unlink(missing_ok=True)
+        remove_created(out_dir, created)
+        if isinstance(err, USER_ERRORS):
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         raise
-    _settle(succeeded=True)
+    close_file_logs(out_dir)
+    write_hydra_files(out_dir, cfg)
+    partial_log.replace(log_file)
 
 
 main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.checks)

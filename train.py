@@ -50,7 +50,7 @@ from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.checks import config_errors_exit_2, task_started
-from normgeo.runs.config import CONF_DIR
+from normgeo.runs.config import CONF_DIR, close_file_logs
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
@@ -70,7 +70,7 @@ from normgeo.runs.session import (  # noqa: F401
     resume_checkpoint,
     resume_command,
 )
-from normgeo.runs.start import START_ERRORS, Start, close_file_logs, open_run_files, start_session
+from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import SessionClock, format_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")

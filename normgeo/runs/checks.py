@@ -1,22 +1,19 @@
 """The config check: impossible values are refused right after composition, before anything is written.
 
-analyze.py's Hydra runs :class:`ConfigCheck` (conf/analyze/analyze.yaml hydra.callbacks) before it creates
-the output directory; train.py checks in its task function (normgeo.runs.start.check_start: Hydra writes nothing
-into its run directory). A refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as
+train.py and analyze.py check in their task functions (normgeo.runs.start.check_start, analyze.run), first:
+Hydra writes nothing into their folders by itself. A refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as
 do Hydra's own config errors (:func:`config_errors_exit_2`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig
 
-from normgeo.runs.schema import SCHEMAS, ConfigError
+from normgeo.runs.schema import SCHEMAS
 
 # Hydra exits 1 for its own config errors (unknown key, bad override syntax, missing group option) and
 # for a crash of the task alike; before the config is composed it can only be the former.
@@ -30,36 +27,9 @@ def task_started() -> None:
     _composed = True
 
 
-def task_config(root: DictConfig) -> DictConfig:
-    """The config the task function will get: Hydra's full config without its ``hydra`` node."""
-    task = copy.deepcopy(root)
-    with read_write(task), open_dict(task):
-        task.pop("hydra", None)
-    return task
-
-
 def check_config(schema: str, cfg: DictConfig) -> None:
     """normgeo.runs.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
     SCHEMAS[schema][1](cfg)
-
-
-class ConfigCheck(Callback):
-    """Hydra callback (conf/*/*.yaml hydra.callbacks): refuse impossible values right after composition,
-    before Hydra creates the output directory or writes anything (exit 2, one line naming the key)."""
-
-    def __init__(self, schema: str) -> None:
-        self.schema = schema
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        task_started()
-        try:
-            check_config(self.schema, task_config(config))
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(CONFIG_ERROR_EXIT) from None
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        task_started()  # each job is checked on its own, by its task function
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:

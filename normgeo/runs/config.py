@@ -1,14 +1,19 @@
-"""Hydra/OmegaConf glue: where conf/ lives, the one name slug, the resolvers conf/ uses and the schemas'
-registration (the config check itself: :mod:`normgeo.runs.checks`)."""
+"""Hydra/OmegaConf glue: where conf/ lives, the one name slug, the resolvers conf/ uses, the schemas'
+registration (the config check itself: :mod:`normgeo.runs.checks`), and the files Hydra would write into a
+job's folder, written by the entry points themselves once a start is accepted (Hydra writes none: its job
+folder is the working directory, ``hydra.output_subdir`` null, conf/shared/hydra/job_logging/console.yaml)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
 from normgeo.runs.schema import SCHEMAS, key_docs
 
@@ -50,6 +55,59 @@ def path_slug(value: str) -> str:
     text = str(value)
     stem = slug(Path(text.rstrip("/*")).name, empty="root")
     return f"{stem}-{hashlib.sha256(os.path.abspath(text).encode()).hexdigest()[:8]}"
+
+
+def write_hydra_files(folder: Path, config: DictConfig) -> None:
+    """``<folder>/.hydra/``: the composed config, Hydra's config and the command's overrides, as Hydra would."""
+    hydra_cfg = HydraConfig.get()
+    target = folder / ".hydra"
+    target.mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", config), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                       ("overrides.yaml", OmegaConf.select(hydra_cfg, "overrides.task", default=[]))):
+        OmegaConf.save(node, target / name)
+
+
+def attach_log_file(path: Path) -> None:
+    """Log into ``path`` as well, in Hydra's format (until :func:`close_file_logs`)."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(HydraConfig.get().job_logging.formatters.simple.format))
+    logging.getLogger().addHandler(handler)
+
+
+def close_file_logs(folder: Path) -> None:
+    """Stop logging into files under ``folder``, so that a removed folder stays removed and the next job of a
+    ``-m`` sweep (same process) logs into its own."""
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):
+                handler.close()
+                logger.removeHandler(handler)
+
+
+def topmost_missing(path: Path) -> Path | None:
+    """The topmost of ``path`` and its parents that does not exist: what ``mkdir(parents=True)`` would create
+    first (None: ``path`` exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_created(path: Path, created: Path | None) -> None:
+    """Undo ``mkdir(parents=True)`` of ``path`` whose topmost new folder was ``created``: ``path`` removed with its
+    contents, then each parent it created while empty (something else may live there by now)."""
+    if created is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    folder = path.parent
+    while folder == created or created in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def register_resolvers() -> None:

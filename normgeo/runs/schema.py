@@ -7,7 +7,7 @@ composes. Every numeric key also declares its allowed range next to its type (``
 are finite unless ``finite=False``), and one checker (:func:`check_ranges`) enforces them all; the rules
 that tie keys together are :func:`check_cross_keys`. What neither says (increasing checkpoint steps, a
 known norm) :func:`check_train` / :func:`check_analyze` say, before anything is written
-(normgeo.runs.checks.ConfigCheck runs them).
+(the task functions of train.py and analyze.py run them, through normgeo.runs.checks.check_config).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
@@ -35,6 +35,13 @@ from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
+from normgeo.runs.config import (
+    attach_log_file,
+    close_file_logs,
+    remove_created,
+    topmost_missing,
+    write_hydra_files,
+)
 from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
@@ -83,10 +90,7 @@ class Snapshot:
 
 
 def take_snapshot(run_dir: Path) -> Snapshot:
-    if not run_dir.exists():
-        created = run_dir
-        while not created.parent.exists():
-            created = created.parent
+    if (created := topmost_missing(run_dir)) is not None:
         return Snapshot(created)
     snapshot = Snapshot(None)
     for folder, subdirs, names in os.walk(run_dir):
@@ -104,12 +108,7 @@ def take_snapshot(run_dir: Path) -> Snapshot:
 def restore(run_dir: Path, snapshot: Snapshot) -> None:
     """Put ``run_dir`` back as :func:`take_snapshot` found it: remove what was added, write back what changed."""
     if snapshot.created is not None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        folder = run_dir.parent
-        while folder == snapshot.created or snapshot.created in folder.parents:  # the parents it created
-            with contextlib.suppress(OSError):  # not empty: something else lives there now
-                folder.rmdir()
-            folder = folder.parent
+        remove_created(run_dir, snapshot.created)
         return
     if not run_dir.is_dir():
         return
@@ -132,16 +131,6 @@ def restore(run_dir: Path, snapshot: Snapshot) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             os.utime(path, ns=(time.time_ns(), mtime_ns))
-
-
-def close_file_logs(run_dir: Path) -> None:
-    """Stop logging into files under ``run_dir`` (Hydra's train.log handler), so that an undo stays undone."""
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
-    for logger in loggers:
-        for handler in list(logger.handlers):
-            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(run_dir):
-                handler.close()
-                logger.removeHandler(handler)
 
 
 @dataclass
@@ -231,20 +220,11 @@ def start_session(cfg: DictConfig) -> Start:
 
 def open_run_files(start: Start) -> None:
     """What Hydra would have written into the run directory before the task, written now that the start is
-    accepted (conf/train/train.yaml sends Hydra's own files nowhere): ``.hydra/`` (the composed config, Hydra's
-    config, the command's overrides; rank 0) and ``<job name>.log`` (``train.log``; a DDP child rank's own)."""
-    hydra_cfg = HydraConfig.get()
+    accepted: ``.hydra/`` (rank 0) and ``<job name>.log`` (``train.log``; a DDP child rank's own)."""
     if is_rank_zero():
-        task = OmegaConf.select(hydra_cfg, "overrides.task", default=[])
-        folder = start.run_dir / ".hydra"
-        folder.mkdir(exist_ok=True)
-        for name, node in (("config.yaml", start.config), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
-                           ("overrides.yaml", task)):
-            OmegaConf.save(node, folder / name)
+        write_hydra_files(start.run_dir, start.config)
     start.run_dir.mkdir(parents=True, exist_ok=True)  # another rank (an srun task) may not have seen rank 0's yet
-    handler = logging.FileHandler(start.run_dir / f"{hydra_cfg.job.name}.log")
-    handler.setFormatter(logging.Formatter(hydra_cfg.job_logging.formatters.simple.format))
-    logging.getLogger().addHandler(handler)
+    attach_log_file(start.run_dir / f"{HydraConfig.get().job.name}.log")
 
 
 class SweepFolderCheck(Callback):
