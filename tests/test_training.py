@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from callbacks.checkpointing import AtomicCheckpointIO
 from normgeo.measure.records import read_rows
 from tests.conftest import entry_point_here, run_train, step_losses, train_here, train_in_process
 
@@ -226,3 +228,42 @@ def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: 
             # LayerNorm's output is orthogonal to 1 up to its gain and bias, and the probe casts every
             # vector to float32 before the angle: the bf16 run still measures it within 0.05 deg of 90.
             assert abs(b["mean_deg"] - 90.0) < 0.05 and b["std_deg"] < 0.05, b
+
+
+@pytest.fixture(scope="module")
+def counted_run(tmp_path_factory) -> tuple[Path, list[tuple[str, int]]]:
+    """4 steps, last.ckpt every 3 and the schedule's final step 4, with a configured CSVLogger into the folder
+    every run's own CSV uses (as older logger configs name it); every checkpoint write recorded (file, step)
+    on its way through the real checkpoint IO."""
+    run_dir = tmp_path_factory.mktemp("counted") / "run"
+    written: list[tuple[str, int]] = []
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def recording_save(self, checkpoint, path, storage_options=None) -> None:
+        written.append((Path(path).name, checkpoint["global_step"]))
+        save(self, checkpoint, path, storage_options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AtomicCheckpointIO, "save_checkpoint", recording_save)
+        train_here(run_dir, "max_steps=4", "checkpoint.steps=[2]", "checkpoint.last_every=3", "probe.enabled=false",
+                   "log_every=1", "+logger.old_csv._target_=lightning.pytorch.loggers.CSVLogger",
+                   f"+logger.old_csv.save_dir={run_dir}", "+logger.old_csv.name=csv")
+    return run_dir, written
+
+
+def test_the_final_steps_full_state_is_written_once(counted_run: tuple[Path, list[tuple[str, int]]]) -> None:
+    """last.ckpt holds the full state (a 1b run's is 12 GB): refreshed at each scheduled step, at its interval and
+    at the final step, and not once more when training ends."""
+    _, written = counted_run
+    assert [w for w in written if w[0] == "last.ckpt"] == [("last.ckpt", 2), ("last.ckpt", 3), ("last.ckpt", 4)]
+    assert [w for w in written if w[0] != "last.ckpt"] == [("step-0000002.ckpt", 2), ("step-0000004.ckpt", 4)]
+
+
+def test_a_configured_csv_logger_into_the_runs_csv_folder_is_not_a_second_writer(
+        counted_run: tuple[Path, list[tuple[str, int]]]) -> None:
+    run_dir, _ = counted_run
+    assert [p.name for p in (run_dir / "csv").iterdir()] == ["version_0"]
+    assert sorted(step_losses(run_dir)) == [1, 2, 3, 4]
+    with open(run_dir / "csv" / "version_0" / "metrics.csv") as handle:
+        steps = [row["step"] for row in csv.DictReader(handle) if row.get("train/loss")]
+    assert len(steps) == len(set(steps)) == 4  # one row per logged step: a second CSVLogger would repeat them

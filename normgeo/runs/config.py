@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from normgeo.runs.schema import SCHEMAS, key_docs
+from normgeo.runs.schema import register as register_schemas
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
@@ -126,6 +127,4 @@ def _key_docs(schema: str) -> str:
 
 
 register_resolvers()
-from normgeo.runs.schema import register as _register_schemas  # noqa: E402  (needs the resolvers above)
-
-_register_schemas()
+register_schemas()  # conf/ uses both (the resolvers, the schemas at the head of its defaults lists) before Hydra composes
