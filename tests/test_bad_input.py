@@ -126,9 +126,10 @@ def test_every_train_key_has_a_doc_in_help() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     groups = done.stdout.split("== Configuration groups ==")[1].split("==")[0]
     assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups  # analyze's presets stay out
-    for line in ("optim.lr: float = (from conf/)  # peak learning rate (a finite number > 0)",
-                 "checkpoint.steps: list[int] | None = null", "seed: int = 0  # initial weights and dropout; also the batch order through data.seed (default: seed) "
-                 "(an integer in [0, 4294967295])"):
+    for line in ("optim.lr: float > 0 = (from conf/)  # peak learning rate",
+                 "checkpoint.steps: list[int >= 1] | null = null",
+                 "seed: int >= 0, <= 4294967295 = 0  # initial weights and dropout; also the batch order through data.seed",
+                 "optim.betas: list[float >= 0, < 1] (2 items) = [0.9, 0.95]  # AdamW betas"):
         assert line in done.stdout
 
 

@@ -1,7 +1,8 @@
-"""Every numeric key's range is declared once in the schema (normgeo/runs/schema.py) and enforced through the
-real entry points: for each key a value outside its range, NaN and inf give one line naming the key, exit 2
-and no folder. The quick tier calls train.py's and analyze.py's Hydra entry points in-process (a subprocess
-per case would take minutes); a few of the same cases run as real subprocesses (slow)."""
+"""Every numeric key's range is declared once in the schema (normgeo/runs/schema.py: its type, as ``Count`` or
+``Annotated[float, Interval(...)]``) and enforced through the real entry points by pydantic: for each key a
+value outside its range, NaN and inf give one line naming the key, exit 2 and no folder. The quick tier calls
+train.py's and analyze.py's Hydra entry points in-process (a subprocess per case would take minutes); a few of
+the same cases run as real subprocesses (slow)."""
 
 from __future__ import annotations
 
@@ -9,47 +10,83 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
 import pytest
+from annotated_types import Len
 from hydra import compose, initialize_config_dir
 
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
-from normgeo.runs.schema import AnalyzeSchema, NumericKey, TrainSchema, costly_values, numeric_keys
+from normgeo.runs.schema import AnalyzeSchema, TrainSchema, costly_values
 from tests.conftest import ROOT, call_entry_point
 
 SCRIPTS = {"train": TrainSchema, "analyze": AnalyzeSchema}
 
 
+@dataclass(frozen=True)
+class NumericKey:
+    key: str
+    integer: bool
+    is_list: bool
+    bounds: dict[str, float]  # ge / gt / le / lt, from the type's constraints
+
+
+def numeric_keys(schema: type, prefix: str = "") -> list[NumericKey]:
+    """Every int or float key of a schema (nested nodes, optional and list types unwrapped), with its bounds."""
+    found = []
+    hints = typing.get_type_hints(schema, include_extras=True)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory):
+            found += numeric_keys(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        hint, bounds, is_list = hints[f.name], {}, False
+        while True:
+            args = typing.get_args(hint)
+            if typing.get_origin(hint) is Annotated:
+                for limit in args[1:]:
+                    if not isinstance(limit, Len):
+                        bounds |= {b: getattr(limit, b) for b in ("ge", "gt", "le", "lt") if getattr(limit, b, None) is not None}
+                hint = args[0]
+            elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+                hint = next(a for a in args if a is not type(None))
+            elif typing.get_origin(hint) is list:
+                hint, is_list = args[0], True
+            else:
+                break
+        if hint in (int, float):
+            found.append(NumericKey(f"{prefix}{f.name}", hint is int, is_list, bounds))
+    return found
+
+
 def introspected_numeric_keys(schema: type, prefix: str = "") -> set[str]:
-    """The numeric keys of a schema found from its dataclass fields' types alone (not via the schema's walker)."""
+    """The numeric keys of a schema found from its dataclass fields' types as written (not via the walker)."""
     keys: set[str] = set()
-    hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.default_factory):
             keys |= introspected_numeric_keys(f.default_factory, f"{prefix}{f.name}.")
-            continue
-        kinds = {t for a in (hints[f.name], *typing.get_args(hints[f.name])) for t in (a, *typing.get_args(a))}
-        if kinds & {int, float}:
+        elif any(word in str(f.type) for word in ("int", "float", "Count", "Natural", "Seed", "Positive", "Fraction",
+                                                  "NonNegative")):
             keys.add(f"{prefix}{f.name}")
     return keys
 
 
 def outside(spec: NumericKey) -> str:
     """A value just outside the key's range (below its lower bound, else above its upper bound)."""
-    limits = spec.range
-    value = (limits.ge - 1 if limits.ge is not None else limits.gt if limits.gt is not None
-             else limits.le + 1 if limits.le is not None else limits.lt)
+    b: dict[str, Any] = spec.bounds
+    value = (b["ge"] - 1 if "ge" in b else b["gt"] if "gt" in b else b["le"] + 1 if "le" in b else b["lt"])
     text = str(int(value)) if spec.integer else str(float(value))
     return f"[{text}]" if spec.is_list else text
 
 
 def cases() -> list:
-    """(script, key, value) for every numeric key: a value outside its range, NaN and inf. The schema's
-    checker refuses a float key's NaN and inf (quick); Hydra's type check an integer key's (the same code
-    path for every key: slow-marked, ~100 cases)."""
+    """(script, key, value) for every numeric key: a value outside its range, NaN and inf. pydantic refuses a
+    float key's NaN and inf (quick); Hydra's type check an integer key's (the same code path for every key:
+    slow-marked, ~100 cases)."""
     found = []
     for script, schema in SCRIPTS.items():
         for spec in numeric_keys(schema):
@@ -71,7 +108,7 @@ def test_every_numeric_key_has_a_declared_range(script: str) -> None:
     schema = SCRIPTS[script]
     walked = numeric_keys(schema)
     assert {spec.key for spec in walked} == introspected_numeric_keys(schema)
-    assert [spec.key for spec in walked if not spec.range.bounded] == []
+    assert [spec.key for spec in walked if not spec.bounds] == []
     assert {case.values[1] for case in CASES if case.values[0] == script} == {spec.key for spec in walked}
 
 
@@ -173,11 +210,11 @@ def test_costly_values_get_one_line_each_above_their_threshold() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "override", "message"), [
-    ("train", "optim.lr=inf", "error: optim.lr=inf: expected a finite number > 0"),
-    ("train", "optim.lr=nan", "error: optim.lr=nan: expected a finite number > 0"),
-    ("train", "optim.betas=[0.9,1.0]", "error: optim.betas[1]=1.0: expected a finite number in [0, 1)"),
+    ("train", "optim.lr=inf", "error: optim.lr=inf: expected a finite float > 0"),
+    ("train", "optim.lr=nan", "error: optim.lr=nan: expected a finite float > 0"),
+    ("train", "optim.betas=[0.9,1.0]", "error: optim.betas[1]=1.0: expected float >= 0, < 1"),
     ("train", "max_steps=inf", "Error merging override max_steps=inf"),
-    ("analyze", "probe.bootstrap.replicates=0", "error: probe.bootstrap.replicates=0: expected an integer >= 1"),
+    ("analyze", "probe.bootstrap.replicates=0", "error: probe.bootstrap.replicates=0: expected int >= 1"),
 ])
 def test_real_subprocesses_refuse_with_one_line(script: str, override: str, message: str, tmp_path: Path) -> None:
     args = [sys.executable, str(ROOT / f"{script}.py"), override, f"output_root={tmp_path / 'out'}"]

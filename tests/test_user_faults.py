@@ -268,4 +268,4 @@ def test_analyze_lists_no_probe_key_it_ignores_and_refuses_them() -> None:
 
     analyze, train = "\n".join(key_docs(AnalyzeSchema)), "\n".join(key_docs(TrainSchema))
     assert "probe.enabled" not in analyze and "probe.batch_size" not in analyze and "model.batch_size" in analyze
-    assert "probe.enabled: bool = true" in train and "probe.batch_size: int = 8" in train
+    assert "probe.enabled: bool = true" in train and "probe.batch_size: int >= 1 = 8" in train

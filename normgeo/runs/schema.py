@@ -1,31 +1,33 @@
-"""The typed schema of train.py's and analyze.py's configs (Hydra structured configs in the ConfigStore).
+"""The typed schema of train.py's and analyze.py's configs: one declaration per key, read by two libraries.
 
-The YAML files in conf/ keep the values; these dataclasses carry each key's type, default and a one-line
-doc (``python train.py --help`` lists them). The schema is the first entry of each primary config's
-defaults list, so a wrong type or an unknown key (``optim.lr=abc``, ``+max_stpes=10``) fails while Hydra
-composes. Every numeric key also declares its allowed range next to its type (``doc(..., gt=0)``; floats
-are finite unless ``finite=False``), and one checker (:func:`check_ranges`) enforces them all; the rules
-that tie keys together are :func:`check_cross_keys`. What neither says (increasing checkpoint steps, a
-known norm) :func:`check_train` / :func:`check_analyze` say, before anything is written
-(the task functions of train.py and analyze.py run them, through normgeo.runs.checks.check_config).
+Each key is a dataclass field: its type (with its allowed range, as ``annotated_types`` constraints: ``Count`` is
+an int >= 1), its default and a one-line doc (``doc(default, text)``; ``python train.py --help`` lists them).
+Hydra composes with these dataclasses as structured configs (the first entry of each primary config's defaults
+list), so a wrong type (``optim.lr=abc``) or an unknown key (``max_stpes=10``) fails while it composes;
+pydantic then validates the composed config against the same dataclasses (:func:`check_types`): every range,
+finite floats, and a key added with ``+`` that the schema lacks. Why both: Hydra needs dataclasses for its
+ConfigStore and its compose-time types, and pydantic reads dataclasses and their ``Annotated`` constraints as
+they are, so nothing is declared twice. The rules that tie keys together are :func:`check_cross_keys`; what
+belongs to a registry (a known norm) or to Lightning (the Trainer's arguments) is asked of it
+(:func:`check_train`, :func:`check_analyze`), before anything is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib
-import math
 import re
 import types
 import typing
-from dataclasses import MISSING as NO_DEFAULT
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from annotated_types import Ge, Gt, Interval, Len
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from corpus.sources import LocalFilesSource, SourceError
 from corpus.stream import accumulation_steps
@@ -36,123 +38,92 @@ from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
 
+SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
 
-@dataclass(frozen=True)
-class Range:
-    """A numeric key's allowed values: bounds (ge/gt below, le/lt above) and, for floats, finiteness."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    finite: bool = True
-
-    @property
-    def bounded(self) -> bool:
-        return any(bound is not None for bound in (self.ge, self.gt, self.le, self.lt))
-
-    def admits(self, value: float) -> bool:
-        if isinstance(value, float) and math.isnan(value):
-            return False
-        if self.finite and not math.isfinite(value):
-            return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-    def describe(self, integer: bool) -> str:
-        """``an integer >= 1``, ``a finite number in [0, 1)``, ``a finite number > 0``."""
-        kind = "an integer" if integer else "a finite number" if self.finite else "a number"
-        low = (f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}" if self.gt is not None
-               else None)
-        high = (f"{_number(self.le)}]" if self.le is not None else f"{_number(self.lt)})" if self.lt is not None
-                else None)
-        if low and high:
-            return f"{kind} in {low}, {high}"
-        if low:
-            return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
-        if high:
-            return f"{kind} {'<=' if self.le is not None else '<'} {high[:-1]}"
-        return kind
+# The ranges the keys share; a float is also finite (schema(): allow_inf_nan=False).
+Count = Annotated[int, Ge(1)]
+Natural = Annotated[int, Ge(0)]
+Seed = Annotated[int, Interval(ge=0, le=SEED_MAX)]
+Positive = Annotated[float, Gt(0)]
+NonNegative = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Interval(ge=0, le=1)]
 
 
-def _number(bound: float) -> str:
-    return str(int(bound)) if float(bound).is_integer() else str(bound)
+def schema(cls: type) -> type:
+    """A config node: a dataclass (Hydra's structured config) that pydantic validates strictly: ranges, finite
+    floats, no key the class lacks."""
+    cls.__pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)  # type: ignore[attr-defined]
+    return dataclasses.dataclass(cls)
 
 
-def doc(default: Any, text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-        lt: float | None = None, finite: bool = True) -> Any:
-    """A dataclass field with its one-line doc and, for a numeric key, its allowed range (every element's,
-    for a list); a list default is copied per instance."""
-    metadata = {"doc": text, "range": Range(ge=ge, gt=gt, le=le, lt=lt, finite=finite)}
+def doc(default: Any, text: str) -> Any:
+    """A field's default and its one-line doc (``--help``); a list default is copied per instance."""
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"doc": text})
+    return dataclasses.field(default=default, metadata={"doc": text})
 
 
 def node(kind: type, text: str) -> Any:
-    return field(default_factory=kind, metadata={"doc": text})
+    return dataclasses.field(default_factory=kind, metadata={"doc": text})
 
 
-SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
-
-
-@dataclass
+@schema
 class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
-    eps: float = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)", gt=0)
+    eps: Positive = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
     impl: str = doc("stock", f"how every norm runs: {' | '.join(NORM_IMPLS)} (torch.compile of each norm's forward)")
 
 
-@dataclass
+@schema
 class PlacementSchema:
     name: str = doc(MISSING, f"where the norms sit in a block: {' | '.join(PLACEMENTS)}")
     run_suffix: str = doc("", "appended to the norm in run names (pre-norm runs keep their names)")
 
 
-@dataclass
+@schema
 class SizeSchema:
     name: str = doc(MISSING, "the size's name (run names, wandb group)")
-    n_layer: int = doc(MISSING, "transformer blocks", ge=1)
-    n_head: int = doc(MISSING, "attention heads; must divide n_embd", ge=1)
-    n_embd: int = doc(MISSING, "model width d", ge=1)
-    seq_len: int = doc(MISSING, "default of the top-level seq_len", ge=1)
-    lr: float = doc(MISSING, "default peak learning rate (optim.lr)", gt=0)
-    warmup_steps: int = doc(MISSING, "default warm-up (optim.warmup_steps)", ge=0)
-    max_steps: int = doc(MISSING, "default max_steps", ge=1)
-    micro_batch: int = doc(MISSING, "default micro_batch", ge=1)
-    gpus: int | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job", ge=0)
-    minutes: int = doc(60, "SLURM time limit per job, minutes", ge=1)
+    n_layer: Count = doc(MISSING, "transformer blocks")
+    n_head: Count = doc(MISSING, "attention heads; must divide n_embd")
+    n_embd: Count = doc(MISSING, "model width d")
+    seq_len: Count = doc(MISSING, "default of the top-level seq_len")
+    lr: Positive = doc(MISSING, "default peak learning rate (optim.lr)")
+    warmup_steps: Natural = doc(MISSING, "default warm-up (optim.warmup_steps)")
+    max_steps: Count = doc(MISSING, "default max_steps")
+    micro_batch: Count = doc(MISSING, "default micro_batch")
+    gpus: Natural | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job")
+    minutes: Count = doc(60, "SLURM time limit per job, minutes")
 
 
-@dataclass
+@schema
 class OptimSchema:
-    lr: float = doc(MISSING, "peak learning rate", gt=0)
-    min_lr_ratio: float = doc(0.1, "cosine decay ends at this fraction of the peak", ge=0, le=1)
-    warmup_steps: int = doc(MISSING, "linear warm-up steps (0: none); not fewer than max_steps: a warning", ge=0)
-    weight_decay: float = doc(0.1, "AdamW weight decay on matrices", ge=0)
-    betas: list[float] = doc([0.9, 0.95], "AdamW betas, two values", ge=0, lt=1)
+    lr: Positive = doc(MISSING, "peak learning rate")
+    min_lr_ratio: Fraction = doc(0.1, "cosine decay ends at this fraction of the peak")
+    warmup_steps: Natural = doc(MISSING, "linear warm-up steps (0: none); not fewer than max_steps: a warning")
+    weight_decay: NonNegative = doc(0.1, "AdamW weight decay on matrices")
+    betas: Annotated[list[Annotated[float, Interval(ge=0, lt=1)]], Len(2, 2)] = doc([0.9, 0.95], "AdamW betas")
     fused: bool | None = doc(None, "AdamW's fused kernel: null = on CUDA only; true also on the CPU")
 
 
-@dataclass
+@schema
 class CheckpointSchema:
     _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule)")
-    max_steps: int = doc(MISSING, "the schedule ends with this step: the top-level max_steps", ge=1)
-    steps: list[int] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps", ge=1)
-    dense_every: int = doc(1000, "a checkpoint every this many steps up to dense_until", ge=1)
-    dense_until: int = doc(10000, "end of the dense part of the schedule", ge=1)
-    sparse_every: int = doc(10000, "a checkpoint every this many steps after it", ge=1)
-    last_every: int = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps", ge=0)
+    max_steps: Count = doc(MISSING, "the schedule ends with this step: the top-level max_steps")
+    steps: list[Count] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps")
+    dense_every: Count = doc(1000, "a checkpoint every this many steps up to dense_until")
+    dense_until: Count = doc(10000, "end of the dense part of the schedule")
+    sparse_every: Count = doc(10000, "a checkpoint every this many steps after it")
+    last_every: Natural = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps")
     keep_optimizer: bool = doc(False, "scheduled checkpoints keep the optimizer state too")
 
 
-@dataclass
+@schema
 class BootstrapSchema:
-    replicates: int = doc(ProbeConfig.bootstrap_replicates, "bootstrap replicates for the 95% intervals of null.jsonl", ge=1)
-    block: int = doc(ProbeConfig.bootstrap_block, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks", ge=1)
+    replicates: Count = doc(ProbeConfig.bootstrap_replicates, "bootstrap replicates for the 95% intervals of null.jsonl")
+    block: Count = doc(ProbeConfig.bootstrap_block, "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks")
 
 
-@dataclass
+@schema
 class ProbeSchema:
     """The probe keys train.py and analyze.py share (conf/shared/probe/ presets)."""
 
@@ -160,30 +131,30 @@ class ProbeSchema:
     path: str | None = doc(None, "local files for probe=local")
     plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
     encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 (bytes that do not decode are refused)")
-    tokens: int = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len", ge=1)
-    seed: int = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap", ge=0, le=SEED_MAX)
+    tokens: Count = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len")
+    seed: Seed = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap")
     include_standardized: bool = doc(ProbeConfig.include_standardized, "also measure LayerNorm's standardization (.std sites)")
-    null_directions: int = doc(ProbeConfig.null_directions, "random unit directions that 1 is compared with; 0: none", ge=0)
+    null_directions: Natural = doc(ProbeConfig.null_directions, "random unit directions that 1 is compared with; 0: none")
     sample: bool = doc(ProbeConfig.sample, "documents in a seeded order over the whole source")
-    min_doc_tokens: int = doc(ProbeConfig.min_doc_tokens, "skip documents shorter than this (title-only stubs)", ge=0)
+    min_doc_tokens: Natural = doc(ProbeConfig.min_doc_tokens, "skip documents shorter than this (title-only stubs)")
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(ProbeConfig.intervention), "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: int | None = doc(ProbeConfig.intervention_tokens, "the intervention runs on the first this "
-                                          "many probe tokens (whole windows; the angles keep probe.tokens); "
-                                          "null: all of them", ge=1)
+    intervention_tokens: Count | None = doc(ProbeConfig.intervention_tokens, "the intervention runs on the first this "
+                                            "many probe tokens (whole windows; the angles keep probe.tokens); "
+                                            "null: all of them")
 
 
-@dataclass
+@schema
 class TrainProbeSchema(ProbeSchema):
     """train.py's probe: the shared keys, and two that only training has (analyze.py always measures, in
     batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
-    batch_size: int = doc(ProbeConfig.batch_size, "probe sequences per forward pass", ge=1)
+    batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass")
 
 
-@dataclass
+@schema
 class DataSchema:
     _target_: str = doc(MISSING, "the data module's class (corpus.datamodule.TokenDataModule)")
     name: str = doc(MISSING, "the corpus's name (its prepared folder)")
@@ -192,54 +163,53 @@ class DataSchema:
                       "encoding (utf-8; e.g. latin-1)")
     directory: str = doc(MISSING, "where the prepared token files live")
     tokenizer: str = doc("gpt2", "tiktoken encoding")
-    val_fraction: float = doc(0.005, "fraction of documents held out for validation", gt=0, lt=1)
+    val_fraction: Annotated[float, Interval(gt=0, lt=1)] = doc(0.005, "fraction of documents held out for validation")
     auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
     prepare_command: str = doc("", "the command that prepares this corpus")
-    seq_len: int = doc(MISSING, "filled from the top level", ge=1)
-    global_batch: int = doc(MISSING, "filled from the top level", ge=1)
-    micro_batch: int = doc(MISSING, "filled from the top level", ge=1)
-    max_steps: int = doc(MISSING, "filled from the top level", ge=1)
-    seed: int = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
-                    "alone, the initial weights keep seed", ge=0, le=SEED_MAX)
-    val_sequences: int = doc(MISSING, "filled from the top level", ge=1)
-    val_seed: int | None = doc(None, "filled from the top level (val_seed)", ge=0, le=SEED_MAX)
-    num_workers: int = doc(MISSING, "filled from the top level", ge=0)
+    seq_len: Count = doc(MISSING, "filled from the top level")
+    global_batch: Count = doc(MISSING, "filled from the top level")
+    micro_batch: Count = doc(MISSING, "filled from the top level")
+    max_steps: Count = doc(MISSING, "filled from the top level")
+    seed: Seed = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
+                     "alone, the initial weights keep seed")
+    val_sequences: Count = doc(MISSING, "filled from the top level")
+    val_seed: Seed | None = doc(None, "filled from the top level (val_seed)")
+    num_workers: Natural = doc(MISSING, "filled from the top level")
 
 
-@dataclass
+@schema
 class PlanSchema:
     check: bool = doc(True, "on a GPU, refuse a launch whose planned peak memory cannot fit (exit 2)")
-    mfu: float = doc(0.4, "model FLOPs utilization for the planned time and GPU-hours", gt=0, le=1)
-    headroom_gib: float = doc(1.5, "GiB per GPU for the CUDA context and NCCL", ge=0)
-    fragmentation: float = doc(0.1, "allocator fragmentation margin on the planned peak", ge=0)
-    devices: int | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)", ge=1)
+    mfu: Annotated[float, Interval(gt=0, le=1)] = doc(0.4, "model FLOPs utilization for the planned time and GPU-hours")
+    headroom_gib: NonNegative = doc(1.5, "GiB per GPU for the CUDA context and NCCL")
+    fragmentation: NonNegative = doc(0.1, "allocator fragmentation margin on the planned peak")
+    devices: Count | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)")
     gpus: list[str] = doc(["a6000", "a100-40gb", "a100-80gb", "h100-80gb"], "GPU types to plan for (models/plan.py)")
 
 
-@dataclass
+@schema
 class TrainSchema:
-    seed: int = doc(0, "initial weights and dropout; also the batch order through data.seed (default: seed)",
-                    ge=0, le=SEED_MAX)
-    threads: int | None = doc(None, "torch CPU threads (torch.set_num_threads); null: torch's default "
-                              "(OMP_NUM_THREADS, else every core). The count sets the floating-point sum order", ge=1)
+    seed: Seed = doc(0, "initial weights and dropout; also the batch order through data.seed (default: seed)")
+    threads: Count | None = doc(None, "torch CPU threads (torch.set_num_threads); null: torch's default "
+                                "(OMP_NUM_THREADS, else every core). The count sets the floating-point sum order")
     run_name: str = doc(MISSING, "the run directory's name")
     output_root: str = doc("outputs", "where run directories go")
     run_dir: str = doc(MISSING, "the run directory")
     data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)")
     resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; or a .ckpt path")
-    stop_at_step: int | None = doc(None, "end this session after this optimizer step (resumable; null: at max_steps)", ge=1)
-    max_steps: int = doc(MISSING, "optimizer steps of the whole run", ge=1)
-    global_batch: int = doc(64, "sequences per optimizer step over all devices", ge=1)
-    micro_batch: int = doc(MISSING, "sequences per device per forward pass; divides global_batch", ge=1)
-    seq_len: int = doc(MISSING, "tokens per sequence (the model's context)", ge=1)
-    num_workers: int = doc(0, "DataLoader workers", ge=0)
+    stop_at_step: Count | None = doc(None, "end this session after this optimizer step (resumable; null: at max_steps)")
+    max_steps: Count = doc(MISSING, "optimizer steps of the whole run")
+    global_batch: Count = doc(64, "sequences per optimizer step over all devices")
+    micro_batch: Count = doc(MISSING, "sequences per device per forward pass; divides global_batch")
+    seq_len: Count = doc(MISSING, "tokens per sequence (the model's context)")
+    num_workers: Natural = doc(0, "DataLoader workers")
     compile: bool = doc(False, "torch.compile the model")
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
-    val_every: int = doc(1000, "optimizer steps between validations", ge=1)
-    val_sequences: int = doc(64, "validation sequences; at most the validation split's distinct windows", ge=1)
-    val_seed: int | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); a "
-                               "number: the same windows for every arm and seed", ge=0, le=SEED_MAX)
-    log_every: int = doc(10, "optimizer steps between logged metrics", ge=1)
+    val_every: Count = doc(1000, "optimizer steps between validations")
+    val_sequences: Count = doc(64, "validation sequences; at most the validation split's distinct windows")
+    val_seed: Seed | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); a "
+                                "number: the same windows for every arm and seed")
+    log_every: Count = doc(10, "optimizer steps between logged metrics")
     norm: NormSchema = node(NormSchema, "group norm: the arm")
     placement: PlacementSchema = node(PlacementSchema, "group placement: pre (GPT-2) or post (norm after each add)")
     size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
@@ -253,7 +223,7 @@ class TrainSchema:
     plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU pre-flight check")
 
 
-@dataclass
+@schema
 class AnalyzeModelSchema:
     kind: str = doc(MISSING, "hf (Hugging Face) | checkpoint (a train.py checkpoint)")
     path: str | None = doc(None, "Hub id or local directory (kind=hf)")
@@ -264,12 +234,12 @@ class AnalyzeModelSchema:
     dtype: str = doc("auto", "auto | float32 | bfloat16 | float16 (angles are measured in float32)")
     device_map: str | None = doc(None, "auto: spread the model over all GPUs (needs accelerate)")
     trust_remote_code: bool = doc(False, "run the repository's model code")
-    seq_len: int = doc(1024, "tokens per sequence, capped at the model's maximum", ge=1)
-    batch_size: int = doc(8, "sequences per forward pass", ge=1)
+    seq_len: Count = doc(1024, "tokens per sequence, capped at the model's maximum")
+    batch_size: Count = doc(8, "sequences per forward pass")
     name: str | None = doc(None, "the records' model field and the output folder")
 
 
-@dataclass
+@schema
 class AnalyzeSchema:
     output_root: str = doc("outputs", "results go to <output_root>/analyze/<model>")
     out_dir: str = doc(MISSING, "the output folder")
@@ -288,76 +258,63 @@ def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
         raise ConfigError(f"{key}={_shown(value)}: expected {expected}")
 
 
-@dataclass(frozen=True)
-class NumericKey:
-    """A numeric key of a schema: dotted name, its range, and what its type allows besides numbers."""
-
-    key: str
-    range: Range
-    integer: bool  # int (else float)
-    nullable: bool  # ``int | None``: null is allowed
-    is_list: bool  # ``list[float]``: the range applies to every element
-
-
-def _numeric_type(hint: Any) -> tuple[type, bool, bool] | None:
-    """(int | float, nullable, is_list) for a numeric type hint, else None (bool, str, nodes, Any)."""
-    args = typing.get_args(hint)
-    nullable = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            return None
-        nullable, hint, args = True, rest[0], typing.get_args(rest[0])
-    is_list = typing.get_origin(hint) is list
-    if is_list:
-        hint = args[0] if args else None
-    return (hint, nullable, is_list) if hint in (int, float) else None
-
-
-def numeric_keys(schema: type, prefix: str = "") -> list[NumericKey]:
-    """Every numeric key of ``schema``, nested nodes included, in the schema's order."""
-    keys: list[NumericKey] = []
-    hints = typing.get_type_hints(schema)
-    for f in fields(schema):
-        if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory):
-            keys += numeric_keys(f.default_factory, f"{prefix}{f.name}.")
-        elif (numeric := _numeric_type(hints[f.name])) is not None:
-            kind, nullable, is_list = numeric
-            keys.append(NumericKey(f"{prefix}{f.name}", f.metadata.get("range", Range()), kind is int, nullable,
-                                   is_list))
-    return keys
-
-
 def _shown(value: Any) -> Any:
     shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
     return "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
 
 
-def check_ranges(cfg: DictConfig, schema: type) -> None:
-    """Every numeric key of ``schema`` within its declared range (and finite): ConfigError naming the key,
-    its value and the range. A value set through an interpolation (``max_steps: ${size.max_steps}``) is
-    reported under the key the user set when that one is out of range too."""
-    found: list[tuple[bool, str]] = []  # (set through an interpolation, message)
-    for spec in numeric_keys(schema):
-        parent_key, _, name = spec.key.rpartition(".")
-        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-        if not isinstance(parent, DictConfig) or name not in parent or OmegaConf.is_missing(parent, name):
-            continue  # a node that is not there (e.g. probe.bootstrap of an old config): nothing to check
-        value = parent[name]
-        expected = spec.range.describe(spec.integer) + (", or null" if spec.nullable else "")
-        if value is None:
-            if not spec.nullable:
-                found.append((OmegaConf.is_interpolation(parent, name), f"{spec.key}=null: expected {expected}"))
-            continue
-        items = list(enumerate(value)) if spec.is_list else [(None, value)]
-        for index, item in items:
-            if not spec.range.admits(item):
-                where, wanted = (spec.key, expected) if index is None else (f"{spec.key}[{index}]", spec.range.describe(spec.integer))
-                found.append((OmegaConf.is_interpolation(parent, name), f"{where}={_shown(item)}: expected {wanted}"))
-                break
-    if found:
-        direct = [message for interpolated, message in found if not interpolated]
-        raise ConfigError((direct or [found[0][1]])[0])
+@functools.cache
+def _validator(kind: type) -> TypeAdapter:
+    return TypeAdapter(kind)
+
+
+def check_types(cfg: DictConfig, kind: type, script: str) -> None:
+    """pydantic's validation of the composed config against the schema ``kind``: ConfigError naming the first
+    key out of its range, not finite or unknown, preferring a key the user set to one filled in by an
+    interpolation (``max_steps: ${size.max_steps}`` is reported as size.max_steps)."""
+    try:
+        _validator(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        error = next((e for e in errors if not _interpolated(cfg, e["loc"])), errors[0])
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+        if error["type"] == "unexpected_keyword_argument":
+            *parents, name = error["loc"]
+            for parent in parents:  # the node the unknown key was added to
+                kind = next(f.default_factory for f in dataclasses.fields(kind) if f.name == parent)
+            close = difflib.get_close_matches(str(name), [f.name for f in dataclasses.fields(kind)], n=1)
+            hint = f"did you mean {where.removesuffix(str(name))}{close[0]}? " if close else ""
+            raise ConfigError(f"{where}: no such key ({hint}python {script} --help lists every key)") from None
+        hint = _hint_at(kind, error["loc"])
+        message = (f"expected {type_words(hint)}" if error["type"] in RANGE_ERRORS else
+                   f"expected a finite {type_words(hint)}" if error["type"] == "finite_number" else error["msg"])
+        raise ConfigError(f"{where}={_shown(error['input'])}: {message}") from None
+
+
+# pydantic's error types of a value outside its declared range: the message states the whole range, as --help does.
+RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long")
+
+
+def _hint_at(kind: type, loc: tuple) -> Any:
+    """The declared type of the key at ``loc`` in the schema ``kind`` (a list element's, for an index)."""
+    hint: Any = kind
+    for part in loc:
+        while typing.get_origin(hint) in (Annotated, typing.Union, types.UnionType):  # to the list or node inside
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        hint = typing.get_args(hint)[0] if isinstance(part, int) else typing.get_type_hints(hint, include_extras=True)[part]
+    return hint
+
+
+def _interpolated(cfg: DictConfig, loc: tuple) -> bool:
+    """Whether the value at ``loc`` (or a node above it) is an interpolation of another key."""
+    node: Any = cfg
+    for part in loc:
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        if OmegaConf.is_interpolation(node, part):
+            return True
+        node = node[part]
+    return False
 
 
 def probe_size_refusal(tokens: int, seq_len: int, block: int, *, keys: str = "seq_len") -> str | None:
@@ -445,20 +402,6 @@ def unmeasured_values(cfg: DictConfig) -> list[str]:
                      f"in (its norms are {arm.site_kind} sites, not {' or '.join(INTERVENABLE_KINDS)}), so no "
                      "intervention is measured and no intervention.jsonl written; probe.intervention=[] says so")
     return lines
-
-
-def _unknown_keys(cfg: DictConfig, schema: type, script: str, prefix: str = "") -> None:
-    """Hydra lets ``+key=value`` add a key even to a structured config: refuse a key the schema lacks."""
-    known = {f.name: f for f in fields(schema)}
-    for key, _ in cfg.items_ex(resolve=False):
-        dotted = f"{prefix}{key}"
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"did you mean {prefix}{close[0]}? " if close else ""
-            raise ConfigError(f"{dotted}: no such key ({hint}python {script} --help lists every key)")
-        factory = known[key].default_factory
-        if factory is not NO_DEFAULT and is_dataclass(factory) and isinstance(cfg._get_node(key), DictConfig):
-            _unknown_keys(cfg._get_node(key), factory, script, f"{dotted}.")
 
 
 # Lightning's precision values (lightning.fabric.connector's precision Literal; tests compare the two),
@@ -571,8 +514,11 @@ def check_probe_source(probe: DictConfig) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
-    _unknown_keys(cfg, TrainSchema, "train.py")
-    check_ranges(cfg, TrainSchema)
+    if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
+        # First: the keys that interpolate it (data.name, data.directory) cannot resolve without it.
+        raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
+                          "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
+    check_types(cfg, TrainSchema, "train.py")
     _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")
     _expect(cfg.norm.impl in NORM_IMPLS, "norm.impl", cfg.norm.impl, " or ".join(NORM_IMPLS))
     if cfg.norm.impl == "compiled":
@@ -584,8 +530,6 @@ def check_train(cfg: DictConfig) -> None:
             f"one of {', '.join(PLACEMENTS)} (placement=...)")
     _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
             f"a divisor of size.n_embd={cfg.size.n_embd}")
-    _expect(len(cfg.optim.betas) == 2, "optim.betas", cfg.optim.betas,
-            "two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
     steps = cfg.checkpoint.steps
     if steps is not None:
         _expect(all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
@@ -597,9 +541,6 @@ def check_train(cfg: DictConfig) -> None:
     check_cross_keys(cfg)
     check_trainer(cfg.trainer)
     check_intervention(cfg.probe)
-    if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
-        raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
-                          "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
     check_probe_source(cfg.probe)
     try:
         accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=1)
@@ -609,8 +550,7 @@ def check_train(cfg: DictConfig) -> None:
 
 def check_analyze(cfg: DictConfig) -> None:
     """Raise ConfigError for a value analyze.py cannot run with."""
-    _unknown_keys(cfg, AnalyzeSchema, "analyze.py")
-    check_ranges(cfg, AnalyzeSchema)
+    check_types(cfg, AnalyzeSchema, "analyze.py")
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")
@@ -622,25 +562,42 @@ def check_analyze(cfg: DictConfig) -> None:
     check_probe_source(cfg.probe)
 
 
-def key_docs(schema: type, prefix: str = "") -> list[str]:
+def key_docs(kind: type, prefix: str = "") -> list[str]:
     """``key: type = default  # doc`` for every key of a schema, nested nodes flattened (for --help)."""
     lines = []
-    for f in fields(schema):
-        key = f"{prefix}{f.name}"
-        if f.default_factory is not NO_DEFAULT and is_dataclass(kind := f.default_factory):
-            lines.append(f"{key}:  # {f.metadata.get('doc', '')}")
-            lines += key_docs(kind, f"{key}.")
+    hints = typing.get_type_hints(kind, include_extras=True)
+    for f in dataclasses.fields(kind):
+        key, text = f"{prefix}{f.name}", f.metadata.get("doc", "")
+        if dataclasses.is_dataclass(f.default_factory):
+            lines += [f"{key}:  # {text}", *key_docs(f.default_factory, f"{key}.")]
             continue
-        default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default
-        shown = "(from conf/)" if default == MISSING else "null" if default is None else default
-        shown = str(shown).lower() if isinstance(shown, bool) else shown
-        kind = str(f.type).replace("typing.", "")
-        limits = f.metadata.get("range", Range())
-        numeric = _numeric_type(typing.get_type_hints(schema)[f.name])
-        each = "each " if numeric and numeric[2] else ""
-        allowed = f" ({each}{limits.describe(numeric[0] is int)}{', or null' if numeric[1] else ''})" if numeric else ""
-        lines.append(f"{key}: {kind} = {shown}  # {f.metadata.get('doc', '')}{allowed}")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"{key}: {type_words(hints[f.name])} = {'(from conf/)' if default == MISSING else _shown(default)}"
+                     f"  # {text}")
     return lines
+
+
+def type_words(hint: Any) -> str:
+    """A key's type as --help shows it, with its range: ``int >= 1``, ``list[float >= 0, < 1] (2 items)``."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Annotated:
+        words = [type_words(args[0])]
+        for limit in args[1:]:
+            if isinstance(limit, Len):
+                words.append(f"({limit.min_length} items)" if limit.min_length == limit.max_length else
+                             f"({limit.min_length} to {limit.max_length} items)")
+            else:
+                words.append(", ".join(f"{op} {getattr(limit, name)}" for name, op in BOUNDS
+                                       if getattr(limit, name, None) is not None))
+        return " ".join(words)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(type_words(arg) for arg in args)
+    if typing.get_origin(hint) is list:
+        return f"list[{type_words(args[0])}]"
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
 
 
 SCHEMAS = {"train": (TrainSchema, check_train), "analyze": (AnalyzeSchema, check_analyze)}
