@@ -49,6 +49,7 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
+from normgeo.runs.build import make_module, make_schedule
 from normgeo.runs.checks import config_errors_exit_2, task_started
 from normgeo.runs.config import CONF_DIR, close_file_logs
 from normgeo.runs.run_config import (
@@ -212,7 +213,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     if cfg.threads is not None:  # a fixed count: the floating-point order is part of the experiment
         torch.set_num_threads(cfg.threads)
 
-    schedule: CheckpointSchedule = instantiate(cfg.checkpoint)
+    schedule: CheckpointSchedule = make_schedule(cfg)
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
     # (at once during a validation or a probe); its handler is installed first.
     stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
@@ -221,7 +222,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     clock = SessionClock()
     callbacks.append(clock)
     callbacks.append(stop)
-    module: LitGPT = instantiate(cfg.model)
+    module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
     for logger in trainer.loggers:

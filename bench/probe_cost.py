@@ -33,7 +33,6 @@ import time
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 
 from models.gpt import GPT
 from models.hardware import missing_cuda
@@ -41,6 +40,7 @@ from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SC
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.runs.build import make_module
 from normgeo.runs.config import CONF_DIR
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
@@ -49,7 +49,7 @@ BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.
 def build(size: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"size={size}"])
-    return instantiate(cfg.model, seed=0).model.eval()  # conf/train/train.yaml's model node: norm included
+    return make_module(cfg, seed=0).model.eval()  # as train.py builds it: norm included
 
 
 def token_ids(count: int) -> torch.Tensor:

@@ -39,8 +39,7 @@ import lightning as L
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from corpus.prepare import load_prepared
 from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets
@@ -48,6 +47,7 @@ from models.gpt import GPT, GPTConfig
 from models.hardware import default_precision
 from models.lit import compute_dtype
 from models.norms import NORM_ARMS
+from normgeo.runs.build import make_datamodule, make_module, model_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.start import start_session
 from train import train
@@ -107,7 +107,7 @@ def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> floa
     """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW, schedule."""
     data = load_prepared(cfg.data.directory)
     windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed)
-    module = instantiate(cfg.model)
+    module = make_module(cfg)
     model = module.model.to(device).train()
     # The harness's optimizer and schedule themselves, so that the loop is all that differs.
     optimizers = module.configure_optimizers()
@@ -135,7 +135,7 @@ def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> fl
     """From scratch: one token tensor, the step's windows gathered by offsets, model(x, y), AdamW, clip, step."""
     data = load_prepared(cfg.data.directory)
     tokens = torch.from_numpy(np.asarray(data.tokens("train"), dtype=np.int64))
-    model = GPT(GPTConfig(**OmegaConf.to_container(cfg.model.model, resolve=True)), seed=cfg.seed).to(device)
+    model = GPT(GPTConfig(**model_config(cfg)), seed=cfg.seed).to(device)
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
@@ -225,7 +225,7 @@ def main() -> None:
                 cfg = compose("train", overrides=[*overrides, *extra, f"run_dir={workdir / f'run{run}'}"])
                 run += 1
                 if repeat == 0:
-                    instantiate(cfg.data).prepare_data()  # tokenized before any timing (the loops need it)
+                    make_datamodule(cfg).prepare_data()  # tokenized before any timing (the loops need it)
                 gc.collect()  # the previous variant's trainer, model and optimizer go before this one starts
                 if arms or name == "harness":
                     results[name].append(harness_tokens_per_s(cfg, args.skip))

@@ -150,12 +150,13 @@ def sd_of(values: Sequence[float]) -> float | None:
 def validation_windows(run_dir: Path) -> tuple[PreparedData, TokenWindows, int, int]:
     """(the prepared data, the windows, their count, the micro-batch) of the run's validation: the data module's
     draw (``val_seed``, else ``seed``; ``val_sequences`` rounded to whole micro-batches)."""
-    data = (load_run_config(run_dir) or {})["data"]
+    config = load_run_config(run_dir) or {}
+    data = config["data"]
     prepared = load_prepared(data["directory"], tokenizer=data.get("tokenizer", "gpt2"))
-    micro = int(data["micro_batch"])
-    count = max(micro, int(data["val_sequences"]) // micro * micro)
-    seed = data.get("val_seed")
-    windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(data["seq_len"]), count,
+    micro = int(config["micro_batch"])
+    count = max(micro, int(config["val_sequences"]) // micro * micro)
+    seed = config.get("val_seed")
+    windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(config["seq_len"]), count,
                            int(data["seed"] if seed is None else seed))
     return prepared, windows, count, micro
 

@@ -36,7 +36,6 @@ import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -57,6 +56,7 @@ from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.runs.build import make_schedule, module_arguments
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.schema import ConfigError
@@ -110,7 +110,7 @@ def planned_world_size(cfg: DictConfig, visible_gpus: int | None = None) -> int:
 
 
 def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> TrainSetup:
-    """The planner's view of a composed train.py config (the model node is LitGPT's arguments as is)."""
+    """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds it)."""
     world = planned_world_size(cfg, visible_gpus)
     strategy, fsdp = strategy_of(cfg, world)
     on_cpu = cfg.trainer.accelerator == "cpu"
@@ -119,7 +119,7 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
     if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
         raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
                           f"global_batch={cfg.global_batch}")
-    model = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if not k.startswith("_")}
+    model = module_arguments(cfg)
     return TrainSetup(
         model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch), precision=precision,
         strategy=strategy, world_size=world, gradient_clip=cfg.trainer.get("gradient_clip_val"),
@@ -130,7 +130,7 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
 def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
     """Bytes the schedule writes: scheduled checkpoints (weights only unless keep_optimizer) + last.ckpt
     (full state). Tensor bytes only: the metadata (hparams, RNG states, run config) adds some kB."""
-    schedule = instantiate(cfg.checkpoint)  # the schedule train.py builds from the same node
+    schedule = make_schedule(cfg)  # the schedule train.py builds
     weights = plan.counts.parameter_bytes
     full = weights + plan.counts.optimizer_bytes
     each = full if schedule.keep_optimizer else weights

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
+from normgeo.runs.build import make_datamodule
 from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from tests.conftest import ROOT
 
@@ -55,7 +56,7 @@ def test_the_data_options_are_the_documented_ones() -> None:
 def test_data_options_instantiate_the_datamodule(tmp_path: Path, option, source_type, auto_prepare) -> None:
     extra = ["data.source.path=../shared/corpora/webtext"] if option == "local" else []
     cfg = compose_train(f"data={option}", f"data_root={tmp_path}", "global_batch=16", "micro_batch=4", *extra)
-    module = instantiate(cfg.data)
+    module = make_datamodule(cfg)
     assert isinstance(module, TokenDataModule) and isinstance(module.source, source_type)
     assert module.auto_prepare is auto_prepare
     assert module.directory.parent == tmp_path

@@ -8,7 +8,6 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._dynamo.utils import counters
 
@@ -16,6 +15,7 @@ from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
 from models.norms import NORM_ARMS, NORM_IMPLS
 from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.runs.build import make_module, model_config
 from normgeo.runs.config import CONF_DIR
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
@@ -24,7 +24,7 @@ SIZES = ("tiny", "70m", "160m", "410m", "1b")
 def build_from_config(*overrides: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
-    return instantiate(cfg.model).model  # the one cfg -> model mapping (conf/train/train.yaml's model node)
+    return make_module(cfg).model  # the one cfg -> model map (normgeo/runs/build.py)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -131,7 +131,7 @@ def test_paper_sizes_compose_to_table_2(size: str) -> None:
     assert (cfg.size.n_layer, cfg.size.n_embd, cfg.size.n_head, cfg.size.lr) == table2[size]
     assert cfg.seq_len == 1024 and cfg.global_batch == 64 and cfg.tie_embeddings is False
     assert cfg.max_steps == (100_000 if size in ("70m", "160m") else 50_000)
-    config = GPTConfig(**cfg.model.model)
+    config = GPTConfig(**model_config(cfg))
     assert (_count(config, tied=False), _count(config, tied=True)) == PARAMETERS[size]
 
 

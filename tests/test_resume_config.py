@@ -85,13 +85,16 @@ def test_nested_changes_are_reported_old_to_new() -> None:
     assert "run_name=" in message and "seed=" in message and "original values" in message
 
 
-def test_a_run_recorded_before_the_target_nodes_resumes_but_their_later_changes_count() -> None:
-    """model and checkpoint._target_ are built from other keys: absent in an old record, they are no change."""
-    nodes = {"model": {"_target_": "models.lit.LitGPT", "lr": 1e-3}, "checkpoint": {"_target_": "S", "max_steps": 4}}
-    new = {**BASE, **nodes}
-    assert config_changes(BASE, new) == {}
-    changed = {**new, "model": {**nodes["model"], "lr": 0.5}}
-    assert config_changes(new, changed) == {"model.lr": (1e-3, 0.5)}
+def test_the_copies_older_runs_recorded_are_no_change_either_way_but_their_changes_count() -> None:
+    """model, checkpoint.max_steps and data.seq_len, ... copied other keys while conf/ held them (normgeo/runs/build.py
+    passes those values now): recorded by an old session and absent in this one, or the reverse, they are no
+    change; where both sides hold one, a change to it still counts."""
+    copies = {"model": {"_target_": "models.lit.LitGPT", "lr": 1e-3}, "checkpoint": {"_target_": "S", "max_steps": 4},
+              "data": {**BASE["data"], "seq_len": 64, "micro_batch": 4, "val_seed": None}}
+    old = {**BASE, **copies}
+    assert config_changes(old, BASE) == {} and config_changes(BASE, old) == {}
+    changed = {**old, "model": {**copies["model"], "lr": 0.5}}
+    assert config_changes(old, changed) == {"model.lr": (1e-3, 0.5)}
 
 
 def test_keys_on_one_side_only_are_changes() -> None:

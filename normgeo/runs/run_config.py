@@ -47,11 +47,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "size.gpus",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     "size.minutes",
     "compile",
-    "model.compile",  # the LightningModule's node (conf/train/train.yaml) takes it from compile
     "optim.fused",  # AdamW's kernel: the same update, in another floating-point order
-    "model.fused",
     "norm.impl",
-    "model.model.norm_impl",  # the model's node takes it from norm.impl
     "logger",
     "probe.batch_size",
     "num_workers",
@@ -61,10 +58,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "run_name",
     "log_every",
     "checkpoint.last_every",
-    # conf/train/data/*.yaml derive these from data_root, micro_batch and num_workers above.
+    # conf/train/data/*.yaml derive these from data_root above.
     "data.directory",
-    "data.num_workers",
-    "data.micro_batch",
     "data.prepare_command",
     # Which config node the refusals of a local source name (corpus.sources.LocalFilesSource).
     "data.source.config_node",
@@ -72,10 +67,11 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 )
 
 
-# Nodes built from other keys by interpolation (conf/train/train.yaml: the LightningModule's and the
-# checkpoint schedule's _target_ nodes), compared through those keys: a run recorded before they existed
-# resumes without them counting as changes.
-DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps")
+# Copies of other keys that runs recorded while conf/ held them (the LightningModule's node, the data module's
+# and the schedule's copies of top-level keys; normgeo/runs/build.py passes those values now) or before they
+# existed: compared through the keys they copy, so a run recorded with or without them resumes.
+DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps", "data.seq_len", "data.global_batch",
+                            "data.micro_batch", "data.max_steps", "data.val_sequences", "data.val_seed", "data.num_workers")
 # Keys added later, with the value every run recorded before them had: absent in an old record means this.
 LEGACY_DEFAULTS: dict[str, Any] = {
     "placement.name": "pre",
@@ -89,7 +85,6 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "threads": None,
     "probe.intervention_tokens": None,  # every probe token was intervened on
     "val_seed": None,
-    "data.val_seed": None,
 }
 
 
@@ -164,7 +159,7 @@ def config_changes(
         if is_allowed(key, allowed):
             continue
         before, after = flat_old.get(key, LEGACY_DEFAULTS.get(key, ABSENT)), flat_new.get(key, ABSENT)
-        if before is ABSENT and is_allowed(key, DERIVED):
+        if ABSENT in (before, after) and is_allowed(key, DERIVED):
             continue
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
         if before != after or (isinstance(before, bool) != isinstance(after, bool)):

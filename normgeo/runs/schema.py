@@ -107,8 +107,7 @@ class OptimSchema:
 
 @schema
 class CheckpointSchema:
-    _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule)")
-    max_steps: Count = doc(MISSING, "the schedule ends with this step: the top-level max_steps")
+    _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule; it ends with max_steps)")
     steps: list[Count] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps")
     dense_every: Count = doc(1000, "a checkpoint every this many steps up to dense_until")
     dense_until: Count = doc(10000, "end of the dense part of the schedule")
@@ -166,15 +165,8 @@ class DataSchema:
     val_fraction: Annotated[float, Interval(gt=0, lt=1)] = doc(0.005, "fraction of documents held out for validation")
     auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
     prepare_command: str = doc("", "the command that prepares this corpus")
-    seq_len: Count = doc(MISSING, "filled from the top level")
-    global_batch: Count = doc(MISSING, "filled from the top level")
-    micro_batch: Count = doc(MISSING, "filled from the top level")
-    max_steps: Count = doc(MISSING, "filled from the top level")
     seed: Seed = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
                      "alone, the initial weights keep seed")
-    val_sequences: Count = doc(MISSING, "filled from the top level")
-    val_seed: Seed | None = doc(None, "filled from the top level (val_seed)")
-    num_workers: Natural = doc(MISSING, "filled from the top level")
 
 
 @schema
@@ -215,7 +207,6 @@ class TrainSchema:
     size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
     optim: OptimSchema = node(OptimSchema, "AdamW and the warm-up + cosine schedule")
     checkpoint: CheckpointSchema = node(CheckpointSchema, "_target_ node of the checkpoint (and probe) schedule")
-    model: Any = doc(MISSING, "_target_ node of the LightningModule (models.lit.LitGPT): the one cfg -> model map")
     data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
     probe: TrainProbeSchema = node(TrainProbeSchema, "group probe: the angle measurements")
     trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")

@@ -34,6 +34,7 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.runs.build import make_datamodule
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.runs.config import (
     attach_log_file,
@@ -183,7 +184,7 @@ def check_start(cfg: DictConfig) -> Start:
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
             probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), ProbeConfig.from_config(cfg.probe))
-        datamodule = instantiate(cfg.data)
+        datamodule = make_datamodule(cfg)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
         check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known

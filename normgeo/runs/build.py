@@ -1,0 +1,51 @@
+"""The one map from train.py's config to what a run is built from: the LightningModule, the data module and the
+checkpoint schedule.
+
+Each value lives under one key of the config (``seq_len``, ``norm.name``, ``optim.lr``); these functions hand it
+to every object that needs it, so no node of conf/ copies another's keys (and a resumed run's config has no
+aliases to compare). train.py, bench/, normgeo.plan and the tests build from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from corpus.datamodule import TokenDataModule
+from models.lit import LitGPT
+
+
+def model_config(cfg: DictConfig) -> dict[str, Any]:
+    """models.gpt.GPTConfig's fields: the architecture (size), the arm (norm, placement), the context."""
+    return {"n_layer": cfg.size.n_layer, "n_head": cfg.size.n_head, "n_embd": cfg.size.n_embd,
+            "block_size": cfg.seq_len, "norm": cfg.norm.name, "norm_eps": cfg.norm.eps, "norm_impl": cfg.norm.impl,
+            "placement": cfg.placement.name, "tie_embeddings": cfg.tie_embeddings}
+
+
+def module_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """models.lit.LitGPT's arguments, as plain values (they are its saved hyperparameters)."""
+    optim = cfg.optim
+    return {"model": model_config(cfg), "seed": cfg.seed, "max_steps": cfg.max_steps,
+            "global_batch": cfg.global_batch, "lr": optim.lr, "min_lr_ratio": optim.min_lr_ratio,
+            "warmup_steps": optim.warmup_steps, "weight_decay": optim.weight_decay, "betas": list(optim.betas),
+            "fused": optim.fused, "compile": cfg.compile}
+
+
+def make_module(cfg: DictConfig, **changes: Any) -> LitGPT:
+    """The LightningModule of ``cfg`` (``changes``: arguments that differ, e.g. bench/'s ``seed=0``)."""
+    return LitGPT(**{**module_arguments(cfg), **changes})
+
+
+def make_datamodule(cfg: DictConfig) -> TokenDataModule:
+    """``cfg.data`` (its own keys: the source, the prepared folder, the tokenizer, the batch order's seed) with
+    the run's batch geometry, steps, validation and workers."""
+    return instantiate(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+                       max_steps=cfg.max_steps, val_sequences=cfg.val_sequences, val_seed=cfg.val_seed,
+                       num_workers=cfg.num_workers)
+
+
+def make_schedule(cfg: DictConfig) -> Any:
+    """``cfg.checkpoint``'s schedule (callbacks.checkpointing.CheckpointSchedule), ending with max_steps."""
+    return instantiate(cfg.checkpoint, max_steps=cfg.max_steps)
