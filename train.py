@@ -40,7 +40,6 @@ from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
-from models.hardware import default_precision
 from models.lit import LitGPT, NonFiniteError
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
@@ -49,7 +48,7 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
-from normgeo.runs.build import make_module, make_schedule
+from normgeo.runs.build import make_module, make_schedule, trainer_arguments
 from normgeo.runs.checks import config_errors_exit_2, task_started
 from normgeo.runs.config import CONF_DIR, close_file_logs
 from normgeo.runs.run_config import (
@@ -132,20 +131,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
         # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    precision = cfg.trainer.precision or default_precision()
-    trainer = instantiate(
-        cfg.trainer,
-        precision=precision,
-        max_steps=cfg.max_steps,
-        max_epochs=-1,
-        default_root_dir=str(run_dir),
-        callbacks=callbacks,
-        logger=make_loggers(cfg, run_dir),
-        plugins=plugins,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-    )
-    # The global batch is fixed; accumulation is whatever the device count leaves over.
+    trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), default_root_dir=str(run_dir), callbacks=callbacks,
+                          logger=make_loggers(cfg, run_dir), plugins=plugins)
+    # The global batch is fixed; accumulation is whatever the device count leaves over (checked at the start).
     trainer.accumulate_grad_batches = accumulation_steps(cfg.global_batch, cfg.micro_batch, trainer.world_size)
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer

@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from corpus.datamodule import TokenDataModule
+from models.hardware import default_precision
 from models.lit import LitGPT
 
 
@@ -44,6 +45,13 @@ def make_datamodule(cfg: DictConfig) -> TokenDataModule:
     return instantiate(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                        max_steps=cfg.max_steps, val_sequences=cfg.val_sequences, val_seed=cfg.val_seed,
                        num_workers=cfg.num_workers)
+
+
+def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """What the run sets on ``cfg.trainer``'s Trainer: its steps, validation by steps (not epochs), no sanity
+    validation, and precision null as the hardware's default (bf16-mixed on GPUs that have it, else 32-true)."""
+    return {"precision": cfg.trainer.precision or default_precision(), "max_steps": cfg.max_steps, "max_epochs": -1,
+            "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
 
 
 def make_schedule(cfg: DictConfig) -> Any:

@@ -8,8 +8,9 @@ pydantic then validates the composed config against the same dataclasses (:func:
 finite floats, and a key added with ``+`` that the schema lacks. Why both: Hydra needs dataclasses for its
 ConfigStore and its compose-time types, and pydantic reads dataclasses and their ``Annotated`` constraints as
 they are, so nothing is declared twice. The rules that tie keys together are :func:`check_cross_keys`; what
-belongs to a registry (a known norm) or to Lightning (the Trainer's arguments) is asked of it
-(:func:`check_train`, :func:`check_analyze`), before anything is written.
+belongs to a registry (a known norm, placement, tokenizer) is asked of it (:func:`check_train`,
+:func:`check_analyze`), before anything is written. The Trainer's arguments are Lightning's to judge, on the
+machine that runs (normgeo.runs.start.check_trainer).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 import re
 import types
 import typing
@@ -395,69 +395,6 @@ def unmeasured_values(cfg: DictConfig) -> list[str]:
     return lines
 
 
-# Lightning's precision values (lightning.fabric.connector's precision Literal; tests compare the two),
-# and null: train.py picks bf16-mixed or 32-true for the hardware (models/hardware.py).
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
-              "transformer-engine-float16")
-PRECISION_SHORT = ("32", "16", "bf16", "64", 32, 16, 64)  # Lightning's aliases of 32-true, 16-mixed, ...
-DEVICES_EXPECTED = "a device count >= 1, -1 (all), auto, or device indices like [0,1] or '0,1'"
-
-
-def _devices_ok(devices: Any) -> bool:
-    """Lightning's devices: a count, -1 (all), auto, a list of indices or a comma-separated string of them."""
-    if isinstance(devices, bool):
-        return False
-    if isinstance(devices, int):
-        return devices >= 1 or devices == -1
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text in ("auto", "-1"):
-            return True
-        if "," not in text:  # a count, as a string
-            return text.isdigit() and int(text) >= 1
-        parts = [part.strip() for part in text.split(",") if part.strip()]  # indices: "0,1" or "1,"
-        return bool(parts) and all(part.isdigit() for part in parts)
-    if isinstance(devices, ListConfig | list):
-        return len(devices) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
-    return False
-
-
-def check_trainer(trainer: DictConfig) -> None:
-    """The Trainer arguments Lightning itself would refuse inside ``instantiate`` (exit 1, after Hydra
-    wrote .hydra/ and train.log): devices, num_nodes, precision, accelerator, strategy; checked by name,
-    without building a Trainer (a strategy node's class is located, not constructed)."""
-    # Lightning's public registries: the names its Trainer accepts (its own check, asked, not copied). Imported
-    # here: analyze.py and the sweep readers load this schema, and Lightning would add 3 s to their start.
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-    from lightning.pytorch.strategies import Strategy, StrategyRegistry
-
-    _expect(_devices_ok(trainer.get("devices", "auto")), "trainer.devices", trainer.get("devices"), DEVICES_EXPECTED)
-    nodes = trainer.get("num_nodes", 1)
-    _expect(isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1, "trainer.num_nodes", nodes,
-            "an integer >= 1")
-    precision = trainer.get("precision")
-    _expect(precision is None or precision in (*PRECISIONS, *PRECISION_SHORT), "trainer.precision", precision,
-            f"null (bf16-mixed on GPUs that have it, else 32-true), {', '.join(PRECISIONS)} (or 32, 16, bf16, 64)")
-    accelerators = ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())]
-    accelerator = trainer.get("accelerator", "auto")
-    _expect(accelerator in accelerators, "trainer.accelerator", accelerator, f"one of {', '.join(accelerators)}")
-    strategy = trainer.get("strategy", "auto")
-    if isinstance(strategy, DictConfig):
-        target = strategy.get("_target_")
-        module, _, name = str(target).rpartition(".")
-        try:  # import the module, build nothing
-            located = getattr(importlib.import_module(module), name, None) if module else None
-        except ImportError:
-            located = None
-        _expect(isinstance(located, type) and issubclass(located, Strategy), "trainer.strategy._target_", target,
-                "the import path of a lightning.pytorch.strategies.Strategy subclass")
-        return
-    strategies = ["auto", *StrategyRegistry.available_strategies()]
-    _expect(isinstance(strategy, str) and strategy.lower() in strategies, "trainer.strategy", strategy,
-            "auto, ddp, ddp_spawn, fsdp, deepspeed or another name of Lightning's StrategyRegistry, "
-            "or a _target_ node (trainer=ddp, trainer=fsdp)")
-
-
 def training_device_type(trainer: DictConfig) -> str:
     """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
     accelerator = str(trainer.get("accelerator", "auto"))
@@ -530,7 +467,6 @@ def check_train(cfg: DictConfig) -> None:
     if refusal := unknown_tokenizer(cfg.data.tokenizer, "data.tokenizer"):
         raise ConfigError(refusal)
     check_cross_keys(cfg)
-    check_trainer(cfg.trainer)
     check_intervention(cfg.probe)
     check_probe_source(cfg.probe)
     try:

@@ -19,22 +19,25 @@ import shutil
 import stat
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
+from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.runs.build import make_datamodule
+from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.runs.config import (
     attach_log_file,
@@ -167,6 +170,31 @@ class Start:
         self.release()
 
 
+def check_trainer(cfg: DictConfig) -> None:
+    """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy) asked of Lightning on this
+    machine rather than copied: a bare Trainer built from ``cfg.trainer`` as train.py builds it, with nothing
+    attached (no logger, no callback: nothing is written); then the global batch against its world size."""
+    lightning_logs = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in lightning_logs]
+    try:
+        for logger in lightning_logs:
+            logger.setLevel(logging.WARNING)  # its device lines: train.py's Trainer prints them, once
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False)
+    except InstantiationException as err:  # Lightning's refusal, or Hydra's for a strategy class it cannot locate
+        cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
+        raise StartError(f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
+    finally:
+        for logger, level in zip(lightning_logs, levels, strict=True):
+            logger.setLevel(level)
+    try:
+        accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=trainer.world_size)
+    except ValueError as err:
+        raise StartError(f"micro_batch={cfg.micro_batch}: {err}") from None
+
+
 def check_start(cfg: DictConfig) -> Start:
     """Everything a user can get wrong that is known before training, cheapest first; raises one of
     START_ERRORS. Writes nothing in the run directory (data is prepared under data_root, as training would)."""
@@ -175,6 +203,7 @@ def check_start(cfg: DictConfig) -> Start:
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if refusal := missing_cuda("trainer.accelerator", accelerator, "trainer=cpu (or trainer=ddp_cpu) on this machine"):
         raise StartError(refusal)
+    check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
