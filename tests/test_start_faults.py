@@ -148,14 +148,20 @@ def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(wo
 
 @pytest.mark.slow
 def test_a_claimed_start_that_fails_before_its_first_step_is_undone(workspace: Path) -> None:
-    """Two devices that do not divide the global batch: known once the Trainer is built, after the claim
-    (Hydra's .hydra/ and train.log, the lock, the loggers); the undo restores every file."""
+    """A logger whose folder cannot be created (under a file) fails once the loggers start, after the claim
+    (.hydra/ and train.log written, the lock taken): not a user error, so its traceback stays (exit 1), and the
+    undo restores every file of the resumed run; a new run's folder is removed."""
     run_dir = workspace / "undone"
     train_here(run_dir, "max_steps=4", "stop_at_step=2")
     before = sha_tree(run_dir)
-    done = run_train(run_dir, "max_steps=4", "resume=auto", "trainer=ddp_cpu", "micro_batch=8", check=False)
-    assert_refused(done, "global batch 8 is not divisible by micro batch 8 x 2 devices")
-    assert sha_tree(run_dir) == before  # before: .hydra/ rewritten, train.log appended (exit 2 all the same)
+    broken = ["+logger.extra._target_=lightning.pytorch.loggers.CSVLogger",
+              f"+logger.extra.save_dir={workspace / 'data' / 'pydoc' / 'train.bin'}"]
+    done = train_here(run_dir, "max_steps=4", "resume=auto", *broken, check=False)
+    assert done.returncode == 1 and "NotADirectoryError" in done.stderr + done.stdout, done.stderr[-3000:]
+    assert sha_tree(run_dir) == before  # before the undo: .hydra/ rewritten, train.log appended, csv/version_1
+    fresh = workspace / "fresh"  # beside the prepared data (data_root is the run directory's parent's data/)
+    assert train_here(fresh, "max_steps=4", *broken, check=False).returncode == 1
+    assert not fresh.exists()
 
 
 @pytest.mark.slow

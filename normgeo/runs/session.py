@@ -52,9 +52,9 @@ class RunFinished(Exception):
 
 
 REFUSALS = (RunDirectoryError, ResumeConfigError)
-# Files a run directory may hold without holding a run: the lock (normgeo.runs.lock.LOCK_FILE, kept after
-# its process; not imported to keep this module light) and a killed write's temporaries.
-NOT_A_RUN = (".normgeo.lock",)
+# Files a run directory may hold without holding a run: the lock (kept after its process) and a killed write's
+# temporaries.
+NOT_A_RUN = (LOCK_FILE,)
 
 
 @dataclass(frozen=True)
