@@ -213,7 +213,7 @@ def is_causal_lm(config) -> bool:
     """Whether a Hugging Face config is a decoder trained for next-token prediction: its architectures say
     so (``*ForCausalLM``, ``*LMHeadModel``), or, where a GGUF file names none, its model type has a causal
     LM class and no masked-LM one (BERT has both: an encoder, whose causal head would be untrained)."""
-    from transformers.models.auto.modeling_auto import (
+    from transformers.models.auto.modeling_auto import (  # transformers: seconds to import, only for pretrained models
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )

@@ -59,7 +59,7 @@ def truncated_examples(task, context: int, limit: int | None, encode: Callable[[
 
 def task_manager(include_path: Path | None):
     """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes seconds."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lm-eval takes seconds to import: only once a task index is needed
 
     return TaskManager(include_path=str(include_path) if include_path else None)
 
