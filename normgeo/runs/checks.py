@@ -1,8 +1,9 @@
 """The config check: impossible values are refused right after composition, before anything is written.
 
 train.py and analyze.py check in their task functions (normgeo.runs.start.check_start, analyze.run), first:
-Hydra writes nothing into their folders by itself. A refusal prints one line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as
-do Hydra's own config errors (:func:`config_errors_exit_2`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
+Hydra writes nothing into their folders by itself. A refusal prints one line naming the key and exits 2
+(:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors (:func:`config_errors_exit_2`). The checks
+themselves are the schema's (:mod:`normgeo.runs.schema`).
 """
 
 from __future__ import annotations

@@ -67,9 +67,9 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 )
 
 
-# Copies of other keys that runs recorded while conf/ held them (the LightningModule's node, the data module's
-# and the schedule's copies of top-level keys; normgeo/runs/build.py passes those values now) or before they
-# existed: compared through the keys they copy, so a run recorded with or without them resumes.
+# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the schedule's
+# copies; normgeo/runs/build.py passes those values now): compared through the keys they copy, so a run recorded
+# with them, or before them, resumes; only a change to one that both sides hold counts.
 DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps", "data.seq_len", "data.global_batch",
                             "data.micro_batch", "data.max_steps", "data.val_sequences", "data.val_seed", "data.num_workers")
 # Keys added later, with the value every run recorded before them had: absent in an old record means this.
