@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, 
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
-from normgeo.runs.checks import check_config, config_errors_exit_2, task_started
+from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse, task_started
 from normgeo.runs.config import (
     ANALYZE_CONF_DIR,
     attach_log_file,
@@ -155,16 +154,15 @@ USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
-def run(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write -> Hydra's files (.hydra/,
     analyze.log) only then. A refusal or failure removes the folders this start created and its partial log,
-    so an earlier analysis in out_dir stays as it was."""
+    so an earlier analysis in out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
     task_started()  # an exit 1 from now on is this task's, not one of Hydra's config errors
     try:
         check_config("analyze", cfg)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        return refuse(cfg.out_dir, err)
     stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
     out_dir = Path(cfg.out_dir)
     created = topmost_missing(out_dir)
@@ -179,12 +177,12 @@ def run(cfg: DictConfig) -> None:
         partial_log.unlink(missing_ok=True)
         remove_created(out_dir, created)
         if isinstance(err, USER_ERRORS):
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
+            return refuse(out_dir, err)
         raise
     close_file_logs(out_dir)
     write_hydra_files(out_dir, cfg)
     partial_log.replace(log_file)
+    return None
 
 
 main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.checks)

@@ -23,8 +23,6 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -49,7 +47,7 @@ from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
-from normgeo.runs.checks import config_errors_exit_2, task_started
+from normgeo.runs.checks import Refused, config_errors_exit_2, refuse, task_started
 from normgeo.runs.config import CONF_DIR, close_file_logs
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -59,15 +57,12 @@ from normgeo.runs.run_config import (
     save_run_config,
 )
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
-from normgeo.runs.session import (  # noqa: F401
+from normgeo.runs.session import (
     DIVERGED,
-    Refused,
-    RunDirectoryError,
     RunFinished,
     disk_full_refusal,
     remove_stale_temporaries_of_run,
     replace_diverged_run,
-    resume_checkpoint,
     resume_command,
 )
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
@@ -262,15 +257,6 @@ def finish_wandb_run() -> None:
         sys.modules["wandb"].finish()
 
 
-def refuse(cfg: DictConfig, err: Exception) -> Refused:
-    """Exit 2 with the reason; in a ``-m`` sweep return it instead, so that the other jobs still run
-    (normgeo.runs.session.RefusalReport lists the refused ones when the sweep ends)."""
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Refused(str(cfg.run_dir), str(err))
-    sys.exit(2)
-
-
 # A user's error: one line on stderr and exit 2. Before this session's first optimizer step the start is
 # undone as well (the run directory as it was found); a divergence is a result, and keeps its files.
 USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, AnalysisError, NonFiniteError, ValueError)
@@ -288,7 +274,7 @@ def run(cfg: DictConfig) -> Refused | None:
         print(done, flush=True)
         return None
     except START_ERRORS as err:
-        return refuse(cfg, err)
+        return refuse(cfg.run_dir, err)
     try:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
@@ -299,10 +285,10 @@ def run(cfg: DictConfig) -> Refused | None:
         if not start.trained and (stopped or not isinstance(err, (NonFiniteError, SystemExit))):
             start.undo()  # failed or stopped before its first optimizer step: the directory as it was found
         if isinstance(err, USER_ERRORS):
-            return refuse(cfg, err)
+            return refuse(cfg.run_dir, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
         if full is not None:  # a full disk, however torch or Lightning wrapped it: one line, exit 2
-            return refuse(cfg, full)
+            return refuse(cfg.run_dir, full)
         raise
     finally:
         finish_wandb_run()

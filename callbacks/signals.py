@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
 import lightning as L
 import torch
@@ -26,6 +25,7 @@ import torch
 from callbacks.lightning_loops import settle_abandoned_validation
 from callbacks.optimizer_step import OptimizerStepCallback
 from normgeo.runs.run_config import LAST_CHECKPOINT
+from slurm.requeue import SlurmRequeue
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,6 @@ class SignalStop(Exception):
     """A stop signal arrived while this session measured (a validation, a probe): the measurement is
     abandoned at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
     :meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
-
-
-class RequeueRequest(Protocol):
-    """What train.py's USR1 handler records (``slurm.requeue.SlurmRequeue``)."""
-
-    received: bool  # a requeue signal arrived on this rank
-    training: bool  # from on_train_start on, the handler only records and StopOnSignal acts
-    stopped_at: int | None  # the step at which training stopped so that the job can be requeued
 
 
 class Interrupt:
@@ -148,7 +140,7 @@ class StopOnSignal(OptimizerStepCallback):
     on train end by :class:`callbacks.checkpointing.ScheduledCheckpoint`; train.py requeues the job, or prints the resume command.
     """
 
-    def __init__(self, requeue: RequeueRequest | None = None, resume_command: str = "",
+    def __init__(self, requeue: SlurmRequeue | None = None, resume_command: str = "",
                  last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
         self.requeue = requeue
         self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message

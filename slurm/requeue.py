@@ -23,8 +23,8 @@ class SlurmRequeue:
     save the run, requeue the job, exit.
 
     Python dies of a USR1 it has no handler for, so this handler goes in before the slow imports. Once
-    training runs it only records the signal: :class:`RequeueOnSignal` stops all ranks at the next
-    optimizer-step boundary, ``last.ckpt`` is written and :func:`main` requeues the job. Before training
+    training runs it only records the signal: :class:`callbacks.signals.StopOnSignal` stops all ranks at the
+    next optimizer-step boundary, ``last.ckpt`` is written and train.py requeues the job. Before training
     starts there is nothing new to save, so the job is requeued at once.
     """
 

@@ -352,6 +352,18 @@ def test_failed_start_leaves_an_earlier_analysis_as_it_was(outputs: dict[str, Pa
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_sweep_runs_its_other_jobs_and_lists_the_refused_one(our_checkpoint: Path, tmp_path: Path) -> None:
+    """analyze.py -m as train.py -m: a refused job no longer ends the sweep; it is listed at the end (exit 2)."""
+    result = entry_point_here("analyze", ["-m", "progress=false", "model=checkpoint", "model.name=ours",
+                                          f"model.checkpoint=/no/such/last.ckpt,{our_checkpoint}", "probe=pydoc",
+                                          "probe.tokens=300", "probe.intervention=[]", f"output_root={tmp_path}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2] == "1 job(s) of the sweep were refused (the others ran):", lines[-4:]
+    assert lines[-1].startswith(f"  {tmp_path / 'analyze' / 'ours'}: checkpoint not found: /no/such/last.ckpt (")
+    assert (tmp_path / "analyze" / "ours" / "angles.jsonl").is_file()  # the job after the refused one ran
+
+
 @pytest.mark.slow
 def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_and_figures(our_checkpoint: Path,
                                                                                           tmp_path: Path) -> None:

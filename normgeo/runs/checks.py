@@ -1,17 +1,23 @@
-"""The config check: impossible values are refused right after composition, before anything is written.
+"""Refusals: the config check, and how a refused job ends.
 
 train.py and analyze.py check in their task functions (normgeo.runs.start.check_start, analyze.run), first:
 Hydra writes nothing into their folders by itself. A refusal prints one line naming the key and exits 2
-(:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors (:func:`config_errors_exit_2`). The checks
-themselves are the schema's (:mod:`normgeo.runs.schema`).
+(:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors (:func:`config_errors_exit_2`); in a ``-m``
+sweep the refused job returns :class:`Refused` instead, the other jobs run, and :class:`RefusalReport` lists
+the refused ones at the end (:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from normgeo.runs.schema import SCHEMAS
@@ -65,3 +71,39 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     main.__doc__ = hydra_main.__doc__
     return main
 
+
+
+@dataclass
+class Refused:
+    """What a task function returns in a ``-m`` sweep for a refused job (the sweep goes on)."""
+
+    folder: str  # the job's run directory or output folder
+    message: str
+
+
+def refuse(folder: object, err: BaseException) -> Refused:
+    """Exit 2 with the reason on one line; in a ``-m`` sweep return it instead, so that the other jobs still
+    run (:class:`RefusalReport` lists the refused ones when the sweep ends)."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Refused(str(folder), str(err))
+    sys.exit(CONFIG_ERROR_EXIT)
+
+
+class RefusalReport(Callback):
+    """Hydra callback (conf/train/train.yaml, conf/analyze/analyze.yaml): after a ``-m`` sweep, list the jobs
+    that were refused, and exit 2 if any."""
+
+    def __init__(self) -> None:
+        self.refused: list[Refused] = []
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, Refused):
+            self.refused.append(job_return.return_value)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.refused:
+            lines = [f"{len(self.refused)} job(s) of the sweep were refused (the others ran):"]
+            lines += [f"  {r.folder}: {r.message.splitlines()[0]}" for r in self.refused]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+            raise SystemExit(CONFIG_ERROR_EXIT)

@@ -22,6 +22,8 @@ from normgeo.runs.schema import register as register_schemas
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
 CONF_ROOT = Path(__file__).resolve().parents[2] / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
+ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
+SHARED_CONF_DIR = str(CONF_ROOT / "shared")
 REPO_ROOT = CONF_ROOT.parent
 # An absolute path in a generated page: a "/" not inside a word, a number or a URL ("https://"), then no space.
 ABSOLUTE_PATH = re.compile(r"(?<![\w./])/(?!/)[^\s,;)'\"`]+")
@@ -37,8 +39,6 @@ def repo_relative(text: str, root: Path = REPO_ROOT) -> str:
         return os.path.relpath(path, root) if top is not None and top.exists() else path
 
     return ABSOLUTE_PATH.sub(relative, text)
-ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
-SHARED_CONF_DIR = str(CONF_ROOT / "shared")
 
 
 def slug(name: object, empty: str = "unnamed") -> str:
@@ -112,14 +112,11 @@ def remove_created(path: Path, created: Path | None) -> None:
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("abspath"):
-        OmegaConf.register_new_resolver("abspath", lambda path: os.path.abspath(os.path.expanduser(str(path))))
-    if not OmegaConf.has_resolver("slug"):
-        OmegaConf.register_new_resolver("slug", path_slug)
-    if not OmegaConf.has_resolver("model_slug"):
-        OmegaConf.register_new_resolver("model_slug", slug)  # conf/analyze/analyze.yaml's output folder
-    if not OmegaConf.has_resolver("normgeo_key_docs"):  # hydra.help.template: every key with its doc
-        OmegaConf.register_new_resolver("normgeo_key_docs", _key_docs)
+    for name, resolver in (("abspath", lambda path: os.path.abspath(os.path.expanduser(str(path)))),
+                           ("slug", path_slug),
+                           ("model_slug", slug),  # conf/analyze/analyze.yaml's output folder
+                           ("normgeo_key_docs", _key_docs)):  # hydra.help.template: every key with its doc
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
 
 
 def _key_docs(schema: str) -> str:

@@ -406,17 +406,6 @@ def training_device_type(trainer: DictConfig) -> str:
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
-@functools.lru_cache(maxsize=16)
-def _local_files_refusal(path: str, extensions: tuple[str, ...], config_node: str) -> str | None:
-    """Why a local source cannot be read (a missing path, files of unsupported types), or None; cached:
-    one launch checks its config several times (normgeo.runs.checks, normgeo.runs.session)."""
-    try:
-        LocalFilesSource(path, plain_text_extensions=extensions, config_node=config_node).check()
-    except SourceError as err:
-        return str(err)
-    return None
-
-
 def check_intervention(probe: DictConfig) -> None:
     """probe.intervention: known scope kinds, each once."""
     kinds = list(probe.get("intervention") or [])
@@ -434,10 +423,11 @@ def check_probe_source(probe: DictConfig) -> None:
     if OmegaConf.is_missing(source, "path") or source.path is None:
         raise ConfigError("probe.path=null: expected the probe's local text for probe=local (a folder, file or "
                           "glob), e.g. probe.path=../shared/corpora/wikipedia")
-    refusal = _local_files_refusal(str(source.path), tuple(source.get("plain_text_extensions") or ()),
-                                   str(source.get("config_node", "probe")))
-    if refusal:
-        raise ConfigError(refusal)
+    try:
+        LocalFilesSource(str(source.path), plain_text_extensions=tuple(source.get("plain_text_extensions") or ()),
+                         config_node=str(source.get("config_node", "probe"))).check()
+    except SourceError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_train(cfg: DictConfig) -> None:

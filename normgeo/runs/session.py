@@ -1,12 +1,10 @@
 """Whether a train.py session may continue or start the run in its run directory: the resume decisions
 (which checkpoint, refused when the directory holds a run or a resume would change the experiment), made
-before anything is written (normgeo.runs.start runs them before the run writes ``.hydra/`` or ``train.log``),
-and the report of the jobs a ``-m`` sweep refused.
+before anything is written (normgeo.runs.start runs them before the run writes ``.hydra/`` or ``train.log``).
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import logging
@@ -22,8 +20,6 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobStatus
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause, remove_stale_temporaries
@@ -63,20 +59,14 @@ class CheckpointInfo:
     full_state: bool  # optimizer states and loop positions: what a resume needs (not weights only)
 
 
-@functools.lru_cache(maxsize=64)
-def _read_checkpoint_info(path: str, mtime_ns: int, size: int) -> CheckpointInfo | str:
-    """Step and kind of a checkpoint, or why it cannot be read (cached per file version: train.py
-    decides three times per launch, and mmap reads only the pickled metadata of a 12 GB file)."""
+def checkpoint_info(path: Path) -> CheckpointInfo | str:
+    """Step and kind of a checkpoint, or why it cannot be read (mmap: only the pickled metadata of a 12 GB
+    file is read)."""
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         return CheckpointInfo(int(ckpt["global_step"]), "optimizer_states" in ckpt)
     except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors... for damaged files
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def checkpoint_info(path: Path) -> CheckpointInfo | str:
-    stat = path.stat()
-    return _read_checkpoint_info(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:
@@ -99,9 +89,6 @@ def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]
         if isinstance(info, str):
             passed_over.append(f"{path} is unreadable ({info})")
     return None, None, passed_over
-
-
-_warned: set[str] = set()
 
 
 def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
@@ -131,9 +118,7 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
                 f"it fresh elsewhere: {fresh_command(run_dir)} (or delete {run_dir} to start it there)"
             )
         for reason in passed_over:
-            if reason not in _warned:
-                _warned.add(reason)
-                log.warning("resume=auto: %s; falling back to %s (step %s)", reason, path, step)
+            log.warning("resume=auto: %s; falling back to %s (step %s)", reason, path, step)
         return str(path) if path else None
     if not Path(resume).is_file():
         raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)")
@@ -333,34 +318,3 @@ def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError |
         f"{cause.strerror or 'No space left on device'} writing {where} ({free / 2**20:.0f} MiB free there"
         f"{removed}): free space on that disk, then continue {kept} with resume=auto: {resume_command(cfg)}"
     )
-
-
-@dataclass
-class Refused:
-    """What train.py's task function returns in a multirun for a refused job (the sweep goes on)."""
-
-    run_dir: str
-    message: str
-
-
-class RefusalReport(Callback):
-    """Hydra callback: after a ``-m`` sweep, list the jobs train.py refused (and exit 2 if any).
-
-    A refused job returns :class:`Refused` instead of exiting, so the other jobs of the sweep still run.
-    """
-
-    def __init__(self) -> None:
-        self.refused: list[Refused] = []
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, Refused):
-            self.refused.append(job_return.return_value)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.refused:
-            return
-
-        lines = [f"{len(self.refused)} job(s) of the sweep were refused (the others ran):"]
-        lines += [f"  {r.run_dir}: {r.message.splitlines()[0]}" for r in self.refused]
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        raise SystemExit(2)
