@@ -61,8 +61,6 @@ from normgeo.runs.session import (
     DIVERGED,
     RunFinished,
     disk_full_refusal,
-    remove_stale_temporaries_of_run,
-    replace_diverged_run,
     resume_command,
 )
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
@@ -153,15 +151,15 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
     )
 
 
-class MarkTrained(OptimizerStepCallback):
-    """Marks the start as past this session's first optimizer step: a failure from then on keeps the files
-    it wrote (before it, run() undoes the start)."""
+class KeepStart(OptimizerStepCallback):
+    """Keeps the start at this session's first optimizer step (normgeo.runs.start.Start.keep): a failure from
+    then on keeps the files it wrote (before it, run() undoes the start)."""
 
     def __init__(self, start: Start) -> None:
         self.start = start
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        self.start.trained = True
+        self.start.keep()
 
 
 def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule, probe_ids=None) -> list:
@@ -186,10 +184,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
     ckpt_path = start.ckpt_path  # a resume continues the same experiment, a new run a new directory
-    if is_rank_zero():
-        if ckpt_path is None:
-            replace_diverged_run(run_dir)  # a diverged run in this folder: this corrected start replaces it
-        remove_stale_temporaries_of_run(run_dir)  # what killed sessions were writing (checkpoints, probes)
+    start.replace_diverged_run()  # a diverged run in this folder: this corrected start replaces it
     run_config = resolved_run_config(cfg)
     record_slurm_job(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -200,7 +195,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
     # (at once during a validation or a probe); its handler is installed first.
     stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
-    callbacks = [stop.installer, MarkTrained(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
+    callbacks = [stop.installer, KeepStart(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
     callbacks.extend(extra_callbacks)
     clock = SessionClock()
     callbacks.append(clock)
@@ -279,11 +274,15 @@ def run(cfg: DictConfig) -> Refused | None:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
         trainer = train(cfg, start)
+        start.keep()  # fit returned: its files stay (a stop during the step-0 probe saved last.ckpt at step 0)
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-        if not start.trained and (stopped or not isinstance(err, (NonFiniteError, SystemExit))):
-            start.undo()  # failed or stopped before its first optimizer step: the directory as it was found
+        if stopped or not isinstance(err, (NonFiniteError, SystemExit)):
+            if not start.kept:
+                start.undo()  # failed or stopped before its first optimizer step: the directory as it was found
+        else:
+            start.keep()  # a divergence is a result, a requeue a pause: the start stays
         if isinstance(err, USER_ERRORS):
             return refuse(cfg.run_dir, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None

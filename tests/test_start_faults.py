@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
-from normgeo.runs.start import StartError, check_writable_folder, restore, take_snapshot
+from normgeo.runs.session import replace_diverged_run
+from normgeo.runs.start import StartError, check_writable_folder, put_back, survey
 from tests.conftest import FAST, ROOT, run_train, train_here, train_in_process
 
 
@@ -54,34 +55,43 @@ def workspace(tmp_path_factory) -> Path:
 # In-process: the parts.
 
 def test_a_failed_start_is_undone_byte_for_byte(tmp_path: Path) -> None:
+    """What a start does before its first optimizer step, undone from a listing (names, sizes, times) and the
+    bytes of the few files it rewrites: .hydra/ rewritten, the lock's holder line, train.log appended, a diverged
+    run moved aside and a CSV version written under its names; a killed session's temporary stays (the start's
+    first step removes it)."""
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 3\n")
+    (run_dir / LOCK_FILE).write_text('{"pid": 1}\n')
     (run_dir / "train.log").write_text("[train] done\n")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 100)
+    (run_dir / "summary.json").write_text('{"diverged": {"step": 2}}')
+    (run_dir / "csv" / "version_0").mkdir(parents=True)
+    (run_dir / "csv" / "version_0" / "metrics.csv").write_text("step,train/loss\n1,nan\n")
     (run_dir / ".angles.jsonl.x.normgeo-tmp").write_text("{")
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
-    snapshot = take_snapshot(run_dir)
+    found = survey(run_dir)
     time.sleep(0.01)
     (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 30\n")  # what a start writes
+    (run_dir / LOCK_FILE).write_text('{"pid": 2, "host": "n1"}\n')
     with open(run_dir / "train.log", "a") as log:
         log.write("[train] run directory\n")
-    (run_dir / "csv" / "version_1").mkdir(parents=True)
-    (run_dir / "csv" / "version_1" / "hparams.yaml").write_text("a: 1\n")
-    (run_dir / ".angles.jsonl.x.normgeo-tmp").unlink()  # stale temporaries removed
-    restore(run_dir, snapshot)
+    assert replace_diverged_run(run_dir)  # checkpoints/, csv/ and summary.json moved aside
+    (run_dir / "csv" / "version_0").mkdir(parents=True)  # the new session's CSV logger: the same names
+    (run_dir / "csv" / "version_0" / "hparams.yaml").write_text("a: 1\n")
+    put_back(run_dir, found, replaced=True)
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
-    assert sorted(p.name for p in run_dir.iterdir()) == [".angles.jsonl.x.normgeo-tmp", ".hydra", "checkpoints",
-                                                          "train.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".angles.jsonl.x.normgeo-tmp", ".hydra", LOCK_FILE,
+                                                          "checkpoints", "csv", "summary.json", "train.log"]
 
 
 def test_a_fresh_start_is_undone_with_the_folders_it_created(tmp_path: Path) -> None:
     run_dir = tmp_path / "outputs" / "sweep" / "run"
-    snapshot = take_snapshot(run_dir)
+    found = survey(run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "train.log").write_text("x\n")
-    restore(run_dir, snapshot)
+    put_back(run_dir, found)
     assert list(tmp_path.iterdir()) == []
 
 

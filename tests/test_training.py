@@ -126,7 +126,8 @@ def files_of(run_dir: Path) -> dict[str, bytes]:
 def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replaces_it(tmp_path: Path) -> None:
     """optim.lr=1e6 is in range but diverges: one line naming the step and optim.lr, exit 2, the folder marked
     diverged (summary.json); the same command again is refused with the corrected command, the folder as it
-    was; the corrected command (a lower optim.lr) replaces the diverged run in the same folder."""
+    was; the corrected command (a lower optim.lr) replaces the diverged run in the same folder, and puts it
+    back when it fails before its first step."""
     run_dir = tmp_path / "run"
     settings = ("max_steps=5", "checkpoint.last_every=1")
     diverged = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
@@ -143,6 +144,12 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     again = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
     assert again.returncode == 2
     assert "diverged at step" in again.stderr and "optim.lr=100000" in again.stderr.strip().splitlines()[-1]
+    assert files_of(run_dir) == before
+    # The corrected command failing before its first step (a logger under a file) puts the diverged run back.
+    (tmp_path / "a-file").write_text("x")
+    broken = ["+logger.extra._target_=lightning.pytorch.loggers.CSVLogger", f"+logger.extra.save_dir={tmp_path / 'a-file'}"]
+    failed = train_here(run_dir, *settings, "optim.lr=1e-3", *broken, check=False)
+    assert failed.returncode == 1 and "replaced the run that diverged" in failed.stderr + failed.stdout
     assert files_of(run_dir) == before
     corrected = train_here(run_dir, *settings, "optim.lr=1e-3")
     assert "replaced the run that diverged" in corrected.stderr + corrected.stdout

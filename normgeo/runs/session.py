@@ -134,17 +134,22 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     return resume
 
 
-def replace_diverged_run(run_dir: Path) -> None:
-    """Remove a diverged run's files (checkpoints, logs, records, its config and summary) before the session
-    that replaces it writes its own; called once the start is claimed (normgeo.runs.start)."""
+def replace_diverged_run(run_dir: Path) -> bool:
+    """Move a diverged run's files (checkpoints, logs, records, its config and summary) aside into
+    :data:`REPLACED_DIR` before the session that replaces it writes its own; True if it did. The start deletes
+    them at its first optimizer step, or moves them back when it fails before it (normgeo.runs.start)."""
     record = divergence(run_dir)
     if record is None:
-        return
+        return False
+    aside = run_dir / REPLACED_DIR
+    shutil.rmtree(aside, ignore_errors=True)  # left by a start that was killed while it replaced a run
+    aside.mkdir()
     for path in run_dir.iterdir():
         if path.name not in KEPT_ON_REPLACE:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            path.rename(aside / path.name)
     log.warning("replaced the run that diverged at step %s (optim.lr=%s) in %s", record.get("step"), record.get("lr"),
                 run_dir)
+    return True
 
 
 # When this process started (train.py imports this module before Hydra): the files that the other processes
@@ -210,8 +215,9 @@ def slurm_requeued() -> bool:
 
 
 DIVERGED = "diverged"  # summary.json's record of a run whose training loss became inf/NaN (train.py writes it)
+REPLACED_DIR = ".replaced-run"  # a diverged run's files while the start that replaces it has not trained a step
 # What a start that replaces a diverged run keeps: this session's own lock and Hydra files.
-KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log")
+KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log", REPLACED_DIR)
 
 
 def divergence(run_dir: Path) -> dict[str, Any] | None:

@@ -4,10 +4,13 @@ and the undo of a start that fails before its first optimizer step.
 Hydra writes nothing into the run directory (conf/train/train.yaml), so train.py's task function decides its
 start itself (:func:`start_session`): :func:`check_start` (the config, the run directory, the lock, the
 resume, the probe text and its tokenizer, the prepared data; it writes nothing in the run directory), then
-:func:`claim` (snapshot, folder, lock) in the launching process, then :func:`open_run_files` (``.hydra/``,
-``train.log``). A refusal exits 2 with one line and the directory as it was; a start that fails before its
-first optimizer step is undone (:meth:`Start.undo`): the files as they were found, byte for byte, and a
-directory the start created removed.
+:func:`claim` (what the folder holds, the folder, the lock) in the launching process, then
+:func:`open_run_files` (``.hydra/``, ``train.log``). A refusal exits 2 with one line and the directory as it
+was. Until its first optimizer step a start only adds files, appends to logs, rewrites the small files of
+:data:`REWRITTEN` and moves a diverged run it replaces aside; what deletes waits for that step
+(:meth:`Start.keep`). So a start that fails before it is undone (:meth:`Start.undo`) from a listing of names,
+sizes and times (:class:`Found`), not a copy of the files: the directory as it was found, byte for byte, and
+a directory the start created removed.
 """
 
 from __future__ import annotations
@@ -46,10 +49,18 @@ from normgeo.runs.config import (
     topmost_missing,
     write_hydra_files,
 )
-from normgeo.runs.lock import RunInUseError, RunLock, in_use_message, lock_holder
+from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
-from normgeo.runs.session import REFUSALS, RunFinished, session_checkpoint, slurm_requeued
+from normgeo.runs.session import (
+    KEPT_ON_REPLACE,
+    REFUSALS,
+    REPLACED_DIR,
+    remove_stale_temporaries_of_run,
+    replace_diverged_run,
+    session_checkpoint,
+    slurm_requeued,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +71,9 @@ class StartError(ValueError):
 
 # Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
 START_ERRORS = (ConfigError, StartError, RunInUseError, *REFUSALS)
-# Starts that do not happen: refused, or a finished run's resume (one line on stdout, exit 0).
-NO_START = (*START_ERRORS, RunFinished)
-# A claim keeps the bytes of files up to this size, for an undo to write back; a start never rewrites a
-# bigger one (checkpoints) before its first optimizer step.
-SNAPSHOT_MAX_BYTES = 16 << 20
+# The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
+# session): their bytes are kept for an undo.
+REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
@@ -85,56 +94,70 @@ def check_writable_folder(folder: Path, key: str) -> None:
 
 
 @dataclass
-class Snapshot:
-    """What a run directory held when a start claimed it, for :func:`restore`."""
+class Found:
+    """What a run directory held when a start claimed it, for :func:`put_back`."""
 
     created: Path | None  # the topmost folder the claim created (run_dir or an ancestor); None: run_dir existed
-    files: dict[str, tuple[int, int, bytes | None]] = field(default_factory=dict)  # path -> size, mtime, bytes
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # relative path -> size, mtime_ns
     dirs: set[str] = field(default_factory=set)
+    rewritten: dict[str, bytes] = field(default_factory=dict)  # the bytes of the REWRITTEN files it held
 
 
-def take_snapshot(run_dir: Path) -> Snapshot:
+def survey(run_dir: Path) -> Found:
     if (created := topmost_missing(run_dir)) is not None:
-        return Snapshot(created)
-    snapshot = Snapshot(None)
+        return Found(created)
+    found = Found(None)
     for folder, subdirs, names in os.walk(run_dir):
         base = Path(folder)
-        snapshot.dirs.update(str((base / name).relative_to(run_dir)) for name in subdirs)
+        found.dirs.update(str((base / name).relative_to(run_dir)) for name in subdirs)
         for name in names:
-            path = base / name
-            info = path.lstat()
-            keep = stat.S_ISREG(info.st_mode) and info.st_size <= SNAPSHOT_MAX_BYTES
-            snapshot.files[str(path.relative_to(run_dir))] = (
-                info.st_size, info.st_mtime_ns, path.read_bytes() if keep else None)
-    return snapshot
+            info = (base / name).lstat()
+            found.files[str((base / name).relative_to(run_dir))] = (info.st_size, info.st_mtime_ns)
+    found.rewritten = {name: (run_dir / name).read_bytes() for name in REWRITTEN if name in found.files}
+    return found
 
 
-def restore(run_dir: Path, snapshot: Snapshot) -> None:
-    """Put ``run_dir`` back as :func:`take_snapshot` found it: remove what was added, write back what changed."""
-    if snapshot.created is not None:
-        remove_created(run_dir, snapshot.created)
+def put_back(run_dir: Path, found: Found, *, replaced: bool = False) -> None:
+    """``run_dir`` as :func:`survey` found it: what was added removed, logs cut back to their size, the
+    REWRITTEN files written back, times reset, and a diverged run moved aside (``replaced``) moved back."""
+    if found.created is not None:
+        remove_created(run_dir, found.created)
         return
     if not run_dir.is_dir():
         return
-    for folder, subdirs, names in os.walk(run_dir, topdown=False):
+    aside = run_dir / REPLACED_DIR
+    if replaced and aside.is_dir():  # beside the names a replacement keeps, everything is this start's
+        for path in run_dir.iterdir():
+            if path.name not in KEPT_ON_REPLACE:
+                remove_path(path)
+        for path in aside.iterdir():
+            path.rename(run_dir / path.name)
+        aside.rmdir()
+    for folder, subdirs, names in os.walk(run_dir):
         base = Path(folder)
         for name in names:
-            if str((base / name).relative_to(run_dir)) not in snapshot.files:
+            if str((base / name).relative_to(run_dir)) not in found.files:
                 (base / name).unlink()
-        for name in subdirs:
-            path = base / name
-            if str(path.relative_to(run_dir)) not in snapshot.dirs:
-                path.unlink() if path.is_symlink() else shutil.rmtree(path)
-    for name, (size, mtime_ns, data) in snapshot.files.items():
+        for name in list(subdirs):
+            if str((base / name).relative_to(run_dir)) not in found.dirs:
+                subdirs.remove(name)
+                remove_path(base / name)
+    for name, data in found.rewritten.items():
+        (run_dir / name).write_bytes(data)
+    for name, (size, mtime_ns) in found.files.items():
         path = run_dir / name
         with contextlib.suppress(FileNotFoundError):
             info = path.lstat()
-            if (info.st_size, info.st_mtime_ns) == (size, mtime_ns):
+            if stat.S_ISLNK(info.st_mode):
                 continue
-        if data is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            os.utime(path, ns=(time.time_ns(), mtime_ns))
+            if info.st_size > size:  # appended to (train.log, slurm_jobs.tsv)
+                os.truncate(path, size)
+            if info.st_mtime_ns != mtime_ns:
+                os.utime(path, ns=(time.time_ns(), mtime_ns))
+
+
+def remove_path(path: Path) -> None:
+    path.unlink() if path.is_symlink() or not path.is_dir() else shutil.rmtree(path)
 
 
 @dataclass
@@ -147,15 +170,31 @@ class Start:
     datamodule: Any  # corpus.datamodule.TokenDataModule, prepared and loaded
     probe_ids: Any  # numpy ids of the probe text (None without a probe): tokenized once, here
     lock: RunLock | None = None
-    snapshot: Snapshot | None = None
-    trained: bool = False  # past this session's first optimizer step: a failure from now on keeps its files
+    found: Found | None = None
+    replaced: bool = False  # a diverged run was moved aside for this start (normgeo.runs.session.REPLACED_DIR)
+    kept: bool = False  # past this session's first optimizer step (or a divergence): a failure keeps its files
+
+    def replace_diverged_run(self) -> None:
+        """A fresh start in the folder of a run that diverged replaces it (rank 0)."""
+        if self.ckpt_path is None and is_rank_zero():
+            self.replaced = replace_diverged_run(self.run_dir)
+
+    def keep(self) -> None:
+        """The start stays (its first optimizer step is done, or its run diverged): what it would have deleted
+        goes now, the temporaries killed sessions left and a diverged run it replaced (rank 0)."""
+        if self.kept:
+            return
+        self.kept = True
+        if is_rank_zero():
+            remove_stale_temporaries_of_run(self.run_dir)
+            shutil.rmtree(self.run_dir / REPLACED_DIR, ignore_errors=True)
 
     def undo(self) -> None:
         """The run directory as this start found it (a fresh one removed); then the lock is released."""
-        if self.snapshot is not None:
+        if self.found is not None:
             close_file_logs(self.run_dir)
-            restore(self.run_dir, self.snapshot)
-            self.snapshot = None
+            put_back(self.run_dir, self.found, replaced=self.replaced)
+            self.found = None
         self.release()
 
     def release(self) -> None:
@@ -226,17 +265,17 @@ def claim(start: Start) -> None:
     """Take the run directory for this session: note what it holds, create it, lock it (RunInUseError,
     nothing changed, when another process holds it)."""
     run_dir = start.run_dir
-    snapshot = take_snapshot(run_dir)
+    found = survey(run_dir)
     lock = RunLock(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire(wait_s=REQUEUE_LOCK_WAIT_S if slurm_requeued() else 0.0)
     except BaseException as err:
-        restore(run_dir, snapshot)
+        put_back(run_dir, found)
         if isinstance(err, OSError):
             raise StartError(f"run_dir={run_dir}: cannot create or lock it ({err})") from err
         raise
-    start.lock, start.snapshot = lock, snapshot
+    start.lock, start.found = lock, found
 
 
 def start_session(cfg: DictConfig) -> Start:
