@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import Interrupt
+from callbacks.signals import abandonable
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
@@ -96,7 +96,7 @@ class AngleProbe(OptimizerStepCallback):
         model = pl_module.model
         config = model.config
         references = make_references(config.n_embd, self.config.seed, self.config.null_directions)
-        with Interrupt.abandonable_region(f"the probe at step {step}"):  # it writes nothing until the end
+        with abandonable(f"the probe at step {step}"):  # it writes nothing until the end
             records = measure_records(
                 model, self.probe_ids(), config.block_size, references, self.config,
                 model_name=self.model_name, step=step, tokens_per_step=pl_module.tokens_per_step,

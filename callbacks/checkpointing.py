@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import Interrupt, SignalStop
+from callbacks.signals import SignalStop, installed_interrupt
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
 from normgeo.runs.run_config import LAST_CHECKPOINT
@@ -142,8 +142,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with atomic_open(os.fspath(path), "wb") as handle:
                 torch.save(checkpoint, handle)
         except Exception:
-            if Interrupt.abandoning is not None:  # torch.save's C++ writer turned that SystemExit into a RuntimeError
-                raise SystemExit(128 + Interrupt.abandoning) from None
+            interrupt = installed_interrupt()
+            if interrupt is not None and interrupt.abandoning is not None:  # torch.save's C++ writer turned
+                raise SystemExit(128 + interrupt.abandoning) from None  # that SystemExit into a RuntimeError
             raise
 
 

@@ -48,11 +48,6 @@ class Interrupt:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    # The signal of a second interrupt, process-wide: its SystemExit may surface as another exception
-    # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
-    abandoning: int | None = None
-    # The installed one, process-wide: what measures (the probe) marks itself abandonable through it.
-    active: Interrupt | None = None
 
     def __init__(self) -> None:
         self.received = False
@@ -65,6 +60,9 @@ class Interrupt:
         self.abandonable: str | None = None
         self.single_process = True
         self.abandoned: str | None = None  # what a signal abandoned
+        # The signal of a second interrupt: its SystemExit may surface as another exception (AtomicCheckpointIO
+        # re-raises it), whatever was being written is abandoned.
+        self.abandoning: int | None = None
 
     def enter(self, what: str) -> None:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
@@ -79,32 +77,13 @@ class Interrupt:
     def leave(self) -> None:
         self.abandonable = None
 
-    @classmethod
-    @contextlib.contextmanager
-    def abandonable_region(cls, what: str) -> Iterator[None]:
-        """``with Interrupt.abandonable_region("the probe at step 5"):`` a stop signal inside abandons it
-        (no-op when no interrupt handler is installed)."""
-        interrupt = cls.active
-        if interrupt is None:
-            yield
-            return
-        interrupt.enter(what)
-        try:
-            yield
-        finally:
-            interrupt.leave()
-
     def install(self) -> None:
-        Interrupt.abandoning = None
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 signal.signal(signum, self)
-            Interrupt.active = self
 
     def uninstall(self) -> None:
         self.abandonable = None
-        if Interrupt.active is self:
-            Interrupt.active = None
         for signum in self.SIGNALS:
             if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
                 signal.signal(signum, self.DEFAULTS[signum])
@@ -114,7 +93,7 @@ class Interrupt:
         if self.received:
             self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
                      f"continue with:\n{self.resume_command}")
-            Interrupt.abandoning = signum
+            self.abandoning = signum
             raise SystemExit(128 + signum)
         self.received, self.signum = True, signum
         if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
@@ -128,6 +107,27 @@ class Interrupt:
         if self.announce:
             # os.write, not print: a signal can land while the main thread is inside a print to stderr.
             os.write(2, (text + "\n").encode())
+
+
+def installed_interrupt() -> Interrupt | None:
+    """The :class:`Interrupt` that handles this process's SIGTERM, if any (the signal table is its one registry)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler if isinstance(handler, Interrupt) else None
+
+
+@contextlib.contextmanager
+def abandonable(what: str) -> Iterator[None]:
+    """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop);
+    nothing happens without an installed :class:`Interrupt`."""
+    interrupt = installed_interrupt()
+    if interrupt is None:
+        yield
+        return
+    interrupt.enter(what)
+    try:
+        yield
+    finally:
+        interrupt.leave()
 
 
 class StopOnSignal(OptimizerStepCallback):
