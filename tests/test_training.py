@@ -12,6 +12,7 @@ import torch
 
 from callbacks.checkpointing import AtomicCheckpointIO
 from normgeo.measure.records import read_rows
+from normgeo.runs.session import REPLACED_DIR
 from tests.conftest import entry_point_here, run_train, step_losses, train_here, train_in_process
 
 
@@ -156,6 +157,7 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "diverged" not in summary and summary["finished"] and summary["sessions"] == 1
     assert [p.name for p in (run_dir / "csv").iterdir()] == ["version_0"]
+    assert not (run_dir / REPLACED_DIR).exists()  # the replaced run, deleted at the first optimizer step
 
 
 @pytest.mark.parametrize(

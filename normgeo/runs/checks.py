@@ -72,7 +72,6 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     return main
 
 
-
 @dataclass
 class Refused:
     """What a task function returns in a ``-m`` sweep for a refused job (the sweep goes on)."""
