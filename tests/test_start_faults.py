@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
-from normgeo.runs.session import replace_diverged_run
-from normgeo.runs.start import StartError, check_writable_folder, put_back, survey
+from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
+from normgeo.runs.start import Start, StartError, check_writable_folder, put_back, survey
 from tests.conftest import FAST, ROOT, run_train, train_here, train_in_process
 
 
@@ -84,6 +84,18 @@ def test_a_failed_start_is_undone_byte_for_byte(tmp_path: Path) -> None:
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in run_dir.iterdir()) == [".angles.jsonl.x.normgeo-tmp", ".hydra", LOCK_FILE,
                                                           "checkpoints", "csv", "summary.json", "train.log"]
+
+
+def test_the_first_step_keeps_the_start_and_deletes_what_waited_for_it(tmp_path: Path) -> None:
+    """Start.keep: the temporaries killed sessions left and a replaced run (here one a SIGKILLed start left
+    aside) go at the first optimizer step."""
+    run_dir = tmp_path / "run"
+    (run_dir / REPLACED_DIR / "checkpoints").mkdir(parents=True)
+    (run_dir / ".angles.jsonl.x.normgeo-tmp").write_text("{")
+    (run_dir / "train.log").write_text("[train] step 1\n")
+    start = Start(None, run_dir, None, None, None)
+    start.keep()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["train.log"]
 
 
 def test_a_fresh_start_is_undone_with_the_folders_it_created(tmp_path: Path) -> None:
