@@ -179,8 +179,7 @@ def fresh_command(run_dir: Path) -> str:
     number = 2
     while (free := run_dir.with_name(f"{run_dir.name}-{number}")).exists():
         number += 1
-    overrides = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in PINNED_KEYS]
-    return shlex.join([*_program(), *overrides, f"run_dir={_hydra_value(str(free))}"])
+    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(free))}"])
 
 
 def training_target(cfg: DictConfig) -> int:
@@ -238,8 +237,8 @@ def check_diverged_start(cfg: DictConfig, run_dir: Path, record: dict[str, Any],
     if resume is None and changed:
         return
     lr = record.get("lr")
-    command = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in ("resume", "optim.lr")]
-    suggestion = shlex.join([*_program(), *command, f"optim.lr={lr / 10:g}" if isinstance(lr, float) else "optim.lr=..."])
+    suggestion = this_command(drop=("resume", "optim.lr"),
+                              add=[f"optim.lr={lr / 10:g}" if isinstance(lr, float) else "optim.lr=..."])
     raise RunDirectoryError(
         f"{run_dir} holds a run that diverged at step {record.get('step')} (optim.lr={lr}); "
         f"{'a resume' if resume is not None else 'the same config'} would diverge again. Start it afresh "
@@ -273,9 +272,14 @@ def resume_command(cfg: DictConfig) -> str:
     """The shell command that continues this run: this session's own command line (its Hydra overrides,
     one job's in a ``-m`` sweep), with ``run_dir`` pinned (another day's default paths may differ) and
     ``resume=auto``; printed when a session is interrupted or finds its disk full."""
-    overrides = _task_overrides()
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("~+") not in PINNED_KEYS]
-    return shlex.join([*_program(), *kept, f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
+    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
+
+
+def this_command(drop: tuple[str, ...], add: list[str]) -> str:
+    """This session's command line as a shell command (its Hydra overrides, one job's in a ``-m`` sweep),
+    without the overrides of the keys in ``drop`` and with ``add`` after them."""
+    kept = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in drop]
+    return shlex.join([*_program(), *kept, *add])
 
 
 def _hydra_value(path: str) -> str:
