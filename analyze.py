@@ -38,16 +38,10 @@ from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, 
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
-from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse, task_started
-from normgeo.runs.config import (
-    ANALYZE_CONF_DIR,
-    attach_log_file,
-    close_file_logs,
-    remove_created,
-    topmost_missing,
-    write_hydra_files,
-)
-from normgeo.runs.schema import ConfigError, probe_size_refusal
+from normgeo.paths import remove_created, topmost_missing
+from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse
+from normgeo.runs.config import ANALYZE_CONF_DIR, attach_log_file, close_file_logs, write_hydra_files
+from normgeo.runs.schema import ConfigError
 
 log = logging.getLogger("normgeo.analyze")
 RUN_INFO_FILE = "run_info.json"
@@ -79,8 +73,8 @@ def analyze(cfg: DictConfig) -> Path:
     dim = residual_norms(norms)[0].dim
     limit = max_positions(model)
     seq_len = min(cfg.model.seq_len, limit) if limit else cfg.model.seq_len
-    # The schema's cross-key rule, now that the model's seq_len is known (before anything is tokenized).
-    if refusal := probe_size_refusal(cfg.probe.tokens, seq_len, cfg.probe.bootstrap.block, keys="model.seq_len"):
+    # The probe's size rule, now that the model's seq_len is known (before anything is tokenized).
+    if refusal := probe.size_refusal(seq_len, "model.seq_len"):
         raise AnalysisError(refusal)
     params = sum(p.numel() for p in model.parameters())
     log.info("%s: %s params, %s norms (%s), d=%d, %s on %s, seq_len %d",
@@ -158,7 +152,6 @@ def run(cfg: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write -> Hydra's files (.hydra/,
     analyze.log) only then. A refusal or failure removes the folders this start created and its partial log,
     so an earlier analysis in out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
-    task_started()  # an exit 1 from now on is this task's, not one of Hydra's config errors
     try:
         check_config("analyze", cfg)
     except ConfigError as err:

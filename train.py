@@ -47,7 +47,7 @@ from normgeo.plan import main as plan_main
 from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
-from normgeo.runs.checks import Refused, config_errors_exit_2, refuse, task_started
+from normgeo.runs.checks import Refused, config_errors_exit_2, refuse
 from normgeo.runs.config import CONF_DIR, close_file_logs
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -262,7 +262,6 @@ def run(cfg: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate and claim (normgeo.runs.start) -> build and fit (train) -> finish."""
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = install_requeue_handler()
-    task_started()  # an exit 1 from now on is this task's, not one of Hydra's config errors
     try:
         start = start_session(cfg)  # the config checked, then the run, then the claim: nothing written before
     except RunFinished as done:  # nothing left to train: one line, exit 0 (a sweep's other jobs go on)

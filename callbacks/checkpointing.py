@@ -64,15 +64,8 @@ class CheckpointSchedule:
         self.max_steps = max_steps
         self.dense_every, self.dense_until, self.sparse_every = dense_every, dense_until, sparse_every
         # An explicit list is as long as the user wrote it: kept sorted, without the steps past the end.
-        self.explicit: list[int] | None = None
-        if steps is not None:
-            chosen = {int(s) for s in steps}
-            bad = sorted(s for s in chosen if s <= 0)
-            if bad:
-                raise ValueError(f"checkpoint steps must be positive, got {bad}")
-            self.explicit = sorted(s for s in chosen if s <= max_steps)
-        elif min(dense_every, sparse_every) <= 0:
-            raise ValueError("checkpoint intervals must be positive")
+        # Steps and intervals are positive (normgeo.runs.schema.CheckpointSchema checks them).
+        self.explicit = None if steps is None else sorted({int(s) for s in steps if s <= max_steps})
         if max_steps > 0 and not self.on_rule(max_steps):
             log.info("checkpoint schedule: adding the final step %d (not on the schedule)", max_steps)
 
@@ -120,11 +113,6 @@ class CheckpointSchedule:
         both = math.lcm(self.dense_every, self.sparse_every)  # steps on both rules, counted once
         count = dense_end // self.dense_every + end // self.sparse_every - dense_end // both
         return count + (not self.on_rule(end))
-
-    @property
-    def last(self) -> int | None:
-        """The final scheduled step: ``max_steps`` (None for an empty schedule)."""
-        return self.max_steps if self.max_steps > 0 else None
 
     def __repr__(self) -> str:
         rule = (f"steps={self.explicit}" if self.explicit is not None else

@@ -12,7 +12,7 @@ from pathlib import Path
 from normgeo.figures.intervention import interval_text
 from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import read_rows
-from normgeo.runs.config import repo_relative
+from normgeo.paths import repo_relative
 
 
 def model_section(folder: Path) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from normgeo.figures.analysis import summarize, summary_markdown
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
-from normgeo.runs.config import repo_relative
+from normgeo.paths import repo_relative
 
 GROUPS = (("early", 0, 9), ("middle", 10, 19), ("late", 20, 29))
 

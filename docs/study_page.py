@@ -27,10 +27,10 @@ from corpus.atomic import atomic_write_text
 from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load, markdown
 from normgeo.measure.stats import mean_t_interval, seeds_for_equivalence, smallest_decidable_margin
+from normgeo.paths import repo_relative
 from normgeo.pilot import unigram_baseline
 from normgeo.plan import compose, plan_config, seeds_report
 from normgeo.readers.downstream import read_eval
-from normgeo.runs.config import repo_relative
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import Estimate, paired_estimates
 from normgeo.verdict.measures import run_measures

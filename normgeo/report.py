@@ -28,9 +28,9 @@ from corpus.atomic import stop_on_signals
 from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.paths import FolderError, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs
 from normgeo.readers.records import read_run_records
-from normgeo.runs.start import StartError, check_writable_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for folder in {*run_out.values(), out_dir}:
             check_writable_folder(folder, "--out")
-    except StartError as err:
+    except FolderError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:

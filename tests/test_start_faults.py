@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
-from normgeo.runs.start import Start, StartError, check_writable_folder, put_back, survey
+from normgeo.runs.start import Start, put_back, survey
 from tests.conftest import FAST, ROOT, run_train, train_here, train_in_process
 
 
@@ -125,7 +126,7 @@ def test_the_lock_names_its_holder_and_is_released(tmp_path: Path) -> None:
 
 def test_a_run_dir_under_a_file_is_refused_before_anything_is_created(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(StartError, match=r"a-file is a file, so the run directory cannot be created there"):
+    with pytest.raises(FolderError, match=r"a-file is a file, so the folder cannot be created there"):
         check_writable_folder(tmp_path / "a-file" / "outputs" / "run", "run_dir")
     check_writable_folder(tmp_path / "new" / "run", "run_dir")
 

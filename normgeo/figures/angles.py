@@ -13,7 +13,7 @@ from normgeo.figures.intervention import plot_intervention_layers
 from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
 from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
-from normgeo.runs.config import slug
+from normgeo.paths import slug
 
 
 def _layer_position(layer, n_layers: int) -> float:

@@ -17,7 +17,7 @@ import numpy as np
 
 from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, save_figure
 from normgeo.figures.tables import print_table
-from normgeo.runs.config import slug
+from normgeo.paths import slug
 
 ACTION_TEXT = {"remove": "mean subtraction removed", "add": "mean subtraction added", "mixed": "removed (LayerNorm) and added (RMSNorm)"}
 

@@ -15,23 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobStatus
+from hydra.core.utils import JobStatus, run_job
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from normgeo.runs.schema import SCHEMAS
 
-# Hydra exits 1 for its own config errors (unknown key, bad override syntax, missing group option) and
-# for a crash of the task alike; before the config is composed it can only be the former.
 CONFIG_ERROR_EXIT = 2
-_composed = False  # set once Hydra composed a config: a SystemExit(1) after that is not a config error
-
-
-def task_started() -> None:
-    """Hydra composed the config and called the task function: an exit 1 from now on is the task's."""
-    global _composed
-    _composed = True
 
 
 def check_config(schema: str, cfg: DictConfig) -> None:
@@ -56,20 +47,30 @@ def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
     exiting 2 like every other refused input instead of Hydra's 1."""
 
     def main() -> Any:
-        global _composed
-        _composed = False  # each call composes anew (a test or a notebook calls main more than once)
         if refusal := unquoted_non_ascii(sys.argv[1:]):
             print(f"error: {refusal}", file=sys.stderr)
             raise SystemExit(CONFIG_ERROR_EXIT)
         try:
             return hydra_main()
         except SystemExit as done:
-            if done.code == 1 and not _composed:
+            if done.code == 1 and not raised_by_task(done.__context__):
                 raise SystemExit(CONFIG_ERROR_EXIT) from None
             raise
 
     main.__doc__ = hydra_main.__doc__
     return main
+
+
+def raised_by_task(error: BaseException | None) -> bool:
+    """Whether the exception behind Hydra's exit 1 came from the task function, not from Hydra's config errors
+    (unknown key, bad override syntax, missing group option), which Hydra reports with the same exit 1: the
+    task's traceback passes through Hydra's ``run_job``, as Hydra's own error printer reads it."""
+    trace = error.__traceback__ if error is not None else None
+    while trace is not None:
+        if trace.tb_frame.f_code is run_job.__code__:
+            return True
+        trace = trace.tb_next
+    return False
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
@@ -169,6 +169,8 @@ def config_changes(
 
 def format_value(value: Any) -> str:
     """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value)
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -194,13 +196,15 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         return yaml.safe_load(handle)
 
 
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's contents without reading its tensors (mmap: a 12 GB file costs little) and without running
+    pickled code (weights_only: a checkpoint holds tensors and plain values)."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
 def checkpoint_run_config(path: str | os.PathLike) -> dict[str, Any] | None:
     """The run config stored in a checkpoint, None for checkpoints written before it was stored."""
-    try:
-        # mmap: the tensors are mapped, not read, so a multi-GB checkpoint costs little here.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # not a zip-format file: mmap needs one
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(path)
     return checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
 
 

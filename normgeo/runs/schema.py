@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import re
 import types
 import typing
@@ -26,7 +25,7 @@ from typing import Annotated, Any
 import torch
 from annotated_types import Ge, Gt, Interval, Len
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from corpus.sources import LocalFilesSource, SourceError
@@ -37,6 +36,7 @@ from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.runs.run_config import format_value
 
 SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
 
@@ -246,17 +246,7 @@ class ConfigError(ValueError):
 
 def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}={_shown(value)}: expected {expected}")
-
-
-def _shown(value: Any) -> Any:
-    shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
-    return "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
-
-
-@functools.cache
-def _validator(kind: type) -> TypeAdapter:
-    return TypeAdapter(kind)
+        raise ConfigError(f"{key}={format_value(value)}: expected {expected}")
 
 
 def check_types(cfg: DictConfig, kind: type, script: str) -> None:
@@ -264,7 +254,7 @@ def check_types(cfg: DictConfig, kind: type, script: str) -> None:
     key out of its range, not finite or unknown, preferring a key the user set to one filled in by an
     interpolation (``max_steps: ${size.max_steps}`` is reported as size.max_steps)."""
     try:
-        _validator(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
+        TypeAdapter(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
     except ValidationError as err:
         errors = err.errors(include_url=False)
         error = next((e for e in errors if not _interpolated(cfg, e["loc"])), errors[0])
@@ -279,7 +269,7 @@ def check_types(cfg: DictConfig, kind: type, script: str) -> None:
         hint = _hint_at(kind, error["loc"])
         message = (f"expected {type_words(hint)}" if error["type"] in RANGE_ERRORS else
                    f"expected a finite {type_words(hint)}" if error["type"] == "finite_number" else error["msg"])
-        raise ConfigError(f"{where}={_shown(error['input'])}: {message}") from None
+        raise ConfigError(f"{where}={format_value(error['input'])}: {message}") from None
 
 
 # pydantic's error types of a value outside its declared range: the message states the whole range, as --help does.
@@ -308,30 +298,15 @@ def _interpolated(cfg: DictConfig, loc: tuple) -> bool:
     return False
 
 
-def probe_size_refusal(tokens: int, seq_len: int, block: int, *, keys: str = "seq_len") -> str | None:
-    """Why a probe of ``tokens`` tokens in sequences of ``seq_len`` cannot give intervals, or None: it needs
-    at least 2 sequences, and at least 2 whole bootstrap blocks of ``block`` sequences (one block resamples
-    to itself: zero-width intervals that look like certainty). The one rule of train.py and analyze.py."""
-    sequences = -(-tokens // seq_len)
-    if tokens < 2 * seq_len:
-        return (f"probe.tokens={tokens}: expected at least 2 sequences of {keys}={seq_len} ({2 * seq_len} tokens); "
-                "raise probe.tokens")
-    if sequences // block < 2:
-        return (f"probe.bootstrap.block={block}: the probe's {sequences} sequences (probe.tokens={tokens} / "
-                f"{keys}={seq_len}) make fewer than 2 whole blocks, so the intervals would have (nearly) zero "
-                f"width; expected a block <= {sequences // 2}")
-    return None
-
-
 def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
     """The rules between train.py's keys, in one place; ``val_tokens``: the prepared validation split's
     tokens (its size rule applies once the data is prepared, normgeo.runs.start)."""
     max_steps = cfg.max_steps
     steps = cfg.checkpoint.steps
     if steps is not None and (beyond := [s for s in steps if s > max_steps]):
-        raise ConfigError(f"checkpoint.steps={_shown(steps)}: step {beyond[0]} is beyond max_steps={max_steps}; "
+        raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond max_steps={max_steps}; "
                           "expected checkpoint steps <= max_steps")
-    if cfg.probe.enabled and (refusal := probe_size_refusal(cfg.probe.tokens, cfg.seq_len, cfg.probe.bootstrap.block)):
+    if cfg.probe.enabled and (refusal := ProbeConfig.from_config(cfg.probe).size_refusal(cfg.seq_len)):
         raise ConfigError(refusal)
     if val_tokens is not None:
         windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
@@ -489,7 +464,7 @@ def key_docs(kind: type, prefix: str = "") -> list[str]:
             lines += [f"{key}:  # {text}", *key_docs(f.default_factory, f"{key}.")]
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"{key}: {type_words(hints[f.name])} = {'(from conf/)' if default == MISSING else _shown(default)}"
+        lines.append(f"{key}: {type_words(hints[f.name])} = {'(from conf/)' if default == MISSING else format_value(default)}"
                      f"  # {text}")
     return lines
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -31,6 +30,7 @@ from normgeo.runs.run_config import (
     config_changes,
     is_rank_zero,
     load_run_config,
+    read_checkpoint,
     resolved_run_config,
     verify_run_config,
 )
@@ -48,9 +48,6 @@ class RunFinished(Exception):
 
 
 REFUSALS = (RunDirectoryError, ResumeConfigError)
-# Files a run directory may hold without holding a run: the lock (kept after its process) and a killed write's
-# temporaries.
-NOT_A_RUN = (LOCK_FILE,)
 
 
 @dataclass(frozen=True)
@@ -60,10 +57,9 @@ class CheckpointInfo:
 
 
 def checkpoint_info(path: Path) -> CheckpointInfo | str:
-    """Step and kind of a checkpoint, or why it cannot be read (mmap: only the pickled metadata of a 12 GB
-    file is read)."""
+    """Step and kind of a checkpoint, or why it cannot be read."""
     try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        ckpt = read_checkpoint(path)
         return CheckpointInfo(int(ckpt["global_step"]), "optimizer_states" in ckpt)
     except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors... for damaged files
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -171,7 +167,7 @@ def run_traces(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     return sorted(p.name for p in run_dir.iterdir()
-                  if p.name not in NOT_A_RUN and not p.name.endswith(TMP_SUFFIX) and not sibling_file(p))
+                  if p.name != LOCK_FILE and not p.name.endswith(TMP_SUFFIX) and not sibling_file(p))
 
 
 def fresh_command(run_dir: Path) -> str:
@@ -182,16 +178,11 @@ def fresh_command(run_dir: Path) -> str:
     return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(free))}"])
 
 
-def training_target(cfg: DictConfig) -> int:
-    """The optimizer step this session trains to: ``stop_at_step`` when it comes first, else ``max_steps``."""
-    return min(int(cfg.stop_at_step), int(cfg.max_steps)) if cfg.stop_at_step else int(cfg.max_steps)
-
-
 def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
     """The one line for a resume whose checkpoint already reached this session's target step; None when
     there is training left to do."""
     info = checkpoint_info(Path(ckpt_path))
-    target = training_target(cfg)
+    target = min(int(cfg.stop_at_step or cfg.max_steps), int(cfg.max_steps))  # the step this session trains to
     if not isinstance(info, CheckpointInfo) or info.step < target:
         return None
     if target < int(cfg.max_steps):

@@ -40,15 +40,10 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.paths import FolderError, check_writable_folder, remove_created, topmost_missing
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
-from normgeo.runs.config import (
-    attach_log_file,
-    close_file_logs,
-    remove_created,
-    topmost_missing,
-    write_hydra_files,
-)
+from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
@@ -70,27 +65,13 @@ class StartError(ValueError):
 
 
 # Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
-START_ERRORS = (ConfigError, StartError, RunInUseError, *REFUSALS)
+START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session): their bytes are kept for an undo.
 REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
-
-
-def check_writable_folder(folder: Path, key: str) -> None:
-    """``folder`` exists as a writable directory or can be created: StartError naming what is in the way."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "a file" if existing.is_file() else "not a folder"
-        raise StartError(f"{key}={folder}: {existing} is {what}, so the run directory cannot be created there; "
-                         f"choose another {key}=...")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise StartError(f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
-                         f"choose another {key}=...")
 
 
 @dataclass
@@ -213,11 +194,8 @@ def check_trainer(cfg: DictConfig) -> None:
     """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy) asked of Lightning on this
     machine rather than copied: a bare Trainer built from ``cfg.trainer`` as train.py builds it, with nothing
     attached (no logger, no callback: nothing is written); then the global batch against its world size."""
-    lightning_logs = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [logger.level for logger in lightning_logs]
     try:
-        for logger in lightning_logs:
-            logger.setLevel(logging.WARNING)  # its device lines: train.py's Trainer prints them, once
+        logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), logger=False, enable_checkpointing=False,
@@ -226,8 +204,7 @@ def check_trainer(cfg: DictConfig) -> None:
         cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
         raise StartError(f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
     finally:
-        for logger, level in zip(lightning_logs, levels, strict=True):
-            logger.setLevel(level)
+        logging.disable(logging.NOTSET)
     try:
         accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=trainer.world_size)
     except ValueError as err:
@@ -302,6 +279,6 @@ class SweepFolderCheck(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             check_writable_folder(Path(str(config.hydra.sweep.dir)), "output_root")
-        except StartError as err:
+        except FolderError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(CONFIG_ERROR_EXIT) from None

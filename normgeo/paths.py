@@ -1,0 +1,89 @@
+"""Names and folders: the one file-name slug, paths a generated page may show, and folders an entry point creates.
+
+Shared by the run's start (normgeo.runs), analyze.py, the figures and the readers (compare, report), so that
+none of them imports another's machinery for a name or a folder check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# An absolute path in a generated page: a "/" not inside a word, a number or a URL ("https://"), then no space.
+ABSOLUTE_PATH = re.compile(r"(?<![\w./])/(?!/)[^\s,;)'\"`]+")
+
+
+class FolderError(ValueError):
+    """A folder an entry point must write into cannot be created or written there; one line, with the key."""
+
+
+def repo_relative(text: str, root: Path = REPO_ROOT) -> str:
+    """``text`` with every absolute path on this machine written relative to the repository (``../shared/...``),
+    so that a generated page's commands and sources run from any checkout."""
+
+    def relative(match: re.Match[str]) -> str:
+        path = match.group(0)
+        top = Path("/", Path(path).parts[1]) if len(Path(path).parts) > 1 else None
+        return os.path.relpath(path, root) if top is not None and top.exists() else path
+
+    return ABSOLUTE_PATH.sub(relative, text)
+
+
+def slug(name: object, empty: str = "unnamed") -> str:
+    """The one file/folder-name rule for a model name, Hub id or path: a Hub id's ``/`` becomes ``--``
+    (the Hub cache's convention), every run of other characters than ``A-Za-z0-9._-`` one ``-``.
+
+    ``EleutherAI/pythia-1.4b`` -> ``EleutherAI--pythia-1.4b``; independent of the working directory.
+    """
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name or "").replace("/", "--"))
+    return text.strip("-.") or empty
+
+
+def path_slug(value: str) -> str:
+    """A readable, collision-safe folder name for a path: 'webtext-1a2b3c4d' (its slug and a hash)."""
+    text = str(value)
+    stem = slug(Path(text.rstrip("/*")).name, empty="root")
+    return f"{stem}-{hashlib.sha256(os.path.abspath(text).encode()).hexdigest()[:8]}"
+
+
+def check_writable_folder(folder: Path, key: str) -> None:
+    """``folder`` exists as a writable directory or can be created: FolderError naming what is in the way."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "not a folder"
+        raise FolderError(f"{key}={folder}: {existing} is {what}, so the folder cannot be created there; "
+                          f"choose another {key}=...")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FolderError(f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
+                          f"choose another {key}=...")
+
+
+def topmost_missing(path: Path) -> Path | None:
+    """The topmost of ``path`` and its parents that does not exist: what ``mkdir(parents=True)`` would create
+    first (None: ``path`` exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_created(path: Path, created: Path | None) -> None:
+    """Undo ``mkdir(parents=True)`` of ``path`` whose topmost new folder was ``created``: ``path`` removed with its
+    contents, then each parent it created while empty (something else may live there by now)."""
+    if created is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    folder = path.parent
+    while folder == created or created in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
