@@ -1,7 +1,8 @@
 """Names and folders: the one file-name slug, paths a generated page may show, and folders an entry point creates.
 
 Shared by the run's start (normgeo.runs), analyze.py, the figures and the readers (compare, report), so that
-none of them imports another's machinery for a name or a folder check.
+none of them imports another's machinery for a name or a folder check: normgeo's lowest floor, the standard
+library only (tests/test_layout.py).
 """
 
 from __future__ import annotations

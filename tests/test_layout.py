@@ -64,8 +64,9 @@ def test_the_layout_check_sees_a_missing_module() -> None:
     assert "`stats.py`" in rows["normgeo/measure/"] and "`stats.py`" not in rows["normgeo/runs/"]
 
 
-# Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top.
-NORMGEO_FLOORS = ("normgeo.measure", "normgeo.runs", "normgeo.readers", "normgeo.verdict", "normgeo.figures")
+# Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top,
+# normgeo/paths.py (names and folders; the standard library only) at the bottom.
+NORMGEO_FLOORS = ("normgeo.paths", "normgeo.measure", "normgeo.runs", "normgeo.readers", "normgeo.verdict", "normgeo.figures")
 OWN_PACKAGES = ("corpus", "models", "normgeo", "callbacks", "slurm")
 
 
