@@ -277,10 +277,11 @@ def run(cfg: DictConfig) -> Refused | None:
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-        if not start.kept:  # before its first optimizer step: a divergence is a result and a requeue a pause
-            # (the start stays); a failure or a stop is undone, the directory as it was found
-            stays = isinstance(err, (NonFiniteError, SystemExit)) and not stopped
-            start.keep() if stays else start.undo()
+        if not start.kept:  # before its first optimizer step
+            if isinstance(err, (NonFiniteError, SystemExit)) and not stopped:
+                start.keep()  # a divergence is a result, a requeue a pause: the start stays
+            else:
+                start.undo()  # a failure or a stop: the directory as it was found
         if isinstance(err, USER_ERRORS):
             return refuse(cfg.run_dir, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
