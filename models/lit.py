@@ -10,7 +10,7 @@ import time
 import lightning as L
 import numpy as np
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
@@ -86,12 +86,11 @@ class LitGPT(L.LightningModule):
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
-        self._last_step_time: float | None = None
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
         self.run_config: dict | None = None
         self._model_configured = False
-        self._peak_flops: float | None = None
+        self.throughput: Throughput | None = None  # set on train start (step_rates)
 
     @property
     def seq_len(self) -> int:
@@ -102,8 +101,24 @@ class LitGPT(L.LightningModule):
         return tokens_per_step(self.hparams.global_batch, self.seq_len)
 
     def on_train_start(self) -> None:
-        # Dense peak FLOP/s by GPU and dtype; None on CPU and unknown GPUs (no MFU).
-        self._peak_flops = peak_flops(self.device, compute_dtype(str(self.trainer.precision)))
+        # A window of two optimizer steps: the rates of the latest step. MFU against the dense peak FLOP/s of
+        # this GPU and dtype (none on the CPU and on unknown GPUs).
+        self.throughput = Throughput(available_flops=peak_flops(self.device, compute_dtype(str(self.trainer.precision))),
+                                     world_size=self.trainer.world_size, window_size=2)
+
+    def step_rates(self, step: int, now: float) -> dict[str, float]:
+        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous optimizer step
+        (data loading and logging included), by Lightning's Throughput; none at a session's first step.
+
+        Lightning's ThroughputMonitor callback counts micro-batches and logs under its own names; its arithmetic
+        is used here per optimizer step, so that the two metrics keep their names and meaning."""
+        world_size = self.throughput.world_size
+        sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
+        self.throughput.update(time=now, batches=step, samples=sequences, lengths=sequences * self.seq_len,
+                               flops=self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size)
+        rates = self.throughput.compute()
+        named = (("perf/tokens_per_s", "device/items_per_sec", world_size), ("perf/mfu", "device/mfu", 1))
+        return {name: rates[key] * scale for name, key, scale in named if key in rates}
 
     def configure_model(self) -> None:
         """Shard (FSDP2) and/or compile once; Lightning calls this hook again for every stage."""
@@ -147,16 +162,10 @@ class LitGPT(L.LightningModule):
             "train/lr": optimizer.param_groups[0]["lr"],
             "train/tokens_seen": float(step * self.tokens_per_step),
         }
-        # Wall time between consecutive optimizer steps: data loading and logging included.
-        now = time.perf_counter()
-        if self._last_step_time is not None:
-            tokens_per_s = self.tokens_per_step / max(now - self._last_step_time, 1e-9)
-            metrics["perf/tokens_per_s"] = tokens_per_s
-            if self._peak_flops:
-                flops = self.model.flops_per_token(self.seq_len) * tokens_per_s / self.trainer.world_size
-                metrics["perf/mfu"] = flops / self._peak_flops
-            self.log("tok/s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        self._last_step_time = now
+        rates = self.step_rates(step, time.perf_counter())
+        metrics.update(rates)
+        if "perf/tokens_per_s" in rates:
+            self.log("tok/s", rates["perf/tokens_per_s"], on_step=True, on_epoch=False, prog_bar=True, logger=False)
         # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss
         # at step k, the step at which the probe records the weights that update produced.
         metrics["step"] = float(step)

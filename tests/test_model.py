@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._dynamo.utils import counters
 
@@ -174,6 +175,24 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent() -> None:
     assert warmup_cosine(60, **kwargs) == pytest.approx(0.55)
     assert warmup_cosine(110, **kwargs) == pytest.approx(0.1)
     assert warmup_cosine(500, **kwargs) == pytest.approx(0.1)
+
+
+def test_step_rates_are_the_tokens_and_model_flops_of_one_optimizer_step_over_its_wall_time() -> None:
+    """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first step, then the
+    global tokens of one step over its seconds, and per device its model FLOPs against the peak (2 devices, a
+    declared peak standing in for a GPU's)."""
+    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=4,
+                    lr=1e-3)
+    peak = 1e9
+    module.throughput = Throughput(available_flops=peak, world_size=2, window_size=2)
+    assert module.step_rates(5, now=10.0) == {}
+    rates = module.step_rates(6, now=10.5)
+    tokens_per_s = module.tokens_per_step / 0.5  # 4 sequences x 8 tokens, over both devices
+    assert rates["perf/tokens_per_s"] == pytest.approx(tokens_per_s)
+    assert rates["perf/mfu"] == pytest.approx(module.model.flops_per_token(8) * tokens_per_s / 2 / peak)
+    module.throughput = Throughput(available_flops=None, world_size=1, window_size=2)  # the CPU: no MFU
+    module.step_rates(1, now=0.0)
+    assert set(module.step_rates(2, now=1.0)) == {"perf/tokens_per_s"}
 
 
 def test_weight_decay_only_on_matrices() -> None:
