@@ -26,6 +26,14 @@ PLACEMENTS = ("pre", "post")
 GPT2_VOCAB_SIZE = 50257
 
 
+class ArchitectureError(ValueError):
+    """A GPTConfig field the model cannot be built with: the field, its value and what it expects."""
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        super().__init__(f"{field}={value!r}: expected {expected}")
+        self.field, self.value, self.expected = field, value, expected
+
+
 @dataclass
 class GPTConfig:
     n_layer: int = 2
@@ -46,14 +54,15 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.norm not in NORM_ARMS:
-            raise ValueError(f"unknown norm {self.norm!r}: choose one of {', '.join(NORM_ARMS)}")
-        if self.norm_impl not in NORM_IMPLS:
-            raise ValueError(f"unknown norm_impl {self.norm_impl!r}: choose one of {', '.join(NORM_IMPLS)}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        """The one check of the architecture's choices (train.py's config check asks it too, naming its keys)."""
+        for name, ok, expected in (
+            ("norm", self.norm in NORM_ARMS, f"one of {', '.join(NORM_ARMS)}"),
+            ("norm_impl", self.norm_impl in NORM_IMPLS, " or ".join(NORM_IMPLS)),
+            ("placement", self.placement in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"),
+            ("n_head", self.n_head > 0 and self.n_embd % self.n_head == 0, f"a divisor of n_embd={self.n_embd}"),
+        ):
+            if not ok:
+                raise ArchitectureError(name, getattr(self, name), expected)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -116,11 +116,8 @@ def norm_names() -> tuple[str, ...]:
 
 
 def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "stock") -> nn.Module:
-    """The one place where the arms differ, and where every arm gets its implementation (``NORM_IMPLS``)."""
-    if kind not in NORM_ARMS:
-        raise ValueError(f"unknown norm {kind!r}: choose one of {', '.join(NORM_ARMS)}")
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"unknown norm implementation {impl!r}: choose one of {', '.join(NORM_IMPLS)}")
+    """The one place where the arms differ, and where every arm gets its implementation (``NORM_IMPLS``);
+    ``kind`` and ``impl`` as models.gpt.GPTConfig checked them."""
     module = NORM_ARMS[kind].build(dim, eps, role)
     if impl == "compiled":
         # The forward only, on the same module object: its type (the probe's site kind), parameter names

@@ -31,11 +31,12 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from corpus.sources import LocalFilesSource, SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import unknown_tokenizer
-from models.gpt import PLACEMENTS
+from models.gpt import PLACEMENTS, ArchitectureError, GPTConfig
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.runs.build import model_config
 from normgeo.runs.run_config import format_value
 
 SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
@@ -405,6 +406,11 @@ def check_probe_source(probe: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+# models.gpt.GPTConfig's fields as train.py's keys, and the group that sets them.
+ARCHITECTURE_KEYS = {"norm": ("norm.name", " (norm=...)"), "norm_impl": ("norm.impl", ""),
+                     "placement": ("placement.name", " (placement=...)"), "n_head": ("size.n_head", "")}
+
+
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
@@ -412,17 +418,16 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
     check_types(cfg, TrainSchema, "train.py")
-    _expect(cfg.norm.name in NORM_ARMS, "norm.name", cfg.norm.name, f"one of {', '.join(NORM_ARMS)} (norm=...)")
-    _expect(cfg.norm.impl in NORM_IMPLS, "norm.impl", cfg.norm.impl, " or ".join(NORM_IMPLS))
+    try:  # the model's own check, reported under the config's keys
+        GPTConfig(**model_config(cfg))
+    except ArchitectureError as err:
+        key, hint = ARCHITECTURE_KEYS[err.field]
+        raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{hint}") from None
     if cfg.norm.impl == "compiled":
         # Refused at the start rather than falling back: a run that says compiled runs compiled.
         refusal = compile_refusal(training_device_type(cfg.trainer))
         if refusal:
             raise ConfigError(f"norm.impl=compiled: {refusal}; or train with norm.impl=stock")
-    _expect(cfg.placement.name in PLACEMENTS, "placement.name", cfg.placement.name,
-            f"one of {', '.join(PLACEMENTS)} (placement=...)")
-    _expect(cfg.size.n_embd % cfg.size.n_head == 0, "size.n_head", cfg.size.n_head,
-            f"a divisor of size.n_embd={cfg.size.n_embd}")
     steps = cfg.checkpoint.steps
     if steps is not None:
         _expect(all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",
