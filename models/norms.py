@@ -142,6 +142,7 @@ def compile_refusal(device_type: str) -> str | None:
         return f"torch.compile does not support this Python/platform (torch {torch.__version__})"
     if device_type == "cuda":
         return None if has_triton() else "torch.compile needs Triton for CUDA kernels and it is not installed"
+    # inductor's C++ toolchain: loaded only for the CPU's compile check, like torch._dynamo above.
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 

@@ -128,7 +128,7 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     """optim.lr=1e6 is in range but diverges: one line naming the step and optim.lr, exit 2, the folder marked
     diverged (summary.json); the same command again is refused with the corrected command, the folder as it
     was; the corrected command (a lower optim.lr) replaces the diverged run in the same folder, and puts it
-    back when it fails before its first step."""
+    back whole (a 40 MiB file too) when it fails before its first step."""
     run_dir = tmp_path / "run"
     settings = ("max_steps=5", "checkpoint.last_every=1")
     diverged = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
@@ -141,6 +141,8 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     # No checkpoint holds the diverged weights: last.ckpt is the last finite step's, if any.
     assert all(torch.isfinite(t).all() for t in torch.load(run_dir / "checkpoints" / "last.ckpt",
                                                            weights_only=True)["state_dict"].values())
+    with open(run_dir / "checkpoints" / "big-40mib.bin", "wb") as big:  # bigger than a byte copy's old 16 MiB limit
+        big.truncate(40 * 2**20)
     before = files_of(run_dir)
     again = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
     assert again.returncode == 2
