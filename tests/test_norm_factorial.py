@@ -47,7 +47,7 @@ def test_post_norm_normalizes_the_residual_stream_after_each_add() -> None:
     block.ln1.register_forward_hook(lambda m, i, o: seen.setdefault("ln1.in", i[0]))
     block(x)
     assert torch.allclose(seen["ln1.in"], x + block.attn(x))  # under post, ln1.in = residual + attention
-    with pytest.raises(ValueError, match="placement 'sandwich'"):
+    with pytest.raises(ValueError, match="placement='sandwich': expected one of pre, post"):
         GPTConfig(placement="sandwich")
 
 
