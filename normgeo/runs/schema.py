@@ -36,7 +36,7 @@ from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.runs.build import model_config
+from normgeo.runs.build import MODEL_KEYS, model_config
 from normgeo.runs.run_config import format_value
 
 SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
@@ -406,11 +406,6 @@ def check_probe_source(probe: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-# models.gpt.GPTConfig's fields as train.py's keys, and the group that sets them.
-ARCHITECTURE_KEYS = {"norm": ("norm.name", " (norm=...)"), "norm_impl": ("norm.impl", ""),
-                     "placement": ("placement.name", " (placement=...)"), "n_head": ("size.n_head", "")}
-
-
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
@@ -421,8 +416,9 @@ def check_train(cfg: DictConfig) -> None:
     try:  # the model's own check, reported under the config's keys
         GPTConfig(**model_config(cfg))
     except ArchitectureError as err:
-        key, hint = ARCHITECTURE_KEYS[err.field]
-        raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{hint}") from None
+        key = MODEL_KEYS[err.field]
+        group = f" ({key.removesuffix('.name')}=...)" if key.endswith(".name") else ""  # norm=..., placement=...
+        raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{group}") from None
     if cfg.norm.impl == "compiled":
         # Refused at the start rather than falling back: a run that says compiled runs compiled.
         refusal = compile_refusal(training_device_type(cfg.trainer))
