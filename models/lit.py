@@ -90,7 +90,8 @@ class LitGPT(L.LightningModule):
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
         self.run_config: dict | None = None
         self._model_configured = False
-        self.throughput: Throughput | None = None  # set on train start (step_rates)
+        self.throughput: Throughput | None = None  # set on train start (start_throughput)
+        self.device_step_flops = 0.0
 
     @property
     def seq_len(self) -> int:
@@ -101,10 +102,15 @@ class LitGPT(L.LightningModule):
         return tokens_per_step(self.hparams.global_batch, self.seq_len)
 
     def on_train_start(self) -> None:
-        # A window of two optimizer steps: the rates of the latest step. MFU against the dense peak FLOP/s of
-        # this GPU and dtype (none on the CPU and on unknown GPUs).
-        self.throughput = Throughput(available_flops=peak_flops(self.device, compute_dtype(str(self.trainer.precision))),
-                                     world_size=self.trainer.world_size, window_size=2)
+        # MFU against the dense peak FLOP/s of this GPU and dtype (none on the CPU and on unknown GPUs).
+        self.start_throughput(peak_flops(self.device, compute_dtype(str(self.trainer.precision))),
+                              self.trainer.world_size)
+
+    def start_throughput(self, available_flops: float | None, world_size: int) -> None:
+        """A session's rate meter (:meth:`step_rates`): a window of two optimizer steps, the rates of the latest;
+        the model FLOPs of one step on one device, counted once."""
+        self.throughput = Throughput(available_flops=available_flops, world_size=world_size, window_size=2)
+        self.device_step_flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size
 
     def step_rates(self, step: int, now: float) -> dict[str, float]:
         """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous optimizer step
@@ -115,7 +121,7 @@ class LitGPT(L.LightningModule):
         world_size = self.throughput.world_size
         sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
         self.throughput.update(time=now, batches=step, samples=sequences, lengths=sequences * self.seq_len,
-                               flops=self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size)
+                               flops=self.device_step_flops)
         rates = self.throughput.compute()
         named = (("perf/tokens_per_s", "device/items_per_sec", world_size), ("perf/mfu", "device/mfu", 1))
         return {name: rates[key] * scale for name, key, scale in named if key in rates}

@@ -8,7 +8,6 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._dynamo.utils import counters
 
@@ -184,13 +183,13 @@ def test_step_rates_are_the_tokens_and_model_flops_of_one_optimizer_step_over_it
     module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=4,
                     lr=1e-3)
     peak = 1e9
-    module.throughput = Throughput(available_flops=peak, world_size=2, window_size=2)
+    module.start_throughput(peak, world_size=2)
     assert module.step_rates(5, now=10.0) == {}
     rates = module.step_rates(6, now=10.5)
     tokens_per_s = module.tokens_per_step / 0.5  # 4 sequences x 8 tokens, over both devices
     assert rates["perf/tokens_per_s"] == pytest.approx(tokens_per_s)
     assert rates["perf/mfu"] == pytest.approx(module.model.flops_per_token(8) * tokens_per_s / 2 / peak)
-    module.throughput = Throughput(available_flops=None, world_size=1, window_size=2)  # the CPU: no MFU
+    module.start_throughput(None, world_size=1)  # the CPU: no MFU
     module.step_rates(1, now=0.0)
     assert set(module.step_rates(2, now=1.0)) == {"perf/tokens_per_s"}
 
