@@ -57,12 +57,7 @@ from normgeo.runs.run_config import (
     save_run_config,
 )
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
-from normgeo.runs.session import (
-    DIVERGED,
-    RunFinished,
-    disk_full_refusal,
-    resume_command,
-)
+from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import SessionClock, format_summary, run_summary, write_summary
 

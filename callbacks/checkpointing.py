@@ -136,11 +136,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming.
 
@@ -207,7 +202,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""
         # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
-        finite = all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters())
+        finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                     for p in pl_module.parameters())
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             last = self.dirpath / LAST_CHECKPOINT
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"

@@ -72,16 +72,14 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
         return None, None
 
 
-def checkpoint_step(run_dir: Path) -> tuple[int | None, Path | None]:
+def checkpoint_step(run_dir: Path) -> int | None:
     """Step of the checkpoint resume=auto would continue from (normgeo.runs.session.newest_resumable), else
     of the newest scheduled checkpoint."""
     path, step, _ = newest_resumable(run_dir)
     if path is not None:
-        return step, path
+        return step
     scheduled = sorted(run_dir.glob("checkpoints/step-*.ckpt"))
-    if scheduled:
-        return int(scheduled[-1].stem.split("-")[1]), scheduled[-1]
-    return None, None
+    return int(scheduled[-1].stem.split("-")[1]) if scheduled else None
 
 
 def last_loss(run_dir: Path) -> float | None:
@@ -154,7 +152,6 @@ def infer_state(
     stop_at_step: int | None,
     slurm: str | None,
     requeue_logged: bool,
-    hpc_newest: bool,
     updated_s_ago: float | None,
     active_s: float,
 ) -> str:
@@ -166,7 +163,7 @@ def infer_state(
         return "preempted"  # requeued (or preempted) and waiting to continue
     if slurm is None and updated_s_ago is not None and updated_s_ago < active_s:
         return "running"  # no scheduler to ask: a file changed recently
-    if requeue_logged or hpc_newest:
+    if requeue_logged:
         return "preempted"
     if stop_at_step is not None and step is not None and step >= stop_at_step:
         return "stopped"
@@ -193,7 +190,7 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
     if is_analysis(run_dir):
         return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None, damaged)
     max_steps, stop_at_step = run_config(run_dir)
-    step, ckpt = checkpoint_step(run_dir)
+    step = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
     state_from_slurm = slurm_state(job) if (job and use_slurm) else None
     mtime = newest_mtime(run_dir)
@@ -204,7 +201,6 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         stop_at_step=stop_at_step,
         slurm=state_from_slurm,
         requeue_logged=asked_to_requeue(run_dir),
-        hpc_newest=ckpt is not None and ckpt.name.startswith("hpc_ckpt_"),
         updated_s_ago=updated,
         active_s=active_s,
     )

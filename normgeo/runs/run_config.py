@@ -28,42 +28,21 @@ LAST_CHECKPOINT = "last.ckpt"  # in <run>/checkpoints/: the full state to resume
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 
-# Dotted keys (and everything under them) that may differ between sessions of one run: where the run
-# runs and how it reports, not what it computes. The global batch is fixed, so micro_batch and the
-# device count only change the accumulation; compile and norm.impl keep the math and the weights
-# (tests/test_training.py, tests/test_norm_factorial.py).
+# Dotted keys (and everything under them) that may differ between sessions of one run: where the run runs and how
+# it reports, not what it computes (tests/test_training.py, tests/test_norm_factorial.py).
 ALLOWED_CHANGES: tuple[str, ...] = (
-    "resume",
-    "stop_at_step",
-    "trainer.devices",
-    "trainer.num_nodes",
-    "trainer.accelerator",
-    "trainer.strategy",
-    "trainer.enable_progress_bar",
-    "trainer.enable_model_summary",
-    "trainer.log_every_n_steps",
-    "micro_batch",
+    "resume", "stop_at_step", "run_dir", "output_root", "data_root", "run_name",  # which session, and where
+    # The global batch is fixed: the devices and the micro batch only change the accumulation.
+    "trainer.devices", "trainer.num_nodes", "trainer.accelerator", "trainer.strategy", "micro_batch",
     "size.micro_batch",  # only the default of micro_batch
-    "size.gpus",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
-    "size.minutes",
-    "compile",
-    "optim.fused",  # AdamW's kernel: the same update, in another floating-point order
-    "norm.impl",
-    "logger",
-    "probe.batch_size",
-    "num_workers",
-    "run_dir",
-    "output_root",
-    "data_root",
-    "run_name",
-    "log_every",
+    # The same math and weights: another kernel, floating-point order or batching of the same work.
+    "compile", "optim.fused", "norm.impl", "num_workers", "probe.batch_size",
+    # How the run reports, and how often it refreshes last.ckpt.
+    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "logger", "log_every",
     "checkpoint.last_every",
-    # conf/train/data/*.yaml derive these from data_root above.
-    "data.directory",
-    "data.prepare_command",
-    # Which config node the refusals of a local source name (corpus.sources.LocalFilesSource).
-    "data.source.config_node",
-    "probe.source.config_node",
+    "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
+    "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
+    "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name
 )
 
 

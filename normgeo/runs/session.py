@@ -5,7 +5,6 @@ before anything is written (normgeo.runs.start runs them before the run writes `
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -66,12 +65,10 @@ def checkpoint_info(path: Path) -> CheckpointInfo | str:
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:
-    """Checkpoints a resume may continue from, in the order tried: last.ckpt and SLURM's hpc_ckpt_*.ckpt
-    newest first, then the scheduled step-*.ckpt newest first (full state only with keep_optimizer)."""
-    newest = [Path(p) for p in glob.glob(str(run_dir / "hpc_ckpt_*.ckpt"))]
-    newest += [p for p in [run_dir / "checkpoints" / LAST_CHECKPOINT] if p.exists()]
-    newest.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    return newest + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+    """Checkpoints a resume may continue from, in the order tried: last.ckpt, then the scheduled step-*.ckpt
+    newest first (full state only with keep_optimizer)."""
+    last = run_dir / "checkpoints" / LAST_CHECKPOINT
+    return [last] * last.exists() + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
@@ -90,10 +87,9 @@ def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]
 def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     """The checkpoint to continue from: the newest readable full-state one (:func:`newest_resumable`)."""
     if resume is None:
-        existing = [p for p in resume_candidates(run_dir) if p.name == LAST_CHECKPOINT or p.name.startswith("hpc_ckpt_")]
-        if existing:
+        if (run_dir / "checkpoints" / LAST_CHECKPOINT).exists():
             raise RunDirectoryError(
-                f"{run_dir} already holds a run ({existing[0].name}). Continue it with resume=auto, "
+                f"{run_dir} already holds a run ({LAST_CHECKPOINT}). Continue it with resume=auto, "
                 "or start another with a different run_name=... or seed=..."
             )
         return None
