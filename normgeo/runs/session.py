@@ -68,7 +68,7 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     """Checkpoints a resume may continue from, in the order tried: last.ckpt, then the scheduled step-*.ckpt
     newest first (full state only with keep_optimizer)."""
     last = run_dir / "checkpoints" / LAST_CHECKPOINT
-    return [last] * last.exists() + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+    return ([last] if last.exists() else []) + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
