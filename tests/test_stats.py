@@ -136,6 +136,33 @@ def test_null_directions_moments_and_per_sequence_sums_are_exact_and_merge() -> 
     assert torch.equal(plain.hist, whole.hist) and torch.allclose(plain.mean, whole.mean, atol=1e-10)
 
 
+def test_sites_in_one_pass_equal_sites_one_by_one() -> None:
+    """The GPU's one pass over a norm's consecutive sites (forced here on the CPU) gives each site what
+    its own update gives: moments, extremes, histograms, zero vectors, null directions, per-sequence sums;
+    a site of zero vectors only adds nothing."""
+    d, sites, sequences, length = 32, 3, 4, 40
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sites, sequences, length, d, generator=g) + 0.2
+    x[0, 1, 3] = 0  # one zero vector at the first site
+    x[2] = 0  # a site of zero vectors only
+    refs = torch.stack([torch.ones(d), torch.randn(d, generator=g)])
+    null = torch.randn(6, d, generator=g)
+
+    def statistics(per_pass: int) -> AngleStatistics:
+        return AngleStatistics(sites + 1, refs, null_directions=null, num_sequences=sequences, sites_per_pass=per_pass)
+
+    one_pass, one_by_one = statistics(sites), statistics(1)
+    for stats in (one_pass, one_by_one):
+        stats.update_sites(1, x[:, :2], torch.tensor([2, 0]))  # sites 1 to 3; site 0 is left alone
+        stats.update_sites(1, x[:, 2:], torch.tensor([1, 3]))
+    assert one_pass.zero_count.tolist() == [0, 1, 0, sequences * length]
+    assert one_pass.count[3].eq(0).all() and one_pass.count[1].eq(sequences * length - 1).all()
+    for field in ("count", "mean", "m2", "min", "max", "hist", "zero_count", "norm_count", "norm_mean", "norm_m2",
+                  "null_count", "null_mean", "null_m2", "seq_count", "seq_sum", "seq_sumsq"):
+        torch.testing.assert_close(getattr(one_pass, field), getattr(one_by_one, field), rtol=1e-12, atol=1e-9,
+                                   msg=field)
+
+
 def test_where_ones_stands_follows_its_definitions() -> None:
     d = 64
     g = torch.Generator().manual_seed(4)

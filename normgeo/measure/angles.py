@@ -42,27 +42,20 @@ class AngleMeasurement(Measurement):
             null_directions=torch.from_numpy(null) if null is not None and len(null) else None,
             num_sequences=num_sequences,
         )
+        # Per norm: the statistics' number of its first site; its sites (in, std, out) are consecutive.
         index = {site: i for i, site in enumerate(self.sites)}
-        # Per norm: the statistics' site numbers of its input, output and standardized input (or None).
-        self.site_numbers = [
-            (
-                index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)],
-                index[ProbeSite(norm.layer, f"{norm.role}.out", norm.kind, norm.dim)],
-                index.get(ProbeSite(norm.layer, f"{norm.role}.std", norm.kind, norm.dim)),
-            )
-            for norm in self.norms
-        ]
+        self.first_site = [index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)] for norm in self.norms]
         self.with_null = with_null
         self.bootstrap = {"replicates": bootstrap_replicates, "block": bootstrap_block, "seed": seed}
 
     def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
                      batch: ProbeBatch) -> None:
-        in_site, out_site, std_site = self.site_numbers[index]
-        ids = batch.sequence_ids
-        self.stats.update(in_site, inputs.to(self.device), ids)
-        self.stats.update(out_site, output.to(self.device), ids)
-        if std_site is not None and norm.kind in STANDARDIZABLE_KINDS:
-            self.stats.update(std_site, standardize(inputs.to(self.device).float(), norm.kind, norm.eps), ids)
+        # One update of the norm's consecutive sites, in probe_sites' order: in, std (where kept), out.
+        vectors = inputs.to(self.device, torch.float32)
+        standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
+        middle = [standardize(vectors, norm.kind, norm.eps)] if standardized else []
+        stacked = torch.stack([vectors, *middle, output.to(self.device, torch.float32)])
+        self.stats.update_sites(self.first_site[index], stacked, batch.sequence_ids)
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

@@ -71,11 +71,10 @@ class EnergyStatistics:
         values = self.quantities(vectors.to(self.device))
         if values.shape[0] == 0:
             return
-        n = torch.tensor(float(values.shape[0]), dtype=torch.float64, device=self.device)
         batch_mean = values.mean(dim=0)
         batch_m2 = (values - batch_mean).square().sum(dim=0)
         self.count[site], self.mean[site], self.m2[site] = chan_merge(
-            self.count[site], self.mean[site], self.m2[site], n, batch_mean, batch_m2
+            self.count[site], self.mean[site], self.m2[site], float(values.shape[0]), batch_mean, batch_m2
         )
         self.min[site] = torch.minimum(self.min[site], values.min(dim=0).values)
         self.max[site] = torch.maximum(self.max[site], values.max(dim=0).values)
@@ -83,8 +82,8 @@ class EnergyStatistics:
         logs = torch.log10(values).nan_to_num(neginf=-1e9)
         bins = ((logs - self.low) * BINS_PER_DECADE).floor().clamp_(0, self.num_bins - 1).long()
         flat = bins + torch.arange(len(QUANTITIES), device=self.device) * self.num_bins
-        counts = torch.bincount(flat.reshape(-1), minlength=len(QUANTITIES) * self.num_bins)
-        self.hist[site] += counts.view(len(QUANTITIES), self.num_bins)
+        # index_add_, not bincount: on a GPU bincount reads its input's maximum back to size its output.
+        self.hist[site].view(-1).index_add_(0, flat.reshape(-1), torch.ones_like(flat.reshape(-1)))
 
     def merge(self, other: EnergyStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank)."""

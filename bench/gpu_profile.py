@@ -1,0 +1,113 @@
+"""Where the time goes in the two GPU paths that `bench/gpu_check.py` found slow: the probe against a plain
+forward, and a `norm.impl=compiled` norm's forward + backward against the stock module.
+
+`torch.profiler` over one warmed-up call of each: the top operators by self device time and by self CPU
+time, the host-device synchronizations and copies, and the wall time of the call against its summed device
+(kernel) time. Where the wall time is far above the device time, the GPU waits on the host (Python, launches,
+synchronizations), not on kernels.
+
+    python bench/gpu_profile.py --out docs/gpu_profile.md   # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
+    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256   # the same on the CPU, printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# The sibling scripts' own pieces (the script's folder is on sys.path): the same probe and norm calls they time.
+from norm_cost import EPS, forward_backward
+from probe_cost import build, plain_forward, probe, token_ids
+from torch.profiler import ProfilerActivity, profile
+
+from models.hardware import missing_cuda
+from models.norms import make_norm
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
+               "aten::item", "aten::_local_scalar_dense")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int) -> str:
+    """One warm-up call, then one profiled call: wall time, device time, the top operators, the syncs."""
+    fn()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.key == "cudaLaunchKernel")
+    syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
+    lines = [
+        f"## {name}", "",
+        f"- wall {wall * 1e3:.1f} ms (profiled); kernels {device_us / 1e3:.1f} ms on the device, {kernels} of them"
+        f" ({launches} launches)",
+        "- host-device syncs and copies: " + (", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"),
+    ]
+    tables = [("self device time", "self_cuda_time_total")] if device.type == "cuda" else []
+    for title, key in [*tables, ("self CPU time", "self_cpu_time_total")]:
+        lines += ["", f"By {title}:", "", "```", events.table(sort_by=key, row_limit=rows, max_name_column_width=60), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default="70m")
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=2048, help="the norms' width")
+    parser.add_argument("--norm-tokens", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=15, help="operators listed per table")
+    parser.add_argument("--out", type=Path, default=None, help="write the page there (markdown) as well as print it")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if reason := missing_cuda("--device", args.device, "--device cpu"):
+        print(f"bench/gpu_profile.py: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+    model = build(args.size).to(device)
+    ids = token_ids(args.tokens)
+    sections = [
+        profiled(f"plain forward, {args.size}, {args.tokens} tokens",
+                 lambda: plain_forward(model, ids, args.batch_size), device, args.rows),
+        profiled(f"angle probe K=0, {args.size}, {args.tokens} tokens",
+                 lambda: probe(model, ids, args.batch_size, null=0, energy_and_rows=False), device, args.rows),
+    ]
+    x = torch.randn(args.norm_tokens, args.dim, device=device).requires_grad_()
+    dy = torch.randn(args.norm_tokens, args.dim, device=device)
+    for impl in ("stock", "compiled"):
+        for kind in ("layer", "rms"):
+            norm = make_norm(kind, args.dim, EPS, impl=impl).to(device)
+            run = forward_backward(norm, x, dy)
+            run()  # compilation outside the profile
+            sections.append(profiled(f"{impl} {kind} forward + backward, {args.norm_tokens} × {args.dim}", run,
+                                     device, args.rows))
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    command = shlex.join(["python", "bench/gpu_profile.py", *sys.argv[1:]])
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    page = (f"# Where the GPU time goes\n\nGenerated by `{command}` on {stamp}: {machine}, torch {torch.__version__}. "
+            "Do not edit: run it again.\n\n" + "\n".join(sections))
+    print(page)
+    if args.out is not None:
+        args.out.write_text(page)
+
+
+if __name__ == "__main__":
+    main()
