@@ -153,8 +153,8 @@ def test_sites_in_one_pass_equal_sites_one_by_one() -> None:
 
     one_pass, one_by_one = statistics(sites), statistics(1)
     for stats in (one_pass, one_by_one):
-        stats.update_sites(1, x[:, :2], torch.tensor([2, 0]))  # sites 1 to 3; site 0 is left alone
-        stats.update_sites(1, x[:, 2:], torch.tensor([1, 3]))
+        stats.update_sites(1, list(x[:, :2]), torch.tensor([2, 0]))  # sites 1 to 3; site 0 is left alone
+        stats.update_sites(1, list(x[:, 2:]), torch.tensor([1, 3]))
     assert one_pass.zero_count.tolist() == [0, 1, 0, sequences * length]
     assert one_pass.count[3].eq(0).all() and one_pass.count[1].eq(sequences * length - 1).all()
     for field in ("count", "mean", "m2", "min", "max", "hist", "zero_count", "norm_count", "norm_mean", "norm_m2",

@@ -51,11 +51,10 @@ class AngleMeasurement(Measurement):
     def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
                      batch: ProbeBatch) -> None:
         # One update of the norm's consecutive sites, in probe_sites' order: in, std (where kept), out.
-        vectors = inputs.to(self.device, torch.float32)
+        vectors = inputs.to(self.device)
         standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
-        middle = [standardize(vectors, norm.kind, norm.eps)] if standardized else []
-        stacked = torch.stack([vectors, *middle, output.to(self.device, torch.float32)])
-        self.stats.update_sites(self.first_site[index], stacked, batch.sequence_ids)
+        middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized else []
+        self.stats.update_sites(self.first_site[index], [vectors, *middle, output.to(self.device)], batch.sequence_ids)
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

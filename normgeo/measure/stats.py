@@ -308,31 +308,34 @@ class AngleStatistics:
         ``sequence_ids`` (only with ``num_sequences``): the probe-sequence index of each row of a
         ``(rows, T, d)`` tensor, for the per-sequence sums.
         """
-        self.update_sites(site, vectors.unsqueeze(0), sequence_ids)
+        self.update_sites(site, [vectors], sequence_ids)
 
     @torch.no_grad()
-    def update_sites(self, first_site: int, vectors: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> None:
-        """:meth:`update` of S consecutive sites at once: ``vectors`` (S, ..., d) holds sites ``first_site`` to
-        ``first_site + S - 1``, the same rows at each (a norm's input, standardized input and output).
+    def update_sites(self, first_site: int, vectors: Sequence[torch.Tensor],
+                     sequence_ids: torch.Tensor | None = None) -> None:
+        """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``, the
+        same rows at each (a norm's input, standardized input and output).
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
         would, and the host waits on the GPU only where ``angle_deg`` asks whether any vector lies near an
         axis and where the sequence ids are copied over: counts stay tensors, the histogram is an
-        ``index_add_`` (``bincount`` reads its maximum back), zero vectors are masked rather than branched on.
-        On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens, d = 512) is over
-        glibc's largest mmap threshold (32 MiB), one site's is under it, and every allocation over it faults
-        in fresh pages (``bench/probe_cost.py``, 70m, 8,192 tokens: the angle probe took 6.65 s with three
-        sites per pass, 5.43 s one by one).
+        ``index_add_`` (``bincount`` reads its maximum back), zero vectors are masked rather than branched
+        on. On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
+        d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
+        allocation over it faults in fresh pages (``bench/probe_cost.py``, 70m, 8,192 tokens: the angle
+        probe took 6.65 s with three sites per pass, 5.43 s one by one).
         """
-        per_pass = self.sites_per_pass or (vectors.shape[0] if self.device.type == "cuda" else 1)
+        per_pass = self.sites_per_pass or (len(vectors) if self.device.type == "cuda" else 1)
         with one_cpu_thread(self.device):
-            for start in range(0, vectors.shape[0], per_pass):
+            for start in range(0, len(vectors), per_pass):
                 part = vectors[start:start + per_pass]
-                self._update(slice(first_site + start, first_site + start + part.shape[0]), part, sequence_ids)
+                self._update(slice(first_site + start, first_site + start + len(part)), part, sequence_ids)
 
-    def _update(self, sites: slice, vectors: torch.Tensor, sequence_ids: torch.Tensor | None) -> None:
-        S = sites.stop - sites.start
-        x = vectors.detach().reshape(S, -1, vectors.shape[-1]).to(torch.float32)  # (S, n, d)
+    def _update(self, sites: slice, vectors: Sequence[torch.Tensor], sequence_ids: torch.Tensor | None) -> None:
+        S = len(vectors)
+        # (S, n, d) in float32 (bf16/fp16 cast up); one site is a view, several are stacked into one tensor.
+        rows = [v.detach().reshape(1, -1, v.shape[-1]).to(torch.float32) for v in vectors]
+        x = rows[0] if S == 1 else torch.cat(rows)
         norms = x.norm(dim=-1)  # (S, n)
         self._update_norms(sites, norms.to(torch.float64))
         nonzero = norms > 0
