@@ -317,8 +317,8 @@ class AngleStatistics:
         same rows at each (a norm's input, standardized input and output).
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
-        would, and the host waits on the GPU only where ``angle_deg`` asks whether any vector lies near an
-        axis and where the sequence ids are copied over: counts stay tensors, the histogram is an
+        would, and the host waits on the GPU where ``angle_deg`` asks whether any vector lies near an axis
+        and where the sequence ids are copied over, not at every count: counts stay tensors, the histogram is an
         ``index_add_`` (``bincount`` reads its maximum back), zero vectors are masked rather than branched
         on. On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
         d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
