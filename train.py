@@ -95,7 +95,7 @@ def make_wandb_logger(logger_cfg: DictConfig, run_dir: Path):
         run_id = id_file.read_text().strip()
     else:
         run_id = secrets.token_hex(4)  # OS entropy, not the seeded RNGs (wandb 0.31 has no util.generate_id)
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        if is_rank_zero():
             id_file.write_text(run_id + "\n")
     has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
     offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_key
@@ -190,11 +190,9 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
     # (at once during a validation or a probe); its handler is installed first.
     stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
-    callbacks = [stop.installer, KeepStart(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids)]
-    callbacks.extend(extra_callbacks)
     clock = SessionClock()
-    callbacks.append(clock)
-    callbacks.append(stop)
+    callbacks = [stop.installer, KeepStart(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids),
+                 *extra_callbacks, clock, stop]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -203,12 +201,12 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     module.run_config = run_config  # into every checkpoint
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
-        for line in costly_values(cfg, probes=len(schedule) + 1):  # legal but costly values, one line each
-            log.warning("costly: %s", line)
-        for line in odd_values(cfg):  # valid but probably not meant: said once, the run goes on as asked
-            log.warning("odd: %s", line)
-        for line in unmeasured_values(cfg):  # asked for, but nothing to measure: said once, the run goes on
-            log.warning("nothing measured: %s", line)
+        # Legal but costly, valid but probably not meant, asked for but nothing to measure: each said once in one
+        # line, and the run goes on as asked.
+        for kind, lines in (("costly", costly_values(cfg, probes=len(schedule) + 1)), ("odd", odd_values(cfg)),
+                            ("nothing measured", unmeasured_values(cfg))):
+            for line in lines:
+                log.warning("%s: %s", kind, line)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     elif is_rank_zero():

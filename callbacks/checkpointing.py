@@ -145,9 +145,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
 
     def __init__(self, dirpath: str, schedule: CheckpointSchedule) -> None:
         self.dirpath = Path(dirpath)
-        self.schedule = schedule
-        self.last_every = schedule.last_every
-        self.keep_optimizer = schedule.keep_optimizer
+        self.schedule = schedule  # also says how often last.ckpt is refreshed and what scheduled ones keep
         self._after_validation: int | None = None  # a step whose checkpoints wait for its validation
         self._last_saved_at: int | None = None  # the step of this session's newest last.ckpt
         self.saved_steps: list[int] = []
@@ -157,7 +155,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         return Path(dirpath) / f"step-{step:07d}.ckpt"
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if step not in self.schedule and not (self.last_every and step % self.last_every == 0):
+        last_every = self.schedule.last_every
+        if step not in self.schedule and not (last_every and step % last_every == 0):
             return
         if validation_follows(trainer):
             self._after_validation = step
@@ -173,7 +172,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
-            trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.keep_optimizer)
+            trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.schedule.keep_optimizer)
             self.saved_steps.append(step)
         self._save_last(trainer)
 

@@ -20,7 +20,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause, remove_stale_temporaries
+from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -185,14 +185,6 @@ def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
         return (f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); nothing to do: "
                 f"raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}")
     return f"{cfg.run_dir}: already finished at step {info.step}; nothing to do"
-
-
-def remove_stale_temporaries_of_run(run_dir: Path) -> None:
-    """A starting or resuming session deletes what killed sessions were writing (checkpoints, probes)."""
-    count, size = remove_stale_temporaries(run_dir)
-    if count:
-        log.warning("removed %d stale temporary file(s), %s bytes, left in %s by a killed session",
-                    count, f"{size:,}", run_dir)
 
 
 def slurm_requeued() -> bool:

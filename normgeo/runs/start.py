@@ -33,6 +33,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from corpus.atomic import remove_stale_temporaries
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -51,7 +52,6 @@ from normgeo.runs.session import (
     KEPT_ON_REPLACE,
     REFUSALS,
     REPLACED_DIR,
-    remove_stale_temporaries_of_run,
     replace_diverged_run,
     session_checkpoint,
     slurm_requeued,
@@ -167,7 +167,10 @@ class Start:
             return
         self.kept = True
         if is_rank_zero():
-            remove_stale_temporaries_of_run(self.run_dir)
+            count, size = remove_stale_temporaries(self.run_dir)  # what killed sessions were writing
+            if count:
+                log.warning("removed %d stale temporary file(s), %s bytes, left in %s by a killed session",
+                            count, f"{size:,}", self.run_dir)
             shutil.rmtree(self.run_dir / REPLACED_DIR, ignore_errors=True)
 
     def undo(self) -> None:
