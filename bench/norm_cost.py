@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -52,6 +53,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from models.export.hf import to_hf
 from models.gpt import GPT, GPTConfig
@@ -64,7 +67,11 @@ LIGER = "liger"
 RATIOS = (("layer", REFERENCE), ("layer_nobias", REFERENCE))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZES = Path(__file__).resolve().parent.parent / "conf" / "train" / "size"
-CONVERT_MODELS = ("original", "converted")  # --convert: the LayerNorm model, and its RMSNorm conversion
+CONVERT_MODELS = ("original", "converted")
+# The ops (and their kernels, and Inductor's kernels named after the ops they fuse) that are a norm's work.
+NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
+TOP_KERNELS = 8
+KERNEL_CALLS = 20  # forward + backward calls under the profiler per arm: kernel time varies little  # --convert: the LayerNorm model, and its RMSNorm conversion
 
 
 @dataclass
@@ -74,6 +81,7 @@ class ArmResult:
     dim: int
     floor_bytes: int
     seconds: list[float] = field(default_factory=list)  # one per repeat, per forward + backward
+    kernel_seconds: float = math.nan  # its kernels' device time per forward + backward (kernel_seconds())
 
     @property
     def median(self) -> float:
@@ -144,6 +152,60 @@ def per_call_seconds(fn: Callable[[], object], number: int, device: torch.device
     return (time.perf_counter() - start) / number
 
 
+def names_norm(event) -> bool:
+    """Whether a profiled ``event`` or an op enclosing it is a norm's (forward or backward)."""
+    while event is not None:
+        if NORM_NAME.search(event.name):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def kernel_shares(events: Sequence, cuda: bool) -> dict:
+    """Total and norm kernel time (us) of profiled ``events`` (``prof.events()``), and the top kernels by time.
+
+    CUDA: every device kernel (and copy) counts, not the annotation ranges; a kernel is the norm's when its own name names a norm (Inductor names its
+    kernels after the ops they fuse) or the op that launched it does (eager kernels of a norm op, e.g. the weight
+    gradient's reduction). CPU: the self time of every aten op, the norm's under a norm op."""
+    by_name: dict[str, float] = {}
+    if cuda:
+        total = norm = 0.0
+        # A user annotation's device range (Optimizer.step#AdamW.step) spans kernels counted on their own.
+        device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        for kernel in device:
+            us = kernel.time_range.elapsed_us()
+            total += us
+            by_name[kernel.name] = by_name.get(kernel.name, 0.0) + us
+            norm += us if NORM_NAME.search(kernel.name) else 0.0
+        # Kernels whose own name says nothing, launched by a norm op (eager LayerNorm's weight-gradient kernel).
+        for event in events:
+            if event.device_type == DeviceType.CPU and event.kernels and names_norm(event):
+                norm += sum(k.duration for k in event.kernels if not NORM_NAME.search(k.name))
+    else:
+        ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+        total = sum(e.self_cpu_time_total for e in ops)
+        norm = sum(e.self_cpu_time_total for e in ops if names_norm(e))
+        for e in ops:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    return {"total_us": total, "norm_us": norm, "norm_share": norm / total if total else None,
+            "top": [{"name": name, "us": us, "share": us / total if total else None} for name, us in top]}
+
+
+def kernel_seconds(fn: Callable[[], object], number: int, device: torch.device) -> float:
+    """Device time of the kernels of one call, the mean over ``number`` calls under torch.profiler: what the
+    GPU spends in the norm's kernels, without the host's Python, dispatch and launches that a wall clock also
+    counts (a compiled module's guards and wrapper cost more than its kernels at these sizes). On the CPU, the
+    self time of the aten ops the call runs; NaN where none ran (Inductor's C++ kernels are no profiler events)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(number):
+            fn()
+        synchronize(device)
+    total_us = kernel_shares([e for e in prof.events() if not e.is_async], device.type == "cuda")["total_us"]
+    return total_us / 1e6 / number if total_us else math.nan
+
+
 def calls_for(fn: Callable[[], object], target_s: float, device: torch.device) -> int:
     """Warm up (compilation, allocator, first-call dispatch), then the calls per measurement of about ``target_s``."""
     per_call_seconds(fn, 2, device)
@@ -183,6 +245,8 @@ def measure(
         shift = repeat % len(plans)
         for result, fn, number in plans[shift:] + plans[:shift]:
             result.seconds.append(per_call_seconds(fn, number, device))
+    for result, fn, number in plans:  # kernel time is not the host's: one profiled measurement suffices
+        result.kernel_seconds = kernel_seconds(fn, min(number, KERNEL_CALLS), device)
     return results, bandwidths
 
 
@@ -198,6 +262,8 @@ def rows(results: list[ArmResult], bandwidth: float) -> list[dict]:
             "to_rms": r.median / reference[r.dim, r.impl] if (r.dim, r.impl) in reference else math.nan,
             "to_floor": r.median / (r.floor_bytes / bandwidth),
             "floor_ms": 1e3 * r.floor_bytes / bandwidth,
+            "kernel_ms": 1e3 * r.kernel_seconds,
+            "kernel_to_floor": r.kernel_seconds / (r.floor_bytes / bandwidth),
             "all_ms": [1e3 * s for s in r.seconds],
         }
         for r in results
@@ -270,6 +336,11 @@ def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: to
               f"{min(per_repeat):.3f}-{max(per_repeat):.3f} |")
 
 
+def floor_share(to_floor: float) -> str:
+    """The floor's time as a share of the measured time ("-" where nothing was measured)."""
+    return f"{1 / to_floor:.0%}" if to_floor and math.isfinite(to_floor) else "-"
+
+
 def refuse(message: str) -> None:
     print(f"bench/norm_cost.py: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -331,18 +402,19 @@ def main(argv: list[str] | None = None) -> None:
     for row in table:
         print(f"d={row['dim']:<5d} {row['impl']:9s} {row['kind']:13s} median {row['median_ms']:8.3f} ms   "
               f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor {row['to_floor']:6.2f}   "
-              f"all {', '.join(f'{v:.3f}' for v in row['all_ms'])}")
+              f"kernels {row['kernel_ms']:8.3f} ms   kernels to floor {row['kernel_to_floor']:6.2f}   all {', '.join(f'{v:.3f}' for v in row['all_ms'])}")
     for pair in pairs:
         print(f"d={pair['dim']:<5d} {pair['impl']:9s} " + "   ".join(
             f"{a} / {b} {pair[f'{a} / {b}']:.3f} (repeats {pair[f'{a} / {b} range'][0]:.3f}-"
             f"{pair[f'{a} / {b} range'][1]:.3f})" for a, b in RATIOS))
     if args.markdown:
         print(f"\n| d | implementation | arm | fwd+bwd median (ms) | / {REFERENCE} | floor (ms) | / floor | "
-              "all repeats (ms) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "kernels (ms) | floor / kernels | all repeats (ms) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in table:
             print(f"| {row['dim']} | {row['impl']} | `{row['kind']}` | {row['median_ms']:.3f} | {row['to_rms']:.3f} | "
-                  f"{row['floor_ms']:.3f} | {row['to_floor']:.2f} | {', '.join(f'{v:.2f}' for v in row['all_ms'])} |")
+                  f"{row['floor_ms']:.3f} | {row['to_floor']:.2f} | {row['kernel_ms']:.3f} | "
+                  f"{floor_share(row['kernel_to_floor'])} | {', '.join(f'{v:.2f}' for v in row['all_ms'])} |")
         print("\n| d | implementation | " + " | ".join(f"`{a}` / `{b}` (medians) | per repeat" for a, b in RATIOS)
               + " |")
         print("| --- | --- | " + " | ".join("--- | ---" for _ in RATIOS) + " |")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,10 +42,16 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
     assert re.search(rf"implementations: {', '.join(impls)}; 1 interleaved repeats, median shown", output), output
     for dim in ("32", "64"):
         rows = markdown_rows(output, dim)
-        table = [row for row in rows if len(row) == 8]
+        table = [row for row in rows if len(row) == 10]
         assert [(row[1], row[2]) for row in table] == [(impl, kind) for impl in impls for kind in NORM_ARMS], output
-        for _, _, kind, median_ms, to_rms, floor_ms, to_floor, repeats in table:
+        for _, impl, kind, median_ms, to_rms, floor_ms, to_floor, kernel_ms, floor_share, repeats in table:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
+            # The kernels' own time (aten ops' self time on the CPU, the profiler's overhead in it: about the wall
+            # time); the compiled forward's C++ kernels are no profiler events on the CPU, so none is claimed.
+            if impl == "stock":
+                assert 0 < float(kernel_ms) <= float(median_ms) * 3 and floor_share.endswith("%"), output
+            else:
+                assert kernel_ms == "nan" and floor_share == "-", output
             assert len(repeats.split(",")) == 1  # one value per repeat
             if kind == "rms":
                 assert float(to_rms) == 1.0
@@ -66,6 +75,54 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
     for d, impl, kind, _, ratio in found:
         expected = medians[int(d), impl, kind] / medians[int(d), impl, "rms"]
         assert float(ratio) == pytest.approx(expected, rel=0.05, abs=2e-3)  # both printed rounded
+
+
+def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
+    """bench/norm_cost.py's kernel accounting on the CPU's profiler: a LayerNorm's forward and backward are all
+    norm time; beside a matmul, the norm's share is its ops' self time, below one; a model without norms has none."""
+    spec = importlib.util.spec_from_file_location("norm_cost", ROOT / "bench" / "norm_cost.py")
+    profile = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = profile  # its dataclasses look their module up there
+    spec.loader.exec_module(profile)
+    x = torch.randn(256, 64, requires_grad=True)
+    norm, linear = torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)
+
+    def shares(fn) -> dict:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return profile.kernel_shares([e for e in prof.events() if not e.is_async], cuda=False)
+
+    alone = shares(lambda: norm(x).sum().backward())
+    names = {t["name"] for t in alone["top"]}
+    assert {"aten::native_layer_norm", "aten::native_layer_norm_backward"} <= names, names
+    # The sum and its backward (ones, expand) are not the norm's; the norm's own ops are.
+    assert 0.3 < alone["norm_share"] < 1, alone
+    mixed = shares(lambda: linear(norm(x)).sum().backward())
+    assert 0 < mixed["norm_share"] < alone["norm_share"] and mixed["total_us"] > mixed["norm_us"] > 0, mixed
+    assert shares(lambda: linear(x).sum().backward())["norm_us"] == 0
+
+
+def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Path) -> None:
+    """bench/efficiency.py on the CPU stand-in, eager: every arm at two sizes with its ratio to rms, its interval
+    over the repeats, the norms' share of the kernel time; then the page from the saved results."""
+    results = tmp_path / "eff.json"
+    run_script(str(ROOT / "bench" / "efficiency.py"), "--standin", "--device", "cpu", "--sizes", "70m,1b",
+               "--modes", "eager", "--repeats", "3", "--steps", "1", "--warmup", "1", "--json", str(results))
+    report = json.loads(results.read_text())
+    assert [(r["size"], r["mode"]) for r in report["results"]] == [("70m", "eager"), ("1b", "eager")]
+    for result in report["results"]:
+        assert list(result["arms"]) == ["layer", "rms", "layer_nobias"]
+        assert all(len(arm["seconds"]) == 3 and arm["profile"]["norm_share"] > 0 for arm in result["arms"].values())
+        for name, ratio in result["ratios"].items():
+            seconds = result["arms"][name]["seconds"]
+            expected = [a / b for a, b in zip(seconds, result["arms"]["rms"]["seconds"], strict=True)]
+            assert ratio["ratios"] == pytest.approx(expected)
+            assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
+    page_file = tmp_path / "efficiency.md"
+    run_script(str(ROOT / "bench" / "efficiency.py"), "--page", str(page_file), str(results))
+    page = page_file.read_text()
+    assert "- 70m, eager: RMSNorm" in page and "- 1b, eager: RMSNorm" in page and "CPU stand-in" in page
+    assert str(tmp_path) not in page and "--json" not in page
 
 
 def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:

@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 SCRIPT = str(ROOT / "bench" / "gpu_check.py")
 # One row per path the check covers, in the page's order.
 PATHS = ["environment", "train 70m layer", "train 70m rms", "memory 70m", "train 410m layer", "train 410m rms",
-         "memory 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost", "analyze smollm2"]
+         "memory 410m", "efficiency 70m", "efficiency 160m", "efficiency 410m", "efficiency 1b", "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost", "analyze smollm2"]
 
 
 @functools.cache
@@ -61,8 +61,16 @@ def test_cpu_standin_runs_every_path_and_writes_the_page(tmp_path: Path) -> None
     assert "losses equal" in rows["ddp resume"][1] and "weights max abs difference 0;" in rows["fsdp resume"][1]
     assert "largest difference 0.00e+00°" in rows["probe agreement"][1]
     assert "planned " in rows["memory 410m"][1] and "tokens/s" in rows["train 410m rms"][1]
-    # Paths on the page are relative: neither the repository's nor the scratch folder's absolute path.
-    assert str(tmp_path) not in page and str(ROOT) not in page
+    # Every size's efficiency, eager and compiled, each with its ratio and interval, and their page beside this one.
+    for size in ("70m", "160m", "410m", "1b"):
+        assert re.fullmatch(r"eager: layer/rms step time [0-9.]+ \[[0-9.]+, [0-9.]+\], rms [0-9,]+ tokens/s; "
+                            r"compiled: layer/rms step time [0-9.]+ \[[0-9.]+, [0-9.]+\], rms [0-9,]+ tokens/s",
+                            rows[f"efficiency {size}"][1]), rows[f"efficiency {size}"]
+    efficiency = (tmp_path / "efficiency.md").read_text()
+    assert all(f"- {size}, {mode}: RMSNorm is" in efficiency for size in ("70m", "1b") for mode in ("eager", "compiled"))
+    assert "kernels to floor" not in rows["norm cost"][1] and "float32, d = 64" in rows["norm cost"][1]
+    # Paths on the pages are relative: neither the repository's nor the scratch folder's absolute path.
+    assert str(tmp_path) not in page + efficiency and str(ROOT) not in page + efficiency
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
@@ -122,6 +130,7 @@ def test_parts_names_unknown_parts_in_one_line(tmp_path: Path, capsys) -> None:
     done = refused(capsys, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m")
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --parts: unknown part(s) 'train 7m'; choose from: " + ", ".join(
-            ["environment", "train 70m", "train 410m", "ddp resume", "fsdp resume", "probe cost", "probe agreement",
-             "norm cost", "analyze smollm2"]))
+            ["environment", "train 70m", "train 410m", "efficiency 70m", "efficiency 160m", "efficiency 410m",
+             "efficiency 1b", "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost",
+             "analyze smollm2"]))
     assert not list(tmp_path.iterdir())

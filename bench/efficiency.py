@@ -1,0 +1,510 @@
+"""Is RMSNorm cheaper than LayerNorm? The optimizer-step time of the norm arms, interleaved, with an interval.
+
+For each size (``conf/train/size``: 70m, 160m, 410m, 1b) and mode (``eager``, ``compiled``) the arms
+``layer``, ``rms`` and ``layer_nobias`` (mean subtraction alone: LayerNorm without its bias) are built as
+train.py builds them (``normgeo.runs.build.make_module`` of the composed config: one seed, so bitwise-
+identical non-norm weights), with the harness's own optimizer and schedule (``LitGPT.configure_optimizers``:
+AdamW, fused on CUDA), and ``model.compile()`` as ``compile=true`` trains. Every arm steps on the same fixed
+batches of the size's micro-batch and sequence length: forward in the harness's precision (bf16-mixed on a
+GPU: float32 weights, bf16 autocast), cross-entropy, backward, gradient clipping at
+``trainer.gradient_clip_val``, AdamW step, schedule step; what Lightning's loop does per optimizer step with
+one micro-batch. The harness's own overhead on top of that (``bench/train_throughput.py``) is the same for
+every arm.
+
+After warm-up (the compiled arms' first step holds their compilation), each repeat times ``--steps``
+steps of every arm, the arms' order rotated from repeat to repeat; the device is synchronized around each
+arm's timing. Per arm: the median step time, tokens/s and MFU (``GPT.flops_per_token`` against
+``models.lit.peak_flops``); per other arm against ``rms``: the ratio of step times, the geometric mean of the
+per-repeat ratios with its 95% Student-t interval over repeats (on the log ratios). Compiled arms also report
+the graphs Dynamo compiled and the graph breaks, before and during the timing (a recompilation there would
+time the compiler).
+
+One more step of each arm runs under ``torch.profiler``: its kernels' device time (on the CPU, the aten ops'
+self time), and the norm's share of it. A kernel is the norm's when its name or the op that launched it
+names a norm (``layer_norm``, ``rms_norm`` and their backward). Eager kernels are the norms' own; Inductor
+fuses a norm with the element-wise work around it (the residual add, the bias), so the compiled share
+counts those fused kernels whole: an upper bound on the norm's own work.
+
+    python bench/efficiency.py                                     # on a GPU: every size and mode, printed
+    python bench/efficiency.py --sizes 70m --modes eager --json /tmp/eff-70m.json
+    python bench/efficiency.py --page docs/efficiency.md /tmp/eff-*.json   # the page from saved results
+    python bench/efficiency.py --standin --sizes 70m --json /tmp/x.json    # CPU stand-in: tiny models
+
+``--standin`` builds, per size, a one-block model of width 32 on 32-token windows (``size=tiny``), so that
+every size and mode runs on a CPU in seconds: it says that the measurement runs, not what a GPU does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_dir
+from norm_cost import TOP_KERNELS, kernel_shares
+from torch.profiler import ProfilerActivity, profile
+from train_throughput import autocast
+
+from models.hardware import default_precision, missing_cuda
+from models.lit import compute_dtype, peak_flops
+from models.norms import compile_refusal
+from normgeo.measure.stats import mean_t_interval
+from normgeo.runs.build import make_module
+from normgeo.runs.config import CONF_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = ("70m", "160m", "410m", "1b")
+ARMS = ("layer", "rms", "layer_nobias")
+MODES = ("eager", "compiled")
+REFERENCE = "rms"
+STANDIN = ["size=tiny", "size.n_layer=1", "size.n_embd=32", "size.n_head=2", "seq_len=32", "micro_batch=2"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_counts() -> dict[str, int]:
+    """Graphs Dynamo has compiled and graph breaks it has taken in this process so far."""
+    counters = torch._dynamo.utils.counters
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+class Arm:
+    """One norm arm as train.py builds it, with its optimizer and schedule, and one optimizer step."""
+
+    def __init__(self, size: str, arm: str, mode: str, device: torch.device, standin: bool) -> None:
+        overrides = [
+            f"size={size}",
+            f"norm={arm}",
+            f"compile={mode == 'compiled'}",
+            f"trainer={'gpu' if device.type == 'cuda' else 'cpu'}",
+        ]
+        if standin:
+            overrides = [*overrides[1:], *STANDIN]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            self.cfg = compose("train", overrides=overrides)
+        module = make_module(self.cfg)
+        module.to(device)
+        optimizers = module.configure_optimizers()
+        self.optimizer = optimizers["optimizer"]
+        self.schedule = optimizers["lr_scheduler"]["scheduler"]
+        self.model = module.model.train()
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if mode == "compiled":
+            self.model.compile()  # as LitGPT.configure_model compiles an unsharded model
+        self.device, self.clip = device, float(self.cfg.trainer.gradient_clip_val)
+        self.fused = bool(self.optimizer.defaults.get("fused"))
+        self.tokens = self.cfg.micro_batch * self.cfg.seq_len
+        self.flops_per_token = module.model.flops_per_token(self.cfg.seq_len)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        with autocast(self.cfg, self.device):
+            loss = self.model(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def profile_step(step: Callable[[], None], device: torch.device) -> dict:
+    """One step under torch.profiler: the device time of its kernels (CPU: aten ops' self time), the norm's
+    share and the top kernels."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    events = [e for e in prof.events() if not e.is_async]
+    return kernel_shares(events, cuda=device.type == "cuda")
+
+
+def log_ratio_interval(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
+    """Per-repeat ratios of paired times, their geometric mean and 95% t interval (on the logs)."""
+    logs = [math.log(a / b) for a, b in zip(numerator, denominator, strict=True)]
+    mean, low, high = mean_t_interval(logs)
+    return {
+        "ratios": [math.exp(x) for x in logs],
+        "ratio": math.exp(mean),
+        "low": math.exp(low) if low is not None else None,
+        "high": math.exp(high) if high is not None else None,
+    }
+
+
+def measure(
+    size: str,
+    mode: str,
+    *,
+    device: torch.device,
+    standin: bool,
+    steps: int,
+    repeats: int,
+    warmup: int,
+    arms: Sequence[str] = ARMS,
+) -> dict:
+    """Every arm at ``size`` in ``mode``: warm-up, interleaved timed repeats, one profiled step."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    built = {arm: Arm(size, arm, mode, device, standin) for arm in arms}
+    first = next(iter(built.values()))
+    generator = torch.Generator().manual_seed(first.cfg.seed)
+    vocab = first.model.config.vocab_size
+    shape = (first.cfg.micro_batch, first.cfg.seq_len + 1)
+    windows = [torch.randint(0, vocab, shape, generator=generator).to(device) for _ in range(2)]
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]  # the same for every arm
+    result: dict = {
+        "size": size,
+        "mode": mode,
+        "arms": {},
+        "micro_batch": first.cfg.micro_batch,
+        "annotations_excluded": True,  # kernel totals without the device's annotation ranges
+        "seq_len": first.cfg.seq_len,
+        "tokens_per_step": first.tokens,
+    }
+    precision = str(first.cfg.trainer.precision or default_precision())  # as trainer_arguments resolves it
+    result["precision"] = precision
+    peak = peak_flops(device, compute_dtype(precision))
+    for arm, run in built.items():
+        synchronize(device)
+        start = time.perf_counter()
+        run.step(*batches[0])
+        synchronize(device)
+        first_step = time.perf_counter() - start
+        for index in range(1, warmup):
+            run.step(*batches[index % 2])
+        synchronize(device)
+        result["arms"][arm] = {"first_step_s": first_step, "seconds": [], "fused_adamw": run.fused}
+    before = compile_counts()
+    for repeat in range(repeats):
+        order = list(arms[repeat % len(arms) :]) + list(arms[: repeat % len(arms)])
+        for arm in order:
+            run = built[arm]
+            synchronize(device)
+            start = time.perf_counter()
+            for index in range(steps):
+                run.step(*batches[index % 2])
+            synchronize(device)
+            result["arms"][arm]["seconds"].append((time.perf_counter() - start) / steps)
+    after = compile_counts()
+    result["compile"] = {"before_timing": before, "during_timing": {k: after[k] - before[k] for k in after}}
+    for arm, run in built.items():
+        entry = result["arms"][arm]
+        median = statistics.median(entry["seconds"])
+        entry.update(
+            median_s=median,
+            tokens_per_s=run.tokens / median,
+            mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
+            profile=profile_step(lambda run=run: run.step(*batches[0]), device),
+        )
+    if REFERENCE in built:
+        reference = result["arms"][REFERENCE]["seconds"]
+        result["ratios"] = {
+            arm: log_ratio_interval(result["arms"][arm]["seconds"], reference)
+            for arm in arms
+            if arm != REFERENCE
+        }
+    if device.type == "cuda":
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    del built
+    return result
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": L.__version__,
+        "python": platform.python_version(),
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["peak_flops"] = peak_flops(device, torch.bfloat16)
+    else:
+        info["gpu"] = None
+        info["cpu"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+# -------------------------------------------------------------------------------------------------- page
+
+
+def interval_text(ratio: dict) -> str:
+    if ratio["low"] is None:
+        return f"{ratio['ratio']:.3f} (one repeat: no interval)"
+    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
+
+
+def faster_text(ratio: dict) -> str:
+    """How much faster RMSNorm's step is than the other arm's (the step-time ratio - 1), with its interval."""
+    change = ratio["ratio"] - 1
+    text = f"{abs(change) * 100:.1f}% {'faster' if change >= 0 else 'slower'}"
+    if ratio["low"] is not None:
+        text += f" (95% interval {(ratio['low'] - 1) * 100:+.1f}% to {(ratio['high'] - 1) * 100:+.1f}%)"
+    return text
+
+
+def answer_lines(results: Sequence[dict], where: str) -> list[str]:
+    """One line per size and mode: how much faster a step of RMSNorm is than one of LayerNorm."""
+    lines = []
+    for result in results:
+        if "layer" in result.get("ratios", {}):
+            lines.append(
+                f"- {result['size']}, {result['mode']}: RMSNorm is {faster_text(result['ratios']['layer'])} "
+                f"per optimizer step than LayerNorm on {where}"
+            )
+    return lines
+
+
+def page(results: Sequence[dict], info: dict, command: str, stamp: str) -> str:
+    standin = info.get("gpu") is None
+    where = (
+        info["gpu"] if not standin else f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)"
+    )
+    lines = [
+        "# Is RMSNorm cheaper? Optimizer-step time of the norm arms",
+        "",
+        f"Generated by `{command}` on {stamp}: {where}; torch {info['torch']} (CUDA {info['cuda']}), "
+        f"lightning {info['lightning']}, python {info['python']}. Do not edit: run it again.",
+        "",
+        "What is timed (`bench/efficiency.py`'s docstring): one optimizer step of each arm as train.py "
+        "builds it (same seed and non-norm weights, the harness's AdamW, fused on CUDA, and schedule, "
+        "clipping at 1.0), in the harness's precision (bf16-mixed on a GPU), on the same fixed batches of "
+        "the size's micro-batch × sequence length; eager, and `model.compile()` as `compile=true` trains. "
+        "The arms are interleaved, their order rotated each repeat (the repeats, steps and warm-up of each "
+        "row under Runs). Ratio: step time of the arm / step time of `rms`, the geometric mean of the "
+        "per-repeat ratios with its 95% Student-t interval over repeats; above 1 means RMSNorm is faster. "
+        "Norm share: the profiled step's kernel time in kernels that are a norm's (eager: the norm ops' own "
+        "kernels; compiled: Inductor's kernels that fuse a norm, whole: an upper bound).",
+        "",
+    ]
+    if standin:
+        lines += [
+            "**CPU stand-in**: a one-block model of width 32 per size; these rows say that the measurement "
+            "runs, not what a GPU does.",
+            "",
+        ]
+    missing = [
+        f"{size} {mode}"
+        for size in SIZES
+        for mode in MODES
+        if not any(r["size"] == size and r["mode"] == mode for r in results)
+    ]
+    lines += [
+        "## The answer",
+        "",
+        *answer_lines(results, where),
+        "",
+        *([f"Not measured in these runs: {', '.join(missing)}.", ""] if missing else []),
+        "## Per size and mode",
+        "",
+        "| size | mode | arm | step (median) | tokens/s | MFU | first step | ratio to rms [95% interval] | "
+        "norm share of kernel time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        for arm, entry in result["arms"].items():
+            ratio = result.get("ratios", {}).get(arm)
+            share = entry["profile"]["norm_share"]
+            mfu = f"{entry['mfu']:.1%}" if entry.get("mfu") is not None else "-"
+            lines.append(
+                f"| {result['size']} | {result['mode']} | {arm} | {entry['median_s'] * 1e3:.2f} ms | "
+                f"{entry['tokens_per_s']:,.0f} | {mfu} | {entry['first_step_s']:.1f} s | "
+                f"{interval_text(ratio) if ratio else 'reference'} | "
+                f"{f'{share:.1%}' if share is not None else '-'} |"
+            )
+    lines += [
+        "",
+        "## Compilation during the timing",
+        "",
+        "Graphs Dynamo compiled and graph breaks, before the timed repeats (all arms' warm-up) and during "
+        "them: a graph compiled during the timing would put the compiler in a step's time.",
+        "",
+    ]
+    for result in results:
+        if result["mode"] == "compiled":
+            c = result["compile"]
+            lines.append(
+                f"- {result['size']}: before {c['before_timing']['graphs']} graphs, "
+                f"{c['before_timing']['graph_breaks']} graph breaks; during {c['during_timing']['graphs']} "
+                f"graphs, {c['during_timing']['graph_breaks']} graph breaks"
+            )
+    lines += [
+        "",
+        "## Where a step's kernel time goes",
+        "",
+        f"The profiled step's top {TOP_KERNELS} kernels (on the CPU: aten ops by self time) per size, mode "
+        "and arm, with their share of the step's kernel time.",
+        "",
+    ]
+    for result in results:
+        for arm, entry in result["arms"].items():
+            prof = entry["profile"]
+            tops = "; ".join(f"`{short_name(t['name'])}` {t['share']:.1%}" for t in prof["top"] if t["share"])
+            lines.append(
+                f"- {result['size']} {result['mode']} {arm} ({prof['total_us'] / 1e3:.2f} ms of kernels): "
+                f"{tops}"
+            )
+    if any(not r.get("annotations_excluded") for r in results):
+        lines += [
+            "",
+            "In the runs of the sizes marked † below, the kernel totals (and so the norm shares' "
+            "denominator) also count the device range of the `Optimizer.step#AdamW.step` annotation beside "
+            "the optimizer's own kernels: the totals are high and the shares low by that range's share of "
+            "the step (listed among the top kernels where it is one of them); the code since excludes "
+            "annotation ranges.",
+        ]
+    lines += ["", "## Runs", ""]
+    for result in results:
+        arms = result["arms"]
+        mark = "" if result.get("annotations_excluded") else " †"
+        lines.append(
+            f"- {result['size']} {result['mode']}{mark}: micro-batch {result['micro_batch']} × "
+            f"{result['seq_len']} tokens; {len(arms[REFERENCE]['seconds'])} repeats of "
+            f"{result['steps']} steps per arm after "
+            f"{result['warmup']} warm-up steps; "
+            f"fused AdamW {all(a['fused_adamw'] for a in arms.values())}"
+            + (
+                f"; peak memory (all arms held) {result['peak_memory_bytes'] / 2**30:.1f} GiB"
+                if "peak_memory_bytes" in result
+                else ""
+            )
+            + f"; `{result['command']}`"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its namespaces, template arguments and parameters, at most 70 characters."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    name = re.split(r"[<(]", name, maxsplit=1)[0].rsplit("::", 1)[-1]
+    return name if len(name) <= 70 else name[:67] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per arm per repeat")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="interleaved repeats (at least 3 for an interval)"
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (the compilation)")
+    parser.add_argument(
+        "--standin", action="store_true", help="a tiny model per size (CPU: seconds per size)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results there (one JSON object)")
+    parser.add_argument(
+        "--page",
+        type=Path,
+        default=None,
+        help="write the markdown page there from the JSON files given after it (no measuring)",
+    )
+    parser.add_argument("results", nargs="*", type=Path, help="with --page: the JSON files of earlier runs")
+    args = parser.parse_args(argv)
+    if args.page is not None:
+        return write_page(args.page, args.results)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if reason := missing_cuda("--device", device.type, "--device cpu --standin"):
+        print(f"bench/efficiency.py: {reason}", file=sys.stderr)
+        return 2
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for name, given, allowed in (("--sizes", sizes, SIZES), ("--modes", modes, MODES)):
+        if bad := [x for x in given if x not in allowed]:
+            print(
+                f"bench/efficiency.py: {name}: unknown {', '.join(map(repr, bad))}; "
+                f"choose from {', '.join(allowed)}",
+                file=sys.stderr,
+            )
+            return 2
+    if args.steps < 1 or args.repeats < 1 or args.warmup < 1:
+        print("bench/efficiency.py: --steps, --repeats and --warmup must be at least 1", file=sys.stderr)
+        return 2
+    if "compiled" in modes and (reason := compile_refusal(device.type)):
+        print(f"bench/efficiency.py: --modes compiled: {reason}; or --modes eager", file=sys.stderr)
+        return 2
+    # As the page shows it: what was measured, without where the results were written.
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in given:
+        del given[given.index("--json") : given.index("--json") + 2]
+    command = " ".join(["python bench/efficiency.py", *given])
+    results = []
+    for size in sizes:
+        for mode in modes:
+            result = measure(
+                size,
+                mode,
+                device=device,
+                standin=args.standin,
+                steps=args.steps,
+                repeats=args.repeats,
+                warmup=args.warmup,
+            )
+            result.update(steps=args.steps, warmup=args.warmup, command=command)
+            results.append(result)
+            ratio = result.get("ratios", {}).get("layer")
+            print(
+                f"{size} {mode}: "
+                + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in result["arms"].items())
+                + (f"; layer/rms {interval_text(ratio)}" if ratio else ""),
+                flush=True,
+            )
+    report = {
+        "machine": machine(device),
+        "stamp": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        "results": results,
+    }
+    if args.json is not None:
+        partial = args.json.with_name(f".{args.json.name}.partial")
+        partial.write_text(json.dumps(report))
+        partial.replace(args.json)
+    return 0
+
+
+def write_page(out: Path, files: Sequence[Path]) -> int:
+    """The page of the results in ``files`` (one machine's), sizes in order, to ``out`` (atomically)."""
+    if not files:
+        print("bench/efficiency.py: --page needs the JSON files of earlier runs after it", file=sys.stderr)
+        return 2
+    reports = [json.loads(path.read_text()) for path in files]
+    results = sorted(
+        (r for report in reports for r in report["results"]),
+        key=lambda r: (SIZES.index(r["size"]), MODES.index(r["mode"])),
+    )
+    text = page(
+        results,
+        reports[0]["machine"],
+        " ; ".join(dict.fromkeys(r["command"] for r in results)),
+        reports[0]["stamp"],
+    )
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(text)
+    partial.replace(out)
+    print(f"written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
