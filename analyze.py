@@ -38,13 +38,13 @@ from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, 
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
-from normgeo.paths import remove_created, topmost_missing
+from normgeo.paths import FolderError, check_own_folder, remove_created, topmost_missing
 from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse
 from normgeo.runs.config import ANALYZE_CONF_DIR, attach_log_file, close_file_logs, write_hydra_files
+from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
 from normgeo.runs.schema import ConfigError
 
 log = logging.getLogger("normgeo.analyze")
-RUN_INFO_FILE = "run_info.json"
 # The log's name until the outputs are written: a failed start leaves an earlier analysis's analyze.log as it was.
 PARTIAL = ".partial"
 
@@ -154,7 +154,8 @@ def run(cfg: DictConfig) -> Refused | None:
     so an earlier analysis in out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
     try:
         check_config("analyze", cfg)
-    except ConfigError as err:
+        check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE)
+    except (ConfigError, FolderError) as err:
         return refuse(cfg.out_dir, err)
     stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
     out_dir = Path(cfg.out_dir)

@@ -245,9 +245,10 @@ def finish_wandb_run() -> None:
         sys.modules["wandb"].finish()
 
 
-# A user's error: one line on stderr and exit 2. Before this session's first optimizer step the start is
-# undone as well (the run directory as it was found); a divergence is a result, and keeps its files.
-USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, AnalysisError, NonFiniteError, ValueError)
+# The project's refusal types, a user's error: one line on stderr and exit 2. Any other exception (a bare
+# ValueError included) is a bug and keeps its traceback. Before this session's first optimizer step the start
+# is undone either way (the run directory as it was found); a divergence is a result, and keeps its files.
+USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, AnalysisError, NonFiniteError)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from corpus.prepare import PreparedData, load_prepared, prepare
+from corpus.prepare import PreparedData, PreparedDataError, load_prepared, prepare
 from corpus.stream import ShardSampler, StepSampler, TokenWindows
 
 
@@ -70,7 +70,7 @@ class TokenDataModule(L.LightningDataModule):
             direction = {"train": "smaller", "val": "larger"}
             for split in ("train", "val"):
                 if self.data.num_tokens(split) <= self.seq_len + 1:
-                    raise ValueError(
+                    raise PreparedDataError(
                         f"{self.data.path(split)} has {self.data.num_tokens(split)} tokens: too few for "
                         f"sequences of {self.seq_len}; use more data or a shorter seq_len, or a "
                         f"{direction[split]} data.val_fraction (now {self.data.meta.get('val_fraction')}; it "

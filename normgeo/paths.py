@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,29 @@ def check_writable_folder(folder: Path, key: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise FolderError(f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
                           f"choose another {key}=...")
+
+
+def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: str) -> None:
+    """``folder`` may take this command's outputs: FolderError when it is the filesystem's root, holds another
+    command's outputs (one of ``markers``, file name -> what it marks, other than this command's ``own``), or
+    holds a sweep (a visible folder one level down holding a marker): a command writes only where it owns."""
+    resolved = folder.resolve()
+    if resolved == Path(resolved.anchor):
+        raise FolderError(f"{key}={folder}: the filesystem's root (an unset variable in the path?); choose a "
+                          f"folder of its own, e.g. {key}=outputs/...")
+    if not resolved.is_dir():
+        return
+    for name, what in markers.items():
+        if name != own and (resolved / name).is_file():
+            raise FolderError(f"{key}={folder} holds {what}: nothing of this command goes there; "
+                              f"choose another {key}=...")
+    runs = sorted(child.name for child in resolved.iterdir()
+                  if child.is_dir() and not child.name.startswith(".")
+                  and any((child / name).is_file() for name in markers))
+    if runs:
+        listed = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
+        raise FolderError(f"{key}={folder} holds a sweep ({len(runs)} run(s): {listed}): choose a folder "
+                          f"of its own, e.g. {key}={folder}/<name>")
 
 
 def topmost_missing(path: Path) -> Path | None:

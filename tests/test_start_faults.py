@@ -19,7 +19,7 @@ from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
-from tests.conftest import FAST, ROOT, run_train, train_here, train_in_process
+from tests.conftest import FAST, ROOT, run_entry_point, run_train, train_here, train_in_process
 
 
 def sha_tree(folder: Path) -> dict[str, str] | None:
@@ -246,3 +246,76 @@ def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_i
     assert "resuming from" in third.stderr + third.stdout + (run_dir / "train.log").read_text()
     assert checkpoint_info(run_dir / "checkpoints" / "last.ckpt").step == step + 1
     assert f'"pid": {first.pid},' not in (run_dir / LOCK_FILE).read_text()
+
+
+# A norm arm with a bug: its forward raises ValueError, as a shape mismatch inside torch would. Registered in
+# the child process (as tests/toy_arm.py registers its arm), which then runs train.py's real entry point.
+BUGGY_ARM = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from hydra.core.config_store import ConfigStore
+from torch import nn
+from models.norms import NormArm, register_arm
+
+class Buggy(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.normalized_shape, self.eps = (dim,), 1e-5
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        raise ValueError("a bug inside the model's forward")
+
+register_arm(NormArm("buggy", lambda dim, eps, role: Buggy(dim), Buggy, "rms", "buggy", "tab:red", "a bug"))
+ConfigStore.instance().store(group="norm", name="buggy", node={{"name": "buggy", "eps": 1e-5}})
+import train
+sys.argv = ["train.py", *sys.argv[1:]]
+train.main()
+"""
+
+
+def test_a_bug_inside_the_model_keeps_its_traceback_and_is_not_a_refusal(workspace: Path) -> None:
+    """A ValueError from inside the model's forward is a bug, not a user's error: its traceback stays and the
+    exit is 1, not the refusals' one line and exit 2; the new run's folder is removed as after any crash
+    before the first optimizer step."""
+    script = workspace / "buggy_arm.py"
+    script.write_text(BUGGY_ARM.format(root=str(ROOT)))
+    run_dir = workspace / "buggy"
+    args = [*FAST, "norm=buggy", "max_steps=2", f"run_dir={run_dir}", f"data_root={workspace / 'data'}"]
+    done = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert "Traceback (most recent call last)" in done.stderr, done.stderr[-3000:]
+    assert "ValueError: a bug inside the model's forward" in done.stderr
+    assert "error: a bug inside" not in done.stderr  # not turned into a refusal's line
+    assert not run_dir.exists()
+
+
+def test_a_command_writes_only_into_folders_it_owns(workspace: Path, capsys) -> None:
+    """One rule for train.py and analyze.py: a folder holding another command's outputs, a sweep of runs, or
+    the filesystem's root is refused in one line, exit 2, before anything is written; an empty output_root (an
+    unset shell variable) too. A folder of the command's own (a resume) is not refused."""
+    sweep = workspace / "owned"
+    run_dir = sweep / "a-run"
+    train_here(run_dir, "max_steps=1", "probe.enabled=false")
+    before = sha_tree(sweep)
+    analysis = ["model=checkpoint", f"model.checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}",
+                "probe=pydoc", "probe.tokens=512", "device=cpu", "progress=false"]
+    done = run_entry_point("analyze", [*analysis, f"out_dir={run_dir}"], capsys)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: out_dir={run_dir} holds a training run (train.py): nothing of this command goes there; "
+        "choose another out_dir=..."), done.stderr[-2000:]
+    done = train_in_process(sweep, "max_steps=1", capsys=capsys)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: run_dir={sweep} holds a sweep (1 run(s): a-run): choose a folder of its own, e.g. "
+        f"run_dir={sweep}/<name>"), done.stderr[-2000:]
+    done = train_in_process(Path("/"), "max_steps=1", capsys=capsys)
+    assert done.returncode == 2 and "run_dir=/: the filesystem's root" in done.stderr, done.stderr[-2000:]
+    done = run_entry_point("train", [*FAST, "output_root=", "max_steps=1"], capsys)
+    refusal = "error: output_root=: expected a folder"
+    assert done.returncode == 2 and done.stderr.strip().startswith(refusal), done.stderr[-2000:]
+    assert sha_tree(sweep) == before
+    # Its own folder: a run resumes into its run_dir (nothing left to train here: one line, exit 0).
+    resumed = train_in_process(run_dir, "max_steps=1", "probe.enabled=false", "resume=auto", capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -13,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import normgeo.report as report
+from corpus.prepare import PreparedDataError
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
 from normgeo.runs.start import StartError, check_trainer
@@ -234,8 +235,9 @@ def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(tmp_p
                            directory=str(tmp_path / "data"), seq_len=64, global_batch=2, micro_batch=2,
                            max_steps=1, seed=0, val_fraction=val_fraction)
     prepare(data.source, data.directory, val_fraction=val_fraction, progress=False)
-    with pytest.raises(ValueError, match=rf"{short}.bin has \d+ tokens: too few for sequences of 64; use more data "
-                                         rf"or a shorter seq_len, or a {advice} data.val_fraction \(now {val_fraction}"):
+    with pytest.raises(PreparedDataError,
+                       match=rf"{short}.bin has \d+ tokens: too few for sequences of 64; use more data "
+                             rf"or a shorter seq_len, or a {advice} data.val_fraction \(now {val_fraction}"):
         data.load()
 
 

@@ -406,6 +406,12 @@ def check_probe_source(probe: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def check_output_root(cfg: DictConfig) -> None:
+    """An empty output_root (an unset shell variable: output_root=$OUT) would put the outputs at the root."""
+    _expect(str(cfg.output_root).strip() != "", "output_root", cfg.output_root,
+            "a folder, e.g. output_root=outputs (an unset shell variable gives an empty one)")
+
+
 def check_train(cfg: DictConfig) -> None:
     """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
@@ -413,6 +419,7 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
     check_types(cfg, TrainSchema, "train.py")
+    check_output_root(cfg)
     try:  # the model's own check, reported under the config's keys
         GPTConfig(**model_config(cfg))
     except ArchitectureError as err:
@@ -444,6 +451,7 @@ def check_train(cfg: DictConfig) -> None:
 def check_analyze(cfg: DictConfig) -> None:
     """Raise ConfigError for a value analyze.py cannot run with."""
     check_types(cfg, AnalyzeSchema, "analyze.py")
+    check_output_root(cfg)
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
             "auto, float32, bfloat16 or float16")

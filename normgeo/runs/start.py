@@ -41,12 +41,18 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.paths import FolderError, check_writable_folder, remove_created, topmost_missing
+from normgeo.paths import (
+    FolderError,
+    check_own_folder,
+    check_writable_folder,
+    remove_created,
+    topmost_missing,
+)
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
-from normgeo.runs.run_config import is_rank_zero
+from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
@@ -225,6 +231,7 @@ def check_start(cfg: DictConfig) -> Start:
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
+    check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE)
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
         raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
@@ -236,7 +243,7 @@ def check_start(cfg: DictConfig) -> Start:
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
         check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
-    except (TokenizerError, AnalysisError, PreparedDataError, SourceError, ValueError) as err:
+    except (TokenizerError, AnalysisError, PreparedDataError, SourceError) as err:
         raise StartError(str(err)) from err
     return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids)
 
