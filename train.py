@@ -33,7 +33,7 @@ from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, Sche
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
-from corpus.atomic import stop_on_signals
+from corpus.atomic import stop_on_signals, stopping_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -49,6 +49,7 @@ from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
 from normgeo.runs.checks import Refused, config_errors_exit_2, refuse
 from normgeo.runs.config import CONF_DIR, close_file_logs
+from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
@@ -59,7 +60,7 @@ from normgeo.runs.run_config import (
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
-from normgeo.runs.summary import SessionClock, format_summary, run_summary, write_summary
+from normgeo.runs.summary import SessionClock, format_summary, read_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -224,18 +225,34 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
             write_summary(run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
         raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
                              "a lower optim.lr replaces it", step=err.step, loss=err.loss, lr=err.lr) from None
-    figures: list[Path] = []  # the figures come when the run is complete (not when requeued or interrupted)
-    if trainer.is_global_zero and cfg.probe.enabled and stop.stopped_by is None:
-        figures = write_run_figures(run_dir)
-        for figure in figures:
-            log.info("figure: %s", figure)
-        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
     if trainer.is_global_zero:
-        summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=figures,
-                              stopped_by=stop.stopped_by)
-        write_summary(run_dir, summary)
-        log.info("%s\n  summary:     %s", format_summary(summary), run_dir / SUMMARY_FILE)
+        # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
+        left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
+        with stopping_on_signals("after training, while the summary and figures were written", left):
+            finish(cfg, trainer, clock, stop.stopped_by, module.tokens_per_step)
     return trainer
+
+
+def finish(cfg: DictConfig, trainer: L.Trainer, clock: SessionClock, stopped_by: str | None,
+           tokens_per_step: int) -> None:
+    """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
+    it), then the figures when the run is complete (not requeued or stopped)."""
+    run_dir = Path(cfg.run_dir)
+    write_summary(run_dir, run_summary(trainer, clock, run_dir, tokens_per_step=tokens_per_step, figures=[],
+                                       stopped_by=stopped_by))
+    if cfg.probe.enabled and stopped_by is None:
+        figures = draw_figures(run_dir)
+        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
+    log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
+
+
+def draw_figures(run_dir: Path) -> list[Path]:
+    """The run's figures from its records, then listed in its summary (written before them)."""
+    figures = write_run_figures(run_dir)
+    for figure in figures:
+        log.info("figure: %s", figure)
+    write_summary(run_dir, {**read_summary(run_dir), "figures": [str(f) for f in figures]})
+    return figures
 
 
 def finish_wandb_run() -> None:
@@ -260,6 +277,16 @@ def run(cfg: DictConfig) -> Refused | None:
         start = start_session(cfg)  # the config checked, then the run, then the claim: nothing written before
     except RunFinished as done:  # nothing left to train: one line, exit 0 (a sweep's other jobs go on)
         print(done, flush=True)
+        if done.figures_left:  # an end interrupted after its summary: its figures, under the run's lock
+            lock = RunLock(Path(cfg.run_dir))
+            try:
+                lock.acquire()
+            except RunInUseError as err:
+                return refuse(cfg.run_dir, err)
+            try:
+                draw_figures(Path(cfg.run_dir))
+            finally:
+                lock.release()
         return None
     except START_ERRORS as err:
         return refuse(cfg.run_dir, err)

@@ -137,3 +137,19 @@ def stop_on_signals(doing: str, again: str) -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, stop)
+
+
+@contextlib.contextmanager
+def stopping_on_signals(doing: str, again: str) -> Iterator[None]:
+    """:func:`stop_on_signals` for the ``with`` block only: the handlers that were there are put back after it
+    (the next job of a ``-m`` sweep in this process keeps its own messages)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    stop_on_signals(doing, again)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

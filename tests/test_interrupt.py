@@ -245,3 +245,42 @@ def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tm
     resumed = subprocess.run(shlex.split(lines[-1]), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(recorded_steps(run_dir / "angles.jsonl")) == [0, 5, 7]
+
+
+def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_completes(tmp_path: Path) -> None:
+    """Issue 52, class 1: a SIGTERM after the last step, while the summary and figures are written, says that
+    every step is trained; the summary is already there (steps, loss, wall time), and resume=auto draws the
+    figures without retraining anything."""
+    run_dir = tmp_path / "end"
+    summary = run_dir / "summary.json"
+    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]")
+    with open(tmp_path / "end.stderr", "w") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 300
+        while not summary.exists():  # written first at the end: the figures come after it
+            assert proc.poll() is None, (tmp_path / "end.stderr").read_text()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+    stderr = (tmp_path / "end.stderr").read_text()
+    said = ("SIGTERM after training, while the summary and figures were written: stopped, nothing "
+            "half-written left; the trained steps are checkpointed;")
+    assert said in stderr and "resume=auto" in stderr, stderr[-3000:]
+    assert "nothing was trained" not in stderr
+    written = json.loads(summary.read_text())
+    assert written["finished"] is True and written["step"] == 2 and written["wall_s"] > 0
+    assert written["figures"] == []
+    checkpoints = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    rows = metrics_rows(run_dir)
+    done = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "its end was interrupted before the figures: drawing them (nothing is retrained)" in done.stdout
+    completed = json.loads(summary.read_text())
+    assert completed["figures"] and all(Path(f).is_file() for f in completed["figures"])
+    assert {**completed, "figures": []} == written
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == checkpoints
+    assert metrics_rows(run_dir) == rows
+    # Complete now: the same command says so and changes nothing.
+    again = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "drawing them" not in again.stdout and "already finished" in again.stdout

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
+from normgeo.measure.records import ANGLES_FILE
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -33,6 +34,7 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     verify_run_config,
 )
+from normgeo.runs.summary import read_summary
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,12 @@ class RunDirectoryError(RuntimeError):
 
 class RunFinished(Exception):
     """A resume of a run whose checkpoint already reached the step this session would train to: nothing to
-    do, nothing written (train.py prints the one line and exits 0)."""
+    train (train.py prints the one line and exits 0). ``figures_left``: the run's end was interrupted after
+    its summary, before its figures (train.py draws them, nothing retrained)."""
+
+    def __init__(self, message: str, figures_left: bool = False) -> None:
+        super().__init__(message)
+        self.figures_left = figures_left
 
 
 REFUSALS = (RunDirectoryError, ResumeConfigError)
@@ -239,7 +246,13 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
     ckpt_path = resume_checkpoint(run_dir, resume)
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     if ckpt_path and (done := finished_message(ckpt_path, cfg)):
-        raise RunFinished(done)  # a resume must never rewrite a finished run's summary or logs
+        # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
+        summary = read_summary(run_dir)
+        left = (bool(cfg.probe.enabled) and summary.get("finished") is True and not summary.get("figures")
+                and (run_dir / ANGLES_FILE).is_file())
+        if left:
+            done = f"{done}; its end was interrupted before the figures: drawing them (nothing is retrained)"
+        raise RunFinished(done, figures_left=left)
     return ckpt_path
 
 
