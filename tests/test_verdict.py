@@ -460,3 +460,49 @@ def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(t
     contrast = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", "intervention_dloss/last")]
     assert contrast.family == "described" and contrast.values == pytest.approx(
         [r[-1] - a[-1] for r, a in zip(removed.values(), added.values(), strict=True)])
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("secondry: []\n", "secondry: no such key (did you mean secondary? the keys are margins, primary, "),
+    ("primray: {arm: rms, other: layer, metric: val_loss}\n", "primray: no such key (did you mean primary?"),
+    ("- val_loss\n- 0.02\n", "expected a mapping of margins, primary, secondary, alpha, not a list"),
+    ("alpha: abc\n", "alpha=abc: expected a level between 0 and 0.5"),
+    ("margins: [0.02]\n", "margins: expected a mapping of metric key: margin, not a list"),
+    ("margins: {val_los: 0.02}\n", "margins.val_los: unknown metric key (did you mean val_loss?"),
+    ("secondary:\n  - {arm: layer, other: rms, metric: val_loss, metirc: val_loss}\n",
+     "secondary[0].metirc: no such key (did you mean metric?"),
+])
+def test_a_margins_file_is_read_strictly_naming_the_file_and_key(tmp_path: Path, capsys, text: str, says: str) -> None:
+    """Issue 52, class 3: a misspelled key is refused with the nearest valid one (not ignored: no secondary
+    question, or the default primary tested), a wrong type names the file, the key and what is expected."""
+    make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    raw = yaml.safe_load(MARGINS_FILE.read_text())
+    given = yaml.safe_load(text)
+    margins = tmp_path / "margins.yaml"
+    margins.write_text(text if not isinstance(given, dict) or "margins" in given else
+                       yaml.safe_dump({"margins": raw["margins"]}) + text)
+    assert compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {margins}: ") and says in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_binary_margins_file_is_one_line_naming_it(tmp_path: Path, capsys) -> None:
+    make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    margins = tmp_path / "margins.yaml"
+    margins.write_bytes(bytes(range(256)))
+    assert compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {margins}: cannot read the margins file (UnicodeDecodeError); give a YAML file like "
+                   "conf/compare/margins.yaml"]
+
+
+def test_the_verdict_page_names_the_margins_file_it_used(tmp_path: Path) -> None:
+    make_run(tmp_path / "runs", "rms", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+    make_run(tmp_path / "runs", "layer", 0, val_loss=5.1, tokens_per_s=1000.0, dev=1.5)
+    mine = tmp_path / "my-margins.yaml"
+    mine.write_text(MARGINS_FILE.read_text())
+    (tmp_path / "c").mkdir()
+    write_verdict(load(sorted((tmp_path / "runs").iterdir())), tmp_path / "c", ("png",), load_verdict_config(mine))
+    text = (tmp_path / "c" / "verdict.md").read_text()
+    assert "my-margins.yaml`" in text and "conf/compare/margins.yaml" not in text

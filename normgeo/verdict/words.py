@@ -103,13 +103,13 @@ def family_table(estimates: Sequence[Estimate], where: bool = False) -> list[str
     return lines
 
 
-def absent_arms_line(endpoints: Sequence[Endpoint], measures: pd.DataFrame) -> str:
+def absent_arms_line(endpoints: Sequence[Endpoint], measures: pd.DataFrame, source: str) -> str:
     """Why a declared family has no row: the declared arms that no run of the sweep has, named."""
     present = set(measures["norm"]) if "norm" in measures else set()
     absent = sorted({side for e in endpoints for side in (e.arm, e.other)} - present - {INTACT})
     if absent:
         return (f"None: no run of the declared arm(s) {', '.join(f'`{a}`' for a in absent)} in these runs "
-                "(`conf/compare/margins.yaml`; train them, or declare arms the sweep has).")
+                f"(`{source}`; train them, or declare arms the sweep has).")
     return "None: the declared contrast's arms have no common seed in these runs."
 
 
@@ -118,11 +118,12 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
     """verdict.md: per family a table (sentences for the declared questions), the arms, the unpaired runs and
     the downstream scores left unpaired (``not_paired``: measured at different steps or limits)."""
     alpha = estimates[0].alpha if estimates else 0.05
+    source = (config or VerdictConfig({})).source  # the margins file these questions were declared in
     where = len({(e.size, e.placement) for e in estimates}) > 1
     lines = ["# Verdict", "",
              f"{len(measures)} run{'' if len(measures) == 1 else 's'}, paired by seed within each size and "
              "placement; differences are arm − other, with 90% Student-t intervals over seeds. Declared before the "
-             "runs (`conf/compare/margins.yaml`): the primary question, tested alone, and the secondary endpoints, "
+             f"runs (`{source}`): the primary question, tested alone, and the secondary endpoints, "
              f"Holm-adjusted within their family; each is tested at {alpha:g} for a difference (paired t-test) and "
              "for equivalence within its margin (TOST); power at the observed SD and Holm's first-step level. Every "
              "other row is described, not tested. Raw and adjusted p-values, per-seed values: `verdict.csv`.", ""]
@@ -135,14 +136,15 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
             continue
         lines += [f"## {title}", ""]
         if family == "secondary":
-            lines += [f"{len(members)} row(s) of the endpoints declared in `conf/compare/margins.yaml`, "
+            lines += [f"{len(members)} row(s) of the endpoints declared in `{source}`, "
                       f"{members[0].family_size if members else 0} with at least two seeds (Holm within these "
                       "only).", ""]
         if family in ("primary", "secondary"):
             said = [f"- {sentence(e)}" for e in members if e.n >= 2]
             lines += said + ([""] if said else [])
         declared = ((config.primary,) if family == "primary" else config.secondary) if config else ()
-        lines += (family_table(members, where) if members else [absent_arms_line(declared, measures)]) + [""]
+        table = family_table(members, where) if members else [absent_arms_line(declared, measures, source)]
+        lines += [*table, ""]
     lines += ["## Per arm", "", *per_arm_lines(measures), "", "## Unpaired runs", ""]
     if unpaired.empty:
         lines.append("None: every run has a partner seed in some contrast.")
