@@ -506,3 +506,29 @@ def test_the_verdict_page_names_the_margins_file_it_used(tmp_path: Path) -> None
     write_verdict(load(sorted((tmp_path / "runs").iterdir())), tmp_path / "c", ("png",), load_verdict_config(mine))
     text = (tmp_path / "c" / "verdict.md").read_text()
     assert "my-margins.yaml`" in text and "conf/compare/margins.yaml" not in text
+
+
+def test_runs_that_differ_besides_the_norm_are_not_paired_and_say_where(tmp_path: Path) -> None:
+    """Issue 52, class 4: the same size name at another depth is not LayerNorm − RMSNorm. Pairing reads the
+    whole recorded config: a pair that differs in anything but the arm (and what a resume may change: where,
+    how it reports) is listed unpaired, naming the setting; one that differs only there is paired."""
+    for seed in (0, 1):
+        make_run(tmp_path / "runs", "rms", seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
+        make_run(tmp_path / "runs", "layer", seed, val_loss=5.1, tokens_per_s=1000.0, dev=1.5)
+    deeper = tmp_path / "runs" / "layer-s1" / "run_config.yaml"
+    deeper.write_text(yaml.safe_dump({**yaml.safe_load(deeper.read_text()), "logger": {"csv": {}},
+                                      "size": {"name": "toy", "n_layer": 6}, "output_root": "elsewhere"}))
+    shallow = tmp_path / "runs" / "rms-s1" / "run_config.yaml"
+    shallow.write_text(yaml.safe_dump({**yaml.safe_load(shallow.read_text()),
+                                       "size": {"name": "toy", "n_layer": 4}}))
+    measures = run_measures(load(sorted((tmp_path / "runs").iterdir())))
+    estimates, unpaired = paired_estimates(measures)
+    layer_rms = [e for e in estimates if (e.arm, e.other, e.metric) == ("layer", "rms", "val_loss")]
+    assert [e.n for e in layer_rms] == [1]  # seed 0 only
+    assert dict(zip(unpaired["run"], unpaired["why"], strict=True)) == {
+        "layer-s1": "differs from rms-s1 in size.n_layer: 6 vs 4",
+        "rms-s1": "differs from layer-s1 in size.n_layer: 4 vs 6"}
+    (tmp_path / "c").mkdir()
+    write_verdict(load(sorted((tmp_path / "runs").iterdir())), tmp_path / "c", ("png",))
+    assert "seed 1, size toy, pre-norm): differs from rms-s1 in size.n_layer: 6 vs 4" in (
+        tmp_path / "c" / "verdict.md").read_text()

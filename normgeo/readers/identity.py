@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.runs.run_config import ALLOWED_CHANGES, config_changes
 
 CONFIG_FILES = ("run_config.yaml", ".hydra/config.yaml")  # train.py's record first, else Hydra's
 
@@ -50,6 +51,27 @@ def read_run_config(run_dir: Path) -> dict:
                 raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
             return config
     return {}
+
+
+# What two paired runs may differ in: the arm (its norm node) and what a resume may change (where the run is,
+# how it reports, the same math batched, compiled or sharded otherwise: run_config.ALLOWED_CHANGES).
+PAIRING_MAY_DIFFER = (*ALLOWED_CHANGES, "norm")
+
+
+def design_difference(run_dir: str | None, other_dir: str | None) -> tuple[str, object, object] | None:
+    """The first setting other than the arm in which two runs' recorded configs differ, as (key, this run's
+    value, the other's), None when the arm is all (or a run has no recorded config: a copy without it pairs by
+    its identity)."""
+    if not run_dir or not other_dir:
+        return None
+    config, other = read_run_config(Path(run_dir)), read_run_config(Path(other_dir))
+    if not config or not other:
+        return None
+    changes = config_changes(config, other, allowed=PAIRING_MAY_DIFFER)
+    if not changes:
+        return None
+    key, (value, other_value) = next(iter(changes.items()))
+    return key, value, other_value
 
 
 def recorded_norm(run_dir: Path) -> str | None:

@@ -29,7 +29,7 @@ import pandas as pd
 from models.norms import contrasts
 from normgeo.measure.stats import PairedTest, difference_power, holm, paired_test, tost_power
 from normgeo.readers.downstream import SCORES, is_downstream, measured_at_key
-from normgeo.readers.identity import RunIdentity, check_unique
+from normgeo.readers.identity import RunIdentity, check_unique, design_difference
 from normgeo.verdict.declared import Endpoint, VerdictConfig, load_verdict_config
 from normgeo.verdict.metrics import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
 
@@ -152,18 +152,31 @@ def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
     # One run per arm and seed, by the readers' one rule: duplicates raise DuplicateRuns naming each folder
     # (before: the first of them was paired without a word, or a Series ended in pandas' "truth value").
     check_unique((row.get("run_dir") or row["run"], measured_identity(row)) for row in measures.to_dict("records"))
+    apart: dict[str, str] = {}  # a run -> why its seed's partner is not its pair (a setting besides the arm)
     for (size, placement), group in measures.groupby(["size", "placement"], sort=True, dropna=False):
         by_arm = {norm: rows.set_index("seed") for norm, rows in group.groupby("norm")}
         for arm, other, isolates in contrasts():
             if arm not in by_arm or other not in by_arm:
                 continue
-            seeds = sorted(set(by_arm[arm].index) & set(by_arm[other].index))
+            seeds = []
+            for seed in sorted(set(by_arm[arm].index) & set(by_arm[other].index)):
+                runs = by_arm[arm].loc[seed], by_arm[other].loc[seed]
+                if differs := design_difference(runs[0].get("run_dir"), runs[1].get("run_dir")):
+                    key, value, other_value = differs
+                    for (run, partner), (mine, theirs) in (((runs[0], runs[1]), (value, other_value)),
+                                                           ((runs[1], runs[0]), (other_value, value))):
+                        apart.setdefault(run["run"], f"differs from {partner['run']} in {key}: {mine!r} vs "
+                                                     f"{theirs!r}")
+                else:
+                    seeds.append(seed)
             if not seeds:
                 continue
             arm_runs, other_runs = list(by_arm[arm].loc[seeds, "run"]), list(by_arm[other].loc[seeds, "run"])
             paired_runs.update(arm_runs + other_runs)
             found.append(Pairing(arm, other, isolates, size, placement, [int(s) for s in seeds], arm_runs, other_runs))
-    return found, measures[~measures["run"].isin(paired_runs)]
+    unpaired = measures[~measures["run"].isin(paired_runs)]
+    why = "no run of a contrasted arm with the same seed, size and placement"
+    return found, unpaired.assign(why=[apart.get(run, why) for run in unpaired["run"]])
 
 
 SCORE_PAIRED_FIRST = SCORES[0]  # the score whose pairing downstream_mismatches reports for its task

@@ -149,8 +149,8 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
     if unpaired.empty:
         lines.append("None: every run has a partner seed in some contrast.")
     else:
-        lines += [f"- {r.run} ({arm_label(r.norm)}, seed {r.seed}, size {r.size}, {r.placement}-norm): no run of "
-                  "a contrasted arm with the same seed, size and placement" for r in unpaired.itertuples()]
+        lines += [f"- {r.run} ({arm_label(r.norm)}, seed {r.seed}, size {r.size}, {r.placement}-norm): "
+                  f"{r.why}" for r in unpaired.itertuples()]
     if not_paired:
         lines += ["", "## Downstream scores not paired", "", *(f"- {line}" for line in not_paired)]
     return "\n".join(lines) + "\n"
