@@ -40,7 +40,13 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
 from normgeo.paths import FolderError, check_own_folder, remove_created, topmost_missing
 from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse
-from normgeo.runs.config import ANALYZE_CONF_DIR, attach_log_file, close_file_logs, write_hydra_files
+from normgeo.runs.config import (
+    ANALYZE_CONF_DIR,
+    CONF_ROOT,
+    attach_log_file,
+    close_file_logs,
+    write_hydra_files,
+)
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
 from normgeo.runs.schema import ConfigError
 
@@ -179,7 +185,8 @@ def run(cfg: DictConfig) -> Refused | None:
     return None
 
 
-main = config_errors_exit_2(run)  # Hydra's own config errors exit 2 too (normgeo.runs.checks)
+# Hydra's own config errors exit 2 too, an unknown group option naming the options (normgeo.runs.checks).
+main = config_errors_exit_2(run, [Path(ANALYZE_CONF_DIR), CONF_ROOT / "shared"])
 
 if __name__ == "__main__":
     main()

@@ -48,7 +48,7 @@ from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
 from normgeo.runs.checks import Refused, config_errors_exit_2, refuse
-from normgeo.runs.config import CONF_DIR, close_file_logs
+from normgeo.runs.config import CONF_DIR, CONF_ROOT, close_file_logs
 from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -339,7 +339,7 @@ def main() -> None:
     # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead.
     stop_on_signals("before training started (checks, data preparation)",
                     "nothing was trained; run the same command again")
-    config_errors_exit_2(run)()
+    config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
 
 
 if __name__ == "__main__":

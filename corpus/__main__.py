@@ -12,6 +12,7 @@ folder, never ``.hydra/`` or a log into the run directory that the same override
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -21,13 +22,23 @@ from omegaconf.errors import OmegaConfBaseException
 from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
-from normgeo.runs.config import CONF_DIR
+from normgeo.runs.checks import group_options, unknown_group_option
+from normgeo.runs.config import CONF_DIR, CONF_ROOT
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
 
 
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    groups = [Path(CONF_DIR), CONF_ROOT / "shared"]
+    if {"-h", "--help"} & set(overrides):
+        print(f"{__doc__.split(chr(10) + chr(10))[0]}\n\n{USAGE}\n\ndata=<option>: "
+              f"{', '.join(group_options('data', groups) or [])}; every other key as train.py takes it "
+              "(python train.py --help)")
+        return 0
+    if refusal := unknown_group_option(overrides, groups):
+        print(f"error: {refusal}\n{USAGE}", file=sys.stderr)
+        return 2
     stop_on_signals("while preparing the data", "run the same command again to prepare it")
     verify_only = bool(overrides) and overrides[0] == "verify"
     overrides = overrides[verify_only:]

@@ -32,10 +32,12 @@ def table_rows() -> list[dict]:
 
 
 ROWS = table_rows()
-# Refused only once the run starts, not at compose time: by the start checks before the run directory is
-# claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a bare Trainer built on
-# this machine checks; normgeo/runs/start.py), run through the entry point (starred).
-RUNTIME = ("resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
+# Refused by the entry point, not at compose time: a group option that does not exist (before Hydra composes,
+# naming the options: normgeo.runs.checks.unknown_group_option), and the start checks before the run directory
+# is claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a bare Trainer
+# built on this machine checks; normgeo/runs/start.py); run through the entry point (starred).
+RUNTIME = ("norm=batch", "logger=[csv,nosuch]", "model=nosuch",
+           "resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
            "probe.tokens=100000000", "seq_len=10000 probe.tokens=20000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train",
            "val_sequences=100000", "data=local data.source.path=/dev/zero", "model=checkpoint model.checkpoint=README.md",
            "trainer.devices=0", "trainer.num_nodes=0", "trainer.precision=fp8", "trainer.accelerator=tpuu",

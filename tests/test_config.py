@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from corpus.__main__ import main as corpus_main
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
@@ -117,3 +118,16 @@ def test_probe_wikipedia_is_article_text_and_wikitext_stays_an_option() -> None:
     wikitext = compose_train("probe=wikitext")
     assert "Salesforce/wikitext" in instantiate(wikitext.probe.source).candidates[0]
     assert (wikitext.probe.sample, wikitext.probe.min_doc_tokens) == (False, 0)
+
+
+def test_the_prepare_command_has_help_and_names_the_data_options(capsys, tmp_path: Path) -> None:
+    """Issue 52, class 6: ``python -m corpus --help`` answers (before: Hydra's lexer exception), and an
+    unknown ``data=`` option is one line listing the options, then the usage, exit 2, nothing prepared."""
+    assert corpus_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m corpus" in out and "data=<option>: local, openwebtext, pydoc" in out
+    assert corpus_main(["data=nosuch", f"data_root={tmp_path}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: data=nosuch: no such option of data; choose from local, openwebtext, pydoc"
+    assert err[1].startswith("usage: python -m corpus") and not any(tmp_path.iterdir())
+

@@ -12,10 +12,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobStatus, run_job
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -42,12 +46,49 @@ def unquoted_non_ascii(args: Sequence[str]) -> str | None:
     return None
 
 
-def config_errors_exit_2(hydra_main: Callable[[], Any]) -> Callable[[], Any]:
+def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
+    """The options of config group ``group``: its YAML files in ``config_dirs`` and the nodes registered in
+    Hydra's ConfigStore (a test's toy arm); None when ``group`` is no group there."""
+    folders = [Path(folder) / group for folder in config_dirs if (Path(folder) / group).is_dir()]
+    stored = ConfigStore.instance().repo.get(group)
+    if not folders and not isinstance(stored, dict):
+        return None
+    options = {path.stem for folder in folders for path in folder.glob("*.yaml")}
+    options |= {name.removesuffix(".yaml") for name in (stored or {}) if name.endswith(".yaml")}
+    return sorted(options)
+
+
+def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> str | None:
+    """The first ``group=option`` override that names no option of the group, as the line that lists them:
+    Hydra's own message ("Could not load 'logger/nosuch'") lists its search path, not the options."""
+    try:
+        overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
+    except OverrideParseException:
+        return None  # Hydra says what is wrong with the syntax itself
+    for override in overrides:
+        if override.is_delete() or "." in override.key_or_group:
+            continue
+        options = group_options(override.key_or_group, config_dirs)
+        if options is None:
+            continue
+        value = override.value()
+        chosen = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                  else value if isinstance(value, list) else [value])
+        for option in chosen:
+            if option is not None and str(option) not in options:
+                group = override.key_or_group
+                return f"{group}={option}: no such option of {group}; choose from {', '.join(options)}"
+    return None
+
+
+def config_errors_exit_2(hydra_main: Callable[[], Any],
+                         config_dirs: Sequence[Path] = ()) -> Callable[[], Any]:
     """``hydra_main`` (a @hydra.main function called without arguments), with Hydra's own config errors
-    exiting 2 like every other refused input instead of Hydra's 1."""
+    exiting 2 like every other refused input instead of Hydra's 1; a group option that ``config_dirs`` (and
+    Hydra's ConfigStore) do not have is refused first, naming the options."""
 
     def main() -> Any:
-        if refusal := unquoted_non_ascii(sys.argv[1:]):
+        if refusal := unquoted_non_ascii(sys.argv[1:]) or unknown_group_option(sys.argv[1:], config_dirs):
             print(f"error: {refusal}", file=sys.stderr)
             raise SystemExit(CONFIG_ERROR_EXIT)
         try:
