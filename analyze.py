@@ -38,7 +38,13 @@ from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, 
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
-from normgeo.paths import FolderError, check_own_folder, remove_created, topmost_missing
+from normgeo.paths import (
+    FolderError,
+    check_own_folder,
+    check_writable_folder,
+    remove_created,
+    topmost_missing,
+)
 from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse
 from normgeo.runs.config import (
     ANALYZE_CONF_DIR,
@@ -160,6 +166,7 @@ def run(cfg: DictConfig) -> Refused | None:
     so an earlier analysis in out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
     try:
         check_config("analyze", cfg)
+        check_writable_folder(Path(cfg.out_dir), "out_dir")
         check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE)
     except (ConfigError, FolderError) as err:
         return refuse(cfg.out_dir, err)

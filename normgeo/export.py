@@ -62,6 +62,7 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.paths import FolderError, check_writable_folder
 from normgeo.readers.metrics import read_metrics
 from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
@@ -292,6 +293,10 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
                           f"{' or --to '.join(CONVERTING_TARGETS)}, not --to {target}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
+    try:  # a read-only or file-shaped parent: one line now, not an OSError after the conversion
+        check_writable_folder(out_dir, "--out")
+    except FolderError as err:
+        raise ExportError(str(err)) from None
     resolved = out_dir.resolve()
     if inside := next((d for d in (resolved, *resolved.parents) if (d / RUN_CONFIG_FILE).is_file()), None):
         raise ExportError(f"--out {out_dir} is inside the run directory {inside}, where resume, status and the "

@@ -19,7 +19,7 @@ from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
-from tests.conftest import FAST, ROOT, run_entry_point, run_train, train_here, train_in_process
+from tests.conftest import FAST, ROOT, module_main, run_entry_point, run_train, train_here, train_in_process
 
 
 def sha_tree(folder: Path) -> dict[str, str] | None:
@@ -319,3 +319,19 @@ def test_a_command_writes_only_into_folders_it_owns(workspace: Path, capsys) -> 
     # Its own folder: a run resumes into its run_dir (nothing left to train here: one line, exit 0).
     resumed = train_in_process(run_dir, "max_steps=1", "probe.enabled=false", "resume=auto", capsys=capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def test_an_output_folder_under_a_file_is_one_line_for_analyze_and_export(tmp_path: Path, capfd) -> None:
+    """Issue 52, class 7: analyze.py's out_dir and the export's --out under a file are refused in one line,
+    exit 2, before anything is loaded (before: an OSError traceback after the model or the conversion)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    done = run_entry_point("analyze", ["model=smollm2-135m", f"out_dir={blocker / 'x'}", "device=cpu"], capfd)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: out_dir={blocker / 'x'}: {blocker} is a file, so the folder cannot be created there; choose "
+        "another out_dir=..."), done.stderr[-2000:]
+    done = module_main(capfd, "export", tmp_path / "no-run", "--to", "hf", "--out", blocker / "x")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: --out={blocker / 'x'}: {blocker} is a file, so the folder cannot be created there; choose "
+        "another --out=..."), done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
