@@ -1,4 +1,5 @@
-"""Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``.
+"""Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``, refreshed
+every ``last_every`` steps and, with ``every_minutes``, every that many minutes of wall time.
 
 :class:`CheckpointSchedule` is the schedule (pure arithmetic, also the probe's); :class:`ScheduledCheckpoint`
 writes at it; the stop on a signal that saves ``last.ckpt`` early is callbacks/signals.py's.
@@ -14,7 +15,8 @@ import bisect
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +59,12 @@ class CheckpointSchedule:
         sparse_every: int = 10000,
         last_every: int = 500,
         keep_optimizer: bool = False,
+        every_minutes: float | None = None,
     ) -> None:
-        # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
+        # How often last.ckpt is refreshed (by steps, and by wall time) and what scheduled checkpoints keep
+        # (ScheduledCheckpoint).
         self.last_every = last_every
+        self.every_minutes = every_minutes
         self.keep_optimizer = keep_optimizer
         self.max_steps = max_steps
         self.dense_every, self.dense_until, self.sparse_every = dense_every, dense_until, sparse_every
@@ -143,12 +148,26 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume.
     """
 
-    def __init__(self, dirpath: str, schedule: CheckpointSchedule) -> None:
+    def __init__(self, dirpath: str, schedule: CheckpointSchedule,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.dirpath = Path(dirpath)
         self.schedule = schedule  # also says how often last.ckpt is refreshed and what scheduled ones keep
         self._after_validation: int | None = None  # a step whose checkpoints wait for its validation
         self._last_saved_at: int | None = None  # the step of this session's newest last.ckpt
+        self.clock = clock
+        self._last_saved_time = clock()  # when this session's newest last.ckpt was written (or it started)
         self.saved_steps: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_saved_time = self.clock()
+
+    def minutes_due(self, trainer: L.Trainer) -> bool:
+        """``every_minutes`` have passed since this session's last ``last.ckpt`` by rank 0's clock: every rank
+        takes rank 0's answer, so that all save at the same step (a save is collective under FSDP)."""
+        if self.schedule.every_minutes is None:
+            return False
+        due = self.clock() - self._last_saved_time >= 60 * self.schedule.every_minutes
+        return bool(trainer.strategy.broadcast(due, src=0))
 
     @staticmethod
     def step_path(dirpath: str | Path, step: int) -> Path:
@@ -156,7 +175,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         last_every = self.schedule.last_every
-        if step not in self.schedule and not (last_every and step % last_every == 0):
+        on_steps = step in self.schedule or (last_every and step % last_every == 0)
+        if not on_steps and not self.minutes_due(trainer):
             return
         if validation_follows(trainer):
             self._after_validation = step
@@ -179,6 +199,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     def _save_last(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(self.dirpath / LAST_CHECKPOINT, weights_only=False)
         self._last_saved_at = trainer.global_step
+        self._last_saved_time = self.clock()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._last_saved_at == trainer.global_step:

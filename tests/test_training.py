@@ -7,10 +7,12 @@ import json
 import re
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
-from callbacks.checkpointing import AtomicCheckpointIO
+from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
+from models.lit import LitGPT
 from normgeo.measure.records import read_rows
 from normgeo.runs.session import REPLACED_DIR
 from tests.conftest import entry_point_here, run_train, step_losses, train_here, train_in_process
@@ -278,3 +280,38 @@ def test_a_configured_csv_logger_into_the_runs_csv_folder_is_not_a_second_writer
     with open(run_dir / "csv" / "version_0" / "metrics.csv") as handle:
         steps = [row["step"] for row in csv.DictReader(handle) if row.get("train/loss")]
     assert len(steps) == len(set(steps)) == 4  # one row per logged step: a second CSVLogger would repeat them
+
+
+class SessionTime(L.Callback):
+    """A clock that the test moves: 45 s of wall time per optimizer step (so a 1-minute trigger fires at every
+    other step), and the steps at which a checkpoint was saved."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.saved: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.now = 45.0 * trainer.global_step  # before the owner's hook (it comes after this in the list)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:
+        self.saved.append(trainer.global_step)
+
+
+def test_last_ckpt_is_also_refreshed_every_n_minutes(tmp_path: Path) -> None:
+    """checkpoint.every_minutes, the time trigger of the one checkpoint owner: last.ckpt again once that many
+    minutes have passed since the last one (rank 0's clock, broadcast), on a real Trainer and LitGPT."""
+    time_ = SessionTime()
+    schedule = CheckpointSchedule(max_steps=6, steps=[6], last_every=0, every_minutes=1.0)
+    owner = ScheduledCheckpoint(str(tmp_path / "checkpoints"), schedule, clock=lambda: time_.now)
+    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 64}, seed=0,
+                    max_steps=6, global_batch=2, lr=1e-3, warmup_steps=0)
+    window = (torch.arange(8), torch.arange(1, 9))
+    data = torch.utils.data.DataLoader([window] * 12, batch_size=2)
+    trainer = L.Trainer(max_steps=6, callbacks=[time_, owner], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path)
+    trainer.fit(module, data)
+    # 45 s a step: 60 s have passed at steps 2 (90 s) and 4 (180 - 90 s); step 6 is scheduled. (The scheduled
+    # weights-only file calls no callback hook: one entry for step 6, its last.ckpt.)
+    assert time_.saved == [2, 4, 6]
+    off = CheckpointSchedule(max_steps=6, steps=[6], last_every=0)
+    assert off.every_minutes is None

@@ -42,7 +42,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "compile", "optim.fused", "norm.impl", "num_workers", "probe.batch_size",
     # How the run reports, and how often it refreshes last.ckpt.
     "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "logger", "log_every",
-    "checkpoint.last_every",
+    "checkpoint.last_every", "checkpoint.every_minutes",
     "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
     "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name

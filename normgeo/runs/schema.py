@@ -115,6 +115,8 @@ class CheckpointSchema:
     sparse_every: Count = doc(10000, "a checkpoint every this many steps after it")
     last_every: Natural = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps")
     keep_optimizer: bool = doc(False, "scheduled checkpoints keep the optimizer state too")
+    every_minutes: Positive | None = doc(None, "also refresh last.ckpt when this many minutes passed since "
+                                               "the last one (rank 0's clock); null: off")
 
 
 @schema
