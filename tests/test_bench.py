@@ -46,10 +46,11 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
         assert [(row[1], row[2]) for row in table] == [(impl, kind) for impl in impls for kind in NORM_ARMS], output
         for _, impl, kind, median_ms, to_rms, floor_ms, to_floor, kernel_ms, floor_share, repeats in table:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
-            # The kernels' own time (aten ops' self time on the CPU, the profiler's overhead in it: about the wall
-            # time); the compiled forward's C++ kernels are no profiler events on the CPU, so none is claimed.
+            # The kernels' own time (aten ops' self time on the CPU: a loaded machine can stretch one op's, so no
+            # bound against the wall time); the compiled forward's C++ kernels are no profiler events on the
+            # CPU, so none is claimed.
             if impl == "stock":
-                assert 0 < float(kernel_ms) <= float(median_ms) * 3 and floor_share.endswith("%"), output
+                assert float(kernel_ms) > 0 and floor_share.endswith("%"), output
             else:
                 assert kernel_ms == "nan" and floor_share == "-", output
             assert len(repeats.split(",")) == 1  # one value per repeat

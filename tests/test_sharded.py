@@ -68,7 +68,10 @@ def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[st
     for a, b in zip(ddp, fsdp, strict=True):
         assert (a["step"], a["scope_name"], a["tokens"], a["sequences"]) == (b["step"], b["scope_name"], 17 * 63, 17)
         assert b["delta_loss"] == pytest.approx(a["delta_loss"], abs=1e-4)
-        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
+        # A KL near 1e-5 summed in float32 over a 50,304-entry vocabulary carries ~1e-7 of rounding from the two
+        # sharding schemes' orders (DDP 9.957e-06 against FSDP 9.833e-06 on this machine, with the code of
+        # fbdf9ba too): 5e-7 is that floor, and 5% of such a KL.
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=5e-7)
 
 
 def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> None:
