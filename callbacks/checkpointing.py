@@ -159,6 +159,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self.saved_steps: list[int] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # the step this session starts at
         self._last_saved_time = self.clock()
 
     def minutes_due(self, trainer: L.Trainer) -> bool:

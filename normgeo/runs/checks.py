@@ -65,9 +65,18 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except OverrideParseException:
         return None  # Hydra says what is wrong with the syntax itself
+    if any(arg.startswith(("--config-dir", "-cd", "--config-path", "-cp")) for arg in args):
+        return None  # another primary config directory: Hydra knows its groups
+    config_dirs = list(config_dirs)
+    for override in overrides:  # the user's own config folders (hydra.searchpath=[file://...]) count too
+        if override.key_or_group == "hydra.searchpath":
+            paths = override.value() if isinstance(override.value(), list) else [override.value()]
+            if not all(str(path).startswith("file://") for path in paths):
+                return None  # a package's configs (pkg://): Hydra knows its groups
+            config_dirs += [Path(str(path).removeprefix("file://")) for path in paths]
     for override in overrides:
-        if override.is_delete() or "." in override.key_or_group:
-            continue
+        if override.is_delete() or "." in override.key_or_group or override.key_or_group.startswith("hydra/"):
+            continue  # a key, or Hydra's own groups (their options come with Hydra and its plugins)
         options = group_options(override.key_or_group, config_dirs)
         if options is None:
             continue
