@@ -63,7 +63,6 @@ from normgeo.measure.stats import mean_t_interval
 from normgeo.runs.build import make_module
 from normgeo.runs.config import CONF_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("70m", "160m", "410m", "1b")
 ARMS = ("layer", "rms", "layer_nobias")
 MODES = ("eager", "compiled")
