@@ -273,7 +273,9 @@ def answer_lines(results: Sequence[dict], where: str) -> list[str]:
     return lines
 
 
-def page(results: Sequence[dict], info: dict, command: str, stamp: str) -> str:
+def page(
+    results: Sequence[dict], info: dict, command: str, stamp: str, replaced: Sequence[dict] = ()
+) -> str:
     standin = info.get("gpu") is None
     where = (
         info["gpu"] if not standin else f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)"
@@ -386,8 +388,18 @@ def page(results: Sequence[dict], info: dict, command: str, stamp: str) -> str:
                 if "peak_memory_bytes" in result
                 else ""
             )
+            + (f"; {result['stamp']}" if "stamp" in result else "")
             + f"; `{result['command']}`"
         )
+    if replaced:
+        lines += ["", "Replaced by a newer run of the same size and mode (not shown above):", ""]
+        lines += [
+            f"- {r['size']} {r['mode']}, {r['stamp']}: "
+            + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in r["arms"].items())
+            + (f"; layer/rms {interval_text(r['ratios']['layer'])}" if "layer" in r.get("ratios", {}) else "")
+            + f" over {len(r['arms'][REFERENCE]['seconds'])} repeats; `{r['command']}`"
+            for r in replaced
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -482,28 +494,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def newest_results(reports: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """Per size and mode the result of the newest run holding it (each result stamped with its run's time),
+    sizes and modes in order; and the older results of a size and mode that a newer run replaced."""
+    stamped = [{**r, "stamp": report["stamp"]} for report in reports for r in report["results"]]
+    stamped.sort(key=lambda r: r["stamp"], reverse=True)  # "YYYY-MM-DD HH:MM UTC" sorts as time
+    kept: dict[tuple[str, str], dict] = {}
+    replaced = []
+    for result in stamped:
+        key = (result["size"], result["mode"])
+        if key in kept:
+            replaced.append(result)
+        else:
+            kept[key] = result
+    order = sorted(kept, key=lambda k: (SIZES.index(k[0]), MODES.index(k[1])))
+    return [kept[k] for k in order], replaced
+
+
 def write_page(out: Path, files: Sequence[Path]) -> int:
-    """The page of the results in ``files`` (one machine's), sizes in order, to ``out`` (atomically)."""
+    """The page of the results in ``files`` (one machine's), sizes in order, to ``out`` (atomically). Where
+    two runs measured the same size and mode, the newer one's result is shown and the older one named."""
     if not files:
         print("bench/efficiency.py: --page needs the JSON files of earlier runs after it", file=sys.stderr)
         return 2
     reports = [json.loads(path.read_text()) for path in files]
-    results = sorted(
-        (r for report in reports for r in report["results"]),
-        key=lambda r: (SIZES.index(r["size"]), MODES.index(r["mode"])),
-    )
+    machines = {report["machine"].get("gpu") or report["machine"].get("cpu") for report in reports}
+    if len(machines) > 1:
+        print(f"bench/efficiency.py: --page takes one machine's runs, these come from {sorted(machines)}: "
+              "give each machine its own page", file=sys.stderr)
+        return 2
+    results, replaced = newest_results(reports)
+    stamps = sorted({r["stamp"] for r in results})
     text = page(
         results,
         reports[0]["machine"],
         " ; ".join(dict.fromkeys(r["command"] for r in results)),
-        reports[0]["stamp"],
+        stamps[0] if len(stamps) == 1 else f"{stamps[0]} to {stamps[-1]}",
+        replaced,
     )
     partial = out.with_name(f".{out.name}.partial")
     partial.write_text(text)
     partial.replace(out)
     print(f"written {out}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -90,7 +90,8 @@ TARGETS = {"mfu_410m": 0.40, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
 # bench/efficiency.py per size, each its own part, process and time budget: three arms compiled dominate (on an
-# H200 on 2026-11-27: 82 s at 70m, 115 s at 160m; 410m and 1b ran past 160 and 170 s).
+# H200 on 2026-11-27: 82 s at 70m, 115 s at 160m, both modes; 410m compiled alone 158 s; 1b 72 s eager, 143 s
+# compiled).
 EFFICIENCY_BUDGETS = {"70m": 110, "160m": 150, "410m": 240, "1b": 270}
 EFFICIENCY_PAGE = "efficiency.md"
 ORDER = ("environment", "train 70m", "train 410m", *(f"efficiency {size}" for size in EFFICIENCY_BUDGETS),

@@ -124,6 +124,18 @@ def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Pat
     page = page_file.read_text()
     assert "- 70m, eager: RMSNorm" in page and "- 1b, eager: RMSNorm" in page and "CPU stand-in" in page
     assert str(tmp_path) not in page and "--json" not in page
+    # A newer run of 1b eager replaces the older one's rows; the older one is named below the runs.
+    newer = {**report, "stamp": "2099-01-01 00:00 UTC",
+             "results": [{**report["results"][1], "command": "python bench/efficiency.py --sizes 1b"}]}
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    run_script(str(ROOT / "bench" / "efficiency.py"), "--page", str(page_file), str(results),
+               str(tmp_path / "newer.json"))
+    page = page_file.read_text()
+    runs, replaced = page.split("## Runs")[1].split("Replaced by a newer run")
+    assert "1b eager" in runs and "2099-01-01 00:00 UTC; `python bench/efficiency.py --sizes 1b`" in runs
+    named = [line for line in replaced.splitlines() if line.startswith("- ")]
+    assert len(named) == 1 and named[0].startswith(f"- 1b eager, {report['stamp']}:"), named
+    assert page.count("- 1b, eager: RMSNorm") == 1
 
 
 def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:
