@@ -86,7 +86,7 @@ ARMS = ("layer", "rms")
 ANGLE_TOLERANCE_DEG = 1e-3
 ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
 # The issue's targets, reported against, never enforced: a GPU run that misses one still passes.
-TARGETS = {"mfu_410m": 0.40, "memory_ratio": 0.10, "floor_fraction": 0.70}
+TARGETS = {"mfu_410m": 0.45, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
 # bench/efficiency.py per size, each its own part, process and time budget: three arms compiled dominate (on an
@@ -109,18 +109,25 @@ class Mode:
     def device(self) -> str:
         return "cpu" if self.standin else "cuda"
 
+    @property
+    def train_log_every(self) -> int:
+        """The training parts log (and so wait for the device) as a run does, every 10 steps, and their rates
+        span those steps; the stand-in's 4 steps log each."""
+        return 1 if self.standin else 10
+
     def train_sizes(self) -> dict[str, list[str]]:
         """Per size name: its overrides. Global batch = one micro-batch: no accumulation, every step timed alike."""
+        every = f"log_every={self.train_log_every}"
         if self.standin:
             return {
                 "70m": ["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "micro_batch=4",
-                        "global_batch=4", "max_steps=4", "optim.warmup_steps=1"],
+                        "global_batch=4", "max_steps=4", "optim.warmup_steps=1", every],
                 "410m": ["size=tiny", "size.n_layer=3", "size.n_embd=64", "size.n_head=2", "seq_len=64",
-                         "micro_batch=4", "global_batch=4", "max_steps=4", "optim.warmup_steps=1"],
+                         "micro_batch=4", "global_batch=4", "max_steps=4", "optim.warmup_steps=1", every],
             }
         return {
-            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=200", "optim.warmup_steps=20"],
-            "410m": ["size=410m", "micro_batch=8", "global_batch=8", "max_steps=100", "optim.warmup_steps=10"],
+            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=200", "optim.warmup_steps=20", every],
+            "410m": ["size=410m", "micro_batch=8", "global_batch=8", "max_steps=100", "optim.warmup_steps=10", every],
         }
 
     def trainer(self) -> list[str]:
@@ -149,7 +156,7 @@ class Mode:
 
 
 # Everything a run of train.py needs besides its model and trainer: CSV metrics every step, no validation.
-QUIET = ["logger=csv", "log_every=1", "val_every=100000", "trainer.enable_progress_bar=false", "data=pydoc"]
+QUIET = ["logger=csv", "val_every=100000", "trainer.enable_progress_bar=false", "data=pydoc"]
 
 
 @dataclass
@@ -289,28 +296,34 @@ def environment_child(standin: bool) -> dict:
 
 
 class StepClock(L.Callback):
-    """The wall time at each optimizer step; the first one includes the compilation."""
+    """The wall time of the first optimizer step (the compilation is in it) and, after it, of each span of
+    ``every`` steps per step. The host waits for the device at a span's ends only, where the training loop
+    itself waits (its reports, every ``log_every`` steps): a wait at every step would add its own gap."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int) -> None:
+        self.every = every
         self.started = 0.0
-        self.times: list[float] = []
+        self.times: list[tuple[int, float]] = []  # (optimizer step, time)
         self.seen = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.seen:
-            self.seen = trainer.global_step
-            if trainer.strategy.root_device.type == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter())
+        step = trainer.global_step
+        if step != self.seen:
+            self.seen = step
+            if step == 1 or step % self.every == 0 or step == trainer.max_steps:
+                if trainer.strategy.root_device.type == "cuda":
+                    torch.cuda.synchronize()
+                self.times.append((step, time.perf_counter()))
 
     def first_step_s(self) -> float:
-        return self.times[0] - self.started
+        return self.times[0][1] - self.started
 
     def step_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        """Per span, its wall time per step."""
+        return [(b - a) / (j - i) for (i, a), (j, b) in zip(self.times, self.times[1:], strict=False)]
 
 
 def steady(values: list[float]) -> list[float]:
@@ -324,9 +337,10 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
     results: dict = {}
     for arm in ARMS:
         run_dir = work / f"train-{size}-{arm}"
-        overrides = [*mode.train_sizes()[size], *mode.trainer(), *QUIET, "probe.enabled=false", "checkpoint.steps=[]",
-                     "checkpoint.last_every=0", f"norm={arm}", f"run_dir={run_dir}", f"data_root={work / 'data'}"]
-        clock = StepClock()
+        overrides = [*mode.train_sizes()[size], *mode.trainer(), *QUIET, "probe.enabled=false",
+                     "checkpoint.steps=[]", "checkpoint.last_every=0", f"norm={arm}", f"run_dir={run_dir}",
+                     f"data_root={work / 'data'}"]
+        clock = StepClock(mode.train_log_every)
         # Each arm compiles from nothing (the on-disk caches aside), and its peak is its own: the previous arm's
         # trainer, model and optimizer are gone before the peak is reset.
         torch._dynamo.reset()
@@ -462,8 +476,8 @@ def resume(ctx: Context, strategy: str) -> Outcome:
     """A 4-step run under ``torchrun --nproc-per-node 1``, and a second run resumed from its step-2 checkpoint."""
     path = f"{strategy} resume"
     full, resumed = ctx.work / f"{strategy}-full", ctx.work / f"{strategy}-resumed"
-    common = [*ctx.mode.tiny(), *ctx.mode.strategy(strategy), *QUIET, "max_steps=4", "optim.warmup_steps=0",
-              "checkpoint.steps=[2,4]", "checkpoint.keep_optimizer=true", "checkpoint.last_every=0",
+    common = [*ctx.mode.tiny(), *ctx.mode.strategy(strategy), *QUIET, "log_every=1", "max_steps=4",
+              "optim.warmup_steps=0", "checkpoint.steps=[2,4]", "checkpoint.keep_optimizer=true", "checkpoint.last_every=0",
               "trainer.deterministic=true", f"data_root={ctx.work / 'data'}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py"]
     details, seconds = [], 0.0
@@ -521,7 +535,7 @@ def probe_reference(ctx: Context) -> Outcome:
     size = (["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=4", "micro_batch=4"]
             if ctx.mode.standin else ["size=70m", "seq_len=256", "global_batch=2", "micro_batch=2"])
     done, shown, seconds = ctx.run([sys.executable, "train.py", *size, "trainer=cpu", *QUIET, "max_steps=1",
-                                    "optim.warmup_steps=0", "probe.enabled=false", "checkpoint.steps=[1]",
+                                    "log_every=1", "optim.warmup_steps=0", "probe.enabled=false", "checkpoint.steps=[1]",
                                     "checkpoint.last_every=0", f"run_dir={run_dir}",
                                     f"data_root={ctx.work / 'data'}"], ctx.mode.budget(240))
     details = [f"- `{shown}` ({seconds:.0f} s)"]
@@ -718,9 +732,9 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
         lines += ["**CPU stand-in**: every path at the smallest sizes on the CPU (gloo, float32, compile off); the "
                   "rows say that each path runs, not what a GPU does. `<work>` is the check's scratch folder.", ""]
     else:
-        lines += ["Targets (reported against, not enforced): MFU at 410m ≥ 40%; measured peak memory within 10% of the "
-                  "plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. `<work>` is the check's scratch "
-                  "folder.", ""]
+        lines += [f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; measured peak "
+                  "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. "
+                  "`<work>` is the check's scratch folder.", ""]
     if kept:
         lines += [f"Rows marked *kept* are from the run of {' and '.join(sorted({k.generated for k in kept}))} UTC "
                   "named in each, on the code of that day: this run repeated only the parts it names.", ""]

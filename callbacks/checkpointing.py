@@ -221,7 +221,9 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
                 self._save_step(trainer, pl_module, step)
 
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        """Never overwrite a good checkpoint with weights that diverged to inf/NaN."""
+        """Never overwrite a good checkpoint with weights that diverged to inf/NaN: the first non-finite loss
+        named if there was one (LitGPT notes it on the device without waiting), else the parameters checked."""
+        pl_module.raise_if_diverged()
         # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
         finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
                      for p in pl_module.parameters())

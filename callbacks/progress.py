@@ -148,6 +148,7 @@ class StepProgressBar(ProgressBar):
         self._logged_step = -1
         self._logged_at = -math.inf
         self._validating = False
+        self._metrics: dict[str, Any] = {}  # the module's prog_bar metrics as last read
 
     # ProgressBar's interface
     @property
@@ -256,13 +257,17 @@ class StepProgressBar(ProgressBar):
         origin = self._pace if self._pace is not None and self._step > self._pace[0] else self._start
         eta = eta_seconds(self._step, self._total, since_step=origin[0], elapsed=now - origin[1])
         fields = status_fields(
-            self.get_metrics(trainer, pl_module), elapsed=now - self._start[1], eta=eta, total=self._total,
+            self._metrics, elapsed=now - self._start[1], eta=eta, total=self._total,
             validated_at=getattr(pl_module, "validated_at", None),  # LitGPT's; another module's: not said
         )
         return fields + (["validating"] if self._validating else [])
 
     def _show(self, trainer: L.Trainer, pl_module: L.LightningModule, now: float, *, force: bool) -> None:
+        # Reading the metrics converts the module's device tensors (a wait for the device): the bar, drawn at
+        # every step, reads them where the module logged new ones (every log_every_n_steps) or when forced.
         if self._bar is not None:
+            if force or self._step % max(trainer.log_every_n_steps, 1) == 0 or not self._metrics:
+                self._metrics = self.get_metrics(trainer, pl_module)
             text = SEPARATOR.join(self._fields(trainer, pl_module, now))
             self._bar.n = self._step
             self._bar.bar_format = bar_format(self._step, self._total, text, _columns(self._stream))
@@ -271,6 +276,7 @@ class StepProgressBar(ProgressBar):
         elif force or now - self._logged_at >= self.log_interval_s:
             if self._validating:
                 return  # the line after validation carries its loss
+            self._metrics = self.get_metrics(trainer, pl_module)
             log.info(
                 "%s",
                 SEPARATOR.join([step_text(self._step, self._total), *self._fields(trainer, pl_module, now)]),

@@ -85,6 +85,10 @@ class LitGPT(L.LightningModule):
         self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
+        self._step_loss: torch.Tensor | None = None  # the latest optimizer step's global loss, on the device
+        self._reported_step: int | None = None  # the latest step reported (None: none yet this session)
+        self._diverged_step: torch.Tensor | None = None  # the first non-finite loss's step (-1: none), on the device
+        self._diverged_loss: torch.Tensor | None = None
         self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
@@ -107,21 +111,26 @@ class LitGPT(L.LightningModule):
                               self.trainer.world_size)
 
     def start_throughput(self, available_flops: float | None, world_size: int) -> None:
-        """A session's rate meter (:meth:`step_rates`): a window of two optimizer steps, the rates of the latest;
+        """A session's rate meter (:meth:`step_rates`): a window of two calls, the rates over the steps between;
         the model FLOPs of one step on one device, counted once."""
         self.throughput = Throughput(available_flops=available_flops, world_size=world_size, window_size=2)
+        self._rated_step: int | None = None
         self.device_step_flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size
 
     def step_rates(self, step: int, now: float) -> dict[str, float]:
-        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous optimizer step
-        (data loading and logging included), by Lightning's Throughput; none at a session's first step.
+        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous call, at an
+        earlier step of this session (data loading and logging included), by Lightning's Throughput; none at the
+        session's first call. Called at reporting steps, after the host waited for the device, so that the
+        time spans exactly the steps between.
 
         Lightning's ThroughputMonitor callback counts micro-batches and logs under its own names; its arithmetic
         is used here per optimizer step, so that the two metrics keep their names and meaning."""
         world_size = self.throughput.world_size
         sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
+        steps = step - (self._rated_step if self._rated_step is not None else step - 1)
+        self._rated_step = step
         self.throughput.update(time=now, batches=step, samples=sequences, lengths=sequences * self.seq_len,
-                               flops=self.device_step_flops)
+                               flops=self.device_step_flops * steps)
         rates = self.throughput.compute()
         named = (("perf/tokens_per_s", "device/items_per_sec", world_size), ("perf/mfu", "device/mfu", 1))
         return {name: rates[key] * scale for name, key, scale in named if key in rates}
@@ -152,19 +161,64 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Once per optimizer step, after all accumulated backward passes: log the step's global loss."""
+        """Once per optimizer step, after all accumulated backward passes: the step's global loss, and the first
+        step whose loss was not finite, noted on the device (a host read would wait for the device every step).
+        At a reporting step (:meth:`reports_at`) the host waits once: it raises if training diverged, else
+        logs the loss, the learning rate and the rates since the previous report."""
         step_loss = self._loss_sum / self._micro_steps
-        global_loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
+        loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
         self._loss_sum, self._micro_steps = None, 0
         step = self.trainer.global_step + 1
-        if not torch.isfinite(global_loss):
-            lr = self.hparams.lr
-            raise NonFiniteError(
-                f"training diverged: the training loss is {global_loss.item()} at step {step}; the likely cause is "
-                f"the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
-                step=step, loss=global_loss.item(), lr=lr)
+        self._note_divergence(loss, step)
+        self._step_loss = loss
+        if self.reports_at(step):
+            self.report(step, optimizer)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # A callback may have stopped training at this step (a signal, stop_at_step): Lightning logs it then,
+        # so the loss it logs must be this step's (callbacks' hooks run before the module's).
+        step = self.trainer.global_step
+        if self._micro_steps == 0 and self.trainer.should_stop and self._reported_step != step:
+            self.report(step, self.trainer.optimizers[0])
+
+    def reports_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is one Lightning logs (every ``log_every_n_steps``), this session's
+        first or the run's last (the console's figures): the steps whose loss, rates and divergence are read
+        back from the device."""
+        every = self.trainer.log_every_n_steps
+        return (every > 0 and step % every == 0) or self._reported_step is None or step == self.trainer.max_steps
+
+    def _note_divergence(self, loss: torch.Tensor, step: int) -> None:
+        """Keep, on the device, the first step whose loss is inf or NaN and that loss."""
+        if self._diverged_step is None:
+            self._diverged_step = torch.full((), -1, dtype=torch.long, device=loss.device)
+            self._diverged_loss = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        first = (self._diverged_step < 0) & ~torch.isfinite(loss)
+        self._diverged_step = torch.where(first, step, self._diverged_step)
+        self._diverged_loss = torch.where(first, loss, self._diverged_loss)
+
+    def raise_if_diverged(self) -> None:
+        """Raise :class:`NonFiniteError` naming the first step whose loss was inf or NaN, if any; waits for the
+        device. Every rank holds the same all-reduced losses, so all raise at once. The checkpoints and the probe
+        call it before they read the weights; :meth:`report` at every reporting step."""
+        if self._diverged_step is None:
+            return
+        step, loss = torch.stack([self._diverged_step.double(), self._diverged_loss.double()]).tolist()
+        if step < 0:
+            return
+        lr = self.hparams.lr
+        raise NonFiniteError(
+            f"training diverged: the training loss is {loss} at step {int(step)}; the likely cause is "
+            f"the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
+            step=int(step), loss=loss, lr=lr)
+
+    def report(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """Wait for the device once (:meth:`raise_if_diverged`), then log step ``step``'s loss, learning rate,
+        tokens seen and the rates over the steps since the previous report, now timed exactly."""
+        self.raise_if_diverged()
+        self._reported_step = step
         metrics = {
-            "train/loss": global_loss,
+            "train/loss": self._step_loss,
             "train/lr": optimizer.param_groups[0]["lr"],
             "train/tokens_seen": float(step * self.tokens_per_step),
         }
@@ -176,7 +230,14 @@ class LitGPT(L.LightningModule):
         # at step k, the step at which the probe records the weights that update produced.
         metrics["step"] = float(step)
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        self.log("loss", global_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        self.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.raise_if_diverged()  # no validation loss of weights that a non-finite loss updated
+
+    def on_train_end(self) -> None:
+        self.raise_if_diverged()  # a run whose last steps diverged between two reports has not finished
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch

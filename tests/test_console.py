@@ -63,7 +63,8 @@ def test_the_bar_narrows_and_then_goes_on_a_narrow_terminal() -> None:
 
 
 def test_the_count_starts_at_the_restored_step_and_moves_on_optimizer_steps(caplog) -> None:
-    trainer = SimpleNamespace(max_steps=100, global_step=50, progress_bar_metrics={}, sanity_checking=False)
+    trainer = SimpleNamespace(max_steps=100, global_step=50, progress_bar_metrics={}, sanity_checking=False,
+                              log_every_n_steps=1)
     out = io.StringIO()
     bar = StepProgressBar(interactive=True, file=out)
     bar.on_train_start(trainer, None)
@@ -90,6 +91,29 @@ def test_the_count_starts_at_the_restored_step_and_moves_on_optimizer_steps(capl
     lines = [r.getMessage() for r in caplog.records if r.name == "callbacks.progress"]
     assert lines[0].startswith("step 1/100 · loss 3.2500") and lines[-1].startswith("step 100/100 ·")
     assert len(lines) == 2 and lines[-1].endswith("ETA 00:00")
+
+
+class CountingTrainer(SimpleNamespace):
+    """A trainer whose prog_bar metrics count their reads: each converts the module's device tensors."""
+
+    reads = 0
+
+    @property
+    def progress_bar_metrics(self) -> dict:
+        self.reads += 1
+        return {"loss": 3.25}
+
+
+def test_the_bar_reads_the_metrics_only_where_the_module_logs_new_ones() -> None:
+    """Drawn every step, the bar reads the metrics at the first and last steps and every log_every_n_steps,
+    where the module logs: not at every step, which would make the host wait for the device every step."""
+    trainer = CountingTrainer(max_steps=30, global_step=0, sanity_checking=False, log_every_n_steps=10)
+    bar = StepProgressBar(interactive=True, file=io.StringIO())
+    bar.on_train_start(trainer, None)
+    for step in range(1, 31):
+        trainer.global_step = step
+        bar.on_train_batch_end(trainer, None, None, None, step)
+    assert trainer.reads == 4  # steps 1, 10, 20, 30
 
 
 def test_quiet_lightning_drops_the_listed_messages_and_nothing_else() -> None:

@@ -176,10 +176,10 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent() -> None:
     assert warmup_cosine(500, **kwargs) == pytest.approx(0.1)
 
 
-def test_step_rates_are_the_tokens_and_model_flops_of_one_optimizer_step_over_its_wall_time() -> None:
-    """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first step, then the
-    global tokens of one step over its seconds, and per device its model FLOPs against the peak (2 devices, a
-    declared peak standing in for a GPU's)."""
+def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_report_over_their_time() -> None:
+    """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first report, then
+    the global tokens of the steps since the previous report over their seconds, and per device their model
+    FLOPs against the peak (2 devices, a declared peak standing in for a GPU's)."""
     module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=4,
                     lr=1e-3)
     peak = 1e9
@@ -189,6 +189,10 @@ def test_step_rates_are_the_tokens_and_model_flops_of_one_optimizer_step_over_it
     tokens_per_s = module.tokens_per_step / 0.5  # 4 sequences x 8 tokens, over both devices
     assert rates["perf/tokens_per_s"] == pytest.approx(tokens_per_s)
     assert rates["perf/mfu"] == pytest.approx(module.model.flops_per_token(8) * tokens_per_s / 2 / peak)
+    # Reports every 4 steps: the rates over the 4 steps since the previous report, not over one.
+    rates = module.step_rates(10, now=12.5)
+    assert rates["perf/tokens_per_s"] == pytest.approx(4 * module.tokens_per_step / 2.0)
+    assert rates["perf/mfu"] == pytest.approx(module.model.flops_per_token(8) * rates["perf/tokens_per_s"] / 2 / peak)
     module.start_throughput(None, world_size=1)  # the CPU: no MFU
     module.step_rates(1, now=0.0)
     assert set(module.step_rates(2, now=1.0)) == {"perf/tokens_per_s"}
