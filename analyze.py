@@ -57,7 +57,8 @@ from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
 from normgeo.runs.schema import ConfigError
 
 log = logging.getLogger("normgeo.analyze")
-# The log's name until the outputs are written: a failed start leaves an earlier analysis's analyze.log as it was.
+# The log's name until the outputs are written: a failed
+# start leaves an earlier analysis's analyze.log as it was.
 PARTIAL = ".partial"
 
 
@@ -71,7 +72,8 @@ def analyze(cfg: DictConfig) -> Path:
     """Measure one model and write its outputs; returns the output directory."""
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
-    probe = ProbeConfig.from_config(cfg.probe, batch_size=cfg.model.batch_size)  # analyze batches by the model's key
+    # analyze batches by the model's key
+    probe = ProbeConfig.from_config(cfg.probe, batch_size=cfg.model.batch_size)
     loaded = load_model(cfg.model, lm_head=bool(probe.intervention))
     model = loaded.model
     if cfg.model.get("device_map"):
@@ -110,7 +112,8 @@ def analyze(cfg: DictConfig) -> Path:
         write_step(out_dir / name, file_rows)
     stale = [out_dir / INTERVENTION_FILE, *(out_dir / "figures").glob("intervention_*")]
     if not records.intervention and any(path.exists() for path in stale):
-        # An earlier analysis's intervention (its records and figures) would read as this one's: it measured none.
+        # An earlier analysis's intervention (its records and
+        # figures) would read as this one's: it measured none.
         for path in stale:
             path.unlink(missing_ok=True)
         log.warning("removed %s and its figures from an earlier analysis: this run measured no intervention "
@@ -140,7 +143,9 @@ def analyze(cfg: DictConfig) -> Path:
         "tokens_per_s": round(len(ids) / probe_seconds, 1),
         # ru_maxrss is in KiB on Linux.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "cuda_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None,
+        "cuda_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        if torch.cuda.is_available()
+        else None,
         "torch": torch.__version__,
     }
     atomic_write_json(out_dir / RUN_INFO_FILE, info)
@@ -161,9 +166,10 @@ USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
 
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def run(cfg: DictConfig) -> Refused | None:
-    """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write -> Hydra's files (.hydra/,
-    analyze.log) only then. A refusal or failure removes the folders this start created and its partial log,
-    so an earlier analysis in out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
+    """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write
+    -> Hydra's files (.hydra/, analyze.log) only then. A refusal or failure removes
+    the folders this start created and its partial log, so an earlier analysis in
+    out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
     try:
         check_config("analyze", cfg)
         check_writable_folder(Path(cfg.out_dir), "out_dir")

@@ -67,16 +67,19 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
-    """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml combine, e.g. logger=[csv,wandb]);
-    a null entry (logger.wandb=null) is skipped; a plain list still works. A CSVLogger is always among them:
-    its metrics.csv is what status, compare, the pilot and the export read (normgeo.readers.metrics)."""
+    """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml
+    combine, e.g. logger=[csv,wandb]); a null entry (logger.wandb=null) is skipped; a
+    plain list still works. A CSVLogger is always among them: its metrics.csv is what
+    status, compare, the pilot and the export read (normgeo.readers.metrics)."""
     configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
     loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
     for logger_cfg in configs:
         if not logger_cfg:
             continue
         if logger_cfg._target_.endswith("CSVLogger") and same_folder(
-                Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"), run_dir / CSV_DIR):
+            Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"),
+            run_dir / CSV_DIR,
+        ):
             continue  # the CSV every run writes already (older logger configs still name it)
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
@@ -120,10 +123,18 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
         # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), default_root_dir=str(run_dir), callbacks=callbacks,
-                          logger=make_loggers(cfg, run_dir), plugins=plugins)
+    trainer = instantiate(
+        cfg.trainer,
+        **trainer_arguments(cfg),
+        default_root_dir=str(run_dir),
+        callbacks=callbacks,
+        logger=make_loggers(cfg, run_dir),
+        plugins=plugins,
+    )
     # The global batch is fixed; accumulation is whatever the device count leaves over (checked at the start).
-    trainer.accumulate_grad_batches = accumulation_steps(cfg.global_batch, cfg.micro_batch, trainer.world_size)
+    trainer.accumulate_grad_batches = accumulation_steps(
+        cfg.global_batch, cfg.micro_batch, trainer.world_size
+    )
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer
 
@@ -140,7 +151,8 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
             f"{min(cfg.probe.intervention_tokens or cfg.probe.tokens, cfg.probe.tokens):,}"
             if scopes else ", no centering intervention")
     return (
-        f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), {cfg.size.n_layer} layers, d={cfg.size.n_embd}"
+        f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), "
+        f"{cfg.size.n_layer} layers, d={cfg.size.n_embd}"
         f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
         f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
         f"world size {trainer.world_size} · precision {trainer.precision} · {probe}"
@@ -175,7 +187,8 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
 def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Fit one run. ``start``: what normgeo.runs.start checked and claimed (bench/ calls
     ``with start_session(cfg) as start: train(cfg, start, ...)``); ``extra_callbacks``: bench/'s timers."""
-    preflight(cfg)  # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
+    # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
+    preflight(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()
@@ -202,10 +215,13 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     module.run_config = run_config  # into every checkpoint
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
-        # Legal but costly, valid but probably not meant, asked for but nothing to measure: each said once in one
-        # line, and the run goes on as asked.
-        for kind, lines in (("costly", costly_values(cfg, probes=len(schedule) + 1)), ("odd", odd_values(cfg)),
-                            ("nothing measured", unmeasured_values(cfg))):
+        # Legal but costly, valid but probably not meant, asked for but nothing
+        # to measure: each said once in one line, and the run goes on as asked.
+        for kind, lines in (
+            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
+            ("odd", odd_values(cfg)),
+            ("nothing measured", unmeasured_values(cfg)),
+        ):
             for line in lines:
                 log.warning("%s: %s", kind, line)
     if ckpt_path:
@@ -214,17 +230,31 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
     try:
-        # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at this step.
+        # A validation or a probe abandoned on Ctrl-C/SIGTERM
+        # ends fit with SignalStop; last.ckpt saved at this step.
         with contextlib.suppress(SignalStop):
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
         clock.on_train_end(trainer, module)  # Lightning skips it when fit raises
         if trainer.is_global_zero:
-            summary = run_summary(trainer, clock, run_dir, tokens_per_step=module.tokens_per_step, figures=[],
-                                  stopped_by=DIVERGED)
-            write_summary(run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
-        raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
-                             "a lower optim.lr replaces it", step=err.step, loss=err.loss, lr=err.lr) from None
+            summary = run_summary(
+                trainer,
+                clock,
+                run_dir,
+                tokens_per_step=module.tokens_per_step,
+                figures=[],
+                stopped_by=DIVERGED,
+            )
+            write_summary(
+                run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}}
+            )
+        raise NonFiniteError(
+            f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
+            "a lower optim.lr replaces it",
+            step=err.step,
+            loss=err.loss,
+            lr=err.lr,
+        ) from None
     if trainer.is_global_zero:
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
@@ -294,7 +324,8 @@ def run(cfg: DictConfig) -> Refused | None:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
         trainer = train(cfg, start)
-        start.keep()  # fit returned: its files stay (a stop during the step-0 probe saved last.ckpt at step 0)
+        # fit returned: its files stay (a stop during the step-0 probe saved last.ckpt at step 0)
+        start.keep()
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)

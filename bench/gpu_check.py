@@ -89,9 +89,9 @@ ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
 TARGETS = {"mfu_410m": 0.45, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
-# bench/efficiency.py per size, each its own part, process and time budget: three arms compiled dominate (on an
-# H200 on 2026-11-27: 82 s at 70m, 115 s at 160m, both modes; 410m compiled alone 158 s; 1b 72 s eager, 143 s
-# compiled).
+# bench/efficiency.py per size, each its own part, process and time budget:
+# three arms compiled dominate (on an H200 on 2026-11-27: 82 s at 70m, 115 s at
+# 160m, both modes; 410m compiled alone 158 s; 1b 72 s eager, 143 s compiled).
 EFFICIENCY_BUDGETS = {"70m": 110, "160m": 150, "410m": 240, "1b": 270}
 EFFICIENCY_PAGE = "efficiency.md"
 ORDER = ("environment", "train 70m", "train 410m", *(f"efficiency {size}" for size in EFFICIENCY_BUDGETS),
@@ -126,8 +126,22 @@ class Mode:
                          "micro_batch=4", "global_batch=4", "max_steps=4", "optim.warmup_steps=1", every],
             }
         return {
-            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=200", "optim.warmup_steps=20", every],
-            "410m": ["size=410m", "micro_batch=8", "global_batch=8", "max_steps=100", "optim.warmup_steps=10", every],
+            "70m": [
+                "size=70m",
+                "micro_batch=16",
+                "global_batch=16",
+                "max_steps=200",
+                "optim.warmup_steps=20",
+                every,
+            ],
+            "410m": [
+                "size=410m",
+                "micro_batch=8",
+                "global_batch=8",
+                "max_steps=100",
+                "optim.warmup_steps=10",
+                every,
+            ],
         }
 
     def trainer(self) -> list[str]:
@@ -138,8 +152,15 @@ class Mode:
     def tiny(self) -> list[str]:
         """The model of the DDP and FSDP2 parts."""
         if self.standin:
-            return ["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=8", "micro_batch=4",
-                    "probe.tokens=512"]
+            return [
+                "size=tiny",
+                "size.n_embd=32",
+                "size.n_head=2",
+                "seq_len=64",
+                "global_batch=8",
+                "micro_batch=4",
+                "probe.tokens=512",
+            ]
         return ["size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "probe.tokens=4096"]
 
     def strategy(self, name: str) -> list[str]:
@@ -147,8 +168,13 @@ class Mode:
         if self.standin:
             if name == "ddp":
                 return ["trainer=ddp_cpu", "trainer.devices=1"]  # trainer=ddp's strategy over gloo
-            return ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true",
-                    "trainer.strategy.param_dtype=null"]
+            return [
+                "trainer=fsdp",
+                "trainer.accelerator=cpu",
+                "trainer.devices=1",
+                "trainer.precision=32-true",
+                "trainer.strategy.param_dtype=null",
+            ]
         return [f"trainer={name}", "trainer.devices=1"]
 
     def budget(self, seconds: int) -> int:
@@ -193,9 +219,17 @@ class Context:
         if timeout < 5:
             return None, shown, 0.0
         start = time.monotonic()
-        # Its own process group: at the budget, torchrun's workers and the compiler's go with it, freeing the GPU.
-        process = subprocess.Popen(list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=self.env, start_new_session=True)
+        # Its own process group: at the budget, torchrun's
+        # workers and the compiler's go with it, freeing the GPU.
+        process = subprocess.Popen(
+            list(args),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -209,7 +243,9 @@ class Context:
 def failure(done: subprocess.CompletedProcess | None, seconds: float, ctx: Context) -> str | None:
     """Why a command failed (its last error line), or None when it exited 0."""
     if done is None:
-        return f"out of time after {seconds:.0f} s" if seconds else "not run: the whole check's time was spent"
+        return (
+            f"out of time after {seconds:.0f} s" if seconds else "not run: the whole check's time was spent"
+        )
     if done.returncode == 0:
         return None
     return f"exit {done.returncode}: {ctx.shown(error_line(done.stderr + done.stdout))[:300]}"
@@ -246,7 +282,9 @@ def child_result(done: subprocess.CompletedProcess) -> dict:
 def child(ctx: Context, name: str, *args: str, budget: int) -> tuple[dict | None, str | None, str, float]:
     """``python bench/gpu_check.py --child NAME ...``: its result, or why it failed."""
     standin = ["--cpu-standin"] if ctx.mode.standin else []
-    done, shown, seconds = ctx.run([sys.executable, str(Path(__file__)), "--child", name, *standin, *args], budget)
+    done, shown, seconds = ctx.run(
+        [sys.executable, str(Path(__file__)), "--child", name, *standin, *args], budget
+    )
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return None, reason, shown, seconds
@@ -272,19 +310,31 @@ def environment_child(standin: bool) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", memory_gib=props.total_memory / 2**30,
-                    multiprocessors=props.multi_processor_count, bf16=torch.cuda.is_bf16_supported())
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=props.total_memory / 2**30,
+            multiprocessors=props.multi_processor_count,
+            bf16=torch.cuda.is_bf16_supported(),
+        )
         smi = shutil.which("nvidia-smi")
         if smi:
-            query = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                                   text=True, timeout=30)
-            info["driver"] = query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout else None
+            query = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            info["driver"] = (
+                query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout else None
+            )
     else:
         info.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                     bf16=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info["peak_flops"] = peak_flops(device, dtype)
-    # The kernel train.py's attention asks for: flash, causal, in the training dtype; an error if it cannot run.
+    # The kernel train.py's attention asks for: flash, causal,
+    # in the training dtype; an error if it cannot run.
     q = torch.randn(2, 4, 256, 64, device=device, dtype=dtype)
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -341,8 +391,8 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
                      "checkpoint.steps=[]", "checkpoint.last_every=0", f"norm={arm}", f"run_dir={run_dir}",
                      f"data_root={work / 'data'}"]
         clock = StepClock(mode.train_log_every)
-        # Each arm compiles from nothing (the on-disk caches aside), and its peak is its own: the previous arm's
-        # trainer, model and optimizer are gone before the peak is reset.
+        # Each arm compiles from nothing (the on-disk caches aside), and its peak is its own:
+        # the previous arm's trainer, model and optimizer are gone before the peak is reset.
         torch._dynamo.reset()
         gc.collect()
         if not standin:
@@ -355,7 +405,9 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
                 with start_session(cfg) as start:
                     trainer = train(cfg, start, extra_callbacks=[clock])
         except Exception as err:  # one arm's failure is its row's; the other arm still runs
-            results[arm] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+            results[arm] = {
+                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            }
             continue
         frame = read_metrics(run_dir)
         per_step = {m: frame[frame["metric"] == m].sort_values("step")["value"].tolist()
@@ -387,20 +439,33 @@ def environment(ctx: Context) -> Outcome:
     if info is None:
         return Outcome("environment", False, reason or "", seconds, [f"`{shown}`"])
     packages = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in info["packages"].items())
-    where = (f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {info.get('driver')})"
-             if info["gpu"] else f"CPU stand-in: {info['cpu']}, {info['threads']} threads")
+    where = (
+        f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {info.get('driver')})"
+        if info["gpu"]
+        else f"CPU stand-in: {info['cpu']}, {info['threads']} threads"
+    )
     peak = f"{info['peak_flops'] / 1e12:.1f} TFLOP/s" if info["peak_flops"] else "none (no MFU)"
     summary = (f"{where}; torch {info['torch']} (CUDA {info['cuda']}), lightning {info['lightning']}, "
                f"python {info['python']}; bf16 {info['bf16']}, flash SDPA {info['flash_sdpa']}")
-    details = [f"- device: {where}", f"- python {info['python']}, torch {info['torch']}, CUDA {info['cuda']}, "
-               f"lightning {info['lightning']}",
-               f"- bf16: {info['bf16']}; flash-attention SDPA (causal, {'bf16' if info['gpu'] else 'float32'}): "
-               f"{info['flash_sdpa']}; fused AdamW: {info['fused_adamw']}; NCCL: {info['nccl']}; "
-               f"torch.compile: {info['compile']}",
-               f"- dense bf16 peak (`models.lit.peak_flops`, the MFU denominator): {peak}", f"- packages importable: {packages}"]
+    details = [
+        f"- device: {where}",
+        f"- python {info['python']}, torch {info['torch']}, CUDA {info['cuda']}, "
+        f"lightning {info['lightning']}",
+        f"- bf16: {info['bf16']}; flash-attention SDPA (causal, {'bf16' if info['gpu'] else 'float32'}): "
+        f"{info['flash_sdpa']}; fused AdamW: {info['fused_adamw']}; NCCL: {info['nccl']}; "
+        f"torch.compile: {info['compile']}",
+        f"- dense bf16 peak (`models.lit.peak_flops`, the MFU denominator): {peak}",
+        f"- packages importable: {packages}",
+    ]
     ok = info["bf16"] and info["flash_sdpa"] == "ran"
-    return Outcome("environment", ok, summary if ok else f"bf16 or flash SDPA missing: {summary}", seconds, details,
-                   data=info)
+    return Outcome(
+        "environment",
+        ok,
+        summary if ok else f"bf16 or flash SDPA missing: {summary}",
+        seconds,
+        details,
+        data=info,
+    )
 
 
 def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
@@ -416,16 +481,21 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
             rows.append(Outcome(path, False, ctx.shown(why), seconds, [f"`{shown}`"], data={}))
             continue
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "none (no peak FLOP/s on this device)"
-        summary = (f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step {result['first_step_s']:.1f} s "
-                   f"(median step {result['step_s'] * 1e3:.0f} ms), {result['precision']}, "
-                   f"compile {result['compile']}, fused AdamW {result['fused_adamw']}")
+        summary = (
+            f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step {result['first_step_s']:.1f} s "
+            f"(median step {result['step_s'] * 1e3:.0f} ms), {result['precision']}, "
+            f"compile {result['compile']}, fused AdamW {result['fused_adamw']}"
+        )
         target = ""
         if size == "410m" and result["mfu"] is not None:
             target = f" (target ≥ {TARGETS['mfu_410m']:.0%}: {'met' if result['mfu'] >= TARGETS['mfu_410m'] else 'missed'})"
-        details = [f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (train.py's `train()` in "
-                   f"`{ctx.shown(shown)}`)",
-                   f"- {result['steps']} optimizer steps; tokens/s and MFU: medians of the logged `perf/tokens_per_s` "
-                   f"and `perf/mfu` past the first 10% of the steps{target}; final loss {result['final_loss']:.3f}"]
+        details = [
+            f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (train.py's `train()` in "
+            f"`{ctx.shown(shown)}`)",
+            f"- {result['steps']} optimizer steps; tokens/s and MFU: medians of the logged "
+            "`perf/tokens_per_s` "
+            f"and `perf/mfu` past the first 10% of the steps{target}; final loss {result['final_loss']:.3f}",
+        ]
         ok = result["steps"] > 0 and math.isfinite(result["final_loss"])
         if not ctx.mode.standin:  # the paths the paper trains with
             ok = ok and result["precision"] == "bf16-mixed" and result["compile"] and result["fused_adamw"]
@@ -442,8 +512,14 @@ def plan(ctx: Context, size: str) -> Outcome:
     if reason is not None:
         return Outcome(f"plan {size}", False, reason, seconds, [f"`{shown}`"])
     report = json.loads(done.stdout)
-    return Outcome(f"plan {size}", True, "", seconds, [f"`{shown}`"],
-                   data={"total": report["memory"]["no_ac"]["total"], "precision": report["config"]["precision"]})
+    return Outcome(
+        f"plan {size}",
+        True,
+        "",
+        seconds,
+        [f"`{shown}`"],
+        data={"total": report["memory"]["no_ac"]["total"], "precision": report["config"]["precision"]},
+    )
 
 
 def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) -> Outcome:
@@ -465,10 +541,15 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
             met = "met" if abs(ratio - 1) <= TARGETS["memory_ratio"] else "missed"
             cells.append(f"{row.path.split()[-1]}: measured {peak / 2**30:.2f} GiB, ratio {ratio:.3f} "
                          f"(target within ±{TARGETS['memory_ratio']:.0%}: {met})")
-    summary = (f"planned {total / 2**30:.3f} GiB (the layer arm, {planned.data['precision']}, no checkpointing); "
-               + "; ".join(cells))
-    details = [f"- plan: {planned.details[0]}", "- measured: `torch.cuda.max_memory_allocated()` over each arm's "
-               "training (the train rows); the plan traces the eager model, training ran compiled"]
+    summary = (
+        f"planned {total / 2**30:.3f} GiB (the layer arm, {planned.data['precision']}, no checkpointing); "
+        + "; ".join(cells)
+    )
+    details = [
+        f"- plan: {planned.details[0]}",
+        "- measured: `torch.cuda.max_memory_allocated()` over each arm's "
+        "training (the train rows); the plan traces the eager model, training ran compiled",
+    ]
     return Outcome(path, ok, summary, planned.seconds, details)
 
 
@@ -476,10 +557,28 @@ def resume(ctx: Context, strategy: str) -> Outcome:
     """A 4-step run under ``torchrun --nproc-per-node 1``, and a second run resumed from its step-2 checkpoint."""
     path = f"{strategy} resume"
     full, resumed = ctx.work / f"{strategy}-full", ctx.work / f"{strategy}-resumed"
-    common = [*ctx.mode.tiny(), *ctx.mode.strategy(strategy), *QUIET, "log_every=1", "max_steps=4",
-              "optim.warmup_steps=0", "checkpoint.steps=[2,4]", "checkpoint.keep_optimizer=true", "checkpoint.last_every=0",
-              "trainer.deterministic=true", f"data_root={ctx.work / 'data'}"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py"]
+    common = [
+        *ctx.mode.tiny(),
+        *ctx.mode.strategy(strategy),
+        *QUIET,
+        "log_every=1",
+        "max_steps=4",
+        "optim.warmup_steps=0",
+        "checkpoint.steps=[2,4]",
+        "checkpoint.keep_optimizer=true",
+        "checkpoint.last_every=0",
+        "trainer.deterministic=true",
+        f"data_root={ctx.work / 'data'}",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "train.py",
+    ]
     details, seconds = [], 0.0
     for run_dir, extra in ((full, []), (resumed, [f"resume={full / 'checkpoints' / 'step-0000002.ckpt'}"])):
         done, shown, took = ctx.run([*torchrun, *common, f"run_dir={run_dir}", *extra], ctx.mode.budget(150))
@@ -489,41 +588,62 @@ def resume(ctx: Context, strategy: str) -> Outcome:
         if reason is not None:
             return Outcome(path, False, reason, seconds, details)
     losses = [read_metrics(run_dir) for run_dir in (full, resumed)]
-    by_step = [dict(zip(f[f["metric"] == "train/loss"]["step"], f[f["metric"] == "train/loss"]["value"], strict=True))
-               for f in losses]
+    by_step = [
+        dict(
+            zip(f[f["metric"] == "train/loss"]["step"], f[f["metric"] == "train/loss"]["value"], strict=True)
+        )
+        for f in losses
+    ]
     steps = sorted(by_step[1])
     loss_equal = steps == [3, 4] and all(by_step[0].get(s) == by_step[1][s] for s in steps)
-    weights = [torch.load(d / "checkpoints" / "step-0000004.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-               for d in (full, resumed)]
+    weights = [
+        torch.load(d / "checkpoints" / "step-0000004.ckpt", map_location="cpu", weights_only=False)[
+            "state_dict"
+        ]
+        for d in (full, resumed)
+    ]
     max_diff = max((weights[0][k].float() - weights[1][k].float()).abs().max().item() for k in weights[0])
     angles = [[r for r in read_rows(d / ANGLES_FILE) if r["step"] == 4] for d in (full, resumed)]
     angles_equal = bool(angles[0]) and angles[0] == angles[1]
     ok = loss_equal and max_diff == 0 and angles_equal
     loss_text = ", ".join(f"step {s}: {by_step[0].get(s)!r} vs {by_step[1][s]!r}" for s in steps)
-    summary = (f"resumed from step 2: losses {'equal' if loss_equal else 'DIFFER'} ({loss_text}); "
-               f"step-4 weights max abs difference {max_diff:.3g}; probe angles at step 4 {'equal' if angles_equal else 'DIFFER'} "
-               f"({len(angles[0])} rows)")
+    summary = (
+        f"resumed from step 2: losses {'equal' if loss_equal else 'DIFFER'} ({loss_text}); "
+        f"step-4 weights max abs difference {max_diff:.3g}; probe angles at step 4 "
+        f"{'equal' if angles_equal else 'DIFFER'} "
+        f"({len(angles[0])} rows)"
+    )
     return Outcome(path, ok, summary, seconds, details)
 
 
 def probe_cost(ctx: Context) -> Outcome:
     """bench/probe_cost.py on the device: the default probe (angles, K = 64 null directions, energy, the
     intervention's default scope on its token budget) and the angle probe alone, against a plain forward."""
-    args = (["--size", "tiny", "--tokens", "512", "--budget-tokens", "256", "--batch-size", "2", "--repeats", "1"]
-            if ctx.mode.standin else ["--size", "70m", "--tokens", "32768", "--batch-size", "8", "--repeats", "2"])
+    args = (
+        ["--size", "tiny", "--tokens", "512", "--budget-tokens", "256", "--batch-size", "2", "--repeats", "1"]
+        if ctx.mode.standin
+        else ["--size", "70m", "--tokens", "32768", "--batch-size", "8", "--repeats", "2"]
+    )
     done, shown, seconds = ctx.run([sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args,
                                     "--memory-tokens"], ctx.mode.budget(150))
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("probe cost", False, reason, seconds, [f"`{shown}`"])
-    default = re.search(r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout, re.M)
-    angles = re.search(r"^\s*angle probe K=64 \+energy / plain forward \(best\): ([0-9.]+)$", done.stdout, re.M)
+    default = re.search(
+        r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout, re.M
+    )
+    angles = re.search(
+        r"^\s*angle probe K=64 \+energy / plain forward \(best\): ([0-9.]+)$", done.stdout, re.M
+    )
     if default is None or angles is None:
         return Outcome("probe cost", False, "no default-probe or angle-probe ratio in its output", seconds,
                        [f"`{shown}`"])
-    summary = (f"default probe (angles, K = 64, energy, intervention on its budget): {float(default.group(2)):.2f}× a "
-               f"plain forward over {int(default.group(1)):,} tokens; angles + energy alone: "
-               f"{float(angles.group(1)):.2f}×")
+    summary = (
+        "default probe (angles, K = 64, energy, intervention on its budget): "
+        f"{float(default.group(2)):.2f}× a "
+        f"plain forward over {int(default.group(1)):,} tokens; angles + energy alone: "
+        f"{float(angles.group(1)):.2f}×"
+    )
     timings = [line.strip() for line in done.stdout.splitlines() if " best " in line and " median " in line]
     return Outcome("probe cost", True, summary, seconds,
                    [f"- `{shown}`", *[f"- `{ctx.shown(line)}`" for line in timings]])
@@ -534,10 +654,24 @@ def probe_reference(ctx: Context) -> Outcome:
     run_dir = ctx.work / "agreement-run"
     size = (["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=4", "micro_batch=4"]
             if ctx.mode.standin else ["size=70m", "seq_len=256", "global_batch=2", "micro_batch=2"])
-    done, shown, seconds = ctx.run([sys.executable, "train.py", *size, "trainer=cpu", *QUIET, "max_steps=1",
-                                    "log_every=1", "optim.warmup_steps=0", "probe.enabled=false", "checkpoint.steps=[1]",
-                                    "checkpoint.last_every=0", f"run_dir={run_dir}",
-                                    f"data_root={ctx.work / 'data'}"], ctx.mode.budget(240))
+    done, shown, seconds = ctx.run(
+        [
+            sys.executable,
+            "train.py",
+            *size,
+            "trainer=cpu",
+            *QUIET,
+            "max_steps=1",
+            "log_every=1",
+            "optim.warmup_steps=0",
+            "probe.enabled=false",
+            "checkpoint.steps=[1]",
+            "checkpoint.last_every=0",
+            f"run_dir={run_dir}",
+            f"data_root={ctx.work / 'data'}",
+        ],
+        ctx.mode.budget(240),
+    )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
     reason = failure(done, seconds, ctx)
     if reason is not None:
@@ -553,21 +687,37 @@ def probe_reference(ctx: Context) -> Outcome:
 def analyze_checkpoint(ctx: Context, checkpoint: Path, device: str, label: str) -> Outcome:
     out = ctx.work / f"agreement-{label}"
     tokens = 512 if ctx.mode.standin else 4096
-    done, shown, seconds = ctx.run([sys.executable, "analyze.py", "model=checkpoint", f"model.checkpoint={checkpoint}",
-                                    "model.dtype=float32", "probe=pydoc", f"probe.tokens={tokens}", f"device={device}",
-                                    "progress=false", f"out_dir={out}"], ctx.mode.budget(180))
+    done, shown, seconds = ctx.run(
+        [
+            sys.executable,
+            "analyze.py",
+            "model=checkpoint",
+            f"model.checkpoint={checkpoint}",
+            "model.dtype=float32",
+            "probe=pydoc",
+            f"probe.tokens={tokens}",
+            f"device={device}",
+            "progress=false",
+            f"out_dir={out}",
+        ],
+        ctx.mode.budget(180),
+    )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome(f"analyze on {device}", False, reason, seconds, details)
-    return Outcome(f"analyze on {device}", True, "", seconds, details, data={"angles": str(out / ANGLES_FILE)})
+    return Outcome(
+        f"analyze on {device}", True, "", seconds, details, data={"angles": str(out / ANGLES_FILE)}
+    )
 
 
 def probe_agreement(ctx: Context, reference: Future) -> Outcome:
     """analyze.py in float32 on the device over the reference's checkpoint: every angle within 1e-3 degrees."""
     cpu: Outcome = reference.result()
     if not cpu.passed:
-        return Outcome("probe agreement", False, f"the CPU reference failed: {cpu.summary}", cpu.seconds, cpu.details)
+        return Outcome(
+            "probe agreement", False, f"the CPU reference failed: {cpu.summary}", cpu.seconds, cpu.details
+        )
     # The stand-in's "device" is the CPU again: a second process, so the comparison still runs end to end.
     there = analyze_checkpoint(ctx, Path(cpu.data["checkpoint"]), ctx.mode.device, "device")
     details = [*cpu.details, *there.details]
@@ -576,25 +726,32 @@ def probe_agreement(ctx: Context, reference: Future) -> Outcome:
     key = ("layer", "site", "ref")
     rows = [{tuple(r[k] for k in key): r for r in read_rows(Path(o.data["angles"]))} for o in (cpu, there)]
     if set(rows[0]) != set(rows[1]) or not rows[0]:
-        return Outcome("probe agreement", False, "the two analyses measured different sites", there.seconds, details)
+        return Outcome(
+            "probe agreement", False, "the two analyses measured different sites", there.seconds, details
+        )
     worst = max(((abs(rows[0][k][f] - rows[1][k][f]), k, f) for k in rows[0] for f in ANGLE_FIELDS),
                 key=lambda item: item[0])
     ok = worst[0] <= ANGLE_TOLERANCE_DEG
-    summary = (f"{ctx.mode.device} vs cpu, float32, {len(rows[0])} rows × {len(ANGLE_FIELDS)} angle statistics: "
-               f"largest difference {worst[0]:.2e}° ({worst[2]} at layer {worst[1][0]} {worst[1][1]} vs {worst[1][2]}); "
-               f"tolerance {ANGLE_TOLERANCE_DEG:g}°")
+    summary = (
+        f"{ctx.mode.device} vs cpu, float32, {len(rows[0])} rows × {len(ANGLE_FIELDS)} angle statistics: "
+        f"largest difference {worst[0]:.2e}° ({worst[2]} at layer {worst[1][0]} {worst[1][1]} vs "
+        f"{worst[1][2]}); "
+        f"tolerance {ANGLE_TOLERANCE_DEG:g}°"
+    )
     return Outcome("probe agreement", ok, summary, cpu.seconds + there.seconds, details)
 
 
 def norm_cost(ctx: Context) -> Outcome:
-    """bench/norm_cost.py on the device: each implementation's kernels as a share of the copy-bandwidth floor (their
-    device time from torch.profiler, not the wall time of the call), float32 and bf16."""
+    """bench/norm_cost.py on the device: each implementation's kernels as a share of the copy-bandwidth floor
+    (their device time from torch.profiler, not the wall time of the call), float32 and bf16."""
     base = (["--impls", "stock", "--dims", "64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2",
              "--target-ms", "1"] if ctx.mode.standin else ["--dims", "2048,8192", "--repeats", "5"])
     cells, details, seconds = [], [], 0.0
     for dtype in ("float32", "bfloat16"):
-        done, shown, took = ctx.run([sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"],
-                                    ctx.mode.budget(150))
+        done, shown, took = ctx.run(
+            [sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"],
+            ctx.mode.budget(150),
+        )
         seconds += took
         details.append(f"- `{shown}`")
         reason = failure(done, took, ctx)
@@ -612,7 +769,9 @@ def norm_cost(ctx: Context) -> Outcome:
                 fraction = 1 / float(to_floor) if to_floor not in ("nan", "0.00") else math.nan
                 met = "met" if fraction >= TARGETS["floor_fraction"] else "missed"
                 shares.append(f"{impl} {kind} {fraction:.0%}" + (f" ({met})" if impl != "stock" else ""))
-        cells.append(f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: " + ", ".join(shares))
+        cells.append(
+            f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: " + ", ".join(shares)
+        )
         details.append(f"- {ctx.shown(done.stdout.splitlines()[0])}")
     summary = ("kernel time (torch.profiler) as a share of the floor, target ≥ "
                f"{TARGETS['floor_fraction']:.0%} for compiled or liger: " + "; ".join(cells))
@@ -641,37 +800,61 @@ def efficiency(ctx: Context, size: str) -> Outcome:
 
 
 def efficiency_page(ctx: Context, rows: Sequence[Outcome], out: Path) -> None:
-    """``efficiency.md`` beside the check's page, from the sizes measured in this run (bench/efficiency.py --page).
-    Not held to the run's deadline: it only reads the results and writes the page."""
+    """``efficiency.md`` beside the check's page, from the sizes measured in this run (bench/efficiency.py
+    --page). Not held to the run's deadline: it only reads the results and writes the page."""
     files = [str(row.data["file"]) for row in rows if row.passed]
     if not files:
         return
-    done = subprocess.run([sys.executable, "bench/efficiency.py", "--page", str(out / EFFICIENCY_PAGE), *files],
-                          cwd=ROOT, capture_output=True, text=True, env=ctx.env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "bench/efficiency.py", "--page", str(out / EFFICIENCY_PAGE), *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ctx.env,
+        timeout=120,
+    )
     for row in rows:
         if done.returncode == 0:
             row.details.append(f"- its rows on `{EFFICIENCY_PAGE}` beside this page")
         else:
             row.passed = False
-            row.details.append(f"- `{EFFICIENCY_PAGE}` not written: {ctx.shown(error_line(done.stderr))[:300]}")
+            row.details.append(
+                f"- `{EFFICIENCY_PAGE}` not written: {ctx.shown(error_line(done.stderr))[:300]}"
+            )
 
 
 def analyze_smollm2(ctx: Context) -> Outcome:
     out = ctx.work / "analyze-smollm2"
-    # The stand-in's CPU takes minutes over the GPU's settings: fewer tokens, no null directions, no intervention.
+    # The stand-in's CPU takes minutes over the GPU's settings:
+    # fewer tokens, no null directions, no intervention.
     tokens, extra = ((256, ["model.seq_len=128", "probe.null_directions=0", "probe.intervention=[]"])
                      if ctx.mode.standin else (16384, []))
-    done, shown, seconds = ctx.run([sys.executable, "analyze.py", "model=smollm2-135m", *extra,
-                                    "probe=pydoc", f"probe.tokens={tokens}", f"device={ctx.mode.device}", "progress=false",
-                                    f"out_dir={out}"], ctx.mode.budget(180))
+    done, shown, seconds = ctx.run(
+        [
+            sys.executable,
+            "analyze.py",
+            "model=smollm2-135m",
+            *extra,
+            "probe=pydoc",
+            f"probe.tokens={tokens}",
+            f"device={ctx.mode.device}",
+            "progress=false",
+            f"out_dir={out}",
+        ],
+        ctx.mode.budget(180),
+    )
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("analyze smollm2", False, reason, seconds, [f"`{shown}`"])
     rows = read_rows(out / ANGLES_FILE)
     ones = [r["mean_deg"] for r in rows if r["ref"] == "ones" and r["site"].endswith(".in")]
-    summary = (f"{len(rows)} angle rows in {seconds:.0f} s ({tokens:,} tokens{'' if extra else ', the default probe'}); "
-               f"mean angle with 1 at the norm inputs {min(ones):.1f}°–{max(ones):.1f}°" if ones else
-               f"{len(rows)} angle rows")
+    summary = (
+        f"{len(rows)} angle rows in {seconds:.0f} s ({tokens:,} "
+        f"tokens{'' if extra else ', the default probe'}); "
+        f"mean angle with 1 at the norm inputs {min(ones):.1f}°–{max(ones):.1f}°"
+        if ones
+        else f"{len(rows)} angle rows"
+    )
     return Outcome("analyze smollm2", bool(ones), summary, seconds, [f"- `{shown}`"])
 
 
@@ -717,27 +900,45 @@ def page_position(path: str) -> int:
 
 def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.datetime, wall_s: float,
          parts: Sequence[str] = ORDER, kept: Sequence[KeptRow] = ()) -> str:
-    machine = (f"{info.get('gpu')}, driver {info.get('driver')}" if info.get("gpu")
-               else f"CPU stand-in ({info.get('cpu', platform.machine())}, {info.get('threads', '?')} threads)")
+    machine = (
+        f"{info.get('gpu')}, driver {info.get('driver')}"
+        if info.get("gpu")
+        else f"CPU stand-in ({info.get('cpu', platform.machine())}, {info.get('threads', '?')} threads)"
+    )
     command = "python bench/gpu_check.py" + (" --cpu-standin --out DIR" if ctx.mode.standin else "")
     if set(parts) != set(ORDER):
         command += f" --parts '{','.join(parts)}'"
     lines = [
-        "# GPU check", "",
-        f"Generated by `{command}` on {started:%Y-%m-%d %H:%M} UTC: {machine}; torch {info.get('torch', torch.__version__)}"
-        f" (CUDA {info.get('cuda', torch.version.cuda)}), lightning {info.get('lightning', L.__version__)}, python "
-        f"{info.get('python', platform.python_version())}. Whole run {wall_s:.0f} s. Do not edit: run it again.", "",
+        "# GPU check",
+        "",
+        f"Generated by `{command}` on {started:%Y-%m-%d %H:%M} UTC: {machine}; torch "
+        f"{info.get('torch', torch.__version__)}"
+        f" (CUDA {info.get('cuda', torch.version.cuda)}), lightning "
+        f"{info.get('lightning', L.__version__)}, python "
+        f"{info.get('python', platform.python_version())}. Whole run {wall_s:.0f} s. Do not edit: "
+        "run it again.",
+        "",
     ]
     if ctx.mode.standin:
-        lines += ["**CPU stand-in**: every path at the smallest sizes on the CPU (gloo, float32, compile off); the "
-                  "rows say that each path runs, not what a GPU does. `<work>` is the check's scratch folder.", ""]
+        lines += [
+            "**CPU stand-in**: every path at the smallest sizes on the CPU (gloo, float32, compile off); the "
+            "rows say that each path runs, not what a GPU does. `<work>` is the check's scratch folder.",
+            "",
+        ]
     else:
-        lines += [f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; measured peak "
-                  "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. "
-                  "`<work>` is the check's scratch folder.", ""]
+        lines += [
+            f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; "
+            "measured peak "
+            "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. "
+            "`<work>` is the check's scratch folder.",
+            "",
+        ]
     if kept:
-        lines += [f"Rows marked *kept* are from the run of {' and '.join(sorted({k.generated for k in kept}))} UTC "
-                  "named in each, on the code of that day: this run repeated only the parts it names.", ""]
+        lines += [
+            f"Rows marked *kept* are from the run of {' and '.join(sorted({k.generated for k in kept}))} UTC "
+            "named in each, on the code of that day: this run repeated only the parts it names.",
+            "",
+        ]
     lines += ["| path | status | numbers | seconds |", "| --- | --- | --- | --- |"]
     rows = sorted([*outcomes, *kept], key=lambda r: page_position(r.path))  # kept rows in their places
     for r in rows:
@@ -746,15 +947,25 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
                      f"{r.seconds:.0f} |")
     for r in rows:
         if isinstance(r, KeptRow):
-            lines += ["", f"## {r.path}", "", f"_kept from the run of {r.generated} UTC_", "", *(r.section or ["-"])]
+            lines += [
+                "",
+                f"## {r.path}",
+                "",
+                f"_kept from the run of {r.generated} UTC_",
+                "",
+                *(r.section or ["-"]),
+            ]
         else:
             lines += ["", f"## {r.path}", "", *(r.details or ["-"])]
     return "\n".join(ctx.shown(line) for line in lines) + "\n"
 
 
-def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, seconds: float | None = None) -> int:
-    """Run ``parts`` (all by default; the environment always) and write the page. A page of some parts keeps
-    the other parts' rows from the page already in ``out``, each marked with the date of the run that made it."""
+def check(
+    mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, seconds: float | None = None
+) -> int:
+    """Run ``parts`` (all by default; the environment always) and write the
+    page. A page of some parts keeps the other parts' rows from the page
+    already in ``out``, each marked with the date of the run that made it."""
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
     work_root.mkdir(parents=True, exist_ok=True)
@@ -793,7 +1004,9 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, 
         outcomes += result if isinstance(result, list) else [result]
         if name.startswith("train "):
             size = name.split()[1]
-            outcomes.append(memory(ctx, size, result if isinstance(result, list) else [result], planned[size]))
+            outcomes.append(
+                memory(ctx, size, result if isinstance(result, list) else [result], planned[size])
+            )
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
     efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
     kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
@@ -802,8 +1015,11 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, 
     partial.write_text(text)
     partial.replace(out / PAGE)
     failed = [o.path for o in outcomes if not o.passed]
-    print(f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} paths passed "
-          f"in {time.monotonic() - clock:.0f} s")
+    print(
+        f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} "
+        "paths passed "
+        f"in {time.monotonic() - clock:.0f} s"
+    )
     if failed:
         print(f"bench/gpu_check.py: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -816,23 +1032,42 @@ def guarded(name: str, fn: Callable[[], Outcome | list[Outcome]]) -> Outcome | l
     try:
         return fn()
     except Exception as err:
-        return Outcome(name, False, f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
-                       time.monotonic() - start)
+        return Outcome(
+            name,
+            False,
+            f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
+            time.monotonic() - start,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-standin", action="store_true", help="run every part at the smallest sizes on the CPU")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu-standin", action="store_true", help="run every part at the smallest sizes on the CPU"
+    )
     parser.add_argument("--out", type=Path, default=None,
                         help=f"folder for {PAGE} (default: docs/; required with --cpu-standin)")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="scratch folder for the runs (default: outputs/gpu_check, or DIR/work with --out DIR)")
-    parser.add_argument("--parts", default=None,
-                        help=f"comma-separated parts to run again (of: {', '.join(ORDER)}); the page keeps the other "
-                             "parts' rows from its earlier run, marked kept")
-    parser.add_argument("--seconds", type=float, default=None,
-                        help=f"the whole run's time (default {WHOLE_BUDGET_S} on a GPU, {STANDIN_BUDGET_S} stand-in): "
-                             "parts still running then fail as out of time, and the page is written")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="scratch folder for the runs (default: outputs/gpu_check, or DIR/work with --out DIR)",
+    )
+    parser.add_argument(
+        "--parts",
+        default=None,
+        help=f"comma-separated parts to run again (of: {', '.join(ORDER)}); the page keeps the other "
+        "parts' rows from its earlier run, marked kept",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help=f"the whole run's time (default {WHOLE_BUDGET_S} on a GPU, {STANDIN_BUDGET_S} stand-in): "
+        "parts still running then fail as out of time, and the page is written",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -843,15 +1078,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child == "train":
         print(RESULT + json.dumps(train_child(args.size, args.work, mode.standin)), flush=True)
         return 0
-    if not mode.standin and (reason := missing_cuda("device", "cuda", "--cpu-standin --out DIR to check every "
-                                                    "path on the CPU")):
+    if not mode.standin and (
+        reason := missing_cuda("device", "cuda", "--cpu-standin --out DIR to check every path on the CPU")
+    ):
         print(f"bench/gpu_check.py: {reason}", file=sys.stderr)
         return 2
     if mode.standin and args.out is None:
-        print("bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)",
-              file=sys.stderr)
+        print(
+            "bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)",
+            file=sys.stderr,
+        )
         return 2
-    parts = ORDER if args.parts is None else tuple(part.strip() for part in args.parts.split(",") if part.strip())
+    parts = (
+        ORDER if args.parts is None else tuple(part.strip() for part in args.parts.split(",") if part.strip())
+    )
     if unknown := [part for part in parts if part not in ORDER]:
         print(f"bench/gpu_check.py: --parts: unknown part(s) {', '.join(map(repr, unknown))}; choose from: "
               f"{', '.join(ORDER)}", file=sys.stderr)
@@ -859,7 +1099,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out if args.out is not None else ROOT / "docs"
     work = args.work or (args.out / "work" if args.out is not None else ROOT / "outputs" / "gpu_check")
     if args.seconds is not None and args.seconds <= 0:
-        print(f"bench/gpu_check.py: --seconds {args.seconds:g}: give a positive number of seconds", file=sys.stderr)
+        print(
+            f"bench/gpu_check.py: --seconds {args.seconds:g}: give a positive number of seconds",
+            file=sys.stderr,
+        )
         return 2
     return check(mode, out.resolve(), work.resolve(), parts, args.seconds)
 

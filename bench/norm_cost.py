@@ -27,10 +27,11 @@ divided by the copy bandwidth of this machine, measured in the same run from ``d
     python bench/norm_cost.py --impls stock      # no compiler needed
 
 ``--convert SIZE`` times a whole model instead: the eval forward (``torch.inference_mode``, ``--seq`` tokens) of a
-Pre-LN ``layer`` model of a paper size (``conf/train/size/SIZE.yaml``, untied head as train.yaml trains it, initial
-weights) against its RMSNorm conversion (``python -m normgeo.export --to hf --as rms``), both in the exported
-model code (``models/export/modeling_normgeo.py``), so they differ only in what the conversion changes: every
-LayerNorm becomes an RMSNorm and the final LayerNorm's bias an LM-head bias. ``stock``: the models as built;
+Pre-LN ``layer`` model of a paper size (``conf/train/size/SIZE.yaml``, untied head as train.yaml
+trains it, initial weights) against its RMSNorm conversion (``python -m normgeo.export --to hf
+--as rms``), both in the exported model code (``models/export/modeling_normgeo.py``), so they
+differ only in what the conversion changes: every LayerNorm becomes an RMSNorm and the final
+LayerNorm's bias an LM-head bias. ``stock``: the models as built;
 ``compiled``: ``torch.compile(model, dynamic=False)``, the whole model. The four (implementation, model) pairs
 are interleaved and rotated as above; the table gives the medians and the converted / original ratio.
 
@@ -63,7 +64,8 @@ from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm
 REFERENCE = "rms"
 EPS = 1e-5
 LIGER = "liger"
-# The ratios that answer "is RMSNorm cheaper": the paper's two arms, and mean subtraction alone (no bias in either).
+# The ratios that answer "is RMSNorm cheaper": the paper's
+# two arms, and mean subtraction alone (no bias in either).
 RATIOS = (("layer", REFERENCE), ("layer_nobias", REFERENCE))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZES = Path(__file__).resolve().parent.parent / "conf" / "train" / "size"
@@ -71,7 +73,9 @@ CONVERT_MODELS = ("original", "converted")
 # The ops (and their kernels, and Inductor's kernels named after the ops they fuse) that are a norm's work.
 NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
 TOP_KERNELS = 8
-KERNEL_CALLS = 20  # forward + backward calls under the profiler per arm: kernel time varies little  # --convert: the LayerNorm model, and its RMSNorm conversion
+# forward + backward calls under the profiler per arm: kernel time varies
+# little  # --convert: the LayerNorm model, and its RMSNorm conversion
+KERNEL_CALLS = 20
 
 
 @dataclass
@@ -162,22 +166,29 @@ def names_norm(event) -> bool:
 
 
 def kernel_shares(events: Sequence, cuda: bool) -> dict:
-    """Total and norm kernel time (us) of profiled ``events`` (``prof.events()``), and the top kernels by time.
+    """Total and norm kernel time (us) of profiled ``events``
+    (``prof.events()``), and the top kernels by time.
 
-    CUDA: every device kernel (and copy) counts, not the annotation ranges; a kernel is the norm's when its own name names a norm (Inductor names its
-    kernels after the ops they fuse) or the op that launched it does (eager kernels of a norm op, e.g. the weight
-    gradient's reduction). CPU: the self time of every aten op, the norm's under a norm op."""
+    CUDA: every device kernel (and copy) counts, not the annotation ranges; a kernel is the
+    norm's when its own name names a norm (Inductor names its kernels after the ops they fuse)
+    or the op that launched it does (eager kernels of a norm op, e.g. the weight gradient's
+    reduction). CPU: the self time of every aten op, the norm's under a norm op."""
     by_name: dict[str, float] = {}
     if cuda:
         total = norm = 0.0
         # A user annotation's device range (Optimizer.step#AdamW.step) spans kernels counted on their own.
-        device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        device = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
         for kernel in device:
             us = kernel.time_range.elapsed_us()
             total += us
             by_name[kernel.name] = by_name.get(kernel.name, 0.0) + us
             norm += us if NORM_NAME.search(kernel.name) else 0.0
-        # Kernels whose own name says nothing, launched by a norm op (eager LayerNorm's weight-gradient kernel).
+        # Kernels whose own name says nothing, launched by a
+        # norm op (eager LayerNorm's weight-gradient kernel).
         for event in events:
             if event.device_type == DeviceType.CPU and event.kernels and names_norm(event):
                 norm += sum(k.duration for k in event.kernels if not NORM_NAME.search(k.name))
@@ -193,10 +204,11 @@ def kernel_shares(events: Sequence, cuda: bool) -> dict:
 
 
 def kernel_seconds(fn: Callable[[], object], number: int, device: torch.device) -> float:
-    """Device time of the kernels of one call, the mean over ``number`` calls under torch.profiler: what the
-    GPU spends in the norm's kernels, without the host's Python, dispatch and launches that a wall clock also
-    counts (a compiled module's guards and wrapper cost more than its kernels at these sizes). On the CPU, the
-    self time of the aten ops the call runs; NaN where none ran (Inductor's C++ kernels are no profiler events)."""
+    """Device time of the kernels of one call, the mean over ``number`` calls under
+    torch.profiler: what the GPU spends in the norm's kernels, without the host's Python,
+    dispatch and launches that a wall clock also counts (a compiled module's guards and
+    wrapper cost more than its kernels at these sizes). On the CPU, the self time of the aten
+    ops the call runs; NaN where none ran (Inductor's C++ kernels are no profiler events)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(number):
@@ -218,7 +230,9 @@ def measure(
     device: torch.device, dtype: torch.dtype,
 ) -> tuple[list[ArmResult], list[float]]:
     generator = torch.Generator(device=device).manual_seed(0)
-    src = torch.empty(copy_mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
+    src = torch.empty(
+        copy_mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device
+    )
     dst = torch.empty_like(src)
     src.normal_(generator=generator)
     copy = partial(dst.copy_, src)
@@ -299,8 +313,13 @@ def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: to
     preset = OmegaConf.load(SIZES / f"{size}.yaml")
     gpt = GPT(GPTConfig(n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd, block_size=seq,
                         norm="layer", tie_embeddings=False)).eval()
-    ids = torch.randint(0, gpt.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    built = {"original": to_hf(gpt, model_code=True).to(device), "converted": to_hf(gpt, as_rms=True).to(device)}
+    ids = torch.randint(0, gpt.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
+    built = {
+        "original": to_hf(gpt, model_code=True).to(device),
+        "converted": to_hf(gpt, as_rms=True).to(device),
+    }
     calls: dict[tuple[str, str], Callable[[], object]] = {}
     for impl in impls:
         for name in CONVERT_MODELS:
@@ -322,18 +341,27 @@ def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: to
             calls[key]()
             synchronize(device)
             seconds[key].append(time.perf_counter() - start)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {where}, float32, torch {torch.__version__}; {size} `layer` arm ({gpt.num_parameters():,} "
-          f"parameters) and its RMSNorm conversion, eval forward over 1 x {seq} tokens; {repeats} interleaved "
-          "repeats, median shown\n")
-    print("| implementation | original (LayerNorm) | converted (RMSNorm) | converted / original | per repeat |")
+    where = (
+        torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"device: {where}, float32, torch {torch.__version__}; {size} `layer` arm ({gpt.num_parameters():,} "
+        f"parameters) and its RMSNorm conversion, eval forward over 1 x {seq} tokens; {repeats} interleaved "
+        "repeats, median shown\n"
+    )
+    print(
+        "| implementation | original (LayerNorm) | converted (RMSNorm) | converted / original | per repeat |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for impl in impls:
         original, converted = seconds[impl, "original"], seconds[impl, "converted"]
         per_repeat = [c / o for c, o in zip(converted, original, strict=True)]
-        print(f"| {impl} | {statistics.median(original) * 1e3:.1f} ms | {statistics.median(converted) * 1e3:.1f} ms | "
-              f"{statistics.median(converted) / statistics.median(original):.3f} | "
-              f"{min(per_repeat):.3f}-{max(per_repeat):.3f} |")
+        print(
+            f"| {impl} | {statistics.median(original) * 1e3:.1f} ms | "
+            f"{statistics.median(converted) * 1e3:.1f} ms | "
+            f"{statistics.median(converted) / statistics.median(original):.3f} | "
+            f"{min(per_repeat):.3f}-{max(per_repeat):.3f} |"
+        )
 
 
 def floor_share(to_floor: float) -> str:
@@ -347,20 +375,35 @@ def refuse(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dims", default="512,768,1024,2048", help="comma-separated widths d")
     parser.add_argument("--tokens", type=int, default=8192, help="rows of the (tokens, d) input")
-    parser.add_argument("--impls", default=None,
-                        help=f"comma-separated implementations, of {', '.join([*NORM_IMPLS, LIGER])} (default: "
-                             f"{', '.join(NORM_IMPLS)}, and {LIGER} on CUDA where liger_kernel is installed)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the input's and parameters' dtype")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved measurements per arm; the median is shown")
-    parser.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma-separated implementations, of {', '.join([*NORM_IMPLS, LIGER])} (default: "
+        f"{', '.join(NORM_IMPLS)}, and {LIGER} on CUDA where liger_kernel is installed)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES), help="the input's and parameters' dtype"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="interleaved measurements per arm; the median is shown"
+    )
+    parser.add_argument(
+        "--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth"
+    )
     parser.add_argument("--target-ms", type=float, default=40.0, help="about this long per measurement")
     parser.add_argument("--markdown", action="store_true", help="also print markdown tables at the end")
-    parser.add_argument("--convert", metavar="SIZE", default=None,
-                        help="time a Pre-LN LayerNorm model of this conf/train/size preset against its RMSNorm "
-                             "conversion instead (stock and compiled)")
+    parser.add_argument(
+        "--convert",
+        metavar="SIZE",
+        default=None,
+        help="time a Pre-LN LayerNorm model of this conf/train/size preset against its RMSNorm "
+        "conversion instead (stock and compiled)",
+    )
     parser.add_argument("--seq", type=int, default=1024, help="--convert: tokens per forward")
     args = parser.parse_args(argv)
     dims = [int(d) for d in args.dims.split(",")]
@@ -377,7 +420,9 @@ def main(argv: list[str] | None = None) -> None:
             refuse(f"--impls compiled: {refusal}; or run with --impls stock")
         # Every compiled nn forward shares one dynamo cache (torch wraps it in one function), one entry per
         # (arm, width): room for all, and an error rather than a silent eager fallback if that is not enough.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(dims) * len(NORM_ARMS))
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 2 * len(dims) * len(NORM_ARMS)
+        )
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     if args.convert:
         if not (SIZES / f"{args.convert}.yaml").is_file():
@@ -387,22 +432,32 @@ def main(argv: list[str] | None = None) -> None:
         return
     name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
 
-    results, bandwidths = measure(dims, impls, args.tokens, args.repeats, args.copy_mib, args.target_ms / 1e3, device,
-                                  dtype)
+    results, bandwidths = measure(
+        dims, impls, args.tokens, args.repeats, args.copy_mib, args.target_ms / 1e3, device, dtype
+    )
     bandwidth = statistics.median(bandwidths)
     table = rows(results, bandwidth)
     pairs = ratios(table)
-    print(f"device: {name}, {args.dtype}, torch {torch.__version__}; {args.tokens} tokens; implementations: "
-          f"{', '.join(impls)}; {args.repeats} interleaved repeats, median shown; arms: {', '.join(NORM_ARMS)}")
+    print(
+        f"device: {name}, {args.dtype}, torch {torch.__version__}; {args.tokens} tokens; implementations: "
+        f"{', '.join(impls)}; {args.repeats} interleaved repeats, median shown; arms: {', '.join(NORM_ARMS)}"
+    )
     if cuda:
         fused = hasattr(torch.ops.aten, "_fused_rms_norm")
-        print(f"stock rms on CUDA: {'torch fused RMSNorm kernel (aten._fused_rms_norm)' if fused else 'composite ops'}")
+        print(
+            "stock rms on CUDA: "
+            f"{'torch fused RMSNorm kernel (aten._fused_rms_norm)' if fused else 'composite ops'}"
+        )
     print(f"copy bandwidth (read + write, {args.copy_mib} MiB copy): median {bandwidth / 1e9:.2f} GB/s, "
           f"all {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)}")
     for row in table:
-        print(f"d={row['dim']:<5d} {row['impl']:9s} {row['kind']:13s} median {row['median_ms']:8.3f} ms   "
-              f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor {row['to_floor']:6.2f}   "
-              f"kernels {row['kernel_ms']:8.3f} ms   kernels to floor {row['kernel_to_floor']:6.2f}   all {', '.join(f'{v:.3f}' for v in row['all_ms'])}")
+        print(
+            f"d={row['dim']:<5d} {row['impl']:9s} {row['kind']:13s} median {row['median_ms']:8.3f} ms   "
+            f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor "
+            f"{row['to_floor']:6.2f}   "
+            f"kernels {row['kernel_ms']:8.3f} ms   kernels to floor {row['kernel_to_floor']:6.2f}   "
+            f"all {', '.join(f'{v:.3f}' for v in row['all_ms'])}"
+        )
     for pair in pairs:
         print(f"d={pair['dim']:<5d} {pair['impl']:9s} " + "   ".join(
             f"{a} / {b} {pair[f'{a} / {b}']:.3f} (repeats {pair[f'{a} / {b} range'][0]:.3f}-"
@@ -412,16 +467,28 @@ def main(argv: list[str] | None = None) -> None:
               "kernels (ms) | floor / kernels | all repeats (ms) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in table:
-            print(f"| {row['dim']} | {row['impl']} | `{row['kind']}` | {row['median_ms']:.3f} | {row['to_rms']:.3f} | "
-                  f"{row['floor_ms']:.3f} | {row['to_floor']:.2f} | {row['kernel_ms']:.3f} | "
-                  f"{floor_share(row['kernel_to_floor'])} | {', '.join(f'{v:.2f}' for v in row['all_ms'])} |")
-        print("\n| d | implementation | " + " | ".join(f"`{a}` / `{b}` (medians) | per repeat" for a, b in RATIOS)
-              + " |")
+            print(
+                f"| {row['dim']} | {row['impl']} | `{row['kind']}` | {row['median_ms']:.3f} | "
+                f"{row['to_rms']:.3f} | "
+                f"{row['floor_ms']:.3f} | {row['to_floor']:.2f} | {row['kernel_ms']:.3f} | "
+                f"{floor_share(row['kernel_to_floor'])} | {', '.join(f'{v:.2f}' for v in row['all_ms'])} |"
+            )
+        print(
+            "\n| d | implementation | "
+            + " | ".join(f"`{a}` / `{b}` (medians) | per repeat" for a, b in RATIOS)
+            + " |"
+        )
         print("| --- | --- | " + " | ".join("--- | ---" for _ in RATIOS) + " |")
         for pair in pairs:
-            print(f"| {pair['dim']} | {pair['impl']} | " + " | ".join(
-                f"{pair[f'{a} / {b}']:.3f} | {pair[f'{a} / {b} range'][0]:.3f}-{pair[f'{a} / {b} range'][1]:.3f}"
-                for a, b in RATIOS) + " |")
+            print(
+                f"| {pair['dim']} | {pair['impl']} | "
+                + " | ".join(
+                    f"{pair[f'{a} / {b}']:.3f} | "
+                    f"{pair[f'{a} / {b} range'][0]:.3f}-{pair[f'{a} / {b} range'][1]:.3f}"
+                    for a, b in RATIOS
+                )
+                + " |"
+            )
 
 
 if __name__ == "__main__":

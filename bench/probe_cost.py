@@ -63,23 +63,48 @@ def plain_forward(model: GPT, ids: torch.Tensor, batch_size: int) -> None:
             model(batch.to(device))
 
 
-def probe(model: GPT, ids: torch.Tensor, batch_size: int, *, null: int = 64, energy_and_rows: bool = True,
-          scopes: tuple[str, ...] = (), budget: int = DEFAULT_INTERVENTION_TOKENS, resume: bool = True) -> None:
+def probe(
+    model: GPT,
+    ids: torch.Tensor,
+    batch_size: int,
+    *,
+    null: int = 64,
+    energy_and_rows: bool = True,
+    scopes: tuple[str, ...] = (),
+    budget: int = DEFAULT_INTERVENTION_TOKENS,
+    resume: bool = True,
+) -> None:
     """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid and
     every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
     config = ProbeConfig(tokens=len(ids), batch_size=batch_size, null_directions=null, intervention=scopes,
                          intervention_tokens=budget)
-    measure_records(model, ids, model.config.block_size, make_references(model.config.n_embd, config.seed, null),
-                    config, model_name="bench", step=0, tokens_per_step=None, with_null=energy_and_rows,
-                    resume_mid_stack=resume)
+    measure_records(
+        model,
+        ids,
+        model.config.block_size,
+        make_references(model.config.n_embd, config.seed, null),
+        config,
+        model_name="bench",
+        step=0,
+        tokens_per_step=None,
+        with_null=energy_and_rows,
+        resume_mid_stack=resume,
+    )
 
 
 def peak_rss_child(size: str, tokens: int, batch_size: int, device: torch.device) -> None:
     model = build(size).to(device)
     probe(model, token_ids(tokens), batch_size, scopes=DEFAULT_SCOPES)
     peak_gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    print(json.dumps({"tokens": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "peak_gpu_mib": peak_gpu}))
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_gpu_mib": peak_gpu,
+            }
+        )
+    )
 
 
 def timed(variants: dict, model: GPT, batch_size: int, repeats: int) -> dict[str, list[float]]:
@@ -110,9 +135,13 @@ def report(title: str, timings: dict[str, list[float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="70m")
-    parser.add_argument("--tokens", type=int, default=32768, help="probe tokens of the default-probe comparison")
+    parser.add_argument(
+        "--tokens", type=int, default=32768, help="probe tokens of the default-probe comparison"
+    )
     parser.add_argument("--budget-tokens", type=int, default=4096,
                         help="probe tokens of the comparison that intervenes on all of them")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -143,7 +172,10 @@ def main() -> None:
         default: lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES),
         f"{default} +layers": lambda m, b: probe(m, large, b, scopes=BREAKDOWN),
     }, model, args.batch_size, args.repeats))
-    print(f"DEFAULT PROBE / PLAIN FORWARD at {args.tokens} probe tokens: {best[default] / best['plain forward']:.3f}")
+    print(
+        f"DEFAULT PROBE / PLAIN FORWARD at {args.tokens} probe tokens: "
+        f"{best[default] / best['plain forward']:.3f}"
+    )
     every = report(f"probe tokens={args.budget_tokens}, every one intervened on", timed({
         "plain forward": lambda m, b: plain_forward(m, small, b),
         "angle probe K=64 +energy": lambda m, b: probe(m, small, b),
@@ -154,20 +186,45 @@ def main() -> None:
     }, model, args.batch_size, args.repeats))
     angles = every["angle probe K=64 +energy"]
     for name, scopes in (("+intervention all", 1),
-                         ("+intervention all,layers resumed mid-stack", model.config.n_layer + 2),  # all, blocks, final
+                         # all, blocks, final
+                         ("+intervention all,layers resumed mid-stack", model.config.n_layer + 2),
                          ("+intervention all,layers re-run from the embeddings", model.config.n_layer + 2)):
         extra = (every[name] - angles) / every["plain forward"]
-        print(f"  {name}: the {scopes} scope(s) cost {extra:.2f} plain forwards ({extra / scopes:.2f} per scope)")
+        print(
+            f"  {name}: the {scopes} scope(s) cost {extra:.2f} plain forwards ({extra / scopes:.2f} "
+            "per scope)"
+        )
     print(f"load average after={os.getloadavg()[0]:.2f}")
     for tokens in args.memory_tokens:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", "--size", args.size, "--tokens", str(tokens),
-             "--batch-size", str(args.batch_size), "--device", args.device], capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--size",
+                args.size,
+                "--tokens",
+                str(tokens),
+                "--batch-size",
+                str(args.batch_size),
+                "--device",
+                args.device,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        gpu = f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB" if result["peak_gpu_mib"] is not None else ""
-        print(f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: {result['peak_rss_mib']:.0f} MiB"
-              f"{gpu}")
+        gpu = (
+            f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB"
+            if result["peak_gpu_mib"] is not None
+            else ""
+        )
+        print(
+            f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: "
+            f"{result['peak_rss_mib']:.0f} MiB"
+            f"{gpu}"
+        )
 
 
 if __name__ == "__main__":

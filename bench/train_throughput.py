@@ -100,13 +100,19 @@ def timed_steps(cfg: DictConfig, skip: int, device: torch.device, step: Callable
         step(index)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (cfg.max_steps - skip) * tokens_per_step(cfg.global_batch, cfg.seq_len) / (time.perf_counter() - start)
+    return (
+        (cfg.max_steps - skip)
+        * tokens_per_step(cfg.global_batch, cfg.seq_len)
+        / (time.perf_counter() - start)
+    )
 
 
 def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
     """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW, schedule."""
     data = load_prepared(cfg.data.directory)
-    windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed)
+    windows = TokenWindows(
+        str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed
+    )
     module = make_module(cfg)
     model = module.model.to(device).train()
     # The harness's optimizer and schedule themselves, so that the loop is all that differs.
@@ -146,7 +152,9 @@ def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> fl
     accumulation = cfg.global_batch // cfg.micro_batch
 
     def step(index: int) -> None:
-        offsets = torch.from_numpy(window_offsets(cfg.seed, index, cfg.global_batch, len(tokens), cfg.seq_len + 1))
+        offsets = torch.from_numpy(
+            window_offsets(cfg.seed, index, cfg.global_batch, len(tokens), cfg.seq_len + 1)
+        )
         batch = tokens[offsets[:, None] + span].to(device)  # the same windows as the harness's stream
         for micro in batch.split(cfg.micro_batch):
             with autocast(cfg, device):
@@ -170,12 +178,16 @@ def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
 
 
 def markdown(results: dict[str, list[float]], reference: str) -> str:
-    lines = [f"| variant | tokens/s median | best | all repeats | / {reference} (medians) | / {reference} (bests) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| variant | tokens/s median | best | all repeats | / {reference} (medians) | / {reference} "
+        "(bests) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     ref = results[reference]
     for name, values in results.items():
         lines.append(
-            f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} "
+            f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} | "
+            f"{', '.join(f'{v:.1f}' for v in values)} "
             f"| {statistics.median(values) / statistics.median(ref):.3f} | {max(values) / max(ref):.3f} |"
         )
     return "\n".join(lines)
@@ -191,12 +203,19 @@ def scratch(folder: Path) -> Iterator[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps not timed")
     parser.add_argument("--repeats", type=int, default=3, help="interleave the variants this many times")
-    parser.add_argument("--arms", nargs="?", const=",".join(NORM_ARMS), default=None,
-                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_ARMS)")
+    parser.add_argument(
+        "--arms",
+        nargs="?",
+        const=",".join(NORM_ARMS),
+        default=None,
+        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_ARMS)",
+    )
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args()
@@ -208,9 +227,20 @@ def main() -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
     workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
     overrides = [
-        "size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "logger=none", "probe.enabled=false",
-        "checkpoint.steps=[]", "checkpoint.last_every=0", "val_every=100000", "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false", f"max_steps={args.steps}", "optim.warmup_steps=0", f"data_root={workdir / 'data'}",
+        "size=tiny",
+        "seq_len=256",
+        "global_batch=16",
+        "micro_batch=8",
+        "logger=none",
+        "probe.enabled=false",
+        "checkpoint.steps=[]",
+        "checkpoint.last_every=0",
+        "val_every=100000",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        f"max_steps={args.steps}",
+        "optim.warmup_steps=0",
+        f"data_root={workdir / 'data'}",
         *args.overrides,
     ]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,9 +264,12 @@ def main() -> None:
                 else:
                     results[name].append(minimal_tokens_per_s(cfg, args.skip, device))
     threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
-    print(f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, global_batch={cfg.global_batch}, "
-          f"micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip} of {args.steps}, "
-          f"{args.repeats} interleaved repeats, order rotated")
+    print(
+        f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, "
+        f"global_batch={cfg.global_batch}, "
+        f"micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip} of {args.steps}, "
+        f"{args.repeats} interleaved repeats, order rotated"
+    )
     width = max(len(name) for name in names)
     for name, values in results.items():
         print(f"{name:{width}s} tokens/s: {summary(values)}")

@@ -44,12 +44,13 @@ def memory_metrics() -> dict[str, float]:
 
 
 class AngleProbe(OptimizerStepCallback):
-    """Angles of the hidden vectors before/after every norm with 1, ``rand_a``, ``rand_b`` and K null directions.
+    """Angles of the hidden vectors before/after every norm
+    with 1, ``rand_a``, ``rand_b`` and K null directions.
 
-    The measurement is :func:`normgeo.measure.pipeline.measure_records`, the very one of ``analyze.py``: the same
-    checkpoint and tokens give the same records. Every rank probes its own round-robin share of the probe
-    windows; the statistics are merged across ranks (no rank-0-only forward pass, which would deadlock
-    DDP/FSDP), and rank 0 writes
+    The measurement is :func:`normgeo.measure.pipeline.measure_records`, the very one of
+    ``analyze.py``: the same checkpoint and tokens give the same records. Every rank probes
+    its own round-robin share of the probe windows; the statistics are merged across ranks
+    (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
     ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
     intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's energy along 1
     and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias),
@@ -57,8 +58,18 @@ class AngleProbe(OptimizerStepCallback):
     RMSNorm, per scope of ``intervention``) and the logger entries.
     """
 
-    def __init__(self, run_dir: str, schedule: CheckpointSchedule, source, model_name: str, probe: ProbeConfig,
-                 *, tokenizer: str = "gpt2", log_table: bool = True, ids: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        schedule: CheckpointSchedule,
+        source,
+        model_name: str,
+        probe: ProbeConfig,
+        *,
+        tokenizer: str = "gpt2",
+        log_table: bool = True,
+        ids: np.ndarray | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.schedule = schedule
         self.source = source
@@ -99,11 +110,20 @@ class AngleProbe(OptimizerStepCallback):
         references = make_references(config.n_embd, self.config.seed, self.config.null_directions)
         with abandonable(f"the probe at step {step}"):  # it writes nothing until the end
             records = measure_records(
-                model, self.probe_ids(), config.block_size, references, self.config,
-                model_name=self.model_name, step=step, tokens_per_step=pl_module.tokens_per_step,
-                with_null=trainer.is_global_zero, announce_cost=trainer.is_global_zero and not self._announced,
-                autocast=trainer.precision_plugin.forward_context, device=pl_module.device,
-                rank=trainer.global_rank, world_size=trainer.world_size,
+                model,
+                self.probe_ids(),
+                config.block_size,
+                references,
+                self.config,
+                model_name=self.model_name,
+                step=step,
+                tokens_per_step=pl_module.tokens_per_step,
+                with_null=trainer.is_global_zero,
+                announce_cost=trainer.is_global_zero and not self._announced,
+                autocast=trainer.precision_plugin.forward_context,
+                device=pl_module.device,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
             )
         self._announced = True
         if trainer.is_global_zero:
@@ -113,7 +133,9 @@ class AngleProbe(OptimizerStepCallback):
             self._log(trainer, records.rows, step, records.intervention)
         return records.rows
 
-    def _log(self, trainer: L.Trainer, rows: list[dict], step: int, intervention: Sequence[dict] = ()) -> None:
+    def _log(
+        self, trainer: L.Trainer, rows: list[dict], step: int, intervention: Sequence[dict] = ()
+    ) -> None:
         """Scalar summaries (mean over layers per site and reference) to every logger; to the loggers with
         a plotting UI (wandb, TensorBoard) also one scalar per layer, ``probe/<site>/<ref>/layer<k>``, so
         that a layer can be plotted across steps, and this step's figure; on wandb also the table."""

@@ -120,8 +120,12 @@ class CheckpointSchedule:
         return count + (not self.on_rule(end))
 
     def __repr__(self) -> str:
-        rule = (f"steps={self.explicit}" if self.explicit is not None else
-                f"dense_every={self.dense_every}, dense_until={self.dense_until}, sparse_every={self.sparse_every}")
+        rule = (
+            f"steps={self.explicit}"
+            if self.explicit is not None
+            else f"dense_every={self.dense_every}, dense_until={self.dense_until}, "
+            f"sparse_every={self.sparse_every}"
+        )
         return f"CheckpointSchedule(max_steps={self.max_steps}, {rule})"
 
 
@@ -193,7 +197,9 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
-            trainer.save_checkpoint(self.step_path(self.dirpath, step), weights_only=not self.schedule.keep_optimizer)
+            trainer.save_checkpoint(
+                self.step_path(self.dirpath, step), weights_only=not self.schedule.keep_optimizer
+            )
             self.saved_steps.append(step)
         self._save_last(trainer)
 
@@ -209,7 +215,9 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, trainer.global_step)
         self._save_last(trainer)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
         which the step's end would have written), so that the resume continues from this step."""
         if isinstance(exception, SignalStop):
@@ -221,8 +229,9 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
                 self._save_step(trainer, pl_module, step)
 
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        """Never overwrite a good checkpoint with weights that diverged to inf/NaN: the first non-finite loss
-        named if there was one (LitGPT notes it on the device without waiting), else the parameters checked."""
+        """Never overwrite a good checkpoint with weights that diverged to
+        inf/NaN: the first non-finite loss named if there was one (LitGPT notes
+        it on the device without waiting), else the parameters checked."""
         pl_module.raise_if_diverged()
         # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
         finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
@@ -232,9 +241,14 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
             lr = pl_module.hparams.get("lr", float("nan"))
             raise NonFiniteError(
-                f"training diverged: the parameters are not finite after step {step} (stopped without saving; "
-                f"{kept}); the likely cause is the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
-                step=step, loss=float("nan"), lr=lr)
+                f"training diverged: the parameters are not finite after step {step} (stopped "
+                "without saving; "
+                f"{kept}); the likely cause is the learning rate, optim.lr={lr:g}: lower it (e.g. "
+                f"optim.lr={lr / 10:g})",
+                step=step,
+                loss=float("nan"),
+                lr=lr,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_steps": list(self.saved_steps)}

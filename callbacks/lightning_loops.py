@@ -1,8 +1,7 @@
-"""The one place that reaches into Lightning's private loop state (``trainer.fit_loop``), for the two things its
-public API does not say: whether a validation follows this training batch, and how to count a validation a stop
-signal abandoned. tests/test_lightning_loops.py checks every private name used here on a real Trainer, so a
-Lightning release that renames one fails that test rather than a run.
-"""
+"""The one place that reaches into Lightning's private loop state (``trainer.fit_loop``), for the two things
+its public API does not say: whether a validation follows this training batch, and how to count a validation a
+stop signal abandoned. tests/test_lightning_loops.py checks every private name used here on a real Trainer, so
+a Lightning release that renames one fails that test rather than a run. """
 
 from __future__ import annotations
 

@@ -57,14 +57,15 @@ def format_duration(seconds: float | None) -> str:
 
 def format_metrics(metrics: Mapping[str, Any], validated_at: int | None = None) -> list[str]:
     """The progress-bar metrics as ``name value`` fields: losses to 4 decimals, the validation loss with the
-    step it was measured after (``validated_at``), the last optimizer step's training rate last (``train tok/s``:
-    tokens of that step over the time since the step before)."""
+    step it was measured after (``validated_at``), the last optimizer step's training rate last (``train
+    tok/s``: tokens of that step over the time since the step before)."""
     fields, rate = [], None
     for name, value in metrics.items():
         if name == "v_num":
             continue
         if name == "tok/s" and isinstance(value, (int, float)):
-            rate = f"{tqdm.format_sizeof(value)} train tok/s"  # the last step's; the summary's rate is overall
+            # the last step's; the summary's rate is overall
+            rate = f"{tqdm.format_sizeof(value)} train tok/s"
         elif name == "val/loss" and isinstance(value, float) and validated_at is not None:
             fields.append(f"{name} {value:.4f} (step {validated_at})")
         elif isinstance(value, float) and name.endswith("loss"):

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class SignalStop(Exception):
-    """A stop signal arrived while this session measured (a validation, a probe): the measurement is
-    abandoned at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
+    """A stop signal arrived while this session measured (a validation, a probe): the measurement is abandoned
+    at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
     :meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
 
 
@@ -60,8 +60,8 @@ class Interrupt:
         self.abandonable: str | None = None
         self.single_process = True
         self.abandoned: str | None = None  # what a signal abandoned
-        # The signal of a second interrupt: its SystemExit may surface as another exception (AtomicCheckpointIO
-        # re-raises it), whatever was being written is abandoned.
+        # The signal of a second interrupt: its SystemExit may surface as another exception
+        # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
         self.abandoning: int | None = None
 
     def enter(self, what: str) -> None:
@@ -131,14 +131,14 @@ def abandonable(what: str) -> Iterator[None]:
 
 
 class StopOnSignal(OptimizerStepCallback):
-    """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once:
-    SLURM's requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
+    """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once: SLURM's
+    requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
 
-    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
-    makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied
-    update, and no collective that could meet another rank's all-reduce. ``last.ckpt`` is then written
-    on train end by :class:`callbacks.checkpointing.ScheduledCheckpoint`; train.py requeues the job, or prints the resume command.
-    """
+    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler
+    does) makes the resume point a whole optimizer step: no half-accumulated gradients, no
+    half-applied update, and no collective that could meet another rank's all-reduce. ``last.ckpt``
+    is then written on train end by :class:`callbacks.checkpointing.ScheduledCheckpoint`; train.py
+    requeues the job, or prints the resume command. """
 
     def __init__(self, requeue: SlurmRequeue | None = None, resume_command: str = "",
                  last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
@@ -170,7 +170,9 @@ class StopOnSignal(OptimizerStepCallback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.interrupt.leave()  # its result is being logged: a signal from now on stops at the next step
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         self.interrupt.leave()
         if isinstance(exception, SignalStop):
             step = trainer.global_step
@@ -240,8 +242,12 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
         saved = stop.last_checkpoint
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
-        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}{abandoned} "
-              f"and saved {saved}; continue the run with:", file=sys.stderr)
+        print(
+            f"interrupted by {signal.Signals(signum).name}: stopped after step "
+            f"{interrupt.stopped_at}{abandoned} "
+            f"and saved {saved}; continue the run with:",
+            file=sys.stderr,
+        )
         print(interrupt.resume_command, file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 

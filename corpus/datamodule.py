@@ -111,6 +111,11 @@ class TokenDataModule(L.LightningDataModule):
         data = self.load()
         world = self.trainer.world_size
         # Equal shards on every rank, or synchronized logging would wait on a rank with fewer batches.
-        count = max(world * self.micro_batch, self.val_sequences // (world * self.micro_batch) * world * self.micro_batch)
-        dataset = TokenWindows(str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed)
+        count = max(
+            world * self.micro_batch,
+            self.val_sequences // (world * self.micro_batch) * world * self.micro_batch,
+        )
+        dataset = TokenWindows(
+            str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed
+        )
         return self._loader(dataset, ShardSampler(count, self.trainer.global_rank, world))

@@ -1,8 +1,9 @@
 """A small offline multiple-choice task built from a local corpus: choose a paragraph's true next sentence.
 
-Each example is the opening sentences of a Wikipedia paragraph (the context) and four endings: the sentence
-that follows in the article and three sentences drawn from other articles, of similar length in tokens
-(each at most ``MAX_ENDING_TOKENS``), in a seeded random order. A language model scores each ending's log-likelihood after the context (lm-evaluation-harness'
+Each example is the opening sentences of a Wikipedia paragraph (the context) and four endings:
+the sentence that follows in the article and three sentences drawn from other articles, of
+similar length in tokens (each at most ``MAX_ENDING_TOKENS``), in a seeded random order. A
+language model scores each ending's log-likelihood after the context (lm-evaluation-harness'
 ``multiple_choice``); chance is 25%. :func:`write_task` writes the examples (``next_sentence.jsonl``) and
 an lm-evaluation-harness task YAML whose ``data_files`` point at them, so ``--include_path <folder>``
 makes the task available with no network.
@@ -27,7 +28,8 @@ CHOICES = 4
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 MIN_WORDS, MAX_WORDS = 5, 40
 # lm-evaluation-harness cuts a context that does not fit the model's window from the left but needs the whole
-# ending: endings of at most this many GPT-2 tokens fit the CPU study's 32-token window with 8 tokens of context.
+# ending: endings of at most this many GPT-2 tokens fit the
+# CPU study's 32-token window with 8 tokens of context.
 MAX_ENDING_TOKENS = 24
 
 
@@ -55,15 +57,19 @@ def build_examples(corpus: str | Path, count: int, seed: int = 0, context_senten
             parts = sentences(paragraph)
             endings = [(s, tokens(s)) for s in parts if _usable(s)]
             pool += [(article, s, n) for s, n in endings if n <= max_ending_tokens]
-            if len(parts) < context_sentences + 1 or not all(_usable(s) for s in parts[: context_sentences + 1]):
+            if len(parts) < context_sentences + 1 or not all(
+                _usable(s) for s in parts[: context_sentences + 1]
+            ):
                 continue
             if tokens(parts[context_sentences]) <= max_ending_tokens:
                 candidates.append((article, " ".join(parts[:context_sentences]), parts[context_sentences]))
         if len(candidates) >= 2 * count and len(pool) >= 20 * count:
             break
     if len(candidates) < count:
-        raise ValueError(f"{corpus} yields only {len(candidates)} paragraphs of {context_sentences + 1}+ sentences, "
-                         f"{count} examples were asked for")
+        raise ValueError(
+            f"{corpus} yields only {len(candidates)} paragraphs of {context_sentences + 1}+ sentences, "
+            f"{count} examples were asked for"
+        )
     examples = []
     for article, context, answer in rng.sample(candidates, count):
         length = tokens(answer)

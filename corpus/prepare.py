@@ -260,5 +260,7 @@ def load_prepared(
         if fingerprint(path) != expected["fingerprint"] or (
             verify == "full" and full_checksum(path) != expected["sha256"]
         ):
-            raise PreparedDataError(f"{path} does not match its checksum in {META_FILE}: damaged or foreign file.{hint}")
+            raise PreparedDataError(
+                f"{path} does not match its checksum in {META_FILE}: damaged or foreign file.{hint}"
+            )
     return PreparedData(directory, meta)

@@ -49,8 +49,12 @@ def special_file_kind(path: Path) -> str | None:
         mode = path.stat().st_mode
     except OSError:
         return None
-    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-             stat.S_ISSOCK: "a socket"}
+    kinds = {
+        stat.S_ISFIFO: "a FIFO (named pipe)",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
     return next((name for test, name in kinds.items() if test(mode)), None)
 
 
@@ -72,7 +76,8 @@ class LocalFilesSource:
     text_field: str = "text"
     plain_text_extensions: Sequence[str] = ()
     config_node: str = "data.source"
-    encoding: str = "utf-8"  # of the text files (.txt, .jsonl, ...); invalid bytes are refused, never replaced
+    # of the text files (.txt, .jsonl, ...); invalid bytes are refused, never replaced
+    encoding: str = "utf-8"
     _files: list[Path] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -91,19 +96,27 @@ class LocalFilesSource:
         if any(ch in expanded for ch in "*?["):
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True))
         elif Path(expanded).is_dir():
-            matches = sorted(p for p in Path(expanded).rglob("*") if not p.is_dir() and not p.name.startswith("."))
+            matches = sorted(
+                p for p in Path(expanded).rglob("*") if not p.is_dir() and not p.name.startswith(".")
+            )
         elif Path(expanded).is_file():
             matches = [Path(expanded)]
         elif (kind := special_file_kind(Path(expanded))) is not None:
-            raise SourceError(f"{self.config_node}.path={self.path}: {kind}, not a regular file; give a text file, "
-                              "a folder or a glob of them")
+            raise SourceError(
+                f"{self.config_node}.path={self.path}: {kind}, not a regular file; give a text file, "
+                "a folder or a glob of them"
+            )
         else:
-            raise SourceError(f"{self.config_node}.path={self.path}: no such file or directory (give a directory, "
-                              "file or glob)")
+            raise SourceError(
+                f"{self.config_node}.path={self.path}: no such file or directory (give a directory, "
+                "file or glob)"
+            )
         special = [(p, kind) for p in matches if (kind := special_file_kind(p)) is not None]
         if special:
-            raise SourceError(f"{self.config_node}.path={self.path}: {special[0][0]} is {special[0][1]}, not a regular "
-                              "file; remove it from the folder or narrow the glob")
+            raise SourceError(
+                f"{self.config_node}.path={self.path}: {special[0][0]} is {special[0][1]}, not a regular "
+                "file; remove it from the folder or narrow the glob"
+            )
         matches = [p for p in matches if p.is_file()]
         if not matches:
             raise SourceError(f"{self.config_node}.path={self.path}: no files match")
@@ -114,7 +127,9 @@ class LocalFilesSource:
                             self.config_node, self.path, ", ".join(p.name for p in skipped))
                 matches = [p for p in matches if p not in skipped]
                 if not matches:
-                    raise SourceError(f"{self.config_node}.path={self.path}: no files but README/LICENSE files")
+                    raise SourceError(
+                        f"{self.config_node}.path={self.path}: no files but README/LICENSE files"
+                    )
         self._check_types(matches)
         self._files = matches
         return matches
@@ -126,7 +141,9 @@ class LocalFilesSource:
             return
         count = sum(refused.values())
         found = f"{count} files of unsupported types" if count > 1 else "1 file of an unsupported type"
-        kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
+        kinds = ", ".join(
+            f"{suffix}: {n}" for suffix, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
         supported = ", ".join([*RECORD_SUFFIXES, ".txt", ".raw", "no extension", *self.extra_plain_text])
         allow = ",".join(sorted({*self.extra_plain_text, *refused}))  # the whole list to set, kept ones too
         raise SourceError(
@@ -142,22 +159,31 @@ class LocalFilesSource:
         where = f"local:{os.path.abspath(os.path.expanduser(self.path))}"
         # Named only when set: data prepared before the options existed keeps its description (meta.json).
         notes = [f"plain text: {', '.join(self.extra_plain_text)}"] if self.extra_plain_text else []
-        notes += [f"encoding: {self.encoding}"] if self.encoding.lower().replace("_", "-") not in ("utf-8", "utf8") else []
+        notes += (
+            [f"encoding: {self.encoding}"]
+            if self.encoding.lower().replace("_", "-") not in ("utf-8", "utf8")
+            else []
+        )
         return f"{where} ({'; '.join(notes)})" if notes else where
 
     def decode(self, file: Path, data: bytes) -> str:
-        """``data`` (the bytes of ``file``) as text in ``encoding``; SourceError at the first byte that does not
-        decode (a Latin-1 file read as UTF-8 would otherwise train on replacement characters)."""
+        """``data`` (the bytes of ``file``) as text in ``encoding``; SourceError at the first byte that does
+        not decode (a Latin-1 file read as UTF-8 would otherwise train on replacement characters)."""
         try:
             return data.decode(self.encoding)
         except LookupError:
-            raise SourceError(f"{self.config_node}.encoding={self.encoding}: no such text encoding (e.g. utf-8, "
-                              "latin-1, cp1252)") from None
+            raise SourceError(
+                f"{self.config_node}.encoding={self.encoding}: no such text encoding (e.g. utf-8, "
+                "latin-1, cp1252)"
+            ) from None
         except UnicodeDecodeError as err:
             raise SourceError(
-                f"{file}: not valid {self.encoding} at byte {err.start} ({data[err.start:err.start + 4].hex(' ')}); "
-                f"convert the file (e.g. iconv -f latin1 -t utf-8) or set {self.config_node}.encoding=latin-1 "
-                "(its real encoding)") from None
+                f"{file}: not valid {self.encoding} at byte {err.start} "
+                f"({data[err.start : err.start + 4].hex(' ')}); "
+                "convert the file (e.g. iconv -f latin1 -t utf-8) or set "
+                f"{self.config_node}.encoding=latin-1 "
+                "(its real encoding)"
+            ) from None
 
     def documents(self) -> Iterator[str]:
         for file in self.files():
@@ -178,8 +204,9 @@ class LocalFilesSource:
     def _read(self, file: Path) -> Iterator[str]:
         suffix = file.suffix.lower()
         if suffix in (".jsonl", ".json"):
-            # Decoded whole, so that a bad byte is reported at its offset in the file; lines end where a text-mode
-            # file's would (\n, \r\n, \r), not at U+2028 inside a JSON string as str.splitlines would split.
+            # Decoded whole, so that a bad byte is reported at its offset in the
+            # file; lines end where a text-mode file's would (\n, \r\n, \r), not
+            # at U+2028 inside a JSON string as str.splitlines would split.
             text = self.decode(file, file.read_bytes()).replace("\r\n", "\n").replace("\r", "\n")
             for line_no, line in enumerate(text.split("\n"), 1):
                 if not line.strip():
@@ -205,7 +232,9 @@ class LocalFilesSource:
             text = self.decode(file, data)
             if text.startswith("<doc "):
                 articles = _WIKIEXTRACTOR_DOC.findall(text)
-            elif _WIKITEXT_TITLE.fullmatch(next((line for line in text[:4096].splitlines() if line.strip()), "")):
+            elif _WIKITEXT_TITLE.fullmatch(
+                next((line for line in text[:4096].splitlines() if line.strip()), "")
+            ):
                 starts = [m.start() for m in _WIKITEXT_TITLE.finditer(text)]
                 articles = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
             else:
@@ -240,7 +269,8 @@ class HubParquetSource:
         import datasets
 
         offline_hint = (
-            "On a machine without internet, prepare the data on one with internet (python -m corpus data=...) "
+            "On a machine without internet, prepare the data on one with internet (python -m corpus "
+            "data=...) "
             "and copy the prepared folder."
         )
         for pattern in self.candidates:
@@ -254,15 +284,21 @@ class HubParquetSource:
             if not matched:
                 continue
             try:
-                dataset = datasets.load_dataset("parquet", data_files=pattern, split="train", num_proc=self.num_proc)
+                dataset = datasets.load_dataset(
+                    "parquet", data_files=pattern, split="train", num_proc=self.num_proc
+                )
             except Exception as err:
                 raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
             if self.text_field not in dataset.column_names:
-                raise SourceError(f"{pattern} has no {self.text_field!r} column (columns: {dataset.column_names})")
+                raise SourceError(
+                    f"{pattern} has no {self.text_field!r} column (columns: {dataset.column_names})"
+                )
             for record in dataset.select_columns([self.text_field]):
                 yield record[self.text_field]
             return
-        raise SourceError(f"no parquet files match any of {self.candidates}; check the repository's file list")
+        raise SourceError(
+            f"no parquet files match any of {self.candidates}; check the repository's file list"
+        )
 
     def sampled_documents(self, seed: int) -> Iterator[str]:
         """Documents spread over the whole dataset, without reading all of it.
@@ -291,7 +327,8 @@ class HubParquetSource:
                     parquet = pq.ParquetFile(handle)
                     if self.text_field not in parquet.schema_arrow.names:
                         raise SourceError(
-                            f"{file} has no {self.text_field!r} column (columns: {parquet.schema_arrow.names})"
+                            f"{file} has no {self.text_field!r} column (columns: "
+                            f"{parquet.schema_arrow.names})"
                         )
                     groups += [(file, g) for g in range(parquet.metadata.num_row_groups)]
             rng = np.random.default_rng([seed, 0x5A4D])
@@ -303,7 +340,9 @@ class HubParquetSource:
                 for row in rng.permutation(len(texts))[: self.docs_per_group]:
                     yield texts[row]
             return
-        raise SourceError(f"no parquet files match any of {self.candidates}; check the repository's file list")
+        raise SourceError(
+            f"no parquet files match any of {self.candidates}; check the repository's file list"
+        )
 
 
 @dataclass

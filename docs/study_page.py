@@ -3,13 +3,13 @@
     python docs/study_page.py outputs/study [outputs/pilot] > docs/study.md
 
 The page stays under 150 lines: the described rows of the verdict, the per-arm geometry, every run and the
-memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Paths are written
-relative to the repository (``../shared/...``).
+memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Paths are
+written relative to the repository (``../shared/...``).
 
-Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the
-per-run summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``),
-each run's ``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``;
-after ``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
+Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the per-run
+summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``), each run's
+``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``; after
+``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
 The verdict's words (equivalent / different / inconclusive, the families, the primary question) are
 ``normgeo.compare``'s, taken as they are.
 """
@@ -36,9 +36,15 @@ from normgeo.verdict.families import Estimate, paired_estimates
 from normgeo.verdict.measures import run_measures
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = {"verdict": "study-verdict.png", "loss": "study-loss.png", "factorial_ones": "study-factorial_ones.png",
-           "energy": "study-energy.png", "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
-           "val_curve_diff": "study-val_curve_diff.png", "intervention": "study-intervention.png"}
+FIGURES = {
+    "verdict": "study-verdict.png",
+    "loss": "study-loss.png",
+    "factorial_ones": "study-factorial_ones.png",
+    "energy": "study-energy.png",
+    "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
+    "val_curve_diff": "study-val_curve_diff.png",
+    "intervention": "study-intervention.png",
+}
 PAGE_SECTIONS = ("The primary question", "Declared secondary questions")  # the rest: study_details.md
 DETAILS_MD, DETAILS_CSV = "study_details.md", "study_verdict.csv"
 PRIMARY_METRIC = "val_loss/tail"
@@ -48,8 +54,12 @@ PLAN_GPUS = ("H100 SXM 80 GB", "A100 80 GB")  # of normgeo.plan's GPU table
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
     """Per run: the process's RSS now and its peak at the first probe after training began (step > 0, when the
     optimizer state exists) and at the last probe, and the peak's growth between them (MiB)."""
-    lines = ["| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first trained probe | "
-             "at last probe | peak growth |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first "
+        "trained probe | "
+        "at last probe | peak growth |",
+        "|---|---|---|---|---|---|---|",
+    ]
     worst = 0.0
     trained = metrics[metrics["step"] > 0]
     for run, rows in trained.groupby("run", sort=True):
@@ -59,8 +69,10 @@ def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
             continue
         growth = float(peak.iloc[-1] - peak.iloc[0])
         worst = max(worst, growth)
-        lines.append(f"| {run} | {len(peak)} | {rss.iloc[0]:,.0f} | {rss.iloc[-1]:,.0f} | {peak.iloc[0]:,.0f} | "
-                     f"{peak.iloc[-1]:,.0f} | {growth:+,.0f} |")
+        lines.append(
+            f"| {run} | {len(peak)} | {rss.iloc[0]:,.0f} | {rss.iloc[-1]:,.0f} | {peak.iloc[0]:,.0f} | "
+            f"{peak.iloc[-1]:,.0f} | {growth:+,.0f} |"
+        )
     return "\n".join(lines), worst
 
 
@@ -69,9 +81,17 @@ def downstream_section(out: Path, summary: pd.DataFrame) -> str:
     rows = []
     for run in summary.itertuples():
         record = read_eval(out / run.run)
-        rows += [{"arm": run.arm, "seed": run.seed, "task": task, "step": scores.get("step", record.get("step")),
-                  "examples": scores.get("examples"), "acc": scores.get("acc")}
-                 for task, scores in record.get("tasks", {}).items()]
+        rows += [
+            {
+                "arm": run.arm,
+                "seed": run.seed,
+                "task": task,
+                "step": scores.get("step", record.get("step")),
+                "examples": scores.get("examples"),
+                "acc": scores.get("acc"),
+            }
+            for task, scores in record.get("tasks", {}).items()
+        ]
     if not rows:
         return ""
     frame = pd.DataFrame(rows)
@@ -107,15 +127,22 @@ def answer_text(primary: Estimate) -> str:
     low, high = primary.ci90
     reachable = smallest_decidable_margin(primary.n, primary.sd)
     needed = seeds_for_equivalence(primary.sd, primary.margin)
-    words = {"equivalent": f"equivalent within ±{primary.margin:g} nats",
-             "different": f"different (the difference is resolved; equivalence within ±{primary.margin:g} nats is not)",
-             "inconclusive": f"not decided at ±{primary.margin:g} nats (the 90% interval is wider than the margin, and "
-                             "no difference is resolved)"}[primary.outcome()]
-    return (f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss over the last "
-            f"20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to {high:+.4f}: "
-            f"**{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} seeds decide "
-            f"equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); ±{primary.margin:g} "
-            f"nats would take {needed} seeds, about {2 * needed} runs.")
+    words = {
+        "equivalent": f"equivalent within ±{primary.margin:g} nats",
+        "different": f"different (the difference is resolved; equivalence within ±{primary.margin:g} nats is not)",
+        "inconclusive": f"not decided at ±{primary.margin:g} nats (the 90% interval is wider than the margin, and "
+        "no difference is resolved)",
+    }[primary.outcome()]
+    return (
+        f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss "
+        "over the last "
+        f"20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to "
+        f"{high:+.4f}: "
+        f"**{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} seeds decide "
+        f"equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); "
+        f"±{primary.margin:g} "
+        f"nats would take {needed} seeds, about {2 * needed} runs."
+    )
 
 
 def gpu_plan_text(sd: float, margin: float) -> str:
@@ -128,9 +155,15 @@ def gpu_plan_text(sd: float, margin: float) -> str:
         by_gpu = {row["gpu"]: row for row in seeds["gpus"]}
         for gpu in PLAN_GPUS:
             row = by_gpu[gpu]
-            rows.append({"size": seeds["size"], "GPU": gpu, f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
-                         "GPU-hours per run": f"{row['gpu_hours_per_run']:.2f}",
-                         "GPU-hours, both arms": f"{row['gpu_hours_equivalence']:,.0f}"})
+            rows.append(
+                {
+                    "size": seeds["size"],
+                    "GPU": gpu,
+                    f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
+                    "GPU-hours per run": f"{row['gpu_hours_per_run']:.2f}",
+                    "GPU-hours, both arms": f"{row['gpu_hours_equivalence']:,.0f}",
+                }
+            )
     return f"""**On GPUs (a plan from this CPU study's paired SD, not a measurement).** The same decision at
 ±{margin:g} nats with `python -m normgeo.plan experiment=paper_70m --seeds-for {PRIMARY_METRIC}={margin:g} --sd
 {sd:.4f}` (and `paper_160m`): FLOPs at the plan's MFU, probes and validation not included; the paired SD at those
@@ -141,8 +174,8 @@ sizes is not measured here and may differ.
 
 
 def threads_section(out: Path, threads: Path) -> str:
-    """The study's runs re-trained with 2 torch threads instead of 1 (``docs/make_threads_check.sh``): how far the
-    floating-point order moves each run's primary metric and the pair's difference."""
+    """The study's runs re-trained with 2 torch threads instead of 1 (``docs/make_threads_check.sh``): how far
+    the floating-point order moves each run's primary metric and the pair's difference."""
     once = run_measures(load([out])).set_index("run")[PRIMARY_METRIC]
     again = run_measures(load([threads])).set_index("run")[PRIMARY_METRIC]
     rows, moved = [], {}
@@ -216,11 +249,14 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path |
     primary = load_verdict_config().primary
     primary_arms = summary[summary["arm"].isin([primary.arm, primary.other])]
     unigram = unigram_baseline(runs[0])  # every run validates on the same windows (val_seed)
-    learned = (f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
-               f"average over the {len(primary_arms)} runs of the primary question's arms ({primary_arms['val_loss'].min():.3f} "
-               f"to {primary_arms['val_loss'].max():.3f}), against {unigram:.3f} for the validation text's unigram "
-               "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
-               f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give.")
+    learned = (
+        f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
+        f"average over the {len(primary_arms)} runs of the primary question's arms "
+        f"({primary_arms['val_loss'].min():.3f} "
+        f"to {primary_arms['val_loss'].max():.3f}), against {unigram:.3f} for the validation text's unigram "
+        "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
+        f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give."
+    )
     lanes = most_concurrent(runs)
     lanes_text = ("one after another" if lanes == 1 else f"{lanes} at a time (`STUDY_JOBS={lanes}`)")
     steps = int(summary["final_step"].max())
@@ -229,8 +265,12 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path |
     every = trained_probes[1] - trained_probes[0] if len(trained_probes) > 1 else steps
     tokens = int(summary["tokens"].max())
     columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s"]
-    processes = ("Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run starts "
-                 "from the earlier runs' peak." if " -m " in commands else "Each run is a process of its own.")
+    processes = (
+        "Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run starts "
+        "from the earlier runs' peak."
+        if " -m " in commands
+        else "Each run is a process of its own."
+    )
     shutil.copyfile(compare / "verdict.csv", details_dir / DETAILS_CSV)
     atomic_write_text(details_dir / DETAILS_MD, repo_relative(f"""# The CPU study: the rest of its verdict, every run, memory
 

@@ -59,7 +59,11 @@ class GPTConfig:
             ("norm", self.norm in NORM_ARMS, f"one of {', '.join(NORM_ARMS)}"),
             ("norm_impl", self.norm_impl in NORM_IMPLS, " or ".join(NORM_IMPLS)),
             ("placement", self.placement in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"),
-            ("n_head", self.n_head > 0 and self.n_embd % self.n_head == 0, f"a divisor of n_embd={self.n_embd}"),
+            (
+                "n_head",
+                self.n_head > 0 and self.n_embd % self.n_head == 0,
+                f"a divisor of n_embd={self.n_embd}",
+            ),
         ):
             if not ok:
                 raise ArchitectureError(name, getattr(self, name), expected)

@@ -37,8 +37,8 @@ H200_DENSE_FLOPS: dict[torch.dtype, float] = {torch.bfloat16: 989.4e12, torch.fl
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of ``device`` in ``dtype`` (the MFU denominator): Lightning's get_available_flops, the
-    H200 added; None on the CPU and on GPUs neither knows (no MFU then)."""
+    """Dense peak FLOP/s of ``device`` in ``dtype`` (the MFU denominator): Lightning's get_available_flops,
+    the H200 added; None on the CPU and on GPUs neither knows (no MFU then)."""
     if device.type != "cuda":
         return None
     if "h200" in torch.cuda.get_device_name(device).lower():
@@ -81,13 +81,15 @@ class LitGPT(L.LightningModule):
         self.save_hyperparameters(logger=False)
         self.model = GPT(GPTConfig(**model), seed=seed)
         # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding
-        # scheme that flattens parameters (FSDP1) would show every one as 1-D by the time the optimizer is made.
+        # scheme that flattens parameters (FSDP1) would show
+        # every one as 1-D by the time the optimizer is made.
         self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self._step_loss: torch.Tensor | None = None  # the latest optimizer step's global loss, on the device
         self._reported_step: int | None = None  # the latest step reported (None: none yet this session)
-        self._diverged_step: torch.Tensor | None = None  # the first non-finite loss's step (-1: none), on the device
+        # the first non-finite loss's step (-1: none), on the device
+        self._diverged_step: torch.Tensor | None = None
         self._diverged_loss: torch.Tensor | None = None
         self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
@@ -111,20 +113,20 @@ class LitGPT(L.LightningModule):
                               self.trainer.world_size)
 
     def start_throughput(self, available_flops: float | None, world_size: int) -> None:
-        """A session's rate meter (:meth:`step_rates`): a window of two calls, the rates over the steps between;
-        the model FLOPs of one step on one device, counted once."""
+        """A session's rate meter (:meth:`step_rates`): a window of two calls, the rates over the steps
+        between; the model FLOPs of one step on one device, counted once."""
         self.throughput = Throughput(available_flops=available_flops, world_size=world_size, window_size=2)
         self._rated_step: int | None = None
         self.device_step_flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size
 
     def step_rates(self, step: int, now: float) -> dict[str, float]:
-        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous call, at an
-        earlier step of this session (data loading and logging included), by Lightning's Throughput; none at the
-        session's first call. Called at reporting steps, after the host waited for the device, so that the
-        time spans exactly the steps between.
+        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous call, at
+        an earlier step of this session (data loading and logging included), by Lightning's Throughput; none
+        at the session's first call. Called at reporting steps, after the host waited for the device, so that
+        the time spans exactly the steps between.
 
-        Lightning's ThroughputMonitor callback counts micro-batches and logs under its own names; its arithmetic
-        is used here per optimizer step, so that the two metrics keep their names and meaning."""
+        Lightning's ThroughputMonitor callback counts micro-batches and logs under its own names; its
+        arithmetic is used here per optimizer step, so that the two metrics keep their names and meaning."""
         world_size = self.throughput.world_size
         sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
         steps = step - (self._rated_step if self._rated_step is not None else step - 1)
@@ -161,10 +163,10 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Once per optimizer step, after all accumulated backward passes: the step's global loss, and the first
-        step whose loss was not finite, noted on the device (a host read would wait for the device every step).
-        At a reporting step (:meth:`reports_at`) the host waits once: it raises if training diverged, else
-        logs the loss, the learning rate and the rates since the previous report."""
+        """Once per optimizer step, after all accumulated backward passes: the step's global loss, and the
+        first step whose loss was not finite, noted on the device (a host read would wait for the device every
+        step). At a reporting step (:meth:`reports_at`) the host waits once: it raises if training diverged,
+        else logs the loss, the learning rate and the rates since the previous report."""
         step_loss = self._loss_sum / self._micro_steps
         loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
         self._loss_sum, self._micro_steps = None, 0
@@ -186,7 +188,9 @@ class LitGPT(L.LightningModule):
         first or the run's last (the console's figures): the steps whose loss, rates and divergence are read
         back from the device."""
         every = self.trainer.log_every_n_steps
-        return (every > 0 and step % every == 0) or self._reported_step is None or step == self.trainer.max_steps
+        return (
+            (every > 0 and step % every == 0) or self._reported_step is None or step == self.trainer.max_steps
+        )
 
     def _note_divergence(self, loss: torch.Tensor, step: int) -> None:
         """Keep, on the device, the first step whose loss is inf or NaN and that loss."""
@@ -198,9 +202,9 @@ class LitGPT(L.LightningModule):
         self._diverged_loss = torch.where(first, loss, self._diverged_loss)
 
     def raise_if_diverged(self) -> None:
-        """Raise :class:`NonFiniteError` naming the first step whose loss was inf or NaN, if any; waits for the
-        device. Every rank holds the same all-reduced losses, so all raise at once. The checkpoints and the probe
-        call it before they read the weights; :meth:`report` at every reporting step."""
+        """Raise :class:`NonFiniteError` naming the first step whose loss was inf or NaN, if any; waits for
+        the device. Every rank holds the same all-reduced losses, so all raise at once. The checkpoints and
+        the probe call it before they read the weights; :meth:`report` at every reporting step."""
         if self._diverged_step is None:
             return
         step, loss = torch.stack([self._diverged_step.double(), self._diverged_loss.double()]).tolist()
@@ -225,7 +229,9 @@ class LitGPT(L.LightningModule):
         rates = self.step_rates(step, time.perf_counter())
         metrics.update(rates)
         if "perf/tokens_per_s" in rates:
-            self.log("tok/s", rates["perf/tokens_per_s"], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+            self.log(
+                "tok/s", rates["perf/tokens_per_s"], on_step=True, on_epoch=False, prog_bar=True, logger=False
+            )
         # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss
         # at step k, the step at which the probe records the weights that update produced.
         metrics["step"] = float(step)
@@ -269,8 +275,8 @@ class LitGPT(L.LightningModule):
 
     def _fused_adamw(self) -> bool:
         """AdamW's fused kernel: as asked (optim.fused), by default on CUDA only (CPU runs keep foreach's
-        floating-point order). Not under an fp16 GradScaler with clipping: the fused step unscales the gradients
-        itself, so they could not be clipped unscaled before it (Lightning refuses that pairing)."""
+        floating-point order). Not under an fp16 GradScaler with clipping: the fused step unscales the
+        gradients itself, so they could not be clipped unscaled before it (Lightning refuses that pairing)."""
         fused = self.device.type == "cuda" if self.hparams.fused is None else bool(self.hparams.fused)
         try:
             trainer = self.trainer
@@ -279,13 +285,19 @@ class LitGPT(L.LightningModule):
         scaled = trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
         if fused and scaled and trainer.gradient_clip_val:
             if self.hparams.fused:
-                log.warning("optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales "
-                            "the gradients itself); AdamW runs unfused")
+                log.warning(
+                    "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales "
+                    "the gradients itself); AdamW runs unfused"
+                )
             return False
         return fused
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         # Lightning's mixed precision refuses to clip before any fused optimizer's step, for fp16's sake (that
         # step unscales the gradients). bf16-mixed has no scaler, the gradients are already true: clip them.
         plugin = self.trainer.precision_plugin
@@ -303,7 +315,12 @@ class LitGPT(L.LightningModule):
         _, keys, position, has_gauss, cached_gauss = np.random.get_state()
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
-            "numpy": [torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gauss)],
+            "numpy": [
+                torch.from_numpy(keys.astype(np.int64)),
+                int(position),
+                int(has_gauss),
+                float(cached_gauss),
+            ],
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -333,7 +350,9 @@ class LitGPT(L.LightningModule):
         if rng:
             torch.set_rng_state(rng["torch"])
             keys, position, has_gauss, cached_gauss = rng["numpy"]
-            np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
+            np.random.set_state(
+                ("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss)
+            )
             random.setstate(rng["python"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

@@ -149,7 +149,9 @@ def compile_refusal(device_type: str) -> str | None:
     try:
         get_cpp_compiler()
     except InvalidCxxCompiler:
-        return "torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or set CXX)"
+        return (
+            "torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or set CXX)"
+        )
     return None
 
 

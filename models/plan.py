@@ -81,8 +81,8 @@ SDPA_FLOPS: dict = {
 
 
 class PeakMemTracker(MemTracker):
-    """MemTracker without its per-module peaks: those cost a pass over every module for every operator
-    (10x the time of the step at 1B); the per-device peak and its breakdown are kept as MemTracker has them."""
+    """MemTracker without its per-module peaks: those cost a pass over every module for every operator (10x
+    the time of the step at 1B); the per-device peak and its breakdown are kept as MemTracker has them."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -110,7 +110,9 @@ class TrainSetup:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} cannot be planned: one of {', '.join(PRECISIONS)}")
+            raise ValueError(
+                f"precision {self.precision!r} cannot be planned: one of {', '.join(PRECISIONS)}"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r} cannot be planned: one of {', '.join(STRATEGIES)}")
         for name in (self.fsdp_param_dtype, self.fsdp_reduce_dtype):
@@ -249,7 +251,9 @@ def build_optimizer(module: LitGPT, fused: bool) -> torch.optim.Optimizer:
         return optimizer
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     defaults = optimizer.defaults
-    return torch.optim.AdamW(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], fused=True)
+    return torch.optim.AdamW(
+        groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], fused=True
+    )
 
 
 def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:

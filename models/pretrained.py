@@ -99,7 +99,8 @@ def _resolve(path: str, gguf_file: str | None) -> tuple[str, str | None]:
         file = Path(gguf_file).expanduser().resolve()
         if path and Path(path).expanduser().resolve() not in (file, file.parent):
             raise ModelLoadError(
-                f"gguf_file {gguf_file!r} is an absolute path outside path {path!r}: give the file's directory "
+                f"gguf_file {gguf_file!r} is an absolute path outside path {path!r}: give the file's "
+                "directory "
                 "as path (or the .gguf file itself), or a file name relative to path as gguf_file"
             )
         path, gguf_file = str(file.parent), file.name
@@ -150,7 +151,8 @@ def _explain(exc: Exception, path: str, gguf_file: str | None, revision: str | N
             else "the Hub could not be reached"
         )
         message = (
-            f"model {what} not found: {tried}, and it is not in the local cache ({constants.HF_HUB_CACHE}) while "
+            f"model {what} not found: {tried}, and it is not in the local cache "
+            f"({constants.HF_HUB_CACHE}) while "
             f"{state}. On a machine with internet run `hf download {path}` (copy its cache here if needed), "
             "then run with HF_HUB_OFFLINE=1, or give a local directory"
         )
@@ -213,7 +215,8 @@ def is_causal_lm(config) -> bool:
     """Whether a Hugging Face config is a decoder trained for next-token prediction: its architectures say
     so (``*ForCausalLM``, ``*LMHeadModel``), or, where a GGUF file names none, its model type has a causal
     LM class and no masked-LM one (BERT has both: an encoder, whose causal head would be untrained)."""
-    from transformers.models.auto.modeling_auto import (  # transformers: seconds to import, only for pretrained models
+    # transformers: seconds to import, only for pretrained models
+    from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
@@ -222,7 +225,10 @@ def is_causal_lm(config) -> bool:
     if architectures:
         return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     model_type = getattr(config, "model_type", None)
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
 
 
 # A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
@@ -236,20 +242,25 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ModelLoadError(
-            f"checkpoint not found: {file.resolve()} (give model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
+            f"checkpoint not found: {file.resolve()} (give "
+            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
             "or last.ckpt of a train.py run)"
         )
     if not zipfile.is_zipfile(file):  # torch.save has written zip archives since torch 1.6
         raise ModelLoadError(
-            f"model.checkpoint={file}: not a PyTorch checkpoint (not a zip archive); give a .ckpt of a train.py run, "
+            f"model.checkpoint={file}: not a PyTorch checkpoint (not a zip archive); give a .ckpt of "
+            "a train.py run, "
             "<run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt"
         )
     try:
         with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
             checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # torch adds paragraphs of advice
-        raise ModelLoadError(f"model.checkpoint={file}: not a train.py checkpoint ({type(exc).__name__}: {first})") from exc
+        # torch adds paragraphs of advice
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelLoadError(
+            f"model.checkpoint={file}: not a train.py checkpoint ({type(exc).__name__}: {first})"
+        ) from exc
     if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
         raise ModelLoadError(
             f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "
@@ -377,7 +388,11 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
         encode_batch, eot, _ = tiktoken_batch_encoder("gpt2")
     except RuntimeError as exc:  # no BPE files offline
         raise ModelLoadError(str(exc)) from exc
-    step_tokens = tokens_per_step(hparams["global_batch"], model.config.block_size) if "global_batch" in hparams else None
+    step_tokens = (
+        tokens_per_step(hparams["global_batch"], model.config.block_size)
+        if "global_batch" in hparams
+        else None
+    )
     return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
                   source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
 

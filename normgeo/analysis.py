@@ -16,7 +16,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m normgeo.analysis", description="Cross-model summary (Table 1) of analyze.py outputs."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    summary_parser = commands.add_parser("summary", help="pool angles.jsonl of one or more output directories")
+    summary_parser = commands.add_parser(
+        "summary", help="pool angles.jsonl of one or more output directories"
+    )
     summary_parser.add_argument("run_dirs", nargs="+", type=Path, help="directories holding angles.jsonl")
     summary_parser.add_argument("--out", type=Path, default=None, help="also write summary.csv/md here")
     args = parser.parse_args(argv)

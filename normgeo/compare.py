@@ -22,8 +22,8 @@ and writes, to ``--out`` (default ``<folder>/compare``):
   pointwise 95% interval (:mod:`normgeo.figures.verdict`).
 
 Margins: ``conf/compare/margins.yaml`` (the primary question and the secondary endpoints are declared there
-too); ``--margins FILE`` reads another file, ``--margin val_loss=0.01`` overrides one key (repeatable). A bad margin is one line on
-stderr and exit status 2, nothing written.
+too); ``--margins FILE`` reads another file, ``--margin val_loss=0.01`` overrides one key (repeatable). A bad
+margin is one line on stderr and exit status 2, nothing written.
 
 A ``placement=post`` run's arm is its norm + ``+post`` (``layer+post``).
 
@@ -59,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="normgeo-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("paths", nargs="+", type=Path, help="a sweep folder (outputs/) or run directories")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <first path>/compare)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: <first path>/compare)"
+    )
     parser.add_argument("--formats", default="png,pdf", help="figure formats, comma-separated (png,pdf)")
     parser.add_argument("--refs", default=None, help="references to draw, e.g. ones (default: all)")
     parser.add_argument("--margins", type=Path, default=None,
@@ -74,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     first = args.paths[0]
-    out_dir = args.out or (first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent)
+    out_dir = args.out or (
+        first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent
+    )
     out_dir = out_dir / "compare" if args.out is None else out_dir
     try:  # every option checked before anything is written
         formats = check_formats(args.formats.split(","))
@@ -94,8 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except PermissionError as err:  # a folder inside out_dir, or a file in it, that this user cannot write
-        print(f"error: --out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another --out=...",
-              file=sys.stderr)
+        print(
+            f"error: --out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another --out=...",
+            file=sys.stderr,
+        )
         return 2
     for name, paths in written.items():
         print(f"{name}: {len(paths)} file(s)")

@@ -1,10 +1,11 @@
-"""Downstream evaluation of trained arms through lm-evaluation-harness: ``python -m normgeo.evaluate RUN_DIR...``.
+"""Downstream evaluation of trained arms through
+lm-evaluation-harness: ``python -m normgeo.evaluate RUN_DIR...``.
 
 Each run's checkpoint (``--step N``, default its highest saved step) is exported as a Hugging Face directory
 (:mod:`normgeo.export`, into a temporary folder) and evaluated with lm-evaluation-harness' own
 ``simple_evaluate`` on ``HFLM`` (float32, the run's context length). The scores go to ``<run>/eval.json``
-(written atomically; a second evaluation with other tasks keeps the first one's scores), where ``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like
-the validation loss.
+(written atomically; a second evaluation with other tasks keeps the first one's scores), where
+``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like the validation loss.
 
 Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/tasks`` builds
 ``wiki_next_sentence`` (choose a Wikipedia paragraph's true next sentence among 4) from
@@ -31,7 +32,13 @@ from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
 from normgeo.readers.downstream import EVAL_FILE, merged_eval, read_eval
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpora" / "wikipedia" / "enwiki-wikiextractor"
+DEFAULT_CORPUS = (
+    Path(__file__).resolve().parent.parent.parent
+    / "shared"
+    / "corpora"
+    / "wikipedia"
+    / "enwiki-wikiextractor"
+)
 
 
 def _scores(results: dict, samples: dict, task: str) -> dict:
@@ -42,10 +49,13 @@ def _scores(results: dict, samples: dict, task: str) -> dict:
     return scores
 
 
-def truncated_examples(task, context: int, limit: int | None, encode: Callable[[str], list[int]]) -> int | None:
-    """How many of a multiple-choice task's examples (the first ``limit``) have a choice whose context + choice is
-    longer than the model's ``context`` tokens: lm-eval cuts those from the left, so the model scores a truncated
-    context. None for other kinds of task, or when the task's documents cannot be read this way."""
+def truncated_examples(
+    task, context: int, limit: int | None, encode: Callable[[str], list[int]]
+) -> int | None:
+    """How many of a multiple-choice task's examples (the first ``limit``) have a
+    choice whose context + choice is longer than the model's ``context`` tokens:
+    lm-eval cuts those from the left, so the model scores a truncated context. None
+    for other kinds of task, or when the task's documents cannot be read this way."""
     if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
         return None
     try:
@@ -64,8 +74,15 @@ def task_manager(include_path: Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None, limit: int | None = None,
-                 batch_size: int = 8, device: str = "cpu") -> dict:
+def evaluate_run(
+    run_dir: Path,
+    tasks: Sequence[str],
+    manager,
+    step: int | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+) -> dict:
     """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
     # lm-eval takes seconds to import: only once every option has been checked (main).
     import lm_eval.models.huggingface
@@ -81,9 +98,18 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
         truncated = {name: truncated_examples(task, context, limit, encode)
                      for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items()
                      if isinstance(name, str)}
-        output = lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
-                                         log_samples=False, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
-                                         torch_random_seed=0, fewshot_random_seed=0)
+        output = lm_eval.simple_evaluate(
+            model=model,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            log_samples=False,
+            bootstrap_iters=1000,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
     samples = output.get("n-samples", {})
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
                 "context": context, "lm_eval_version": lm_eval.__version__}
@@ -92,9 +118,13 @@ def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None 
         if count is not None and task in scores:
             scores[task]["truncated"] = count  # examples the model saw cut to its context (from the left)
             if count:
-                print(f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples are longer "
-                      f"than the model's {context}-token context; lm-eval cut them from the left, so the "
-                      "score is of truncated examples (eval.json records the count)", file=sys.stderr)
+                print(
+                    f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples "
+                    "are longer "
+                    f"than the model's {context}-token context; lm-eval cut them from the left, so the "
+                    "score is of truncated examples (eval.json records the count)",
+                    file=sys.stderr,
+                )
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
     atomic_write_json(run_dir / EVAL_FILE, record)
     return record
@@ -104,18 +134,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="*", type=Path, help="train.py run directories")
-    parser.add_argument("--tasks", default=TASK_NAME, help=f"comma-separated lm-eval tasks (default {TASK_NAME})")
-    parser.add_argument("--include-path", type=Path, default=None, help="a folder of task YAMLs (--make-task's)")
-    parser.add_argument("--step", type=int, default=None, help="evaluate checkpoints/step-<N>.ckpt of every run")
+    parser.add_argument(
+        "--tasks", default=TASK_NAME, help=f"comma-separated lm-eval tasks (default {TASK_NAME})"
+    )
+    parser.add_argument(
+        "--include-path", type=Path, default=None, help="a folder of task YAMLs (--make-task's)"
+    )
+    parser.add_argument(
+        "--step", type=int, default=None, help="evaluate checkpoints/step-<N>.ckpt of every run"
+    )
     parser.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0, ...")
-    parser.add_argument("--make-task", type=Path, default=None, metavar="DIR",
-                        help=f"build the offline task {TASK_NAME} into DIR (then --include-path DIR) and exit")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder")
+    parser.add_argument(
+        "--make-task",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"build the offline task {TASK_NAME} into DIR (then --include-path DIR) and exit",
+    )
+    parser.add_argument(
+        "--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder"
+    )
     parser.add_argument("--examples", type=int, default=500, help="--make-task's number of examples")
     args = parser.parse_args(argv)
-    # The temporary export is removed and eval.json keeps what it held (the runs evaluated before it: updated).
+    # The temporary export is removed and eval.json keeps
+    # what it held (the runs evaluated before it: updated).
     stop_on_signals("during the evaluation", "run the same command again")
 
     if args.make_task is not None:
@@ -131,8 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: give run directories to evaluate (or --make-task DIR)", file=sys.stderr)
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    # Every refusal before the first (slow) evaluation: the options, the checkpoints, the run folders (eval.json is
-    # written into each after its evaluation), the include path, the task names.
+    # Every refusal before the first (slow) evaluation: the options, the checkpoints, the run folders
+    # (eval.json is written into each after its evaluation), the include path, the task names.
     refusal = (f"--tasks {args.tasks!r}: no task name in it; give e.g. --tasks {TASK_NAME}" if not tasks else
                f"--limit {args.limit}: give at least 1 example per task, or leave --limit out for all of them"
                if args.limit is not None and args.limit < 1 else
@@ -146,13 +190,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             choose_checkpoint(run_dir, args.step)
             read_eval(run_dir)  # a damaged eval.json is named now, not after the evaluation
             if not os.access(run_dir, os.W_OK):
-                raise ExportError(f"run directory {run_dir} is not writable: its eval.json could not be saved after "
-                                  "the evaluation (chmod u+w it, or evaluate a copy)")
+                raise ExportError(
+                    f"run directory {run_dir} is not writable: its eval.json could not be saved after "
+                    "the evaluation (chmod u+w it, or evaluate a copy)"
+                )
     except (ExportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.include_path is not None and not args.include_path.is_dir():
-        print(f"error: --include-path {args.include_path}: no such folder (build it with --make-task)", file=sys.stderr)
+        print(
+            f"error: --include-path {args.include_path}: no such folder (build it with --make-task)",
+            file=sys.stderr,
+        )
         return 2
     manager = task_manager(args.include_path)
     unknown = sorted(set(tasks) - set(manager.all_tasks))
@@ -163,17 +212,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for run_dir in args.run_dirs:
         try:
-            record = evaluate_run(run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device)
+            record = evaluate_run(
+                run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device
+            )
         except ExportError as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
             print(f"error: {run_dir}: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:
             if (full := full_disk_cause(exc)) is None:
                 raise
-            print(f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as it was; "
-                  "free some space and run the same command again", file=sys.stderr)
+            print(
+                f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is "
+                "as it was; "
+                "free some space and run the same command again",
+                file=sys.stderr,
+            )
             return 2
-        scores = "; ".join(f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items())
+        scores = "; ".join(
+            f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items()
+        )
         print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")
     return 0
 

@@ -97,12 +97,13 @@ class ConversionCheck:
 
     parity: RmsParity
     ones_energy: float  # the largest energy fraction along 1 at any norm input (float64; ~0 by construction)
-    add_centering_delta_loss: float  # the centering intervention "add centering" at every norm: its Δloss (float64)
+    # the centering intervention "add centering" at every norm: its Δloss (float64)
+    add_centering_delta_loss: float
 
 
 def ones_energy_and_centering(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
-    """(the largest energy fraction along 1 at any norm input, the Δloss of the centering intervention at every
-    norm at once) of ``model`` on ``ids`` (sequences, tokens), from the measurement pipeline."""
+    """(the largest energy fraction along 1 at any norm input, the Δloss of the centering intervention at
+    every norm at once) of ``model`` on ``ids`` (sequences, tokens), from the measurement pipeline."""
     probe = ProbeConfig(tokens=ids.numel(), batch_size=ids.shape[0], seed=PARITY_SEED, intervention=("all",),
                         intervention_tokens=None)
     records = measure_records(model, ids.flatten(), ids.shape[1], make_references(model.config.n_embd), probe,
@@ -132,26 +133,38 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path |
     """The checkpoint to export: ``checkpoint``, the one of ``step``, or the run's highest saved step."""
     if checkpoint is not None:
         if not checkpoint.is_file():
-            raise ExportError(f"--checkpoint {checkpoint}: no such file (give a .ckpt from <run_dir>/checkpoints/)")
-        # The model card and normgeo_export.json describe run_dir: a checkpoint of another run would be mislabelled.
+            raise ExportError(
+                f"--checkpoint {checkpoint}: no such file (give a .ckpt from <run_dir>/checkpoints/)"
+            )
+        # The model card and normgeo_export.json describe run_dir:
+        # a checkpoint of another run would be mislabelled.
         owner = checkpoint.resolve().parent.parent
         if (owner / RUN_CONFIG_FILE).is_file() and owner != run_dir.resolve():
-            raise ExportError(f"--checkpoint {checkpoint} belongs to the run {owner}, not {run_dir}: give {owner} "
-                              "as the run directory")
+            raise ExportError(
+                f"--checkpoint {checkpoint} belongs to the run {owner}, not {run_dir}: give {owner} "
+                "as the run directory"
+            )
         return checkpoint
     if not run_dir.is_dir():
-        raise ExportError(f"run directory {run_dir} does not exist (give a train.py run directory, e.g. outputs/smoke-rms-s0)")
+        raise ExportError(
+            f"run directory {run_dir} does not exist (give a train.py run directory, e.g. "
+            "outputs/smoke-rms-s0)"
+        )
     steps = saved_steps(run_dir)
     last = run_dir / "checkpoints" / LAST_CHECKPOINT
     if not steps and not last.is_file():
-        raise ExportError(f"{run_dir} has no checkpoints (no {run_dir / 'checkpoints'}/step-*.ckpt or last.ckpt): "
-                          "give a train.py run directory that has saved one")
+        raise ExportError(
+            f"{run_dir} has no checkpoints (no {run_dir / 'checkpoints'}/step-*.ckpt or last.ckpt): "
+            "give a train.py run directory that has saved one"
+        )
     if step is None:
         return steps[max(steps)] if steps else last
     if step not in steps:
         saved = ", ".join(map(str, steps)) or "none"
-        raise ExportError(f"--step {step}: {run_dir} saved no checkpoint at that step (saved steps: {saved}); "
-                          "pick one of them or --checkpoint PATH")
+        raise ExportError(
+            f"--step {step}: {run_dir} saved no checkpoint at that step (saved steps: {saved}); "
+            "pick one of them or --checkpoint PATH"
+        )
     return steps[step]
 
 
@@ -171,13 +184,17 @@ def _validation_loss(run_dir: Path, step: int | None) -> tuple[float, int] | Non
 
 
 # Said in the card of every export with its own model code: when trust_remote_code=True is needed, and why the
-# tokenizer is loaded by its class (AutoTokenizer reads config.json first, finds custom code and asks about it).
+# tokenizer is loaded by its class (AutoTokenizer reads
+# config.json first, finds custom code and asks about it).
 CUSTOM_CODE = (
-    "`trust_remote_code=True` is needed for the model only: `{cls}` (a norm or placement transformers has no class "
-    "for) is defined in `modeling_normgeo.py` beside the weights, which transformers runs. The tokenizer is GPT-2's "
+    "`trust_remote_code=True` is needed for the model only: `{cls}` (a norm or placement "
+    "transformers has no class "
+    "for) is defined in `modeling_normgeo.py` beside the weights, which transformers runs. The "
+    "tokenizer is GPT-2's "
     "and needs no code: `GPT2TokenizerFast.from_pretrained` loads it without asking. "
     "`AutoTokenizer.from_pretrained` reads `config.json` first, finds the model's custom code there and asks "
-    "whether to run it; `AutoTokenizer.from_pretrained(DIR, trust_remote_code=False)` loads the same tokenizer "
+    "whether to run it; `AutoTokenizer.from_pretrained(DIR, trust_remote_code=False)` loads the same "
+    "tokenizer "
     "without asking."
 )
 HOW_TO_LOAD = {
@@ -217,59 +234,92 @@ def conversion_section(gpt: GPT, check: ConversionCheck) -> list[str]:
     cfg = gpt.config
     sequences, tokens = parity_ids(gpt).shape
     return [
-        f"## Converted from {arm_label(cfg.norm)} to RMSNorm", "",
+        f"## Converted from {arm_label(cfg.norm)} to RMSNorm",
+        "",
         f"This is the Pre-LN `{cfg.norm}` arm converted to an RMSNorm model with the same logits "
         "(`--as rms`, `models/export/hf.py`): every weight that writes into the residual stream (token and "
         "position embeddings, each attention and MLP output projection and its bias) is centred across the "
-        f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an RMSNorm on it "
-        f"(same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear layer it feeds "
-        "(ln1 into the attention's qkv, ln2 into the MLP's first layer, the final norm into the LM head), and "
-        "every RMSNorm has gain 1.", "",
-        "- The LM head is **untied** from the input embedding: it holds the final norm's gain (and the embedding "
-        "is centred)" + (" and was tied in training." if cfg.tie_embeddings else "; it was untied in training too."),
-        ("- The LM head has a **bias**: the final LayerNorm's bias, folded into it (`lm_head_bias: true` in "
-         "`config.json`)." if lm_head_bias(cfg) else
-         "- The LM head has no bias (the arm's LayerNorms have none)."),
+        f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an "
+        "RMSNorm on it "
+        f"(same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear "
+        "layer it feeds "
+        "(ln1 into the attention's qkv, ln2 into the MLP's first layer, the final norm into the LM "
+        "head), and "
+        "every RMSNorm has gain 1.",
+        "",
+        "- The LM head is **untied** from the input embedding: it holds the final norm's gain (and "
+        "the embedding "
+        "is centred)"
+        + (" and was tied in training." if cfg.tie_embeddings else "; it was untied in training too."),
+        (
+            "- The LM head has a **bias**: the final LayerNorm's bias, folded into it "
+            "(`lm_head_bias: true` in "
+            "`config.json`)."
+            if lm_head_bias(cfg)
+            else "- The LM head has no bias (the arm's LayerNorms have none)."
+        ),
         "- The residual stream is the original's minus its mean at every position: the angle with **1** that "
-        "normgeo measures reads 90° here by construction. Measure the original export (without `--as`) for the "
-        "trained geometry.", "",
-        f"Measured at export on {sequences} x {tokens} seeded token ids:", "",
-        "| check | value |", "|---|---|",
-        f"| logit parity, float64 | {check.parity.float64_relative:.1e} (max abs difference / max abs logit) |",
-        f"| logit parity, float32 (these weights) | {check.parity.float32_max_abs:.1e} (max abs difference; the "
+        "normgeo measures reads 90° here by construction. Measure the original export (without "
+        "`--as`) for the "
+        "trained geometry.",
+        "",
+        f"Measured at export on {sequences} x {tokens} seeded token ids:",
+        "",
+        "| check | value |",
+        "|---|---|",
+        f"| logit parity, float64 | {check.parity.float64_relative:.1e} (max abs difference / max "
+        "abs logit) |",
+        f"| logit parity, float32 (these weights) | {check.parity.float32_max_abs:.1e} (max abs "
+        "difference; the "
         f"original's own float32 logits are {check.parity.float32_rounding:.1e} from its float64 ones) |",
         f"| energy along 1 at the norm inputs, float64 | {check.ones_energy:.1e} (largest fraction) |",
-        f"| centering intervention \"add centering\" (every norm), float64 | Δloss {check.add_centering_delta_loss:.1e} "
-        "nats |", "",
+        '| centering intervention "add centering" (every norm), float64 | Δloss '
+        f"{check.add_centering_delta_loss:.1e} "
+        "nats |",
+        "",
     ]
 
 
 def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hparams: dict, target: str,
                model_class: str, conversion: ConversionCheck | None = None) -> str:
     cfg = gpt.config
-    tokens = step * tokens_per_step(hparams["global_batch"], cfg.block_size) if step is not None and "global_batch" in hparams else None
+    tokens = (
+        step * tokens_per_step(hparams["global_batch"], cfg.block_size)
+        if step is not None and "global_batch" in hparams
+        else None
+    )
     val = _validation_loss(run_dir, step)
     run_config = run_dir / "run_config.yaml"
     lines = [
-        f"# normgeo {arm_label(cfg.norm)} ({cfg.placement}-norm), step {step}", "",
+        f"# normgeo {arm_label(cfg.norm)} ({cfg.placement}-norm), step {step}",
+        "",
         "A GPT-2 language model trained by the normgeo harness, exported with "
-        f"`python -m normgeo.export --to {target}{' --as rms' if conversion else ''}`.", "",
-        "| | |", "|---|---|",
+        f"`python -m normgeo.export --to {target}{' --as rms' if conversion else ''}`.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| arm | `{cfg.norm}` ({arm_label(cfg.norm)}){', converted to RMSNorm' if conversion else ''} |",
         f"| placement | {cfg.placement}-norm |",
         f"| size | {cfg.n_layer} layers, d = {cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}, "
         f"{gpt.num_parameters():,} parameters |",
         f"| embeddings | {'tied' if cfg.tie_embeddings else 'untied'} input embedding and LM head |",
-        f"| vocabulary | GPT-2 BPE (tiktoken `gpt2`, {cfg.vocab_size} tokens); logits over {cfg.padded_vocab_size} "
+        f"| vocabulary | GPT-2 BPE (tiktoken `gpt2`, {cfg.vocab_size} tokens); logits over "
+        f"{cfg.padded_vocab_size} "
         "(padded to a multiple of 64 as in training: the padded ids are never produced by the tokenizer) |",
         f"| step | {step} |",
         f"| tokens seen | {tokens:,} |" if tokens is not None else "| tokens seen | unknown |",
-        (f"| validation loss | {val[0]:.4f} nats (logged at step {val[1]}) |" if val
-         else "| validation loss | not logged by this run |"),
+        (
+            f"| validation loss | {val[0]:.4f} nats (logged at step {val[1]}) |"
+            if val
+            else "| validation loss | not logged by this run |"
+        ),
         f"| checkpoint | `{checkpoint.resolve()}` |",
-        f"| model class | `{model_class}` |", "",
-        "## How to load", "",
-        HOW_TO_LOAD[target].format(dir="<this directory>", cls=model_class), "",
+        f"| model class | `{model_class}` |",
+        "",
+        "## How to load",
+        "",
+        HOW_TO_LOAD[target].format(dir="<this directory>", cls=model_class),
+        "",
     ]
     if target != "transformer-lens" and model_class != "GPT2LMHeadModel":
         lines += [CUSTOM_CODE.format(cls=model_class), ""]
@@ -282,8 +332,9 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
 
 def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = None,
                checkpoint: Path | None = None, as_norm: str | None = None) -> Exported:
-    """Write the export of one checkpoint to ``out_dir`` (which must not exist, or be empty); ExportError on bad
-    input. ``as_norm="rms"``: the Pre-LN LayerNorm arm converted to RMSNorm (:func:`models.export.hf.to_hf`)."""
+    """Write the export of one checkpoint to ``out_dir`` (which must not exist,
+    or be empty); ExportError on bad input. ``as_norm="rms"``: the Pre-LN
+    LayerNorm arm converted to RMSNorm (:func:`models.export.hf.to_hf`)."""
     if target not in TARGETS:
         raise ExportError(f"--to {target}: choose one of {', '.join(TARGETS)}")
     if as_norm is not None and as_norm not in CONVERSIONS:
@@ -299,9 +350,11 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         raise ExportError(str(err)) from None
     resolved = out_dir.resolve()
     if inside := next((d for d in (resolved, *resolved.parents) if (d / RUN_CONFIG_FILE).is_file()), None):
-        raise ExportError(f"--out {out_dir} is inside the run directory {inside}, where resume, status and the "
-                          f"sweep readers look for runs and checkpoints; write it beside the run, e.g. --out "
-                          f"{inside.parent / f'{inside.name}-{target}'}")
+        raise ExportError(
+            f"--out {out_dir} is inside the run directory {inside}, where resume, status and the "
+            f"sweep readers look for runs and checkpoints; write it beside the run, e.g. --out "
+            f"{inside.parent / f'{inside.name}-{target}'}"
+        )
     path = choose_checkpoint(run_dir, step, checkpoint)
     try:
         gpt, saved_step, hparams = load_checkpoint(path)
@@ -315,7 +368,11 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         tokenizer = gpt2_tokenizer(gpt.config.block_size)
     except TokenizerError as exc:
         raise ExportError(str(exc)) from exc
-    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt, as_rms=as_norm is not None)
+    model_class = (
+        "HookedTransformer"
+        if target == "transformer-lens"
+        else hf_class_name(gpt, as_rms=as_norm is not None)
+    )
     conversion = check_conversion(gpt, parity_ids(gpt)) if as_norm is not None else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -328,31 +385,49 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         else:
             save_hf(gpt, partial, as_rms=as_norm is not None)
         tokenizer.save_pretrained(partial)
-        atomic_write_text(partial / "README.md",
-                          model_card(gpt, run_dir, path, saved_step, hparams, target, model_class, conversion))
-        atomic_write_json(partial / EXPORT_INFO, {
-            "run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()), "step": saved_step,
-            "target": target, "model_class": model_class, "norm": gpt.config.norm,
-            "placement": gpt.config.placement, "tie_embeddings": gpt.config.tie_embeddings,
-            **({"transformer_lens": TRANSFORMER_LENS_TARGET} if target == "transformer-lens" else {}),
-            **({"as": as_norm, "conversion": dataclasses.asdict(conversion)} if conversion is not None else {}),
-        })
+        atomic_write_text(
+            partial / "README.md",
+            model_card(gpt, run_dir, path, saved_step, hparams, target, model_class, conversion),
+        )
+        atomic_write_json(
+            partial / EXPORT_INFO,
+            {
+                "run_dir": str(run_dir.resolve()),
+                "checkpoint": str(path.resolve()),
+                "step": saved_step,
+                "target": target,
+                "model_class": model_class,
+                "norm": gpt.config.norm,
+                "placement": gpt.config.placement,
+                "tie_embeddings": gpt.config.tie_embeddings,
+                **({"transformer_lens": TRANSFORMER_LENS_TARGET} if target == "transformer-lens" else {}),
+                **(
+                    {"as": as_norm, "conversion": dataclasses.asdict(conversion)}
+                    if conversion is not None
+                    else {}
+                ),
+            },
+        )
         give_usual_file_modes(partial)
         try:
             if out_dir.is_dir():
                 out_dir.rmdir()  # empty (checked above); rename needs the name free
             os.rename(partial, out_dir)
         except OSError as err:  # another export wrote --out in the meantime
-            raise ExportError(f"--out {out_dir} was written by another command while this export ran: nothing of "
-                              "this one was kept; choose a new directory") from err
+            raise ExportError(
+                f"--out {out_dir} was written by another command while this export ran: nothing of "
+                "this one was kept; choose a new directory"
+            ) from err
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
         full = full_disk_cause(err)
         # safetensors' Rust writer reports a full disk as a SafetensorError, not an OSError: "(os error 28)".
         if full is not None or any(f"(os error {code})" in str(err) for code in (errno.ENOSPC, errno.EDQUOT)):
             where = full.filename if full is not None and full.filename else out_dir.parent
-            raise ExportError(f"--out {out_dir}: the disk is full ({where}): nothing was kept; free some space and "
-                              "run the same command again") from err
+            raise ExportError(
+                f"--out {out_dir}: the disk is full ({where}): nothing was kept; free some space and "
+                "run the same command again"
+            ) from err
         raise
     return Exported(out_dir, path, saved_step, target, model_class, conversion)
 
@@ -366,8 +441,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     which.add_argument("--checkpoint", type=Path, default=None, help="export this .ckpt")
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library")
     parser.add_argument("--out", required=True, type=Path, help="the new directory to write")
-    parser.add_argument("--as", dest="as_norm", default=None, choices=CONVERSIONS,
-                        help="convert a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (--to hf/nnsight)")
+    parser.add_argument(
+        "--as",
+        dest="as_norm",
+        default=None,
+        choices=CONVERSIONS,
+        help="convert a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (--to hf/nnsight)",
+    )
     args = parser.parse_args(argv)
     stop_on_signals("during the export", "--out was not written; run the same command again")
     try:
@@ -376,9 +456,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if (diverged := divergence(args.run_dir)) is not None:
-        print(f"warning: {args.run_dir} diverged at step {diverged.get('step')} (its summary.json): the export "
-              f"holds its checkpoint of step {exported.step}, saved before the divergence", file=sys.stderr)
-    print(f"exported {exported.checkpoint} (step {exported.step}) as {exported.model_class} to {exported.out_dir}")
+        print(
+            f"warning: {args.run_dir} diverged at step {diverged.get('step')} (its summary.json): the export "
+            f"holds its checkpoint of step {exported.step}, saved before the divergence",
+            file=sys.stderr,
+        )
+    print(
+        f"exported {exported.checkpoint} (step {exported.step}) as {exported.model_class} to "
+        f"{exported.out_dir}"
+    )
     if (check := exported.conversion) is not None:
         print(f"converted to RMSNorm: logit parity {check.parity.float64_relative:.1e} relative in float64, "
               f"{check.parity.float32_max_abs:.1e} max abs in float32; energy along 1 at the norm inputs "

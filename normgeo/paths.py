@@ -1,4 +1,5 @@
-"""Names and folders: the one file-name slug, paths a generated page may show, and folders an entry point creates.
+"""Names and folders: the one file-name slug, paths a
+generated page may show, and folders an entry point creates.
 
 Shared by the run's start (normgeo.runs), analyze.py, the figures and the readers (compare, report), so that
 none of them imports another's machinery for a name or a folder check: normgeo's lowest floor, the standard
@@ -15,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# An absolute path in a generated page: a "/" not inside a word, a number or a URL ("https://"), then no space.
+# An absolute path in a generated page: a "/" not inside
+# a word, a number or a URL ("https://"), then no space.
 ABSOLUTE_PATH = re.compile(r"(?<![\w./])/(?!/)[^\s,;)'\"`]+")
 
 
@@ -24,8 +26,8 @@ class FolderError(ValueError):
 
 
 def repo_relative(text: str, root: Path = REPO_ROOT) -> str:
-    """``text`` with every absolute path on this machine written relative to the repository (``../shared/...``),
-    so that a generated page's commands and sources run from any checkout."""
+    """``text`` with every absolute path on this machine written relative to the repository
+    (``../shared/...``), so that a generated page's commands and sources run from any checkout."""
 
     def relative(match: re.Match[str]) -> str:
         path = match.group(0)
@@ -62,8 +64,10 @@ def check_writable_folder(folder: Path, key: str) -> None:
         raise FolderError(f"{key}={folder}: {existing} is {what}, so the folder cannot be created there; "
                           f"choose another {key}=...")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise FolderError(f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
-                          f"choose another {key}=...")
+        raise FolderError(
+            f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
+            f"choose another {key}=..."
+        )
 
 
 def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: str) -> None:
@@ -100,8 +104,8 @@ def topmost_missing(path: Path) -> Path | None:
 
 
 def remove_created(path: Path, created: Path | None) -> None:
-    """Undo ``mkdir(parents=True)`` of ``path`` whose topmost new folder was ``created``: ``path`` removed with its
-    contents, then each parent it created while empty (something else may live there by now)."""
+    """Undo ``mkdir(parents=True)`` of ``path`` whose topmost new folder was ``created``: ``path`` removed
+    with its contents, then each parent it created while empty (something else may live there by now)."""
     if created is None:
         return
     shutil.rmtree(path, ignore_errors=True)

@@ -88,8 +88,9 @@ class Split:
 
 
 def run_table(root: Path, metric: str) -> pd.DataFrame:
-    """One row per finished run under ``root``: norm, seed, data_seed, threads, run_dir, the metric and the
-    final validation loss. A run stopped before its end (no summary.json saying finished) is not a pilot point."""
+    """One row per finished run under ``root``: norm, seed, data_seed,
+    threads, run_dir, the metric and the final validation loss. A run stopped
+    before its end (no summary.json saying finished) is not a pilot point."""
     rows = []
     for config_path in sorted(root.glob("*/run_config.yaml")):
         run_dir = config_path.parent
@@ -104,10 +105,20 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
             continue
         data = config.get("data") or {}
         values = {"val_loss": float(curve.iloc[-1]), "val_loss/tail": tail_mean(curve, VAL_TAIL)}
-        rows.append({"run": run_dir.name, "run_dir": str(run_dir), "norm": (config.get("norm") or {}).get("name"),
-                     "seed": int(config.get("seed", 0)), "data_seed": int(data.get("seed", config.get("seed", 0))),
-                     "threads": config.get("threads"), "val_seed": data.get("val_seed"), "metric": values[metric],
-                     "final": values["val_loss"], "rise": largest_rise(metrics)})
+        rows.append(
+            {
+                "run": run_dir.name,
+                "run_dir": str(run_dir),
+                "norm": (config.get("norm") or {}).get("name"),
+                "seed": int(config.get("seed", 0)),
+                "data_seed": int(data.get("seed", config.get("seed", 0))),
+                "threads": config.get("threads"),
+                "val_seed": data.get("val_seed"),
+                "metric": values[metric],
+                "final": values["val_loss"],
+                "rise": largest_rise(metrics),
+            }
+        )
     return pd.DataFrame(rows, columns=["run", "run_dir", "norm", "seed", "data_seed", "threads", "val_seed",
                                        "metric", "final", "rise"])
 
@@ -137,10 +148,12 @@ def design_text(run_dir: Path) -> str:
     """The training design of a pilot run, from its run config, in one line."""
     config = load_run_config(run_dir) or {}
     optim = config.get("optim") or {}
-    return (f"{config.get('global_batch')} sequences x {config.get('seq_len')} tokens per step, "
-            f"{config.get('max_steps'):,} steps, peak learning rate {optim.get('lr'):g} after "
-            f"{optim.get('warmup_steps')} warm-up steps, cosine to {optim.get('min_lr_ratio'):g} of the peak, "
-            f"{config.get('val_sequences')} validation windows (val_seed={config.get('val_seed')})")
+    return (
+        f"{config.get('global_batch')} sequences x {config.get('seq_len')} tokens per step, "
+        f"{config.get('max_steps'):,} steps, peak learning rate {optim.get('lr'):g} after "
+        f"{optim.get('warmup_steps')} warm-up steps, cosine to {optim.get('min_lr_ratio'):g} of the peak, "
+        f"{config.get('val_sequences')} validation windows (val_seed={config.get('val_seed')})"
+    )
 
 
 def sd_of(values: Sequence[float]) -> float | None:
@@ -148,16 +161,21 @@ def sd_of(values: Sequence[float]) -> float | None:
 
 
 def validation_windows(run_dir: Path) -> tuple[PreparedData, TokenWindows, int, int]:
-    """(the prepared data, the windows, their count, the micro-batch) of the run's validation: the data module's
-    draw (``val_seed``, else ``seed``; ``val_sequences`` rounded to whole micro-batches)."""
+    """(the prepared data, the windows, their count, the micro-batch) of the run's validation: the data
+    module's draw (``val_seed``, else ``seed``; ``val_sequences`` rounded to whole micro-batches)."""
     config = load_run_config(run_dir) or {}
     data = config["data"]
     prepared = load_prepared(data["directory"], tokenizer=data.get("tokenizer", "gpt2"))
     micro = int(config["micro_batch"])
     count = max(micro, int(config["val_sequences"]) // micro * micro)
     seed = config.get("val_seed")
-    windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(config["seq_len"]), count,
-                           int(data["seed"] if seed is None else seed))
+    windows = TokenWindows(
+        str(prepared.path("val")),
+        prepared.num_tokens("val"),
+        int(config["seq_len"]),
+        count,
+        int(data["seed"] if seed is None else seed),
+    )
     return prepared, windows, count, micro
 
 
@@ -202,10 +220,14 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     config = load_verdict_config()
     arm, other, name = config.primary.arm, config.primary.other, config.primary.metric
     if not name.startswith("val_loss"):
-        raise PilotError(f"the primary metric {name} is not a validation loss; the pilot splits val_loss only")
+        raise PilotError(
+            f"the primary metric {name} is not a validation loss; the pilot splits val_loss only"
+        )
     runs = run_table(root, name)
     if runs.empty:
-        raise PilotError(f"{root}: no finished run (run_config.yaml and a logged val/loss); run docs/make_pilot.sh")
+        raise PilotError(
+            f"{root}: no finished run (run_config.yaml and a logged val/loss); run docs/make_pilot.sh"
+        )
     paired = pairs(runs, arm, other)
     if paired.empty:
         raise PilotError(f"{root}: no (seed, data.seed, threads) with both {arm} and {other}")
@@ -234,7 +256,9 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     sd_val, windows, gap = None, 0, None
     base = at_base[(at_base["seed"] == base_seed) & (at_base["data_seed"] == base_data)]
     if score_windows and not base.empty:
-        sd_val, windows, mean_diff = validation_sd(Path(base["arm_run"].iloc[0]), Path(base["other_run"].iloc[0]))
+        sd_val, windows, mean_diff = validation_sd(
+            Path(base["arm_run"].iloc[0]), Path(base["other_run"].iloc[0])
+        )
         final = runs.set_index("run_dir")["final"]
         gap = mean_diff - (final[base["arm_run"].iloc[0]] - final[base["other_run"].iloc[0]])
     sd_arm, sd_other = sd_of(list(weights["arm"])), sd_of(list(weights["other"]))
@@ -261,38 +285,58 @@ def _n(value: float | None, spec: str = ".4f") -> str:
 def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
     s = split
     pair = f"{arm_label(s.arm)} − {arm_label(s.other)}"
-    lines = [f"# The pilot: where the variance of {pair} `{s.metric}` comes from", "",
-             f"The design priced: {s.design}.", "",
-             f"{len(runs)} runs. Each part is the SD of the paired difference with only that source varied "
-             "(nats); `python -m normgeo.pilot` (normgeo/pilot.py says how each is computed).", "",
-             "| source | varied | pairs | SD of the paired difference |", "|---|---|---|---|",
-             f"| initial weights | `seed` | {s.n_weights} | {_n(s.sd_weights)} |",
-             f"| batch order | `data.seed` | {s.n_batches} | {_n(s.sd_batches)} |",
-             f"| floating-point order | `threads` | {s.n_fp} | {_n(s.sd_fp)} |",
-             f"| validation sample | bootstrap over {s.validation_windows} windows of one pair | 1 | "
-             f"{_n(s.sd_validation)} |",
-             f"| **the study's design** (`seed` and `data.seed` together) | estimated | - | **{_n(s.sd_study)}** |", "",
-             f"- Each arm over the initial weights: SD {_n(s.sd_arm)} ({arm_label(s.arm)}), {_n(s.sd_other)} "
-             f"({arm_label(s.other)}); their correlation within a seed: {_n(s.correlation, '.2f')} (the pairing "
-             "removes 2 ρ sd sd of the variance: near 0, the arms' runs decorrelate and the pairing buys nothing).",
-             (f"- The thread count moved one arm's `{s.metric}` by at most {_n(s.largest_fp_move)} nats "
-              f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g})." if s.n_fp else
-              "- The floating-point order: no pair of runs with another thread count here (the study re-trains "
-              "two of its runs with 2 threads: `docs/make_threads_check.sh`)."),
-             f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the {len(runs)} runs; "
-             f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
-             f"smoothing) is {_n(s.unigram, '.3f')}.",
-             f"- Check: the checkpoints scored on the validation windows differ from the logged final difference by "
-             f"{_n(s.checkpoint_gap, '+.5f')} nats.",
-             f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds per arm to "
-             f"show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference of "
-             f"{s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
-             f"--sd {_n(s.sd_study)}`.", "",
-             "| run | arm | seed | data.seed | threads | " + s.metric + " | largest rise of train/loss above its "
-             "running minimum |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.run} | {r.norm} | {r.seed} | {r.data_seed} | {r.threads if r.threads is not None else '-'} | "
-              f"{r.metric:.4f} | {_n(r.rise, '.2f')} |"
-              for r in runs.sort_values(["seed", "data_seed", "threads", "norm"]).itertuples()]
+    lines = [
+        f"# The pilot: where the variance of {pair} `{s.metric}` comes from",
+        "",
+        f"The design priced: {s.design}.",
+        "",
+        f"{len(runs)} runs. Each part is the SD of the paired difference with only that source varied "
+        "(nats); `python -m normgeo.pilot` (normgeo/pilot.py says how each is computed).",
+        "",
+        "| source | varied | pairs | SD of the paired difference |",
+        "|---|---|---|---|",
+        f"| initial weights | `seed` | {s.n_weights} | {_n(s.sd_weights)} |",
+        f"| batch order | `data.seed` | {s.n_batches} | {_n(s.sd_batches)} |",
+        f"| floating-point order | `threads` | {s.n_fp} | {_n(s.sd_fp)} |",
+        f"| validation sample | bootstrap over {s.validation_windows} windows of one pair | 1 | "
+        f"{_n(s.sd_validation)} |",
+        "| **the study's design** (`seed` and `data.seed` together) | estimated | - | "
+        f"**{_n(s.sd_study)}** |",
+        "",
+        f"- Each arm over the initial weights: SD {_n(s.sd_arm)} ({arm_label(s.arm)}), {_n(s.sd_other)} "
+        f"({arm_label(s.other)}); their correlation within a seed: {_n(s.correlation, '.2f')} (the pairing "
+        "removes 2 ρ sd sd of the variance: near 0, the arms' runs decorrelate and the pairing buys "
+        "nothing).",
+        (
+            f"- The thread count moved one arm's `{s.metric}` by at most {_n(s.largest_fp_move)} nats "
+            f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g})."
+            if s.n_fp
+            else "- The floating-point order: no pair of runs with another thread count here (the study "
+            "re-trains "
+            "two of its runs with 2 threads: `docs/make_threads_check.sh`)."
+        ),
+        f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the "
+        f"{len(runs)} runs; "
+        f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
+        f"smoothing) is {_n(s.unigram, '.3f')}.",
+        "- Check: the checkpoints scored on the validation windows differ from the logged final "
+        "difference by "
+        f"{_n(s.checkpoint_gap, '+.5f')} nats.",
+        f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds "
+        "per arm to "
+        f"show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference of "
+        f"{s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
+        f"--sd {_n(s.sd_study)}`.",
+        "",
+        "| run | arm | seed | data.seed | threads | " + s.metric + " | largest rise of train/loss above its "
+        "running minimum |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.run} | {r.norm} | {r.seed} | {r.data_seed} | {r.threads if r.threads is not None else '-'} | "
+        f"{r.metric:.4f} | {_n(r.rise, '.2f')} |"
+        for r in runs.sort_values(["seed", "data_seed", "threads", "norm"]).itertuples()
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -300,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-pilot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the pilot sweep's folder (docs/make_pilot.sh's output)")
-    parser.add_argument("--out", type=Path, default=None, help="where pilot.md/.csv/.json go (default: the folder)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where pilot.md/.csv/.json go (default: the folder)"
+    )
     args = parser.parse_args(argv)
     out = args.out or args.folder
     try:

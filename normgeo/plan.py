@@ -1,4 +1,5 @@
-"""What a GPU run will cost, before it runs: ``python -m normgeo.plan <train.py overrides>`` (``normgeo-plan``).
+"""What a GPU run will cost, before it runs: ``python -m
+normgeo.plan <train.py overrides>`` (``normgeo-plan``).
 
 Composes the config exactly as ``train.py`` would (same overrides, same schema check) with Hydra's compose
 API, so nothing is written: no run directory, no ``.hydra``. Prints the parameter counts, FLOPs per token
@@ -10,9 +11,10 @@ time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. 
     python -m normgeo.plan experiment=paper_1b norm=rms
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
 
-Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g. ``val_loss`` (the final
-point) or ``val_loss/tail`` (the primary statistic)) with the standard deviation of the paired differences,
-given (``--sd``) or measured on a sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
+Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g.
+``val_loss`` (the final point) or ``val_loss/tail`` (the primary statistic)) with
+the standard deviation of the paired differences, given (``--sd``) or measured on a
+sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
 ``conf/compare/margins.yaml`` declares another). It prints the seeds per arm with which the equivalence test
 (TOST at 5%) shows equivalence within ±MARGIN with 80% power when the true difference is 0, the seeds with
 which the paired t-test detects a true difference of MARGIN with 80% power, and their GPU-hours (both arms,
@@ -121,9 +123,16 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
                           f"global_batch={cfg.global_batch}")
     model = module_arguments(cfg)
     return TrainSetup(
-        model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch), precision=precision,
-        strategy=strategy, world_size=world, gradient_clip=cfg.trainer.get("gradient_clip_val"),
-        fused_adamw=not on_cpu, probe_batch=int(cfg.probe.batch_size), **fsdp,
+        model=model,
+        micro_batch=int(cfg.micro_batch),
+        global_batch=int(cfg.global_batch),
+        precision=precision,
+        strategy=strategy,
+        world_size=world,
+        gradient_clip=cfg.trainer.get("gradient_clip_val"),
+        fused_adamw=not on_cpu,
+        probe_batch=int(cfg.probe.batch_size),
+        **fsdp,
     )
 
 
@@ -168,13 +177,25 @@ def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool
     with quiet_plan():
         plan = make_plan(setup, both_checkpointing=both_checkpointing, probe=probe)
     report = {
-        "config": {"size": cfg.size.name, "norm": cfg.norm.name, "precision": setup.precision,
-                   "strategy": setup.strategy, "world_size": setup.world_size, "micro_batch": setup.micro_batch,
-                   "global_batch": setup.global_batch, "seq_len": setup.seq_len, "max_steps": int(cfg.max_steps),
-                   "activation_checkpointing": setup.activation_checkpointing, "mfu": cfg.plan.mfu},
+        "config": {
+            "size": cfg.size.name,
+            "norm": cfg.norm.name,
+            "precision": setup.precision,
+            "strategy": setup.strategy,
+            "world_size": setup.world_size,
+            "micro_batch": setup.micro_batch,
+            "global_batch": setup.global_batch,
+            "seq_len": setup.seq_len,
+            "max_steps": int(cfg.max_steps),
+            "activation_checkpointing": setup.activation_checkpointing,
+            "mfu": cfg.plan.mfu,
+        },
         "counts": asdict(plan.counts),
-        "flops_per_token": {"counted": plan.configured.flops_per_token, "analytic": plan.analytic_flops_per_token,
-                            **{f"counted_{'ac' if k else 'no_ac'}": v.flops_per_token for k, v in plan.plans.items()}},
+        "flops_per_token": {
+            "counted": plan.configured.flops_per_token,
+            "analytic": plan.analytic_flops_per_token,
+            **{f"counted_{'ac' if k else 'no_ac'}": v.flops_per_token for k, v in plan.plans.items()},
+        },
         "flops_per_step": plan.step_flops(),
         "tokens_per_step": plan.tokens_per_step(),
         "total_tokens": plan.tokens_per_step() * int(cfg.max_steps),
@@ -195,20 +216,32 @@ def _gib(value: int) -> str:
 
 def print_report(report: dict) -> None:
     c, n, f = report["config"], report["counts"], report["flops_per_token"]
-    print(f"plan: {c['size']} {c['norm']} · {c['strategy']} over {c['world_size']} GPU(s) · {c['precision']} · "
-          f"micro_batch {c['micro_batch']} · global_batch {c['global_batch']} x seq_len {c['seq_len']} · "
-          f"{c['max_steps']:,} steps (planned with fake tensors, not measured)")
+    print(
+        f"plan: {c['size']} {c['norm']} · {c['strategy']} over {c['world_size']} GPU(s) · {c['precision']} · "
+        f"micro_batch {c['micro_batch']} · global_batch {c['global_batch']} x seq_len {c['seq_len']} · "
+        f"{c['max_steps']:,} steps (planned with fake tensors, not measured)"
+    )
     print(f"parameters: {n['parameters']:,} total · {n['non_embedding']:,} non-embedding · "
           f"{n['parameter_bytes'] / 1e9:.2f} GB · AdamW state {n['optimizer_bytes'] / 1e9:.2f} GB")
     delta = f["counted"] / f["analytic"] - 1
-    print(f"FLOPs per token: {f['counted']:.4g} counted (FlopCounterMode) · {f['analytic']:.4g} = 6N + 12·L·T·d "
-          f"with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's backward "
-          f"recomputes the scores)" + (f" · {f['counted_ac']:.4g} with activation checkpointing"
-                                       if "counted_ac" in f and not c["activation_checkpointing"] else ""))
+    print(
+        f"FLOPs per token: {f['counted']:.4g} counted (FlopCounterMode) · {f['analytic']:.4g} = 6N + "
+        "12·L·T·d "
+        f"with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's backward "
+        f"recomputes the scores)"
+        + (
+            f" · {f['counted_ac']:.4g} with activation checkpointing"
+            if "counted_ac" in f and not c["activation_checkpointing"]
+            else ""
+        )
+    )
     print(f"per optimizer step: {report['flops_per_step']:.4g} FLOPs, {report['tokens_per_step']:,} tokens · "
           f"whole run: {report['total_tokens']:,} tokens")
     columns = list(report["memory"])
-    header = ["GiB per GPU", *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns]]
+    header = [
+        "GiB per GPU",
+        *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns],
+    ]
     if report["probe_memory"]:
         header.append("at a probe")
     rows = []
@@ -225,16 +258,28 @@ def print_report(report: dict) -> None:
                   "s / step", "run hours", "GPU-hours"]
     gpu_lines = []
     for r in report["gpus"]:
-        gpu_lines.append([
-            r["name"], f"{r['memory_gib']:.1f}", _yes(r.get("fits_no_ac")), _mb(r.get("largest_micro_batch_no_ac")),
-            _yes(r.get("fits_ac")), _mb(r.get("largest_micro_batch_ac")),
-            f"{r['step_s']:.2f}", f"{r['run_hours']:.1f}", f"{r['gpu_hours']:.0f}",
-        ])
+        gpu_lines.append(
+            [
+                r["name"],
+                f"{r['memory_gib']:.1f}",
+                _yes(r.get("fits_no_ac")),
+                _mb(r.get("largest_micro_batch_no_ac")),
+                _yes(r.get("fits_ac")),
+                _mb(r.get("largest_micro_batch_ac")),
+                f"{r['step_s']:.2f}",
+                f"{r['run_hours']:.1f}",
+                f"{r['gpu_hours']:.0f}",
+            ]
+        )
     print_table(gpu_header, gpu_lines, left=("GPU",))
-    print(f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA context, NCCL) "
-          f"<= the card; largest micro_batch: peaks traced at micro_batch {report['measured_at_micro_batch']} and "
-          f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
-          "dense bf16 peak (models/plan.py GPUS), probes and validation not included")
+    print(
+        f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA "
+        "context, NCCL) "
+        "<= the card; largest micro_batch: peaks traced at micro_batch "
+        f"{report['measured_at_micro_batch']} and "
+        f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
+        "dense bf16 peak (models/plan.py GPUS), probes and validation not included"
+    )
     d = report["disk"]
     print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "
           f"{d['last_bytes'] / 1e9:.2f} GB = {d['total_bytes'] / 1e9:.1f} GB (probe files not counted)")
@@ -281,8 +326,8 @@ def parse_seeds_for(text: str) -> tuple[str, float]:
 
 
 def sweep_sd(sweep: Path, metric: str) -> tuple[float, str]:
-    """The SD of the per-seed differences of ``metric`` in the sweep's primary contrast, and where it comes from
-    in words."""
+    """The SD of the per-seed differences of ``metric`` in the
+    sweep's primary contrast, and where it comes from in words."""
     config = load_verdict_config()
     arm, other = config.primary.arm, config.primary.other
     estimates, _ = paired_estimates(run_measures(load([sweep])), config)
@@ -296,7 +341,9 @@ def sweep_sd(sweep: Path, metric: str) -> tuple[float, str]:
     return statistics.stdev(values), where
 
 
-def seeds_report(metric: str, margin: float, sd: float, source: str, report: dict, power: float = 0.8) -> dict:
+def seeds_report(
+    metric: str, margin: float, sd: float, source: str, report: dict, power: float = 0.8
+) -> dict:
     """Seeds per arm for equivalence and for a difference at ``margin``, and their GPU-hours per GPU."""
     config = load_verdict_config()
     arm, other = config.primary.arm, config.primary.other
@@ -316,18 +363,26 @@ def print_seeds(seeds: dict) -> None:
     about = metric(seeds["metric"])
     margin = about.margin_text(seeds["margin"])
     pair = f"{norm_label(seeds['arm'])} vs {norm_label(seeds['other'])}"
-    print(f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
-          f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, {seeds['power']:.0%} "
-          f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true difference of "
-          f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "
-          f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this plan's GPU-hours "
-          "per run (its FLOPs at plan.mfu; probes and validation not included).")
+    print(
+        f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
+        f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, "
+        f"{seeds['power']:.0%} "
+        f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true "
+        "difference of "
+        f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "
+        f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this "
+        "plan's GPU-hours "
+        "per run (its FLOPs at plan.mfu; probes and validation not included)."
+    )
     for row in seeds["gpus"]:
-        print(f"{pair} at {seeds['size']} to {margin}: {seeds['seeds_equivalence']} seeds per arm, "
-              f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} "
-              f"(2 x {seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a difference of "
-              f"{margin.lstrip('±')}: {seeds['seeds_difference']} seeds per arm, "
-              f"{row['gpu_hours_difference']:,.0f} GPU-hours)")
+        print(
+            f"{pair} at {seeds['size']} to {margin}: {seeds['seeds_equivalence']} seeds per arm, "
+            f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} "
+            f"(2 x {seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a "
+            "difference of "
+            f"{margin.lstrip('±')}: {seeds['seeds_difference']} seeds per arm, "
+            f"{row['gpu_hours_difference']:,.0f} GPU-hours)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,8 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seeds per arm that resolve MARGIN for a verdict metric, e.g. val_loss=0.01")
     parser.add_argument("--sd", type=float, default=None,
                         help="SD of the paired per-seed differences (for --seeds-for)")
-    parser.add_argument("--sweep", type=Path, default=None,
-                        help="a sweep folder (outputs/study) whose primary contrast gives the SD (for --seeds-for)")
+    parser.add_argument(
+        "--sweep",
+        type=Path,
+        default=None,
+        help="a sweep folder (outputs/study) whose primary contrast gives the SD (for --seeds-for)",
+    )
     args = parser.parse_args(argv)
     overrides, as_json = args.overrides, args.json
     try:
@@ -351,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.seeds_for is not None:
             seeds_for = parse_seeds_for(args.seeds_for)
             if (args.sd is None) == (args.sweep is None):
-                raise ValueError("--seeds-for: give the paired SD with --sd X or a sweep with --sweep DIR (one)")
+                raise ValueError(
+                    "--seeds-for: give the paired SD with --sd X or a sweep with --sweep DIR (one)"
+                )
             if args.sd is not None and not (args.sd > 0 and math.isfinite(args.sd)):
                 raise ValueError(f"--sd {args.sd}: a positive number, e.g. --sd 0.03")
             if args.sweep is not None and not args.sweep.is_dir():

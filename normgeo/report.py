@@ -13,9 +13,8 @@
   one panel per site kind (before the norm, after it);
 - ``null_steps_<model>_<norm>_layer<l>_<site>.png``: the same at one layer against the training step.
 
-Every records file of a run is read before the first figure (:mod:`normgeo.readers.records`): a damaged line is
-named with its file and line and the run skipped (exit 1; 2 when no run is left), as ``compare`` does.
-"""
+Every records file of a run is read before the first figure (:mod:`normgeo.readers.records`): a damaged line
+is named with its file and line and the run skipped (exit 1; 2 when no run is left), as ``compare`` does. """
 
 from __future__ import annotations
 
@@ -39,9 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where the figures go: each run's in <out>/<run folder name>, those comparing several "
-                             "runs in <out> (default: <run>/figures, and the first run's figures folder)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the figures go: each run's in <out>/<run folder name>, those comparing several "
+        "runs in <out> (default: <run>/figures, and the first run's figures folder)",
+    )
     args = parser.parse_args(argv)
     stop_on_signals("while drawing the report", "each figure is whole or absent; run the same command again")
     layer = int(args.layer) if args.layer is not None and args.layer.lstrip("-").isdigit() else args.layer
@@ -55,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:
         if not (run_dir / ANGLES_FILE).exists():
-            print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)", file=sys.stderr)
+            print(
+                f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)",
+                file=sys.stderr,
+            )
             return 2
         try:
             runs[str(run_dir)] = read_run_records(run_dir)[ANGLES_FILE]  # every records file, one rule
@@ -63,8 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipped {run_dir}: {err}", file=sys.stderr)
             skipped.append(err)
     if not runs:
-        print(f"error: no readable run among {', '.join(map(str, args.run_dirs))} (damaged records, listed above)",
-              file=sys.stderr)
+        print(
+            f"error: no readable run among {', '.join(map(str, args.run_dirs))} (damaged records, "
+            "listed above)",
+            file=sys.stderr,
+        )
         return 2
     if layer is not None:
         held = {row["layer"] for rows in runs.values() for row in rows}
@@ -72,8 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             blocks = sorted(x for x in held if isinstance(x, int))
             named = sorted(str(x) for x in held if not isinstance(x, int))
             span = f"0 to {blocks[-1]}" if blocks else "none"
-            print(f"error: --layer={args.layer}: no such layer in {'these runs' if len(runs) > 1 else 'this run'} "
-                  f"(blocks {span}{', or ' + ', '.join(named) if named else ''})", file=sys.stderr)
+            print(
+                f"error: --layer={args.layer}: no such layer in "
+                f"{'these runs' if len(runs) > 1 else 'this run'} "
+                f"(blocks {span}{', or ' + ', '.join(named) if named else ''})",
+                file=sys.stderr,
+            )
             return 2
     run_out = {run: (args.out / Path(run).name if args.out else Path(run) / "figures") for run in runs}
     out_dir = args.out or Path(next(iter(runs))) / "figures"
@@ -86,17 +99,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         write_figures(runs, run_out, out_dir, layer, said_where=args.out is not None)
     except PermissionError as err:  # what os.access could not tell (a filesystem refusing even root)
-        print(f"error: cannot write {err.filename} ({err.strerror}); choose another --out=...", file=sys.stderr)
+        print(
+            f"error: cannot write {err.filename} ({err.strerror}); choose another --out=...", file=sys.stderr
+        )
         return 2
     if skipped:
-        print(f"error: {len(skipped)} run(s) skipped for damaged records (listed above); the others are drawn",
-              file=sys.stderr)
+        print(
+            f"error: {len(skipped)} run(s) skipped for damaged records (listed above); the others are drawn",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
-def write_figures(runs: dict[str, list[dict]], run_out: dict[str, Path], out_dir: Path, layer: int | str | None,
-                  said_where: bool) -> None:
+def write_figures(
+    runs: dict[str, list[dict]],
+    run_out: dict[str, Path],
+    out_dir: Path,
+    layer: int | str | None,
+    said_where: bool,
+) -> None:
     """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into ``out_dir``."""
     for run_dir, folder in run_out.items():
         for figure in write_run_figures(run_dir, layer, folder):

@@ -16,7 +16,8 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 
 A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
 ``damaged``; the file and line go to stderr and the exit status is 1. Two folders holding the same run (arm
-keys and seed, :mod:`normgeo.readers.identity`) are refused as ``normgeo.compare`` refuses them: each named, exit 2.
+keys and seed, :mod:`normgeo.readers.identity`) are refused
+as ``normgeo.compare`` refuses them: each named, exit 2.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
@@ -60,7 +61,9 @@ def print_status(rows: list[RunStatus]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-status", description=__doc__.splitlines()[0])
-    parser.add_argument("root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory")
+    parser.add_argument(
+        "root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")
     parser.add_argument(
@@ -69,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not 0 <= args.active_minutes < float("inf"):  # NaN fails too
-        print(f"error: --active-minutes={args.active_minutes}: expected a number of minutes >= 0", file=sys.stderr)
+        print(
+            f"error: --active-minutes={args.active_minutes}: expected a number of minutes >= 0",
+            file=sys.stderr,
+        )
         return 2
     root = Path(args.root).resolve()
     if not root.is_dir():

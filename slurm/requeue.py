@@ -48,7 +48,11 @@ class SlurmRequeue:
 def requeue_slurm_job() -> bool:
     """``scontrol requeue`` this job: SLURM ends it and starts it again with the same id."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    job = (
+        f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+        if array_job
+        else os.environ.get("SLURM_JOB_ID")
+    )
     try:
         done = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as err:
@@ -67,7 +71,10 @@ def install_requeue_handler() -> SlurmRequeue | None:
     if isinstance(current, SlurmRequeue):
         return current
     # SLURMEnvironment.detect()'s rule: srun/sbatch tasks, not an interactive allocation's shell.
-    under_slurm = "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    under_slurm = "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in (
+        "bash",
+        "interactive",
+    )
     if not under_slurm or threading.current_thread() is not threading.main_thread():
         return None
     handler = SlurmRequeue()

@@ -51,11 +51,15 @@ SHARED_FIXTURE_OF_GROUP = {"arms_sweep": ("arms_sweep",),
 
 @functools.cache
 def slow_marks(path: str) -> tuple[bool, frozenset[str]]:
-    """Whether a test file is marked slow as a whole (``pytestmark``), and the test functions marked slow in it,
-    read from its source (xdist's controller schedules by node id and never imports the tests)."""
+    """Whether a test file is marked slow as a whole (``pytestmark``), and the test functions marked slow in
+    it, read from its source (xdist's controller schedules by node id and never imports the tests)."""
     tree = ast.parse((ROOT / path).read_text())
-    whole = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
-                and "slow" in ast.unparse(node.value) for node in tree.body)
+    whole = any(
+        isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+        and "slow" in ast.unparse(node.value)
+        for node in tree.body
+    )
     marked = frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                        and any("slow" in ast.unparse(decorator) for decorator in node.decorator_list))
     return whole, marked
@@ -72,9 +76,10 @@ SLOW_COST = 20
 
 
 class SharedFixtureScheduling(LoadFileScheduling):
-    """``loadfile`` with the files of one SHARED_FIXTURE_FILES group as one unit of work, and the units handed
-    out costliest first (xdist orders them by test count, which put the few-but-long files, the pilot, the GPU
-    check's CPU stand-in, the signal tests, at the end, where one worker ran them while the other sat idle)."""
+    """``loadfile`` with the files of one SHARED_FIXTURE_FILES group as one unit of
+    work, and the units handed out costliest first (xdist orders them by test count,
+    which put the few-but-long files, the pilot, the GPU check's CPU stand-in, the
+    signal tests, at the end, where one worker ran them while the other sat idle)."""
 
     ordered = False
 
@@ -111,11 +116,14 @@ FAST = [
     "log_every=1",
     "val_every=1000",
     "probe.tokens=512",
-    "optim.warmup_steps=0",  # size=tiny warms up for 20 steps: more than these short runs have (an odd config)
+    # size=tiny warms up for 20 steps: more than these short runs have (an odd config)
+    "optim.warmup_steps=0",
 ]
 
 
-def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int = 600, env: dict | None = None):
+def run_train(
+    run_dir: Path, *overrides: str, check: bool = True, timeout: int = 600, env: dict | None = None
+):
     """Run ``python train.py`` in a subprocess (Lightning's DDP launcher re-runs sys.argv)."""
     args = [sys.executable, str(ROOT / "train.py"), *FAST, f"run_dir={run_dir}",
             f"data_root={run_dir.parent / 'data'}", *overrides]
@@ -123,7 +131,9 @@ def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: int =
         args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 
@@ -171,10 +181,12 @@ def module_main(capfd, name: str, *args: str | Path) -> subprocess.CompletedProc
 
 
 def train_in_process(run_dir: Path, *overrides: str, capsys) -> subprocess.CompletedProcess:
-    """:func:`run_train`'s command line through train.py's main in this process: for the refusals and no-ops
-    that end before training starts (a real process is still needed for DDP, signals or another environment)."""
-    return run_entry_point("train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides],
-                           capsys)
+    """:func:`run_train`'s command line through train.py's main in this
+    process: for the refusals and no-ops that end before training starts (a
+    real process is still needed for DDP, signals or another environment)."""
+    return run_entry_point(
+        "train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides], capsys
+    )
 
 
 def entry_point_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -189,9 +201,13 @@ def train_here(run_dir: Path, *overrides: str, check: bool = True) -> subprocess
     """:func:`run_train` in this process, for a single-process run whose test reads its files and output: the
     same main, without a new interpreter's seconds of imports (DDP, signals and other environments need
     :func:`run_train`)."""
-    done = entry_point_here("train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides])
+    done = entry_point_here(
+        "train", [*FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}", *overrides]
+    )
     if check and done.returncode != 0:
-        raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        raise AssertionError(
+            f"train.py failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
     return done
 
 
@@ -216,7 +232,9 @@ def run_sweep(output_root: Path, *overrides: str, timeout: int = 600) -> subproc
     """``python train.py -m ...`` with the FAST settings: one run directory per job under output_root."""
     args = [sys.executable, str(ROOT / "train.py"), "-m", *FAST, f"output_root={output_root}",
             f"data_root={output_root.parent / 'data'}", *overrides]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    return subprocess.run(
+        args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+    )
 
 
 # The arms of the compare/state tests: 3 steps, probe at 0, 2 and the final step 3 (not on the schedule).
@@ -232,7 +250,9 @@ def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dic
     root = tmp_path_factory.mktemp("arms") / "outputs"
     run_train(root / "tiny-layer-s0", *ARM_SETTINGS)
     layer = root / "tiny-layer-s0"
-    before = {str(p.relative_to(layer)): p.read_bytes() for p in [*layer.glob(".hydra/*"), layer / "train.log"]}
+    before = {
+        str(p.relative_to(layer)): p.read_bytes() for p in [*layer.glob(".hydra/*"), layer / "train.log"]
+    }
     # All three loggers at once in the sweep's jobs (tests/test_loggers.py reads them).
     sweep = run_sweep(root, *ARM_SETTINGS, "norm=layer,rms", "seed=0,1", "logger=[wandb,tensorboard]")
     return root, sweep, before

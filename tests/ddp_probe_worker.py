@@ -22,13 +22,25 @@ from normgeo.measure.probe_config import ProbeConfig  # noqa: E402
 
 
 def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
-    """angles.jsonl, null.jsonl and intervention.jsonl rows, by the callback's own call: each rank probes every world-th
-    window (24 full ones and a 7-token tail)."""
+    """angles.jsonl, null.jsonl and intervention.jsonl rows, by the callback's own call: each rank probes
+    every world-th window (24 full ones and a 7-token tail)."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
     ids = torch.randint(0, 50257, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
-    probe = ProbeConfig(len(ids), batch_size=5, seed=0, bootstrap_replicates=200, intervention=("all", "layers"))
-    records = measure_records(model, ids, 16, make_references(32), probe, model_name="tiny", step=0, tokens_per_step=0,
-                              rank=rank, world_size=world)
+    probe = ProbeConfig(
+        len(ids), batch_size=5, seed=0, bootstrap_replicates=200, intervention=("all", "layers")
+    )
+    records = measure_records(
+        model,
+        ids,
+        16,
+        make_references(32),
+        probe,
+        model_name="tiny",
+        step=0,
+        tokens_per_step=0,
+        rank=rank,
+        world_size=world,
+    )
     return {"angles": records.rows, "null": records.null, "intervention": records.intervention}
 
 

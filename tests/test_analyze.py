@@ -51,16 +51,31 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     ids = probe_ids(_wiki(shared), encode, separator, ProbeConfig(TOKENS, sample=False))
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
-    records = measure_records(model, ids, SEQ_LEN, references, ProbeConfig(TOKENS, batch_size=BATCH, intervention=()),
-                              model_name="m", step=None, tokens_per_step=None, with_null=False,
-                              forward=hf_forward(model), norms=norms)
+    records = measure_records(
+        model,
+        ids,
+        SEQ_LEN,
+        references,
+        ProbeConfig(TOKENS, batch_size=BATCH, intervention=()),
+        model_name="m",
+        step=None,
+        tokens_per_step=None,
+        with_null=False,
+        forward=hf_forward(model),
+        norms=norms,
+    )
     sites, stats = records.sites, records.stats
     rows = statistics_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids))
-    null = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5)
+    null = null_rows(
+        sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5
+    )
     # The interval is a function of the per-sequence sums and the seed: the same seed, the same numbers.
-    assert null == null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400,
-                             seed=5)
-    other = null_rows(sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=6)
+    assert null == null_rows(
+        sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=5
+    )
+    other = null_rows(
+        sites, stats, model="m", norm="x", step=None, tokens_seen=len(ids), replicates=400, seed=6
+    )
     assert [r["mean_ci_low"] for r in other] != [r["mean_ci_low"] for r in null]
     assert {r["sequences"] for r in null} == {4}  # 3 windows and the shorter remainder
     tokens = torch.from_numpy(ids)
@@ -70,7 +85,9 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     return sequences, by_key
 
 
-def _assert_angles(rows: dict[tuple, dict], layer, site: str, vectors: list[torch.Tensor], ref_name: str = "ones"):
+def _assert_angles(
+    rows: dict[tuple, dict], layer, site: str, vectors: list[torch.Tensor], ref_name: str = "ones"
+):
     """The record's count/mean/min/max against angles computed here in float64."""
     x = torch.cat([v.reshape(-1, v.shape[-1]) for v in vectors]).double()
     ref = torch.from_numpy(make_references(x.shape[-1], 1234)[ref_name])
@@ -88,13 +105,17 @@ def _assert_angles(rows: dict[tuple, dict], layer, site: str, vectors: list[torc
 def _assert_null(row: dict, x: torch.Tensor, ones: np.ndarray) -> None:
     """null.jsonl's row against the K null directions' angles computed here in float64 (within 0.01 deg)."""
     null = torch.from_numpy(make_references(x.shape[-1], 1234)["null"])
-    degrees = torch.rad2deg(torch.arccos((x @ null.T) / (x.norm(dim=-1, keepdim=True) * null.norm(dim=-1)))).numpy()
+    degrees = torch.rad2deg(
+        torch.arccos((x @ null.T) / (x.norm(dim=-1, keepdim=True) * null.norm(dim=-1)))
+    ).numpy()
     means, stds = degrees.mean(0), degrees.std(0)
     assert row["null_k"] == 64 and row["count"] == TOKENS
     np.testing.assert_allclose(row["null_means"], means, atol=1e-2)
     np.testing.assert_allclose(row["null_stds"], stds, atol=1e-2)
     low, mid, high = np.quantile(means, [0.05, 0.5, 0.95])
-    assert (row["null_mean_p05"], row["null_mean_p50"], row["null_mean_p95"]) == pytest.approx((low, mid, high), abs=1e-2)
+    assert (row["null_mean_p05"], row["null_mean_p50"], row["null_mean_p95"]) == pytest.approx(
+        (low, mid, high), abs=1e-2
+    )
     assert row["mean_deg"] == pytest.approx(ones.mean(), abs=1e-4)
     assert row["mean_rank_pct"] == pytest.approx(100 * np.mean(means < ones.mean()))
     assert row["mean_z"] == pytest.approx((ones.mean() - means.mean()) / means.std(ddof=1), abs=1e-3)
@@ -215,8 +236,17 @@ def our_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory: pytest.TempPathFactory, shared: Path, our_checkpoint: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("outputs")
-    _ok(_analyze("model=minilm", "probe=local", f"probe.path={shared / 'corpora' / 'wikipedia'}",
-                 "probe.tokens=4096", "model.seq_len=4096", "probe.intervention=[all,layers]", f"output_root={root}"))
+    _ok(
+        _analyze(
+            "model=minilm",
+            "probe=local",
+            f"probe.path={shared / 'corpora' / 'wikipedia'}",
+            "probe.tokens=4096",
+            "model.seq_len=4096",
+            "probe.intervention=[all,layers]",
+            f"output_root={root}",
+        )
+    )
     _ok(_analyze("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms",
                  "probe=pydoc", "probe.tokens=300", "probe.intervention=[all,layers]", f"output_root={root}"))
     return {"minilm": root / "analyze" / "minilm", "ours": root / "analyze" / "ours-rms"}
@@ -244,7 +274,9 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
         "null_layers_minilm_layer_pretrained.png",
     ]
     null = read_rows(out / "null.jsonl")
-    assert len(null) == 13 * 3 and {(r["null_k"], r["sequences"], r["count"]) for r in null} == {(64, 8, 4096)}
+    assert len(null) == 13 * 3 and {(r["null_k"], r["sequences"], r["count"]) for r in null} == {
+        (64, 8, 4096)
+    }
     assert len(np.load(out / "probe_references.npz")["null"]) == 64
     # LayerNorm's standardization puts every token at exactly 90 deg from 1: no random direction has so
     # small a spread over tokens.
@@ -275,7 +307,8 @@ def test_cli_minilm_intervention_reports_the_change_of_its_output_vectors(output
     """An encoder has no next token to predict: the centering intervention reports the cosine between its
     intact and intervened output vectors (with the block-bootstrap interval), and says so."""
     rows = read_rows(outputs["minilm"] / "intervention.jsonl")
-    # all 13 norms, then each block's, as asked (the embedding norm is its own "layer", run in full; the blocks resumed).
+    # all 13 norms, then each block's, as asked (the embedding
+    # norm is its own "layer", run in full; the blocks resumed).
     assert [r["scope_name"] for r in rows] == ["all", "layer embed", *(f"layer {i}" for i in range(6))]
     for row in rows:
         assert row["output"] == "embedding" and row["action"] == "remove" and row["tokens"] == 4096
@@ -289,7 +322,9 @@ def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> N
     rows = read_rows(outputs["ours"] / "angles.jsonl")
     assert len(rows) == 5 * 3 * 3  # 2 blocks x (ln1, ln2) + ln_f
     # The checkpoint's step; training tokens = step x global_batch x block_size, as the training probe.
-    assert {(r["norm"], r["step"], r["tokens_seen"], r["count"]) for r in rows} == {("rms", 7, 7 * 4 * 64, 300)}
+    assert {(r["norm"], r["step"], r["tokens_seen"], r["count"]) for r in rows} == {
+        ("rms", 7, 7 * 4 * 64, 300)
+    }
     model, step, _ = load_checkpoint(our_checkpoint)
     assert step == 7 and model.config.norm == "rms" and model.config.block_size == 64
     assert list((outputs["ours"] / "figures").glob("layers_ours-rms_rms_step0000007.png"))
@@ -301,9 +336,14 @@ def test_cli_our_checkpoint(outputs: dict[str, Path], our_checkpoint: Path) -> N
 
 
 def test_cross_model_summary(outputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert summary_main(["summary", str(outputs["minilm"]), str(outputs["ours"]), "--out", str(tmp_path)]) == 0
+    assert (
+        summary_main(["summary", str(outputs["minilm"]), str(outputs["ours"]), "--out", str(tmp_path)]) == 0
+    )
     combined = _summary(tmp_path / "summary.csv")
-    assert combined == {**_summary(outputs["minilm"] / "summary.csv"), **_summary(outputs["ours"] / "summary.csv")}
+    assert combined == {
+        **_summary(outputs["minilm"] / "summary.csv"),
+        **_summary(outputs["ours"] / "summary.csv"),
+    }
     assert "ours-rms" in capsys.readouterr().out
     assert summary_main(["summary", str(tmp_path / "nothing")]) == 2
 
@@ -328,9 +368,15 @@ def test_too_few_probe_tokens(minilm, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["model=hub", "model.path=/no/such/model-dir"], "model not found: tried the local directory /no/such/model-dir"),
+        (
+            ["model=hub", "model.path=/no/such/model-dir"],
+            "model not found: tried the local directory /no/such/model-dir",
+        ),
         (["model=hub"], "model.path is required"),
-        (["model=checkpoint", "model.checkpoint=/no/such/last.ckpt"], "checkpoint not found: /no/such/last.ckpt"),
+        (
+            ["model=checkpoint", "model.checkpoint=/no/such/last.ckpt"],
+            "checkpoint not found: /no/such/last.ckpt",
+        ),
     ],
 )
 def test_bad_model_exits_2(overrides: list[str], expected: str, tmp_path: Path) -> None:
@@ -354,19 +400,33 @@ def test_failed_start_leaves_an_earlier_analysis_as_it_was(outputs: dict[str, Pa
 
 def test_a_sweep_runs_its_other_jobs_and_lists_the_refused_one(our_checkpoint: Path, tmp_path: Path) -> None:
     """analyze.py -m as train.py -m: a refused job no longer ends the sweep; it is listed at the end (exit 2)."""
-    result = entry_point_here("analyze", ["-m", "progress=false", "model=checkpoint", "model.name=ours",
-                                          f"model.checkpoint=/no/such/last.ckpt,{our_checkpoint}", "probe=pydoc",
-                                          "probe.tokens=300", "probe.intervention=[]", f"output_root={tmp_path}"])
+    result = entry_point_here(
+        "analyze",
+        [
+            "-m",
+            "progress=false",
+            "model=checkpoint",
+            "model.name=ours",
+            f"model.checkpoint=/no/such/last.ckpt,{our_checkpoint}",
+            "probe=pydoc",
+            "probe.tokens=300",
+            "probe.intervention=[]",
+            f"output_root={tmp_path}",
+        ],
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines[-2] == "1 job(s) of the sweep were refused (the others ran):", lines[-4:]
-    assert lines[-1].startswith(f"  {tmp_path / 'analyze' / 'ours'}: checkpoint not found: /no/such/last.ckpt (")
+    assert lines[-1].startswith(
+        f"  {tmp_path / 'analyze' / 'ours'}: checkpoint not found: /no/such/last.ckpt ("
+    )
     assert (tmp_path / "analyze" / "ours" / "angles.jsonl").is_file()  # the job after the refused one ran
 
 
 @pytest.mark.slow
-def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_and_figures(our_checkpoint: Path,
-                                                                                          tmp_path: Path) -> None:
+def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_and_figures(
+    our_checkpoint: Path, tmp_path: Path
+) -> None:
     """Issue 34: the same command with probe.intervention=[] after one with the scopes kept the first run's
     intervention.jsonl and redrew its figures as if this run had measured them."""
     args = ("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms", "probe=pydoc",
@@ -377,5 +437,7 @@ def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_a
     again = _analyze(*args, "probe.intervention=[]")
     _ok(again)
     assert not (out / "intervention.jsonl").exists() and not list((out / "figures").glob("intervention_*"))
-    assert "removed intervention.jsonl and its figures from an earlier analysis" in again.stdout + again.stderr
+    assert (
+        "removed intervention.jsonl and its figures from an earlier analysis" in again.stdout + again.stderr
+    )
     assert list((out / "figures").glob("layers_*"))  # this run's own figures

@@ -20,7 +20,10 @@ from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.runs.schema import ConfigError
 from tests.conftest import ROOT, call_entry_point
 
-ROW = re.compile(r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> \*)? \| `(?P<message>[^`]*)`.*\| (?P<exit>\d) \|$")
+ROW = re.compile(
+    r"^\| `(?P<script>train|analyze)\.py (?P<args>[^`]*)`(?P<star> \*)? \| `(?P<message>[^`]*)`.*\| "
+    r"(?P<exit>\d) \|$"
+)
 
 
 def table_rows() -> list[dict]:
@@ -36,12 +39,27 @@ ROWS = table_rows()
 # naming the options: normgeo.runs.checks.unknown_group_option), and the start checks before the run directory
 # is claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a bare Trainer
 # built on this machine checks; normgeo/runs/start.py); run through the entry point (starred).
-RUNTIME = ("norm=batch", "logger=[csv,nosuch]", "model=nosuch",
-           "resume=/no/such.ckpt", "data=openwebtext", "trainer=ddp_cpu global_batch=12 micro_batch=4",
-           "probe.tokens=100000000", "seq_len=10000 probe.tokens=20000", "run_dir=/dev/null/run", "data=local data.source.path=conf/train",
-           "val_sequences=100000", "data=local data.source.path=/dev/zero", "model=checkpoint model.checkpoint=README.md",
-           "trainer.devices=0", "trainer.num_nodes=0", "trainer.precision=fp8", "trainer.accelerator=tpuu",
-           "trainer.strategy=dpp", "trainer=ddp_cpu trainer.strategy._target_=no.such.Strategy")
+RUNTIME = (
+    "norm=batch",
+    "logger=[csv,nosuch]",
+    "model=nosuch",
+    "resume=/no/such.ckpt",
+    "data=openwebtext",
+    "trainer=ddp_cpu global_batch=12 micro_batch=4",
+    "probe.tokens=100000000",
+    "seq_len=10000 probe.tokens=20000",
+    "run_dir=/dev/null/run",
+    "data=local data.source.path=conf/train",
+    "val_sequences=100000",
+    "data=local data.source.path=/dev/zero",
+    "model=checkpoint model.checkpoint=README.md",
+    "trainer.devices=0",
+    "trainer.num_nodes=0",
+    "trainer.precision=fp8",
+    "trainer.accelerator=tpuu",
+    "trainer.strategy=dpp",
+    "trainer=ddp_cpu trainer.strategy._target_=no.such.Strategy",
+)
 
 
 def refusal(script: str, args: str) -> str:
@@ -65,7 +83,9 @@ def refusal(script: str, args: str) -> str:
     raise AssertionError(f"{script}.py {args} was accepted")
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS if r["args"] not in RUNTIME], ids=lambda r: f"{r['script']} {r['args']}")
+@pytest.mark.parametrize(
+    "row", [r for r in ROWS if r["args"] not in RUNTIME], ids=lambda r: f"{r['script']} {r['args']}"
+)
 def test_each_bad_input_is_refused_at_compose_time_with_its_message(row: dict) -> None:
     assert row["exit"] == "2"
     message = refusal(row["script"], row["args"])
@@ -76,7 +96,12 @@ def test_each_bad_input_is_refused_at_compose_time_with_its_message(row: dict) -
 # The starred rows run through the scripts' Hydra main in this process (call_entry_point: the exit code and
 # stderr a subprocess gets, a second instead of seven); these few also as real subprocesses, one per kind of
 # refusal (Hydra's merge, the schema's check, a start check), for the process's own exit code.
-SUBPROCESS_ROWS = ("optim.lr=abc", "trainer.devices=0", "data=local data.source.path=/dev/zero", "model.seq_len=0")
+SUBPROCESS_ROWS = (
+    "optim.lr=abc",
+    "trainer.devices=0",
+    "data=local data.source.path=/dev/zero",
+    "model.seq_len=0",
+)
 
 
 def check_refused(row: dict, code: int, stderr: str, output_root: Path, data_root: Path) -> None:
@@ -121,11 +146,15 @@ def test_every_train_key_has_a_doc_in_help() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     groups = done.stdout.split("== Configuration groups ==")[1].split("==")[0]
-    assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups  # analyze's presets stay out
-    for line in ("optim.lr: float > 0 = (from conf/)  # peak learning rate",
-                 "checkpoint.steps: list[int >= 1] | null = null",
-                 "seed: int >= 0, <= 4294967295 = 0  # initial weights and dropout; also the batch order through data.seed",
-                 "optim.betas: list[float >= 0, < 1] (2 items) = [0.9, 0.95]  # AdamW betas"):
+    # analyze's presets stay out
+    assert "model:" not in groups and "probe: local, pydoc, wikipedia, wikitext" in groups
+    for line in (
+        "optim.lr: float > 0 = (from conf/)  # peak learning rate",
+        "checkpoint.steps: list[int >= 1] | null = null",
+        "seed: int >= 0, <= 4294967295 = 0  # initial weights and dropout; also the batch order "
+        "through data.seed",
+        "optim.betas: list[float >= 0, < 1] (2 items) = [0.9, 0.95]  # AdamW betas",
+    ):
         assert line in done.stdout
 
 

@@ -32,23 +32,38 @@ def markdown_rows(output: str, first_cell: str) -> list[list[str]]:
     ]
 
 
-NORM_COST_TINY = ["--dims", "32,64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2", "--target-ms", "1",
-                  "--markdown"]
+NORM_COST_TINY = [
+    "--dims",
+    "32,64",
+    "--tokens",
+    "256",
+    "--repeats",
+    "1",
+    "--copy-mib",
+    "2",
+    "--target-ms",
+    "1",
+    "--markdown",
+]
 
 
 def check_norm_cost(output: str, impls: list[str]) -> None:
     """Every (width, implementation) lists every arm against that implementation's rms, and its ratios."""
     assert re.search(r"copy bandwidth .*median [0-9.]+ GB/s", output), output
-    assert re.search(rf"implementations: {', '.join(impls)}; 1 interleaved repeats, median shown", output), output
+    assert re.search(rf"implementations: {', '.join(impls)}; 1 interleaved repeats, median shown", output), (
+        output
+    )
     for dim in ("32", "64"):
         rows = markdown_rows(output, dim)
         table = [row for row in rows if len(row) == 10]
-        assert [(row[1], row[2]) for row in table] == [(impl, kind) for impl in impls for kind in NORM_ARMS], output
+        assert [(row[1], row[2]) for row in table] == [
+            (impl, kind) for impl in impls for kind in NORM_ARMS
+        ], output
         for _, impl, kind, median_ms, to_rms, floor_ms, to_floor, kernel_ms, floor_share, repeats in table:
             assert float(median_ms) > 0 and float(floor_ms) > 0 and float(to_floor) > 0
-            # The kernels' own time (aten ops' self time on the CPU: a loaded machine can stretch one op's, so no
-            # bound against the wall time); the compiled forward's C++ kernels are no profiler events on the
-            # CPU, so none is claimed.
+            # The kernels' own time (aten ops' self time on the CPU: a loaded machine can
+            # stretch one op's, so no bound against the wall time); the compiled forward's
+            # C++ kernels are no profiler events on the CPU, so none is claimed.
             if impl == "stock":
                 assert float(kernel_ms) > 0 and floor_share.endswith("%"), output
             else:
@@ -64,7 +79,9 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
         for impl, (layer_to_rms, layer_range, nobias_to_rms, nobias_range) in pairs.items():
             by_kind = {row[2]: float(row[3]) for row in table if row[1] == impl}
             assert float(layer_to_rms) == pytest.approx(by_kind["layer"] / by_kind["rms"], rel=0.05, abs=2e-3)
-            assert float(nobias_to_rms) == pytest.approx(by_kind["layer_nobias"] / by_kind["rms"], rel=0.05, abs=2e-3)
+            assert float(nobias_to_rms) == pytest.approx(
+                by_kind["layer_nobias"] / by_kind["rms"], rel=0.05, abs=2e-3
+            )
             # One repeat: its ratio is the medians' ratio, so the range is that one value.
             assert layer_range == f"{float(layer_to_rms):.3f}-{float(layer_to_rms):.3f}", output
             assert nobias_range == f"{float(nobias_to_rms):.3f}-{float(nobias_to_rms):.3f}", output
@@ -79,8 +96,9 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
 
 
 def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
-    """bench/norm_cost.py's kernel accounting on the CPU's profiler: a LayerNorm's forward and backward are all
-    norm time; beside a matmul, the norm's share is its ops' self time, below one; a model without norms has none."""
+    """bench/norm_cost.py's kernel accounting on the CPU's profiler: a LayerNorm's
+    forward and backward are all norm time; beside a matmul, the norm's share is
+    its ops' self time, below one; a model without norms has none."""
     spec = importlib.util.spec_from_file_location("norm_cost", ROOT / "bench" / "norm_cost.py")
     profile = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = profile  # its dataclasses look their module up there
@@ -104,8 +122,8 @@ def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
 
 
 def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Path) -> None:
-    """bench/efficiency.py on the CPU stand-in, eager: every arm at two sizes with its ratio to rms, its interval
-    over the repeats, the norms' share of the kernel time; then the page from the saved results."""
+    """bench/efficiency.py on the CPU stand-in, eager: every arm at two sizes with its ratio to rms, its
+    interval over the repeats, the norms' share of the kernel time; then the page from the saved results."""
     results = tmp_path / "eff.json"
     run_script(str(ROOT / "bench" / "efficiency.py"), "--standin", "--device", "cpu", "--sizes", "70m,1b",
                "--modes", "eager", "--repeats", "3", "--steps", "1", "--warmup", "1", "--json", str(results))
@@ -113,7 +131,9 @@ def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Pat
     assert [(r["size"], r["mode"]) for r in report["results"]] == [("70m", "eager"), ("1b", "eager")]
     for result in report["results"]:
         assert list(result["arms"]) == ["layer", "rms", "layer_nobias"]
-        assert all(len(arm["seconds"]) == 3 and arm["profile"]["norm_share"] > 0 for arm in result["arms"].values())
+        assert all(
+            len(arm["seconds"]) == 3 and arm["profile"]["norm_share"] > 0 for arm in result["arms"].values()
+        )
         for name, ratio in result["ratios"].items():
             seconds = result["arms"][name]["seconds"]
             expected = [a / b for a, b in zip(seconds, result["arms"]["rms"]["seconds"], strict=True)]
@@ -139,7 +159,9 @@ def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Pat
 
 
 def test_norm_cost_lists_every_arm_per_width_with_rms_as_the_reference() -> None:
-    check_norm_cost(run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY, "--impls", "stock"), ["stock"])
+    check_norm_cost(
+        run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY, "--impls", "stock"), ["stock"]
+    )
 
 
 @pytest.mark.slow
@@ -154,18 +176,34 @@ def test_norm_cost_refuses_an_unknown_implementation() -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()  # one line, naming the option and the choices
-    assert line.startswith("bench/norm_cost.py: --impls fast: not available here; choose from stock, compiled"), line
+    assert line.startswith(
+        "bench/norm_cost.py: --impls fast: not available here; choose from stock, compiled"
+    ), line
 
 
-TINY = ["size=tiny", "size.n_embd=32", "seq_len=64", "global_batch=8", "micro_batch=4", "--steps", "2", "--skip", "1",
-        "--repeats", "1", "--markdown"]
+TINY = [
+    "size=tiny",
+    "size.n_embd=32",
+    "seq_len=64",
+    "global_batch=8",
+    "micro_batch=4",
+    "--steps",
+    "2",
+    "--skip",
+    "1",
+    "--repeats",
+    "1",
+    "--markdown",
+]
 
 
 @pytest.mark.slow
 def test_train_throughput_reports_harness_plain_and_minimal() -> None:
     output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY)
     for name in ("harness", "plain", "minimal"):
-        assert re.search(rf"^{name}\s+tokens/s: median\s+[0-9.]+\s+best\s+[0-9.]+\s+all [0-9.]+$", output, re.M), output
+        assert re.search(
+            rf"^{name}\s+tokens/s: median\s+[0-9.]+\s+best\s+[0-9.]+\s+all [0-9.]+$", output, re.M
+        ), output
     assert re.search(r"harness / plain: median / median [0-9.]+\s+best / best [0-9.]+", output), output
     assert re.search(r"plain / minimal: median / median [0-9.]+\s+best / best [0-9.]+", output), output
     assert float(markdown_rows(output, "plain")[0][4]) == 1.0
@@ -174,9 +212,14 @@ def test_train_throughput_reports_harness_plain_and_minimal() -> None:
 @pytest.mark.slow
 def test_train_throughput_per_arm_rows_with_rms_as_the_reference() -> None:
     output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY, "--arms", "layer,rms")
-    assert re.search(r"^layer\s+tokens/s: median", output, re.M) and re.search(r"^rms\s+tokens/s: median", output, re.M)
+    assert re.search(r"^layer\s+tokens/s: median", output, re.M) and re.search(
+        r"^rms\s+tokens/s: median", output, re.M
+    )
     assert "rms / rms: median / median 1.000   best / best 1.000" in output, output
-    assert [row[0] for row in markdown_rows(output, "layer") + markdown_rows(output, "rms")] == ["layer", "rms"]
+    assert [row[0] for row in markdown_rows(output, "layer") + markdown_rows(output, "rms")] == [
+        "layer",
+        "rms",
+    ]
     assert float(markdown_rows(output, "rms")[0][4]) == 1.0
 
 
@@ -196,25 +239,47 @@ def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes() -> None:
          "--budget-tokens", "256", "--repeats", "1", "--memory-tokens", "512"],
         capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
     out = result.stdout
-    for variant in ("plain forward", "angle probe K=0", "angle probe K=64 +energy",
-                    "default probe (+intervention on the first 1024)", "resumed mid-stack", "re-run from the embeddings"):
+    for variant in (
+        "plain forward",
+        "angle probe K=0",
+        "angle probe K=64 +energy",
+        "default probe (+intervention on the first 1024)",
+        "resumed mid-stack",
+        "re-run from the embeddings",
+    ):
         assert variant in out, variant
     assert re.search(r"DEFAULT PROBE / PLAIN FORWARD at 1024 probe tokens: \d+\.\d{3}", out)
-    costs = re.findall(r"intervention all,layers (resumed mid-stack|re-run from the embeddings): the (\d+) scope\(s\) "
-                       r"cost (-?[\d.]+) plain forwards", out)
-    assert [(how, scopes) for how, scopes, _ in costs] == [("resumed mid-stack", "4"), ("re-run from the embeddings", "4")]
+    costs = re.findall(
+        r"intervention all,layers (resumed mid-stack|re-run from the embeddings): the (\d+) scope\(s\) "
+        r"cost (-?[\d.]+) plain forwards",
+        out,
+    )
+    assert [(how, scopes) for how, scopes, _ in costs] == [
+        ("resumed mid-stack", "4"),
+        ("re-run from the embeddings", "4"),
+    ]
     assert "default probe (+intervention on the first 1024) +layers" in out
     assert "peak RSS of the default probe with probe.tokens=    512" in out
 
 
 @pytest.mark.slow  # imports transformers and builds two 13M-parameter models: seconds
 def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion() -> None:
-    output = run_script(str(ROOT / "bench" / "norm_cost.py"), "--convert", "tiny", "--seq", "32", "--repeats", "2",
-                        "--impls", "stock")
+    output = run_script(
+        str(ROOT / "bench" / "norm_cost.py"),
+        "--convert",
+        "tiny",
+        "--seq",
+        "32",
+        "--repeats",
+        "2",
+        "--impls",
+        "stock",
+    )
     (row,) = markdown_rows(output, "stock")
     original, converted = (float(cell.removesuffix(" ms")) for cell in row[1:3])
     assert original > 0 and converted > 0
-    assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)  # the ratio of the medians
+    # the ratio of the medians
+    assert float(row[3]) == pytest.approx(converted / original, rel=0.01, abs=0.002)
     low, high = (float(value) for value in row[4].split("-"))
     assert 0 < low <= high
 
@@ -224,14 +289,37 @@ def test_gpu_profile_writes_where_the_time_goes(tmp_path) -> None:
     """bench/gpu_profile.py on the CPU: a section per profiled call with its wall time and top operators; the
     probe's section counts the host reads of tensor values (``aten::item``) that would each wait on a GPU."""
     page = tmp_path / "profile.md"
-    output = run_script(str(ROOT / "bench" / "gpu_profile.py"), "--device", "cpu", "--size", "tiny", "--tokens", "512",
-                        "--batch-size", "4", "--dim", "64", "--norm-tokens", "256", "--rows", "3", "--out", str(page))
+    output = run_script(
+        str(ROOT / "bench" / "gpu_profile.py"),
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--tokens",
+        "512",
+        "--batch-size",
+        "4",
+        "--dim",
+        "64",
+        "--norm-tokens",
+        "256",
+        "--rows",
+        "3",
+        "--out",
+        str(page),
+    )
     text = page.read_text()
-    assert text in output and text.startswith("# Where the GPU time goes\n\nGenerated by `python bench/gpu_profile.py ")
-    prose = "".join(text.split("```")[::2])  # outside the tables' code blocks (an operator may be named "## Call ...")
+    assert text in output and text.startswith(
+        "# Where the GPU time goes\n\nGenerated by `python bench/gpu_profile.py "
+    )
+    # outside the tables' code blocks (an operator may be named "## Call ...")
+    prose = "".join(text.split("```")[::2])
     sections = re.findall(r"^## (.+)$", prose, flags=re.M)
     assert sections == ["plain forward, tiny, 512 tokens", "angle probe K=0, tiny, 512 tokens"] + [
-        f"{impl} {kind} forward + backward, 256 × 64" for impl in ("stock", "compiled") for kind in ("layer", "rms")]
+        f"{impl} {kind} forward + backward, 256 × 64"
+        for impl in ("stock", "compiled")
+        for kind in ("layer", "rms")
+    ]
     assert len(re.findall(r"^- wall [0-9.]+ ms \(profiled\)", text, flags=re.M)) == len(sections)
     probe = text.split("## angle probe")[1].split("## stock")[0]
     assert re.search(r"aten::item ×\d+", probe) and "By self CPU time:" in probe
@@ -243,4 +331,7 @@ def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("bench/probe_cost.py: --device=cuda: no CUDA GPU on this machine") and "--device cpu" in line
+    assert (
+        line.startswith("bench/probe_cost.py: --device=cuda: no CUDA GPU on this machine")
+        and "--device cpu" in line
+    )

@@ -47,7 +47,12 @@ def test_tidy_tables_hold_every_record_of_both_arms(compared: Path) -> None:
 
 def test_summary_numbers_are_the_runs_own(compared: Path) -> None:
     summary = pd.read_csv(compared / "compare" / "summary.csv")
-    assert list(zip(summary["arm"], summary["seed"], strict=True)) == [("layer", 0), ("layer", 1), ("rms", 0), ("rms", 1)]
+    assert list(zip(summary["arm"], summary["seed"], strict=True)) == [
+        ("layer", 0),
+        ("layer", 1),
+        ("rms", 0),
+        ("rms", 1),
+    ]
     summary = summary.set_index("run")
     for run in RUNS:
         row = summary.loc[run]
@@ -56,7 +61,9 @@ def test_summary_numbers_are_the_runs_own(compared: Path) -> None:
         # The last logged train loss (the 3rd update's, at step 3), from the run's own metrics.csv.
         assert row["train_loss"] == pytest.approx(step_losses(compared / run)[3])
         for site in ("ln1.in", "ln1.out", "ln2.in", "final.in"):
-            final = [r["mean_deg"] for r in rows if r["step"] == 3 and r["site"] == site and r["ref"] == "ones"]
+            final = [
+                r["mean_deg"] for r in rows if r["step"] == 3 and r["site"] == site and r["ref"] == "ones"
+            ]
             assert row[f"ones_deg/{site}"] == pytest.approx(sum(final) / len(final))
         # Wall time and tokens/s: the run's own summary.json (written by train.py).
         end = json.loads((compared / run / "summary.json").read_text())
@@ -71,14 +78,16 @@ def test_overlay_and_loss_figures_in_png_and_pdf(compared: Path) -> None:
     for stem in ("overlay_ln1.in_ones", "overlay_final.out_rand_a", "loss"):
         for fmt in ("png", "pdf"):
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000, stem
-    assert len(list(out.glob("overlay_*.png"))) == 9 * 3  # sites ({ln1,ln2,final} x {in,std,out}) x references
+    # sites ({ln1,ln2,final} x {in,std,out}) x references
+    assert len(list(out.glob("overlay_*.png"))) == 9 * 3
 
 
 def test_factorial_figures_from_the_runs_ellipsoid_and_energy_records(compared: Path, tmp_path: Path) -> None:
     for run in RUNS:
         ellipsoid = read_rows(compared / run / "ellipsoid.jsonl")
         assert len(ellipsoid) == len({r["step"] for r in ellipsoid}) * 5  # ln1, ln2 per block and ln_f
-        # At init every gain is 1: LayerNorm's hyperellipsoid and RMSNorm's ellipsoid are spheres of radius sqrt(d).
+        # At init every gain is 1: LayerNorm's hyperellipsoid
+        # and RMSNorm's ellipsoid are spheres of radius sqrt(d).
         assert all(r["condition"] == pytest.approx(1) for r in ellipsoid if r["step"] == 0)
         assert len(read_rows(compared / run / "energy.jsonl")) == len({r["step"] for r in ellipsoid}) * 5 * 2
     for stem in ("ellipsoid", "energy", "factorial_ones"):
@@ -88,7 +97,9 @@ def test_factorial_figures_from_the_runs_ellipsoid_and_energy_records(compared: 
     assert {p.name for p in tmp_path.glob("*.png")} >= {"ellipsoid.png", "energy.png", "factorial_ones.png"}
 
 
-def test_the_verdict_of_real_runs_tests_the_pooled_geometry_against_an_independent_computation(compared: Path) -> None:
+def test_the_verdict_of_real_runs_tests_the_pooled_geometry_against_an_independent_computation(
+    compared: Path,
+) -> None:
     """verdict.csv of the real 2 x 2 sweep: its columns, the primary flag, and the rank of 1 among the random
     directions (pooled per run over layers and site classes at the last probe) re-computed from null.jsonl,
     with its paired t-test and TOST from scipy's t distribution."""
@@ -114,7 +125,9 @@ def test_the_verdict_of_real_runs_tests_the_pooled_geometry_against_an_independe
     # An endpoint not declared in conf/compare/margins.yaml is described: its interval, no test.
     mean, se = np.mean(diffs), np.std(diffs, ddof=1) / math.sqrt(2)
     half = stats.t.ppf(0.95, 1) * se
-    assert row["ci90_low"] == pytest.approx(mean - half, rel=1e-6) and row["ci90_high"] == pytest.approx(mean + half, rel=1e-6)
+    assert row["ci90_low"] == pytest.approx(mean - half, rel=1e-6) and row["ci90_high"] == pytest.approx(
+        mean + half, rel=1e-6
+    )
     assert row["family"] == "described" and math.isnan(row["p_diff"]) and math.isnan(row["p_tost"])
     text = (compared / "compare" / "verdict.md").read_text()
     assert "## Described, not tested" in text and "## Declared secondary questions" in text

@@ -32,7 +32,9 @@ def compose_train(*overrides: str) -> DictConfig:
 
 def options(group: str) -> list[str]:
     """The presets of a train.py group: conf/train/<group>/, or conf/shared/<group>/ (probe)."""
-    return sorted(p.stem for root in (Path(CONF_DIR), CONF_ROOT / "shared") for p in (root / group).glob("*.yaml"))
+    return sorted(
+        p.stem for root in (Path(CONF_DIR), CONF_ROOT / "shared") for p in (root / group).glob("*.yaml")
+    )
 
 
 @pytest.mark.parametrize("group", TRAIN_GROUPS)
@@ -52,7 +54,11 @@ def test_the_data_options_are_the_documented_ones() -> None:
 
 @pytest.mark.parametrize(
     ("option", "source_type", "auto_prepare"),
-    [("pydoc", PydocSource, True), ("local", LocalFilesSource, True), ("openwebtext", HubParquetSource, False)],
+    [
+        ("pydoc", PydocSource, True),
+        ("local", LocalFilesSource, True),
+        ("openwebtext", HubParquetSource, False),
+    ],
 )
 def test_data_options_instantiate_the_datamodule(tmp_path: Path, option, source_type, auto_prepare) -> None:
     extra = ["data.source.path=../shared/corpora/webtext"] if option == "local" else []
@@ -68,7 +74,8 @@ def test_data_options_instantiate_the_datamodule(tmp_path: Path, option, source_
 def test_openwebtext_reads_the_hubs_parquet_files() -> None:
     source = instantiate(compose_train("data=openwebtext").data.source)
     assert source.candidates and all(
-        c.startswith("hf://datasets/Skylion007/openwebtext") and c.endswith(".parquet") for c in source.candidates
+        c.startswith("hf://datasets/Skylion007/openwebtext") and c.endswith(".parquet")
+        for c in source.candidates
     )
 
 
@@ -99,7 +106,17 @@ def test_no_source_or_config_file_is_git_ignored() -> None:
         pytest.skip("not a git checkout")
     files = [
         str(p.relative_to(ROOT))
-        for folder in ("conf", "models", "callbacks", "corpus", "normgeo", "hydra_plugins", "slurm", "bench", "tests")
+        for folder in (
+            "conf",
+            "models",
+            "callbacks",
+            "corpus",
+            "normgeo",
+            "hydra_plugins",
+            "slurm",
+            "bench",
+            "tests",
+        )
         for p in (ROOT / folder).rglob("*")
         if p.is_file() and p.suffix in {".py", ".yaml", ".sbatch", ".md"} and "__pycache__" not in p.parts
     ]

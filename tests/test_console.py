@@ -51,7 +51,9 @@ def test_durations_counts_and_status_fields_read_naturally() -> None:
     ]
     assert status_fields({}, elapsed=1, eta=None, total=0) == ["00:01 elapsed"]
     # Issue 34: two "step 100/100" lines showed different val/loss; each now says which validation it is.
-    assert status_fields(metrics, elapsed=71, eta=0, total=6, validated_at=4)[1] == "val/loss 10.2000 (step 4)"
+    assert (
+        status_fields(metrics, elapsed=71, eta=0, total=6, validated_at=4)[1] == "val/loss 10.2000 (step 4)"
+    )
 
 
 def test_the_bar_narrows_and_then_goes_on_a_narrow_terminal() -> None:
@@ -130,7 +132,8 @@ def test_quiet_lightning_drops_the_listed_messages_and_nothing_else() -> None:
             for message in (
                 "The `srun` command is available on your system but is not used. HINT: srun python train.py",
                 "The number of training batches (4) is smaller than the logging interval Trainer(...)",
-                "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is ...",
+                "You're resuming from a checkpoint that ended before the epoch ended and your "
+                "dataloader is ...",
                 "Some other hint",
             ):
                 warnings.warn(message, PossibleUserWarning, stacklevel=1)
@@ -173,10 +176,15 @@ def test_a_run_prints_steps_loss_and_throughput_and_no_lightning_noise(tmp_path:
     counts = [(int(k), int(n)) for k, n in re.findall(r"\bstep (\d+)/(\d+)\b", console)]
     assert counts and {n for _, n in counts} == {4} and max(k for k, _ in counts) == 4, console
     assert re.search(
-        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} \(step 4\) · [\d.]+[kMG]? train tok/s · \d+:\d\d elapsed · "
-        r"ETA 00:00", console,
+        r"step 4/4 · loss \d+\.\d{4} · val/loss \d+\.\d{4} \(step 4\) · [\d.]+[kMG]? train tok/s · "
+        r"\d+:\d\d elapsed · "
+        r"ETA 00:00",
+        console,
     ), console
-    assert re.search(r"run summary: step 4/4 \(finished\) · train loss \d+\.\d{4} · val loss \d+\.\d{4} \(step 4\)", console)
+    assert re.search(
+        r"run summary: step 4/4 \(finished\) · train loss \d+\.\d{4} · val loss \d+\.\d{4} \(step 4\)",
+        console,
+    )
     assert "model: " in console and "accumulation 2 x micro_batch 4 x world size 1" in console
     assert "run directory:" in console and "probe at step 0" in console
     for noise in (

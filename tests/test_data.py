@@ -131,7 +131,9 @@ def write_parquet(path: Path, texts: list[str], column: str = "text") -> None:
 def test_parquet_source_reads_the_first_alternative_that_matches(tmp_path: Path) -> None:
     """Real ``datasets.load_dataset("parquet", ...)`` on local files, as it reads hf:// ones."""
     write_parquet(tmp_path / "converted" / "train" / "0000.parquet", ["first doc", "second doc"])
-    source = HubParquetSource([str(tmp_path / "main" / "train-*.parquet"), str(tmp_path / "converted" / "train" / "*.parquet")])
+    source = HubParquetSource(
+        [str(tmp_path / "main" / "train-*.parquet"), str(tmp_path / "converted" / "train" / "*.parquet")]
+    )
     assert list(source.documents()) == ["first doc", "second doc"]
     with pytest.raises(SourceError, match="no parquet files match"):
         list(HubParquetSource([str(tmp_path / "main" / "train-*.parquet")]).documents())

@@ -49,7 +49,9 @@ def test_binary_files_non_string_text_and_missing_paths_fail_leaving_nothing(tmp
     with pytest.raises(SourceError, match=r"1 file of an unsupported type \(.bin: 1\)"):
         prepare(LocalFilesSource(str(binary)), tmp_path / "data", progress=False)
     with pytest.raises(SourceError, match="model.bin is a binary file, not text"):  # even when asked for
-        prepare(LocalFilesSource(str(binary), plain_text_extensions=[".bin"]), tmp_path / "data", progress=False)
+        prepare(
+            LocalFilesSource(str(binary), plain_text_extensions=[".bin"]), tmp_path / "data", progress=False
+        )
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": "fine"}\n{"text": 42}\n')
     with pytest.raises(SourceError, match=r"numbers.jsonl:2: field 'text' is int 42, not a string"):
@@ -74,13 +76,18 @@ def test_prepare_killed_mid_write_leaves_temporaries_that_the_next_prepare_remov
     )
     killed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120)
     assert killed.returncode == -9
-    assert sorted(p.name for p in data.glob(f"*{TMP_SUFFIX}")) == [f".train.bin{TMP_SUFFIX}", f".val.bin{TMP_SUFFIX}"]
+    assert sorted(p.name for p in data.glob(f"*{TMP_SUFFIX}")) == [
+        f".train.bin{TMP_SUFFIX}",
+        f".val.bin{TMP_SUFFIX}",
+    ]
     prepare(PydocSource(), data, val_fraction=0.05, progress=False)
     assert not list(data.glob(f"*{TMP_SUFFIX}"))
     load_prepared(data, verify="full")
 
 
-def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(shared: Path, tmp_path: Path) -> None:
+def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(
+    shared: Path, tmp_path: Path
+) -> None:
     corpus = shared / "corpora" / "webtext"
     run_dir = tmp_path / "run"
     args = ["data=local", f"data.source.path={corpus}", f"data_root={tmp_path}", f"run_dir={run_dir}"]
@@ -103,7 +110,8 @@ def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(
     with pytest.raises(PreparedDataError, match=f"damaged or foreign.*{repair_command}"):
         # What a training run does (TokenDataModule.prepare_data): the fast check refuses, naming the repair.
         prepare(LocalFilesSource(str(corpus)), folder, progress=False, prepare_hint=repair_command)
-    with open(train, "r+b") as handle:  # and damage between the fingerprint's blocks: the full checksum sees it
+    # and damage between the fingerprint's blocks: the full checksum sees it
+    with open(train, "r+b") as handle:
         handle.seek(size * 3 // 32)
         handle.write(b"\x00\x00")
     verified = corpus_command("verify")
@@ -130,8 +138,17 @@ def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(
 
     data_root = tmp_path / "data"
     overrides = [f"data_root={data_root}", "data=local", f"data.source.path={shared / 'corpora'}"]
-    args = ([sys.executable, "-m", "corpus", *overrides] if command == "corpus" else
-            [sys.executable, str(ROOT / "train.py"), *overrides, f"run_dir={tmp_path / 'run'}", "probe.tokens=512"])
+    args = (
+        [sys.executable, "-m", "corpus", *overrides]
+        if command == "corpus"
+        else [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *overrides,
+            f"run_dir={tmp_path / 'run'}",
+            "probe.tokens=512",
+        ]
+    )
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -148,7 +165,8 @@ def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(
             proc.kill()
             proc.wait()
     assert proc.returncode == 143 and took < 10.0, err[-3000:]
-    said = [line for line in err.splitlines() if "stopped, nothing half-written left" in line]  # a progress bar may close after it
+    # a progress bar may close after it
+    said = [line for line in err.splitlines() if "stopped, nothing half-written left" in line]
     assert len(said) == 1 and "SIGTERM " in said[0], err[-3000:]
     assert "Traceback" not in err
     assert not list(data_root.rglob(f"*{TMP_SUFFIX}")) and not list(data_root.rglob(META_FILE))

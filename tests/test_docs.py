@@ -83,7 +83,10 @@ def test_every_relative_link_and_image_resolves(page: Path) -> None:
         ("[gone](docs/no-such-page.md)", ["docs/no-such-page.md: no such file"]),
         ("![gone](docs/figures/no-such.png)", ["docs/figures/no-such.png: no such file"]),
         ("## Here\n\n[up](#here) [nowhere](#there)", ["#there: no such heading"]),
-        ("[anchor](docs/probe.md#reading-the-figures) [bad](docs/probe.md#no-such)", ["docs/probe.md#no-such: no such heading"]),
+        (
+            "[anchor](docs/probe.md#reading-the-figures) [bad](docs/probe.md#no-such)",
+            ["docs/probe.md#no-such: no such heading"],
+        ),
         ("```bash\n[not a link](nowhere.md)\n```\n[web](https://example.org/x.md)", []),
     ],
 )

@@ -15,7 +15,9 @@ SECOND = {"step": 200, "checkpoint": "a/step-200.ckpt", "limit": 50, "lm_eval_ve
 
 
 def test_a_new_evaluation_replaces_only_the_tasks_it_measured(tmp_path: Path) -> None:
-    first = merged_eval({}, FIRST, {"lambada": {"acc": 0.3, "examples": 500}, "piqa": {"acc": 0.6, "examples": 800}})
+    first = merged_eval(
+        {}, FIRST, {"lambada": {"acc": 0.3, "examples": 500}, "piqa": {"acc": 0.6, "examples": 800}}
+    )
     second = merged_eval(first, SECOND, {"piqa": {"acc": 0.62, "examples": 50}, "arc_easy": {"acc": 0.4}})
     assert sorted(second["tasks"]) == ["arc_easy", "lambada", "piqa"]
     assert second["tasks"]["lambada"] == {"acc": 0.3, "examples": 500, **FIRST}  # kept as measured

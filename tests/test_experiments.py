@@ -100,9 +100,12 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
             "probe.tokens=128",
         ]
     if experiment == "study_cpu":  # real local text already; the shared folder wherever it is
-        overrides += [f"data.source.path={shared / 'corpora' / 'webtext' / 'openwebtext-10k.sujen07.val.dedup.jsonl'}",
-                      f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}",
-                      "checkpoint.steps=[2]"]  # its schedule's steps 100 ... 1000 are beyond max_steps=2: refused
+        overrides += [
+            f"data.source.path={shared / 'corpora' / 'webtext' / 'openwebtext-10k.sujen07.val.dedup.jsonl'}",
+            f"probe.path={shared / 'corpora' / 'wikipedia' / 'wikitext-2-raw'}",
+            # its schedule's steps 100 ... 1000 are beyond max_steps=2: refused
+            "checkpoint.steps=[2]",
+        ]
     if experiment in ONE_PROCESS:
         overrides += ["size.n_layer=2", "trainer.devices=1"]
     return overrides
@@ -119,7 +122,9 @@ def check_trained(run_dir: Path) -> None:
     assert all(0 < loss < 12 for loss in step_losses(run_dir).values())
     rows = read_rows(run_dir / "angles.jsonl")
     assert {r["step"] for r in rows} >= {0} and all(r["count"] == 128 for r in rows)
-    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", mmap=True, weights_only=False)
+    last = torch.load(
+        run_dir / "checkpoints" / "last.ckpt", map_location="cpu", mmap=True, weights_only=False
+    )
     assert last["global_step"] == 2
 
 
@@ -152,8 +157,12 @@ def test_every_experiment_trains_two_steps(
 def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
     """trainer=fsdp as on a GPU node: bf16 autocast, fused AdamW with clipping, bf16 all-gathers, activation
     checkpointing, compiled blocks."""
-    gpu_like = ["trainer.precision=bf16-mixed", "optim.fused=true", "trainer.strategy.activation_checkpointing=true",
-                "compile=true"]
+    gpu_like = [
+        "trainer.precision=bf16-mixed",
+        "optim.fused=true",
+        "trainer.strategy.activation_checkpointing=true",
+        "compile=true",
+    ]
     done = run_train(tmp_path / "run", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
                      "micro_batch=2", "max_steps=2", "checkpoint.steps=[2]", *gpu_like)
     log = done.stdout + done.stderr

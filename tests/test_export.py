@@ -63,8 +63,11 @@ def test_hf_export_directory_reproduces_the_logits(norm: str, placement: str, ti
 
 
 def test_gpt2_holds_exactly_the_pre_ln_layernorm_arms() -> None:
-    held = {(n, p) for n, p, _ in CASES if hf_class_name(GPT(GPTConfig(n_layer=1, n_embd=8, norm=n, placement=p)))
-            == "GPT2LMHeadModel"}
+    held = {
+        (n, p)
+        for n, p, _ in CASES
+        if hf_class_name(GPT(GPTConfig(n_layer=1, n_embd=8, norm=n, placement=p))) == "GPT2LMHeadModel"
+    }
     assert held == {("layer", "pre"), ("layer_nobias", "pre")}
 
 

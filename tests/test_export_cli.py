@@ -42,16 +42,28 @@ SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0")
 
 
 def run_module(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def hand_checkpoint(path: Path, norm: str, placement: str = "pre", step: int = 5) -> Path:
     """A checkpoint in the layout train.py saves (gpt_config, model.* state_dict, step, hyper-parameters)."""
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, norm=norm, placement=placement))
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"gpt_config": gpt.config.to_dict(), "global_step": step, "hyper_parameters": {"global_batch": 4},
-                "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}}, path)
+    torch.save(
+        {
+            "gpt_config": gpt.config.to_dict(),
+            "global_step": step,
+            "hyper_parameters": {"global_batch": 4},
+            "state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()},
+        },
+        path,
+    )
     return path
 
 
@@ -80,7 +92,9 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path
     assert "pre-norm blocks only" in refused(capsys, tmp_path, run, "--to", "transformer-lens", "--out", out)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
-    assert "exists and is not empty" in refused(capsys, tmp_path, run, "--to", "hf", "--out", tmp_path / "taken")
+    assert "exists and is not empty" in refused(
+        capsys, tmp_path, run, "--to", "hf", "--out", tmp_path / "taken"
+    )
     # Into a run directory (where resume, status and the sweep readers look): refused, the fix beside it.
     (run / "run_config.yaml").write_text("seed: 0\n")
     for inside in (run / "exported", run / "checkpoints" / "hf"):
@@ -92,7 +106,9 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path
     foreign = hand_checkpoint(other / "checkpoints" / "step-0000003.ckpt", "rms")
     (other / "run_config.yaml").write_text("seed: 1\n")
     message = refused(capsys, tmp_path, run, "--checkpoint", foreign, "--to", "hf", "--out", out)
-    assert message.endswith(f"belongs to the run {other.resolve()}, not {run}: give {other.resolve()} as the run directory")
+    assert message.endswith(
+        f"belongs to the run {other.resolve()}, not {run}: give {other.resolve()} as the run directory"
+    )
 
 
 def test_a_diverged_run_exports_with_a_warning(capsys, tmp_path: Path) -> None:
@@ -101,8 +117,10 @@ def test_a_diverged_run_exports_with_a_warning(capsys, tmp_path: Path) -> None:
     (run / "summary.json").write_text(json.dumps({DIVERGED: {"step": 7, "loss": float("nan"), "lr": 0.1}}))
     assert export_main([str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' "Writing model shards" bar)
-    assert err == (f"warning: {run} diverged at step 7 (its summary.json): the export holds its checkpoint of "
-                   "step 5, saved before the divergence")
+    assert err == (
+        f"warning: {run} diverged at step 7 (its summary.json): the export holds its checkpoint of "
+        "step 5, saved before the divergence"
+    )
 
 
 def test_evaluate_checks_every_option_before_the_evaluation(capsys, tmp_path: Path) -> None:
@@ -131,18 +149,26 @@ def test_evaluate_checks_every_option_before_the_evaluation(capsys, tmp_path: Pa
 
 @pytest.mark.parametrize(("norm", "placement", "reason"), [("dyt", "pre", "no tanh norm"),
                                                            ("rms_bias", "pre", "has no bias")])
-def test_transformer_lens_refuses_an_arm_it_cannot_hold(capsys, tmp_path: Path, norm, placement, reason) -> None:
+def test_transformer_lens_refuses_an_arm_it_cannot_hold(
+    capsys, tmp_path: Path, norm, placement, reason
+) -> None:
     run = tmp_path / "run"
     hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", norm, placement)
     assert reason in refused(capsys, tmp_path, run, "--to", "transformer-lens", "--out", tmp_path / "tl")
 
 
-@pytest.mark.parametrize(("norm", "placement", "to", "reason"), [
-    ("layer", "post", "hf", "only Pre-LN arms convert"), ("dyt", "pre", "hf", "no mean subtraction to take out"),
-    ("rms", "pre", "nnsight", "RMSNorm model already"), ("layer", "pre", "transformer-lens", "use it with --to hf"),
-])
-def test_convert_refuses_what_it_cannot_convert_with_one_line(capsys, tmp_path: Path, norm: str, placement: str,
-                                                              to: str, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("norm", "placement", "to", "reason"),
+    [
+        ("layer", "post", "hf", "only Pre-LN arms convert"),
+        ("dyt", "pre", "hf", "no mean subtraction to take out"),
+        ("rms", "pre", "nnsight", "RMSNorm model already"),
+        ("layer", "pre", "transformer-lens", "use it with --to hf"),
+    ],
+)
+def test_convert_refuses_what_it_cannot_convert_with_one_line(
+    capsys, tmp_path: Path, norm: str, placement: str, to: str, reason: str
+) -> None:
     run = tmp_path / "run"
     hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", norm, placement)
     err = refused(capsys, tmp_path, run, "--to", to, "--as", "rms", "--out", tmp_path / "converted")
@@ -187,14 +213,15 @@ def test_downstream_scores_reach_the_verdict_as_paired_contrasts(tmp_path: Path)
     differences = [a - b for a, b in zip(accuracy["layer"], accuracy["rms"], strict=True)]
     assert est.values == pytest.approx(differences)
     assert (est.mean, est.low, est.high) == pytest.approx(independent_interval(differences), rel=1e-9)
-    # Raw, the accuracy difference is significant; undeclared, the row is described: its interval, no test words.
+    # Raw, the accuracy difference is significant; undeclared,
+    # the row is described: its interval, no test words.
     assert est.test.p_diff < 0.05 and est.family == "described" and est.p_diff_holm is None
     assert sentence(est).endswith("described, not tested).") and "different" not in sentence(est)
 
 
 def test_downstream_scores_measured_at_different_limits_are_not_paired(tmp_path: Path) -> None:
-    """Issue 34: seed 1's RMSNorm run was evaluated on 8 examples, its LayerNorm partner on all: that seed is left
-    out of the contrast, and verdict.md says which runs and how to make them comparable."""
+    """Issue 34: seed 1's RMSNorm run was evaluated on 8 examples, its LayerNorm partner on all: that seed is
+    left out of the contrast, and verdict.md says which runs and how to make them comparable."""
     for norm in ("layer", "rms"):
         for seed in (0, 1, 2):
             run_dir = make_run(tmp_path, norm, seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
@@ -206,8 +233,10 @@ def test_downstream_scores_measured_at_different_limits_are_not_paired(tmp_path:
     est = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", f"downstream/{TASK_NAME}/acc")]
     assert est.seeds == (0, 2)
     lines = downstream_mismatches(measures)
-    assert lines == [f"{TASK_NAME}, seed 1: layer-s1 was evaluated at step 10, limit none, rms-s1 at step 10, "
-                     "limit 8; not paired (evaluate both with the same --step and --limit)"]
+    assert lines == [
+        f"{TASK_NAME}, seed 1: layer-s1 was evaluated at step 10, limit none, rms-s1 at step 10, "
+        "limit 8; not paired (evaluate both with the same --step and --limit)"
+    ]
     assert f"- {lines[0]}" in verdict_markdown(estimates, measures, unpaired, not_paired=lines)
 
 
@@ -224,7 +253,8 @@ def test_a_declared_arm_no_run_has_is_named(tmp_path: Path) -> None:
     assert "None: no run of the declared arm(s) `layer_nobias` in these runs" in primary
 
 
-# --- slow: real runs ------------------------------------------------------------------------------------------
+# --- slow: real runs
+# ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +279,11 @@ def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_pat
     with torch.no_grad():
         assert (model(ids).logits - gpt(ids)).abs().max().item() <= 1e-5
     card = (out / "README.md").read_text()
-    assert f"| step | {step} |" in card and "| tokens seen | 1,024 |" in card and f"norm:\n  name: {norm}" in card
+    assert (
+        f"| step | {step} |" in card
+        and "| tokens seen | 1,024 |" in card
+        and f"norm:\n  name: {norm}" in card
+    )
     assert json.loads((out / "normgeo_export.json").read_text())["step"] == 2
     assert not list(tmp_path.glob(".*partial*"))
     # Every file with the user's usual mode (safetensors writes 0600 files by itself).
@@ -274,11 +308,14 @@ def test_a_trained_layer_run_converts_to_rms_with_the_same_logits(trained: Path,
     with torch.no_grad():
         assert (model(ids).logits - gpt(ids)).abs().max().item() <= FLOAT32_MAX_ABS
     check = check_conversion(gpt, ids)
-    assert check.parity.float64_relative <= FLOAT64_RELATIVE and check.parity.float32_max_abs <= FLOAT32_MAX_ABS
+    assert (
+        check.parity.float64_relative <= FLOAT64_RELATIVE and check.parity.float32_max_abs <= FLOAT32_MAX_ABS
+    )
     assert check.ones_energy <= 1e-12 and abs(check.add_centering_delta_loss) <= 1e-12
     card = (out / "README.md").read_text()
     assert "## Converted from LayerNorm to RMSNorm" in card and f"| step | {step} |" in card
-    assert "**untied**" in card and "untied in training too" in card and "**bias**" in card  # train.yaml: untied
+    # train.yaml: untied
+    assert "**untied**" in card and "untied in training too" in card and "**bias**" in card
     info = json.loads((out / "normgeo_export.json").read_text())
     assert info["as"] == "rms" and info["conversion"]["parity"]["float32_max_abs"] <= FLOAT32_MAX_ABS
     assert "| energy along 1 at the norm inputs, float64 |" in card
@@ -294,14 +331,36 @@ def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(tra
     out = tmp_path / "hf"
     assert run_module("normgeo.export", run, "--to", "hf", "--out", out).returncode == 0
     config = run / "run_config.yaml"
-    seq_len = next(int(line.split(":")[1]) for line in config.read_text().splitlines() if line.startswith("seq_len:"))
-    tokens = next(int(line.split(":")[1]) for line in config.read_text().splitlines() if line.strip().startswith("tokens:"))
+    seq_len = next(
+        int(line.split(":")[1]) for line in config.read_text().splitlines() if line.startswith("seq_len:")
+    )
+    tokens = next(
+        int(line.split(":")[1])
+        for line in config.read_text().splitlines()
+        if line.strip().startswith("tokens:")
+    )
     result = subprocess.run(
-        [sys.executable, "analyze.py", "model=hub", f"model.path={out}", "model.trust_remote_code=true",
-         f"model.seq_len={seq_len}", "probe=pydoc", f"probe.tokens={tokens}", f"output_root={tmp_path / 'an'}",
-         "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "analyze.py",
+            "model=hub",
+            f"model.path={out}",
+            "model.trust_remote_code=true",
+            f"model.seq_len={seq_len}",
+            "probe=pydoc",
+            f"probe.tokens={tokens}",
+            f"output_root={tmp_path / 'an'}",
+            "progress=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = [json.loads(line) for line in next((tmp_path / "an").rglob("angles.jsonl")).read_text().splitlines()]
+    measured = [
+        json.loads(line) for line in next((tmp_path / "an").rglob("angles.jsonl")).read_text().splitlines()
+    ]
     training = [json.loads(line) for line in (run / "angles.jsonl").read_text().splitlines()]
     at_step = {(r["layer"], r["site"], r["ref"]): r["mean_deg"] for r in training if r["step"] == 3}
     through_export = {(r["layer"], r["site"], r["ref"]): r["mean_deg"] for r in measured}
@@ -313,7 +372,9 @@ def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(tra
 def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(trained: Path, shared: Path,
                                                                               tmp_path: Path) -> None:
     task_dir = tmp_path / "tasks"
-    made = run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA, "--examples", 40)
+    made = run_module(
+        "normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA, "--examples", 40
+    )
     assert made.returncode == 0, made.stderr[-3000:]
     runs = sorted(p for p in trained.iterdir() if (p / "checkpoints").is_dir())
     earlier = {"step": 2, "limit": 5, "tasks": {"an_earlier_task": {"acc": 0.5, "step": 2, "limit": 5}}}
@@ -324,7 +385,9 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
     # The examples longer than the runs' 64-token context, counted here from the task's own file.
     encode = tiktoken_encoding().encode_ordinary
     examples = [json.loads(line) for line in (task_dir / "next_sentence.jsonl").read_text().splitlines()][:8]
-    longer = sum(any(len(encode(f"{e['context']} {choice}")) > 64 for choice in e["choices"]) for e in examples)
+    longer = sum(
+        any(len(encode(f"{e['context']} {choice}")) > 64 for choice in e["choices"]) for e in examples
+    )
     assert longer > 0  # Wikipedia paragraphs: most do not fit
     for run in runs:
         record = json.loads((run / "eval.json").read_text())
@@ -332,8 +395,10 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
         assert record["step"] == 3 and scores["examples"] == 8 and 0 <= scores["acc"] <= 1
         assert (scores["step"], scores["limit"], scores["context"]) == (3, 8, 64)  # what it was measured at
         assert scores["truncated"] == longer
-        assert (f"warning: {run}: {TASK_NAME}: {longer} of 8 examples are longer than the model's 64-token context"
-                in result.stderr)
+        assert (
+            f"warning: {run}: {TASK_NAME}: {longer} of 8 examples are longer than the model's "
+            "64-token context" in result.stderr
+        )
     assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
         "an_earlier_task"]
     compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare", "--formats", "png")
@@ -346,11 +411,18 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("target", "norm", "placement"), [("transformer-lens", "rms", "pre"),
-                                                           ("transformer-lens", "layer_nobias", "pre"),
-                                                           ("nnsight", "dyt", "post"), ("hf", "rms_bias", "post")])
-def test_every_target_loads_back_with_the_checkpoint_logits(tmp_path: Path, target: str, norm: str,
-                                                            placement: str) -> None:
+@pytest.mark.parametrize(
+    ("target", "norm", "placement"),
+    [
+        ("transformer-lens", "rms", "pre"),
+        ("transformer-lens", "layer_nobias", "pre"),
+        ("nnsight", "dyt", "post"),
+        ("hf", "rms_bias", "post"),
+    ],
+)
+def test_every_target_loads_back_with_the_checkpoint_logits(
+    tmp_path: Path, target: str, norm: str, placement: str
+) -> None:
     from models.export.lens import load_transformer_lens, to_nnsight
 
     checkpoint = hand_checkpoint(tmp_path / "run" / "checkpoints" / "step-0000005.ckpt", norm, placement)
@@ -389,9 +461,9 @@ def signal_when(args: list, ready, env: dict) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothing(trained: Path, shared: Path,
                                                                                    tmp_path: Path) -> None:
-    """Issue 34: SIGTERM in the middle of each command ends it with exit 143 and one line, without a traceback;
-    the export's .partial folder, the evaluation's temporary export and compare's staging folder are removed,
-    and eval.json and --out are as they were."""
+    """Issue 34: SIGTERM in the middle of each command ends it with exit 143 and one line, without a
+    traceback; the export's .partial folder, the evaluation's temporary export and compare's staging folder
+    are removed, and eval.json and --out are as they were."""
     run = next(trained.glob("*-layer-s0"))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -401,7 +473,8 @@ def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothin
         assert result.returncode == 143, result.stderr[-3000:]
         assert "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1].startswith(f"SIGTERM {doing}: stopped")
-        assert not list(scratch.glob("normgeo-*")) and not list(tmp_path.glob(".*"))  # (torch caches its own there)
+        # (torch caches its own there)
+        assert not list(scratch.glob("normgeo-*")) and not list(tmp_path.glob(".*"))
 
     out = tmp_path / "exported"
     check(signal_when(["normgeo.export", run, "--to", "hf", "--out", out],
@@ -413,8 +486,14 @@ def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothin
     assert run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA,
                       "--examples", 40).returncode == 0
     before = (run / "eval.json").read_bytes() if (run / "eval.json").exists() else None
-    check(signal_when(["normgeo.evaluate", run, "--tasks", TASK_NAME, "--include-path", task_dir],
-                      lambda: any((p / "hf").is_dir() for p in scratch.iterdir()), env), "during the evaluation")
+    check(
+        signal_when(
+            ["normgeo.evaluate", run, "--tasks", TASK_NAME, "--include-path", task_dir],
+            lambda: any((p / "hf").is_dir() for p in scratch.iterdir()),
+            env,
+        ),
+        "during the evaluation",
+    )
     assert ((run / "eval.json").read_bytes() if (run / "eval.json").exists() else None) == before
 
     compare_out = tmp_path / "compare"
@@ -440,8 +519,10 @@ def test_another_export_into_the_same_out_meanwhile_is_one_line(capsys, tmp_path
     monkeypatch.setattr(export, "save_hf", save_while_another_export_finishes)
     assert export_main([str(run), "--to", "hf", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"error: --out {out} was written by another command while this export ran: nothing of this one "
-                   "was kept; choose a new directory")
+    assert err == (
+        f"error: --out {out} was written by another command while this export ran: nothing of this one "
+        "was kept; choose a new directory"
+    )
     assert [p.name for p in out.iterdir()] == ["config.json"] and not list(tmp_path.glob(".hf.partial*"))
 
 

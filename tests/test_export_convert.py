@@ -27,14 +27,28 @@ from tests.test_export import token_ids
 
 FLOAT64_RELATIVE = 1e-10  # max |converted - original| / max |original|, float64
 FLOAT32_MAX_ABS = 1e-5  # max |converted - original|, float32
-CASES = list(itertools.product(CONVERTIBLE_ARMS, (True, False), (True, False)))  # arm x tied head x linear biases
+# arm x tied head x linear biases
+CASES = list(itertools.product(CONVERTIBLE_ARMS, (True, False), (True, False)))
 
 
-def off_init_gpt(norm: str, tie: bool = True, bias: bool = True, placement: str = "pre", dropout: float = 0.0) -> GPT:
+def off_init_gpt(
+    norm: str, tie: bool = True, bias: bool = True, placement: str = "pre", dropout: float = 0.0
+) -> GPT:
     """A tiny GPT whose every parameter is moved off its init, with a component along 1 in every embedding row
     (as training leaves one), so an uncentred write or an unfolded gain or bias changes the logits."""
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, norm=norm, tie_embeddings=tie, bias=bias,
-                        placement=placement, dropout=dropout)).eval()
+    gpt = GPT(
+        GPTConfig(
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            block_size=32,
+            norm=norm,
+            tie_embeddings=tie,
+            bias=bias,
+            placement=placement,
+            dropout=dropout,
+        )
+    ).eval()
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for param in gpt.parameters():
@@ -66,7 +80,11 @@ def test_convert_centres_every_write_into_the_residual_stream() -> None:
     weights = rms_weights(off_init_gpt("layer"), torch.float64)
     writes = ["wte.weight", "wpe.weight"]
     for i in range(2):
-        writes += [f"blocks.{i}.{linear}.{kind}" for linear in ("attn.c_proj", "mlp.c_proj") for kind in ("weight", "bias")]
+        writes += [
+            f"blocks.{i}.{linear}.{kind}"
+            for linear in ("attn.c_proj", "mlp.c_proj")
+            for kind in ("weight", "bias")
+        ]
     for name in writes:
         channels = weights[name].shape[-1] if name.startswith("w") else weights[name].shape[0]
         mean = weights[name].mean(dim=-1 if name.startswith("w") else 0)

@@ -28,9 +28,15 @@ pytestmark = pytest.mark.slow  # a python -m normgeo.export per case (transforme
 
 
 def export(run: Path, out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "normgeo.export", str(run), "--to", "hf", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "normgeo.export", str(run), "--to", "hf", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_an_export_leaves_the_tiktoken_cache_as_it_found_it(tmp_path: Path) -> None:
@@ -59,7 +65,10 @@ def test_the_tokenizer_of_a_custom_code_export_loads_without_custom_code(tmp_pat
     result = export(tmp_path / "run", out)
     assert result.returncode == 0, result.stderr[-3000:]
     card = (out / "README.md").read_text()
-    assert "GPT2TokenizerFast.from_pretrained" in card and "`trust_remote_code=True` is needed for the model only" in card
+    assert (
+        "GPT2TokenizerFast.from_pretrained" in card
+        and "`trust_remote_code=True` is needed for the model only" in card
+    )
     for name, loader in LOADERS.items():
         code = (f"from transformers import AutoTokenizer, GPT2TokenizerFast; DIR = {str(out)!r}; "
                 f"print(type({loader}).__name__, {loader}({TEXT!r})['input_ids'])")
@@ -68,4 +77,6 @@ def test_the_tokenizer_of_a_custom_code_export_loads_without_custom_code(tmp_pat
         assert loaded.returncode == 0, loaded.stderr[-3000:]
         said = loaded.stdout + loaded.stderr
         assert "custom code" not in said and "[y/N]" not in said, (name, said)
-        assert loaded.stdout.split(" ", 1)[1].strip() == str(tiktoken_encoding("gpt2").encode_ordinary(TEXT)), name
+        assert loaded.stdout.split(" ", 1)[1].strip() == str(
+            tiktoken_encoding("gpt2").encode_ordinary(TEXT)
+        ), name

@@ -46,13 +46,16 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def corpus_command(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corpus", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "corpus", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def decoded(directory: Path) -> str:
     data = load_prepared(directory)
-    return "".join(tiktoken_encoding("gpt2").decode(data.tokens(split).tolist()) for split in ("train", "val"))
+    return "".join(
+        tiktoken_encoding("gpt2").decode(data.tokens(split).tolist()) for split in ("train", "val")
+    )
 
 
 # The source itself
@@ -64,7 +67,9 @@ def test_other_types_are_refused_in_one_line_naming_each_type_and_the_option(tmp
         LocalFilesSource(str(folder)).check()
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(f"data.source.path={folder}: 3 files of unsupported types (.csv: 2, .py: 1); supported: ")
+    assert message.startswith(
+        f"data.source.path={folder}: 3 files of unsupported types (.csv: 2, .py: 1); supported: "
+    )
     assert message.endswith("set data.source.plain_text_extensions=[.csv,.py]")
     # The probe's source names the probe's keys; a single file is refused as well.
     with pytest.raises(SourceError, match=r"^probe.path=.*a.csv: 1 file of an unsupported type \(.csv: 1\).*"
@@ -89,7 +94,8 @@ def test_the_option_reads_other_extensions_as_plain_text(tmp_path: Path) -> None
     documents = list(source.documents())
     assert len(documents) == 3 and CSV_ROW in documents[0] and "def f()" in documents[2]
     assert source.describe() == f"local:{folder} (plain text: .csv, .py)"  # another corpus than the default's
-    assert LocalFilesSource(str(folder)).describe() == f"local:{folder}"  # unchanged: prepared data stays valid
+    # unchanged: prepared data stays valid
+    assert LocalFilesSource(str(folder)).describe() == f"local:{folder}"
     assert LocalFilesSource(str(folder), plain_text_extensions=".csv,py").extra_plain_text == (".csv", ".py")
     with pytest.raises(SourceError, match=r"\(.py: 1\).*plain_text_extensions=\[.csv,.py\]$"):  # all to list
         LocalFilesSource(str(folder), plain_text_extensions=[".csv"]).check()
@@ -153,10 +159,18 @@ def test_python_m_corpus_refuses_other_types_and_prepares_them_with_the_option(t
 
 
 @pytest.mark.slow
-def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_option(tmp_path: Path, capsys) -> None:
+def test_train_refuses_other_types_before_writing_and_trains_on_them_with_the_option(
+    tmp_path: Path, capsys
+) -> None:
     folder = csv_and_py(tmp_path / "mixed")
     run_dir, data_root = tmp_path / "run", tmp_path / "data"
-    args = ("data=local", f"data.source.path={folder}", "data.val_fraction=0.05", "max_steps=2", "probe.enabled=false")
+    args = (
+        "data=local",
+        f"data.source.path={folder}",
+        "data.val_fraction=0.05",
+        "max_steps=2",
+        "probe.enabled=false",
+    )
     refused = train_in_process(run_dir, *args, capsys=capsys)
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = error_lines(refused.stderr)
@@ -175,14 +189,18 @@ def test_probe_local_refuses_other_types_before_writing(tmp_path: Path, capsys) 
     refused = train_in_process(run_dir, "probe=local", f"probe.path={folder}", "max_steps=2", capsys=capsys)
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = error_lines(refused.stderr)
-    assert line.endswith("3 files of unsupported types (.csv: 2, .py: 1); supported: .jsonl, .json, .parquet, "
-                         ".txt, .raw, no extension; to read other extensions as plain text set "
-                         "probe.plain_text_extensions=[.csv,.py]")
+    assert line.endswith(
+        "3 files of unsupported types (.csv: 2, .py: 1); supported: .jsonl, .json, .parquet, "
+        ".txt, .raw, no extension; to read other extensions as plain text set "
+        "probe.plain_text_extensions=[.csv,.py]"
+    )
     assert not run_dir.exists() and not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize(("script", "conf_dir"), [("train", CONF_DIR), ("analyze", ANALYZE_CONF_DIR)])
-def test_probe_plain_text_extensions_reads_them_in_train_and_analyze(tmp_path: Path, script: str, conf_dir: str) -> None:
+def test_probe_plain_text_extensions_reads_them_in_train_and_analyze(
+    tmp_path: Path, script: str, conf_dir: str
+) -> None:
     folder = csv_and_py(tmp_path / "mixed")
     overrides = ["probe=local", f"probe.path={folder}"]
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):

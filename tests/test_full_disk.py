@@ -62,8 +62,14 @@ def test_a_full_disk_exits_2_naming_the_file_and_the_run_resumes_after_freeing_s
     disk = tmp_path / "disk"
     run_dir = disk / "run"
     # The prepared corpus stays off the small disk: only the run fills it.
-    args = [sys.executable, str(ROOT / "train.py"), *FAST, f"run_dir={run_dir}", f"data_root={tmp_path / 'data'}",
-            *SETTINGS]
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *FAST,
+        f"run_dir={run_dir}",
+        f"data_root={tmp_path / 'data'}",
+        *SETTINGS,
+    ]
     mount_tmpfs(disk, DISK)
     try:
         full = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -72,11 +78,17 @@ def test_a_full_disk_exits_2_naming_the_file_and_the_run_resumes_after_freeing_s
         last = lines[-1]
         ckpt = run_dir / "checkpoints" / "last.ckpt"
         assert last.startswith(f"error: No space left on device writing {ckpt} ("), last
-        assert "free space on that disk, then continue from last.ckpt (step 2, intact) with resume=auto: " in last
+        assert (
+            "free space on that disk, then continue from last.ckpt (step 2, intact) with resume=auto: "
+            in last
+        )
         assert "Traceback" not in full.stderr and "inline_container" not in full.stderr
         # Nothing half-written; what was saved before is whole.
         assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
-        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step-0000002.ckpt"]
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+            "last.ckpt",
+            "step-0000002.ckpt",
+        ]
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         assert state["global_step"] == 2 and "optimizer_states" in state
         assert torch.load(run_dir / "checkpoints" / "step-0000002.ckpt", map_location="cpu",
@@ -132,11 +144,18 @@ def test_an_evaluation_whose_run_folder_is_full_is_one_line_and_keeps_eval_json(
             except OSError:
                 pass
         tasks = tmp_path / "tasks"
-        assert evaluate_main(["--make-task", str(tasks), "--corpus", str(shared / WIKIPEDIA), "--examples", "4"]) == 0
+        assert (
+            evaluate_main(["--make-task", str(tasks), "--corpus", str(shared / WIKIPEDIA), "--examples", "4"])
+            == 0
+        )
         capsys.readouterr()
-        assert evaluate_main([str(run), "--tasks", TASK_NAME, "--include-path", str(tasks), "--limit", "2"]) == 2
+        assert (
+            evaluate_main([str(run), "--tasks", TASK_NAME, "--include-path", str(tasks), "--limit", "2"]) == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert err.startswith(f"error: {run}: the disk is full (") and err.endswith("run the same command again")
+        assert err.startswith(f"error: {run}: the disk is full (") and err.endswith(
+            "run the same command again"
+        )
         assert (run / "eval.json").read_text() == earlier
     finally:
         subprocess.run(["umount", str(disk)], check=False)

@@ -1,7 +1,7 @@
-"""Input files and devices that are not what they claim, through the real entry points (train.py and analyze.py
-in-process, tests/test_ranges.py's way): a FIFO or device as corpus, a corpus that is not UTF-8, a file that is
-not a checkpoint, a CUDA device on a machine without one, an unknown tokenizer. Each: one line naming the
-file or key and the fix, exit 2, nothing written."""
+"""Input files and devices that are not what they claim, through the real entry points (train.py and
+analyze.py in-process, tests/test_ranges.py's way): a FIFO or device as corpus, a corpus that is not UTF-8, a
+file that is not a checkpoint, a CUDA device on a machine without one, an unknown tokenizer. Each: one line
+naming the file or key and the fix, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def test_a_fifo_as_corpus_is_named_as_a_fifo(key: str, tmp_path: Path, capsys) -
     os.mkfifo(fifo)
     group = "data=local" if key.startswith("data") else "probe=local"
     line = refused("train", [group, f"{key}={fifo}"], tmp_path, capsys)
-    assert line == f"error: {key}={fifo}: a FIFO (named pipe), not a regular file; give a text file, a folder or a glob of them"
+    assert (
+        line == f"error: {key}={fifo}: a FIFO (named pipe), not a regular file; give a text file, a folder "
+        "or a glob of them"
+    )
     assert not (tmp_path / "data").exists()
 
 
@@ -65,8 +68,10 @@ def test_a_latin1_corpus_is_refused_with_its_byte_offset(script: str, tmp_path: 
             else ["model=minilm", "probe=local", f"probe.path={corpus}", "probe.min_doc_tokens=0"])
     line = refused(script, args, tmp_path, capsys)
     node = "data.source" if script == "train" else "probe"
-    assert line.startswith(f"error: {corpus}: not valid utf-8 at byte 3 (e9 20 63 72); convert the file (e.g. iconv "
-                           f"-f latin1 -t utf-8) or set {node}.encoding=latin-1 (its real encoding)")
+    assert line.startswith(
+        f"error: {corpus}: not valid utf-8 at byte 3 (e9 20 63 72); convert the file (e.g. iconv "
+        f"-f latin1 -t utf-8) or set {node}.encoding=latin-1 (its real encoding)"
+    )
     assert not (tmp_path / "data").exists()
 
 
@@ -86,8 +91,10 @@ def test_a_file_that_is_not_a_checkpoint_gets_its_own_line(tmp_path: Path, capsy
     not_a_checkpoint.write_text("these are notes, not weights\n")
     line = refused("analyze", ["model=checkpoint", f"model.checkpoint={not_a_checkpoint}", "progress=false"],
                    tmp_path, capsys)
-    assert line == (f"error: model.checkpoint={not_a_checkpoint}: not a PyTorch checkpoint (not a zip archive); give "
-                    "a .ckpt of a train.py run, <run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt")
+    assert line == (
+        f"error: model.checkpoint={not_a_checkpoint}: not a PyTorch checkpoint (not a zip archive); give "
+        "a .ckpt of a train.py run, <run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt"
+    )
 
 
 def test_a_zip_that_is_not_a_checkpoint_gets_one_line(tmp_path: Path, capsys) -> None:
@@ -95,7 +102,9 @@ def test_a_zip_that_is_not_a_checkpoint_gets_one_line(tmp_path: Path, capsys) ->
     advice become one line."""
     other = tmp_path / "other.ckpt"
     torch.save({"state": NotWeights()}, other)
-    line = refused("analyze", ["model=checkpoint", f"model.checkpoint={other}", "progress=false"], tmp_path, capsys)
+    line = refused(
+        "analyze", ["model=checkpoint", f"model.checkpoint={other}", "progress=false"], tmp_path, capsys
+    )
     assert line.startswith(f"error: model.checkpoint={other}: not a train.py checkpoint (UnpicklingError: ")
 
 
@@ -109,7 +118,9 @@ def test_a_zip_that_is_not_a_checkpoint_gets_one_line(tmp_path: Path, capsys) ->
 def test_a_cuda_device_on_a_machine_without_cuda_gets_one_line(script: str, args: list[str], message: str,
                                                               tmp_path: Path, capsys) -> None:
     line = refused(script, args, tmp_path, capsys)
-    assert line.startswith(message) and line.endswith("on this machine" if script == "train" else "(or device=auto)")
+    assert line.startswith(message) and line.endswith(
+        "on this machine" if script == "train" else "(or device=auto)"
+    )
     assert not (tmp_path / "data").exists()
 
 

@@ -48,7 +48,9 @@ def signal_after_scheduled_step(
         try:
             deadline = time.monotonic() + 300
             while not marker.exists():
-                assert proc.poll() is None, f"train.py ended before step {SCHEDULED}:\n{err_path.read_text()[-4000:]}"
+                assert proc.poll() is None, (
+                    f"train.py ended before step {SCHEDULED}:\n{err_path.read_text()[-4000:]}"
+                )
                 assert time.monotonic() < deadline, f"no step {SCHEDULED} after 300 s"
                 time.sleep(0.05)
             time.sleep(delay)
@@ -100,14 +102,17 @@ def check_interrupted(
 
 def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    stopped, command = check_interrupted(run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT), signal.SIGINT)
+    stopped, command = check_interrupted(
+        run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT), signal.SIGINT
+    )
 
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
     assert set(step_losses(run_dir)) == set(range(1, MAX_STEPS + 1))
-    with open(run_dir / "csv" / "version_1" / "metrics.csv", newline="") as handle:  # the resumed session's log
+    # the resumed session's log
+    with open(run_dir / "csv" / "version_1" / "metrics.csv", newline="") as handle:
         trained = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
     assert min(trained) == stopped + 1  # it continued from the interrupted step, not from step SCHEDULED
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -115,7 +120,9 @@ def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_pa
     log = summary["session_log"]
     assert [s["steps"] for s in log] == [[0, stopped], [stopped, MAX_STEPS]]
     assert [s["ended"] for s in log] == ["interrupted by SIGINT", "finished"]
-    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in log), abs=2e-3) and all(s["wall_s"] > 0 for s in log)
+    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in log), abs=2e-3) and all(
+        s["wall_s"] > 0 for s in log
+    )
     assert summary["figures"] and not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
 
 
@@ -143,31 +150,38 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_and_corrupts_nothing(tmp_
 def test_ctrl_c_on_two_ddp_processes_stops_both_after_the_same_step(tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches every rank (the process group); the ranks agree on the step."""
     run_dir = tmp_path / "run"
-    outcome = signal_after_scheduled_step(run_dir, signal.SIGINT, "trainer=ddp_cpu", "trainer.devices=2", group=True)
+    outcome = signal_after_scheduled_step(
+        run_dir, signal.SIGINT, "trainer=ddp_cpu", "trainer.devices=2", group=True
+    )
     check_interrupted(run_dir, outcome, signal.SIGINT, ranks=2)
 
 
 def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path) -> None:
     """Issue 27: a validation of 100,000 sequences (minutes) ignored SIGTERM until it ended (a validation can
-    now ask for no more sequences than its split has windows, so this one is long by its batch of one). Now the signal
-    abandons it at once (its result is not logged), last.ckpt is saved at the step it followed, and the
-    printed command continues the run to its end."""
+    now ask for no more sequences than its split has windows, so this one is long by its batch of one). Now
+    the signal abandons it at once (its result is not logged), last.ckpt is saved at the step it followed, and
+    the printed command continues the run to its end."""
     run_dir = tmp_path / "run"
-    # 4,000 validation windows one at a time (the most the pydoc split's ~5,000 tokens allow, with room to spare
-    # for another CPython's docs): thousands of forward passes, tens of seconds.
-    # No probe: at step 5 it would come before the validation and make the test longer.
+    # 4,000 validation windows one at a time (the most the pydoc split's ~5,000 tokens allow,
+    # with room to spare for another CPython's docs): thousands of forward passes, tens of
+    # seconds. No probe: at step 5 it would come before the validation and make the test longer.
     settings = ("max_steps=8", "val_every=5", "val_sequences=4000", "micro_batch=1", "checkpoint.steps=[5]",
                 "checkpoint.last_every=1", "probe.enabled=false")
     last = run_dir / "checkpoints" / "last.ckpt"
     err_path = tmp_path / "validation.stderr"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            train_args(run_dir, *settings),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 300
-            # The validation windows map val.bin at their first batch (corpus.stream.TokenWindows): from then on
-            # step 5's validation, the run's first, is running. A fixed wait after step 4 was not enough on a
-            # loaded machine: the signal landed in step 5's training.
+            # The validation windows map val.bin at their first batch (corpus.stream.TokenWindows):
+            # from then on step 5's validation, the run's first, is running. A fixed wait after
+            # step 4 was not enough on a loaded machine: the signal landed in step 5's training.
             maps = Path(f"/proc/{proc.pid}/maps")
             while "/val.bin" not in maps.read_text():
                 assert proc.poll() is None, err_path.read_text()[-4000:]
@@ -189,10 +203,14 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     assert took < 10.0
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["global_step"] == 5 and "optimizer_states" in state
-    assert (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()  # the scheduled one, as the step's end would
-    assert lines[-2].startswith(f"interrupted by SIGTERM: stopped after step 5 (abandoned the validation after "
-                                f"step 5) and saved {last}")
-    assert not any(row.get("val/loss") for row in metrics_rows(run_dir))  # the abandoned validation: not logged
+    # the scheduled one, as the step's end would
+    assert (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()
+    assert lines[-2].startswith(
+        f"interrupted by SIGTERM: stopped after step 5 (abandoned the validation after "
+        f"step 5) and saved {last}"
+    )
+    # the abandoned validation: not logged
+    assert not any(row.get("val/loss") for row in metrics_rows(run_dir))
     command = shlex.split(lines[-1])
     assert command[-2:] == [f"run_dir={run_dir}", "resume=auto"]
     assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
@@ -206,9 +224,9 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
 
 
 def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tmp_path: Path) -> None:
-    """Issue 27: the probe at a scheduled step (here 16,384 tokens, seconds) is abandoned on SIGTERM within seconds;
-    last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that step
-    first (the same weights), so that angles.jsonl has every scheduled step."""
+    """Issue 27: the probe at a scheduled step (here 16,384 tokens, seconds) is abandoned on SIGTERM within
+    seconds; last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that
+    step first (the same weights), so that angles.jsonl has every scheduled step."""
     from normgeo.measure.records import recorded_steps
 
     run_dir = tmp_path / "run"
@@ -218,8 +236,13 @@ def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tm
     last = run_dir / "checkpoints" / "last.ckpt"
     err_path = tmp_path / "probe.stderr"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            train_args(run_dir, *settings),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 300
             while not (last.exists() and ckpt_step(last) == 4):  # step 5 trains next, then its probe

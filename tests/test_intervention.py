@@ -139,7 +139,8 @@ def test_intervened_forward_equals_a_hand_written_one(norm: str, placement: str)
     scopes = {scope.name: scope for scope in intervention_scopes(residual_norms(find_norm_sites(model)),
                                                                   ("all", "layers"))}
     with torch.no_grad():
-        assert torch.allclose(model(ids), hand_forward(model, ids, set()), rtol=0, atol=1e-12)  # the hand forward
+        # the hand forward
+        assert torch.allclose(model(ids), hand_forward(model, ids, set()), rtol=0, atol=1e-12)
         for name, swap in (("all", {"blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}),
                            ("layer 1", {"blocks.1.ln1", "blocks.1.ln2"}), ("layer final", {"ln_f"})):
             with intervened(scopes[name].sites):
@@ -231,8 +232,8 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
 
 
 def test_at_initialization_layernorm_without_centering_is_rmsnorm() -> None:
-    """Same seed, same non-norm weights, gains 1 and biases 0: removing LayerNorm's centering gives the RMSNorm
-    arm's logits and adding it to RMSNorm gives the LayerNorm arm's (both use eps the same way)."""
+    """Same seed, same non-norm weights, gains 1 and biases 0: removing LayerNorm's centering gives the
+    RMSNorm arm's logits and adding it to RMSNorm gives the LayerNorm arm's (both use eps the same way)."""
     layer, rms = tiny("layer"), tiny("rms")
     ids = torch.as_tensor(token_ids(3 * SEQ).reshape(3, SEQ))
     with torch.no_grad():
@@ -243,7 +244,10 @@ def test_at_initialization_layernorm_without_centering_is_rmsnorm() -> None:
         torch.testing.assert_close(uncentered, rms(ids), rtol=0, atol=2e-5)
         torch.testing.assert_close(centered, layer(ids), rtol=0, atol=2e-5)
     # So the two arms' records mirror each other: Δ loss of removing = - Δ loss of adding.
-    removed, added = records(layer, ids.numpy().reshape(-1), kinds=("all",)), records(rms, ids.numpy().reshape(-1), kinds=("all",))
+    removed, added = (
+        records(layer, ids.numpy().reshape(-1), kinds=("all",)),
+        records(rms, ids.numpy().reshape(-1), kinds=("all",)),
+    )
     assert removed[0]["action"] == "remove" and added[0]["action"] == "add"
     assert removed[0]["delta_loss"] == pytest.approx(-added[0]["delta_loss"], abs=1e-5)
 
@@ -271,7 +275,9 @@ def test_hooks_leave_the_model_bitwise_as_it_was_also_when_a_forward_raises() ->
     for failing_call in (3, 5):
         calls = []
 
-        def failing_forward(batch: torch.Tensor, failing_call: int = failing_call, calls: list = calls) -> torch.Tensor:
+        def failing_forward(
+            batch: torch.Tensor, failing_call: int = failing_call, calls: list = calls
+        ) -> torch.Tensor:
             calls.append(len(calls))
             if len(calls) == failing_call:
                 raise RuntimeError("a forward failed")
@@ -299,7 +305,9 @@ def test_scopes_rows_and_their_contract() -> None:
     assert every["tokens"] == 3 * (SEQ - 1) + 4 and every["sequences"] == 4  # the 5-token tail window too
     assert sum(b["tokens"] for b in every["energy_bins"]) == every["tokens"]
     assert every["output"] == "next_token" and every["cosine"] is None
-    assert 0 <= every["top1_agreement_ci_low"] <= every["top1_agreement"] <= every["top1_agreement_ci_high"] <= 1
+    assert (
+        0 <= every["top1_agreement_ci_low"] <= every["top1_agreement"] <= every["top1_agreement_ci_high"] <= 1
+    )
     assert records(tiny("dyt"), token_ids(3 * SEQ)) == []
     assert records(tiny("rms"), token_ids(3 * SEQ), kinds=()) == []
 
@@ -346,8 +354,9 @@ def test_scopes_resumed_mid_stack_equal_the_full_rerun_on_our_gpt(norm: str, pla
     calls = block_calls(model.blocks)
     resumed, intervention = scope_rows(model, ids, resume=True)
     assert intervention.replay is not None  # it did resume: no fallback
-    # Per batch (3: 4 windows, 1, then the 3-token tail): the intact forward, "all" and 3 site classes in full,
-    # and each block's scope from its own block on (final: no block at all); once, the check resumed at block 1.
+    # Per batch (3: 4 windows, 1, then the 3-token tail): the intact forward, "all"
+    # and 3 site classes in full, and each block's scope from its own block on (final:
+    # no block at all); once, the check resumed at block 1.
     per_batch = layers + 4 * layers + sum(layers - block for block in range(layers))
     assert calls[0] == 3 * per_batch + (layers - layers // 2)
     calls[0] = 0
@@ -394,8 +403,10 @@ def test_a_model_that_cannot_be_resumed_falls_back_to_the_full_forward_and_says_
         rows, intervention = scope_rows(model, token_ids(4 * SEQ), resume=True, forward=leaky_forward)
     assert intervention.replay is None and no_hooks(model)
     assert [r.message for r in caplog.records].count(
-        "centering intervention: the model cannot be resumed mid-stack (a forward resumed at block 1 does not "
-        "reproduce the intact forward); each of its per-block scopes runs the full forward") == 1
+        "centering intervention: the model cannot be resumed mid-stack (a forward resumed at block 1 "
+        "does not "
+        "reproduce the intact forward); each of its per-block scopes runs the full forward"
+    ) == 1
 
 
 def test_the_intervention_runs_on_its_token_budget_and_the_rows_say_so() -> None:
@@ -422,7 +433,9 @@ def test_the_progress_bar_counts_forwards_and_ends_at_its_total(capsys) -> None:
     bars = re.findall(r"(\d+\.\d)/([\d.]+) forwards", capsys.readouterr().err)
     # 3 batches, each: the intact forward, "all" and the 4 resumed block scopes at (L - l + 1) / (L + 1).
     total = 3 * (1 + 1 + sum((3 - layer + 1) / 4 for layer in range(4)))
-    assert float(bars[-1][0]) == pytest.approx(total, abs=0.05) and float(bars[-1][1]) == pytest.approx(total, abs=0.05)
+    assert float(bars[-1][0]) == pytest.approx(total, abs=0.05) and float(bars[-1][1]) == pytest.approx(
+        total, abs=0.05
+    )
     assert len({n for n, _ in bars}) > 3  # it moved within the batches, not only after each
 
 
@@ -443,7 +456,9 @@ def test_the_vocabulary_work_matches_float64_for_large_logits() -> None:
     intact_logits = 10 + 4 * torch.randn(2, 200, 5000, generator=generator)
     intervened_logits = intact_logits + 0.3 * torch.randn(2, 200, 5000, generator=generator)
     tokens = torch.randint(0, 5000, (2, 200), generator=generator)
-    changes = next_token_changes(IntactPrediction.of(intact_logits, tokens), intervened_logits, tokens).double()
+    changes = next_token_changes(
+        IntactPrediction.of(intact_logits, tokens), intervened_logits, tokens
+    ).double()
     p, q = (torch.log_softmax(x[:, :-1].double(), dim=-1) for x in (intact_logits, intervened_logits))
     targets = tokens[:, 1:].unsqueeze(-1)
     torch.testing.assert_close(changes[..., 1], (p.exp() * (p - q)).sum(-1), rtol=0, atol=2e-5)

@@ -28,7 +28,11 @@ def test_no_import_runs_back_up_a_floor() -> None:
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name == "__main__.py":  # a command-line entry point sits on top, like train.py
                 continue
-            upward += [f"{path.relative_to(ROOT)} -> {up}" for up in imported_packages(path) if FLOORS.index(up) > level]
+            upward += [
+                f"{path.relative_to(ROOT)} -> {up}"
+                for up in imported_packages(path)
+                if FLOORS.index(up) > level
+            ]
     assert upward == []
 
 
@@ -45,8 +49,9 @@ def layout_rows() -> dict[str, str]:
 
 
 def test_the_readme_layout_table_names_every_module() -> None:
-    """Every module, subpackages included, is named in the row of its own folder (``normgeo/figures/compare.py``
-    in the ``normgeo/figures/`` row, ``normgeo/compare.py`` in the ``normgeo/`` row)."""
+    """Every module, subpackages included, is named in the row of its own
+    folder (``normgeo/figures/compare.py`` in the ``normgeo/figures/``
+    row, ``normgeo/compare.py`` in the ``normgeo/`` row)."""
     rows = layout_rows()
     missing = [
         str(path.relative_to(ROOT))
@@ -66,7 +71,14 @@ def test_the_layout_check_sees_a_missing_module() -> None:
 
 # Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top,
 # normgeo/paths.py (names and folders; the standard library only) at the bottom.
-NORMGEO_FLOORS = ("normgeo.paths", "normgeo.measure", "normgeo.runs", "normgeo.readers", "normgeo.verdict", "normgeo.figures")
+NORMGEO_FLOORS = (
+    "normgeo.paths",
+    "normgeo.measure",
+    "normgeo.runs",
+    "normgeo.readers",
+    "normgeo.verdict",
+    "normgeo.figures",
+)
 OWN_PACKAGES = ("corpus", "models", "normgeo", "callbacks", "slurm")
 
 
@@ -152,7 +164,9 @@ def test_no_underscore_name_is_imported_from_another_module() -> None:
 
 def test_normgeo_subpackages_import_down_their_floors() -> None:
     def floor(module: str) -> int | None:
-        return next((i for i, f in enumerate(NORMGEO_FLOORS) if module == f or module.startswith(f"{f}.")), None)
+        return next(
+            (i for i, f in enumerate(NORMGEO_FLOORS) if module == f or module.startswith(f"{f}.")), None
+        )
 
     upward = [
         f"{name} -> {imported}"

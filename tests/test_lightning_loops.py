@@ -28,9 +28,19 @@ class Recorder(L.Callback):
 
 def test_validation_follows_agrees_with_the_validations_lightning_runs(tmp_path: Path) -> None:
     recorder = Recorder()
-    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=6, val_check_interval=2, limit_val_batches=1,
-                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[recorder], accelerator="cpu")
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        accelerator="cpu",
+    )
     trainer.fit(BoringModel())
     assert recorder.said == [False, True] * 3
     assert recorder.validated_after == [2, 4, 6]
@@ -42,7 +52,8 @@ def test_an_abandoned_validation_is_counted_as_run(tmp_path: Path) -> None:
                         enable_model_summary=False, accelerator="cpu")
     trainer.fit(BoringModel())
     progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
-    for tracker in (progress.total, progress.current):  # a validation abandoned after its first batch was ready
+    # a validation abandoned after its first batch was ready
+    for tracker in (progress.total, progress.current):
         tracker.ready, tracker.started, tracker.processed, tracker.completed = 3, 3, 2, 2
     settle_abandoned_validation(trainer)
     for tracker in (progress.total, progress.current):

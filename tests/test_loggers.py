@@ -47,7 +47,9 @@ def test_every_job_logs_its_own_losses_to_both_loggers_and_the_csv(arms_sweep, j
     csv_losses = step_losses(run_dir)
     assert sorted(csv_losses) == [1, 2, 3]
     wandb = wandb_scalars(run_dir)
-    assert wandb[wandb["metric"] == "train/loss"].set_index("step")["value"].to_dict() == pytest.approx(csv_losses)
+    assert wandb[wandb["metric"] == "train/loss"].set_index("step")["value"].to_dict() == pytest.approx(
+        csv_losses
+    )
     assert tensorboard_losses(run_dir) == pytest.approx(csv_losses)
 
 

@@ -41,18 +41,27 @@ def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
             assert shared == [name for name in arm if not is_norm_parameter(name)], (norm, placement)
             for name in shared:
                 assert torch.equal(layer[name], arm[name]), (norm, placement, name)
-            # The norm parameters are exactly the ones that differ: the gains everywhere, biases in the biased cells.
-            # ... and DyT's scalar alpha per norm.
+            # The norm parameters are exactly the ones that differ: the gains everywhere,
+            # biases in the biased cells. ... and DyT's scalar alpha per norm.
             has_bias = norm in ("layer", "rms_bias", "dyt")
-            alphas = {n.removesuffix(".weight") + ".alpha" for n in layer if is_norm_parameter(n) and n.endswith(".weight")}
+            alphas = {
+                n.removesuffix(".weight") + ".alpha"
+                for n in layer
+                if is_norm_parameter(n) and n.endswith(".weight")
+            }
             expected = {n for n in layer if is_norm_parameter(n)} - (set() if has_bias else biases)
             expected |= alphas if norm == "dyt" else set()
             assert {n for n in arm if is_norm_parameter(n)} == expected, (norm, placement)
-            if placement == "pre":  # norm.impl=compiled: the same modules, forwards compiled; the same checkpoint
+            # norm.impl=compiled: the same modules, forwards compiled; the same checkpoint
+            if placement == "pre":
                 stock = model.state_dict()
                 compiled = build_from_config(f"norm={norm}", "norm.impl=compiled", f"tie_embeddings={tie}")
-                assert compiled.config.norm_impl == "compiled" and list(compiled.state_dict()) == list(stock), norm
-                assert all(torch.equal(stock[name], value) for name, value in compiled.state_dict().items()), norm
+                assert compiled.config.norm_impl == "compiled" and list(compiled.state_dict()) == list(
+                    stock
+                ), norm
+                assert all(
+                    torch.equal(stock[name], value) for name, value in compiled.state_dict().items()
+                ), norm
 
 
 @pytest.mark.slow
@@ -64,13 +73,19 @@ def test_compiled_norms_give_the_stock_numbers_and_the_probe_sees_them(norm: str
     idx = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     for impl in NORM_IMPLS:
-        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm=norm, norm_impl=impl), seed=0)
+        model = GPT(
+            GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm=norm, norm_impl=impl), seed=0
+        )
         with torch.no_grad():  # norm parameters away from their init (gain 1, bias 0), the same in both
             for name, param in model.named_parameters():
                 if is_norm_parameter(name):
-                    param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+                    param.add_(
+                        0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+                    )
         hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
-        model.blocks[1].ln2.register_forward_hook(lambda module, args, out, seen=hooked: seen.append((args[0], out)))
+        model.blocks[1].ln2.register_forward_hook(
+            lambda module, args, out, seen=hooked: seen.append((args[0], out))
+        )
         frames = counters["frames"]["ok"]
         loss = model(idx, idx)
         loss.backward()
@@ -89,7 +104,9 @@ def test_compiled_norms_give_the_stock_numbers_and_the_probe_sees_them(norm: str
     torch.testing.assert_close(hooked_c[0][1], hooked[0][1])
     assert list(grads_c) == list(grads)
     for name in grads:
-        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads_c[name], grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_different_seeds_give_different_weights() -> None:
@@ -176,12 +193,19 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent() -> None:
     assert warmup_cosine(500, **kwargs) == pytest.approx(0.1)
 
 
-def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_report_over_their_time() -> None:
-    """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first report, then
-    the global tokens of the steps since the previous report over their seconds, and per device their model
-    FLOPs against the peak (2 devices, a declared peak standing in for a GPU's)."""
-    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=4,
-                    lr=1e-3)
+def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_report_over_their_time() -> (
+    None
+):
+    """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first report,
+    then the global tokens of the steps since the previous report over their seconds, and per device their
+    model FLOPs against the peak (2 devices, a declared peak standing in for a GPU's)."""
+    module = LitGPT(
+        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+        seed=0,
+        max_steps=10,
+        global_batch=4,
+        lr=1e-3,
+    )
     peak = 1e9
     module.start_throughput(peak, world_size=2)
     assert module.step_rates(5, now=10.0) == {}
@@ -192,7 +216,9 @@ def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_r
     # Reports every 4 steps: the rates over the 4 steps since the previous report, not over one.
     rates = module.step_rates(10, now=12.5)
     assert rates["perf/tokens_per_s"] == pytest.approx(4 * module.tokens_per_step / 2.0)
-    assert rates["perf/mfu"] == pytest.approx(module.model.flops_per_token(8) * rates["perf/tokens_per_s"] / 2 / peak)
+    assert rates["perf/mfu"] == pytest.approx(
+        module.model.flops_per_token(8) * rates["perf/tokens_per_s"] / 2 / peak
+    )
     module.start_throughput(None, world_size=1)  # the CPU: no MFU
     module.step_rates(1, now=0.0)
     assert set(module.step_rates(2, now=1.0)) == {"perf/tokens_per_s"}
@@ -200,7 +226,11 @@ def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_r
 
 def test_weight_decay_only_on_matrices() -> None:
     module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=2, lr=1e-3
+        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+        seed=0,
+        max_steps=10,
+        global_batch=2,
+        lr=1e-3,
     )
     optimizer = module.configure_optimizers()["optimizer"]
     decayed, plain = optimizer.param_groups
@@ -211,8 +241,9 @@ def test_weight_decay_only_on_matrices() -> None:
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
-    """The GPU's combination, on the CPU's fused AdamW: bf16-mixed, fused, clipping. Lightning refuses to clip
-    before a fused step under any mixed precision (for fp16's scaler); bf16 has none, and the clip must act."""
+    """The GPU's combination, on the CPU's fused AdamW: bf16-mixed, fused,
+    clipping. Lightning refuses to clip before a fused step under any mixed
+    precision (for fp16's scaler); bf16 has none, and the clip must act."""
     def one_step(clip: float | None) -> tuple[float, torch.optim.Optimizer]:
         module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=1,
                         global_batch=2, lr=1e-2, warmup_steps=0, weight_decay=0.0, fused=fused)
@@ -220,9 +251,17 @@ def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
         tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
         batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
                                               batch_size=2)
-        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, gradient_clip_val=clip,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            max_steps=1,
+            gradient_clip_val=clip,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, batches)
         after = torch.cat([p.detach().flatten() for p in module.parameters()])
         return (after - before).abs().sum().item(), trainer.optimizers[0]
@@ -236,27 +275,52 @@ def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
 
 
 def test_fp16_with_a_grad_scaler_and_clipping_runs_adamw_unfused_with_one_warning(caplog) -> None:
-    """16-mixed's scaler: a fused step unscales inside, so clipping could not come first (Lightning raises). Asked
-    for anyway, AdamW runs unfused, says so in one line, and the step is taken (CPU's GradScaler stands in)."""
-    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=1, global_batch=2,
-                    lr=1e-2, warmup_steps=0, fused=True)
+    """16-mixed's scaler: a fused step unscales inside, so clipping could not
+    come first (Lightning raises). Asked for anyway, AdamW runs unfused, says
+    so in one line, and the step is taken (CPU's GradScaler stands in)."""
+    module = LitGPT(
+        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+        seed=0,
+        max_steps=1,
+        global_batch=2,
+        lr=1e-2,
+        warmup_steps=0,
+        fused=True,
+    )
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
-    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    batches = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2
+    )
     fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[fp16], max_steps=1, gradient_clip_val=1.0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[fp16],
+        max_steps=1,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with caplog.at_level("WARNING", logger="models.lit"):
         trainer.fit(module, batches)
     assert trainer.global_step == 1 and trainer.optimizers[0].defaults["fused"] is False
     assert [r.getMessage() for r in caplog.records if r.name == "models.lit"] == [
-        "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales the gradients itself); "
-        "AdamW runs unfused"]
+        "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales the "
+        "gradients itself); "
+        "AdamW runs unfused"
+    ]
 
 
 def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time() -> None:
     """A sharding scheme that flattens parameters still gets matrices-only decay (FSDP2: tests/test_sharded.py)."""
     module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=10, global_batch=2, lr=1e-3
+        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+        seed=0,
+        max_steps=10,
+        global_batch=2,
+        lr=1e-3,
     )
     matrices = {id(p) for p in module.model.parameters() if p.dim() >= 2}
     for param in module.model.parameters():

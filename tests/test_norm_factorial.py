@@ -22,7 +22,9 @@ from tests.conftest import run_train, train_here, train_in_process
 
 
 def tiny(norm: str, placement: str = "pre") -> GPT:
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm=norm, placement=placement), seed=0)
+    return GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm=norm, placement=placement), seed=0
+    )
 
 
 def test_the_factorial_cells_are_centering_times_bias() -> None:
@@ -30,7 +32,13 @@ def test_the_factorial_cells_are_centering_times_bias() -> None:
     assert isinstance(cells["layer_nobias"], nn.LayerNorm) and cells["layer_nobias"].bias is None
     assert isinstance(cells["rms_bias"], RMSNormWithBias) and cells["rms_bias"].bias.shape == (8,)
     kinds = {kind: find_norm_sites(tiny(kind))[0].kind for kind in NORM_ARMS}
-    assert kinds == {"layer": "layer", "layer_nobias": "layer", "rms": "rms", "rms_bias": "rms", "dyt": "tanh"}
+    assert kinds == {
+        "layer": "layer",
+        "layer_nobias": "layer",
+        "rms": "rms",
+        "rms_bias": "rms",
+        "dyt": "tanh",
+    }
     assert isinstance(cells["dyt"], DynamicTanh) and cells["dyt"].alpha.shape == (1,)
     x = torch.randn(5, 8)
     with torch.no_grad():
@@ -62,16 +70,24 @@ def test_ellipsoid_matches_layernorm_outputs_brute_force() -> None:
     lengths, directions = principal_axes(norm.weight, centered=True)
     assert torch.allclose(lengths, semi_axes(norm.weight, centered=True))
     # On the ellipsoid: sum_k (u_k . w / a_k)^2 = 1 for every output, and in the hyperplane normal to 1/gain.
-    assert torch.allclose(((offsets @ directions) / lengths).square().sum(dim=1), torch.ones(len(offsets), dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(
+        ((offsets @ directions) / lengths).square().sum(dim=1),
+        torch.ones(len(offsets), dtype=torch.float64),
+        atol=1e-9,
+    )
     assert (offsets @ (1 / norm.weight.detach())).abs().max() < 1e-9
     # The extreme axes are the outputs' extreme extents (a random sample gets within 2% of them).
     extents = offsets.norm(dim=1)
     assert extents.min() >= lengths[0] * (1 - 1e-9) and extents.max() <= lengths[-1] * (1 + 1e-9)
     assert extents.min() <= lengths[0] * 1.02 and extents.max() >= lengths[-1] * 0.98
     # At gain 1 it is the paper's sphere of radius sqrt(N) in 1^perp; an RMSNorm's axes are sqrt(N)|g_i|.
-    assert torch.allclose(semi_axes(torch.ones(n), centered=True), torch.full((n - 1,), math.sqrt(n), dtype=torch.float64))
+    assert torch.allclose(
+        semi_axes(torch.ones(n), centered=True), torch.full((n - 1,), math.sqrt(n), dtype=torch.float64)
+    )
     gain = torch.tensor([0.5, -2.0, 1.0])
-    assert torch.allclose(semi_axes(gain, centered=False), math.sqrt(3) * torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))
+    assert torch.allclose(
+        semi_axes(gain, centered=False), math.sqrt(3) * torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    )
 
 
 def test_ellipsoid_records_per_norm() -> None:
@@ -79,9 +95,13 @@ def test_ellipsoid_records_per_norm() -> None:
     assert record["axes_dim"] == 3 and record["bias_ones_deg"] == pytest.approx(0.0, abs=1e-6)
     assert record["condition"] == pytest.approx(record["semi_axis_max"] / record["semi_axis_min"])
     assert 0 < record["normal_ones_deg"] < 90
-    rows = ellipsoid_rows(residual_norms(find_norm_sites(tiny("rms"))), model="m", norm="rms", step=0, tokens_seen=0)
+    rows = ellipsoid_rows(
+        residual_norms(find_norm_sites(tiny("rms"))), model="m", norm="rms", step=0, tokens_seen=0
+    )
     assert len(rows) == 5 and all(r["condition"] == 1 and r["normal_ones_deg"] is None for r in rows)
-    assert all(r["bias_ones_deg"] is None and r["semi_axis_max"] == pytest.approx(math.sqrt(32)) for r in rows)
+    assert all(
+        r["bias_ones_deg"] is None and r["semi_axis_max"] == pytest.approx(math.sqrt(32)) for r in rows
+    )
 
 
 def test_energy_fraction_matches_a_direct_computation() -> None:
@@ -96,7 +116,9 @@ def test_energy_fraction_matches_a_direct_computation() -> None:
     direct = torch.stack([(kept @ torch.ones(16, dtype=torch.float64) / (4 * kept.norm(dim=1))).square(),
                           4 / kept.norm(dim=1)], dim=1)
     assert stats.count[0].tolist() == [2999, 2999]
-    assert torch.allclose(stats.mean[0], direct.mean(dim=0)) and torch.allclose(stats.std()[0], direct.std(dim=0, correction=0))
+    assert torch.allclose(stats.mean[0], direct.mean(dim=0)) and torch.allclose(
+        stats.std()[0], direct.std(dim=0, correction=0)
+    )
     quantiles = stats.quantiles()[0]
     ranks = [math.ceil(q * len(kept)) - 1 for q in QUANTILES]  # the order statistic each quantile lands on
     for q, name in enumerate(QUANTITIES):
@@ -139,7 +161,9 @@ def test_dyt_squashes_with_a_learned_alpha_and_is_found_as_a_norm() -> None:
     sites = find_norm_sites(model)
     assert [s.kind for s in sites] == ["tanh"] * 5 and {s.role for s in sites} == {"ln1", "ln2", "final"}
     # The DyT paper's LLM initialisation: alpha0 higher at the attention norm than elsewhere; gain 1, bias 0.
-    assert model.blocks[0].ln1.alpha.item() == pytest.approx(0.8) and model.ln_f.alpha.item() == pytest.approx(0.2)
+    assert model.blocks[0].ln1.alpha.item() == pytest.approx(
+        0.8
+    ) and model.ln_f.alpha.item() == pytest.approx(0.2)
     x = torch.randn(3, 32)
     with torch.no_grad():
         assert torch.allclose(model.blocks[0].ln2(x), torch.tanh(0.2 * x))
@@ -168,7 +192,11 @@ def test_smoke_trains_with_compiled_norms_and_writes_the_stock_checkpoint(tmp_pa
     run_train(run_dir, "norm=rms", "norm.impl=compiled", "max_steps=2", "checkpoint.steps=[2]")
     rows = read_rows(run_dir / "angles.jsonl")
     assert {r["norm"] for r in rows} == {"rms"} and sorted({r["step"] for r in rows}) == [0, 2]
-    assert len({r["site"] for r in rows if r["step"] == 2}) == len({r["site"] for r in rows if r["step"] == 0}) > 0
+    assert (
+        len({r["site"] for r in rows if r["step"] == 2})
+        == len({r["site"] for r in rows if r["step"] == 0})
+        > 0
+    )
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["gpt_config"]["norm_impl"] == "compiled"
     stock = GPT(GPTConfig(**{**checkpoint["gpt_config"], "norm_impl": "stock"}))
@@ -180,6 +208,9 @@ def test_compiled_norms_without_a_compiler_are_refused_at_the_start(tmp_path: Pa
     run_dir = tmp_path / "run"
     done = run_train(run_dir, "norm.impl=compiled", check=False, env={"CXX": str(tmp_path / "no-such-g++")})
     assert done.returncode == 2, done.stderr[-3000:]
-    assert ("norm.impl=compiled: torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ "
-            "or set CXX); or train with norm.impl=stock") in done.stderr
+    assert (
+        "norm.impl=compiled: torch.compile needs a C++ compiler for CPU kernels and none works here "
+        "(install g++ "
+        "or set CXX); or train with norm.impl=stock"
+    ) in done.stderr
     assert not run_dir.exists()

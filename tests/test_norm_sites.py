@@ -131,7 +131,8 @@ def test_wrapped_model_and_head_norm() -> None:
 
 
 def test_gemma2_post_sublayer_norms_keep_their_names() -> None:
-    # post_attention_layernorm normalizes the attention output here; pre_feedforward_layernorm is the pre-MLP norm.
+    # post_attention_layernorm normalizes the attention output
+    # here; pre_feedforward_layernorm is the pre-MLP norm.
     sites = find_norm_sites(tiny(transformers.Gemma2Config(**DECODER, head_dim=16)))
     block = ["ln1", "post_attention_layernorm", "ln2", "post_feedforward_layernorm"]
     assert labels(sites) == [(i, role, "rms") for i in range(2) for role in block] + [

@@ -1,5 +1,6 @@
-"""The variance pilot (docs/make_pilot.sh, normgeo.pilot) on real tiny runs: the script trains both arms with the
-initial weights, the batch order and the thread count varied one at a time, and the split reads them back."""
+"""The variance pilot (docs/make_pilot.sh, normgeo.pilot) on real tiny runs:
+the script trains both arms with the initial weights, the batch order and
+the thread count varied one at a time, and the split reads them back."""
 
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ def pilot(tmp_path_factory, shared: Path) -> Path:
     out = tmp_path_factory.mktemp("pilot") / "p"
     env = {**os.environ, "PILOT_SEEDS": "2", "PILOT_FP": "1", "PILOT_OVERRIDES": TINY,
            "TIKTOKEN_CACHE_DIR": str(shared / "tiktoken")}
-    done = subprocess.run(["bash", str(ROOT / "docs" / "make_pilot.sh"), str(out), str(shared / "corpora" / "webtext")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        ["bash", str(ROOT / "docs" / "make_pilot.sh"), str(out), str(shared / "corpora" / "webtext")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -53,10 +60,15 @@ def test_the_pilot_splits_the_paired_sd_by_source(pilot: Path) -> None:
     # The checkpoints scored window by window give the logged validation loss back: the windows are the run's.
     assert split["validation_windows"] == 16 and abs(split["checkpoint_gap"]) < 1e-4
     assert split["sd_validation"] > 0 and split["sd_study"] >= max(split["sd_weights"], split["sd_batches"])
-    assert split["seeds_equivalence"] >= 2 and "--seeds-for val_loss/tail=0.02" in (pilot / "pilot.md").read_text()
+    assert (
+        split["seeds_equivalence"] >= 2
+        and "--seeds-for val_loss/tail=0.02" in (pilot / "pilot.md").read_text()
+    )
     assert "'run_name=pilot-${norm.name}" in (pilot / "commands.txt").read_text()
     # Each run's largest rise of train/loss above its running minimum, recomputed from its CSV log.
-    losses = [float(r["train/loss"]) for r in metrics_rows(pilot / "pilot-rms-w1-b0-t1") if r.get("train/loss")]
+    losses = [
+        float(r["train/loss"]) for r in metrics_rows(pilot / "pilot-rms-w1-b0-t1") if r.get("train/loss")
+    ]
     rise = max(loss - min(losses[: i + 1]) for i, loss in enumerate(losses))
     assert runs.set_index("run").loc["pilot-rms-w1-b0-t1", "rise"] == pytest.approx(rise, abs=1e-6)
 
@@ -73,7 +85,9 @@ def test_a_run_stopped_before_its_end_is_not_a_pilot_point(pilot: Path, tmp_path
 
 
 @pytest.mark.slow
-def test_the_unigram_baseline_is_the_validation_targets_cross_entropy_under_the_train_counts(pilot: Path) -> None:
+def test_the_unigram_baseline_is_the_validation_targets_cross_entropy_under_the_train_counts(
+    pilot: Path,
+) -> None:
     """An independent count: a Counter over train.bin, add-half over the vocabulary, the run's own windows."""
     split = json.loads((pilot / "pilot.json").read_text())
     run = next(pilot.glob("pilot-layer-w0-b0-t1"))
@@ -86,7 +100,8 @@ def test_the_unigram_baseline_is_the_validation_targets_cross_entropy_under_the_
     targets = [int(t) for i in range(count) for t in windows[i][1]]
     expected = -sum(math.log((counts.get(t, 0) + 0.5) / total) for t in targets) / len(targets)
     assert split["unigram"] == pytest.approx(expected, rel=1e-9)
-    assert 0 < split["unigram"] < math.log(meta["vocab_size"])  # the frequencies say more than a uniform guess
+    # the frequencies say more than a uniform guess
+    assert 0 < split["unigram"] < math.log(meta["vocab_size"])
     assert "unigram cross-entropy (the training split's token frequencies" in (pilot / "pilot.md").read_text()
 
 
@@ -95,8 +110,17 @@ def test_val_seed_gives_every_seed_the_same_validation_windows(pilot: Path) -> N
     directory = next((pilot / "data").glob("local-*"))
 
     def offsets(seed: int, val_seed: int | None) -> list[int]:
-        module = TokenDataModule(name="local", source=None, directory=str(directory), seq_len=8, global_batch=8,
-                                 micro_batch=8, max_steps=10, seed=seed, val_seed=val_seed)
+        module = TokenDataModule(
+            name="local",
+            source=None,
+            directory=str(directory),
+            seq_len=8,
+            global_batch=8,
+            micro_batch=8,
+            max_steps=10,
+            seed=seed,
+            val_seed=val_seed,
+        )
         data = module.load()
         windows = TokenWindows(str(data.path("val")), data.num_tokens("val"), 8, 8, module.val_seed)
         return [windows.offset(i) for i in range(8)]

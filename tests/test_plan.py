@@ -138,8 +138,14 @@ def test_preflight_refuses_what_cannot_fit_and_names_the_largest_micro_batch() -
 
 
 def run_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "normgeo.plan", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "normgeo.plan", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.mark.slow
@@ -167,15 +173,21 @@ def test_train_py_plan_true_prints_the_1b_paper_plan_and_writes_nothing(tmp_path
     """``python train.py experiment=paper_1b plan=true``: the same plan as normgeo-plan, nothing trained or
     written (its time is printed, not asserted: about 15 s on 2 idle cores)."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=paper_1b", "plan=true"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "experiment=paper_1b", "plan=true"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(f"train.py experiment=paper_1b plan=true: {time.perf_counter() - start:.1f} s")
     assert result.returncode == 0, result.stderr
     assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout
     assert list(tmp_path.iterdir()) == []
 
 
-# --- seeds a margin needs ---------------------------------------------------------------------------------------
+# --- seeds a margin needs
+# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("args", [["--seeds-for", "val_loss=0.01"], ["--seeds-for", "nope=0.01", "--sd", "1"],
@@ -214,8 +226,13 @@ def test_seeds_for_a_margin_from_a_sweeps_paired_sd_with_gpu_hours(tmp_path: Pat
     assert seeds["seeds_equivalence"] == seeds_for_equivalence(sd, 0.02)
     assert seeds["seeds_difference"] == seeds_for_difference(sd, 0.02)
     for gpu, row in zip(report["gpus"], seeds["gpus"], strict=True):
-        assert row["gpu_hours_equivalence"] == pytest.approx(2 * seeds["seeds_equivalence"] * gpu["gpu_hours"])
+        assert row["gpu_hours_equivalence"] == pytest.approx(
+            2 * seeds["seeds_equivalence"] * gpu["gpu_hours"]
+        )
     assert main([*tiny, "--seeds-for", "val_loss=0.02", "--sd", str(sd)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert f"LayerNorm vs RMSNorm at tiny to ±0.02 nats: {seeds['seeds_equivalence']} seeds per arm, " in lines[1]
+    assert (
+        f"LayerNorm vs RMSNorm at tiny to ±0.02 nats: {seeds['seeds_equivalence']} seeds per arm, "
+        in lines[1]
+    )
     assert "GPU-hours on H100" in lines[-1]

@@ -130,7 +130,11 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         outputs[world] = json.loads(out.read_text())
     assert len(outputs[1]["angles"]) == len(outputs[2]["angles"]) > 0
     for single, multi in zip(outputs[1]["angles"], outputs[2]["angles"], strict=True):
-        assert (single["layer"], single["site"], single["ref"]) == (multi["layer"], multi["site"], multi["ref"])
+        assert (single["layer"], single["site"], single["ref"]) == (
+            multi["layer"],
+            multi["site"],
+            multi["ref"],
+        )
         assert single["count"] == multi["count"] == 24 * 16 + 7  # the tail window too (on rank 0)
         for field in ("mean_deg", "std_deg", "min_deg", "max_deg", "norm_mean", "norm_std"):
             assert multi[field] == pytest.approx(single[field], abs=1e-5), field
@@ -148,11 +152,19 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
     # The centering intervention: each rank runs every scope's forward on its share (padded batches too), the
     # per-sequence and per-bin sums are all-reduced, so the intervals are a single process's.
-    assert len(outputs[1]["intervention"]) == len(outputs[2]["intervention"]) == 1 + 3  # all, blocks 0-1, final
+    # all, blocks 0-1, final
+    assert len(outputs[1]["intervention"]) == len(outputs[2]["intervention"]) == 1 + 3
     for single, multi in zip(outputs[1]["intervention"], outputs[2]["intervention"], strict=True):
         assert (single["scope_name"], single["tokens"], single["sequences"]) == (
             multi["scope_name"], 24 * 15 + 6, 25)
-        for field in ("delta_loss", "delta_loss_ci_low", "delta_loss_ci_high", "kl", "kl_ci_high", "top1_agreement"):
+        for field in (
+            "delta_loss",
+            "delta_loss_ci_low",
+            "delta_loss_ci_high",
+            "kl",
+            "kl_ci_high",
+            "top1_agreement",
+        ):
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
         assert [b["tokens"] for b in multi["energy_bins"]] == [b["tokens"] for b in single["energy_bins"]]
 

@@ -50,7 +50,11 @@ def numeric_keys(schema: type, prefix: str = "") -> list[NumericKey]:
             if typing.get_origin(hint) is Annotated:
                 for limit in args[1:]:
                     if not isinstance(limit, Len):
-                        bounds |= {b: getattr(limit, b) for b in ("ge", "gt", "le", "lt") if getattr(limit, b, None) is not None}
+                        bounds |= {
+                            b: getattr(limit, b)
+                            for b in ("ge", "gt", "le", "lt")
+                            if getattr(limit, b, None) is not None
+                        }
                 hint = args[0]
             elif typing.get_origin(hint) in (typing.Union, types.UnionType):
                 hint = next(a for a in args if a is not type(None))
@@ -69,8 +73,10 @@ def introspected_numeric_keys(schema: type, prefix: str = "") -> set[str]:
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.default_factory):
             keys |= introspected_numeric_keys(f.default_factory, f"{prefix}{f.name}.")
-        elif any(word in str(f.type) for word in ("int", "float", "Count", "Natural", "Seed", "Positive", "Fraction",
-                                                  "NonNegative")):
+        elif any(
+            word in str(f.type)
+            for word in ("int", "float", "Count", "Natural", "Seed", "Positive", "Fraction", "NonNegative")
+        ):
             keys.add(f"{prefix}{f.name}")
     return keys
 
@@ -90,11 +96,15 @@ def cases() -> list:
     found = []
     for script, schema in SCRIPTS.items():
         for spec in numeric_keys(schema):
-            found.append(pytest.param(script, spec.key, outside(spec), id=f"{script}:{spec.key}={outside(spec)}"))
+            found.append(
+                pytest.param(script, spec.key, outside(spec), id=f"{script}:{spec.key}={outside(spec)}")
+            )
             for value in ("nan", "inf"):
                 text = f"[{value}]" if spec.is_list else value
                 marks = [pytest.mark.slow] if spec.integer else []
-                found.append(pytest.param(script, spec.key, text, marks=marks, id=f"{script}:{spec.key}={text}"))
+                found.append(
+                    pytest.param(script, spec.key, text, marks=marks, id=f"{script}:{spec.key}={text}")
+                )
     return found
 
 
@@ -113,8 +123,9 @@ def test_every_numeric_key_has_a_declared_range(script: str) -> None:
 
 
 @pytest.mark.parametrize(("script", "key", "value"), CASES)
-def test_out_of_range_nan_and_inf_are_refused_by_the_entry_point(script: str, key: str, value: str, tmp_path: Path,
-                                                                  capsys) -> None:
+def test_out_of_range_nan_and_inf_are_refused_by_the_entry_point(
+    script: str, key: str, value: str, tmp_path: Path, capsys
+) -> None:
     output_root, data_root = tmp_path / "out", tmp_path / "data"
     extra = [f"data_root={data_root}"] if script == "train" else []
     code, err = call_entry_point(script, [f"{key}={value}", f"output_root={output_root}", *extra], capsys)
@@ -141,31 +152,61 @@ def check_train_refusal(overrides: list[str], tmp_path: Path, capsys) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["checkpoint.steps=[100,500]"], "error: checkpoint.steps=[100, 500]: step 500 is beyond max_steps=200"),
-    (["probe.tokens=300"], "error: probe.tokens=300: expected at least 2 sequences of seq_len=256 (512 tokens)"),
-    (["probe.bootstrap.block=9"], "error: probe.bootstrap.block=9: the probe's 16 sequences (probe.tokens=4096 / "
-                                  "seq_len=256) make fewer than 2 whole blocks"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["checkpoint.steps=[100,500]"],
+            "error: checkpoint.steps=[100, 500]: step 500 is beyond max_steps=200",
+        ),
+        (
+            ["probe.tokens=300"],
+            "error: probe.tokens=300: expected at least 2 sequences of seq_len=256 (512 tokens)",
+        ),
+        (
+            ["probe.bootstrap.block=9"],
+            "error: probe.bootstrap.block=9: the probe's 16 sequences (probe.tokens=4096 / "
+            "seq_len=256) make fewer than 2 whole blocks",
+        ),
+    ],
+)
 def test_cross_key_rules_are_refused_by_the_entry_point(overrides: list[str], message: str, tmp_path: Path,
                                                         capsys) -> None:
     assert check_train_refusal(overrides, tmp_path, capsys).startswith(message)
     assert not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize(("overrides", "words"), [
-    (["experiment=smoke", "max_steps=10"], "optim.warmup_steps=20 is not fewer than max_steps=10: the learning rate "
-                                           "rises for the whole run and never reaches its peak"),
-    (["experiment=smoke", "max_steps=4", "optim.warmup_steps=4"], "reaches its peak only at the last step"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            ["experiment=smoke", "max_steps=10"],
+            "optim.warmup_steps=20 is not fewer than max_steps=10: the learning rate "
+            "rises for the whole run and never reaches its peak",
+        ),
+        (
+            ["experiment=smoke", "max_steps=4", "optim.warmup_steps=4"],
+            "reaches its peak only at the last step",
+        ),
+    ],
+)
 def test_a_warm_up_as_long_as_the_run_is_odd_not_refused(overrides: list[str], words: str, tmp_path: Path,
                                                          capsys) -> None:
-    """Issue 34: `python train.py experiment=smoke max_steps=10` was refused (the preset warms up for 20 steps);
-    now one warning line at start (read from the run's train.log, which holds what the console shows), and
-    the run trains to its end."""
+    """Issue 34: `python train.py experiment=smoke max_steps=10` was refused (the
+    preset warms up for 20 steps); now one warning line at start (read from the run's
+    train.log, which holds what the console shows), and the run trains to its end."""
     run_dir = tmp_path / "run"
-    code, err = call_entry_point("train", [*overrides, f"run_dir={run_dir}", f"data_root={tmp_path / 'data'}",
-                                           "probe.enabled=false", "trainer.enable_progress_bar=false"], capsys)
+    code, err = call_entry_point(
+        "train",
+        [
+            *overrides,
+            f"run_dir={run_dir}",
+            f"data_root={tmp_path / 'data'}",
+            "probe.enabled=false",
+            "trainer.enable_progress_bar=false",
+        ],
+        capsys,
+    )
     assert code == 0, err[-3000:]
     (line,) = [line for line in (run_dir / "train.log").read_text().splitlines() if "odd: " in line]
     assert words in line and "(0: none) warms up, then decays" in line
@@ -176,17 +217,21 @@ def test_more_validation_windows_than_the_split_holds_are_refused_once_the_data_
                                                                                           capsys) -> None:
     """pydoc's validation split has 5,031 tokens: 100,000 windows of 128 could only repeat them."""
     err = check_train_refusal(["experiment=smoke", "val_sequences=100000"], tmp_path, capsys)
-    assert err.startswith("error: val_sequences=100000: expected at most 4,903: the validation split holds 5,031 "
-                          "tokens"), err
+    assert err.startswith(
+        "error: val_sequences=100000: expected at most 4,903: the validation split holds 5,031 tokens"
+    ), err
 
 
 @pytest.mark.slow
 def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Path, capsys) -> None:
-    """all-MiniLM-L6-v2 reads 512 positions: model.seq_len=1024 is capped, and 600 probe tokens are 2 sequences
-    of 512 only in name (the second one 88 tokens)."""
+    """all-MiniLM-L6-v2 reads 512 positions: model.seq_len=1024 is capped, and 600 probe tokens are 2
+    sequences of 512 only in name (the second one 88 tokens)."""
     output_root = tmp_path / "out"
-    code, err = call_entry_point("analyze", ["model=minilm", "probe=pydoc", "probe.tokens=600", "progress=false",
-                                             f"output_root={output_root}"], capsys)
+    code, err = call_entry_point(
+        "analyze",
+        ["model=minilm", "probe=pydoc", "probe.tokens=600", "progress=false", f"output_root={output_root}"],
+        capsys,
+    )
     assert code == 2, err
     assert err.strip().splitlines()[-1] == ("error: probe.tokens=600: expected at least 2 sequences of "
                                             "model.seq_len=512 (1024 tokens); raise probe.tokens")
@@ -196,13 +241,17 @@ def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Pa
 def test_costly_values_get_one_line_each_above_their_threshold() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         smoke = compose("train", overrides=["experiment=smoke"])
-        costly = compose("train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"])
+        costly = compose(
+            "train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"]
+        )
         long = compose("train", overrides=["experiment=smoke", "max_steps=1000000"])
     assert costly_values(smoke, probes=5) == []
     lines = costly_values(costly, probes=5)
     assert [line.split("=")[0] for line in lines] == ["val_sequences", "probe.tokens"]
-    assert lines[0] == ("val_sequences=100000: each of the 2 validation(s) forwards 12,800,000 tokens, the compute of "
-                        "about 4,167 training steps (8333% of the training's)")
+    assert lines[0] == (
+        "val_sequences=100000: each of the 2 validation(s) forwards 12,800,000 tokens, the compute of "
+        "about 4,167 training steps (8333% of the training's)"
+    )
     assert lines[1].startswith("probe.tokens=1000000: each of the 5 probes forwards 1,000,000 tokens")
     assert costly_values(long, probes=44) == [
         "max_steps=1000000: 1,024,000,000 training tokens, 5,000x the 200 steps of size=tiny"]
@@ -216,7 +265,9 @@ def test_costly_values_get_one_line_each_above_their_threshold() -> None:
     ("train", "max_steps=inf", "Error merging override max_steps=inf"),
     ("analyze", "probe.bootstrap.replicates=0", "error: probe.bootstrap.replicates=0: expected int >= 1"),
 ])
-def test_real_subprocesses_refuse_with_one_line(script: str, override: str, message: str, tmp_path: Path) -> None:
+def test_real_subprocesses_refuse_with_one_line(
+    script: str, override: str, message: str, tmp_path: Path
+) -> None:
     args = [sys.executable, str(ROOT / f"{script}.py"), override, f"output_root={tmp_path / 'out'}"]
     if script == "train":
         args.append(f"data_root={tmp_path / 'data'}")
@@ -231,7 +282,10 @@ def test_real_subprocesses_refuse_with_one_line(script: str, override: str, mess
 @pytest.mark.parametrize("group", ["experiment", "size"])
 def test_every_shipped_preset_is_within_the_ranges(group: str, shared: Path) -> None:
     """A range tighter than a value conf/ ships (size=study_cpu's gpus: 0, a CPU-only SLURM job) fails here."""
-    local = [f"data.source.path={shared / 'corpora' / 'webtext'}", f"probe.path={shared / 'corpora' / 'wikipedia'}"]
+    local = [
+        f"data.source.path={shared / 'corpora' / 'webtext'}",
+        f"probe.path={shared / 'corpora' / 'wikipedia'}",
+    ]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for preset in sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")):
             extra = local if preset == "study_cpu" and group == "experiment" else []

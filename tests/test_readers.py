@@ -35,10 +35,20 @@ def sweep(arms_sweep, tmp_path: Path) -> Path:
 
 def test_an_unknown_figure_format_is_refused_before_anything_is_written(sweep: Path, capfd) -> None:
     before = sha_tree(sweep)
-    one_error_line(module_main(capfd, "compare", sweep, "--formats=png,xyz"), 2, "--formats=png,xyz", "xyz is not a figure format",
-                   "png")
+    one_error_line(
+        module_main(capfd, "compare", sweep, "--formats=png,xyz"),
+        2,
+        "--formats=png,xyz",
+        "xyz is not a figure format",
+        "png",
+    )
     assert sha_tree(sweep) == before and not (sweep / "compare").exists()  # before: 7 files, then a traceback
-    one_error_line(module_main(capfd, "compare", sweep, "--refs=ones,nosuch"), 2, "--refs=ones,nosuch", "no records of nosuch")
+    one_error_line(
+        module_main(capfd, "compare", sweep, "--refs=ones,nosuch"),
+        2,
+        "--refs=ones,nosuch",
+        "no records of nosuch",
+    )
     assert sha_tree(sweep) == before
 
 
@@ -49,7 +59,10 @@ def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path, capfd)
     assert f"skipped {damaged.parent}: {damaged}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped for damaged records")
     out = sweep / "compare"
-    assert "tiny-rms-s1" not in (out / "summary.md").read_text() and "tiny-rms-s0" in (out / "summary.md").read_text()
+    assert (
+        "tiny-rms-s1" not in (out / "summary.md").read_text()
+        and "tiny-rms-s0" in (out / "summary.md").read_text()
+    )
     assert (out / "verdict.md").is_file() and not [p for p in out.iterdir() if p.name.startswith(".")]
     # Every run damaged: exit 2 and no compare/ folder at all (before: a half-written one).
     for run in sweep.glob("tiny-*"):
@@ -61,24 +74,46 @@ def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path, capfd)
 
 def test_an_unwritable_output_folder_says_out(sweep: Path, capfd) -> None:
     # /sys refuses a new folder even to root (os.access cannot tell there: the write itself is refused).
-    one_error_line(module_main(capfd, "compare", sweep, "--out=/sys/normgeo-compare"), 2, "/sys/normgeo-compare",
-                   "choose another --out=")
-    one_error_line(module_main(capfd, "report", sweep / "tiny-layer-s0", "--out=/sys/normgeo-report"), 2, "choose another --out=")
+    one_error_line(
+        module_main(capfd, "compare", sweep, "--out=/sys/normgeo-compare"),
+        2,
+        "/sys/normgeo-compare",
+        "choose another --out=",
+    )
+    one_error_line(
+        module_main(capfd, "report", sweep / "tiny-layer-s0", "--out=/sys/normgeo-report"),
+        2,
+        "choose another --out=",
+    )
 
 
 def test_report_checks_the_layer_and_skips_a_damaged_run(sweep: Path, capfd) -> None:
     before = sha_tree(sweep)
-    one_error_line(module_main(capfd, "report", sweep / "tiny-layer-s0", "--layer=99"), 2, "--layer=99: no such layer",
-                   "blocks 0 to 1", "final")
+    one_error_line(
+        module_main(capfd, "report", sweep / "tiny-layer-s0", "--layer=99"),
+        2,
+        "--layer=99: no such layer",
+        "blocks 0 to 1",
+        "final",
+    )
     assert sha_tree(sweep) == before  # before: the figures of the last step, then a traceback
     angles = sweep / "tiny-rms-s0" / "angles.jsonl"
     angles.write_text(angles.read_text()[:-30])  # cut mid-line
-    result = module_main(capfd, "report", sweep / "tiny-layer-s0", sweep / "tiny-rms-s0", f"--out={sweep / 'figs'}")
+    result = module_main(
+        capfd, "report", sweep / "tiny-layer-s0", sweep / "tiny-rms-s0", f"--out={sweep / 'figs'}"
+    )
     assert f"skipped {angles.parent}: {angles}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped")
-    assert list((sweep / "figs" / "tiny-layer-s0").glob("layers_*.png")) and not (sweep / "figs" / "tiny-rms-s0").exists()
+    assert (
+        list((sweep / "figs" / "tiny-layer-s0").glob("layers_*.png"))
+        and not (sweep / "figs" / "tiny-rms-s0").exists()
+    )
 
 
 def test_status_checks_its_options(capfd) -> None:
-    one_error_line(module_main(capfd, "status", "--active-minutes=-1", "--no-slurm"), 2, "--active-minutes=-1.0")
-    one_error_line(module_main(capfd, "status", "--active-minutes=nan", "--no-slurm"), 2, "--active-minutes=nan")
+    one_error_line(
+        module_main(capfd, "status", "--active-minutes=-1", "--no-slurm"), 2, "--active-minutes=-1.0"
+    )
+    one_error_line(
+        module_main(capfd, "status", "--active-minutes=nan", "--no-slurm"), 2, "--active-minutes=nan"
+    )

@@ -86,11 +86,14 @@ def test_nested_changes_are_reported_old_to_new() -> None:
 
 
 def test_the_copies_older_runs_recorded_are_no_change_either_way_but_their_changes_count() -> None:
-    """model, checkpoint.max_steps and data.seq_len, ... copied other keys while conf/ held them (normgeo/runs/build.py
-    passes those values now): recorded by an old session and absent in this one, or the reverse, they are no
-    change; where both sides hold one, a change to it still counts."""
-    copies = {"model": {"_target_": "models.lit.LitGPT", "lr": 1e-3}, "checkpoint": {"_target_": "S", "max_steps": 4},
-              "data": {**BASE["data"], "seq_len": 64, "micro_batch": 4, "val_seed": None}}
+    """model, checkpoint.max_steps and data.seq_len, ... copied other keys while conf/ held them
+    (normgeo/runs/build.py passes those values now): recorded by an old session and absent in this one, or the
+    reverse, they are no change; where both sides hold one, a change to it still counts."""
+    copies = {
+        "model": {"_target_": "models.lit.LitGPT", "lr": 1e-3},
+        "checkpoint": {"_target_": "S", "max_steps": 4},
+        "data": {**BASE["data"], "seq_len": 64, "micro_batch": 4, "val_seed": None},
+    }
     old = {**BASE, **copies}
     assert config_changes(old, BASE) == {} and config_changes(BASE, old) == {}
     changed = {**old, "model": {**copies["model"], "lr": 0.5}}
@@ -235,8 +238,18 @@ def test_a_changed_experiment_is_refused_and_leaves_the_run_untouched(
     """Through train.py's Hydra main in this process (conftest.call_entry_point: its exit code and stderr)."""
     assert (stopped_run / RUN_CONFIG_FILE).exists()
     before = snapshot(stopped_run)
-    code, stderr = call_entry_point("train", [*FAST, f"run_dir={stopped_run}", f"data_root={stopped_run.parent / 'data'}",
-                                              *COMMON, "resume=auto", *overrides], capsys)
+    code, stderr = call_entry_point(
+        "train",
+        [
+            *FAST,
+            f"run_dir={stopped_run}",
+            f"data_root={stopped_run.parent / 'data'}",
+            *COMMON,
+            "resume=auto",
+            *overrides,
+        ],
+        capsys,
+    )
     assert code == 2, stderr[-3000:]
     for line in expected:
         assert line in stderr, stderr[-3000:]

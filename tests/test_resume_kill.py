@@ -70,7 +70,9 @@ def train_args(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def run_to_end(run_dir: Path, *overrides: str) -> None:
-    result = subprocess.run(train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, f"train.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
 
 
@@ -87,7 +89,9 @@ def kill_when(run_dir: Path, happened, what: str, delay: float, *overrides: str)
     log_path = run_dir.parent / f"{run_dir.name}-{what.replace(' ', '-')}.log"
     started = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(train_args(run_dir, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            train_args(run_dir, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 300
             while not happened(proc, started):  # by this session
@@ -148,7 +152,9 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
     assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))  # whatever a kill interrupted, nothing is left behind
 
 
-def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(workdir: Path, uninterrupted: Path) -> None:
+def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(
+    workdir: Path, uninterrupted: Path
+) -> None:
     """Step 5's checkpoints wait for its validation, so a kill inside it resumes from step 4 and validates
     again; last.ckpt then truncated (a full disk), resume=auto falls back to the newest full-state
     step-*.ckpt; a kill while a checkpoint is being written leaves a temporary that the next session removes.
@@ -173,7 +179,9 @@ def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(workd
     kill_when(run_dir, writing_a_checkpoint, "checkpoint write", 0.0, *overrides)
     orphans = list(run_dir.rglob(f"*{TMP_SUFFIX}"))
     assert orphans
-    result = subprocess.run(train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "last.ckpt is unreadable" in output and "falling back to" in output
@@ -191,7 +199,9 @@ def test_resume_from_a_weights_only_checkpoint_says_what_to_do(uninterrupted: Pa
         resume_checkpoint(uninterrupted, step_ckpt)
 
 
-def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(workdir: Path, uninterrupted: Path) -> None:
+def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(
+    workdir: Path, uninterrupted: Path
+) -> None:
     run_dir = workdir / "one_then_two"
     step = RNG.randrange(2, MAX_STEPS - 3)
     resumed = kill_during(run_dir, step, RNG.uniform(0.0, 0.8), *COMMON, "resume=auto")
@@ -201,7 +211,8 @@ def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(workdir
     reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
     assert set(range(resumed + 1, MAX_STEPS + 1)) <= set(losses)
     for s, loss in losses.items():
-        # Same tokens and weights; 2 ranks x 1 micro-batch instead of 1 rank x 2: only summation order differs.
+        # Same tokens and weights; 2 ranks x 1 micro-batch
+        # instead of 1 rank x 2: only summation order differs.
         assert loss == pytest.approx(reference[s], rel=1e-4), s
     ref_angles, angles = angle_table(uninterrupted), angle_table(run_dir)
     assert ref_angles.keys() == angles.keys()

@@ -40,7 +40,9 @@ def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path, capsys) -
     before = sha_tree(finished_smoke)
     result = train_in_process(finished_smoke, *SMOKE, "resume=auto", capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines() == [f"{finished_smoke}: already finished at step 3; nothing to do"]
+    assert result.stdout.strip().splitlines() == [
+        f"{finished_smoke}: already finished at step 3; nothing to do"
+    ]
     assert "Traceback" not in result.stderr
     assert sha_tree(finished_smoke) == before
 
@@ -53,7 +55,9 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_
     shutil.rmtree(run_dir / "checkpoints")  # deleted, or a run killed before its first checkpoint
     before = sha_tree(run_dir)
     result = train_in_process(run_dir, *SMOKE, "resume=auto", capsys=capsys)
-    assert_refused(result, str(run_dir), "no checkpoint to resume from", f"run_dir={tmp_path / 'smoke-layer-s0-2'}")
+    assert_refused(
+        result, str(run_dir), "no checkpoint to resume from", f"run_dir={tmp_path / 'smoke-layer-s0-2'}"
+    )
     assert "resume=auto" not in result.stderr.strip().splitlines()[-1].split("Start it fresh elsewhere:")[1]
     assert sha_tree(run_dir) == before
     assert not (tmp_path / "smoke-layer-s0-2").exists()

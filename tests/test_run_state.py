@@ -18,7 +18,11 @@ from tests.conftest import ARM_SETTINGS, entry_point_here, metrics_rows, step_lo
 
 def test_schedule_always_ends_with_the_final_step() -> None:
     assert list(CheckpointSchedule(6, steps=[2, 5])) == [2, 5, 6]
-    assert list(CheckpointSchedule(250, dense_every=100, dense_until=1000, sparse_every=1000)) == [100, 200, 250]
+    assert list(CheckpointSchedule(250, dense_every=100, dense_until=1000, sparse_every=1000)) == [
+        100,
+        200,
+        250,
+    ]
     assert list(CheckpointSchedule(200, dense_every=100)) == [100, 200]
 
 
@@ -61,9 +65,18 @@ def with_analysis(arms_sweep, shared: Path) -> Path:
     """The sweep folder plus an analyze.py folder of a pretrained model (records with step null)."""
     root = arms_sweep[0]
     if not (root / "analyze" / "minilm").is_dir():
-        done = entry_point_here("analyze", ["progress=false", "model=minilm", "probe=local",
-                                            f"probe.path={shared / 'corpora' / 'wikipedia'}", "probe.tokens=512",
-                                            "model.seq_len=256", f"output_root={root}"])
+        done = entry_point_here(
+            "analyze",
+            [
+                "progress=false",
+                "model=minilm",
+                "probe=local",
+                f"probe.path={shared / 'corpora' / 'wikipedia'}",
+                "probe.tokens=512",
+                "model.seq_len=256",
+                f"output_root={root}",
+            ],
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -72,7 +85,9 @@ def with_analysis(arms_sweep, shared: Path) -> Path:
 def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path, capsys) -> None:
     assert status_main([str(with_analysis), "--no-slurm", "--json"]) == 0
     rows = {r["run"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert rows["analyze/minilm"]["state"] == "analyzed" and rows["analyze/minilm"]["probe_step"] == "pretrained"
+    assert (
+        rows["analyze/minilm"]["state"] == "analyzed" and rows["analyze/minilm"]["probe_step"] == "pretrained"
+    )
     # The refused launches did not rewrite max_steps: the layer run still reads 3/3, finished.
     assert (rows["tiny-layer-s0"]["step"], rows["tiny-layer-s0"]["max_steps"]) == (3, 3)
     assert {rows[f"tiny-{n}-s{s}"]["state"] for n in ("layer", "rms") for s in (0, 1)} == {"finished"}
@@ -80,7 +95,9 @@ def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path
     assert "pretrained" in capsys.readouterr().out
 
 
-def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(arms_sweep, tmp_path: Path, capsys) -> None:
+def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(
+    arms_sweep, tmp_path: Path, capsys
+) -> None:
     """Issue 34: its summary.json says it finished; before, status read the missing checkpoints as running/failed."""
     copy = tmp_path / "tiny-rms-s1"
     shutil.copytree(arms_sweep[0] / "tiny-rms-s1", copy)
@@ -112,5 +129,7 @@ def test_losses_and_probes_share_step_numbers(arms_sweep) -> None:
     assert sorted(step_losses(run)) == [1, 2, 3]  # the k-th update's loss at step k
     probed = {int(r["step"]) for r in metrics_rows(run) if r.get("probe/ln1.in/ones_deg")}
     assert probed == {r["step"] for r in read_rows(run / "angles.jsonl")} == {0, 2, 3}
-    tokens = {int(r["step"]): float(r["train/tokens_seen"]) for r in metrics_rows(run) if r.get("train/tokens_seen")}
+    tokens = {
+        int(r["step"]): float(r["train/tokens_seen"]) for r in metrics_rows(run) if r.get("train/tokens_seen")
+    }
     assert all(value == step * 8 * 64 for step, value in tokens.items())

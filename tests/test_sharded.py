@@ -66,11 +66,16 @@ def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[st
     fsdp, ddp = read_rows(runs["fsdp"] / "intervention.jsonl"), read_rows(runs["ddp"] / "intervention.jsonl")
     assert len(fsdp) == len(ddp) == 3 * 4  # steps 0, 2, 4 x (all, blocks 0 and 1, final)
     for a, b in zip(ddp, fsdp, strict=True):
-        assert (a["step"], a["scope_name"], a["tokens"], a["sequences"]) == (b["step"], b["scope_name"], 17 * 63, 17)
+        assert (a["step"], a["scope_name"], a["tokens"], a["sequences"]) == (
+            b["step"],
+            b["scope_name"],
+            17 * 63,
+            17,
+        )
         assert b["delta_loss"] == pytest.approx(a["delta_loss"], abs=1e-4)
-        # A KL near 1e-5 summed in float32 over a 50,304-entry vocabulary carries ~1e-7 of rounding from the two
-        # sharding schemes' orders (DDP 9.957e-06 against FSDP 9.833e-06 on this machine, with the code of
-        # fbdf9ba too): 5e-7 is that floor, and 5% of such a KL.
+        # A KL near 1e-5 summed in float32 over a 50,304-entry vocabulary carries ~1e-7 of
+        # rounding from the two sharding schemes' orders (DDP 9.957e-06 against FSDP 9.833e-06 on
+        # this machine, with the code of fbdf9ba too): 5e-7 is that floor, and 5% of such a KL.
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=5e-7)
 
 
@@ -79,7 +84,8 @@ def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> No
     fsdp_state = load(runs["fsdp"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
     assert list(fsdp_state) == list(ddp_state)
     for name, tensor in fsdp_state.items():
-        assert type(tensor) is torch.Tensor and tensor.shape == ddp_state[name].shape, name  # no DTensor shards
+        # no DTensor shards
+        assert type(tensor) is torch.Tensor and tensor.shape == ddp_state[name].shape, name
         torch.testing.assert_close(tensor, ddp_state[name], rtol=1e-4, atol=1e-5)
 
 
@@ -95,7 +101,10 @@ def test_analyze_reads_an_fsdp_checkpoint(runs: dict[str, Path], shared: Path, t
 def test_fsdp_last_checkpoint_resumes_exactly(runs: dict[str, Path]) -> None:
     assert step_losses(runs["fsdp_split"]) == step_losses(runs["fsdp"])
     assert read_rows(runs["fsdp_split"] / "angles.jsonl") == read_rows(runs["fsdp"] / "angles.jsonl")
-    a, b = load(runs["fsdp"] / "checkpoints" / "last.ckpt"), load(runs["fsdp_split"] / "checkpoints" / "last.ckpt")
+    a, b = (
+        load(runs["fsdp"] / "checkpoints" / "last.ckpt"),
+        load(runs["fsdp_split"] / "checkpoints" / "last.ckpt"),
+    )
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
 
 

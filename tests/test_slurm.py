@@ -1,4 +1,5 @@
-"""On a real one-node SLURM (../shared/slurm/slurm-local.sh, as root): ``pytest -m slurm tests/test_slurm.py``.
+"""On a real one-node SLURM (../shared/slurm/slurm-local.sh,
+as root): ``pytest -m slurm tests/test_slurm.py``.
 
 slurm/train.sbatch with 2 CPU tasks (DDP over gloo) runs to the end; the same job interrupted by
 ``scancel --signal=USR1``, by preemption from the ``urgent`` partition, or by USR1 during start-up
@@ -38,7 +39,16 @@ DDP = [o for o in FAST if not o.startswith("trainer=")] + [
     "checkpoint.steps=[2,8]",
     "checkpoint.last_every=1000",  # so a requeue resumes from the last.ckpt written when it stopped
 ]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 USR1_CAUGHT = 1 << (10 - 1)  # SIGUSR1 = 10: its bit in /proc/<pid>/status SigCgt
 RNG = random.Random(7)
 # CSV for the losses plus offline wandb, to check that a requeued run keeps its wandb id.
@@ -96,7 +106,8 @@ class Job:
         self.run_dir = workdir / name
         command = ["sbatch", "--parsable", *CPU_TASKS, f"--job-name=ng-{name}",
                    f"--output={workdir}/logs/%x-%j.out", str(SBATCH), *DDP, f"max_steps={steps}",
-                   # checkpoint steps beyond max_steps are refused: a shorter job (3 to 7 steps) ends at its own
+                   # checkpoint steps beyond max_steps are refused:
+                   # a shorter job (3 to 7 steps) ends at its own
                    *([] if steps >= 8 else [f"checkpoint.steps=[2,{steps}]"]),
                    f"run_dir={self.run_dir}", f"data_root={workdir / 'data'}", *overrides]
         env = {**os.environ, "NORMGEO_PYTHON": sys.executable}
@@ -110,7 +121,9 @@ class Job:
 
     def explain(self, what: str) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else "(no log yet)"
-        info = " ".join(f"{k}={v}" for k, v in self.info().items() if k in ("JobState", "Reason", "Restarts", "ExitCode"))
+        info = " ".join(
+            f"{k}={v}" for k, v in self.info().items() if k in ("JobState", "Reason", "Restarts", "ExitCode")
+        )
         return f"job {self.id}: {what}; {info}\n--- {self.log} ---\n{text[-6000:]}"
 
     def wait_for(self, path: Path, timeout: float = 180) -> float:
@@ -159,7 +172,12 @@ def reference(workdir: Path) -> Path:
 def test_sbatch_ddp_job_leaves_checkpoints_probes_and_figures(reference: Path) -> None:
     checkpoints = sorted(p.name for p in (reference / "checkpoints").iterdir())
     # The final step is always on the schedule.
-    assert checkpoints == ["last.ckpt", "step-0000002.ckpt", "step-0000008.ckpt", f"step-{MAX_STEPS:07d}.ckpt"]
+    assert checkpoints == [
+        "last.ckpt",
+        "step-0000002.ckpt",
+        "step-0000008.ckpt",
+        f"step-{MAX_STEPS:07d}.ckpt",
+    ]
     assert sorted({key[0] for key in angle_table(reference)}) == [0, 2, 8, MAX_STEPS]
     assert any((reference / "figures").glob("layers_*.png"))
     assert all_step_losses(reference).keys() == set(range(1, MAX_STEPS + 1))
@@ -180,7 +198,9 @@ def test_usr1_mid_training_requeues_and_resumes_exactly(workdir: Path, reference
     assert [line.split("\t")[:2] for line in sessions] == [[job.id, "0"], [job.id, "1"]]
 
 
-def test_preemption_by_the_urgent_partition_requeues_and_resumes_exactly(workdir: Path, reference: Path) -> None:
+def test_preemption_by_the_urgent_partition_requeues_and_resumes_exactly(
+    workdir: Path, reference: Path
+) -> None:
     # Offline wandb next to the CSV logger (probe tables included), to check the requeued session continues
     # the same wandb run.
     job = Job(workdir, "preempted", f"hydra.searchpath=[file://{workdir / 'conf'}]", "logger=csv_wandb")
@@ -202,7 +222,11 @@ def test_preemption_by_the_urgent_partition_requeues_and_resumes_exactly(workdir
 def rank_pids(job: Job) -> list[int]:
     """PIDs of the job step's tasks (scontrol listpids: LOCALID is a number for a task's own process)."""
     out = sh("scontrol", "listpids", job.id, check=False).stdout.splitlines()[1:]
-    return [int(cols[0]) for cols in map(str.split, out) if len(cols) == 5 and cols[2] == "0" and cols[3].isdigit()]
+    return [
+        int(cols[0])
+        for cols in map(str.split, out)
+        if len(cols) == 5 and cols[2] == "0" and cols[3].isdigit()
+    ]
 
 
 def catches_usr1(pid: int) -> bool:
@@ -236,7 +260,9 @@ def test_sweep_through_the_submitit_launcher_gives_each_run_its_sizes_resources(
     sizes = workdir / "conf" / "size"
     sizes.mkdir(parents=True, exist_ok=True)
     for name, minutes in (("tiny_a", 7), ("tiny_b", 9)):  # the tiny model with its own SLURM resources
-        (sizes / f"{name}.yaml").write_text(f"defaults:\n  - tiny\n  - _self_\nname: {name}\ngpus: null\nminutes: {minutes}\n")
+        (sizes / f"{name}.yaml").write_text(
+            f"defaults:\n  - tiny\n  - _self_\nname: {name}\ngpus: null\nminutes: {minutes}\n"
+        )
     overrides = [*(o for o in FAST if not o.startswith("size=")), "max_steps=4", "checkpoint.steps=[2,4]",
                  f"output_root={sweep}", f"data_root={workdir / 'data'}", "resume=auto",
                  f"hydra.searchpath=[file://{workdir / 'conf'}]"]
@@ -244,10 +270,17 @@ def test_sweep_through_the_submitit_launcher_gives_each_run_its_sizes_resources(
                 "hydra.launcher.cpus_per_task=1"]
     started = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *launcher, "size=tiny_a,tiny_b", *overrides],
-                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "-m", *launcher, "size=tiny_a,tiny_b", *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except subprocess.TimeoutExpired:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(sweep.glob(".submitit/*/*_log.*")))
+        logs = "\n".join(
+            f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(sweep.glob(".submitit/*/*_log.*"))
+        )
         pytest.fail(f"the sweep did not finish in 300 s:\n{logs}")
     print(f"sweep of 2 jobs: {time.monotonic() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-6000:]

@@ -49,17 +49,18 @@ def workspace(tmp_path_factory) -> Path:
     from corpus.sources import PydocSource
 
     root = tmp_path_factory.mktemp("start")
-    prepare(PydocSource(), root / "data" / "pydoc", val_fraction=0.05, progress=False)  # conf/train/data/pydoc.yaml
+    # conf/train/data/pydoc.yaml
+    prepare(PydocSource(), root / "data" / "pydoc", val_fraction=0.05, progress=False)
     return root
 
 
 # In-process: the parts.
 
 def test_a_failed_start_is_undone_byte_for_byte(tmp_path: Path) -> None:
-    """What a start does before its first optimizer step, undone from a listing (names, sizes, times) and the
-    bytes of the few files it rewrites: .hydra/ rewritten, the lock's holder line, train.log appended, a diverged
-    run moved aside and a CSV version written under its names; a killed session's temporary stays (the start's
-    first step removes it)."""
+    """What a start does before its first optimizer step, undone from a listing (names, sizes,
+    times) and the bytes of the few files it rewrites: .hydra/ rewritten, the lock's holder
+    line, train.log appended, a diverged run moved aside and a CSV version written under its
+    names; a killed session's temporary stays (the start's first step removes it)."""
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 3\n")
@@ -137,7 +138,8 @@ def test_a_run_dir_under_a_file_is_refused_before_anything_is_created(tmp_path: 
 @pytest.mark.parametrize(("override", "parts"), [
     ("probe.tokens=100000000", ("the probe corpus has only 139,016 tokens but 100,000,000 were asked for",
                                 "lower probe.tokens")),
-    # probe.tokens: 2 sequences of seq_len at least (the schema's cross-key rule), so that the data is what fails
+    # probe.tokens: 2 sequences of seq_len at least (the
+    # schema's cross-key rule), so that the data is what fails
     ("seq_len=10000 probe.tokens=20000", ("val.bin has", "tokens: too few for sequences of 10000")),
 ], ids=["probe-text-too-short", "data-too-short-for-seq_len"])
 def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace: Path, override: str,
@@ -152,11 +154,15 @@ def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace
 
 
 @pytest.mark.slow
-def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(workspace: Path, capsys) -> None:
+def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(
+    workspace: Path, capsys
+) -> None:
     text = workspace / "probe-text"
     text.mkdir()
     for index in range(12):
-        (text / f"{index:02d}.txt").write_text(f"Document {index}. " + "The quick brown fox jumps over the lazy dog. " * 20)
+        (text / f"{index:02d}.txt").write_text(
+            f"Document {index}. " + "The quick brown fox jumps over the lazy dog. " * 20
+        )
     probe = ["probe=local", f"probe.path={text}", "probe.tokens=2000", "max_steps=4", "checkpoint.steps=[2]"]
     run_dir = workspace / "resumable"
     train_here(run_dir, *probe, "stop_at_step=2")
@@ -172,8 +178,8 @@ def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(wo
 @pytest.mark.slow
 def test_a_claimed_start_that_fails_before_its_first_step_is_undone(workspace: Path) -> None:
     """A logger whose folder cannot be created (under a file) fails once the loggers start, after the claim
-    (.hydra/ and train.log written, the lock taken): not a user error, so its traceback stays (exit 1), and the
-    undo restores every file of the resumed run; a new run's folder is removed."""
+    (.hydra/ and train.log written, the lock taken): not a user error, so its traceback stays (exit 1), and
+    the undo restores every file of the resumed run; a new run's folder is removed."""
     run_dir = workspace / "undone"
     train_here(run_dir, "max_steps=4", "stop_at_step=2")
     before = sha_tree(run_dir)
@@ -181,7 +187,8 @@ def test_a_claimed_start_that_fails_before_its_first_step_is_undone(workspace: P
               f"+logger.extra.save_dir={workspace / 'data' / 'pydoc' / 'train.bin'}"]
     done = train_here(run_dir, "max_steps=4", "resume=auto", *broken, check=False)
     assert done.returncode == 1 and "NotADirectoryError" in done.stderr + done.stdout, done.stderr[-3000:]
-    assert sha_tree(run_dir) == before  # before the undo: .hydra/ rewritten, train.log appended, csv/version_1
+    # before the undo: .hydra/ rewritten, train.log appended, csv/version_1
+    assert sha_tree(run_dir) == before
     fresh = workspace / "fresh"  # beside the prepared data (data_root is the run directory's parent's data/)
     assert train_here(fresh, "max_steps=4", *broken, check=False).returncode == 1
     assert not fresh.exists()
@@ -192,8 +199,15 @@ def test_no_tokenizer_files_offline_is_one_line_before_the_run_directory(workspa
     empty = workspace / "no-tiktoken"
     empty.mkdir()
     # tiktoken then downloads: through a proxy on a closed port the download fails at once (no hang).
-    offline = {"TIKTOKEN_CACHE_DIR": str(empty), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-               "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+    offline = {
+        "TIKTOKEN_CACHE_DIR": str(empty),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "https_proxy": "http://127.0.0.1:9",
+        "http_proxy": "http://127.0.0.1:9",
+        "NO_PROXY": "",
+        "no_proxy": "",
+    }
     run_dir = workspace / "no-tokenizer"
     done = run_train(run_dir, env=offline, check=False, timeout=300)
     assert_refused(done, "could not load the tiktoken encoding 'gpt2'", f"TIKTOKEN_CACHE_DIR={empty}",
@@ -211,8 +225,14 @@ def test_a_run_dir_under_a_file_exits_2_and_writes_nothing(workspace: Path) -> N
 
 
 def train_args(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), *FAST, f"run_dir={run_dir}", f"data_root={run_dir.parent / 'data'}",
-            *overrides]
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *FAST,
+        f"run_dir={run_dir}",
+        f"data_root={run_dir.parent / 'data'}",
+        *overrides,
+    ]
 
 
 @pytest.mark.slow
@@ -223,7 +243,9 @@ def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_i
     long_run = ("max_steps=1000000", "checkpoint.last_every=2")
     first_log = workspace / "first.stderr"  # a file, not a pipe: a full pipe would stall the first run
     with open(first_log, "w") as stderr:
-        first = subprocess.Popen(train_args(run_dir, *long_run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        first = subprocess.Popen(
+            train_args(run_dir, *long_run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr
+        )
     try:
         deadline = time.monotonic() + 400
         while not (run_dir / "checkpoints" / "last.ckpt").exists():
@@ -232,7 +254,9 @@ def test_two_processes_one_run_the_second_is_refused_and_a_killed_holder_frees_i
             time.sleep(0.5)
         hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
         second = run_train(run_dir, *long_run, check=False)
-        assert_refused(second, f"{run_dir} is being trained by PID {first.pid} on host {socket.gethostname()}")
+        assert_refused(
+            second, f"{run_dir} is being trained by PID {first.pid} on host {socket.gethostname()}"
+        )
         # Its refusal wrote nothing: no .hydra files, train.log lines or CSV version of its own.
         assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files
         assert sorted(p.name for p in (run_dir / "csv").iterdir()) == ["version_0"]

@@ -35,7 +35,9 @@ def distributions(d: int) -> dict[str, torch.Tensor]:
         "isotropic": torch.randn(30_000, d, generator=g),
         "narrow near 90": torch.randn(30_000, d, generator=g) * 0.01 + torch.randn(d, generator=g),
         "shifted along 1": torch.randn(30_000, d, generator=g) + 0.5 * ones,
-        "bimodal": torch.cat([torch.randn(13_000, d, generator=g) + ones, torch.randn(17_000, d, generator=g) - ones]),
+        "bimodal": torch.cat(
+            [torch.randn(13_000, d, generator=g) + ones, torch.randn(17_000, d, generator=g) - ones]
+        ),
     }
 
 
@@ -149,7 +151,9 @@ def test_sites_in_one_pass_equal_sites_one_by_one() -> None:
     null = torch.randn(6, d, generator=g)
 
     def statistics(per_pass: int) -> AngleStatistics:
-        return AngleStatistics(sites + 1, refs, null_directions=null, num_sequences=sequences, sites_per_pass=per_pass)
+        return AngleStatistics(
+            sites + 1, refs, null_directions=null, num_sequences=sequences, sites_per_pass=per_pass
+        )
 
     one_pass, one_by_one = statistics(sites), statistics(1)
     for stats in (one_pass, one_by_one):
@@ -157,10 +161,27 @@ def test_sites_in_one_pass_equal_sites_one_by_one() -> None:
         stats.update_sites(1, list(x[:, 2:]), torch.tensor([1, 3]))
     assert one_pass.zero_count.tolist() == [0, 1, 0, sequences * length]
     assert one_pass.count[3].eq(0).all() and one_pass.count[1].eq(sequences * length - 1).all()
-    for field in ("count", "mean", "m2", "min", "max", "hist", "zero_count", "norm_count", "norm_mean", "norm_m2",
-                  "null_count", "null_mean", "null_m2", "seq_count", "seq_sum", "seq_sumsq"):
-        torch.testing.assert_close(getattr(one_pass, field), getattr(one_by_one, field), rtol=1e-12, atol=1e-9,
-                                   msg=field)
+    for field in (
+        "count",
+        "mean",
+        "m2",
+        "min",
+        "max",
+        "hist",
+        "zero_count",
+        "norm_count",
+        "norm_mean",
+        "norm_m2",
+        "null_count",
+        "null_mean",
+        "null_m2",
+        "seq_count",
+        "seq_sum",
+        "seq_sumsq",
+    ):
+        torch.testing.assert_close(
+            getattr(one_pass, field), getattr(one_by_one, field), rtol=1e-12, atol=1e-9, msg=field
+        )
 
 
 def test_where_ones_stands_follows_its_definitions() -> None:
@@ -177,7 +198,10 @@ def test_where_ones_stands_follows_its_definitions() -> None:
     for s, x in enumerate((tilted, isotropic)):
         ones = exact_angles(x, torch.ones(1, d))[:, 0]
         nulls = exact_angles(x, null)
-        for name, value, null_values in (("mean", ones.mean(), nulls.mean(0)), ("std", ones.std(), nulls.std(0))):
+        for name, value, null_values in (
+            ("mean", ones.mean(), nulls.mean(0)),
+            ("std", ones.std(), nulls.std(0)),
+        ):
             assert where[name][s].item() == pytest.approx(value, abs=1e-4)
             np.testing.assert_allclose(where[f"{name}_null_q"][s].numpy(),
                                        np.quantile(null_values, NULL_QUANTILES), atol=1e-4)
@@ -213,7 +237,9 @@ def synthetic_sequences(rng: np.random.Generator, datasets: int, sequences: int,
 
 def test_block_bootstrap_interval_covers_the_true_mean_at_the_stated_rate() -> None:
     datasets, sequences, length = 400, 60, 48
-    counts, sums, token_mean, token_std, n = synthetic_sequences(np.random.default_rng(0), datasets, sequences, length)
+    counts, sums, token_mean, token_std, n = synthetic_sequences(
+        np.random.default_rng(0), datasets, sequences, length
+    )
     # All data sets at once: each is one "site" of the engine's per-sequence arrays.
     interval = block_bootstrap(counts, sums[..., None], replicates=1000, seed=1)
     np.testing.assert_allclose(interval["mean"], 90 + token_mean)

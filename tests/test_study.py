@@ -23,15 +23,34 @@ from tests.test_verdict import make_run
 pytestmark = pytest.mark.slow  # four real study-preset runs
 
 RECORDS = ("angles.jsonl", "null.jsonl", "energy.jsonl", "ellipsoid.jsonl", "intervention.jsonl")
-SHORT = ("max_steps=10", "optim.warmup_steps=5", "checkpoint.steps=[5,10]", "checkpoint.last_every=0", "val_every=5", "log_every=5",
-         "val_sequences=16", "probe.tokens=1024", "trainer.enable_progress_bar=false",
-         "trainer.enable_model_summary=false")
+SHORT = (
+    "max_steps=10",
+    "optim.warmup_steps=5",
+    "checkpoint.steps=[5,10]",
+    "checkpoint.last_every=0",
+    "val_every=5",
+    "log_every=5",
+    "val_sequences=16",
+    "probe.tokens=1024",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+)
 
 
 def study_pair(output_root: Path, data_root: Path, shared: Path) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=study_cpu", "seed=0", "norm=layer,rms",
-            f"data.source.path={shared / 'corpora' / 'webtext'}", f"probe.path={shared / 'corpora' / 'wikipedia'}",
-            f"output_root={output_root}", f"data_root={data_root}", *SHORT]
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        "experiment=study_cpu",
+        "seed=0",
+        "norm=layer,rms",
+        f"data.source.path={shared / 'corpora' / 'webtext'}",
+        f"probe.path={shared / 'corpora' / 'wikipedia'}",
+        f"output_root={output_root}",
+        f"data_root={data_root}",
+        *SHORT,
+    ]
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
 
@@ -44,7 +63,9 @@ def twice(tmp_path_factory, shared: Path) -> tuple[Path, Path]:
     return root / "a", root / "b"
 
 
-def test_a_rerun_of_a_study_pair_on_the_same_machine_gives_identical_records(twice: tuple[Path, Path]) -> None:
+def test_a_rerun_of_a_study_pair_on_the_same_machine_gives_identical_records(
+    twice: tuple[Path, Path],
+) -> None:
     first, second = twice
     runs = sorted(p.name for p in first.iterdir() if (p / "angles.jsonl").is_file())
     assert runs == ["study-layer-s0", "study-rms-s0"]
@@ -72,7 +93,9 @@ def test_the_answer_states_the_margin_the_seeds_reach_and_the_gpu_plan(tmp_path:
         make_run(tmp_path, "layer", seed, val_loss=layer, tokens_per_s=1.0, dev=1.0)
         make_run(tmp_path, "rms", seed, val_loss=rms, tokens_per_s=1.0, dev=1.0)
     estimate = study_page.primary_estimate(sorted(tmp_path.iterdir()))
-    differences = [(layer + 0.5) - (rms + 0.5) for layer, rms in [(5.00, 5.01), (5.03, 5.01), (4.98, 5.00), (5.02, 5.02)]]
+    differences = [
+        (layer + 0.5) - (rms + 0.5) for layer, rms in [(5.00, 5.01), (5.03, 5.01), (4.98, 5.00), (5.02, 5.02)]
+    ]
     assert estimate.n == 4 and estimate.sd == pytest.approx(statistics.stdev(differences), abs=1e-9)
     text = study_page.answer_text(estimate)
     reach = smallest_decidable_margin(4, estimate.sd)
@@ -97,14 +120,24 @@ def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Pa
     assert "## Described, not tested" in (tmp_path / "study_details.md").read_text()
     assert page.count("no interval and no test") == 1  # one seed per arm, said once
     assert "| LayerNorm − RMSNorm | `val_loss/tail` | 1 |" in page
-    learned = re.search(r"Final validation loss (\d\.\d{3}) nats on average over the 2 runs .* against (\d\.\d{3}) "
-                        r"for the validation text's unigram cross-entropy", page)
+    learned = re.search(
+        r"Final validation loss (\d\.\d{3}) nats on average over the 2 runs .* against (\d\.\d{3}) "
+        r"for the validation text's unigram cross-entropy",
+        page,
+    )
     assert learned, page[:2000]
-    finals = [float(r["val/loss"]) for run in ("study-layer-s0", "study-rms-s0") for r in metrics_rows(out / run)
-              if r.get("val/loss") and int(r["step"]) == 10]
+    finals = [
+        float(r["val/loss"])
+        for run in ("study-layer-s0", "study-rms-s0")
+        for r in metrics_rows(out / run)
+        if r.get("val/loss") and int(r["step"]) == 10
+    ]
     assert float(learned.group(1)) == pytest.approx(sum(finals) / 2, abs=6e-4)
     assert "not distinguishable" not in page and " holds" not in page
-    assert "| study-layer-s0 |" in page.split("## Floating-point order")[1] and "Largest move of a run: 0.0e+00" in page
+    assert (
+        "| study-layer-s0 |" in page.split("## Floating-point order")[1]
+        and "Largest move of a run: 0.0e+00" in page
+    )
     assert "The pair's difference (LayerNorm − RMSNorm, seed 0) moved by +0.0e+00 nats." in page
     assert not re.search(r"(?<![\w./])/(?!/)(tmp|work|home|root)/", page)  # no absolute path of this machine
     assert (tmp_path / "study-val_curve_diff.png").stat().st_size > 5000
@@ -112,4 +145,8 @@ def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Pa
     table = pd.read_csv(tmp_path / "study_verdict.csv")
     tail = table[(table["metric"] == "val_loss/tail") & table["primary"]]
     assert len(tail) == 1 and tail["n_seeds"].iloc[0] == 1  # one seed: the difference, no test
-    assert (table["family"] == "secondary").sum() <= 6 and set(table["family"]) <= {"primary", "secondary", "described"}
+    assert (table["family"] == "secondary").sum() <= 6 and set(table["family"]) <= {
+        "primary",
+        "secondary",
+        "described",
+    }

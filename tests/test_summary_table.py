@@ -24,16 +24,40 @@ def angle_rows(model: str, norm: str, steps: list[int | None], layers: int) -> l
             for kind in ("in", "std", "out"):
                 for i, ref in enumerate(REFS):
                     mean = 89.0 + 0.37 * i + 0.011 * layer + (11.5 if kind == "out" and ref == "ones" else 0)
-                    rows.append({"model": model, "norm": norm, "step": step, "site": f"layer{layer}.ln1.{kind}",
-                                 "ref": ref, "count": 100_000, "zero_count": 0, "mean_deg": mean,
-                                 "std_deg": 1.234 + 10.1 * (kind == "out"), "min_deg": 60.0, "max_deg": 120.0})
+                    rows.append(
+                        {
+                            "model": model,
+                            "norm": norm,
+                            "step": step,
+                            "site": f"layer{layer}.ln1.{kind}",
+                            "ref": ref,
+                            "count": 100_000,
+                            "zero_count": 0,
+                            "mean_deg": mean,
+                            "std_deg": 1.234 + 10.1 * (kind == "out"),
+                            "min_deg": 60.0,
+                            "max_deg": 120.0,
+                        }
+                    )
     return rows
 
 
 def null_rows(model: str, norm: str, steps: list[int | None], layers: int) -> list[dict]:
-    return [{"model": model, "norm": norm, "step": step, "site": f"layer{layer}.ln1.{kind}", "count": 100_000,
-             "mean_deg": 89.9, "null_means": [89.5 + 0.01 * k for k in range(64)], "in_null_band": layer % 2 == 0}
-            for step in steps for layer in range(layers) for kind in ("in", "std", "out")]
+    return [
+        {
+            "model": model,
+            "norm": norm,
+            "step": step,
+            "site": f"layer{layer}.ln1.{kind}",
+            "count": 100_000,
+            "mean_deg": 89.9,
+            "null_means": [89.5 + 0.01 * k for k in range(64)],
+            "in_null_band": layer % 2 == 0,
+        }
+        for step in steps
+        for layer in range(layers)
+        for kind in ("in", "std", "out")
+    ]
 
 
 def rendered(summary: list[dict], width: int = 80) -> str:

@@ -1,5 +1,6 @@
-"""Issue 34: every reader of a sweep identifies a run the same way and reads every records file the same way
-(through the entry points: their `main` in-process, one real process; on copies of the real sweep of conftest ``arms_sweep``).
+"""Issue 34: every reader of a sweep identifies a run the same way and reads every
+records file the same way (through the entry points: their `main` in-process, one
+real process; on copies of the real sweep of conftest ``arms_sweep``).
 
 1. Two folders of one arm and seed (a backup copy) are refused by ``compare``, ``status``, ``report`` and the
    verdict alike: exit 2, each folder named on a line of its own, nothing written.
@@ -29,8 +30,13 @@ pytestmark = pytest.mark.slow  # the trained sweep
 
 def tool(name: str, *args: str | Path) -> subprocess.CompletedProcess:
     """``python -m normgeo.<name> <args>``: a real process."""
-    return subprocess.run([sys.executable, "-m", f"normgeo.{name}", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", f"normgeo.{name}", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
@@ -47,7 +53,11 @@ def refused_as_duplicate(result: subprocess.CompletedProcess, *folders: Path) ->
     lines = result.stderr.strip().splitlines()
     for folder in folders:
         assert f"  {folder.resolve()}" in lines, result.stderr
-    assert lines[-1].startswith("error: ") and "duplicates of one run" in lines[-1] and "move all but one" in lines[-1]
+    assert (
+        lines[-1].startswith("error: ")
+        and "duplicates of one run" in lines[-1]
+        and "move all but one" in lines[-1]
+    )
     assert "truth value" not in result.stderr
 
 
@@ -72,9 +82,14 @@ def test_a_backup_copy_of_a_run_is_refused_by_every_reader(sweep: Path, third_ar
     refused_as_duplicate(tool("compare", sweep), original, backup)
     assert sha_tree(sweep) == before and not (sweep / "compare").exists()
     refused_as_duplicate(module_main(capfd, "status", sweep, "--no-slurm"), original, backup)
-    refused_as_duplicate(module_main(capfd, "plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
-                         original, backup)  # the verdict's SD from a sweep: the same rule
-    refused_as_duplicate(module_main(capfd, "report", original, backup, "--out", sweep.parent / "figures"), original, backup)
+    refused_as_duplicate(
+        module_main(capfd, "plan", "experiment=smoke", "--seeds-for", "val_loss=0.01", "--sweep", sweep),
+        original,
+        backup,
+    )  # the verdict's SD from a sweep: the same rule
+    refused_as_duplicate(
+        module_main(capfd, "report", original, backup, "--out", sweep.parent / "figures"), original, backup
+    )
     assert sha_tree(sweep) == before and not (sweep.parent / "figures").exists()
     # The same folder named twice is one run, not a duplicate.
     assert module_main(capfd, "report", original, original, "--out", sweep.parent / "figures").returncode == 0
@@ -103,7 +118,9 @@ def cut_mid_line(path: Path) -> int:
 def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name: str, capfd) -> None:
     damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
     damaged = damaged_run / name
-    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, f"the trained run has no {name} to damage"
+    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, (
+        f"the trained run has no {name} to damage"
+    )
     where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
     before = sha_tree(damaged_run)
     # report: the run is skipped and named, the intact one drawn (before: intervention.jsonl gave a traceback)

@@ -58,17 +58,30 @@ def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) ->
     assert {r["tokens_seen"] for r in rows if r["step"] == 5} == {5 * 8 * 64}
     assert all(r["count"] == 500 for r in rows)  # probe.tokens=500: every token counted, the tail too
     figures = sorted(p.name for p in (accumulated_run / "figures").iterdir())
-    assert any(name.startswith("layers_") for name in figures) and any(name.startswith("steps_") for name in figures)
+    assert any(name.startswith("layers_") for name in figures) and any(
+        name.startswith("steps_") for name in figures
+    )
 
 
 @pytest.mark.slow
-def test_analyze_of_a_checkpoint_gives_the_training_probe_records(accumulated_run: Path, tmp_path: Path) -> None:
+def test_analyze_of_a_checkpoint_gives_the_training_probe_records(
+    accumulated_run: Path, tmp_path: Path
+) -> None:
     """One measurement pipeline: analyze.py on the step-5 checkpoint, with the run's probe tokens,
     writes exactly the records (counts, tokens_seen, every number) the training probe wrote at step 5."""
     ckpt = accumulated_run / "checkpoints" / "step-0000005.ckpt"
-    done = entry_point_here("analyze", ["model=checkpoint", f"model.checkpoint={ckpt}", "model.name=normgeo-tiny",
-                                        "probe=pydoc", "probe.tokens=500", f"out_dir={tmp_path / 'out'}",
-                                        "progress=false"])
+    done = entry_point_here(
+        "analyze",
+        [
+            "model=checkpoint",
+            f"model.checkpoint={ckpt}",
+            "model.name=normgeo-tiny",
+            "probe=pydoc",
+            "probe.tokens=500",
+            f"out_dir={tmp_path / 'out'}",
+            "progress=false",
+        ],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     trained = [r for r in read_rows(accumulated_run / "angles.jsonl") if r["step"] == 5]
     analyzed = read_rows(tmp_path / "out" / "angles.jsonl")
@@ -99,7 +112,10 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path
     assert len(step_losses(whole)) == 8
     assert read_rows(split / "angles.jsonl") == read_rows(whole / "angles.jsonl")
     for name in ("step-0000003.ckpt", "step-0000006.ckpt", "last.ckpt"):
-        a, b = load(whole / "checkpoints" / name)["state_dict"], load(split / "checkpoints" / name)["state_dict"]
+        a, b = (
+            load(whole / "checkpoints" / name)["state_dict"],
+            load(split / "checkpoints" / name)["state_dict"],
+        )
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
@@ -136,14 +152,18 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     diverged = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
     assert diverged.returncode == 2, diverged.stderr[-3000:]
     last = diverged.stderr.strip().splitlines()[-1]
-    assert re.match(r"error: training diverged: the training loss is nan at step \d; the likely cause is the learning "
-                    r"rate, optim.lr=1e\+06: lower it .*is marked diverged in summary.json", last), last
+    assert re.match(
+        r"error: training diverged: the training loss is nan at step \d; the likely cause is the learning "
+        r"rate, optim.lr=1e\+06: lower it .*is marked diverged in summary.json",
+        last,
+    ), last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["diverged"]["lr"] == 1e6 and summary["session_log"][-1]["ended"] == "diverged"
     # No checkpoint holds the diverged weights: last.ckpt is the last finite step's, if any.
     assert all(torch.isfinite(t).all() for t in torch.load(run_dir / "checkpoints" / "last.ckpt",
                                                            weights_only=True)["state_dict"].values())
-    with open(run_dir / "checkpoints" / "big-40mib.bin", "wb") as big:  # bigger than a byte copy's old 16 MiB limit
+    # bigger than a byte copy's old 16 MiB limit
+    with open(run_dir / "checkpoints" / "big-40mib.bin", "wb") as big:
         big.truncate(40 * 2**20)
     before = files_of(run_dir)
     again = train_here(run_dir, *settings, "optim.lr=1e6", check=False)
@@ -152,7 +172,10 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
     assert files_of(run_dir) == before
     # The corrected command failing before its first step (a logger under a file) puts the diverged run back.
     (tmp_path / "a-file").write_text("x")
-    broken = ["+logger.extra._target_=lightning.pytorch.loggers.CSVLogger", f"+logger.extra.save_dir={tmp_path / 'a-file'}"]
+    broken = [
+        "+logger.extra._target_=lightning.pytorch.loggers.CSVLogger",
+        f"+logger.extra.save_dir={tmp_path / 'a-file'}",
+    ]
     failed = train_here(run_dir, *settings, "optim.lr=1e-3", *broken, check=False)
     assert failed.returncode == 1 and "replaced the run that diverged" in failed.stderr + failed.stdout
     assert files_of(run_dir) == before
@@ -166,10 +189,16 @@ def test_a_diverged_run_names_its_step_and_key_and_the_corrected_command_replace
 
 @pytest.mark.parametrize(
     ("override", "expected"),
-    [("norm=foo", ["layer", "rms"]), ("size=3b", ["1b", "410m", "70m", "tiny"]), ("trainer=tpu", ["ddp", "fsdp"])],
+    [
+        ("norm=foo", ["layer", "rms"]),
+        ("size=3b", ["1b", "410m", "70m", "tiny"]),
+        ("trainer=tpu", ["ddp", "fsdp"]),
+    ],
 )
 @pytest.mark.slow
-def test_unknown_options_list_the_valid_ones(tmp_path: Path, override: str, expected: list[str], capsys) -> None:
+def test_unknown_options_list_the_valid_ones(
+    tmp_path: Path, override: str, expected: list[str], capsys
+) -> None:
     result = train_in_process(tmp_path / "bad", override, capsys=capsys)
     assert result.returncode != 0
     assert all(choice in result.stderr for choice in expected), result.stderr[-2000:]
@@ -207,12 +236,17 @@ def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -
     and probe records as the eager single-process run (DDP equals one process: test above)."""
     common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
     train_here(tmp_path / "eager", *common)
-    compiled_run = run_train(tmp_path / "compiled", *common, "compile=true", "trainer=ddp_cpu", "trainer.devices=2")
+    compiled_run = run_train(
+        tmp_path / "compiled", *common, "compile=true", "trainer=ddp_cpu", "trainer.devices=2"
+    )
     assert "torch.compile: model compiled" in compiled_run.stdout + compiled_run.stderr
     eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
     assert sorted(compiled) == [1, 2, 3]
     assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
-    eager_rows, compiled_rows = read_rows(tmp_path / "eager" / "angles.jsonl"), read_rows(tmp_path / "compiled" / "angles.jsonl")
+    eager_rows, compiled_rows = (
+        read_rows(tmp_path / "eager" / "angles.jsonl"),
+        read_rows(tmp_path / "compiled" / "angles.jsonl"),
+    )
     assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a, b in zip(eager_rows, compiled_rows, strict=True):
         assert (a["step"], a["site"], a["count"]) == (b["step"], b["site"], b["count"])
@@ -230,8 +264,12 @@ def test_bf16_mixed_trains_the_smoke_experiment_and_probes_in_float32(tmp_path: 
     fp32, bf16 = step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16")
     assert sorted(bf16) == [1, 2, 3]
     # bf16 keeps 8 bits of mantissa: the losses agree to a few parts in a thousand, not to float32 rounding.
-    assert all(bf16[step] == pytest.approx(loss, rel=1e-2) and bf16[step] != loss for step, loss in fp32.items())
-    rows = {(r["step"], r["layer"], r["site"], r["ref"]): r for r in read_rows(tmp_path / "bf16" / "angles.jsonl")}
+    assert all(
+        bf16[step] == pytest.approx(loss, rel=1e-2) and bf16[step] != loss for step, loss in fp32.items()
+    )
+    rows = {
+        (r["step"], r["layer"], r["site"], r["ref"]): r for r in read_rows(tmp_path / "bf16" / "angles.jsonl")
+    }
     reference = read_rows(tmp_path / "fp32" / "angles.jsonl")
     assert len(rows) == len(reference) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
     for a in reference:
@@ -258,17 +296,29 @@ def counted_run(tmp_path_factory) -> tuple[Path, list[tuple[str, int]]]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(AtomicCheckpointIO, "save_checkpoint", recording_save)
-        train_here(run_dir, "max_steps=4", "checkpoint.steps=[2]", "checkpoint.last_every=3", "probe.enabled=false",
-                   "log_every=1", "+logger.old_csv._target_=lightning.pytorch.loggers.CSVLogger",
-                   f"+logger.old_csv.save_dir={run_dir}", "+logger.old_csv.name=csv")
+        train_here(
+            run_dir,
+            "max_steps=4",
+            "checkpoint.steps=[2]",
+            "checkpoint.last_every=3",
+            "probe.enabled=false",
+            "log_every=1",
+            "+logger.old_csv._target_=lightning.pytorch.loggers.CSVLogger",
+            f"+logger.old_csv.save_dir={run_dir}",
+            "+logger.old_csv.name=csv",
+        )
     return run_dir, written
 
 
 def test_the_final_steps_full_state_is_written_once(counted_run: tuple[Path, list[tuple[str, int]]]) -> None:
-    """last.ckpt holds the full state (a 1b run's is 12 GB): refreshed at each scheduled step, at its interval and
-    at the final step, and not once more when training ends."""
+    """last.ckpt holds the full state (a 1b run's is 12 GB): refreshed at each scheduled step, at its interval
+    and at the final step, and not once more when training ends."""
     _, written = counted_run
-    assert [w for w in written if w[0] == "last.ckpt"] == [("last.ckpt", 2), ("last.ckpt", 3), ("last.ckpt", 4)]
+    assert [w for w in written if w[0] == "last.ckpt"] == [
+        ("last.ckpt", 2),
+        ("last.ckpt", 3),
+        ("last.ckpt", 4),
+    ]
     assert [w for w in written if w[0] != "last.ckpt"] == [("step-0000002.ckpt", 2), ("step-0000004.ckpt", 4)]
 
 

@@ -1,5 +1,6 @@
-"""Issue 34: a setting that asks for a measurement the run cannot make is said once at start and the run goes
-on (``normgeo.runs.schema.unmeasured_values``): DyT has no centering for the intervention to take out or put in."""
+"""Issue 34: a setting that asks for a measurement the run cannot make is said
+once at start and the run goes on (``normgeo.runs.schema.unmeasured_values``):
+DyT has no centering for the intervention to take out or put in."""
 
 from __future__ import annotations
 

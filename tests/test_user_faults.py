@@ -24,8 +24,11 @@ def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
     """Every file under ``folder`` with its mtime and bytes (None: the folder is absent)."""
     if not folder.exists():
         return None
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def a_finished_run(run_dir: Path) -> Path:
@@ -44,21 +47,41 @@ def composed_train(*overrides: str):
 
 # 1. Lightning's own argument checks: a bare Trainer built at the start, before the run directory is claimed.
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["trainer.devices=0"], "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator"),
-    (["trainer.devices=[]"], "trainer: `Trainer(devices=[])` value is not a valid input"),
-    (["trainer.devices='0'"], "trainer: `Trainer(devices='0')` value is not a valid input"),
-    (["trainer.devices=-1"], "trainer: `devices` selected with `CPUAccelerator` should be an int > 0"),  # on a GPU: all
-    (["trainer.num_nodes=0"], "trainer: `num_nodes` must be a positive integer, but got 0"),
-    (["trainer.precision=fp8"], "trainer: Precision 'fp8' is invalid. Allowed precision values: ("),
-    (["trainer.accelerator=tpuu"], "trainer: You selected an invalid accelerator name: `accelerator='tpuu'`"),
-    (["trainer.strategy=dpp"], "trainer: You selected an invalid strategy name: `strategy='dpp'`"),
-    (["trainer=ddp_cpu", "trainer.strategy._target_=no.such.Strategy"], "trainer: Error locating target 'no.such.Strategy'"),
-    (["trainer=ddp_cpu", "trainer.strategy._target_=lightning.Trainer"], "trainer: Trainer.__init__() got an unexpected"),
-    (["trainer=ddp_cpu", "global_batch=12", "micro_batch=4"],
-     "micro_batch=4: global batch 12 is not divisible by micro batch 4 x 2 devices"),
-])
-def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(overrides: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["trainer.devices=0"],
+            "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator",
+        ),
+        (["trainer.devices=[]"], "trainer: `Trainer(devices=[])` value is not a valid input"),
+        (["trainer.devices='0'"], "trainer: `Trainer(devices='0')` value is not a valid input"),
+        # on a GPU: all
+        (["trainer.devices=-1"], "trainer: `devices` selected with `CPUAccelerator` should be an int > 0"),
+        (["trainer.num_nodes=0"], "trainer: `num_nodes` must be a positive integer, but got 0"),
+        (["trainer.precision=fp8"], "trainer: Precision 'fp8' is invalid. Allowed precision values: ("),
+        (
+            ["trainer.accelerator=tpuu"],
+            "trainer: You selected an invalid accelerator name: `accelerator='tpuu'`",
+        ),
+        (["trainer.strategy=dpp"], "trainer: You selected an invalid strategy name: `strategy='dpp'`"),
+        (
+            ["trainer=ddp_cpu", "trainer.strategy._target_=no.such.Strategy"],
+            "trainer: Error locating target 'no.such.Strategy'",
+        ),
+        (
+            ["trainer=ddp_cpu", "trainer.strategy._target_=lightning.Trainer"],
+            "trainer: Trainer.__init__() got an unexpected",
+        ),
+        (
+            ["trainer=ddp_cpu", "global_batch=12", "micro_batch=4"],
+            "micro_batch=4: global batch 12 is not divisible by micro batch 4 x 2 devices",
+        ),
+    ],
+)
+def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
+    overrides: list[str], message: str
+) -> None:
     cfg = composed_train(*overrides)
     check_config("train", cfg)  # the config's own keys are fine: Lightning, on this machine, says no
     with pytest.raises(StartError) as refused:
@@ -66,12 +89,23 @@ def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(overrides:
     assert str(refused.value).startswith(message), refused.value
 
 
-@pytest.mark.parametrize("overrides", [
-    [], ["trainer=cpu"], ["trainer=ddp_cpu"], ["trainer.devices='2'"], ["trainer.precision=16"],
-    ["trainer.precision=bf16"], ["trainer.precision=bf16-mixed"], ["trainer.strategy=DDP"], ["trainer.strategy=ddp_spawn"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer=cpu"],
+        ["trainer=ddp_cpu"],
+        ["trainer.devices='2'"],
+        ["trainer.precision=16"],
+        ["trainer.precision=bf16"],
+        ["trainer.precision=bf16-mixed"],
+        ["trainer.strategy=DDP"],
+        ["trainer.strategy=ddp_spawn"],
+    ],
+)
 def test_trainer_arguments_lightning_accepts_on_this_machine_pass(overrides: list[str]) -> None:
-    check_trainer(composed_train(*overrides))  # the GPU presets (trainer=gpu, ddp, fsdp) are checked where they run
+    # the GPU presets (trainer=gpu, ddp, fsdp) are checked where they run
+    check_trainer(composed_train(*overrides))
 
 
 @pytest.mark.slow
@@ -83,8 +117,20 @@ def test_trainer_arguments_exit_2_and_leave_the_run_directory_as_it_was(override
                                                                        tmp_path: Path) -> None:
     run_dir = a_finished_run(tmp_path / "run")
     before = tree(run_dir)
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=smoke", override, f"run_dir={run_dir}",
-                           f"data_root={tmp_path / 'data'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "experiment=smoke",
+            override,
+            f"run_dir={run_dir}",
+            f"data_root={tmp_path / 'data'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
     assert tree(run_dir) == before
@@ -93,7 +139,9 @@ def test_trainer_arguments_exit_2_and_leave_the_run_directory_as_it_was(override
 
 # 2. Memory independent of max_steps.
 
-def listed_schedule(max_steps: int, steps=None, dense_every=1000, dense_until=10000, sparse_every=10000) -> list[int]:
+def listed_schedule(
+    max_steps: int, steps=None, dense_every=1000, dense_until=10000, sparse_every=10000
+) -> list[int]:
     """The schedule as the old, materializing CheckpointSchedule built it (small max_steps only)."""
     if steps is not None:
         chosen = set(steps)
@@ -134,7 +182,12 @@ def test_a_schedule_of_10_to_the_12_steps_takes_no_time_or_memory() -> None:
     schedule = CheckpointSchedule(10**12)  # the paper's rule: 1K .. 10K, then every 10K
     first = list(itertools.islice(schedule, 12))
     assert first == [*range(1000, 10001, 1000), 20000, 30000]
-    assert 10**12 in schedule and 10**12 - 10000 in schedule and 10**12 - 1 not in schedule and 15000 not in schedule
+    assert (
+        10**12 in schedule
+        and 10**12 - 10000 in schedule
+        and 10**12 - 1 not in schedule
+        and 15000 not in schedule
+    )
     assert schedule.next_step_after(10**12 - 10000) == 10**12 and schedule.next_step_after(10**12) is None
     assert len(schedule) == 10 + 10**8 - 1  # dense + sparse - the 10K on both
     odd = CheckpointSchedule(10**12 + 1, steps=[5, 10**12])
@@ -160,7 +213,9 @@ def a_sweep_with_one_damaged_run(root: Path) -> tuple[list[Path], Path]:
     return runs, damaged
 
 
-def test_compare_skips_a_run_with_a_damaged_angles_file_and_compares_the_others(tmp_path: Path, capsys) -> None:
+def test_compare_skips_a_run_with_a_damaged_angles_file_and_compares_the_others(
+    tmp_path: Path, capsys
+) -> None:
     from normgeo.compare import main as compare_main
 
     runs, damaged = a_sweep_with_one_damaged_run(tmp_path / "outputs")
@@ -169,7 +224,9 @@ def test_compare_skips_a_run_with_a_damaged_angles_file_and_compares_the_others(
     assert compare_main([str(tmp_path / "outputs"), "--formats", "png"]) == 1
     out, err = capsys.readouterr()
     assert f"skipped {runs[-1]}: {damaged}:{line}: damaged record (" in err
-    assert err.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records (listed above)")
+    assert (
+        err.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records (listed above)")
+    )
     summary = (tmp_path / "outputs" / "compare" / "summary.md").read_text()
     assert all(run.name in summary for run in runs[:3]) and runs[-1].name not in summary
     assert (tmp_path / "outputs" / "compare" / "verdict.md").is_file()
@@ -208,7 +265,9 @@ def test_read_rows_names_the_file_and_line_of_a_damaged_record(tmp_path: Path) -
 
     path = tmp_path / "angles.jsonl"
     path.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "mea\n')
-    with pytest.raises(DamagedRecords, match=rf"^{path}:4: damaged record \(Invalid control character at column 17\); copy") as raised:
+    with pytest.raises(
+        DamagedRecords, match=rf"^{path}:4: damaged record \(Invalid control character at column 17\); copy"
+    ) as raised:
         read_rows(path)
     assert (raised.value.path, raised.value.line) == (path, 4)
     path.write_text('{"step": 0}\n[1, 2]\n')
@@ -218,9 +277,12 @@ def test_read_rows_names_the_file_and_line_of_a_damaged_record(tmp_path: Path) -
 
 # 4. Wrong words.
 
-@pytest.mark.parametrize(("val_fraction", "short", "advice"), [(0.5, "train", "smaller"), (0.02, "val", "larger")])
-def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(tmp_path: Path, val_fraction: float,
-                                                                           short: str, advice: str) -> None:
+@pytest.mark.parametrize(
+    ("val_fraction", "short", "advice"), [(0.5, "train", "smaller"), (0.02, "val", "larger")]
+)
+def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(
+    tmp_path: Path, val_fraction: float, short: str, advice: str
+) -> None:
     from corpus.datamodule import TokenDataModule
     from corpus.prepare import prepare
     from corpus.sources import LocalFilesSource
@@ -249,11 +311,16 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
         runs.append(str(tmp_path / name))
     drawn: list[Path] = []  # the drawing itself is tested elsewhere: only where it goes matters here
     monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer, out_dir=None: [])
-    monkeypatch.setattr(report, "plot_compare", lambda runs, out_dir, ref: drawn.append(out_dir) or out_dir / ref)
+    monkeypatch.setattr(
+        report, "plot_compare", lambda runs, out_dir, ref: drawn.append(out_dir) or out_dir / ref
+    )
     monkeypatch.setattr(report, "write_norm_figures", lambda run_dirs, out_dir: [])
     assert report.main(runs) == 0
-    assert (f"figures comparing the 2 runs go to {tmp_path / 'layer' / 'figures'} (the first run's figures folder; "
-            "--out to choose another)") in capsys.readouterr().err
+    assert (
+        f"figures comparing the 2 runs go to {tmp_path / 'layer' / 'figures'} (the first run's "
+        "figures folder; "
+        "--out to choose another)"
+    ) in capsys.readouterr().err
     assert report.main([*runs, "--out", str(tmp_path / "both")]) == 0
     assert f"figures comparing the 2 runs go to {tmp_path / 'both'}\n" in capsys.readouterr().err
     assert drawn == [tmp_path / "layer" / "figures"] * 3 + [tmp_path / "both"] * 3
@@ -263,5 +330,7 @@ def test_analyze_lists_no_probe_key_it_ignores_and_refuses_them() -> None:
     from normgeo.runs.schema import AnalyzeSchema, TrainSchema, key_docs
 
     analyze, train = "\n".join(key_docs(AnalyzeSchema)), "\n".join(key_docs(TrainSchema))
-    assert "probe.enabled" not in analyze and "probe.batch_size" not in analyze and "model.batch_size" in analyze
+    assert (
+        "probe.enabled" not in analyze and "probe.batch_size" not in analyze and "model.batch_size" in analyze
+    )
     assert "probe.enabled: bool = true" in train and "probe.batch_size: int >= 1 = 8" in train

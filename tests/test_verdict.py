@@ -49,12 +49,37 @@ def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s:
             for role in roles:
                 for suffix, sign in (("in", 1), ("out", -1)):
                     deg = 90 + sign * (dev if step == 10 else 1.0)
-                    angles.append({"model": "m", "norm": norm, "step": step, "layer": layer, "site": f"{role}.{suffix}",
-                                   "ref": "ones", "mean_deg": deg, "p05": deg - 3, "p95": deg + 3})
-                    null.append({"step": step, "layer": layer, "site": f"{role}.{suffix}", "in_null_band": band,
-                                 "mean_rank_pct": rank_pct})
-                energy_rows.append({"step": step, "layer": layer, "site": f"{role}.in", "quantity": "ones_fraction",
-                                    "mean": energy})
+                    angles.append(
+                        {
+                            "model": "m",
+                            "norm": norm,
+                            "step": step,
+                            "layer": layer,
+                            "site": f"{role}.{suffix}",
+                            "ref": "ones",
+                            "mean_deg": deg,
+                            "p05": deg - 3,
+                            "p95": deg + 3,
+                        }
+                    )
+                    null.append(
+                        {
+                            "step": step,
+                            "layer": layer,
+                            "site": f"{role}.{suffix}",
+                            "in_null_band": band,
+                            "mean_rank_pct": rank_pct,
+                        }
+                    )
+                energy_rows.append(
+                    {
+                        "step": step,
+                        "layer": layer,
+                        "site": f"{role}.in",
+                        "quantity": "ones_fraction",
+                        "mean": energy,
+                    }
+                )
     for name, rows in (("angles.jsonl", angles), ("null.jsonl", null), ("energy.jsonl", energy_rows)):
         (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "csv" / "version_0").mkdir(parents=True)
@@ -118,7 +143,8 @@ def test_the_words_say_what_the_numbers_support(known_sweep, tmp_path: Path) -> 
     assert min(angle.values) > 0 and angle.family == "described" and angle.outcome() == "described"
     assert angle.p_diff_holm is None and sentence(angle).endswith("described, not tested).")
     assert not any(w in sentence(angle) for w in ("different", "equivalent", "inconclusive", "p ="))
-    # The declared secondaries present here (energy, |angle - 90| pooled, the final loss): Holm within these 3.
+    # The declared secondaries present here (energy, |angle
+    # - 90| pooled, the final loss): Holm within these 3.
     secondary = [e for e in estimates if e.family == "secondary"]
     assert {e.metric for e in secondary} == {"ones_energy/window", "ones_dev/all", "val_loss"}
     assert {e.family_size for e in secondary} == {3} and all(e.power_diff is not None for e in secondary
@@ -129,7 +155,10 @@ def test_the_words_say_what_the_numbers_support(known_sweep, tmp_path: Path) -> 
     text = (out / "verdict.md").read_text()
     assert "## The primary question" in text and "dyt-s7" in text
     table = pd.read_csv(out / "verdict.csv")
-    assert set(table["metric"]) >= {"val_loss", "ones_dev/ln1.in"} and not table["metric"].str.contains("tokens").any()
+    assert (
+        set(table["metric"]) >= {"val_loss", "ones_dev/ln1.in"}
+        and not table["metric"].str.contains("tokens").any()
+    )
     assert {"margin", "ci95_low", "ci95_high", "ci90_low", "ci90_high", "p_diff", "p_diff_holm", "p_tost",
             "p_tost_holm", "power_diff", "power_tost", "family", "primary", "sentence"} <= set(table.columns)
     assert list(table[table["primary"]]["metric"]) == ["val_loss/tail"]
@@ -143,7 +172,9 @@ def test_the_words_say_what_the_numbers_support(known_sweep, tmp_path: Path) -> 
     assert "| LayerNorm − RMSNorm | `val_loss/tail` | 3 |" in text
     assert "|ln1.in at" not in text and "at ln1.in: LayerNorm" not in text
     # Per arm, described: 1 inside the null band at every first-step record, at none of the last step's.
-    assert "| 100% / 0% |" in next(line for line in text.splitlines() if line.startswith("| LayerNorm | toy | pre | 3"))
+    assert "| 100% / 0% |" in next(
+        line for line in text.splitlines() if line.startswith("| LayerNorm | toy | pre | 3")
+    )
 
 
 def test_an_interval_containing_zero_and_wider_than_the_margin_reads_inconclusive(tmp_path: Path) -> None:
@@ -153,13 +184,19 @@ def test_an_interval_containing_zero_and_wider_than_the_margin_reads_inconclusiv
     estimates, unpaired = paired_estimates(run_measures(load(sorted(tmp_path.iterdir()))))
     val = next(e for e in estimates if e.metric == "val_loss/tail")
     assert val.low < 0 < val.high and val.outcome() == "inconclusive"
-    assert sentence(val).endswith("inconclusive at 3 seeds (the 90% interval is wider than the margin ±0.02 nats; "
-                                  "nor is a difference resolved).") and unpaired.empty
+    assert (
+        sentence(val).endswith(
+            "inconclusive at 3 seeds (the 90% interval is wider than the margin ±0.02 nats; "
+            "nor is a difference resolved)."
+        )
+        and unpaired.empty
+    )
 
 
 def test_throughput_is_not_a_verdict_measure_its_runs_share_the_machine(tmp_path: Path) -> None:
-    """Runs that logged per-step tokens/s (a load burst in one arm): the verdict neither measures nor contrasts
-    throughput (bench/norm_cost.py times the norms, interleaved); no margin key or metric names it."""
+    """Runs that logged per-step tokens/s (a load burst in one arm): the
+    verdict neither measures nor contrasts throughput (bench/norm_cost.py
+    times the norms, interleaved); no margin key or metric names it."""
     for seed in range(2):
         make_run(tmp_path, "rms", seed, val_loss=5.0, tokens_per_s=1000.0, dev=1.0, step_rates=(1000.0,) * 5)
         make_run(tmp_path, "layer", seed, val_loss=5.0, tokens_per_s=500.0, dev=1.0, step_rates=(300.0,) * 5)
@@ -184,7 +221,12 @@ def test_one_seed_per_arm_says_once_that_no_interval_or_test_is_possible(tmp_pat
 
 def test_every_registry_contrast_names_two_registered_arms() -> None:
     pairs = {(arm, other) for arm, other, _ in contrasts()}
-    assert {("layer", "rms"), ("layer_nobias", "rms"), ("layer", "rms_bias"), ("layer", "layer_nobias")} <= pairs
+    assert {
+        ("layer", "rms"),
+        ("layer_nobias", "rms"),
+        ("layer", "rms_bias"),
+        ("layer", "layer_nobias"),
+    } <= pairs
     assert {(arm, "dyt") for arm in ("layer", "rms", "layer_nobias", "rms_bias")} <= pairs
     assert all(arm in NORM_ARMS and other in NORM_ARMS for arm, other in pairs)
 
@@ -204,7 +246,8 @@ def test_a_toy_arm_defined_in_a_test_trains_probes_and_is_judged(tmp_path: Path)
     assert len(runs) == 2
     rows = [json.loads(line) for line in (runs[0] / "angles.jsonl").read_text().splitlines()]
     assert {r["norm"] for r in rows} == {toy_arm.TOY}
-    assert {"ln1.in", "ln1.std", "ln1.out", "final.out"} <= {r["site"] for r in rows}  # found as an rms-kind norm
+    # found as an rms-kind norm
+    assert {"ln1.in", "ln1.std", "ln1.out", "final.out"} <= {r["site"] for r in rows}
     toy_arm.register()
     try:
         assert compare_main([str(out), "--formats", "png"]) == 0
@@ -216,7 +259,8 @@ def test_a_toy_arm_defined_in_a_test_trains_probes_and_is_judged(tmp_path: Path)
         unregister_arm(toy_arm.TOY)
 
 
-# --- equivalence, difference, inconclusive and the family, on constructed per-seed values --------------------
+# --- equivalence, difference, inconclusive and the family,
+# on constructed per-seed values --------------------
 
 CONFIG = load_verdict_config()
 
@@ -255,7 +299,9 @@ def test_equivalence_is_shown_when_the_90_percent_interval_lies_inside_the_margi
     estimate = by_metric(paired_estimates(measures_of({"val_loss/tail": diffs}), CONFIG)[0])["val_loss/tail"]
     p_tost, low90, high90 = independent_tost(diffs, 0.02)
     assert estimate.primary and estimate.margin == 0.02
-    assert estimate.test.p_tost == pytest.approx(p_tost, rel=1e-9) and estimate.ci90 == pytest.approx((low90, high90))
+    assert estimate.test.p_tost == pytest.approx(p_tost, rel=1e-9) and estimate.ci90 == pytest.approx(
+        (low90, high90)
+    )
     assert -0.02 < low90 < high90 < 0.02 and estimate.p_tost_holm == estimate.test.p_tost < 0.05
     assert estimate.outcome() == "equivalent"
     assert sentence(estimate).endswith("equivalent within ±0.02 nats, at 6 seeds.")
@@ -286,8 +332,10 @@ def test_an_uncorrected_p_below_005_does_not_survive_holm_in_the_secondary_famil
         "rank_pct/window": [4.0, -2.0, 1.0, 6.0],
         "band_margin/window": [3.0, 3.1, 2.9, 3.0],         # undeclared, raw p tiny
     }
-    declared = tuple(Endpoint("layer", "rms", m) for m in ("val_loss", "ones_energy/window", "ones_dev/ln1.in",
-                                                           "rank_pct/window"))
+    declared = tuple(
+        Endpoint("layer", "rms", m)
+        for m in ("val_loss", "ones_energy/window", "ones_dev/ln1.in", "rank_pct/window")
+    )
     config = load_verdict_config()
     config = type(config)(config.margins, config.primary, declared, config.alpha)
     estimates, _ = paired_estimates(measures_of(per_metric), config)
@@ -316,7 +364,9 @@ def test_an_uncorrected_p_below_005_does_not_survive_holm_in_the_secondary_famil
     sd = float(np.std(per_metric["val_loss"], ddof=1))
     assert final.power_diff == pytest.approx(difference_power(4, sd, 0.02, 0.05 / 4))
     assert final.power_tost == pytest.approx(tost_power(4, sd, 0.02, 0.0, 0.05 / 4))
-    assert final.power_diff == pytest.approx(simulated_power(4, sd, 0.02, "difference", level=0.05 / 4), abs=0.015)
+    assert final.power_diff == pytest.approx(
+        simulated_power(4, sd, 0.02, "difference", level=0.05 / 4), abs=0.015
+    )
 
 
 def test_every_metric_is_one_record_with_its_words_unit_and_margin_key() -> None:
@@ -325,7 +375,10 @@ def test_every_metric_is_one_record_with_its_words_unit_and_margin_key() -> None
     loss = metric("val_loss/tail")
     assert loss.margin_text(0.02) == "±0.02 nats" and loss.number(0.01234) == "+0.0123"
     assert loss.which(-0.1, "LayerNorm", "RMSNorm") == "LayerNorm reaches the lower validation loss"
-    assert metric("ones_dev/ln1.in").which(0.5, "LayerNorm", "RMSNorm") == "1 is closer to orthogonal under RMSNorm"
+    assert (
+        metric("ones_dev/ln1.in").which(0.5, "LayerNorm", "RMSNorm")
+        == "1 is closer to orthogonal under RMSNorm"
+    )
     assert metric("downstream/task/acc").margin_key == "downstream"
     with pytest.raises(KeyError):
         metric("tokens_per_s_ratio")
@@ -339,16 +392,26 @@ def write_margins(tmp_path: Path, secondary: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("secondary", "says"), [
-    ([{"arm": "layer", "other": "rms", "metric": f"ones_dev/{s}"} for s in (*SITE_CLASSES, "all")], "at most 6"),
-    ([{"arm": "layer", "other": "rms", "metric": "tokens_per_s_ratio"}], "not a verdict metric"),
-    ([{"arm": "layer", "other": "intact", "metric": "val_loss"}], "intact"),
-    ([{"arm": "layer", "other": "rms", "metric": "val_loss/tail"}], "declared twice"),
-])
-def test_a_bad_secondary_declaration_is_one_line_exit_2(tmp_path: Path, capsys, secondary: list, says: str) -> None:
+@pytest.mark.parametrize(
+    ("secondary", "says"),
+    [
+        (
+            [{"arm": "layer", "other": "rms", "metric": f"ones_dev/{s}"} for s in (*SITE_CLASSES, "all")],
+            "at most 6",
+        ),
+        ([{"arm": "layer", "other": "rms", "metric": "tokens_per_s_ratio"}], "not a verdict metric"),
+        ([{"arm": "layer", "other": "intact", "metric": "val_loss"}], "intact"),
+        ([{"arm": "layer", "other": "rms", "metric": "val_loss/tail"}], "declared twice"),
+    ],
+)
+def test_a_bad_secondary_declaration_is_one_line_exit_2(
+    tmp_path: Path, capsys, secondary: list, says: str
+) -> None:
     make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
     margins = write_margins(tmp_path, secondary)
-    assert compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    assert (
+        compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0]
     assert not (tmp_path / "c").exists()
@@ -363,7 +426,9 @@ def test_a_bad_margin_is_one_line_exit_2_and_nothing_written(tmp_path: Path, cap
     assert not (tmp_path / "c").exists()
 
 
-def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_of_probes(tmp_path: Path) -> None:
+def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_of_probes(
+    tmp_path: Path,
+) -> None:
     """11 probes (steps 0..100): per step the mean over every (layer, site) record; the window is the last
     4 probe steps (ceil(0.3 * 11)); the band edge distance is min(rank - 5, 95 - rank) per record."""
     run = make_run(tmp_path, "rms", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
@@ -387,7 +452,8 @@ def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_
     assert measured["in_band_first"] == 1.0 and 0 < measured["in_band_last"] < 1
 
 
-# --- seeds planned ---------------------------------------------------------------------------------------------
+# --- seeds planned
+# ---------------------------------------------------------------------------------------------
 
 
 def simulated_power(n: int, sd: float, margin: float, test: str, reps: int = 20_000, seed: int = 0,
@@ -417,21 +483,26 @@ def test_seeds_for_a_margin_reach_80_percent_power_in_a_simulation() -> None:
     difference = seeds_for_difference(sd, margin)
     assert simulated_power(difference, sd, margin, "difference") >= 0.78
     assert simulated_power(difference - 1, sd, margin, "difference") < 0.81
-    assert equivalence > difference  # showing |d| < margin at d = 0 needs more seeds than detecting d = margin
+    # showing |d| < margin at d = 0 needs more seeds than detecting d = margin
+    assert equivalence > difference
 
 
 def write_intervention(run_dir: Path, action: str, delta_losses: dict[int, float]) -> None:
     """intervention.jsonl's all-norms rows of a run: the loss change at each probe step."""
     rows = [{"model": "m", "norm": "x", "step": step, "scope": "all", "action": action, "delta_loss": value}
             for step, value in delta_losses.items()]
-    rows.append({"model": "m", "norm": "x", "step": 10, "scope": "layer", "action": action, "delta_loss": 9.0})
+    rows.append(
+        {"model": "m", "norm": "x", "step": 10, "scope": "layer", "action": action, "delta_loss": 9.0}
+    )
     (run_dir / "intervention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(tmp_path: Path) -> None:
-    """Per arm, the run's loss change (all norms, last 30% of probes / last probe) over seeds against 0: taking
-    LayerNorm's centering out costs nothing within the margin here, putting it into RMSNorm costs 0.1 nats."""
-    removed = {0: [0.001, 0.002, -0.001], 1: [0.000, 0.001, 0.002], 2: [0.002, 0.000, 0.001]}  # steps 0, 5, 10
+    """Per arm, the run's loss change (all norms, last 30% of probes / last
+    probe) over seeds against 0: taking LayerNorm's centering out costs
+    nothing within the margin here, putting it into RMSNorm costs 0.1 nats."""
+    # steps 0, 5, 10
+    removed = {0: [0.001, 0.002, -0.001], 1: [0.000, 0.001, 0.002], 2: [0.002, 0.000, 0.001]}
     added = {0: [0.01, 0.09, 0.10], 1: [0.02, 0.11, 0.12], 2: [0.00, 0.10, 0.09]}
     for seed in range(3):
         for norm, action, values in (("layer", "remove", removed), ("rms", "add", added)):
@@ -440,14 +511,19 @@ def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(t
     comparison = load(sorted(p for p in tmp_path.iterdir() if p.is_dir()))
     estimates, _ = paired_estimates(run_measures(comparison))
     per_arm = {(e.arm, e.metric): e for e in estimates if e.other == "intact"}
-    assert set(per_arm) == {(arm, f"intervention_dloss/{at}") for arm in ("layer", "rms") for at in ("window", "last")}
-    # Declared secondaries: each arm's window statistic, in one family with the three layer-vs-rms endpoints these
-    # runs also have (energy, |angle - 90| pooled, final loss); the last probe's statistic is described.
-    assert {k for k, e in per_arm.items() if e.family == "secondary"} == {("layer", "intervention_dloss/window"),
-                                                                         ("rms", "intervention_dloss/window")}
+    assert set(per_arm) == {
+        (arm, f"intervention_dloss/{at}") for arm in ("layer", "rms") for at in ("window", "last")
+    }
+    # Declared secondaries: each arm's window statistic, in one family with the three layer-vs-rms endpoints
+    # these runs also have (energy, |angle - 90| pooled, final loss); the last probe's statistic is described.
+    assert {k for k, e in per_arm.items() if e.family == "secondary"} == {
+        ("layer", "intervention_dloss/window"),
+        ("rms", "intervention_dloss/window"),
+    }
     assert {e.family_size for e in per_arm.values() if e.tested} == {5}
     last = per_arm[("layer", "intervention_dloss/last")]
-    assert last.values == pytest.approx([values[-1] for values in removed.values()])  # the all-norms rows only
+    # the all-norms rows only
+    assert last.values == pytest.approx([values[-1] for values in removed.values()])
     window = per_arm[("rms", "intervention_dloss/window")]  # the last 30% of 3 probes: the last one
     assert window.values == pytest.approx([values[-1] for values in added.values()])
     assert (window.mean, window.low, window.high) == pytest.approx(independent_interval(window.values))
@@ -455,7 +531,9 @@ def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(t
     removal = per_arm[("layer", "intervention_dloss/window")]
     assert "free within ±0.02 nats (equivalent to the intact model), at 3 seeds" in sentence(removal)
     assert window.outcome() == "different"
-    assert "putting the mean subtraction into every norm of the trained model raises the loss" in sentence(window)
+    assert "putting the mean subtraction into every norm of the trained model raises the loss" in sentence(
+        window
+    )
     # Between the arms, the intervention's loss change is described like any undeclared metric.
     contrast = {(e.arm, e.other, e.metric): e for e in estimates}[("layer", "rms", "intervention_dloss/last")]
     assert contrast.family == "described" and contrast.values == pytest.approx(
@@ -472,7 +550,9 @@ def test_the_centering_intervention_is_judged_per_arm_against_the_intact_model(t
     ("secondary:\n  - {arm: layer, other: rms, metric: val_loss, metirc: val_loss}\n",
      "secondary[0].metirc: no such key (did you mean metric?"),
 ])
-def test_a_margins_file_is_read_strictly_naming_the_file_and_key(tmp_path: Path, capsys, text: str, says: str) -> None:
+def test_a_margins_file_is_read_strictly_naming_the_file_and_key(
+    tmp_path: Path, capsys, text: str, says: str
+) -> None:
     """Issue 52, class 3: a misspelled key is refused with the nearest valid one (not ignored: no secondary
     question, or the default primary tested), a wrong type names the file, the key and what is expected."""
     make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
@@ -481,7 +561,9 @@ def test_a_margins_file_is_read_strictly_naming_the_file_and_key(tmp_path: Path,
     margins = tmp_path / "margins.yaml"
     margins.write_text(text if not isinstance(given, dict) or "margins" in given else
                        yaml.safe_dump({"margins": raw["margins"]}) + text)
-    assert compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    assert (
+        compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {margins}: ") and says in err[0], err
     assert not (tmp_path / "c").exists()
@@ -491,10 +573,14 @@ def test_a_binary_margins_file_is_one_line_naming_it(tmp_path: Path, capsys) -> 
     make_run(tmp_path / "runs", "layer", 0, val_loss=5.0, tokens_per_s=1000.0, dev=1.0)
     margins = tmp_path / "margins.yaml"
     margins.write_bytes(bytes(range(256)))
-    assert compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    assert (
+        compare_main([str(tmp_path / "runs"), "--margins", str(margins), "--out", str(tmp_path / "c")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {margins}: cannot read the margins file (UnicodeDecodeError); give a YAML file like "
-                   "conf/compare/margins.yaml"]
+    assert err == [
+        f"error: {margins}: cannot read the margins file (UnicodeDecodeError); give a YAML file like "
+        "conf/compare/margins.yaml"
+    ]
 
 
 def test_the_verdict_page_names_the_margins_file_it_used(tmp_path: Path) -> None:
@@ -503,7 +589,9 @@ def test_the_verdict_page_names_the_margins_file_it_used(tmp_path: Path) -> None
     mine = tmp_path / "my-margins.yaml"
     mine.write_text(MARGINS_FILE.read_text())
     (tmp_path / "c").mkdir()
-    write_verdict(load(sorted((tmp_path / "runs").iterdir())), tmp_path / "c", ("png",), load_verdict_config(mine))
+    write_verdict(
+        load(sorted((tmp_path / "runs").iterdir())), tmp_path / "c", ("png",), load_verdict_config(mine)
+    )
     text = (tmp_path / "c" / "verdict.md").read_text()
     assert "my-margins.yaml`" in text and "conf/compare/margins.yaml" not in text
 

@@ -34,10 +34,18 @@ class ScaledL2Norm(nn.Module):
 
 def register() -> None:
     if TOY not in NORM_ARMS:
-        register_arm(NormArm(
-            TOY, lambda dim, eps, role: ScaledL2Norm(dim), ScaledL2Norm, "rms", "toy L2 norm", "tab:purple",
-            "scaling by the L2 norm, no eps (a test's toy arm)", contrasts=(("layer", "the toy vs LayerNorm"),),
-        ))
+        register_arm(
+            NormArm(
+                TOY,
+                lambda dim, eps, role: ScaledL2Norm(dim),
+                ScaledL2Norm,
+                "rms",
+                "toy L2 norm",
+                "tab:purple",
+                "scaling by the L2 norm, no eps (a test's toy arm)",
+                contrasts=(("layer", "the toy vs LayerNorm"),),
+            )
+        )
 
 
 if __name__ == "__main__":

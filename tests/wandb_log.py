@@ -77,10 +77,19 @@ def wandb_scalars(run_dir: Path) -> pd.DataFrame:
     for path in wandb_runs(run_dir):
         for row in wandb_history(path):
             step = row.get("trainer/global_step", row.get("_step"))  # wandb's own _step counts log calls
-            rows += [(int(step), metric, float(value)) for metric, value in row.items()
-                     if step is not None and not metric.startswith("_") and metric not in ("trainer/global_step", "epoch")
-                     and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)]
-    return pd.DataFrame(rows, columns=["step", "metric", "value"]).drop_duplicates(["step", "metric"], keep="last")
+            rows += [
+                (int(step), metric, float(value))
+                for metric, value in row.items()
+                if step is not None
+                and not metric.startswith("_")
+                and metric not in ("trainer/global_step", "epoch")
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ]
+    return pd.DataFrame(rows, columns=["step", "metric", "value"]).drop_duplicates(
+        ["step", "metric"], keep="last"
+    )
 
 
 def wandb_media(run_dir: Path) -> dict[str, set[str]]:

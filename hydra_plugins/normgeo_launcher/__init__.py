@@ -79,7 +79,11 @@ class PerRunSlurmLauncher(SlurmLauncher):
                     f"[gpus/node={params.get('gpus_per_node')}, tasks/node={params.get('tasks_per_node')}, "
                     f"nodes={params.get('nodes')}, time={params.get('timeout_min')} min]"
                 )
-                arguments.append((overrides, "hydra.sweep.dir", index, f"job_id_for_{index}", Singleton.get_state()))
-            for position, job in zip(positions, executor.map_array(self, *zip(*arguments, strict=True)), strict=True):
+                arguments.append(
+                    (overrides, "hydra.sweep.dir", index, f"job_id_for_{index}", Singleton.get_state())
+                )
+            for position, job in zip(
+                positions, executor.map_array(self, *zip(*arguments, strict=True)), strict=True
+            ):
                 submitted[position] = job
         return [submitted[position].results()[0] for position in range(len(job_overrides))]

@@ -68,12 +68,19 @@ def rms_conversion_refusal(gpt: GPT) -> str | None:
         return (f"the {cfg.norm!r} arm has no mean subtraction to take out: only the Pre-LN LayerNorm arms "
                 f"({', '.join(CONVERTIBLE_ARMS)}) convert to RMSNorm")
     if cfg.placement != "pre":
-        return (f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the norm's output "
-                "(not mean-zero after the bias) and the sublayers read it un-normalized, so no RMSNorm model has its "
-                "logits; only Pre-LN arms convert")
+        return (
+            f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
+            "norm's output "
+            "(not mean-zero after the bias) and the sublayers read it un-normalized, so no RMSNorm "
+            "model has its "
+            "logits; only Pre-LN arms convert"
+        )
     if gpt.training and cfg.dropout > 0:
-        return (f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single channels of the "
-                "residual writes, which are then not mean-zero; call .eval() first")
+        return (
+            f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single "
+            "channels of the "
+            "residual writes, which are then not mean-zero; call .eval() first"
+        )
     return None
 
 
@@ -179,10 +186,20 @@ def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
     cfg = gpt.config
     config = GPT2Config(
-        vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_inner=4 * cfg.n_embd, activation_function="gelu_pytorch_tanh",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        vocab_size=cfg.padded_vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=4 * cfg.n_embd,
+        activation_function="gelu_pytorch_tanh",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.vocab_size - 1,
+        eos_token_id=cfg.vocab_size - 1,
     )
     model = GPT2LMHeadModel(config).to(dtype)
     model.load_state_dict(_gpt2_state_dict(gpt, dtype), strict=not cfg.tie_embeddings)
@@ -221,7 +238,11 @@ def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
         model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))
     else:
         cfg = gpt.config
-        model = _gpt2(gpt, dtype) if holds_as_gpt2(gpt) and not model_code else _normgeo(cfg, _weights(gpt, dtype))
+        model = (
+            _gpt2(gpt, dtype)
+            if holds_as_gpt2(gpt) and not model_code
+            else _normgeo(cfg, _weights(gpt, dtype))
+        )
     if cfg.tie_embeddings:
         model.tie_weights()
     if cfg.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):

@@ -41,10 +41,15 @@ NO_PROCESSING = {"fold_ln": False, "center_writing_weights": False, "center_unem
 def transformer_lens_refusal(config: GPTConfig) -> str | None:
     """Why TransformerLens cannot hold this arm exactly, or None if it can."""
     if config.placement != "pre":
-        return (f"TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the {config.placement}-LN "
-                f"arm {config.norm!r} (export it with --to hf or --to nnsight)")
+        return (
+            "TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the "
+            f"{config.placement}-LN "
+            f"arm {config.norm!r} (export it with --to hf or --to nnsight)"
+        )
     if config.norm not in TL_NORMS:
-        why = {"rms_bias": "its RMSNorm has no bias", "dyt": "it has no tanh norm (DyT)"}.get(config.norm, "no such norm")
+        why = {"rms_bias": "its RMSNorm has no bias", "dyt": "it has no tanh norm (DyT)"}.get(
+            config.norm, "no such norm"
+        )
         return (f"TransformerLens cannot hold the {config.norm!r} arm exactly: {why} "
                 "(export it with --to hf or --to nnsight)")
     return None
@@ -105,7 +110,9 @@ def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bo
 
     with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0: the version targeted
         warnings.simplefilter("ignore", DeprecationWarning)
-        model = HookedTransformer(HookedTransformerConfig(**config), tokenizer=tokenizer, move_to_device=False)
+        model = HookedTransformer(
+            HookedTransformerConfig(**config), tokenizer=tokenizer, move_to_device=False
+        )
     if process:
         model.load_and_process_state_dict(dict(state))
     else:

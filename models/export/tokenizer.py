@@ -36,6 +36,10 @@ def gpt2_tokenizer(model_max_length: int = 1024) -> GPT2TokenizerFast:
         encoding._mergeable_ranks, pattern=encoding._pat_str, extra_special_tokens=encoding._special_tokens
     ).converted()
     return GPT2TokenizerFast(
-        tokenizer_object=backend, bos_token=EOT, eos_token=EOT, unk_token=EOT, model_max_length=model_max_length,
+        tokenizer_object=backend,
+        bos_token=EOT,
+        eos_token=EOT,
+        unk_token=EOT,
+        model_max_length=model_max_length,
         add_prefix_space=False,
     )

@@ -128,7 +128,12 @@ def summarize(rows: Sequence[dict], null_rows: Sequence[dict] | None = None) -> 
 
     return [
         {
-            "model": key[0], "norm": key[1], "step": key[2], "site": key[3], "ref": key[4], **pool(groups[key]),
+            "model": key[0],
+            "norm": key[1],
+            "step": key[2],
+            "site": key[3],
+            "ref": key[4],
+            **pool(groups[key]),
             **per_norm(groups[key]),
             **(null_pooled(null_groups[key]) if key in null_groups else empty_null),
         }
@@ -152,14 +157,25 @@ def _wide(summary: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
         key = (row["model"], row["norm"], row["step"], row["site"])
         if key not in lines:
             step = [str(row["step"]) if row["step"] is not None else "-"] if with_step else []
-            lines[key] = [row["model"], row["norm"], *step, row["site"], str(row["sites"]), f"{row['tokens']:,}"]
+            lines[key] = [
+                row["model"],
+                row["norm"],
+                *step,
+                row["site"],
+                str(row["sites"]),
+                f"{row['tokens']:,}",
+            ]
             lines[key] += ["-"] * (len(refs) + 4)
-        lines[key][first_ref - len(refs) + refs.index(row["ref"])] = f"{row['mean_deg']:.2f} ± {row['std_deg']:.2f}"
+        lines[key][first_ref - len(refs) + refs.index(row["ref"])] = (
+            f"{row['mean_deg']:.2f} ± {row['std_deg']:.2f}"
+        )
         per_ref.setdefault(key, {})[row["ref"]] = row
     for key, by_ref in per_ref.items():
         line = lines[key]
         line[first_ref] = " / ".join(_deg(by_ref.get(ref, {}).get("norm_abs_dev_deg")) for ref in refs)
-        line[first_ref + 1] = " / ".join(_deg(by_ref.get(ref, {}).get("between_norm_std_deg")) for ref in refs)
+        line[first_ref + 1] = " / ".join(
+            _deg(by_ref.get(ref, {}).get("between_norm_std_deg")) for ref in refs
+        )
         ones = by_ref.get("ones", {})
         if ones.get("null_k"):
             line[first_ref + 2] = f"{ones['ones_pooled_rank_pct']:.0f}% (K={ones['null_k']})"

@@ -60,7 +60,9 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
     # Below the panels: inside one, "best" still covered the points of a model with many layers (SmolLM2).
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0))
+    fig.legend(
+        handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0)
+    )
     fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
     tag = "pretrained" if step is None else f"step{step:07d}"
     return save_figure(fig, out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
@@ -77,7 +79,11 @@ def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "l
             [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
             fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
         )
-    _dress_step_axes(ax, "angle (degrees), mean ± std over tokens", f"{model} · {norm_label(norm)} · layer {layer} · {site}")
+    _dress_step_axes(
+        ax,
+        "angle (degrees), mean ± std over tokens",
+        f"{model} · {norm_label(norm)} · layer {layer} · {site}",
+    )
     return save_figure(fig, out_dir, f"steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
 
 
@@ -96,11 +102,17 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
                 key=lambda r: _layer_position(r["layer"], n_layers),
             )
             if series:
-                # Side by side, after-markers hollow: in the RMSNorm arm after equals before and would hide it.
+                # Side by side, after-markers hollow: in the RMSNorm
+                # arm after equals before and would hide it.
                 offset = list(SITE_STYLE).index(suffix) * 0.12
                 ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) + offset for r in series], [r["mean_deg"] for r in series],
-                    yerr=[r["std_deg"] for r in series], fmt=marker, ms=4, capsize=2, label=label,
+                    [_layer_position(r["layer"], n_layers) + offset for r in series],
+                    [r["mean_deg"] for r in series],
+                    yerr=[r["std_deg"] for r in series],
+                    fmt=marker,
+                    ms=4,
+                    capsize=2,
+                    label=label,
                     mfc="none" if suffix != "in" else None,
                 )
         norm = chosen[0]["norm"] if chosen else "?"
@@ -120,7 +132,10 @@ def _null_series(rows: list[dict], suffix: str, n_layers: int) -> list[list[dict
     """Rows of one site kind, grouped by role (ln1, ln2, final, ...), each sorted by layer."""
     roles = list(dict.fromkeys(r["site"].split(".")[0] for r in rows if r["site"].endswith(f".{suffix}")))
     return [
-        sorted((r for r in rows if r["site"] == f"{role}.{suffix}"), key=lambda r: _layer_position(r["layer"], n_layers))
+        sorted(
+            (r for r in rows if r["site"] == f"{role}.{suffix}"),
+            key=lambda r: _layer_position(r["layer"], n_layers),
+        )
         for role in roles
     ]
 
@@ -152,7 +167,9 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0))
+    fig.legend(
+        handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0)
+    )
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
     fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}: is 1 a typical direction?")
     tag = "pretrained" if step is None else f"step{step:07d}"
@@ -161,8 +178,10 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
 
 def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
     """1's mean angle (95% CI) and the random directions' 5-95% band at one layer against the step."""
-    rows = sorted((r for r in null_rows if r["layer"] == layer and r["site"] == site and r["step"] is not None),
-                  key=lambda r: r["step"])
+    rows = sorted(
+        (r for r in null_rows if r["layer"] == layer and r["site"] == site and r["step"] is not None),
+        key=lambda r: r["step"],
+    )
     model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -175,7 +194,9 @@ def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site
            [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
     ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
                 label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
-    _dress_step_axes(ax, "mean angle over tokens (degrees)", f"{model} · {norm_label(norm)} · layer {layer} · {site}")
+    _dress_step_axes(
+        ax, "mean angle over tokens (degrees)", f"{model} · {norm_label(norm)} · layer {layer} · {site}"
+    )
     return save_figure(fig, out_dir, f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
 
 
@@ -189,7 +210,9 @@ def _dress_step_axes(ax, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def write_run_figures(run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None) -> list[Path]:
+def write_run_figures(
+    run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None
+) -> list[Path]:
     """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
     run_dir = Path(run_dir)
     rows = read_rows(run_dir / ANGLES_FILE)

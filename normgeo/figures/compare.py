@@ -44,13 +44,22 @@ def overlay_figures(comparison: Comparison, out_dir: Path, formats: Sequence[str
     seeds = angles.groupby("arm")["seed"].nunique().to_dict()
     paths = []
     # Mean over seeds of each run's statistics (a run's p05/p95 are over its probe tokens).
-    curves = angles.groupby(["site", "ref", "layer", "arm", "step"], sort=False)[["mean_deg", "p05", "p95"]].mean()
+    curves = angles.groupby(["site", "ref", "layer", "arm", "step"], sort=False)[
+        ["mean_deg", "p05", "p95"]
+    ].mean()
     for (site, ref), group in curves.groupby(level=["site", "ref"], sort=False):
         layers = sorted(group.index.get_level_values("layer").unique(), key=layer_key)
         ncols = min(4, len(layers))
         nrows = -(-len(layers) // ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), sharex=True, sharey=True, layout="constrained",
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            nrows,
+            ncols,
+            figsize=(3.6 * ncols, 2.8 * nrows),
+            sharex=True,
+            sharey=True,
+            layout="constrained",
+            squeeze=False,
+        )
         for ax, layer in zip(axes.flat, layers, strict=False):
             for index, arm in enumerate(arms):
                 try:
@@ -96,7 +105,9 @@ def loss_figure(comparison: Comparison, out_dir: Path, formats: Sequence[str]) -
             ax.plot(mean.index, mean.values, color=color, lw=1.5, label=f"{arm_label(arm)} train")
         val = of_arm[of_arm["metric"] == "val/loss"].groupby("step")["value"].mean()
         if not val.empty:
-            ax.plot(val.index, val.values, "s--", color=color, ms=5, lw=1, label=f"{arm_label(arm)} validation")
+            ax.plot(
+                val.index, val.values, "s--", color=color, ms=5, lw=1, label=f"{arm_label(arm)} validation"
+            )
     ax.set_xlabel("training step")
     ax.set_ylabel("cross-entropy loss (nats)")
     ax.set_title("train and validation loss per arm")
@@ -120,7 +131,10 @@ def intervention_figure(comparison: Comparison, out_dir: Path, formats: Sequence
 
 
 def write_comparison(
-    paths: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png", "pdf"), refs: Sequence[str] | None = None,
+    paths: Sequence[Path],
+    out_dir: Path,
+    formats: Sequence[str] = ("png", "pdf"),
+    refs: Sequence[str] | None = None,
     verdict_config: VerdictConfig | None = None,
 ) -> tuple[dict[str, list[Path]], list[DamagedRecords]]:
     """Tables and figures for the runs under ``paths`` into ``out_dir``; returns what was written and the

@@ -19,16 +19,27 @@ from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, s
 from normgeo.figures.tables import print_table
 from normgeo.paths import slug
 
-ACTION_TEXT = {"remove": "mean subtraction removed", "add": "mean subtraction added", "mixed": "removed (LayerNorm) and added (RMSNorm)"}
+ACTION_TEXT = {
+    "remove": "mean subtraction removed",
+    "add": "mean subtraction added",
+    "mixed": "removed (LayerNorm) and added (RMSNorm)",
+}
 
 
 def headline(row: dict) -> tuple[str, float | None, float | None, float | None]:
     """(what, value, low, high) that a row is read by: the loss change of a language model, 1 - cosine of an
     encoder's output vectors (larger = more change, like a loss change)."""
     if row["output"] == "embedding":
-        value, low, high = (None if row[k] is None else 1.0 - row[k] for k in ("cosine", "cosine_ci_high", "cosine_ci_low"))
+        value, low, high = (
+            None if row[k] is None else 1.0 - row[k] for k in ("cosine", "cosine_ci_high", "cosine_ci_low")
+        )
         return "1 - cosine of the output vectors", value, low, high
-    return "Δ loss (nats, intervened − intact)", row["delta_loss"], row["delta_loss_ci_low"], row["delta_loss_ci_high"]
+    return (
+        "Δ loss (nats, intervened − intact)",
+        row["delta_loss"],
+        row["delta_loss_ci_low"],
+        row["delta_loss_ci_high"],
+    )
 
 
 def interval_text(value: float | None, low: float | None, high: float | None, digits: int = 4) -> str:
@@ -53,7 +64,9 @@ def print_intervention(rows: Sequence[dict], title: str, file=None) -> None:
             line += [
                 interval_text(row["delta_loss"], row["delta_loss_ci_low"], row["delta_loss_ci_high"]),
                 interval_text(row["kl"], row["kl_ci_low"], row["kl_ci_high"], 5),
-                interval_text(row["top1_agreement"], row["top1_agreement_ci_low"], row["top1_agreement_ci_high"], 3),
+                interval_text(
+                    row["top1_agreement"], row["top1_agreement_ci_low"], row["top1_agreement_ci_high"], 3
+                ),
             ]
         table.append(line)
     if embedding:
@@ -79,7 +92,9 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
                   fmt="o", capsize=3, color="tab:purple", label="one block's norms")
     if every is not None:
         _, value, low, high = headline(every)
-        left.axhspan(low, high, color="tab:gray", alpha=0.25, label=f"all norms: {value:.4f} [{low:.4f}, {high:.4f}]")
+        left.axhspan(
+            low, high, color="tab:gray", alpha=0.25, label=f"all norms: {value:.4f} [{low:.4f}, {high:.4f}]"
+        )
         left.axhline(value, color="tab:gray", lw=1)
     left.axhline(0, color="black", lw=0.8, ls="--")
     left.set_xticks(positions, [str(r["layer"]) for r in layers])
@@ -90,7 +105,9 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
     source = every or layers[0]
     bins = [b for b in source["energy_bins"] if b["tokens"]]
     key = "cosine" if source["output"] == "embedding" else "delta_loss"
-    right.bar(range(len(bins)), [(1 - b[key]) if key == "cosine" else b[key] for b in bins], color="tab:purple")
+    right.bar(
+        range(len(bins)), [(1 - b[key]) if key == "cosine" else b[key] for b in bins], color="tab:purple"
+    )
     right.set_xticks(range(len(bins)), [f"{b['fraction_low']:g}–{b['fraction_high']:g}\n{b['tokens']:,} tok"
                                         for b in bins], fontsize=7)
     right.axhline(0, color="black", lw=0.8, ls="--")
@@ -99,7 +116,9 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
     right.grid(alpha=0.3)
     model, norm = source["model"], source["norm"]
     step_text = "pretrained" if step is None else f"step {step:,}"
-    fig.suptitle(f"{model} · {norm_label(norm)} · {ACTION_TEXT.get(source['action'], source['action'])} · {step_text}")
+    fig.suptitle(
+        f"{model} · {norm_label(norm)} · {ACTION_TEXT.get(source['action'], source['action'])} · {step_text}"
+    )
     fig.tight_layout()
     tag = "pretrained" if step is None else f"step{step:07d}"
     return save_figure(fig, out_dir, f"intervention_{slug(model)}_{norm}_{tag}", formats)[0]
@@ -114,7 +133,9 @@ def plot_intervention_steps(runs: Sequence[tuple[str, list[dict]]], out_dir: Pat
     seeds: dict[str, list[list[tuple[int, float]]]] = defaultdict(list)
     actions: dict[str, str] = {}
     for arm, rows in runs:
-        series = sorted((r["step"], headline(r)[1]) for r in rows if r["scope"] == "all" and r["step"] is not None)
+        series = sorted(
+            (r["step"], headline(r)[1]) for r in rows if r["scope"] == "all" and r["step"] is not None
+        )
         if not series:
             continue
         actions[arm] = next(r["action"] for r in rows if r["scope"] == "all")

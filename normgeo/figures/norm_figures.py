@@ -54,13 +54,19 @@ def _per_arm_panels(comparison, frame: pd.DataFrame, quantities: Sequence[tuple[
             ax = axes[row][col]
             chosen = of_arm if quantity is None else of_arm[of_arm["quantity"] == quantity]
             for index, (layer, site) in enumerate(sites):
-                series = chosen[(chosen["layer"] == layer) & (chosen["site"] == site)].groupby("step").mean(numeric_only=True)
+                series = (
+                    chosen[(chosen["layer"] == layer) & (chosen["site"] == site)]
+                    .groupby("step")
+                    .mean(numeric_only=True)
+                )
                 if series.empty or series[value].isna().all():
                     continue
                 label = f"{'final' if layer == 'final' else 'layer ' + layer} {site}"
                 ax.plot(series.index, series[value], "o-", ms=2.5, lw=1.1, color=f"C{index}", label=label)
                 if quantity is not None and "p25" in series:
-                    ax.fill_between(series.index, series["p25"], series["p75"], color=f"C{index}", alpha=0.15, lw=0)
+                    ax.fill_between(
+                        series.index, series["p25"], series["p75"], color=f"C{index}", alpha=0.15, lw=0
+                    )
             if log:  # energies span many decades; a condition number stays near 1
                 ax.set_yscale("log")
             ax.grid(alpha=0.3, which="both")
@@ -84,8 +90,13 @@ def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
     if frame.empty:
         return []
     return _per_arm_panels(
-        comparison, frame, [(None, "condition", "condition number\n(largest / smallest semi-axis)")], "ellipsoid",
-        "Each norm's output ellipsoid (from its gain; LayerNorm: Riechers' (d−1)-dim hyperellipsoid)", out_dir, formats,
+        comparison,
+        frame,
+        [(None, "condition", "condition number\n(largest / smallest semi-axis)")],
+        "ellipsoid",
+        "Each norm's output ellipsoid (from its gain; LayerNorm: Riechers' (d−1)-dim hyperellipsoid)",
+        out_dir,
+        formats,
         log=False,
     )
 
@@ -107,14 +118,25 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
         return []
     kinds = angles["site"].str.rpartition(".")[2]
     suffixes = [s for s in SITE_STYLE if (kinds == s).any()]
-    fig, axes = plt.subplots(1, len(suffixes), figsize=(5.4 * len(suffixes), 4), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(suffixes), figsize=(5.4 * len(suffixes), 4), squeeze=False, layout="constrained"
+    )
     for ax, suffix in zip(axes[0], suffixes, strict=True):
         of_kind = angles[kinds == suffix]
         for index, arm in enumerate(sorted(of_kind["arm"].unique())):
             # Mean over the norms (layers and roles) and seeds of each run's mean over tokens.
             curve = of_kind[of_kind["arm"] == arm].groupby("step")[["mean_deg", "p05", "p95"]].mean()
-            color, style = arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"  # Post-LN dashed
-            ax.plot(curve.index, curve["mean_deg"], style, ms=3, lw=1.3, color=color, label=_arm_title(comparison, arm))
+            # Post-LN dashed
+            color, style = arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"
+            ax.plot(
+                curve.index,
+                curve["mean_deg"],
+                style,
+                ms=3,
+                lw=1.3,
+                color=color,
+                label=_arm_title(comparison, arm),
+            )
             ax.fill_between(curve.index, curve["p05"], curve["p95"], color=color, alpha=0.1, lw=0)
         ax.axhline(90, color="gray", lw=0.8, ls="--")
         ax.set_title(f"{SITE_STYLE[suffix][1]} (mean over the norms)")
@@ -129,7 +151,9 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
 NORM_FIGURES = {"ellipsoid": ellipsoid_figure, "energy": energy_figure, "factorial": factorial_figure}
 
 
-def write_norm_figures(run_dirs: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
+def write_norm_figures(
+    run_dirs: Sequence[Path], out_dir: Path, formats: Sequence[str] = ("png",)
+) -> list[Path]:
     """The factorial figures for ``run_dirs`` (used by ``normgeo.report`` with several runs)."""
     comparison = load(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)

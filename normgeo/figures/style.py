@@ -17,7 +17,11 @@ from models.norms import arm_color as registered_color
 from models.norms import arm_label as registered_label
 
 # rand_b's norm (3 sqrt d) cannot change an angle; it is the paper's b, i.e. a second random direction.
-REF_LABELS = {"ones": "uniform vector 1", "rand_a": "random direction a", "rand_b": "second random direction b"}
+REF_LABELS = {
+    "ones": "uniform vector 1",
+    "rand_a": "random direction a",
+    "rand_b": "second random direction b",
+}
 SITE_STYLE = {"in": ("o", "before norm"), "out": ("s", "after norm"), "std": ("^", "after standardization")}
 POST_SUFFIX = "+post"  # appended to the arm of a placement=post run: "layer+post"
 DPI = 120
@@ -56,8 +60,10 @@ def check_formats(formats: Sequence[str]) -> list[str]:
     asked = [f.strip().lower().lstrip(".") for f in formats if f.strip()]
     unknown = [f for f in asked if f not in supported]
     if unknown or not asked:
-        raise ValueError(f"--formats={','.join(formats)}: {', '.join(unknown) or 'no format'} is not a figure "
-                         f"format; choose from {', '.join(sorted(supported))} (e.g. --formats=png,pdf)")
+        raise ValueError(
+            f"--formats={','.join(formats)}: {', '.join(unknown) or 'no format'} is not a figure "
+            f"format; choose from {', '.join(sorted(supported))} (e.g. --formats=png,pdf)"
+        )
     return asked
 
 

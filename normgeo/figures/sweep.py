@@ -25,7 +25,8 @@ class Comparison:
 
     angles: pd.DataFrame  # angles.jsonl rows + run, arm, seed, size
     metrics: pd.DataFrame  # run, arm, seed, step, metric, value
-    runs: pd.DataFrame  # one row per run: run, arm, placement, seed, size, norm, max_steps, tokens_per_step, run_dir
+    # one row per run: run, arm, placement, seed, size, norm, max_steps, tokens_per_step, run_dir
+    runs: pd.DataFrame
     damaged: list[DamagedRecords] = field(default_factory=list)  # runs left out: a records file is damaged
     summaries: dict[str, dict] = field(default_factory=dict)  # run_dir -> its summary.json ({} when absent)
 
@@ -83,7 +84,8 @@ def load(paths: Sequence[Path]) -> Comparison:
     check_unique_runs(found)  # two folders of one arm and seed: refused before anything is read
     for run_dir in found:
         try:
-            rows = read_run_records(run_dir)[ANGLES_FILE]  # every records file read: a damaged one skips the run
+            # every records file read: a damaged one skips the run
+            rows = read_run_records(run_dir)[ANGLES_FILE]
             config = read_run_config(run_dir)
             summaries[str(run_dir)] = run_summary(run_dir)
         except DamagedRecords as err:
@@ -99,8 +101,15 @@ def load(paths: Sequence[Path]) -> Comparison:
             "size": identity.size,
         }
         tokens_per_step = (config.get("global_batch") or 0) * (config.get("seq_len") or 0) or None
-        runs.append({**info, "norm": norm, "max_steps": config.get("max_steps"), "tokens_per_step": tokens_per_step,
-                     "run_dir": str(run_dir)})
+        runs.append(
+            {
+                **info,
+                "norm": norm,
+                "max_steps": config.get("max_steps"),
+                "tokens_per_step": tokens_per_step,
+                "run_dir": str(run_dir),
+            }
+        )
         angles = pd.DataFrame(rows)
         angles = angles[angles["step"].notna()]  # a run's own records all have steps
         angles["layer"] = angles["layer"].astype(str)  # block indices and "final" in one column
@@ -110,8 +119,9 @@ def load(paths: Sequence[Path]) -> Comparison:
             metric_frames.append(align_train_steps(metrics, tokens_per_step).assign(**info))
     if not runs:
         unread = f" ({len(damaged)} with damaged records: {'; '.join(map(str, damaged))})" if damaged else ""
-        raise FileNotFoundError(f"no readable training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}"
-                                f"{unread}")
+        raise FileNotFoundError(
+            f"no readable training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}{unread}"
+        )
     runs_frame = pd.DataFrame(runs)
     if runs_frame["size"].nunique() > 1:  # arms of several sizes: the size is part of the arm
         for frame in (runs_frame, *angle_frames, *metric_frames):

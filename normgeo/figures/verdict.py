@@ -1,7 +1,7 @@
 """The verdict's figures, and the verdict written: ``verdict.{png,pdf}`` (the tested rows' per-seed values,
-means, 95%/90% intervals and margins) and ``val_curve_diff.{png,pdf}`` (each contrast's paired difference of the
-validation curves); :func:`write_verdict` writes them with ``verdict.md`` and ``verdict.csv``. What the verdict
-computes is :mod:`normgeo.verdict`."""
+means, 95%/90% intervals and margins) and ``val_curve_diff.{png,pdf}`` (each contrast's paired difference of
+the validation curves); :func:`write_verdict` writes them with ``verdict.md`` and ``verdict.csv``. What the
+verdict computes is :mod:`normgeo.verdict`."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def verdict_figure(estimates: Sequence[Estimate], out_dir: Path, formats: Sequen
         ax.grid(alpha=0.3)
     axes[0][0].set_yticks(range(len(rows)), rows, fontsize=8)
     axes[0][0].invert_yaxis()
-    fig.suptitle("Declared questions over seeds · dots: seeds, diamond: mean, bars: 95% (thin) and 90% (thick) "
-                 "t-intervals, grey: ±margin")
+    fig.suptitle(
+        "Declared questions over seeds · dots: seeds, diamond: mean, bars: 95% (thin) and 90% (thick) "
+        "t-intervals, grey: ±margin"
+    )
     return save_figure(fig, out_dir, "verdict", formats)
 
 
@@ -90,7 +92,10 @@ def curve_figure(comparison: Comparison, found: Sequence[Pairing], config: Verdi
         color = arm_color(pairing.arm, 0)
         for a, b in zip(pairing.arm_runs, pairing.other_runs, strict=True):
             metrics = comparison.metrics
-            diff = (validation_curve(metrics[metrics["run"] == a]) - validation_curve(metrics[metrics["run"] == b])).dropna()
+            diff = (
+                validation_curve(metrics[metrics["run"] == a])
+                - validation_curve(metrics[metrics["run"] == b])
+            ).dropna()
             ax.plot(diff.index, diff.values, "-", lw=0.7, color=color, alpha=0.35)
         ax.plot(table["step"], table["mean"], "-", lw=2.0, color=color)
         has = table["low"].notna()
@@ -101,8 +106,12 @@ def curve_figure(comparison: Comparison, found: Sequence[Pairing], config: Verdi
         tail = max(1, math.ceil(VAL_TAIL * len(table) - 1e-9))
         ax.axvline(table["step"].iloc[-tail], color="black", lw=0.7, ls=":")
         where = " ".join(x for x in (pairing.size, "post" if pairing.placement == "post" else "") if x)
-        ax.set_title(f"{norm_label(pairing.arm)} − {norm_label(pairing.other)}" + (f" ({where})" if where else "")
-                     + f", {len(pairing.seeds)} seed{'s' if len(pairing.seeds) != 1 else ''}", fontsize=9)
+        ax.set_title(
+            f"{norm_label(pairing.arm)} − {norm_label(pairing.other)}"
+            + (f" ({where})" if where else "")
+            + f", {len(pairing.seeds)} seed{'s' if len(pairing.seeds) != 1 else ''}",
+            fontsize=9,
+        )
         ax.set_xlabel("step")
         ax.set_ylabel("Δ validation loss (nats)")
         ax.grid(alpha=0.3)

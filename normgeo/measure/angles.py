@@ -44,7 +44,9 @@ class AngleMeasurement(Measurement):
         )
         # Per norm: the statistics' number of its first site; its sites (in, std, out) are consecutive.
         index = {site: i for i, site in enumerate(self.sites)}
-        self.first_site = [index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)] for norm in self.norms]
+        self.first_site = [
+            index[ProbeSite(norm.layer, f"{norm.role}.in", norm.kind, norm.dim)] for norm in self.norms
+        ]
         self.with_null = with_null
         self.bootstrap = {"replicates": bootstrap_replicates, "block": bootstrap_block, "seed": seed}
 
@@ -54,7 +56,9 @@ class AngleMeasurement(Measurement):
         vectors = inputs.to(self.device)
         standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
         middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized else []
-        self.stats.update_sites(self.first_site[index], [vectors, *middle, output.to(self.device)], batch.sequence_ids)
+        self.stats.update_sites(
+            self.first_site[index], [vectors, *middle, output.to(self.device)], batch.sequence_ids
+        )
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

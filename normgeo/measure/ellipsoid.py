@@ -104,8 +104,8 @@ def _full(param: object) -> torch.Tensor | None:
 def ellipsoid_rows(
     norms: Sequence[NormSite], *, model: str, norm: str, step: int | None, tokens_seen: int | None
 ) -> list[dict]:
-    """One row per LayerNorm/RMSNorm with a gain (``ELLIPSOID_FIELDS``); other norms are skipped. Call it on every
-    rank: FSDP2-sharded gains are all-gathered."""
+    """One row per LayerNorm/RMSNorm with a gain (``ELLIPSOID_FIELDS``); other norms are skipped. Call it on
+    every rank: FSDP2-sharded gains are all-gathered."""
 
     rows = []
     # The eigvalsh of a d x d matrix per norm: 30 ms at d=512 on one CPU thread, seconds on two busy ones.
@@ -122,7 +122,9 @@ def ellipsoid_rows(
                 "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
                 "site": site.role, "kind": site.kind, "dim": site.dim,
             }
-            row.update({k: v if k == "axes_dim" or v is None else json_number(v) for k, v in geometry.items()})
+            row.update(
+                {k: v if k == "axes_dim" or v is None else json_number(v) for k, v in geometry.items()}
+            )
             rows.append(row)
     return rows
 

@@ -87,7 +87,9 @@ class EnergyStatistics:
 
     def merge(self, other: EnergyStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank)."""
-        self.count, self.mean, self.m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)
+        self.count, self.mean, self.m2 = chan_merge(
+            self.count, self.mean, self.m2, other.count, other.mean, other.m2
+        )
         self.min = torch.minimum(self.min, other.min)
         self.max = torch.maximum(self.max, other.max)
         self.hist += other.hist
@@ -119,7 +121,9 @@ class EnergyStatistics:
         total = cumulative[..., -1:]
         targets = torch.tensor(quantiles, dtype=torch.float64, device=self.device) * total
         index = torch.searchsorted(cumulative.contiguous(), targets.contiguous()).clamp(max=self.num_bins - 1)
-        below = torch.where(index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets))
+        below = torch.where(
+            index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets)
+        )
         fraction = ((targets - below) / hist.gather(-1, index).clamp(min=1)).clamp(0, 1)
         logs = self.low.view(1, -1, 1) + (index.to(torch.float64) + fraction) / BINS_PER_DECADE
         values = torch.maximum(torch.minimum(10.0**logs, self.max.unsqueeze(-1)), self.min.unsqueeze(-1))
@@ -127,7 +131,13 @@ class EnergyStatistics:
 
 
 def energy_rows(
-    sites: Sequence, stats: EnergyStatistics, *, model: str, norm: str, step: int | None, tokens_seen: int | None
+    sites: Sequence,
+    stats: EnergyStatistics,
+    *,
+    model: str,
+    norm: str,
+    step: int | None,
+    tokens_seen: int | None,
 ) -> list[dict]:
     """One row per (site, quantity) for ``energy.jsonl``; ``sites`` are the probe's norm-input sites."""
 

@@ -10,21 +10,22 @@ module's own gain, bias and eps, and compares the model's predictions with and w
   replaces the input), which is exactly ``g * (x - mean x) / std(x) (+ b)`` with the module's own code;
 - a DyT site (kind ``tanh``) has no centering to remove or add and is never intervened on.
 
-Scopes (:func:`intervention_scopes`): every norm at once (``all``), each block's norms one block at a time
-(``layers``: blocks 0..L-1, then ``final``, and ``embed`` where a model has one), or each site class across
-blocks (``site_classes``: ``ln1``, ``ln2``, ``final``). Each scope costs one extra no-grad forward over the
-first ``probe.intervention_tokens`` probe tokens (:class:`CenteringIntervention`), the intact forward being
-the probe's own; a scope in one block resumes at that block from the intact forward's residual stream
-(:class:`BlockReplay`), so the per-block scopes together cost about (L + 1) / 2 forwards of the blocks, not L + 1.
+Scopes (:func:`intervention_scopes`): every norm at once (``all``), each block's norms one
+block at a time (``layers``: blocks 0..L-1, then ``final``, and ``embed`` where a model has
+one), or each site class across blocks (``site_classes``: ``ln1``, ``ln2``, ``final``). Each
+scope costs one extra no-grad forward over the first ``probe.intervention_tokens`` probe tokens
+(:class:`CenteringIntervention`), the intact forward being the probe's own; a scope in one
+block resumes at that block from the intact forward's residual stream (:class:`BlockReplay`),
+so the per-block scopes together cost about (L + 1) / 2 forwards of the blocks, not L + 1.
 
-Measured per scope, on next-token prediction over the probe text: the mean change of the loss (nats,
-intervened - intact), the mean KL(intact || intervened) and the top-1 agreement, each with a 95% block
-bootstrap interval over probe sequences (the draw of ``null.jsonl``: :func:`normgeo.measure.stats.block_weights`),
-and the same per bin of the token's energy fraction along 1 at the intervened norm inputs (the intact
-forward's, averaged over the scope's sites), so that one can see whether the tokens with a component
-along 1 are the ones that change. A model without a language-model head (an encoder such as MiniLM)
-gets the cosine between its intact and intervened output vectors instead, and its rows say so
-(``output: "embedding"``).
+Measured per scope, on next-token prediction over the probe text: the mean change of the loss
+(nats, intervened - intact), the mean KL(intact || intervened) and the top-1 agreement, each with
+a 95% block bootstrap interval over probe sequences (the draw of ``null.jsonl``:
+:func:`normgeo.measure.stats.block_weights`), and the same per bin of the token's energy fraction
+along 1 at the intervened norm inputs (the intact forward's, averaged over the scope's sites), so
+that one can see whether the tokens with a component along 1 are the ones that change. A model
+without a language-model head (an encoder such as MiniLM) gets the cosine between its intact and
+intervened output vectors instead, and its rows say so (``output: "embedding"``).
 
 Nothing is stored per token beyond one batch: per scope, per-sequence sums (O(scopes x sequences)) and
 per-bin sums. Hooks are removed whatever happens, so the model is left bitwise as it was.
@@ -161,7 +162,10 @@ def intervened(sites: Sequence[NormSite]) -> Iterator[None]:
     try:
         for site in sites:
             if site.kind == "layer":
-                def replace_output(module: nn.Module, inputs: tuple, output: torch.Tensor, site=site) -> torch.Tensor:
+
+                def replace_output(
+                    module: nn.Module, inputs: tuple, output: torch.Tensor, site=site
+                ) -> torch.Tensor:
                     return uncentered_layer_norm(inputs[0], site)
 
                 handles.append(site.module.register_forward_hook(replace_output))
@@ -191,7 +195,9 @@ def model_output(output: object) -> tuple[str, torch.Tensor]:
         return "embedding", hidden
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return "embedding", output[0]
-    raise TypeError(f"cannot read logits or hidden states from a model output of type {type(output).__name__}")
+    raise TypeError(
+        f"cannot read logits or hidden states from a model output of type {type(output).__name__}"
+    )
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -206,17 +212,22 @@ def energy_fraction(x: torch.Tensor) -> torch.Tensor:
     return (x.sum(dim=-1).square() / (x.shape[-1] * square)).nan_to_num(0.0)
 
 
-# Tokens per chunk of the vocabulary-sized work. On CPU 64 x 50,304 float32 logits (13 MB) stay in cache across
-# the max, exp-sum and dot passes (measured on 2 cores: 1.3-1.5x faster than whole-batch reductions); on a GPU
-# larger chunks keep the kernels big while bounding the exp temporary (1,024 x 50,304 x 4 B = 206 MB).
+# Tokens per chunk of the vocabulary-sized work. On CPU 64 x 50,304 float32 logits
+# (13 MB) stay in cache across the max, exp-sum and dot passes (measured on 2
+# cores: 1.3-1.5x faster than whole-batch reductions); on a GPU larger chunks keep
+# the kernels big while bounding the exp temporary (1,024 x 50,304 x 4 B = 206 MB).
 VOCAB_CHUNK_TOKENS = {"cpu": 64, "cuda": 1024}
 
 
 def vocab_chunks(rows: int, length: int, device: torch.device) -> list[tuple[int, slice]]:
-    """(row, token slice) chunks of a (rows, length, V) tensor for the vocabulary-sized work on ``device``: each a
-    contiguous view of the logits (flattening ``logits[:, :-1]`` would copy them)."""
+    """(row, token slice) chunks of a (rows, length, V) tensor for the vocabulary-sized work on ``device``:
+    each a contiguous view of the logits (flattening ``logits[:, :-1]`` would copy them)."""
     size = VOCAB_CHUNK_TOKENS.get(device.type, 1024)
-    return [(row, slice(start, min(start + size, length))) for row in range(rows) for start in range(0, length, size)]
+    return [
+        (row, slice(start, min(start + size, length)))
+        for row in range(rows)
+        for start in range(0, length, size)
+    ]
 
 
 @dataclass
@@ -247,13 +258,16 @@ class IntactPrediction:
         return cls(probs, neg_entropy, loss, top1)
 
 
-def next_token_changes(intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact loss.
+def next_token_changes(
+    intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor
+) -> torch.Tensor:
+    """(rows, T - 1, 4) per predicted token: loss change,
+    KL(intact || intervened), top-1 agreement, intact loss.
 
-    With q = log_softmax(z) of the intervened logits z, KL = sum p log p - sum p z + logsumexp(z) (sum p = 1),
-    z shifted by its max. Per chunk of tokens (:func:`vocab_chunks`): one max pass (the top-1 too), one exp-sum
-    pass and one dot product over the vocabulary; nothing (T, V)-sized is allocated beyond the model's logits.
-    """
+    With q = log_softmax(z) of the intervened logits z, KL = sum p log p - sum p z +
+    logsumexp(z) (sum p = 1), z shifted by its max. Per chunk of tokens
+    (:func:`vocab_chunks`): one max pass (the top-1 too), one exp-sum pass and one dot product
+    over the vocabulary; nothing (T, V)-sized is allocated beyond the model's logits. """
     rows, length = intervened_logits.shape[0], intervened_logits.shape[1] - 1
     changes = torch.empty((rows, length, 4), dtype=intact.probs.dtype, device=intervened_logits.device)
     for row, chunk in vocab_chunks(rows, length, intervened_logits.device):
@@ -274,7 +288,9 @@ def next_token_changes(intact: IntactPrediction, intervened_logits: torch.Tensor
 
 def embedding_changes(intact: torch.Tensor, intervened_hidden: torch.Tensor) -> torch.Tensor:
     """(rows, T, 1): cosine of each token's intact and intervened output vector."""
-    return F.cosine_similarity(at_least_float32(intact), at_least_float32(intervened_hidden), dim=-1).unsqueeze(-1)
+    return F.cosine_similarity(
+        at_least_float32(intact), at_least_float32(intervened_hidden), dim=-1
+    ).unsqueeze(-1)
 
 
 def block_stack(model: nn.Module, norms: Sequence[NormSite]) -> tuple[nn.ModuleList | None, str]:
@@ -288,10 +304,17 @@ def block_stack(model: nn.Module, norms: Sequence[NormSite]) -> tuple[nn.ModuleL
         if not isinstance(norm.layer, int):
             continue
         if norm.block is None or not norm.block.endswith(f".{norm.layer}"):
-            return None, f"norm {norm.name!r} of block {norm.layer} is not found in entry {norm.layer} of a block list"
+            return (
+                None,
+                f"norm {norm.name!r} of block {norm.layer} is not found in entry {norm.layer} of a "
+                "block list",
+            )
         stacks.add(norm.block.removesuffix(f".{norm.layer}"))
     if len(stacks) != 1:
-        return None, "its norms are in more than one block list" if stacks else "it has no norm inside a block"
+        return (
+            None,
+            "its norms are in more than one block list" if stacks else "it has no norm inside a block",
+        )
     prefix = stacks.pop()
     stack = model.get_submodule(prefix)
     if not isinstance(stack, nn.ModuleList):
@@ -348,7 +371,8 @@ class BlockReplay:
         originals = [self.stack[i] for i in range(layer)]
         try:
             if layer:
-                # Every stand-in returns block layer-1's output: the ones before it are ignored by their successor.
+                # Every stand-in returns block layer-1's output: the
+                # ones before it are ignored by their successor.
                 stand_in = _Replay(self.outputs[layer - 1])
                 for i in range(layer):
                     self.stack[i] = stand_in
@@ -393,10 +417,21 @@ class CenteringIntervention(Measurement):
     writing rank needs them).
     """
 
-    def __init__(self, model: nn.Module, norms: Sequence[NormSite], scopes: Sequence[Scope], num_sequences: int,
-                 *, token_budget: int, device: torch.device | str = "cpu", with_rows: bool = True,
-                 bootstrap_replicates: int = 1000, bootstrap_block: int = 1, seed: int = 1234,
-                 resume: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        norms: Sequence[NormSite],
+        scopes: Sequence[Scope],
+        num_sequences: int,
+        *,
+        token_budget: int,
+        device: torch.device | str = "cpu",
+        with_rows: bool = True,
+        bootstrap_replicates: int = 1000,
+        bootstrap_block: int = 1,
+        seed: int = 1234,
+        resume: bool = True,
+    ) -> None:
         self.norms = intervenable(norms)
         self.scopes = list(scopes)
         self.num_sequences = num_sequences
@@ -412,7 +447,9 @@ class CenteringIntervention(Measurement):
         self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
         self._fractions: dict[str, torch.Tensor] = {}
         self._intervenable = {norm.name for norm in self.norms}
-        resumable = [s for s in self.scopes if s.kind == "layer" and (isinstance(s.layer, int) or s.layer == "final")]
+        resumable = [
+            s for s in self.scopes if s.kind == "layer" and (isinstance(s.layer, int) or s.layer == "final")
+        ]
         stack, why = block_stack(model, self.norms) if resume and resumable else (None, "")
         self.replay = BlockReplay(stack) if stack is not None else None
         self._checked = False  # the replay's first-batch check against the intact forward
@@ -426,8 +463,11 @@ class CenteringIntervention(Measurement):
     def _fall_back(self, why: str) -> None:
         if self.replay is not None:
             self.replay.__exit__(None, None, None)  # its recording hooks go now, not at the probe's end
-        log.warning("centering intervention: the model cannot be resumed mid-stack (%s); each of its per-block "
-                    "scopes runs the full forward", why)
+        log.warning(
+            "centering intervention: the model cannot be resumed mid-stack (%s); each of its per-block "
+            "scopes runs the full forward",
+            why,
+        )
         self.replay = None
 
     def resume_layer(self, scope: Scope) -> int | None:
@@ -497,7 +537,9 @@ class CenteringIntervention(Measurement):
         rows = int((batch.sequence_ids[: batch.rows] < self.num_sequences).sum())
         ids = batch.sequence_ids[:rows]
         intact = intact[:rows].detach()
-        reference = IntactPrediction.of(intact, batch.tokens[:rows]) if kind == "next_token" and rows else None
+        reference = (
+            IntactPrediction.of(intact, batch.tokens[:rows]) if kind == "next_token" and rows else None
+        )
         fractions = {name: value[:rows] for name, value in fractions.items()}
         if self.replay is not None and not self._checked:
             self._check_replay(batch)
@@ -518,7 +560,9 @@ class CenteringIntervention(Measurement):
             # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
             seen = [fractions[site.name][:, tokens] for site in scope.sites if site.name in fractions]
             energy = torch.stack(seen).mean(dim=0) if seen else torch.zeros(per_token.shape[:2])
-            self._add(index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(), ids.cpu().numpy())
+            self._add(
+                index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(), ids.cpu().numpy()
+            )
         if self.replay is not None:
             self.replay.outputs = [None] * len(self.replay.stack)  # this batch's activations go now
 
@@ -600,15 +644,34 @@ def intervention_rows(
     for index, scope in enumerate(probe.scopes):
         measured = probe.seq_count[index] > 0
         interval = block_bootstrap_means(
-            probe.seq_count[index], probe.seq_sum[index], replicates=replicates, block=block, seed=seed, level=level
+            probe.seq_count[index],
+            probe.seq_sum[index],
+            replicates=replicates,
+            block=block,
+            seed=seed,
+            level=level,
         )
-        estimate = {name: (interval["mean"][f], interval["low"][f], interval["high"][f]) for f, name in enumerate(fields)}
+        estimate = {
+            name: (interval["mean"][f], interval["low"][f], interval["high"][f])
+            for f, name in enumerate(fields)
+        }
         row: dict = {
-            "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen,
-            "scope": scope.kind, "scope_name": scope.name, "layer": scope.layer, "site_class": scope.site_class,
-            "sites": [site.role if site.layer == site.role else f"{site.layer}.{site.role}" for site in scope.sites],
+            "model": model,
+            "norm": norm,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "scope": scope.kind,
+            "scope_name": scope.name,
+            "layer": scope.layer,
+            "site_class": scope.site_class,
+            "sites": [
+                site.role if site.layer == site.role else f"{site.layer}.{site.role}" for site in scope.sites
+            ],
             "action": scope.action,
-            "output": probe.output, "intervention_tokens": probe.token_budget, "tokens": int(probe.seq_count[index].sum()), "sequences": int(measured.sum()),
+            "output": probe.output,
+            "intervention_tokens": probe.token_budget,
+            "tokens": int(probe.seq_count[index].sum()),
+            "sequences": int(measured.sum()),
         }
         for name in ("delta_loss", "kl", "top1_agreement", "cosine"):
             mean, low, high = estimate.get(name, (None, None, None))
@@ -619,13 +682,19 @@ def intervention_rows(
         bins = []
         for b in range(len(ENERGY_EDGES) - 1):
             count = probe.bin_count[index, b]
-            entry = {"fraction_low": ENERGY_EDGES[b], "fraction_high": ENERGY_EDGES[b + 1], "tokens": int(count),
-                     "mean_fraction": json_number(probe.bin_energy[index, b] / count) if count else None}
+            entry = {
+                "fraction_low": ENERGY_EDGES[b],
+                "fraction_high": ENERGY_EDGES[b + 1],
+                "tokens": int(count),
+                "mean_fraction": json_number(probe.bin_energy[index, b] / count) if count else None,
+            }
             for f, name in enumerate(fields):
                 if name != "loss_intact":
                     entry[name] = json_number(probe.bin_sum[index, b, f] / count) if count else None
             bins.append(entry)
         row["energy_bins"] = bins
-        row.update(ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed)
+        row.update(
+            ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed
+        )
         rows.append({name: row[name] for name in INTERVENTION_FIELDS})
     return rows

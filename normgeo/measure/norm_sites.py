@@ -64,7 +64,8 @@ class NormSite:
     eps: float
     dim: int  # the normalized size d
     module: nn.Module = field(compare=False, hash=False, repr=False)
-    block: str | None = None  # qualified name of the block that holds it (e.g. "model.layers.3"); None outside blocks
+    # qualified name of the block that holds it (e.g. "model.layers.3"); None outside blocks
+    block: str | None = None
 
 
 class NoNormFoundError(ValueError):
@@ -72,7 +73,8 @@ class NoNormFoundError(ValueError):
 
 
 def _is_norm_module(module: nn.Module) -> bool:
-    """torch's LayerNorm/RMSNorm, or a class named ``*LayerNorm``/``*RMSNorm``/``*RmsNorm`` made only of norms.
+    """torch's LayerNorm/RMSNorm, or a class named
+    ``*LayerNorm``/``*RMSNorm``/``*RmsNorm`` made only of norms.
 
     The second condition keeps out whole layers that transformers names after their norm placement
     (``Wav2Vec2EncoderLayerStableLayerNorm`` holds attention and MLP).
@@ -168,7 +170,8 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
         classes = sorted({type(m).__name__ for m in modules.values()})
         raise NoNormFoundError(
             f"no normalization module found in {type(model).__name__} (its module classes: {classes}). "
-            "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name ends with "
+            "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name "
+            "ends with "
             "LayerNorm/RMSNorm/RmsNorm; if this model normalizes with another class, build the NormSite list "
             "by hand and pass it as `norms=` to normgeo.measure.pipeline.measure_records"
         )

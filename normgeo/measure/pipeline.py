@@ -49,7 +49,8 @@ class AnalysisError(RuntimeError):
 
 
 def probe_ids(source, encode_batch: EncodeBatch, separator: int | None, probe: ProbeConfig) -> np.ndarray:
-    """The first ``probe.tokens`` token ids of the source's documents in its seeded sampling order (those under
+    """The first ``probe.tokens`` token ids of the source's
+    documents in its seeded sampling order (those under
     ``probe.min_doc_tokens`` skipped); an :class:`AnalysisError` saying what to change if there are fewer."""
     if probe.tokens <= 0:
         raise AnalysisError(f"probe.tokens must be positive, not {probe.tokens}")
@@ -61,7 +62,9 @@ def probe_ids(source, encode_batch: EncodeBatch, separator: int | None, probe: P
             f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
         ) from exc
     except ValueError as exc:
-        raise AnalysisError(f"{exc} ({source.describe()}): lower probe.tokens or give a larger corpus") from exc
+        raise AnalysisError(
+            f"{exc} ({source.describe()}): lower probe.tokens or give a larger corpus"
+        ) from exc
 
 
 def tiktoken_probe_ids(source, probe: ProbeConfig, tokenizer: str = "gpt2") -> np.ndarray:
@@ -118,8 +121,10 @@ def probe_batches(parts: Sequence[torch.Tensor], batch_size: int, rank: int = 0,
         padded = math.ceil(len(part) / world_size)
         if padded > len(share):
             share = torch.cat([share, share.new_zeros((padded - len(share), part.shape[1]))])
-        batches += [(ids[start : start + batch_size], share[start : start + batch_size], first + world_size * start)
-                    for start in range(0, padded, batch_size)]
+        batches += [
+            (ids[start : start + batch_size], share[start : start + batch_size], first + world_size * start)
+            for start in range(0, padded, batch_size)
+        ]
         first += len(part)
     return batches
 
@@ -148,9 +153,10 @@ def run_probe(
     rank: int = 0,
     world_size: int = 1,
 ) -> None:
-    """Stream the probe windows ``parts`` (each (n, T), as :func:`windows` cuts them) through ``model`` once and
-    hand every measurement each batch (:mod:`normgeo.measure.measurement`: ``before_batch``, ``observe_norm``
-    in the intact forward through one hook per norm of ``norms``, ``observe_batch`` after it).
+    """Stream the probe windows ``parts`` (each (n, T), as :func:`windows` cuts them)
+    through ``model`` once and hand every measurement each batch
+    (:mod:`normgeo.measure.measurement`: ``before_batch``, ``observe_norm`` in the
+    intact forward through one hook per norm of ``norms``, ``observe_batch`` after it).
 
     Rank ``rank`` of ``world_size`` runs windows ``rank, rank + world_size, ...`` of each part, padded to as
     many forwards as the largest share (a sharded model's all-gathers are collective); padding rows are never
@@ -176,8 +182,15 @@ def run_probe(
 
     handles = [norm.module.register_forward_hook(make_hook(i, norm)) for i, norm in enumerate(norms)]
     # Redrawn at every forward (a few hundred per probe at most), so a slow model's bar moves within a batch.
-    bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress, mininterval=0, miniters=1,
-               bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]")
+    bar = tqdm(
+        total=round(total, 2),
+        desc="probe",
+        unit="fwd",
+        disable=not progress,
+        mininterval=0,
+        miniters=1,
+        bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]",
+    )
     started = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
@@ -261,11 +274,21 @@ def announce(parts: Sequence[torch.Tensor], batch_size: int, world_size: int,
     intervened = sum(1 for cost in extra if cost)
     resumed = sum(1 for scope in intervention.scopes if intervention.resume_layer(scope) is not None)
     log.info(
-        "probe: %s tokens, %d batch(es) of up to %d x %d per rank; the centering intervention on the first %s "
-        "tokens (%d batch(es)): %d scope forward(s) per batch (%d resumed mid-stack), about %.1f forwards per "
+        "probe: %s tokens, %d batch(es) of up to %d x %d per rank; the centering intervention on the "
+        "first %s "
+        "tokens (%d batch(es)): %d scope forward(s) per batch (%d resumed mid-stack), about %.1f "
+        "forwards per "
         "batch there; %.1f forwards in all, %.1fx the angle probe alone",
-        f"{tokens:,}", len(batches), batch_size, parts[0].shape[1], f"{intervention.token_budget:,}", intervened,
-        len(intervention.scopes), resumed, 1 + max(extra), len(batches) + sum(extra),
+        f"{tokens:,}",
+        len(batches),
+        batch_size,
+        parts[0].shape[1],
+        f"{intervention.token_budget:,}",
+        intervened,
+        len(intervention.scopes),
+        resumed,
+        1 + max(extra),
+        len(batches) + sum(extra),
         (len(batches) + sum(extra)) / len(batches),
     )
 
@@ -308,11 +331,22 @@ def measure_records(
     num_sequences = sum(len(part) for part in parts)
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     where = torch.device(device) if device is not None else next(model.parameters()).device
-    angles = AngleMeasurement(norms, references, num_sequences=num_sequences, device=where,
-                              include_standardized=probe.include_standardized, with_null=with_null,
-                              bootstrap_replicates=probe.bootstrap_replicates, bootstrap_block=probe.bootstrap_block,
-                              seed=probe.seed)
-    measurements: list[Measurement] = [angles, EnergyMeasurement(norms, device=where), EllipsoidMeasurement(norms)]
+    angles = AngleMeasurement(
+        norms,
+        references,
+        num_sequences=num_sequences,
+        device=where,
+        include_standardized=probe.include_standardized,
+        with_null=with_null,
+        bootstrap_replicates=probe.bootstrap_replicates,
+        bootstrap_block=probe.bootstrap_block,
+        seed=probe.seed,
+    )
+    measurements: list[Measurement] = [
+        angles,
+        EnergyMeasurement(norms, device=where),
+        EllipsoidMeasurement(norms),
+    ]
     scopes = intervention_scopes(norms, probe.intervention) if probe.intervention else []
     intervention = None
     if scopes:
@@ -324,12 +358,28 @@ def measure_records(
         measurements.append(intervention)
     if announce_cost:
         announce(parts, probe.batch_size, world_size, intervention)
-    run_probe(model, parts, measurements, norms=norms, forward=forward, batch_size=probe.batch_size, autocast=autocast,
-              device=device, progress=progress, rank=rank, world_size=world_size)
+    run_probe(
+        model,
+        parts,
+        measurements,
+        norms=norms,
+        forward=forward,
+        batch_size=probe.batch_size,
+        autocast=autocast,
+        device=device,
+        progress=progress,
+        rank=rank,
+        world_size=world_size,
+    )
     for measurement in measurements:
         measurement.all_reduce()
     norm = record_norm_label(model, angles.sites)
-    keys = {"model": model_name, "norm": norm, "step": step, "tokens_seen": tokens_seen(step, tokens_per_step)}
+    keys = {
+        "model": model_name,
+        "norm": norm,
+        "step": step,
+        "tokens_seen": tokens_seen(step, tokens_per_step),
+    }
     files: dict[str, list[dict]] = {}
     for measurement in measurements:
         files.update(measurement.records(keys))

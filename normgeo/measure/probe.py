@@ -1,4 +1,5 @@
-"""What the probe measures against: the reference vectors, the measured sites of each norm, the residual norms.
+"""What the probe measures against: the reference vectors,
+the measured sites of each norm, the residual norms.
 
 The probe loop itself is :func:`normgeo.measure.pipeline.run_probe`; the angle statistics are
 :class:`normgeo.measure.angles.AngleMeasurement`'s.
@@ -25,12 +26,16 @@ DEFAULT_SEED = 1234  # the probe's: reference vectors, null directions, document
 # direction. It is kept for comparison with the paper's figures.
 RAND_B_NORM_RATIO = 3.0
 # The one default for the .std sites (the norm without its gain and bias: LayerNorm's puts every token at
-# exactly 90 deg from 1), for the training probe and analyze.py alike (conf/shared/probe/pydoc.yaml says the same).
+# exactly 90 deg from 1), for the training probe and analyze.py
+# alike (conf/shared/probe/pydoc.yaml says the same).
 INCLUDE_STANDARDIZED = True
 
 
-def make_references(dim: int, seed: int = DEFAULT_SEED, null_directions: int = DEFAULT_NULL_DIRECTIONS) -> dict[str, np.ndarray]:
-    """The uniform vector 1, two random directions and ``null_directions`` more, from a model-independent seed.
+def make_references(
+    dim: int, seed: int = DEFAULT_SEED, null_directions: int = DEFAULT_NULL_DIRECTIONS
+) -> dict[str, np.ndarray]:
+    """The uniform vector 1, two random directions and
+    ``null_directions`` more, from a model-independent seed.
 
     ``rand_a`` has the norm of 1 (sqrt(d)), ``rand_b`` 3 sqrt(d) (the paper's "other norm"; no angle
     depends on it). ``null`` is a (K, d) array of unit vectors uniform on the sphere (normalized
@@ -61,7 +66,9 @@ class ProbeSite:
     dim: int
 
 
-def probe_sites(norms: Sequence[NormSite], include_standardized: bool = INCLUDE_STANDARDIZED) -> list[ProbeSite]:
+def probe_sites(
+    norms: Sequence[NormSite], include_standardized: bool = INCLUDE_STANDARDIZED
+) -> list[ProbeSite]:
     sites = []
     for norm in norms:
         standardized = include_standardized and norm.kind in STANDARDIZABLE_KINDS

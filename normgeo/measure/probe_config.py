@@ -31,7 +31,8 @@ class ProbeConfig:
     bootstrap_replicates: int = 1000  # for the 95% intervals
     bootstrap_block: int = 1  # consecutive probe sequences per resampled block
     intervention: tuple[str, ...] = DEFAULT_SCOPES  # the centering intervention's scopes; () turns it off
-    intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS  # its token budget (None: every probe token)
+    # its token budget (None: every probe token)
+    intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS
 
     @classmethod
     def from_config(cls, probe: Mapping[str, Any], **overrides: Any) -> ProbeConfig:
@@ -56,16 +57,20 @@ class ProbeConfig:
         return replace(config, **overrides)
 
     def size_refusal(self, seq_len: int, seq_len_key: str = "seq_len") -> str | None:
-        """Why this probe, in sequences of ``seq_len`` (the config key ``seq_len_key``), cannot give intervals,
-        or None: it needs at least 2 sequences, and at least 2 whole bootstrap blocks (one block resamples to
-        itself: zero-width intervals that look like certainty). The one rule of train.py and analyze.py."""
+        """Why this probe, in sequences of ``seq_len`` (the config key ``seq_len_key``),
+        cannot give intervals, or None: it needs at least 2 sequences, and at least 2
+        whole bootstrap blocks (one block resamples to itself: zero-width intervals that
+        look like certainty). The one rule of train.py and analyze.py."""
         tokens, block = self.tokens, self.bootstrap_block
         sequences = -(-tokens // seq_len)
         if tokens < 2 * seq_len:
             return (f"probe.tokens={tokens}: expected at least 2 sequences of {seq_len_key}={seq_len} "
                     f"({2 * seq_len} tokens); raise probe.tokens")
         if sequences // block < 2:
-            return (f"probe.bootstrap.block={block}: the probe's {sequences} sequences (probe.tokens={tokens} / "
-                    f"{seq_len_key}={seq_len}) make fewer than 2 whole blocks, so the intervals would have (nearly) "
-                    f"zero width; expected a block <= {sequences // 2}")
+            return (
+                f"probe.bootstrap.block={block}: the probe's {sequences} sequences (probe.tokens={tokens} / "
+                f"{seq_len_key}={seq_len}) make fewer than 2 whole blocks, so the intervals would "
+                "have (nearly) "
+                f"zero width; expected a block <= {sequences // 2}"
+            )
         return None

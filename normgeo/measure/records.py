@@ -117,8 +117,14 @@ def null_rows(
     if stats.num_sequences:
         R = stats.num_refs
         boot = block_bootstrap(
-            stats.seq_count.cpu().numpy(), stats.seq_sum.cpu().numpy(), ref=0, null=slice(R, R + stats.num_null),
-            replicates=replicates, block=block, seed=seed, level=level,
+            stats.seq_count.cpu().numpy(),
+            stats.seq_sum.cpu().numpy(),
+            ref=0,
+            null=slice(R, R + stats.num_null),
+            replicates=replicates,
+            block=block,
+            seed=seed,
+            level=level,
         )
     count = stats.count.cpu()
     measured = (stats.seq_count.cpu() > 0).sum(dim=1) if stats.num_sequences else None
@@ -128,15 +134,22 @@ def null_rows(
         low, mid, high = (float(v) for v in where["mean_null_q"][s])
         std_q = [float(v) for v in where["std_null_q"][s]]
         row = {
-            "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen,
-            "layer": site.layer, "site": site.site, "dim": site.dim,
+            "model": model,
+            "norm": norm,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "layer": site.layer,
+            "site": site.site,
+            "dim": site.dim,
             "count": int(count[s, 0]),
             "sequences": int(measured[s]) if measured is not None else None,
             "null_k": stats.num_null,
             "mean_deg": json_number(mean),
             "mean_ci_low": json_number(boot["mean_low"][s]) if boot else None,
             "mean_ci_high": json_number(boot["mean_high"][s]) if boot else None,
-            "null_mean_p05": json_number(low), "null_mean_p50": json_number(mid), "null_mean_p95": json_number(high),
+            "null_mean_p05": json_number(low),
+            "null_mean_p50": json_number(mid),
+            "null_mean_p95": json_number(high),
             "mean_rank_pct": json_number(where["mean_rank"][s]),
             "mean_z": json_number(where["mean_z"][s]),
             "in_null_band": bool(low <= mean <= high),
@@ -144,7 +157,9 @@ def null_rows(
             "diff_ci_low": json_number(boot["diff_low"][s]) if boot else None,
             "diff_ci_high": json_number(boot["diff_high"][s]) if boot else None,
             "std_deg": json_number(where["std"][s]),
-            "null_std_p05": json_number(std_q[0]), "null_std_p50": json_number(std_q[1]), "null_std_p95": json_number(std_q[2]),
+            "null_std_p05": json_number(std_q[0]),
+            "null_std_p50": json_number(std_q[1]),
+            "null_std_p95": json_number(std_q[2]),
             "std_rank_pct": json_number(where["std_rank"][s]),
             "std_z": json_number(where["std_z"][s]),
             "ci_level": level if boot else None,
@@ -181,7 +196,9 @@ def read_rows(path: str | Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DamagedRecords(path, number, f"{err.msg.removesuffix(' at')} at column {err.colno}") from None
+                raise DamagedRecords(
+                    path, number, f"{err.msg.removesuffix(' at')} at column {err.colno}"
+                ) from None
             if not isinstance(row, dict):
                 raise DamagedRecords(path, number, f"a JSON {type(row).__name__}, not an object")
             rows.append(row)

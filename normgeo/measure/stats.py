@@ -64,8 +64,8 @@ def mean_t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
 
 @dataclass(frozen=True)
 class PairedTest:
-    """One paired contrast over seeds: the mean difference, its 95% and 90% Student-t intervals, the
-    two-sided t-test against a zero difference and the two one-sided tests (TOST) of equivalence within ±margin.
+    """One paired contrast over seeds: the mean difference, its 95% and 90% Student-t intervals, the two-sided
+    t-test against a zero difference and the two one-sided tests (TOST) of equivalence within ±margin.
     Intervals and p-values are None below two seeds."""
 
     n: int
@@ -136,7 +136,9 @@ def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: fl
             raise ValueError(f"more than {most} seeds to detect {margin} at SD {sd}")
     while low < high:
         middle = (low + high) // 2
-        low, high = (low, middle) if difference_power(middle, sd, margin, alpha) >= power else (middle + 1, high)
+        low, high = (
+            (low, middle) if difference_power(middle, sd, margin, alpha) >= power else (middle + 1, high)
+        )
     return high
 
 
@@ -200,10 +202,10 @@ def seeds_for_equivalence(sd: float, margin: float, power: float = 0.8, alpha: f
 
 
 def smallest_decidable_margin(n: int, sd: float, power: float = 0.8, alpha: float = 0.05) -> float:
-    """The narrowest margin within which TOST at ``alpha`` with ``n`` paired seeds shows equivalence with
-    probability ``power`` when the true difference is 0: :func:`tost_power` inverted over the margin (bisection;
-    the margin a study of ``n`` seeds can decide, where :func:`seeds_for_equivalence` gives the seeds a margin
-    needs)."""
+    """The narrowest margin within which TOST at ``alpha`` with ``n`` paired seeds shows
+    equivalence with probability ``power`` when the true difference is 0: :func:`tost_power`
+    inverted over the margin (bisection; the margin a study of ``n`` seeds can decide, where
+    :func:`seeds_for_equivalence` gives the seeds a margin needs)."""
     if n < 2 or not (sd > 0 and math.isfinite(sd)):
         raise ValueError(f"a margin needs at least 2 seeds and a positive SD (n={n}, sd={sd})")
     low, high = 0.0, sd
@@ -313,12 +315,12 @@ class AngleStatistics:
     @torch.no_grad()
     def update_sites(self, first_site: int, vectors: Sequence[torch.Tensor],
                      sequence_ids: torch.Tensor | None = None) -> None:
-        """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``, the
-        same rows at each (a norm's input, standardized input and output).
+        """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``,
+        the same rows at each (a norm's input, standardized input and output).
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
-        would, and the host waits on the GPU where ``angle_deg`` asks whether any vector lies near an axis
-        and where the sequence ids are copied over, not at every count: counts stay tensors, the histogram is an
+        would, and the host waits on the GPU where ``angle_deg`` asks whether any vector lies near an axis and
+        where the sequence ids are copied over, not at every count: counts stay tensors, the histogram is an
         ``index_add_`` (``bincount`` reads its maximum back), zero vectors are masked rather than branched
         on. On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
         d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
@@ -331,7 +333,9 @@ class AngleStatistics:
                 part = vectors[start:start + per_pass]
                 self._update(slice(first_site + start, first_site + start + len(part)), part, sequence_ids)
 
-    def _update(self, sites: slice, vectors: Sequence[torch.Tensor], sequence_ids: torch.Tensor | None) -> None:
+    def _update(
+        self, sites: slice, vectors: Sequence[torch.Tensor], sequence_ids: torch.Tensor | None
+    ) -> None:
         S = len(vectors)
         # (S, n, d) in float32 (bf16/fp16 cast up); one site is a view, several are stacked into one tensor.
         rows = [v.detach().reshape(1, -1, v.shape[-1]).to(torch.float32) for v in vectors]
@@ -359,8 +363,12 @@ class AngleStatistics:
         self.count[sites], self.mean[sites], self.m2[sites] = chan_merge(
             self.count[sites], self.mean[sites], self.m2[sites], count, batch_mean, batch_m2
         )
-        self.min[sites] = torch.minimum(self.min[sites], torch.where(directed, ref_degrees, math.inf).amin(dim=1))
-        self.max[sites] = torch.maximum(self.max[sites], torch.where(directed, ref_degrees, -math.inf).amax(dim=1))
+        self.min[sites] = torch.minimum(
+            self.min[sites], torch.where(directed, ref_degrees, math.inf).amin(dim=1)
+        )
+        self.max[sites] = torch.maximum(
+            self.max[sites], torch.where(directed, ref_degrees, -math.inf).amax(dim=1)
+        )
         bins = (ref_degrees * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
         flat = bins + torch.arange(S * R, device=self.device).view(S, 1, R) * self.num_bins
         self.hist[sites].view(-1).index_add_(0, flat.view(-1), directed.expand_as(flat).reshape(-1).long())
@@ -369,7 +377,8 @@ class AngleStatistics:
         # within a few degrees of 90, so the sums of squares lose no digits to cancellation.
         if self.num_null:
             # float32 here (the K directions cost 10x more in float64 on CPU; ~1e-5 deg).
-            centered = angles(self.null_units, x).sub_(CENTER_DEG).view(S, groups, -1, self.num_null)  # zero: 0
+            # zero: 0
+            centered = angles(self.null_units, x).sub_(CENTER_DEG).view(S, groups, -1, self.num_null)
             null_sum = centered.sum(dim=2, dtype=torch.float64)  # (S, groups, K)
             null_sumsq = centered.square().sum(dim=2, dtype=torch.float64)
             total, square = null_sum.sum(dim=1), null_sumsq.sum(dim=1)
@@ -384,7 +393,9 @@ class AngleStatistics:
             sums = ref_centered.sum(dim=2)  # (S, groups, R)
             if self.num_null:
                 sums = torch.cat([sums, null_sum], dim=2)
-            self.seq_count[sites].index_add_(1, ids, nonzero.view(S, groups, -1).sum(dim=2, dtype=torch.float64))
+            self.seq_count[sites].index_add_(
+                1, ids, nonzero.view(S, groups, -1).sum(dim=2, dtype=torch.float64)
+            )
             self.seq_sum[sites].index_add_(1, ids, sums)
             self.seq_sumsq[sites].index_add_(1, ids, ref_centered.square().sum(dim=2))
 
@@ -490,7 +501,9 @@ class AngleStatistics:
         q = torch.tensor(quantiles, dtype=torch.float64, device=self.device)
         targets = q * total  # (S, R, Q)
         index = torch.searchsorted(cumulative.contiguous(), targets.contiguous()).clamp(max=self.num_bins - 1)
-        below = torch.where(index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets))
+        below = torch.where(
+            index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets)
+        )
         in_bin = hist.gather(-1, index).clamp(min=1)
         fraction = ((targets - below) / in_bin).clamp(0, 1)
         degrees = (index.to(torch.float64) + fraction) / self.bins_per_degree

@@ -1,11 +1,12 @@
-"""A run's downstream scores (``eval.json``, written by ``python -m normgeo.evaluate``), read back for the verdict.
+"""A run's downstream scores (``eval.json``, written by
+``python -m normgeo.evaluate``), read back for the verdict.
 
 ``eval.json`` holds, per lm-evaluation-harness task, its scores and what they were measured at: ``{"step": N,
-"checkpoint": ..., "limit": ..., "context": 32, "tasks": {"<task>": {"acc": 0.31, "acc_stderr": 0.02, "step": N,
-"limit": ..., "context": 32, "truncated": 8, ...}}}`` (``truncated``: the examples longer than the context).
-Evaluations accumulate: a new one replaces only the tasks it measured. The verdict reads each score as the run's
-metric ``downstream/<task>/<metric>`` (higher is better), paired only with scores measured alike.
-"""
+"checkpoint": ..., "limit": ..., "context": 32, "tasks": {"<task>": {"acc": 0.31,
+"acc_stderr": 0.02, "step": N, "limit": ..., "context": 32, "truncated": 8, ...}}}``
+(``truncated``: the examples longer than the context). Evaluations accumulate: a new one
+replaces only the tasks it measured. The verdict reads each score as the run's metric
+``downstream/<task>/<metric>`` (higher is better), paired only with scores measured alike. """
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def read_eval(run_dir: Path) -> dict:
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: damaged ({err.msg} at line {err.lineno}); move it away and evaluate again") from err
+        raise ValueError(
+            f"{path}: damaged ({err.msg} at line {err.lineno}); move it away and evaluate again"
+        ) from err
     if not isinstance(record, dict) or not isinstance(record.get("tasks", {}), dict):
         raise ValueError(f"{path}: not an eval.json (no tasks mapping); move it away and evaluate again")
     return record
@@ -55,8 +58,10 @@ def downstream_scores(run_dir: Path) -> dict[str, float | str]:
             # Older eval.json files hold these at the top level only.
             step, limit, context = (values.get(key, record.get(key)) for key in ("step", "limit", "context"))
             scores.update(found)
-            scores[f"{MEASURED_AT_PREFIX}{task}"] = (f"step {step}, limit {limit if limit is not None else 'none'}"
-                                                     + (f", context {context}" if context is not None else ""))
+            scores[f"{MEASURED_AT_PREFIX}{task}"] = (
+                f"step {step}, limit {limit if limit is not None else 'none'}"
+                + (f", context {context}" if context is not None else "")
+            )
     return scores
 
 

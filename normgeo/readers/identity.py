@@ -1,5 +1,5 @@
-"""Which run a folder holds: its arm keys (norm, placement, size) and seed, read the same way by every reader of
-a sweep (``normgeo.compare``, ``normgeo.status``, ``normgeo.report`` and the verdict).
+"""Which run a folder holds: its arm keys (norm, placement, size) and seed, read the same way by every reader
+of a sweep (``normgeo.compare``, ``normgeo.status``, ``normgeo.report`` and the verdict).
 
 Two folders with the same identity (a backup copy, two sweeps under one folder) are refused: every reader
 exits 2 naming each folder on a line of its own, and reads nothing until one of them is moved out. Taking one
@@ -98,7 +98,9 @@ def identity_from_config(config: Mapping, norm: str | None = None) -> RunIdentit
 def run_identity(run_dir: Path) -> RunIdentity:
     """The identity of the run in ``run_dir``; raises :class:`DamagedRecords` when its config is damaged."""
     config = read_run_config(run_dir)
-    return identity_from_config(config, None if (config.get("norm") or {}).get("name") else recorded_norm(run_dir))
+    return identity_from_config(
+        config, None if (config.get("norm") or {}).get("name") else recorded_norm(run_dir)
+    )
 
 
 class DuplicateRuns(ValueError):
@@ -112,9 +114,11 @@ class DuplicateRuns(ValueError):
             lines.append(f"{len(folders)} folders hold the same run ({identity}):")
             lines += [f"  {folder}" for folder in folders]
         count = sum(len(folders) for _, folders in groups)
-        lines.append(f"error: {count} run folders are duplicates of one run (listed above): move all but one of "
-                     "each out of the sweep folder (a backup copy, or two sweeps under one folder), or name the run "
-                     "directories to read one by one; nothing was read or written")
+        lines.append(
+            f"error: {count} run folders are duplicates of one run (listed above): move all but one of "
+            "each out of the sweep folder (a backup copy, or two sweeps under one folder), or name the run "
+            "directories to read one by one; nothing was read or written"
+        )
         super().__init__("\n".join(lines))
 
 
@@ -122,7 +126,8 @@ def check_unique(identities: Iterable[tuple[str | Path, RunIdentity]]) -> None:
     """Raise :class:`DuplicateRuns` when two folders share an identity (the one rule of every reader)."""
     by_identity: dict[RunIdentity, list[str]] = {}
     for folder, identity in identities:
-        if identity.norm is None:  # nothing says which run it is (no config, no norm in its records): no duplicate
+        # nothing says which run it is (no config, no norm in its records): no duplicate
+        if identity.norm is None:
             continue
         by_identity.setdefault(identity, []).append(str(folder))
     groups = [(identity, sorted(folders)) for identity, folders in by_identity.items() if len(folders) > 1]

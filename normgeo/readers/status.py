@@ -37,7 +37,8 @@ class RunStatus:
     slurm_job: str | None
     slurm_state: str | None
     updated_s_ago: float | None
-    damaged: str | None = None  # a records file that cannot be read (file:line): the probe column says damaged
+    # a records file that cannot be read (file:line): the probe column says damaged
+    damaged: str | None = None
 
 
 def find_runs(root: Path) -> Iterator[Path]:
@@ -92,7 +93,8 @@ def last_loss(run_dir: Path) -> float | None:
 
 def last_probe_step(run_dir: Path) -> int | str | None:
     """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
-    steps = {row.get("step") for row in read_run_records(run_dir)[ANGLES_FILE]}  # every file; raises DamagedRecords
+    # every file; raises DamagedRecords
+    steps = {row.get("step") for row in read_run_records(run_dir)[ANGLES_FILE]}
     trained = [s for s in steps if s is not None]
     return max(trained) if trained else ("pretrained" if steps else None)
 
@@ -108,7 +110,10 @@ def slurm_job(run_dir: Path) -> str | None:
 
 def slurm_state(job: str) -> str | None:
     """squeue's state while SLURM remembers the job, else sacct's (accounting on), else None."""
-    for command in (["squeue", "-h", "--states=all", "-j", job, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"]):
+    for command in (
+        ["squeue", "-h", "--states=all", "-j", job, "-o", "%T"],
+        ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"],
+    ):
         try:
             out = subprocess.run(command, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):

@@ -1,11 +1,11 @@
 """Refusals: the config check, and how a refused job ends.
 
-train.py and analyze.py check in their task functions (normgeo.runs.start.check_start, analyze.run), first:
-Hydra writes nothing into their folders by itself. A refusal prints one line naming the key and exits 2
-(:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors (:func:`config_errors_exit_2`); in a ``-m``
-sweep the refused job returns :class:`Refused` instead, the other jobs run, and :class:`RefusalReport` lists
-the refused ones at the end (:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`).
-"""
+train.py and analyze.py check in their task functions (normgeo.runs.start.check_start,
+analyze.run), first: Hydra writes nothing into their folders by itself. A refusal prints one
+line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors
+(:func:`config_errors_exit_2`); in a ``-m`` sweep the refused job returns :class:`Refused`
+instead, the other jobs run, and :class:`RefusalReport` lists the refused ones at the end
+(:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`). """
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def check_config(schema: str, cfg: DictConfig) -> None:
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:
-    """The first ``key=value`` override whose value holds non-ASCII characters outside quotes, as the line that
-    says how to write it: Hydra's override grammar stops at them with a lexer error that names no fix."""
+    """The first ``key=value`` override whose value holds non-ASCII characters outside quotes, as the line
+    that says how to write it: Hydra's override grammar stops at them with a lexer error that names no fix."""
     for arg in args:
         key, sep, value = arg.partition("=")
         quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""

@@ -43,7 +43,10 @@ def attach_log_file(path: Path) -> None:
 def close_file_logs(folder: Path) -> None:
     """Stop logging into files under ``folder``, so that a removed folder stays removed and the next job of a
     ``-m`` sweep (same process) logs into its own."""
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     for logger in loggers:
         for handler in list(logger.handlers):
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):
@@ -60,8 +63,10 @@ def register_resolvers() -> None:
 
 
 def _key_docs(schema: str) -> str:
-    return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")  # the help template is a string.Template
+    # the help template is a string.Template
+    return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")
 
 
 register_resolvers()
-register_schemas()  # conf/ uses both (the resolvers, the schemas at the head of its defaults lists) before Hydra composes
+# conf/ uses both (the resolvers, the schemas at the head of its defaults lists) before Hydra composes
+register_schemas()

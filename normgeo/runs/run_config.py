@@ -31,29 +31,60 @@ OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 
-# Dotted keys (and everything under them) that may differ between sessions of one run: where the run runs and how
-# it reports, not what it computes (tests/test_training.py, tests/test_norm_factorial.py).
+# Dotted keys (and everything under them) that may differ between sessions of one run: where the run
+# runs and how it reports, not what it computes (tests/test_training.py, tests/test_norm_factorial.py).
 ALLOWED_CHANGES: tuple[str, ...] = (
-    "resume", "stop_at_step", "run_dir", "output_root", "data_root", "run_name",  # which session, and where
+    "resume",
+    "stop_at_step",
+    "run_dir",
+    "output_root",
+    "data_root",
+    "run_name",  # which session, and where
     # The global batch is fixed: the devices and the micro batch only change the accumulation.
-    "trainer.devices", "trainer.num_nodes", "trainer.accelerator", "trainer.strategy", "micro_batch",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.accelerator",
+    "trainer.strategy",
+    "micro_batch",
     "size.micro_batch",  # only the default of micro_batch
     # The same math and weights: another kernel, floating-point order or batching of the same work.
-    "compile", "optim.fused", "norm.impl", "num_workers", "probe.batch_size",
+    "compile",
+    "optim.fused",
+    "norm.impl",
+    "num_workers",
+    "probe.batch_size",
     # How the run reports, and how often it refreshes last.ckpt.
-    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "logger", "log_every",
-    "checkpoint.last_every", "checkpoint.every_minutes",
-    "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
-    "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
-    "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "logger",
+    "log_every",
+    "checkpoint.last_every",
+    "checkpoint.every_minutes",
+    "size.gpus",
+    "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
+    "data.directory",
+    "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
+    "data.source.config_node",
+    "probe.source.config_node",  # which node a local source's refusals name
 )
 
 
-# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the schedule's
-# copies; normgeo/runs/build.py passes those values now): compared through the keys they copy, so a run recorded
-# with them, or before them, resumes; only a change to one that both sides hold counts.
-DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps", "data.seq_len", "data.global_batch",
-                            "data.micro_batch", "data.max_steps", "data.val_sequences", "data.val_seed", "data.num_workers")
+# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the
+# schedule's copies; normgeo/runs/build.py passes those values now): compared through the keys they copy,
+# so a run recorded with them, or before them, resumes; only a change to one that both sides hold counts.
+DERIVED: tuple[str, ...] = (
+    "model",
+    "checkpoint._target_",
+    "checkpoint.max_steps",
+    "data.seq_len",
+    "data.global_batch",
+    "data.micro_batch",
+    "data.max_steps",
+    "data.val_sequences",
+    "data.val_seed",
+    "data.num_workers",
+)
 # Keys added later, with the value every run recorded before them had: absent in an old record means this.
 LEGACY_DEFAULTS: dict[str, Any] = {
     "placement.name": "pre",
@@ -179,8 +210,8 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's contents without reading its tensors (mmap: a 12 GB file costs little) and without running
-    pickled code (weights_only: a checkpoint holds tensors and plain values)."""
+    """A checkpoint's contents without reading its tensors (mmap: a 12 GB file costs little) and without
+    running pickled code (weights_only: a checkpoint holds tensors and plain values)."""
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 

@@ -75,7 +75,9 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     """Checkpoints a resume may continue from, in the order tried: last.ckpt, then the scheduled step-*.ckpt
     newest first (full state only with keep_optimizer)."""
     last = run_dir / "checkpoints" / LAST_CHECKPOINT
-    return ([last] if last.exists() else []) + sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+    return ([last] if last.exists() else []) + sorted(
+        (run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True
+    )
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
@@ -110,9 +112,11 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
         if path is None and is_rank_zero() and (traces := run_traces(run_dir)) and not slurm_requeued():
             # A run killed before its first checkpoint, or one whose checkpoints were deleted: training it
             # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run;
-            # the other ranks of a start (srun's tasks, DDP's processes) see rank 0's fresh files and follow it.
+            # the other ranks of a start (srun's tasks, DDP's
+            # processes) see rank 0's fresh files and follow it.
             raise RunDirectoryError(
-                f"{run_dir} holds an earlier run ({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}) "
+                f"{run_dir} holds an earlier run "
+                f"({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}) "
                 f"but no checkpoint to resume from: nothing to resume, and its files stay as they are. Start "
                 f"it fresh elsewhere: {fresh_command(run_dir)} (or delete {run_dir} to start it there)"
             )
@@ -120,13 +124,16 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
             log.warning("resume=auto: %s; falling back to %s (step %s)", reason, path, step)
         return str(path) if path else None
     if not Path(resume).is_file():
-        raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)")
+        raise RunDirectoryError(
+            f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)"
+        )
     info = checkpoint_info(Path(resume))
     if isinstance(info, str):
         raise RunDirectoryError(f"resume={resume!r}: unreadable checkpoint ({info}); use resume=auto")
     if not info.full_state:
         raise RunDirectoryError(
-            f"resume={resume!r} holds weights only (a scheduled checkpoint, checkpoint.keep_optimizer=false), "
+            f"resume={resume!r} holds weights only (a scheduled checkpoint, "
+            "checkpoint.keep_optimizer=false), "
             "not the optimizer state a resume needs: resume the run from its last.ckpt with resume=auto, or "
             f"study these weights with: python analyze.py model=checkpoint model.checkpoint={resume}"
         )
@@ -146,8 +153,12 @@ def replace_diverged_run(run_dir: Path) -> bool:
     for path in run_dir.iterdir():
         if path.name not in KEPT_ON_REPLACE:
             path.rename(aside / path.name)
-    log.warning("replaced the run that diverged at step %s (optim.lr=%s) in %s", record.get("step"), record.get("lr"),
-                run_dir)
+    log.warning(
+        "replaced the run that diverged at step %s (optim.lr=%s) in %s",
+        record.get("step"),
+        record.get("lr"),
+        run_dir,
+    )
     return True
 
 
@@ -185,12 +196,15 @@ def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
     """The one line for a resume whose checkpoint already reached this session's target step; None when
     there is training left to do."""
     info = checkpoint_info(Path(ckpt_path))
-    target = min(int(cfg.stop_at_step or cfg.max_steps), int(cfg.max_steps))  # the step this session trains to
+    # the step this session trains to
+    target = min(int(cfg.stop_at_step or cfg.max_steps), int(cfg.max_steps))
     if not isinstance(info, CheckpointInfo) or info.step < target:
         return None
     if target < int(cfg.max_steps):
-        return (f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); nothing to do: "
-                f"raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}")
+        return (
+            f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); nothing to do: "
+            f"raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}"
+        )
     return f"{cfg.run_dir}: already finished at step {info.step}; nothing to do"
 
 
@@ -199,8 +213,10 @@ def slurm_requeued() -> bool:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
 
 
-DIVERGED = "diverged"  # summary.json's record of a run whose training loss became inf/NaN (train.py writes it)
-REPLACED_DIR = ".replaced-run"  # a diverged run's files while the start that replaces it has not trained a step
+# summary.json's record of a run whose training loss became inf/NaN (train.py writes it)
+DIVERGED = "diverged"
+# a diverged run's files while the start that replaces it has not trained a step
+REPLACED_DIR = ".replaced-run"
 # What a start that replaces a diverged run keeps: this session's own lock and Hydra files.
 KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log", REPLACED_DIR)
 
@@ -314,7 +330,9 @@ def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError |
     existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     path, step, _ = newest_resumable(run_dir)
-    kept = f"from {path.name} (step {step}, intact)" if path else "from the start (no checkpoint was saved yet)"
+    kept = (
+        f"from {path.name} (step {step}, intact)" if path else "from the start (no checkpoint was saved yet)"
+    )
     removed = "; its partial file was removed" if isinstance(cause, DiskFullError) else ""  # atomic_open's
     return RunDiskFullError(
         f"{cause.strerror or 'No space left on device'} writing {where} ({free / 2**20:.0f} MiB free there"

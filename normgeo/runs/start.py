@@ -84,7 +84,8 @@ REQUEUE_LOCK_WAIT_S = 120.0
 class Found:
     """What a run directory held when a start claimed it, for :func:`put_back`."""
 
-    created: Path | None  # the topmost folder the claim created (run_dir or an ancestor); None: run_dir existed
+    # the topmost folder the claim created (run_dir or an ancestor); None: run_dir existed
+    created: Path | None
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # relative path -> size, mtime_ns
     dirs: set[str] = field(default_factory=set)
     rewritten: dict[str, bytes] = field(default_factory=dict)  # the bytes of the REWRITTEN files it held
@@ -158,8 +159,10 @@ class Start:
     probe_ids: Any  # numpy ids of the probe text (None without a probe): tokenized once, here
     lock: RunLock | None = None
     found: Found | None = None
-    replaced: bool = False  # a diverged run was moved aside for this start (normgeo.runs.session.REPLACED_DIR)
-    kept: bool = False  # past this session's first optimizer step (or a divergence): a failure keeps its files
+    # a diverged run was moved aside for this start (normgeo.runs.session.REPLACED_DIR)
+    replaced: bool = False
+    # past this session's first optimizer step (or a divergence): a failure keeps its files
+    kept: bool = False
 
     def replace_diverged_run(self) -> None:
         """A fresh start in the folder of a run that diverged replaces it (rank 0)."""
@@ -200,18 +203,28 @@ class Start:
 
 
 def check_trainer(cfg: DictConfig) -> None:
-    """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy) asked of Lightning on this
-    machine rather than copied: a bare Trainer built from ``cfg.trainer`` as train.py builds it, with nothing
-    attached (no logger, no callback: nothing is written); then the global batch against its world size."""
+    """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy)
+    asked of Lightning on this machine rather than copied: a bare Trainer built from
+    ``cfg.trainer`` as train.py builds it, with nothing attached (no logger, no
+    callback: nothing is written); then the global batch against its world size."""
     try:
         logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), logger=False, enable_checkpointing=False,
-                                  enable_progress_bar=False, enable_model_summary=False)
-    except InstantiationException as err:  # Lightning's refusal, or Hydra's for a strategy class it cannot locate
+            trainer = instantiate(
+                cfg.trainer,
+                **trainer_arguments(cfg),
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+    # Lightning's refusal, or Hydra's for a strategy class it cannot locate
+    except InstantiationException as err:
         cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
-        raise StartError(f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
+        raise StartError(
+            f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}"
+        ) from err
     finally:
         logging.disable(logging.NOTSET)
     try:
@@ -221,12 +234,15 @@ def check_trainer(cfg: DictConfig) -> None:
 
 
 def check_start(cfg: DictConfig) -> Start:
-    """Everything a user can get wrong that is known before training, cheapest first; raises one of
-    START_ERRORS. Writes nothing in the run directory (data is prepared under data_root, as training would)."""
+    """Everything a user can get wrong that is known before training,
+    cheapest first; raises one of START_ERRORS. Writes nothing in the run
+    directory (data is prepared under data_root, as training would)."""
     check_config("train", cfg)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if refusal := missing_cuda("trainer.accelerator", accelerator, "trainer=cpu (or trainer=ddp_cpu) on this machine"):
+    if refusal := missing_cuda(
+        "trainer.accelerator", accelerator, "trainer=cpu (or trainer=ddp_cpu) on this machine"
+    ):
         raise StartError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
@@ -279,7 +295,8 @@ def open_run_files(start: Start) -> None:
     accepted: ``.hydra/`` (rank 0) and ``<job name>.log`` (``train.log``; a DDP child rank's own)."""
     if is_rank_zero():
         write_hydra_files(start.run_dir, start.config)
-    start.run_dir.mkdir(parents=True, exist_ok=True)  # another rank (an srun task) may not have seen rank 0's yet
+    # another rank (an srun task) may not have seen rank 0's yet
+    start.run_dir.mkdir(parents=True, exist_ok=True)
     attach_log_file(start.run_dir / f"{HydraConfig.get().job.name}.log")
 
 

@@ -36,7 +36,9 @@ class SessionClock(L.Callback):
         if self.started is not None:
             self.wall_s = time.perf_counter() - self.started
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         self.on_train_end(trainer, pl_module)  # a stop signal that abandoned a validation or a probe
 
 
@@ -132,10 +134,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{' (finished)' if summary['finished'] else ''} · train loss {number(summary['train_loss'], '.4f')}"
         f" · val loss {number(summary['val_loss'], '.4f')}{validated}"
         f" · {summary['tokens_seen']:,} tokens"
-        f" · {number(summary['tokens_per_s'], ',.0f')} tok/s overall (the session's tokens over its wall time: "
+        f" · {number(summary['tokens_per_s'], ',.0f')} tok/s overall (the session's tokens over its "
+        "wall time: "
         f"start-up, probes and validation included) · wall {summary['wall_s']:.1f} s",
         f"  records:     {summary['records'] or '-'}",
-        f"  figures:     {len(summary['figures'])} in {Path(summary['figures'][0]).parent if summary['figures'] else '-'}",
+        f"  figures:     {len(summary['figures'])} in "
+        f"{Path(summary['figures'][0]).parent if summary['figures'] else '-'}",
         f"  checkpoints: {summary['checkpoints']}",
     ]
     lines += [f"  logs:        {name}: {where}" for name, where in summary["logs"].items()]

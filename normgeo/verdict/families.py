@@ -151,7 +151,9 @@ def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
     measures = _sized(measures)
     # One run per arm and seed, by the readers' one rule: duplicates raise DuplicateRuns naming each folder
     # (before: the first of them was paired without a word, or a Series ended in pandas' "truth value").
-    check_unique((row.get("run_dir") or row["run"], measured_identity(row)) for row in measures.to_dict("records"))
+    check_unique(
+        (row.get("run_dir") or row["run"], measured_identity(row)) for row in measures.to_dict("records")
+    )
     apart: dict[str, str] = {}  # a run -> why its seed's partner is not its pair (a setting besides the arm)
     for (size, placement), group in measures.groupby(["size", "placement"], sort=True, dropna=False):
         by_arm = {norm: rows.set_index("seed") for norm, rows in group.groupby("norm")}
@@ -173,7 +175,9 @@ def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
                 continue
             arm_runs, other_runs = list(by_arm[arm].loc[seeds, "run"]), list(by_arm[other].loc[seeds, "run"])
             paired_runs.update(arm_runs + other_runs)
-            found.append(Pairing(arm, other, isolates, size, placement, [int(s) for s in seeds], arm_runs, other_runs))
+            found.append(
+                Pairing(arm, other, isolates, size, placement, [int(s) for s in seeds], arm_runs, other_runs)
+            )
     unpaired = measures[~measures["run"].isin(paired_runs)]
     why = "no run of a contrasted arm with the same seed, size and placement"
     return found, unpaired.assign(why=[apart.get(run, why) for run in unpaired["run"]])
@@ -190,8 +194,8 @@ def measured_apart(by_run: pd.DataFrame, arm_run: str, other_run: str, name: str
 
 
 def downstream_mismatches(measures: pd.DataFrame) -> list[str]:
-    """One line per seed pair whose downstream scores were measured at different steps or example limits (and so
-    are left out of the pairing), saying how to make them comparable."""
+    """One line per seed pair whose downstream scores were measured at different steps or example limits (and
+    so are left out of the pairing), saying how to make them comparable."""
     found, _ = pairings(measures)
     by_run = measures.set_index("run")
     lines = []
@@ -199,13 +203,17 @@ def downstream_mismatches(measures: pd.DataFrame) -> list[str]:
         for task_metric in downstream_metrics(measures):
             if not task_metric.endswith(f"/{SCORE_PAIRED_FIRST}"):
                 continue  # one line per task, not per score
-            for seed, arm_run, other_run in zip(pairing.seeds, pairing.arm_runs, pairing.other_runs, strict=True):
+            for seed, arm_run, other_run in zip(
+                pairing.seeds, pairing.arm_runs, pairing.other_runs, strict=True
+            ):
                 apart = measured_apart(by_run, arm_run, other_run, task_metric)
                 if apart and not pd.isna(by_run.loc[arm_run].get(task_metric, float("nan"))) and not pd.isna(
                         by_run.loc[other_run].get(task_metric, float("nan"))):
                     task = task_metric.split("/")[1]
-                    lines.append(f"{task}, seed {seed}: {arm_run} was evaluated at {apart[0]}, {other_run} at "
-                                 f"{apart[1]}; not paired (evaluate both with the same --step and --limit)")
+                    lines.append(
+                        f"{task}, seed {seed}: {arm_run} was evaluated at {apart[0]}, {other_run} at "
+                        f"{apart[1]}; not paired (evaluate both with the same --step and --limit)"
+                    )
     return lines
 
 
@@ -223,7 +231,8 @@ def contrast_estimate(by_run: pd.DataFrame, pairing: Pairing, name: str, config:
         if x is None or y is None or pd.isna(x) or pd.isna(y):
             continue  # a run that never validated / never logged it: the seed is left out of this metric
         if is_downstream(name) and measured_apart(by_run, arm_run, other_run, name):
-            continue  # scores at another step or example limit: not comparable (downstream_mismatches says so)
+            # scores at another step or example limit: not comparable (downstream_mismatches says so)
+            continue
         used.append(seed)
         values.append(float(x) - float(y))
     return Estimate(pairing.arm, pairing.other, pairing.isolates, pairing.size, pairing.placement, name,
@@ -246,9 +255,20 @@ def intervention_estimates(measures: pd.DataFrame, config: VerdictConfig) -> lis
         for name in INTERVENTION_METRICS:
             kept = rows.dropna(subset=[name]).sort_values("seed")
             values = [float(v) for v in kept[name]]
-            estimates.append(Estimate(norm, INTACT, isolates, size, placement, name,
-                                      tuple(int(s) for s in kept["seed"]), tuple(values),
-                                      paired_test(values, config.margin(name), config.alpha), alpha=config.alpha))
+            estimates.append(
+                Estimate(
+                    norm,
+                    INTACT,
+                    isolates,
+                    size,
+                    placement,
+                    name,
+                    tuple(int(s) for s in kept["seed"]),
+                    tuple(values),
+                    paired_test(values, config.margin(name), config.alpha),
+                    alpha=config.alpha,
+                )
+            )
     return estimates
 
 

@@ -67,8 +67,11 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
             share = band.groupby("step")["in_null_band"].mean().sort_index()
             out.update({"first_step": int(share.index[0]), "in_band_first": float(share.iloc[0]),
                         "in_band_last": float(share.iloc[-1])})
-    energy = [r for r in read_rows(run_dir / ENERGY_FILE)
-              if r.get("step") is not None and r.get("quantity") == "ones_fraction" and r.get("mean") is not None]
+    energy = [
+        r
+        for r in read_rows(run_dir / ENERGY_FILE)
+        if r.get("step") is not None and r.get("quantity") == "ones_fraction" and r.get("mean") is not None
+    ]
     if energy:
         per_step["ones_energy"] = pd.DataFrame(energy).groupby("step")["mean"].mean().sort_index()
     for kind, series in per_step.items():
@@ -80,9 +83,14 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
 def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
     """A run's centering intervention, every norm at once: its loss change at the last probe and over the
     last 30% of probe steps, and what was done (remove: LayerNorm; add: RMSNorm)."""
-    rows = sorted((r for r in read_rows(run_dir / INTERVENTION_FILE)
-                   if r.get("scope") == "all" and r.get("step") is not None and r.get("delta_loss") is not None),
-                  key=lambda r: r["step"])
+    rows = sorted(
+        (
+            r
+            for r in read_rows(run_dir / INTERVENTION_FILE)
+            if r.get("scope") == "all" and r.get("step") is not None and r.get("delta_loss") is not None
+        ),
+        key=lambda r: r["step"],
+    )
     out: dict[str, float | str | None] = {name: None for name in INTERVENTION_METRICS}
     out["intervention_action"] = rows[-1]["action"] if rows else None
     if rows:
@@ -93,8 +101,9 @@ def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
 
 
 def run_measures(tables: RunTables) -> pd.DataFrame:
-    """One row per run: arm keys, validation loss (final and tail), the angle with 1 per site class at the last
-    probe (and its mean over the site classes), the pooled geometry, the intervention, downstream scores."""
+    """One row per run: arm keys, validation loss (final and tail), the angle
+    with 1 per site class at the last probe (and its mean over the site
+    classes), the pooled geometry, the intervention, downstream scores."""
     rows = []
     for run in tables.runs.itertuples():
         angles = tables.angles[(tables.angles["run"] == run.run) & (tables.angles["ref"] == "ones")]
@@ -102,7 +111,12 @@ def run_measures(tables: RunTables) -> pd.DataFrame:
         at_last = angles[angles["step"] == last]
         metrics = tables.metrics[tables.metrics["run"] == run.run]
         row = {
-            "run": run.run, "run_dir": run.run_dir, "norm": run.norm, "size": run.size, "placement": run.placement, "seed": run.seed,
+            "run": run.run,
+            "run_dir": run.run_dir,
+            "norm": run.norm,
+            "size": run.size,
+            "placement": run.placement,
+            "seed": run.seed,
             "last_step": last,
             "val_loss": last_value(metrics, "val/loss"),
             "val_loss/tail": tail_mean(validation_curve(metrics), VAL_TAIL),

@@ -63,8 +63,10 @@ def sentence(est: Estimate) -> str:
     head += f" (90% interval {about.number(l90)} to {about.number(h90)}; per seed {per_seed}"
     if not est.tested:
         return f"{head}; described, not tested)."
-    head += (f"; {family_tag(est)}: p = {p_text(est.p_diff_holm)} for a difference, {p_text(est.p_tost_holm)} "
-             f"for equivalence within {margin}; power at the observed SD {power_text(est)})")
+    head += (
+        f"; {family_tag(est)}: p = {p_text(est.p_diff_holm)} for a difference, {p_text(est.p_tost_holm)} "
+        f"for equivalence within {margin}; power at the observed SD {power_text(est)})"
+    )
     outcome = est.outcome()
     if outcome == "equivalent":
         also = (f"; a difference smaller than the margin is resolved: {direction(est)}"
@@ -120,13 +122,20 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
     alpha = estimates[0].alpha if estimates else 0.05
     source = (config or VerdictConfig({})).source  # the margins file these questions were declared in
     where = len({(e.size, e.placement) for e in estimates}) > 1
-    lines = ["# Verdict", "",
-             f"{len(measures)} run{'' if len(measures) == 1 else 's'}, paired by seed within each size and "
-             "placement; differences are arm − other, with 90% Student-t intervals over seeds. Declared before the "
-             f"runs (`{source}`): the primary question, tested alone, and the secondary endpoints, "
-             f"Holm-adjusted within their family; each is tested at {alpha:g} for a difference (paired t-test) and "
-             "for equivalence within its margin (TOST); power at the observed SD and Holm's first-step level. Every "
-             "other row is described, not tested. Raw and adjusted p-values, per-seed values: `verdict.csv`.", ""]
+    lines = [
+        "# Verdict",
+        "",
+        f"{len(measures)} run{'' if len(measures) == 1 else 's'}, paired by seed within each size and "
+        "placement; differences are arm − other, with 90% Student-t intervals over seeds. Declared "
+        "before the "
+        f"runs (`{source}`): the primary question, tested alone, and the secondary endpoints, "
+        f"Holm-adjusted within their family; each is tested at {alpha:g} for a difference (paired "
+        "t-test) and "
+        "for equivalence within its margin (TOST); power at the observed SD and Holm's first-step "
+        "level. Every "
+        "other row is described, not tested. Raw and adjusted p-values, per-seed values: `verdict.csv`.",
+        "",
+    ]
     if estimates and max(e.n for e in estimates) < 2:
         lines += [f"**{ONE_SEED.capitalize()}** (every contrast has one seed per arm); the tables give each "
                   "difference only.", ""]
@@ -136,9 +145,12 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
             continue
         lines += [f"## {title}", ""]
         if family == "secondary":
-            lines += [f"{len(members)} row(s) of the endpoints declared in `{source}`, "
-                      f"{members[0].family_size if members else 0} with at least two seeds (Holm within these "
-                      "only).", ""]
+            lines += [
+                f"{len(members)} row(s) of the endpoints declared in `{source}`, "
+                f"{members[0].family_size if members else 0} with at least two seeds (Holm within these "
+                "only).",
+                "",
+            ]
         if family in ("primary", "secondary"):
             said = [f"- {sentence(e)}" for e in members if e.n >= 2]
             lines += said + ([""] if said else [])
@@ -159,19 +171,29 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
 def per_arm_lines(measures: pd.DataFrame) -> list[str]:
     """Per arm: the pooled geometry with 95% t-intervals over seeds (the run is the unit), and the in-band
     share as a description."""
-    lines = ["Means over seeds with 95% t-intervals; the run is the unit (records pooled over layers and site "
-             "classes per probe step; window: the last 30% of the probe steps). Rank: 1's percentile among the "
-             "random directions (the band of typical directions is 5–95); energy along 1 at the norm inputs "
-             "(1/d for a direction-free input); in band: the share of (layer, site) records with 1 inside the "
-             "band at the first and last probe, described only (a run's records move together).", "",
-             "| arm | size | placement | runs | val loss, tail | rank, window | distance to band edge, window | "
-             "energy along 1, window | 1 in band, first / last |", "|---|---|---|---|---|---|---|---|---|"]
-    for (norm, size, placement), rows in measures.groupby(["norm", "size", "placement"], sort=True, dropna=False):
+    lines = [
+        "Means over seeds with 95% t-intervals; the run is the unit (records pooled over layers and site "
+        "classes per probe step; window: the last 30% of the probe steps). Rank: 1's percentile among the "
+        "random directions (the band of typical directions is 5–95); energy along 1 at the norm inputs "
+        "(1/d for a direction-free input); in band: the share of (layer, site) records with 1 inside the "
+        "band at the first and last probe, described only (a run's records move together).",
+        "",
+        "| arm | size | placement | runs | val loss, tail | rank, window | distance to band edge, window | "
+        "energy along 1, window | 1 in band, first / last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (norm, size, placement), rows in measures.groupby(
+        ["norm", "size", "placement"], sort=True, dropna=False
+    ):
         lines.append(
-            f"| {arm_label(norm)} | {size} | {placement} | {len(rows)} | {_mean(rows['val_loss/tail'], '.4f')} | "
-            f"{_interval(rows.get('rank_pct/window'), '.1f')} | {_interval(rows.get('band_margin/window'), '.1f')} | "
-            f"{_interval(rows.get('ones_energy/window'), '.4f')} | {_mean(rows.get('in_band_first'), '.0%')} / "
-            f"{_mean(rows.get('in_band_last'), '.0%')} |")
+            f"| {arm_label(norm)} | {size} | {placement} | {len(rows)} | "
+            f"{_mean(rows['val_loss/tail'], '.4f')} | "
+            f"{_interval(rows.get('rank_pct/window'), '.1f')} | "
+            f"{_interval(rows.get('band_margin/window'), '.1f')} | "
+            f"{_interval(rows.get('ones_energy/window'), '.4f')} | "
+            f"{_mean(rows.get('in_band_first'), '.0%')} / "
+            f"{_mean(rows.get('in_band_last'), '.0%')} |"
+        )
     return lines
 
 
@@ -194,14 +216,35 @@ def verdict_table(estimates: Sequence[Estimate]) -> pd.DataFrame:
     rows = []
     for e in estimates:
         ci95, ci90 = e.ci95 or (None, None), e.ci90 or (None, None)
-        rows.append({
-            "arm": e.arm, "other": e.other, "isolates": e.isolates, "size": e.size, "placement": e.placement,
-            "metric": e.metric, "primary": e.primary, "family": e.family, "family_size": e.family_size,
-            "n_seeds": e.n, "seeds": " ".join(map(str, e.seeds)), "per_seed": " ".join(f"{v:.6g}" for v in e.values),
-            "mean": e.mean, "sd": e.sd, "margin": e.margin, "ci95_low": ci95[0], "ci95_high": ci95[1],
-            "ci90_low": ci90[0], "ci90_high": ci90[1],
-            "p_diff": e.test.p_diff if e.tested else None, "p_diff_holm": e.p_diff_holm,
-            "p_tost": e.test.p_tost if e.tested else None, "p_tost_holm": e.p_tost_holm,
-            "power_diff": e.power_diff, "power_tost": e.power_tost, "outcome": e.outcome(), "sentence": sentence(e),
-        })
+        rows.append(
+            {
+                "arm": e.arm,
+                "other": e.other,
+                "isolates": e.isolates,
+                "size": e.size,
+                "placement": e.placement,
+                "metric": e.metric,
+                "primary": e.primary,
+                "family": e.family,
+                "family_size": e.family_size,
+                "n_seeds": e.n,
+                "seeds": " ".join(map(str, e.seeds)),
+                "per_seed": " ".join(f"{v:.6g}" for v in e.values),
+                "mean": e.mean,
+                "sd": e.sd,
+                "margin": e.margin,
+                "ci95_low": ci95[0],
+                "ci95_high": ci95[1],
+                "ci90_low": ci90[0],
+                "ci90_high": ci90[1],
+                "p_diff": e.test.p_diff if e.tested else None,
+                "p_diff_holm": e.p_diff_holm,
+                "p_tost": e.test.p_tost if e.tested else None,
+                "p_tost_holm": e.p_tost_holm,
+                "power_diff": e.power_diff,
+                "power_tost": e.power_tost,
+                "outcome": e.outcome(),
+                "sentence": sentence(e),
+            }
+        )
     return pd.DataFrame(rows)
