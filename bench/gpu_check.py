@@ -12,10 +12,10 @@ parts most needed with ``--parts``, the page keeping the other rows (docs/benchm
   first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
 - ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan``'s prediction for
   the same overrides (``plan=true``), as a ratio;
-- ``efficiency 70m`` ... ``efficiency 1b``: ``bench/efficiency.py`` per size (each its own part): the optimizer
-  step of ``layer``, ``rms`` and ``layer_nobias``, eager and compiled, interleaved over repeats: the
-  LayerNorm/RMSNorm step-time ratio with its 95% interval, tokens/s, MFU and the norms' share of the kernel
-  time; the sizes run write ``efficiency.md`` beside this page;
+- ``efficiency 70m`` ... ``efficiency 1b``: ``bench/efficiency.py`` per size (each its own part): the
+  optimizer step of ``layer``, ``rms`` and ``layer_nobias``, eager and compiled, interleaved over repeats:
+  the LayerNorm/RMSNorm step-time ratio with its 95% interval, tokens/s, MFU and the norms' share of the
+  kernel time; the sizes run write ``efficiency.md`` beside this page;
 - ``ddp resume`` / ``fsdp resume``: ``torchrun --nproc-per-node 1 train.py trainer=ddp`` (NCCL) and
   ``trainer=fsdp`` (FSDP2), 4 steps with the probe, against a second run resumed from the first one's
   step-2 checkpoint: the losses, the probe's angles and the final weights must be equal;
@@ -116,7 +116,8 @@ class Mode:
         return 1 if self.standin else 10
 
     def train_sizes(self) -> dict[str, list[str]]:
-        """Per size name: its overrides. Global batch = one micro-batch: no accumulation, every step timed alike."""
+        """Per size name: its overrides. Global batch = one micro-batch: no accumulation, every step timed
+        alike."""
         every = f"log_every={self.train_log_every}"
         if self.standin:
             return {
@@ -298,7 +299,8 @@ def child(ctx: Context, name: str, *args: str, budget: int) -> tuple[dict | None
 
 
 def environment_child(standin: bool) -> dict:
-    """What this machine offers the paths: versions, the GPU, bf16, flash SDPA, fused AdamW, NCCL, peak FLOP/s."""
+    """What this machine offers the paths: versions, the GPU, bf16, flash SDPA, fused AdamW, NCCL, peak
+    FLOP/s."""
     device = torch.device("cpu" if standin else "cuda")
     info: dict = {
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -488,7 +490,10 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
         )
         target = ""
         if size == "410m" and result["mfu"] is not None:
-            target = f" (target ≥ {TARGETS['mfu_410m']:.0%}: {'met' if result['mfu'] >= TARGETS['mfu_410m'] else 'missed'})"
+            target = (
+                f" (target ≥ {TARGETS['mfu_410m']:.0%}: "
+                f"{'met' if result['mfu'] >= TARGETS['mfu_410m'] else 'missed'})"
+            )
         details = [
             f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (train.py's `train()` in "
             f"`{ctx.shown(shown)}`)",
@@ -554,7 +559,8 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
 
 
 def resume(ctx: Context, strategy: str) -> Outcome:
-    """A 4-step run under ``torchrun --nproc-per-node 1``, and a second run resumed from its step-2 checkpoint."""
+    """A 4-step run under ``torchrun --nproc-per-node 1``, and a second run resumed from its step-2
+    checkpoint."""
     path = f"{strategy} resume"
     full, resumed = ctx.work / f"{strategy}-full", ctx.work / f"{strategy}-resumed"
     common = [
@@ -712,7 +718,8 @@ def analyze_checkpoint(ctx: Context, checkpoint: Path, device: str, label: str) 
 
 
 def probe_agreement(ctx: Context, reference: Future) -> Outcome:
-    """analyze.py in float32 on the device over the reference's checkpoint: every angle within 1e-3 degrees."""
+    """analyze.py in float32 on the device over the reference's checkpoint: every angle within 1e-3
+    degrees."""
     cpu: Outcome = reference.result()
     if not cpu.passed:
         return Outcome(
@@ -779,7 +786,8 @@ def norm_cost(ctx: Context) -> Outcome:
 
 
 def efficiency(ctx: Context, size: str) -> Outcome:
-    """bench/efficiency.py at ``size``: layer, rms and layer_nobias stepped interleaved, eager and compiled."""
+    """bench/efficiency.py at ``size``: layer, rms and layer_nobias stepped interleaved, eager and
+    compiled."""
     path = f"efficiency {size}"
     result_file = ctx.work / f"efficiency-{size}.json"
     standin = ["--standin", "--device", "cpu", "--repeats", "3", "--steps", "2", "--warmup", "2"] \
@@ -1027,7 +1035,8 @@ def check(
 
 
 def guarded(name: str, fn: Callable[[], Outcome | list[Outcome]]) -> Outcome | list[Outcome]:
-    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts still run."""
+    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts still
+    run."""
     start = time.monotonic()
     try:
         return fn()

@@ -6,8 +6,10 @@ time, the host-device synchronizations and copies, and the wall time of the call
 (kernel) time. Where the wall time is far above the device time, the GPU waits on the host (Python, launches,
 synchronizations), not on kernels.
 
-    python bench/gpu_profile.py --out docs/gpu_profile.md   # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
-    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256   # the same on the CPU, printed
+    python bench/gpu_profile.py --out docs/gpu_profile.md
+        # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
+    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256
+        # the same on the CPU, printed
 """
 
 from __future__ import annotations

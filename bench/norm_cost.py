@@ -22,12 +22,12 @@ write y; backward: read x and dy, write dx; parameters read twice and their grad
 divided by the copy bandwidth of this machine, measured in the same run from ``dst.copy_(src)``
 (bandwidth = 2 x bytes / time). fp32 unless ``--dtype``.
 
-    python bench/norm_cost.py                    # d = 512, 768, 1024, 2048 over 8,192 tokens, stock + compiled
+    python bench/norm_cost.py                   # d = 512, 768, 1024, 2048 over 8,192 tokens, stock + compiled
     python bench/norm_cost.py --repeats 9 --markdown
-    python bench/norm_cost.py --impls stock      # no compiler needed
+    python bench/norm_cost.py --impls stock     # no compiler needed
 
-``--convert SIZE`` times a whole model instead: the eval forward (``torch.inference_mode``, ``--seq`` tokens) of a
-Pre-LN ``layer`` model of a paper size (``conf/train/size/SIZE.yaml``, untied head as train.yaml
+``--convert SIZE`` times a whole model instead: the eval forward (``torch.inference_mode``, ``--seq`` tokens)
+of a Pre-LN ``layer`` model of a paper size (``conf/train/size/SIZE.yaml``, untied head as train.yaml
 trains it, initial weights) against its RMSNorm conversion (``python -m normgeo.export --to hf
 --as rms``), both in the exported model code (``models/export/modeling_normgeo.py``), so they
 differ only in what the conversion changes: every LayerNorm becomes an RMSNorm and the final
@@ -128,14 +128,16 @@ def build(impl: str, kind: str, dim: int) -> nn.Module | None:
 
 
 def floor_bytes(norm: nn.Module, tokens: int, dim: int, dtype: torch.dtype) -> int:
-    """Bytes a forward + backward must move at least: x, y, x again, dy, dx; params twice, their grads once."""
+    """Bytes a forward + backward must move at least: x, y, x again, dy, dx; params twice, their grads
+    once."""
     activation = tokens * dim * torch.tensor([], dtype=dtype).element_size()
     parameters = sum(p.numel() * p.element_size() for p in norm.parameters())
     return 5 * activation + 3 * parameters
 
 
 def forward_backward(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor):
-    """One training-time use of the norm; autograd.grad, not backward(), so nothing accumulates across calls."""
+    """One training-time use of the norm; autograd.grad, not backward(), so nothing accumulates across
+    calls."""
     inputs = (x, *norm.parameters())
 
     def run() -> tuple[torch.Tensor, ...]:
@@ -219,7 +221,8 @@ def kernel_seconds(fn: Callable[[], object], number: int, device: torch.device) 
 
 
 def calls_for(fn: Callable[[], object], target_s: float, device: torch.device) -> int:
-    """Warm up (compilation, allocator, first-call dispatch), then the calls per measurement of about ``target_s``."""
+    """Warm up (compilation, allocator, first-call dispatch), then the calls per measurement of about
+    ``target_s``."""
     per_call_seconds(fn, 2, device)
     once = per_call_seconds(fn, 1, device)
     return max(1, round(target_s / max(once, 1e-9)))
@@ -265,7 +268,8 @@ def measure(
 
 
 def rows(results: list[ArmResult], bandwidth: float) -> list[dict]:
-    """Per (d, implementation, arm): median, ratio to the same width's and implementation's rms, ratio to the floor."""
+    """Per (d, implementation, arm): median, ratio to the same width's and implementation's rms, ratio to the
+    floor."""
     reference = {(r.dim, r.impl): r.median for r in results if r.kind == REFERENCE}
     return [
         {
@@ -309,7 +313,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: torch.device) -> None:
-    """--convert: the forward of a ``layer`` model of ``size`` against its RMSNorm conversion, per implementation."""
+    """--convert: the forward of a ``layer`` model of ``size`` against its RMSNorm conversion, per
+    implementation."""
     preset = OmegaConf.load(SIZES / f"{size}.yaml")
     gpt = GPT(GPTConfig(n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd, block_size=seq,
                         norm="layer", tie_embeddings=False)).eval()

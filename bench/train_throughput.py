@@ -108,7 +108,8 @@ def timed_steps(cfg: DictConfig, skip: int, device: torch.device, step: Callable
 
 
 def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
-    """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW, schedule."""
+    """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW,
+    schedule."""
     data = load_prepared(cfg.data.directory)
     windows = TokenWindows(
         str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed
@@ -138,7 +139,8 @@ def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> floa
 
 
 def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
-    """From scratch: one token tensor, the step's windows gathered by offsets, model(x, y), AdamW, clip, step."""
+    """From scratch: one token tensor, the step's windows gathered by offsets, model(x, y), AdamW, clip,
+    step."""
     data = load_prepared(cfg.data.directory)
     tokens = torch.from_numpy(np.asarray(data.tokens("train"), dtype=np.int64))
     model = GPT(GPTConfig(**model_config(cfg)), seed=cfg.seed).to(device)
@@ -195,7 +197,8 @@ def markdown(results: dict[str, list[float]], reference: str) -> str:
 
 @contextlib.contextmanager
 def scratch(folder: Path) -> Iterator[Path]:
-    """``folder`` removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at 70m)."""
+    """``folder`` removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at
+    70m)."""
     try:
         yield folder
     finally:

@@ -1,4 +1,5 @@
-"""The base of the callbacks that act once per optimizer step: the checkpoints, the probe, the stop on a signal."""
+"""The base of the callbacks that act once per optimizer step: the checkpoints, the probe, the stop on a
+signal."""
 
 from __future__ import annotations
 

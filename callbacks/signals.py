@@ -110,7 +110,8 @@ class Interrupt:
 
 
 def installed_interrupt() -> Interrupt | None:
-    """The :class:`Interrupt` that handles this process's SIGTERM, if any (the signal table is its one registry)."""
+    """The :class:`Interrupt` that handles this process's SIGTERM, if any (the signal table is its one
+    registry)."""
     handler = signal.getsignal(signal.SIGTERM)
     return handler if isinstance(handler, Interrupt) else None
 

@@ -44,7 +44,8 @@ def _usable(sentence: str) -> bool:
 
 def build_examples(corpus: str | Path, count: int, seed: int = 0, context_sentences: int = 2,
                    max_ending_tokens: int = MAX_ENDING_TOKENS) -> list[dict]:
-    """``count`` examples from the articles of ``corpus`` (a WikiExtractor folder, or any LocalFilesSource)."""
+    """``count`` examples from the articles of ``corpus`` (a WikiExtractor folder, or any
+    LocalFilesSource)."""
     encoding = tiktoken_encoding("gpt2")
     rng = random.Random(seed)
 
@@ -83,7 +84,8 @@ def build_examples(corpus: str | Path, count: int, seed: int = 0, context_senten
 
 def task_yaml(data_file: Path) -> str:
     """The lm-evaluation-harness task config: local JSON lines, log-likelihood of each ending."""
-    return f"""# Built by `python -m normgeo.evaluate --make-task`: {CHOICES}-way choice of a Wikipedia paragraph's next sentence.
+    return f"""# Built by `python -m normgeo.evaluate --make-task`: {CHOICES}-way choice of a \
+Wikipedia paragraph's next sentence.
 task: {TASK_NAME}
 dataset_path: json
 dataset_kwargs:

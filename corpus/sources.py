@@ -82,7 +82,8 @@ class LocalFilesSource:
 
     @property
     def extra_plain_text(self) -> tuple[str, ...]:
-        """plain_text_extensions as lower-case suffixes with their dot (``csv`` and ``.CSV`` mean ``.csv``)."""
+        """plain_text_extensions as lower-case suffixes with their dot (``csv`` and ``.CSV`` mean
+        ``.csv``)."""
         given = self.plain_text_extensions
         given = given.split(",") if isinstance(given, str) else given  # plain_text_extensions=.csv is one
         suffixes = (str(ext).strip().lower() for ext in given)

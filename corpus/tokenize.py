@@ -43,7 +43,8 @@ def tiktoken_encoding(name: str = "gpt2"):
 
 
 def tiktoken_batch_encoder(name: str = "gpt2", threads: int | None = None) -> tuple[EncodeBatch, int, int]:
-    """(encode_batch, eot_id, vocab_size) for a tiktoken encoding; ``encode_ordinary`` ignores special tokens."""
+    """(encode_batch, eot_id, vocab_size) for a tiktoken encoding; ``encode_ordinary`` ignores special
+    tokens."""
     encoding = tiktoken_encoding(name)
     num_threads = threads or max(1, os.cpu_count() or 1)
 

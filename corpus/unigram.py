@@ -13,7 +13,8 @@ SMOOTHING = 0.5  # add-half: every id of the vocabulary, seen or not, gets half 
 
 
 def unigram_log_probs(train_tokens: np.ndarray, vocab_size: int, smoothing: float = SMOOTHING) -> np.ndarray:
-    """log p(id) for every id of the vocabulary, from the counts in ``train_tokens`` plus ``smoothing`` each."""
+    """log p(id) for every id of the vocabulary, from the counts in ``train_tokens`` plus ``smoothing``
+    each."""
     counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
     smoothed = counts.astype(np.float64) + smoothing
     return np.log(smoothed) - np.log(smoothed.sum())

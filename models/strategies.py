@@ -91,6 +91,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each block's forward, leaving FSDP2's hooks (in ``Module.__call__``) outside the graphs."""
+    """torch.compile each block's forward, leaving FSDP2's hooks (in ``Module.__call__``) outside the
+    graphs."""
     for block in model.blocks:
         block.forward = torch.compile(block.forward)

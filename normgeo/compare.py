@@ -11,7 +11,8 @@ and writes, to ``--out`` (default ``<folder>/compare``):
 - ``overlay_<site>_<ref>.{png,pdf}``: the arms over training steps, one panel per layer, the mean over
   tokens as a line and the p05-p95 band of the tokens' angles shaded (seeds: mean of the seeds' values);
 - ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
-- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial (:mod:`normgeo.figures.norm_figures`);
+- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial
+  (:mod:`normgeo.figures.norm_figures`);
 - ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
   per-seed differences, their mean with 95% and 90% t-intervals (:mod:`normgeo.verdict`). The primary question
   and at most 6 secondary endpoints, declared in the margins file, are tested for a difference and for

@@ -68,7 +68,8 @@ def truncated_examples(
 
 
 def task_manager(include_path: Path | None):
-    """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes seconds."""
+    """lm-eval's task index (its bundled tasks, plus the YAMLs under ``include_path``); built once, it takes
+    seconds."""
     from lm_eval.tasks import TaskManager  # lm-eval takes seconds to import: only once a task index is needed
 
     return TaskManager(include_path=str(include_path) if include_path else None)
@@ -83,7 +84,8 @@ def evaluate_run(
     batch_size: int = 8,
     device: str = "cpu",
 ) -> dict:
-    """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json content."""
+    """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json
+    content."""
     # lm-eval takes seconds to import: only once every option has been checked (main).
     import lm_eval.models.huggingface
     import lm_eval.tasks

@@ -3,8 +3,8 @@
 Reads one checkpoint of a train.py run (``--step N``: ``checkpoints/step-000000N.ckpt``; ``--checkpoint
 PATH``: any of them; default: the run's highest saved step) and writes, into a new directory ``--out``:
 
-- ``--to hf`` and ``--to nnsight``: a Hugging Face directory (``model.safetensors``, ``config.json``, the model
-  code where no built-in class holds the arm, the GPT-2 tokenizer) that
+- ``--to hf`` and ``--to nnsight``: a Hugging Face directory (``model.safetensors``, ``config.json``, the
+  model code where no built-in class holds the arm, the GPT-2 tokenizer) that
   ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads offline; nnsight wraps it
   (``NNsight(model)``); see :mod:`models.export.hf` for which class holds which arm;
 - ``--to transformer-lens``: ``tl_config.json`` and ``model.safetensors`` for TransformerLens 3.9's
@@ -15,10 +15,10 @@ config, how to load it) and ``normgeo_export.json`` (where it came from). The di
 beside ``--out`` and renamed into place: a failed export leaves nothing. Bad input (no checkpoint, a step
 not saved, an arm the target cannot hold, an existing ``--out``) is one line on stderr and exit code 2.
 
-``--as rms`` (with ``--to hf`` or ``--to nnsight``) converts a Pre-LN ``layer`` or ``layer_nobias`` arm into an
-RMSNorm model with the same logits (:func:`models.export.hf.to_hf`: writing weights centred, every LayerNorm's
-gain and bias folded into the linear layer it feeds), saved in the RMS arm's format; the model card gives the
-parity measured at export. Post-LN, DyT and RMSNorm arms are refused (one line, exit code 2).
+``--as rms`` (with ``--to hf`` or ``--to nnsight``) converts a Pre-LN ``layer`` or ``layer_nobias`` arm into
+an RMSNorm model with the same logits (:func:`models.export.hf.to_hf`: writing weights centred, every
+LayerNorm's gain and bias folded into the linear layer it feeds), saved in the RMS arm's format; the model
+card gives the parity measured at export. Post-LN, DyT and RMSNorm arms are refused (one line, exit code 2).
 """
 
 from __future__ import annotations

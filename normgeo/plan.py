@@ -112,7 +112,8 @@ def planned_world_size(cfg: DictConfig, visible_gpus: int | None = None) -> int:
 
 
 def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> TrainSetup:
-    """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds it)."""
+    """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds
+    it)."""
     world = planned_world_size(cfg, visible_gpus)
     strategy, fsdp = strategy_of(cfg, world)
     on_cpu = cfg.trainer.accelerator == "cpu"

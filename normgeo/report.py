@@ -7,7 +7,8 @@
 - ``compare_<...>.png``: the LayerNorm and RMSNorm arms side by side when given runs of both;
   the figures of several runs go to ``--out``, by default the first run's ``figures/`` (said on stderr);
   with ``--out`` each run's own figures go to ``<out>/<run folder name>`` (else ``<run>/figures``);
-- with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png`` (:mod:`normgeo.figures.norm_figures`);
+- with several runs also ``ellipsoid.png``, ``energy.png``, ``factorial_ones.png``
+  (:mod:`normgeo.figures.norm_figures`);
 - ``null_layers_<model>_<norm>_<step>.png`` (from ``null.jsonl``): per layer, 1's mean angle (with its
   95% block-bootstrap interval) over the 5-95% band and median of the K random directions' mean angles,
   one panel per site kind (before the norm, after it);
@@ -119,7 +120,8 @@ def write_figures(
     layer: int | str | None,
     said_where: bool,
 ) -> None:
-    """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into ``out_dir``."""
+    """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into
+    ``out_dir``."""
     for run_dir, folder in run_out.items():
         for figure in write_run_figures(run_dir, layer, folder):
             print(figure)

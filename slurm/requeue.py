@@ -83,7 +83,8 @@ def install_requeue_handler() -> SlurmRequeue | None:
 
 
 def record_slurm_job(run_dir: Path) -> None:
-    """One line per SLURM session of the run (job id, restart count, start, node) for normgeo.readers.status."""
+    """One line per SLURM session of the run (job id, restart count, start, node) for
+    normgeo.readers.status."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job or os.environ.get("SLURM_PROCID", "0") != "0":
         return

@@ -224,7 +224,8 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per optimizer step (the k-th update's loss at step k, as its probe); a later session wins."""
+    """train/loss per optimizer step (the k-th update's loss at step k, as its probe); a later session
+    wins."""
     return {int(r["step"]): float(r["train/loss"]) for r in metrics_rows(run_dir) if r.get("train/loss")}
 
 

@@ -399,7 +399,8 @@ def test_failed_start_leaves_an_earlier_analysis_as_it_was(outputs: dict[str, Pa
 
 
 def test_a_sweep_runs_its_other_jobs_and_lists_the_refused_one(our_checkpoint: Path, tmp_path: Path) -> None:
-    """analyze.py -m as train.py -m: a refused job no longer ends the sweep; it is listed at the end (exit 2)."""
+    """analyze.py -m as train.py -m: a refused job no longer ends the sweep; it is listed at the end (exit
+    2)."""
     result = entry_point_here(
         "analyze",
         [

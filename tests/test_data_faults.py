@@ -1,4 +1,5 @@
-"""Data preparation under faults: small corpora still train, damage is seen and repaired, nothing is left behind."""
+"""Data preparation under faults: small corpora still train, damage is seen and repaired, nothing is left
+behind."""
 
 from __future__ import annotations
 

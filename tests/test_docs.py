@@ -21,7 +21,8 @@ def pages() -> list[Path]:
 
 
 def prose(text: str) -> list[str]:
-    """The lines outside fenced code blocks (a ``# comment`` in a bash block is no heading, ``[x](y)`` no link)."""
+    """The lines outside fenced code blocks (a ``# comment`` in a bash block is no heading, ``[x](y)`` no
+    link)."""
     lines, fenced = [], False
     for line in text.splitlines():
         if FENCE.match(line):
@@ -55,7 +56,8 @@ def links(text: str) -> list[str]:
 
 
 def broken_links(text: str, where: Path) -> list[str]:
-    """Every relative link or image of ``text`` (a page in folder ``where``) whose file or #anchor is missing."""
+    """Every relative link or image of ``text`` (a page in folder ``where``) whose file or #anchor is
+    missing."""
     broken = []
     for target in links(text):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not ours to check

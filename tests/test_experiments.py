@@ -179,7 +179,8 @@ def test_fsdp_with_its_gpu_options_trains_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_paper_grid_sweeps_both_norms(shared: Path, tmp_path_factory) -> None:
-    """The grid is a Hydra multirun (2 norms x 4 sizes); here its 70m column: both norms, one after the other."""
+    """The grid is a Hydra multirun (2 norms x 4 sizes); here its 70m column: both norms, one after the
+    other."""
     root = tmp_path_factory.getbasetemp() / "experiments"
     outputs = root / "grid"
     run([sys.executable, "train.py", "-m", *experiment_overrides("paper_grid", shared),

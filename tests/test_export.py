@@ -72,7 +72,8 @@ def test_gpt2_holds_exactly_the_pre_ln_layernorm_arms() -> None:
 
 
 def test_a_wrong_weight_breaks_parity() -> None:
-    """The parity check can fail: one norm gain changed after export moves the logits far past the tolerance."""
+    """The parity check can fail: one norm gain changed after export moves the logits far past the
+    tolerance."""
     gpt = perturbed_gpt("rms", "pre", True)
     model = to_hf(gpt)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""``python -m normgeo.export`` and ``python -m normgeo.evaluate`` on real train.py runs; the verdict reads eval.json."""
+"""``python -m normgeo.export`` and ``python -m normgeo.evaluate`` on real train.py runs; the verdict reads
+eval.json."""
 
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def test_a_diverged_run_exports_with_a_warning(capsys, tmp_path: Path) -> None:
 
 
 def test_evaluate_checks_every_option_before_the_evaluation(capsys, tmp_path: Path) -> None:
-    """Issue 34: options that used to fail after minutes of work (or in lm-eval's traceback) are one line, exit 2."""
+    """Issue 34: options that used to fail after minutes of work (or in lm-eval's traceback) are one line,
+    exit 2."""
     run = tmp_path / "run"
     hand_checkpoint(run / "checkpoints" / "step-0000005.ckpt", "rms")
 
@@ -177,7 +179,8 @@ def test_convert_refuses_what_it_cannot_convert_with_one_line(
 
 @pytest.mark.slow  # builds the BPE merges / reads the whole corpus: seconds on a busy machine
 def test_the_tokenizer_round_trips_the_probe_text(shared: Path) -> None:
-    """The exported tokenizer gives tiktoken's ids on the probe text (Wikipedia articles) and decodes it back."""
+    """The exported tokenizer gives tiktoken's ids on the probe text (Wikipedia articles) and decodes it
+    back."""
     documents = LocalFilesSource(path=str(shared / WIKIPEDIA)).documents()
     text = "\n\n".join(next(documents) for _ in range(150))
     tokenizer = gpt2_tokenizer()

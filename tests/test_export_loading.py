@@ -5,9 +5,9 @@
   export, transformers' TikTokenConverter copying its temporary ranks file into ``$TIKTOKEN_CACHE_DIR``);
 - an RMSNorm or DyT export (custom model code) loads its tokenizer as its model card says, with standard input
   closed and without running or asking about custom code, and the card says when ``trust_remote_code=True`` is
-  needed and why. (A bare ``AutoTokenizer.from_pretrained(dir)`` still asks: transformers 5 reads ``config.json``
-  before the tokenizer's files, and only a model type of its own, which would let ``AutoModelForCausalLM`` load
-  a plain GPT-2 over these weights, avoids that.)
+  needed and why. (A bare ``AutoTokenizer.from_pretrained(dir)`` still asks: transformers 5 reads
+  ``config.json`` before the tokenizer's files, and only a model type of its own, which would let
+  ``AutoModelForCausalLM`` load a plain GPT-2 over these weights, avoids that.)
 """
 
 from __future__ import annotations

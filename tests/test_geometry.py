@@ -1,4 +1,5 @@
-"""The geometric norms equal PyTorch's, and have the geometry the paper claims (orthogonal to 1, norm sqrt(d))."""
+"""The geometric norms equal PyTorch's, and have the geometry the paper claims (orthogonal to 1, norm
+sqrt(d))."""
 
 from __future__ import annotations
 

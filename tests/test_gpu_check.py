@@ -1,4 +1,5 @@
-"""bench/gpu_check.py: every GPU path runs on the CPU stand-in and lands on the page; without CUDA it refuses."""
+"""bench/gpu_check.py: every GPU path runs on the CPU stand-in and lands on the page; without CUDA it
+refuses."""
 
 from __future__ import annotations
 

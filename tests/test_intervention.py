@@ -43,7 +43,8 @@ VOCAB = 1000  # a small vocabulary keeps the logits cheap; nothing here depends 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny models: one intra-op thread (on a loaded machine, every op's thread barrier can wait milliseconds)."""
+    """Tiny models: one intra-op thread (on a loaded machine, every op's thread barrier can wait
+    milliseconds)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

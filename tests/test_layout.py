@@ -37,7 +37,8 @@ def test_no_import_runs_back_up_a_floor() -> None:
 
 
 def layout_rows() -> dict[str, str]:
-    """The README's ``## Layout`` table: the first cell (a folder like ``normgeo/runs/`` or a file) -> the row."""
+    """The README's ``## Layout`` table: the first cell (a folder like ``normgeo/runs/`` or a file) -> the
+    row."""
     readme = ROOT.joinpath("README.md").read_text()
     layout = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     rows = {}

@@ -314,7 +314,8 @@ def test_fp16_with_a_grad_scaler_and_clipping_runs_adamw_unfused_with_one_warnin
 
 
 def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time() -> None:
-    """A sharding scheme that flattens parameters still gets matrices-only decay (FSDP2: tests/test_sharded.py)."""
+    """A sharding scheme that flattens parameters still gets matrices-only decay (FSDP2:
+    tests/test_sharded.py)."""
     module = LitGPT(
         {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
         seed=0,

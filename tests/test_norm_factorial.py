@@ -187,7 +187,8 @@ def test_smoke_dyt_trains_and_probes_without_std_sites_or_ellipsoid(tmp_path: Pa
 
 @pytest.mark.slow
 def test_smoke_trains_with_compiled_norms_and_writes_the_stock_checkpoint(tmp_path: Path) -> None:
-    """norm.impl=compiled through train.py: trains, the probe finds every norm, the checkpoint loads as stock."""
+    """norm.impl=compiled through train.py: trains, the probe finds every norm, the checkpoint loads as
+    stock."""
     run_dir = tmp_path / "run"
     run_train(run_dir, "norm=rms", "norm.impl=compiled", "max_steps=2", "checkpoint.steps=[2]")
     rows = read_rows(run_dir / "angles.jsonl")

@@ -37,7 +37,8 @@ class NumericKey:
 
 
 def numeric_keys(schema: type, prefix: str = "") -> list[NumericKey]:
-    """Every int or float key of a schema (nested nodes, optional and list types unwrapped), with its bounds."""
+    """Every int or float key of a schema (nested nodes, optional and list types unwrapped), with its
+    bounds."""
     found = []
     hints = typing.get_type_hints(schema, include_extras=True)
     for f in dataclasses.fields(schema):
@@ -281,7 +282,8 @@ def test_real_subprocesses_refuse_with_one_line(
 
 @pytest.mark.parametrize("group", ["experiment", "size"])
 def test_every_shipped_preset_is_within_the_ranges(group: str, shared: Path) -> None:
-    """A range tighter than a value conf/ ships (size=study_cpu's gpus: 0, a CPU-only SLURM job) fails here."""
+    """A range tighter than a value conf/ ships (size=study_cpu's gpus: 0, a CPU-only SLURM job) fails
+    here."""
     local = [
         f"data.source.path={shared / 'corpora' / 'webtext'}",
         f"probe.path={shared / 'corpora' / 'wikipedia'}",

@@ -98,7 +98,8 @@ def test_status_shows_analysis_folders_and_the_finished_runs(with_analysis: Path
 def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(
     arms_sweep, tmp_path: Path, capsys
 ) -> None:
-    """Issue 34: its summary.json says it finished; before, status read the missing checkpoints as running/failed."""
+    """Issue 34: its summary.json says it finished; before, status read the missing checkpoints as
+    running/failed."""
     copy = tmp_path / "tiny-rms-s1"
     shutil.copytree(arms_sweep[0] / "tiny-rms-s1", copy)
     shutil.rmtree(copy / "checkpoints")

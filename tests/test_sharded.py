@@ -116,7 +116,8 @@ def test_a_ddp_run_continues_an_fsdp_run(runs: dict[str, Path]) -> None:
 
 
 def test_fsdp_weight_decay_lands_on_matrices_only(runs: dict[str, Path]) -> None:
-    """The saved optimizer groups, keyed by parameter index in the LightningModule, hold exactly the matrices."""
+    """The saved optimizer groups, keyed by parameter index in the LightningModule, hold exactly the
+    matrices."""
     checkpoint = load(runs["fsdp"] / "checkpoints" / "last.ckpt")
     decayed, plain = checkpoint["optimizer_states"][0]["param_groups"]
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0

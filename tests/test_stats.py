@@ -291,7 +291,8 @@ def test_engine_angles_are_accurate_near_0_90_and_180_degrees(target_deg: float)
 
 @pytest.mark.parametrize(("sd", "margin"), [(0.017, 0.02), (0.5, 0.02), (2.0, 0.02)])
 def test_seeds_for_difference_is_the_fewest_with_the_power(sd: float, margin: float) -> None:
-    """Also where statsmodels' root finder gives up on a small effect (it returns nan): the search finds it."""
+    """Also where statsmodels' root finder gives up on a small effect (it returns nan): the search finds
+    it."""
     n = seeds_for_difference(sd, margin)
     assert difference_power(n, sd, margin) >= 0.8 > difference_power(n - 1, sd, margin)
 

@@ -233,7 +233,8 @@ def test_every_registry_contrast_names_two_registered_arms() -> None:
 
 @pytest.mark.slow
 def test_a_toy_arm_defined_in_a_test_trains_probes_and_is_judged(tmp_path: Path) -> None:
-    """The toy arm (tests/toy_arm.py) through the real train.py, the probe, normgeo.compare and the verdict."""
+    """The toy arm (tests/toy_arm.py) through the real train.py, the probe, normgeo.compare and the
+    verdict."""
     import subprocess
 
     out = tmp_path / "sweep"
@@ -458,7 +459,8 @@ def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_
 
 def simulated_power(n: int, sd: float, margin: float, test: str, reps: int = 20_000, seed: int = 0,
                     level: float = 0.05) -> float:
-    """Monte-Carlo power of the paired tests at ``level`` with scipy's t quantiles (not the planner's code)."""
+    """Monte-Carlo power of the paired tests at ``level`` with scipy's t quantiles (not the planner's
+    code)."""
     rng = np.random.default_rng(seed)
     true = margin if test == "difference" else 0.0
     x = rng.normal(true, sd, size=(reps, n))

@@ -7,14 +7,15 @@ Which class holds which arm exactly:
   zero bias; GPT-2's ``Conv1D`` stores ``nn.Linear``'s weight transposed; ``activation_function`` is
   ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``, the harness's GELU); an untied head is
   ``tie_word_embeddings=False``.
-- Everything else (RMSNorm, RMSNorm + bias, DyT, and every Post-LN arm) -> :mod:`models.export.modeling_normgeo`,
-  saved beside the weights and loaded with ``trust_remote_code=True``. No built-in class has RMSNorm or DyT
-  with learned absolute positions; ``OPTForCausalLM`` (``do_layer_norm_before=False``) is post-LN but builds
-  no final LayerNorm in that mode, while the harness's Post-LN model applies ``ln_f`` before the head (and
-  OPT's positions are offset by 2), so OPT cannot hold it exactly.
+- Everything else (RMSNorm, RMSNorm + bias, DyT, and every Post-LN arm) ->
+  :mod:`models.export.modeling_normgeo`, saved beside the weights and loaded with ``trust_remote_code=True``.
+  No built-in class has RMSNorm or DyT with learned absolute positions; ``OPTForCausalLM``
+  (``do_layer_norm_before=False``) is post-LN but builds no final LayerNorm in that mode, while the harness's
+  Post-LN model applies ``ln_f`` before the head (and OPT's positions are offset by 2), so OPT cannot hold it
+  exactly.
 - A Pre-LN ``layer`` / ``layer_nobias`` arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, below) -> the
-  saved model code as the ``rms`` arm, with an untied head and, where the final LayerNorm had a bias, an LM-head
-  bias.
+  saved model code as the ``rms`` arm, with an untied head and, where the final LayerNorm had a bias, an
+  LM-head bias.
 
 **A Pre-LN LayerNorm arm as an RMSNorm model with the same logits** (``to_hf(gpt, as_rms=True)``). The algebra
 (Jiang et al. 2023, "Pre-RMSNorm and Pre-CRMSNorm Transformers", arXiv 2305.14858; the same steps as
@@ -63,7 +64,8 @@ def rms_conversion_refusal(gpt: GPT) -> str | None:
     """Why ``gpt`` cannot be converted to an RMSNorm model with the same logits, or None if it can."""
     cfg = gpt.config
     if cfg.norm in ("rms", "rms_bias"):
-        return f"the {cfg.norm!r} arm is an RMSNorm model already: nothing to convert (export it without --as rms)"
+        return (f"the {cfg.norm!r} arm is an RMSNorm model already: nothing to convert "
+                "(export it without --as rms)")
     if cfg.norm not in CONVERTIBLE_ARMS:
         return (f"the {cfg.norm!r} arm has no mean subtraction to take out: only the Pre-LN LayerNorm arms "
                 f"({', '.join(CONVERTIBLE_ARMS)}) convert to RMSNorm")
@@ -85,12 +87,14 @@ def rms_conversion_refusal(gpt: GPT) -> str | None:
 
 
 def centred_rows(weight: torch.Tensor) -> torch.Tensor:
-    """Each row made mean-zero across its last dimension (an embedding row: one vector written to the stream)."""
+    """Each row made mean-zero across its last dimension (an embedding row: one vector written to the
+    stream)."""
     return weight - weight.mean(dim=-1, keepdim=True)
 
 
 def centred_outputs(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's (out, in) weight whose every output (column) is mean-zero across the ``out`` channels."""
+    """A linear layer's (out, in) weight whose every output (column) is mean-zero across the ``out``
+    channels."""
     return weight - weight.mean(dim=0, keepdim=True)
 
 
@@ -207,7 +211,8 @@ def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
 
 
 def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
-    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one dtype)."""
+    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one
+    dtype)."""
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     config = NormGeoConfig(
@@ -268,7 +273,8 @@ class RmsParity:
 
 @torch.no_grad()
 def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
-    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it was."""
+    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it
+    was."""
     reference64 = copy.deepcopy(gpt).double().eval()(ids)
     diff64 = (to_hf(gpt, as_rms=True, dtype=torch.float64)(ids).logits - reference64).abs().max()
     reference32 = copy.deepcopy(gpt).float().eval()(ids)

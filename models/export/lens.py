@@ -121,7 +121,8 @@ def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bo
 
 
 def to_transformer_lens(gpt: GPT, process: bool = False, tokenizer=None):
-    """The arm as a TransformerLens ``HookedTransformer`` (processing off); ValueError for an arm it cannot hold."""
+    """The arm as a TransformerLens ``HookedTransformer`` (processing off); ValueError for an arm it cannot
+    hold."""
     refusal = transformer_lens_refusal(gpt.config)
     if refusal:
         raise ValueError(refusal)

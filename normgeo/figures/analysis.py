@@ -269,7 +269,8 @@ def _narrow(summary: Sequence[dict]) -> list[tuple[str, list[tuple[str, list[str
 
 def print_summary(summary: Sequence[dict], title: str = "Angles before/after the norms", *, file=None,
                   width: int | None = None) -> None:
-    """The summary on the console: readable at 80 columns (:func:`_narrow`); the one wide table is summary.md's."""
+    """The summary on the console: readable at 80 columns (:func:`_narrow`); the one wide table is
+    summary.md's."""
     print(title, file=file or sys.stdout)
     for model, tables in _narrow(summary):
         print(f"\n{model}", file=file or sys.stdout)

@@ -1,4 +1,5 @@
-"""Loading a sweep's runs into tidy tables and drawing the arms on the same axes (see :mod:`normgeo.compare`)."""
+"""Loading a sweep's runs into tidy tables and drawing the arms on the same axes (see
+:mod:`normgeo.compare`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ FIGURES: dict[str, FigureMaker] = {}
 
 
 def register_figure(name: str) -> Callable[[FigureMaker], FigureMaker]:
-    """Add a figure kind to ``normgeo.figures.compare`` (called with the comparison, the out dir and formats)."""
+    """Add a figure kind to ``normgeo.figures.compare`` (called with the comparison, the out dir and
+    formats)."""
 
     def add(maker: FigureMaker) -> FigureMaker:
         FIGURES[name] = maker

@@ -70,7 +70,10 @@ def print_intervention(rows: Sequence[dict], title: str, file=None) -> None:
             ]
         table.append(line)
     if embedding:
-        title += " — an encoder without a language-model head: the cosine of its intact and intervened output vectors"
+        title += (
+            " — an encoder without a language-model head: the cosine of its intact and intervened output "
+            "vectors"
+        )
     print_table(header, table, title=title, left=("scope", "action"), file=file)
 
 

@@ -95,7 +95,8 @@ def norm_geometry(gain: torch.Tensor, bias: torch.Tensor | None, centered: bool)
 
 
 def _full(param: object) -> torch.Tensor | None:
-    """The whole tensor of a parameter; an FSDP2-sharded one is all-gathered (a collective: every rank calls)."""
+    """The whole tensor of a parameter; an FSDP2-sharded one is all-gathered (a collective: every rank
+    calls)."""
     if not isinstance(param, torch.Tensor):
         return None
     return param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -130,7 +131,8 @@ def ellipsoid_rows(
 
 
 class EllipsoidMeasurement(Measurement):
-    """``ellipsoid.jsonl``: read from the norms' gains and biases when the records are made; no token needed."""
+    """``ellipsoid.jsonl``: read from the norms' gains and biases when the records are made; no token
+    needed."""
 
     def __init__(self, norms: Sequence[NormSite]) -> None:
         self.norms = list(norms)

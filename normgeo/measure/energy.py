@@ -115,7 +115,8 @@ class EnergyStatistics:
         return (self.m2 / self.count.clamp(min=1)).sqrt()
 
     def quantiles(self, quantiles: Sequence[float] = QUANTILES) -> torch.Tensor:
-        """(S, 2, Q) quantiles, interpolated log-linearly inside a bin and clamped into the exact [min, max]."""
+        """(S, 2, Q) quantiles, interpolated log-linearly inside a bin and clamped into the exact
+        [min, max]."""
         hist = self.hist.to(torch.float64)
         cumulative = hist.cumsum(dim=-1)
         total = cumulative[..., -1:]

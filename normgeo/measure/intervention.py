@@ -367,7 +367,8 @@ class BlockReplay:
 
     @contextlib.contextmanager
     def resumed_at(self, layer: int) -> Iterator[None]:
-        """Within the block, a forward computes only blocks ``layer``.. (``len(stack)``: the final norm and head)."""
+        """Within the block, a forward computes only blocks ``layer``.. (``len(stack)``: the final norm and
+        head)."""
         originals = [self.stack[i] for i in range(layer)]
         try:
             if layer:

@@ -4,8 +4,8 @@ The pipeline (:func:`normgeo.measure.pipeline.run_probe`) runs the intact forwar
 with one hook per norm, and hands every measurement in its list the same things in the same order:
 
 1. ``with measurement:`` around the whole probe (hooks of its own, if any; removed whatever happens);
-2. :meth:`Measurement.before_batch`, then :meth:`Measurement.observe_norm` inside the intact forward, for each norm's input and output (real rows
-   only, never padding);
+2. :meth:`Measurement.before_batch`, then :meth:`Measurement.observe_norm` inside the intact forward, for each
+   norm's input and output (real rows only, never padding);
 3. :meth:`Measurement.observe_batch` after the intact forward, with its output and a way to run more
    forwards (the centering intervention); it may run forwards on a batch with no real rows, so that every
    rank of a sharded model makes the same collective calls;

@@ -24,7 +24,8 @@ ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
 
 
 def write_hydra_files(folder: Path, config: DictConfig) -> None:
-    """``<folder>/.hydra/``: the composed config, Hydra's config and the command's overrides, as Hydra would."""
+    """``<folder>/.hydra/``: the composed config, Hydra's config and the command's overrides, as Hydra
+    would."""
     hydra_cfg = HydraConfig.get()
     target = folder / ".hydra"
     target.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ def in_use_message(run_dir: Path, holder: str) -> str:
 
 
 def lock_holder(run_dir: Path) -> str | None:
-    """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None when nobody does; writes nothing."""
+    """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None when nobody does; writes
+    nothing."""
     try:
         fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no lock file (a new run, or one from before locks), or no run directory at all

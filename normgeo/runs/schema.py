@@ -435,8 +435,8 @@ def odd_values(cfg: DictConfig) -> list[str]:
             f"optim.warmup_steps={warmup} is not fewer than max_steps={max_steps}: the learning rate "
             "rises for "
             "the whole run and "
-            f"{'reaches its peak only at the last step' if warmup == max_steps else 'never reaches its peak'}, "
-            "with no decay; optim.warmup_steps below max_steps (0: none) warms up, then decays"
+            f"{'reaches its peak only at the last step' if warmup == max_steps else 'never reaches its peak'}"
+            ", with no decay; optim.warmup_steps below max_steps (0: none) warms up, then decays"
         ]
     return []
 

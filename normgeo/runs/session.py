@@ -169,7 +169,8 @@ LAUNCH_SKEW_S = 60.0
 
 
 def sibling_file(path: Path) -> bool:
-    """A file another process of this same multi-process launch wrote since it started (not an earlier run's)."""
+    """A file another process of this same multi-process launch wrote since it started (not an earlier
+    run's)."""
     together = int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
     return together and path.stat().st_mtime >= PROCESS_STARTED - LAUNCH_SKEW_S
 

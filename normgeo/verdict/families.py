@@ -138,7 +138,8 @@ def _sized(measures: pd.DataFrame) -> pd.DataFrame:
 
 
 def measured_identity(row: dict) -> RunIdentity:
-    """The identity of a run's row of measures (the keys :func:`normgeo.readers.identity.run_identity` reads)."""
+    """The identity of a run's row of measures (the keys :func:`normgeo.readers.identity.run_identity`
+    reads)."""
     seed = row.get("seed")
     return RunIdentity(norm=row["norm"], placement=row.get("placement") or "pre", size=row.get("size"),
                        seed=None if seed is None or pd.isna(seed) else int(seed))
