@@ -32,7 +32,10 @@ def test_a_new_evaluation_replaces_only_the_tasks_it_measured(tmp_path: Path) ->
                                            "measured_at/piqa": "step 200, limit 50"}
 
 
-@pytest.mark.parametrize("text", ['{"step": 3, "tasks": {"piqa": {"acc": 0.5', '["not", "a", "record"]'])
+@pytest.mark.parametrize(
+    "text",
+    ['{"step": 3, "tasks": {"piqa": {"acc": 0.5', '["not", "a", "record"]', '{"tasks": {"piqa": 0.5}}'],
+)
 def test_a_damaged_eval_json_is_named_with_the_fix(tmp_path: Path, text: str) -> None:
     (tmp_path / EVAL_FILE).write_text(text)
     with pytest.raises(ValueError, match=rf"{tmp_path / EVAL_FILE}: .*move it away and evaluate again"):

@@ -175,7 +175,7 @@ sys.path.insert(0, {root!r})
 from normgeo.measure.records import write_step
 step = 0
 while True:
-    rows = [{{"model": "m", "norm": "layer", "step": step, "i": i, "pad": "x" * 2000}} for i in range(200)]
+    rows = [{{"model": "m", "norm": "layer", "step": step, "i": i, "pad": [0.5] * 300}} for i in range(200)]
     write_step({path!r}, rows)
     step += 1
 """

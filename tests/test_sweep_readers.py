@@ -9,6 +9,7 @@ real process; on copies of the real sweep of conftest ``arms_sweep``).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import pandas as pd
 import pytest
 
 from normgeo.figures.sweep import load
+from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.records import ANGLES_FILE
 from normgeo.readers.identity import DuplicateRuns
 from normgeo.readers.records import RECORD_FILES
 from normgeo.verdict.families import pairings
@@ -136,6 +139,57 @@ def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name
     assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
     assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
     # status: every run listed, the damaged one as damaged, with the same file and line
+    result = module_main(capfd, "status", sweep, "--no-slurm")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"damaged tiny-rms-s1: {where}" in result.stderr
+    assert sha_tree(damaged_run) == before
+
+
+def damage(path: Path, kind: str) -> tuple[int, str]:
+    """Damage ``path`` as a hand edit or a bad copy would; the damaged line's number and the reason named."""
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    if kind == "text for a number":
+        key = next(k for k, v in record.items() if isinstance(v, float))
+        record[key] = "abc"
+        lines[1] = json.dumps(record)
+        reason = f"'{key}' is 'abc', expected a number"
+    elif kind == "an empty record":
+        lines[1] = "{}"
+        reason = "no 'model', 'norm', 'step': every record has 'model', 'norm', 'step'"
+    else:  # an empty file
+        path.write_text("")
+        return 1, "no record in the file"
+    path.write_text("\n".join(lines) + "\n")
+    return 2, reason
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        (ANGLES_FILE, "text for a number"),
+        (ANGLES_FILE, "an empty record"),
+        (ANGLES_FILE, "an empty file"),
+        (INTERVENTION_FILE, "text for a number"),
+    ],
+)
+def test_a_record_that_is_not_what_a_record_holds_is_named_by_every_reader(
+    sweep: Path, name: str, kind: str, capfd
+) -> None:
+    """Issue 52, class 5: a record read whole but wrong (text where a number belongs, ``{}``, an empty file)
+    is named with its file, line and what was expected by report, compare and status, and the others are
+    read (before: a pyarrow error, an IndexError, a finished run shown as failed, or nothing at all)."""
+    damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
+    line, reason = damage(damaged_run / name, kind)
+    where = f"{(damaged_run / name).resolve()}:{line}: damaged record ({reason})"
+    before = sha_tree(damaged_run)
+    result = module_main(capfd, "report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr, result.stderr[-3000:]
+    result = module_main(capfd, "compare", sweep, "--formats=png")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
     result = module_main(capfd, "status", sweep, "--no-slurm")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"damaged tiny-rms-s1: {where}" in result.stderr

@@ -107,6 +107,18 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path
     assert load(split / "checkpoints" / "last.ckpt")["global_step"] == 4
     refused = train_in_process(split, *common, capsys=capsys)
     assert refused.returncode == 2 and "resume=auto" in refused.stderr
+    # A damaged records file of the run to resume is named before a step trains; nothing changes.
+    records = (split / "null.jsonl").read_text()
+    (split / "null.jsonl").write_text(records.replace('"mean_deg": ', '"mean_deg": "x", "was": ', 1))
+    before = files_of(split)
+    refused = train_in_process(split, *common, "resume=auto", capsys=capsys)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: {split / 'null.jsonl'}:1: damaged record ('mean_deg' is 'x', expected a number); copy the "
+        "file again from where the run wrote it, or remove that line to keep the other records"
+    )
+    assert files_of(split) == before
+    (split / "null.jsonl").write_text(records)
     train_here(split, *common, "resume=auto")
     assert step_losses(split) == step_losses(whole)
     assert len(step_losses(whole)) == 8

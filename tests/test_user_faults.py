@@ -36,7 +36,7 @@ def a_finished_run(run_dir: Path) -> Path:
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "config.yaml").write_text("max_steps: 3\n")
     (run_dir / "train.log").write_text("[train] done\n")
-    (run_dir / "angles.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "angles.jsonl").write_text('{"model": "m", "norm": "rms", "step": 0}\n')
     return run_dir
 
 
@@ -260,19 +260,54 @@ def test_status_lists_a_run_with_a_damaged_angles_file_as_damaged_and_shows_the_
     assert tree(runs[-1]) == before
 
 
+def test_status_names_a_config_that_is_empty_or_not_a_mapping_and_shows_the_others(
+    tmp_path: Path, capsys
+) -> None:
+    """Issue 52, class 5: a run whose only config is empty or a YAML list is listed as damaged with its file
+    and line (before: an empty .hydra/config.yaml showed a finished run as failed, with no word why); a run
+    whose run_config.yaml is whole is read from it, its empty .hydra/config.yaml aside."""
+    from normgeo.status import main as status_main
+
+    runs, _ = a_sweep_with_one_damaged_run(tmp_path / "outputs")
+    for run, text in zip(runs[:3], ("", "- a\n- list\n", ""), strict=True):
+        (run / ".hydra" / "config.yaml").write_text(text)
+    for run in runs[:2]:
+        (run / "run_config.yaml").unlink()
+    before = [tree(run) for run in runs]
+    assert status_main([str(tmp_path / "outputs"), "--no-slurm", "--json"]) == 1
+    out, err = capsys.readouterr()
+    rows = {row["run"]: row for row in map(json.loads, out.splitlines())}
+    assert set(rows) == {run.name for run in runs}
+    empty, listed = (run / ".hydra" / "config.yaml" for run in runs[:2])
+    assert f"damaged {runs[0].name}: {empty}:1: damaged record (empty: no setting in it)" in err
+    assert f"damaged {runs[1].name}: {listed}:1: damaged record (a YAML list, not a mapping)" in err
+    assert rows[runs[2].name]["damaged"] is None and rows[runs[2].name]["max_steps"] == 10
+    assert [tree(run) for run in runs] == before
+
+
 def test_read_rows_names_the_file_and_line_of_a_damaged_record(tmp_path: Path) -> None:
     from normgeo.measure.records import DamagedRecords, read_rows
 
     path = tmp_path / "angles.jsonl"
-    path.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "mea\n')
+    key = '"model": "m", "norm": "rms", '
+    path.write_text(f'{{{key}"step": 0}}\n\n{{{key}"step": 1}}\n{{{key}"step": 2, "mea\n')
     with pytest.raises(
-        DamagedRecords, match=rf"^{path}:4: damaged record \(Invalid control character at column 17\); copy"
+        DamagedRecords, match=rf"^{path}:4: damaged record \(Invalid control character at column 46\); copy"
     ) as raised:
         read_rows(path)
     assert (raised.value.path, raised.value.line) == (path, 4)
-    path.write_text('{"step": 0}\n[1, 2]\n')
-    with pytest.raises(DamagedRecords, match=r":2: damaged record \(a JSON list, not an object\)"):
-        read_rows(path)
+    # Read whole but not a record: each named with what was expected (issue 52, class 5).
+    for text, expected in (
+        (f'{{{key}"step": 0}}\n[1, 2]\n', r":2: damaged record \(a JSON list, not an object\)"),
+        (f'{{{key}"step": 0}}\n{{}}\n', r":2: damaged record \(no 'model', 'norm', 'step': every record has"),
+        (f'{{{key}"step": 0, "mean_deg": "89.9"}}\n', r":1: damaged record \('mean_deg' is '89.9', expected"),
+        (f'{{{key}"step": 0.5}}\n', r":1: damaged record \('step' is 0.5, expected a whole number or null\)"),
+        (f'{{{key}"step": 0, "site": 3}}\n', r":1: damaged record \('site' is 3, expected text\)"),
+        ("\n", r":1: damaged record \(no record in the file\); copy the file again .* or remove it$"),
+    ):
+        path.write_text(text)
+        with pytest.raises(DamagedRecords, match=expected):
+            read_rows(path)
 
 
 # 4. Wrong words.
@@ -307,7 +342,7 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
     runs = []
     for name in ("layer", "rms"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "angles.jsonl").write_text('{"step": 0}\n')
+        (tmp_path / name / "angles.jsonl").write_text(f'{{"model": "m", "norm": "{name}", "step": 0}}\n')
         runs.append(str(tmp_path / name))
     drawn: list[Path] = []  # the drawing itself is tested elsewhere: only where it goes matters here
     monkeypatch.setattr(report, "write_run_figures", lambda run_dir, layer, out_dir=None: [])

@@ -64,6 +64,8 @@ def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s:
                     )
                     null.append(
                         {
+                            "model": "m",
+                            "norm": norm,
                             "step": step,
                             "layer": layer,
                             "site": f"{role}.{suffix}",
@@ -73,6 +75,8 @@ def make_run(root: Path, norm: str, seed: int, *, val_loss: float, tokens_per_s:
                     )
                 energy_rows.append(
                     {
+                        "model": "m",
+                        "norm": norm,
                         "step": step,
                         "layer": layer,
                         "site": f"{role}.in",
@@ -436,10 +440,30 @@ def test_geometry_is_pooled_within_a_run_then_windowed_over_the_last_30_percent_
     null, energy, truth = [], [], {}
     for step in range(0, 101, 10):
         ranks = [50 + step * 0.45 + layer for layer in range(3) for _ in range(2)]  # 2 sites per layer
-        null += [{"step": step, "layer": i // 2, "site": ("ln1.in", "ln1.out")[i % 2], "mean_rank_pct": r,
-                  "in_null_band": 5 <= r <= 95} for i, r in enumerate(ranks)]
-        energy += [{"step": step, "layer": layer, "site": "ln1.in", "quantity": "ones_fraction",
-                    "mean": 0.01 + step / 1e4 + layer / 1e3} for layer in range(3)]
+        null += [
+            {
+                "model": "m",
+                "norm": "rms",
+                "step": step,
+                "layer": i // 2,
+                "site": ("ln1.in", "ln1.out")[i % 2],
+                "mean_rank_pct": r,
+                "in_null_band": 5 <= r <= 95,
+            }
+            for i, r in enumerate(ranks)
+        ]
+        energy += [
+            {
+                "model": "m",
+                "norm": "rms",
+                "step": step,
+                "layer": layer,
+                "site": "ln1.in",
+                "quantity": "ones_fraction",
+                "mean": 0.01 + step / 1e4 + layer / 1e3,
+            }
+            for layer in range(3)
+        ]
         truth[step] = (np.mean(ranks), np.mean([min(r - 5, 95 - r) for r in ranks]),
                        np.mean([0.01 + step / 1e4 + layer / 1e3 for layer in range(3)]))
     (run / "null.jsonl").write_text("".join(json.dumps(r) + "\n" for r in null))

@@ -174,17 +174,57 @@ def null_rows(
 
 
 class DamagedRecords(ValueError):
-    """A records file (``angles.jsonl``, ``null.jsonl``, ...) with a line that is not a JSON object: a copy
-    cut short, a disk that filled up. Names the file and the line; readers of many runs skip that run."""
+    """A records file (``angles.jsonl``, ``null.jsonl``, ...) with a line that is not a record, or no record
+    at all: a copy cut short, a disk that filled up, a hand edit. Names the file, the line and what it
+    expected; readers of many runs skip that run."""
 
-    def __init__(self, path: Path, line: int, reason: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        line: int,
+        reason: str,
+        fix: str = "copy the file again from where the run wrote it, or remove that line to keep the other "
+        "records",
+    ) -> None:
         self.path, self.line = path, line
-        super().__init__(f"{path}:{line}: damaged record ({reason}); copy the file again from where the run "
-                         "wrote it, or remove that line to keep the other records")
+        super().__init__(f"{path}:{line}: damaged record ({reason}); {fix}")
+
+
+# What every record holds, in every records file: the key it is replaced by (write_step), and the fields that
+# hold text (or null). ``layer`` is a block's index or a site's name ("final"); every other field holds a
+# number, true/false, null, or a list (the null directions' means, a scope's sites, energy bins).
+KEY_FIELDS = ("model", "norm", "step")
+TEXT_FIELDS = frozenset(
+    {"model", "norm", "site", "ref", "quantity", "kind", "scope", "scope_name", "site_class", "action",
+     "output"}
+)
+
+
+def record_problem(row: dict) -> str | None:
+    """What is wrong with one parsed record, in words, or None: a field of the key missing, text where a
+    number belongs, a number where text belongs."""
+    missing = [key for key in KEY_FIELDS if key not in row]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}: every record has {', '.join(map(repr, KEY_FIELDS))}"
+    step = row["step"]
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return f"'step' is {step!r}, expected a whole number or null"
+    for key, value in row.items():
+        if key in TEXT_FIELDS:
+            if value is not None and not isinstance(value, str):
+                return f"{key!r} is {value!r}, expected text"
+        elif key == "layer":
+            if value is not None and not isinstance(value, (int, str)):
+                return f"'layer' is {value!r}, expected a layer index or a site's name"
+        elif isinstance(value, (str, dict)):
+            return f"{key!r} is {value!r}, expected a number"
+    return None
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Every record of a ``.jsonl`` file ([] when it is absent); raises :class:`DamagedRecords`."""
+    """Every record of a ``.jsonl`` file ([] when it is absent); raises :class:`DamagedRecords` at the first
+    line that is not a JSON object or whose fields are not what a record holds (:func:`record_problem`), and
+    for a file without a record."""
     path = Path(path)
     if not path.exists():
         return []
@@ -201,7 +241,13 @@ def read_rows(path: str | Path) -> list[dict]:
                 ) from None
             if not isinstance(row, dict):
                 raise DamagedRecords(path, number, f"a JSON {type(row).__name__}, not an object")
+            problem = record_problem(row)
+            if problem is not None:
+                raise DamagedRecords(path, number, problem)
             rows.append(row)
+    if not rows:  # the tools write a records file only with records in it
+        raise DamagedRecords(path, 1, "no record in the file",
+                             "copy the file again from where the run wrote it, or remove it")
     return rows
 
 

@@ -33,6 +33,12 @@ def read_eval(run_dir: Path) -> dict:
         ) from err
     if not isinstance(record, dict) or not isinstance(record.get("tasks", {}), dict):
         raise ValueError(f"{path}: not an eval.json (no tasks mapping); move it away and evaluate again")
+    for task, values in record.get("tasks", {}).items():
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{path}: task {task!r} holds {values!r}, not a mapping of its scores; move it away and "
+                "evaluate again"
+            )
     return record
 
 

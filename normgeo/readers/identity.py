@@ -37,16 +37,20 @@ class RunIdentity:
 
 def read_run_config(run_dir: Path) -> dict:
     """The run's resolved config: run_config.yaml, else Hydra's config.yaml ({} when neither); raises
-    :class:`DamagedRecords` naming the file when it is not a YAML mapping."""
+    :class:`DamagedRecords` naming the file when it is empty or not a YAML mapping."""
     for name in CONFIG_FILES:
         path = run_dir / name
         if path.is_file():
             try:
-                config = yaml.safe_load(path.read_text(errors="replace")) or {}
+                config = yaml.safe_load(path.read_text(errors="replace"))
             except yaml.YAMLError as err:
                 mark = getattr(err, "problem_mark", None)
                 raise DamagedRecords(path, mark.line + 1 if mark else 1,
                                      f"not YAML: {getattr(err, 'problem', err)}") from None
+            if config is None:
+                raise DamagedRecords(
+                    path, 1, "empty: no setting in it", "copy it again from where the run wrote it"
+                )
             if not isinstance(config, dict):
                 raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
             return config

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics import last_value, read_metrics
 from normgeo.readers.records import read_run_records
 from normgeo.runs.run_config import SUMMARY_FILE
@@ -65,12 +66,14 @@ def is_analysis(run_dir: Path) -> bool:
 
 
 def run_config(run_dir: Path) -> tuple[int | None, int | None]:
-    """(max_steps, stop_at_step) from the run's saved Hydra config."""
-    try:
-        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-        return int(cfg.max_steps), (int(cfg.stop_at_step) if cfg.get("stop_at_step") else None)
-    except Exception:  # an unreadable or unresolvable config: report what the files say
-        return None, None
+    """(max_steps, stop_at_step) from the run's config (the one reader: raises DamagedRecords naming a damaged
+    file); None where it holds no whole number."""
+    config = read_run_config(run_dir)
+
+    def whole(value: object) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return whole(config.get("max_steps")), whole(config.get("stop_at_step")) or None
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
@@ -194,7 +197,10 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         probe_step, damaged = "damaged", str(err)
     if is_analysis(run_dir):
         return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None, damaged)
-    max_steps, stop_at_step = run_config(run_dir)
+    try:
+        max_steps, stop_at_step = run_config(run_dir)
+    except DamagedRecords as err:
+        (max_steps, stop_at_step), damaged = (None, None), damaged or str(err)
     step = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
     state_from_slurm = slurm_state(job) if (job and use_slurm) else None

@@ -41,6 +41,7 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.records import DamagedRecords
 from normgeo.paths import (
     FolderError,
     check_own_folder,
@@ -48,6 +49,7 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
+from normgeo.readers.records import read_run_records
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
@@ -251,6 +253,11 @@ def check_start(cfg: DictConfig) -> Start:
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
         raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
+    if ckpt_path is not None:
+        try:  # a resumed run adds to its records files: a damaged one is named now, before a step trains
+            read_run_records(run_dir)
+        except DamagedRecords as err:
+            raise StartError(str(err)) from err
     try:
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
