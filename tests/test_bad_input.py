@@ -56,6 +56,8 @@ RUNTIME = (
     "trainer.devices=0",
     "trainer.num_nodes=0",
     "trainer.precision=fp8",
+    "+trainer.max_epochs=abc",
+    "+trainer.limit_val_batches=lots",
     "trainer.accelerator=tpuu",
     "trainer.strategy=dpp",
     "trainer=ddp_cpu trainer.strategy._target_=no.such.Strategy",

@@ -51,7 +51,7 @@ from normgeo.paths import (
 )
 from normgeo.readers.records import read_run_records
 from normgeo.runs.build import make_datamodule, trainer_arguments
-from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config
+from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
 from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
@@ -208,7 +208,10 @@ def check_trainer(cfg: DictConfig) -> None:
     """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy)
     asked of Lightning on this machine rather than copied: a bare Trainer built from
     ``cfg.trainer`` as train.py builds it, with nothing attached (no logger, no
-    callback: nothing is written); then the global batch against its world size."""
+    callback: nothing is written), its values' types checked against its signature first; then the global
+    batch against its world size."""
+    if problem := trainer_value_problem(cfg.trainer):
+        raise StartError(problem)
     try:
         logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
         with warnings.catch_warnings():
