@@ -44,7 +44,6 @@ from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
-from normgeo.plan import preflight
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
 from normgeo.runs.checks import Refused, config_errors_exit_2, refuse
@@ -187,8 +186,6 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
 def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Fit one run. ``start``: what normgeo.runs.start checked and claimed (bench/ calls
     ``with start_session(cfg) as start: train(cfg, start, ...)``); ``extra_callbacks``: bench/'s timers."""
-    # on a GPU: refuse (exit 2) a config whose planned peak memory cannot fit (normgeo/plan.py)
-    preflight(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = install_requeue_handler()

@@ -133,8 +133,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save to a temporary file, fsync, rename: readers see the old checkpoint or the new one."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if "://" in os.fspath(path):  # remote filesystems (s3://, gs://) keep Lightning's writer
-            return super().save_checkpoint(checkpoint, path, storage_options)
+        # Checkpoints go under the run directory, a local folder (check_writable_folder): no s3:// path here
         try:
             with atomic_open(os.fspath(path), "wb") as handle:
                 torch.save(checkpoint, handle)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+import normgeo.runs.start as start_checks
 from normgeo.paths import FolderError, check_writable_folder
+from normgeo.plan import PlanRefusal
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
@@ -151,6 +153,22 @@ def test_a_fresh_start_refused_before_training_leaves_no_run_directory(workspace
     # The corrected command is not refused for what the failed one left behind (before: run_config.yaml).
     if override.startswith("probe"):
         train_here(run_dir, "max_steps=1")
+
+
+@pytest.mark.slow
+def test_a_plan_that_cannot_fit_is_refused_before_the_claim(workspace: Path, monkeypatch, capsys) -> None:
+    """Issue 51: the pre-flight plan (on a GPU: the planned peak against its memory) is a start check, made
+    before the run directory is claimed: one line, exit 2, no folder (before: after the claim, and its
+    refusal, not one of the start's, ended in a traceback). The GPU's verdict is stood in for here; the
+    decision itself is tested in test_plan.py."""
+    def refuse(cfg) -> None:
+        raise PlanRefusal("micro_batch=64: the planned peak 212.3 GiB cannot fit the NVIDIA H100's 79.1 GiB")
+
+    monkeypatch.setattr(start_checks, "preflight", refuse)
+    run_dir = workspace / "too-big"
+    done = train_in_process(run_dir, "max_steps=1", capsys=capsys)
+    assert_refused(done, "the planned peak 212.3 GiB cannot fit")
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
+from normgeo.plan import PlanRefusal, preflight
 from normgeo.readers.records import read_run_records
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
@@ -270,6 +271,10 @@ def check_start(cfg: DictConfig) -> Start:
         data = datamodule.load()  # long enough for seq_len
         check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
     except (TokenizerError, AnalysisError, PreparedDataError, SourceError) as err:
+        raise StartError(str(err)) from err
+    try:  # on a GPU, a config whose planned peak cannot fit its memory (normgeo.plan): dearest, so last
+        preflight(cfg)
+    except PlanRefusal as err:
         raise StartError(str(err)) from err
     return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids)
 
