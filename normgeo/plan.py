@@ -6,7 +6,8 @@ API, so nothing is written: no run directory, no ``.hydra``. Prints the paramete
 and per optimizer step, the peak memory per GPU by category (with and without activation checkpointing,
 and at a probe), whether it fits each GPU of ``plan.gpus`` and the largest micro_batch that does, the
 time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. The planning itself is
-``models/plan.py`` (fake tensors); :func:`preflight` is ``train.py``'s check before the first step.
+``models/plan.py`` (fake tensors); the config's plan and train.py's pre-flight check with it (a start
+check, before the claim) are ``normgeo/runs/preflight.py``.
 
     python -m normgeo.plan experiment=paper_1b norm=rms
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
@@ -34,23 +35,19 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from models.hardware import default_precision
 from models.plan import (
     GIB,
     GPUS,
     Plan,
-    TrainSetup,
     fits,
     largest_micro_batch,
     make_plan,
-    preflight_error,
     quiet_plan,
 )
 from normgeo.figures.style import norm_label
@@ -58,9 +55,10 @@ from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.readers.identity import DuplicateRuns
-from normgeo.runs.build import make_schedule, module_arguments
+from normgeo.runs.build import make_schedule
 from normgeo.runs.checks import check_config
 from normgeo.runs.config import CONF_DIR
+from normgeo.runs.preflight import setup_from_config
 from normgeo.runs.schema import ConfigError
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import paired_estimates
@@ -70,71 +68,12 @@ from normgeo.verdict.metrics import METRICS, metric
 CONFIG_ERROR_EXIT = 2
 
 
-class PlanRefusal(ValueError):
-    """The planned peak cannot fit the GPU (train.py refuses the launch, exit 2)."""
-
-
 def compose(overrides: Sequence[str]) -> DictConfig:
     """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))
     check_config("train", cfg)
     return cfg
-
-
-def strategy_of(cfg: DictConfig, world_size: int) -> tuple[str, dict]:
-    """single | ddp | fsdp2 (and FSDP2's settings) from ``trainer.strategy``, as Lightning would pick."""
-    strategy = cfg.trainer.strategy
-    if strategy in (None, "auto"):
-        return ("ddp" if world_size > 1 else "single"), {}
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
-    if target.endswith("DDPStrategy") or target.startswith("ddp"):
-        return "ddp", {}
-    if target.endswith("FSDP2Strategy"):
-        return "fsdp2", {
-            "fsdp_param_dtype": strategy.get("param_dtype"),
-            "fsdp_reduce_dtype": strategy.get("reduce_dtype"),
-            "activation_checkpointing": bool(strategy.get("activation_checkpointing", False)),
-        }
-    raise ConfigError(f"trainer.strategy={target}: cannot be planned (auto, DDPStrategy or FSDP2Strategy)")
-
-
-def planned_world_size(cfg: DictConfig, visible_gpus: int | None = None) -> int:
-    """GPUs of the run: trainer.devices (auto: plan.devices, the visible GPUs, or size.gpus) x num_nodes."""
-    devices = cfg.trainer.devices
-    if isinstance(devices, int) and devices > 0:
-        per_node = devices
-    elif OmegaConf.is_list(devices):
-        per_node = len(devices)
-    else:
-        per_node = cfg.plan.devices or visible_gpus or cfg.size.gpus or 1
-    return per_node * int(cfg.trainer.num_nodes or 1)
-
-
-def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> TrainSetup:
-    """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds
-    it)."""
-    world = planned_world_size(cfg, visible_gpus)
-    strategy, fsdp = strategy_of(cfg, world)
-    on_cpu = cfg.trainer.accelerator == "cpu"
-    # trainer.precision=null: what default_precision() picks on the GPU (bf16 on every GPU planned for).
-    precision = str(cfg.trainer.precision or ("32-true" if on_cpu else "bf16-mixed"))
-    if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
-        raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
-                          f"global_batch={cfg.global_batch}")
-    model = module_arguments(cfg)
-    return TrainSetup(
-        model=model,
-        micro_batch=int(cfg.micro_batch),
-        global_batch=int(cfg.global_batch),
-        precision=precision,
-        strategy=strategy,
-        world_size=world,
-        gradient_clip=cfg.trainer.get("gradient_clip_val"),
-        fused_adamw=not on_cpu,
-        probe_batch=int(cfg.probe.batch_size),
-        **fsdp,
-    )
 
 
 def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
@@ -292,23 +231,6 @@ def _yes(value: bool | None) -> str:
 
 def _mb(value: int | None) -> str:
     return "none" if value is None else str(value)
-
-
-def preflight(cfg: DictConfig) -> None:
-    """train.py, before the first step: on a GPU, raise PlanRefusal when the planned peak cannot fit the
-    device's memory. Skipped on the CPU and with plan.check=false."""
-    if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
-        return
-    setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count())
-    precision = str(cfg.trainer.precision or default_precision())
-    setup = TrainSetup(**{**setup.__dict__, "precision": precision})
-    with quiet_plan():
-        plan = make_plan(setup, both_checkpointing=False, probe=False)
-    device = torch.cuda.get_device_properties(0)
-    error = preflight_error(plan, device.total_memory, device.name, headroom_gib=cfg.plan.headroom_gib,
-                            fragmentation=cfg.plan.fragmentation)
-    if error:
-        raise PlanRefusal(error)
 
 
 def parse_seeds_for(text: str) -> tuple[str, float]:

@@ -14,8 +14,9 @@
   one panel per site kind (before the norm, after it);
 - ``null_steps_<model>_<norm>_layer<l>_<site>.png``: the same at one layer against the training step.
 
-Every records file of a run is read before the first figure (:mod:`normgeo.readers.records`): a damaged line
-is named with its file and line and the run skipped (exit 1; 2 when no run is left), as ``compare`` does. """
+Every records file of a run is read before the first figure (:mod:`normgeo.measure.run_records`): a damaged
+line is named with its file and line and the run skipped (exit 1; 2 when no run is left), as ``compare`` does.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from corpus.atomic import stop_on_signals
 from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.run_records import read_run_records
 from normgeo.paths import FolderError, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs
-from normgeo.readers.records import read_run_records
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,7 +82,8 @@ def test_checkpoint_sizes_agree_with_the_files_a_smoke_run_writes(tmp_path: Path
     overrides = ["max_steps=2", "checkpoint.steps=[1]", "checkpoint.last_every=0", "probe.enabled=false"]
     run_dir = tmp_path / "run"
     train_here(run_dir, *overrides)
-    from normgeo.plan import checkpoint_disk, compose, setup_from_config
+    from normgeo.plan import checkpoint_disk, compose
+    from normgeo.runs.preflight import setup_from_config
 
     cfg = compose([*FAST, f"run_dir={run_dir}", *overrides])
     with quiet_plan():

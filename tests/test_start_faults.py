@@ -17,8 +17,8 @@ import pytest
 
 import normgeo.runs.start as start_checks
 from normgeo.paths import FolderError, check_writable_folder
-from normgeo.plan import PlanRefusal
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
+from normgeo.runs.preflight import PlanRefusal
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
 from tests.conftest import FAST, ROOT, module_main, run_entry_point, run_train, train_here, train_in_process

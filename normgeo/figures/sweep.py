@@ -12,9 +12,9 @@ import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
+from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import check_unique_runs, identity_from_config, read_run_config
 from normgeo.readers.metrics import last_value, read_metrics
-from normgeo.readers.records import read_run_records
 from normgeo.readers.status import find_runs, is_analysis
 from normgeo.runs.run_config import SUMMARY_FILE
 

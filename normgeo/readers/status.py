@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics import last_value, read_metrics
-from normgeo.readers.records import read_run_records
 from normgeo.runs.run_config import SUMMARY_FILE
 from normgeo.runs.session import divergence, newest_resumable
 

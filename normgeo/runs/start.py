@@ -42,6 +42,7 @@ from models.hardware import missing_cuda
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
+from normgeo.measure.run_records import read_run_records
 from normgeo.paths import (
     FolderError,
     check_own_folder,
@@ -49,12 +50,11 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
-from normgeo.plan import PlanRefusal, preflight
-from normgeo.readers.records import read_run_records
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
 from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
+from normgeo.runs.preflight import PlanRefusal, preflight
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
 from normgeo.runs.schema import ConfigError, check_cross_keys
 from normgeo.runs.session import (

@@ -1,6 +1,8 @@
 """Every records file of a run, read by one rule for every reader (``compare``, ``status``, ``report``, the
-verdict): a damaged line (a copy cut short, a full disk) raises :class:`DamagedRecords` naming the file and
-line, and the reader leaves that run out (``status`` lists it as damaged), naming it on stderr."""
+verdict, a resumed run's start): a damaged line (a copy cut short, a full disk, a hand edit) raises
+:class:`DamagedRecords` naming the file and line, and the reader leaves that run out (``status`` lists it as
+damaged), naming it on stderr. Here, beside the measurements that write the files, so that the run's start
+(normgeo.runs, a floor below the readers) reads them by the same rule."""
 
 from __future__ import annotations
 
