@@ -88,6 +88,7 @@ class LitGPT(L.LightningModule):
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
         self._step_loss: torch.Tensor | None = None  # the latest optimizer step's global loss, on the device
+        self._step_lr = 0.0  # and its learning rate
         self._reported_step: int | None = None  # the latest step reported (None: none yet this session)
         # the first non-finite loss's step (-1: none), on the device
         self._diverged_step: torch.Tensor | None = None
@@ -173,16 +174,16 @@ class LitGPT(L.LightningModule):
         self._loss_sum, self._micro_steps = None, 0
         step = self.trainer.global_step + 1
         self._note_divergence(loss, step)
-        self._step_loss = loss
+        self._step_loss, self._step_lr = loss, optimizer.param_groups[0]["lr"]
         if self.reports_at(step):
-            self.report(step, optimizer)
+            self.report(step)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # A callback may have stopped training at this step (a signal, stop_at_step): Lightning logs it then,
         # so the loss it logs must be this step's (callbacks' hooks run before the module's).
         step = self.trainer.global_step
         if self._micro_steps == 0 and self.trainer.should_stop and self._reported_step != step:
-            self.report(step, self.trainer.optimizers[0])
+            self.report(step)
 
     def reports_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` is one Lightning logs (every ``log_every_n_steps``), this session's
@@ -217,14 +218,14 @@ class LitGPT(L.LightningModule):
             f"the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
             step=int(step), loss=loss, lr=lr)
 
-    def report(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+    def report(self, step: int) -> None:
         """Wait for the device once (:meth:`raise_if_diverged`), then log step ``step``'s loss, learning rate,
         tokens seen and the rates over the steps since the previous report, now timed exactly."""
         self.raise_if_diverged()
         self._reported_step = step
         metrics = {
             "train/loss": self._step_loss,
-            "train/lr": optimizer.param_groups[0]["lr"],
+            "train/lr": self._step_lr,  # the rate this step's update used
             "train/tokens_seen": float(step * self.tokens_per_step),
         }
         rates = self.step_rates(step, time.perf_counter())

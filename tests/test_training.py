@@ -10,12 +10,20 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
-from models.lit import LitGPT
+from models.lit import LitGPT, warmup_cosine
 from normgeo.measure.records import read_rows
 from normgeo.runs.session import REPLACED_DIR
-from tests.conftest import entry_point_here, run_train, step_losses, train_here, train_in_process
+from tests.conftest import (
+    entry_point_here,
+    metrics_rows,
+    run_train,
+    step_losses,
+    train_here,
+    train_in_process,
+)
 
 
 def load(path: Path) -> dict:
@@ -95,6 +103,15 @@ def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> Non
     losses = step_losses(accumulated_run)
     assert sorted(losses) == list(range(1, 7))  # the k-th update at step k, like its probe and checkpoint
     assert all(0 < loss < 12 for loss in losses.values())
+    # Beside each loss, the learning rate that update used: the schedule's value after k - 1 steps.
+    optim = yaml.safe_load((accumulated_run / "run_config.yaml").read_text())["optim"]
+    rows = metrics_rows(accumulated_run)
+    lrs = {int(row["step"]): float(row["train/lr"]) for row in rows if row.get("train/lr")}
+    assert lrs == {
+        k: pytest.approx(optim["lr"] * warmup_cosine(k - 1, warmup_steps=0, max_steps=6,
+                                                     min_lr_ratio=optim["min_lr_ratio"]))
+        for k in range(1, 7)
+    }
 
 
 @pytest.mark.slow
