@@ -198,7 +198,10 @@ class StopOnSignal(OptimizerStepCallback):
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
         # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
         # reaches every rank, a kill only one): any rank's signal stops all of them at this same step.
-        # One all-reduce per optimizer step: [requeue, SIGINT, SIGTERM] summed over the ranks.
+        # One all-reduce of [requeue, SIGINT, SIGTERM] summed over the ranks, at the steps the training loop
+        # reports (log_every_n_steps: it waits for the device there anyway), not at every step.
+        if trainer.world_size > 1 and step % max(trainer.log_every_n_steps, 1):
+            return
         interrupt = self.interrupt
         flags = [bool(self.requeue and self.requeue.received), interrupt.signum == signal.SIGINT,
                  interrupt.signum == signal.SIGTERM]
