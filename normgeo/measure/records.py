@@ -222,9 +222,9 @@ def record_problem(row: dict) -> str | None:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Every record of a ``.jsonl`` file ([] when it is absent); raises :class:`DamagedRecords` at the first
-    line that is not a JSON object or whose fields are not what a record holds (:func:`record_problem`), and
-    for a file without a record."""
+    """Every record of a ``.jsonl`` file ([] when it is absent or empty: a measurement with nothing to
+    measure, such as DyT's ellipsoid, writes an empty file); raises :class:`DamagedRecords` at the first line
+    that is not a JSON object or whose fields are not what a record holds (:func:`record_problem`)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -245,9 +245,6 @@ def read_rows(path: str | Path) -> list[dict]:
             if problem is not None:
                 raise DamagedRecords(path, number, problem)
             rows.append(row)
-    if not rows:  # the tools write a records file only with records in it
-        raise DamagedRecords(path, 1, "no record in the file",
-                             "copy the file again from where the run wrote it, or remove it")
     return rows
 
 

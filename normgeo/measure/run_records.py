@@ -11,7 +11,7 @@ from pathlib import Path
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
 from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
 
 # Read whole before any figure or table is made, so that one damaged file leaves its run out instead of
 # stopping a figure or the verdict half-way.
@@ -19,5 +19,11 @@ RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTIO
 
 
 def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
-    """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line)."""
-    return {name: read_rows(Path(run_dir) / name) for name in RECORD_FILES}
+    """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line),
+    also for an ``angles.jsonl`` without a record: every probe writes angles (a measurement with nothing to
+    measure, such as DyT's ellipsoid, leaves its own file empty)."""
+    records = {name: read_rows(Path(run_dir) / name) for name in RECORD_FILES}
+    angles = Path(run_dir) / ANGLES_FILE
+    if angles.is_file() and not records[ANGLES_FILE]:
+        raise DamagedRecords(angles, 1, "no record in the file", "copy it again from where the run wrote it")
+    return records

@@ -63,7 +63,12 @@ def describe(hint: object) -> str:
     """A signature's type in words: ``a whole number or null``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
-        return " or ".join(dict.fromkeys(describe(arg) for arg in args))
+        # A union's order is typing's cache's (Union[int, float] is Union[float, int]): words sorted, null
+        # last, and a whole number said once as a number where any number is taken.
+        words = {describe(arg) for arg in args}
+        if "a number" in words:
+            words.discard("a whole number")
+        return " or ".join(sorted(words, key=lambda word: (word == "null", word)))
     if origin is Literal:
         return " or ".join(map(repr, args))
     if origin in (list, tuple, Sequence):
