@@ -74,8 +74,8 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
 
 
 def preflight(cfg: DictConfig) -> None:
-    """train.py, before the first step: on a GPU, raise PlanRefusal when the planned peak cannot fit the
-    device's memory. Skipped on the CPU and with plan.check=false."""
+    """The start's last check (normgeo.runs.start, before the claim): on a GPU, raise PlanRefusal when the
+    planned peak cannot fit the device's memory. Skipped on the CPU and with plan.check=false."""
     if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
         return
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count())
