@@ -117,19 +117,15 @@ def cut_mid_line(path: Path) -> int:
     return 2
 
 
-@pytest.mark.parametrize("name", RECORD_FILES)
-def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name: str, capfd) -> None:
-    damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
-    damaged = damaged_run / name
-    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, (
-        f"the trained run has no {name} to damage"
-    )
-    where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
+def check_every_reader_skips(sweep: Path, damaged_run: Path, where: str, capfd) -> None:
+    """report, compare and status name ``where`` (file:line: damaged record ...) for ``damaged_run``, read the
+    other runs (exit 1), and leave the damaged run byte-identical."""
+    other = sweep / "tiny-layer-s1"
     before = sha_tree(damaged_run)
     # report: the run is skipped and named, the intact one drawn (before: intervention.jsonl gave a traceback)
     result = module_main(capfd, "report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
+    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: 1 run(s) skipped for damaged records")
     result = module_main(capfd, "report", damaged_run.resolve())
     assert result.returncode == 2 and "Traceback" not in result.stderr and where in result.stderr
@@ -137,12 +133,23 @@ def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name
     result = module_main(capfd, "compare", sweep, "--formats=png")  # no PDFs: the skipped run is the point
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
-    assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
+    assert damaged_run.name not in (sweep / "compare" / "summary.md").read_text()
     # status: every run listed, the damaged one as damaged, with the same file and line
     result = module_main(capfd, "status", sweep, "--no-slurm")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"damaged tiny-rms-s1: {where}" in result.stderr
+    assert f"damaged {damaged_run.name}: {where}" in result.stderr
     assert sha_tree(damaged_run) == before
+
+
+@pytest.mark.parametrize("name", RECORD_FILES)
+def test_every_records_file_cut_short_is_named_by_every_reader(sweep: Path, name: str, capfd) -> None:
+    damaged_run = sweep / "tiny-rms-s1"
+    damaged = damaged_run / name
+    assert damaged.is_file() and damaged.read_text().count("\n") >= 2, (
+        f"the trained run has no {name} to damage"
+    )
+    where = f"{damaged.resolve()}:{cut_mid_line(damaged)}: damaged record ("
+    check_every_reader_skips(sweep, damaged_run, where, capfd)
 
 
 def damage(path: Path, kind: str) -> tuple[int, str]:
@@ -179,18 +186,7 @@ def test_a_record_that_is_not_what_a_record_holds_is_named_by_every_reader(
     """Issue 52, class 5: a record read whole but wrong (text where a number belongs, ``{}``, an empty file)
     is named with its file, line and what was expected by report, compare and status, and the others are
     read (before: a pyarrow error, an IndexError, a finished run shown as failed, or nothing at all)."""
-    damaged_run, other = sweep / "tiny-rms-s1", sweep / "tiny-layer-s1"
+    damaged_run = sweep / "tiny-rms-s1"
     line, reason = damage(damaged_run / name, kind)
     where = f"{(damaged_run / name).resolve()}:{line}: damaged record ({reason})"
-    before = sha_tree(damaged_run)
-    result = module_main(capfd, "report", damaged_run.resolve(), other, "--out", sweep.parent / "figures")
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr, result.stderr[-3000:]
-    result = module_main(capfd, "compare", sweep, "--formats=png")
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"skipped {damaged_run.resolve()}: {where}" in result.stderr
-    assert "tiny-rms-s1" not in (sweep / "compare" / "summary.md").read_text()
-    result = module_main(capfd, "status", sweep, "--no-slurm")
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"damaged tiny-rms-s1: {where}" in result.stderr
-    assert sha_tree(damaged_run) == before
+    check_every_reader_skips(sweep, damaged_run, where, capfd)
