@@ -35,6 +35,22 @@ def test_an_empty_or_missing_folder_starts_fresh_and_one_with_logs_is_refused(tm
         resume_checkpoint(tmp_path / "logs", "auto")
 
 
+def test_in_a_launch_of_several_processes_the_log_the_other_ranks_open_is_no_earlier_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """srun's other tasks open train.log as they start, maybe before rank 0 checks the folder: not a trace.
+    An earlier run left its .hydra/ too, and that still refuses."""
+    (tmp_path / "train.log").write_text("[train] rank 1 starting\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_traces(tmp_path) == [] and resume_checkpoint(tmp_path, "auto") is None
+    (tmp_path / ".hydra").mkdir()
+    with pytest.raises(RunDirectoryError, match=r"holds an earlier run \(\.hydra\) but no checkpoint"):
+        resume_checkpoint(tmp_path, "auto")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    assert run_traces(tmp_path) == [".hydra", "train.log"]  # one process: its own log is an earlier run's
+
+
 @pytest.mark.slow
 def test_resuming_a_finished_run_changes_no_byte(finished_smoke: Path, capsys) -> None:
     before = sha_tree(finished_smoke)

@@ -17,7 +17,7 @@ from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics import last_value, read_metrics
-from normgeo.runs.run_config import SUMMARY_FILE
+from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
 from normgeo.runs.session import divergence, newest_resumable
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -129,7 +129,7 @@ def slurm_state(job: str) -> str | None:
 
 def asked_to_requeue(run_dir: Path) -> bool:
     """True when the latest session logged that it stopped to requeue (train.log, all sessions appended)."""
-    log = run_dir / "train.log"
+    log = run_dir / TRAIN_LOG
     if not log.is_file():
         return False
     last_session = last_requeue = -1

@@ -28,6 +28,7 @@ LAST_CHECKPOINT = "last.ckpt"  # in <run>/checkpoints/: the full state to resume
 RUN_INFO_FILE = "run_info.json"  # analyze.py's record of what it measured, written last
 # The file that says which command's outputs a folder holds (normgeo.paths.check_own_folder).
 OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "an analysis (analyze.py)"}
+TRAIN_LOG = "train.log"  # the run's log (Hydra's job log, train.py's job name): every rank appends to it
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 

@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
+    TRAIN_LOG,
     ResumeConfigError,
     config_changes,
     is_rank_zero,
@@ -162,27 +162,22 @@ def replace_diverged_run(run_dir: Path) -> bool:
     return True
 
 
-# When this process started (train.py imports this module before Hydra): the files that the other processes
-# of the same launch (srun's tasks, torchrun's ranks) write while they start are newer than this, less a skew.
-PROCESS_STARTED = time.time()
-LAUNCH_SKEW_S = 60.0
-
-
-def sibling_file(path: Path) -> bool:
-    """A file another process of this same multi-process launch wrote since it started (not an earlier
-    run's)."""
-    together = int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
-    return together and path.stat().st_mtime >= PROCESS_STARTED - LAUNCH_SKEW_S
+def launched_together() -> bool:
+    """This process is one of several of one launch (srun's tasks, torchrun's or Lightning's ranks)."""
+    return int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
 
 
 def run_traces(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
-    missing or empty folder, or one holding only the lock, a killed write's temporaries and the files that
-    the other processes of this launch have just written."""
+    missing or empty folder, or one holding only the lock and a killed write's temporaries. In a launch of
+    several processes the log is not counted: the other ranks open it as they start, and an earlier run
+    always left more than its log (rank 0 writes ``.hydra/`` first)."""
     if not run_dir.is_dir():
         return []
-    return sorted(p.name for p in run_dir.iterdir()
-                  if p.name != LOCK_FILE and not p.name.endswith(TMP_SUFFIX) and not sibling_file(p))
+    ignored = {LOCK_FILE, TRAIN_LOG} if launched_together() else {LOCK_FILE}
+    return sorted(
+        p.name for p in run_dir.iterdir() if p.name not in ignored and not p.name.endswith(TMP_SUFFIX)
+    )
 
 
 def fresh_command(run_dir: Path) -> str:
@@ -219,7 +214,7 @@ DIVERGED = "diverged"
 # a diverged run's files while the start that replaces it has not trained a step
 REPLACED_DIR = ".replaced-run"
 # What a start that replaces a diverged run keeps: this session's own lock and Hydra files.
-KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", "train.log", REPLACED_DIR)
+KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", TRAIN_LOG, REPLACED_DIR)
 
 
 def divergence(run_dir: Path) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
 from corpus.atomic import atomic_open
-from normgeo.runs.run_config import SUMMARY_FILE
+from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
 
 
 class SessionClock(L.Callback):
@@ -94,7 +94,7 @@ def run_summary(
         "figures": [str(f) for f in figures],
         "checkpoints": str(run_dir / "checkpoints"),
         "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
-        "train_log": str(run_dir / "train.log"),
+        "train_log": str(run_dir / TRAIN_LOG),
         "disk_bytes": disk_use(run_dir),
     }
 
