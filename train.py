@@ -29,11 +29,11 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.angle_probe import AngleProbe
-from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint, StopAtStep
+from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
-from corpus.atomic import stop_on_signals, stopping_on_signals
+from corpus.atomic import stopping_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -169,12 +169,12 @@ class KeepStart(OptimizerStepCallback):
         self.start.keep()
 
 
-def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule, probe_ids=None) -> list:
-    """Checkpoints on the schedule, the optional early stop and the angle probe at the same steps
-    (``probe_ids``: its tokens, as the start check tokenized them)."""
-    callbacks: list = [ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule)]
-    if cfg.stop_at_step:
-        callbacks.append(StopAtStep(cfg.stop_at_step))
+def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule, stop: StopOnSignal,
+                   probe_ids=None) -> list:
+    """The checkpoint owner (the schedule, ``stop_at_step``, the signal ``stop``) and the angle probe at the
+    same steps (``probe_ids``: its tokens, as the start check tokenized them)."""
+    callbacks: list = [ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule,
+                                           stop_at_step=cfg.stop_at_step or None, signal_stop=stop)]
     if cfg.probe.enabled:
         callbacks.append(
             AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
@@ -198,12 +198,12 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         torch.set_num_threads(cfg.threads)
 
     schedule: CheckpointSchedule = make_schedule(cfg)
-    # Last: acts after this step's probe. SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits
-    # (at once during a validation or a probe); its handler is installed first.
+    # SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits (at once during a validation or a
+    # probe). Its handler is installed first; the checkpoint owner asks it after each step's probe.
     stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
     clock = SessionClock()
-    callbacks = [stop.installer, KeepStart(start), *make_callbacks(cfg, run_dir, schedule, start.probe_ids),
-                 *extra_callbacks, clock, stop]
+    owned = make_callbacks(cfg, run_dir, schedule, stop, start.probe_ids)
+    callbacks = [stop.installer, KeepStart(start), *owned, *extra_callbacks, clock, stop]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -232,7 +232,6 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         with contextlib.suppress(SignalStop):
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-        clock.on_train_end(trainer, module)  # Lightning skips it when fit raises
         if trainer.is_global_zero:
             summary = run_summary(
                 trainer,
@@ -364,10 +363,11 @@ def main() -> None:
     if PLAN_FLAG in sys.argv[1:]:
         sys.exit(plan_main([a for a in sys.argv[1:] if a != PLAN_FLAG]))
     # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory
-    # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead.
-    stop_on_signals("before training started (checks, data preparation)",
-                    "nothing was trained; run the same command again")
-    config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
+    # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead. Each handler
+    # puts back the one it replaced: a caller's (a test, a notebook) is there again when main returns.
+    with stopping_on_signals("before training started (checks, data preparation)",
+                             "nothing was trained; run the same command again"):
+        config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
 
 
 if __name__ == "__main__":

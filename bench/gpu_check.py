@@ -10,8 +10,8 @@ parts most needed with ``--parts``, the page keeping the other rows (docs/benchm
   (bf16-mixed, ``compile=true``, fused AdamW) for a few hundred steps: tokens/s and MFU as the harness logs
   them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, ``models.lit.peak_flops``), the
   first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
-- ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan``'s prediction for
-  the same overrides (``plan=true``), as a ratio;
+- ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan --measure``'s for
+  the same overrides (the compiled step measured on the device after the timed parts), as a ratio;
 - ``efficiency 70m`` ... ``efficiency 1b``: ``bench/efficiency.py`` per size (each its own part): the
   optimizer step of ``layer``, ``rms`` and ``layer_nobias``, eager and compiled, interleaved over repeats:
   the LayerNorm/RMSNorm step-time ratio with its 95% interval, tokens/s, MFU and the norms' share of the
@@ -27,8 +27,9 @@ parts most needed with ``--parts``, the page keeping the other rows (docs/benchm
   the kernels' device time (torch.profiler) as a fraction of the copy-bandwidth floor;
 - ``analyze smollm2``: ``analyze.py model=smollm2-135m`` (the packaged GGUF weights) on the GPU.
 
-The parts that need no GPU (the plans, the CPU side of the agreement) run beside the GPU parts, in a second
-lane. Exit status 1 names each path that failed; 2: bad input (one line).
+The CPU side of the agreement runs beside the GPU parts, in a second lane; so do the plans, after the timed
+parts (each measures its step on the GPU; on the stand-in from the start). Exit status 1 names each path that
+failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
@@ -511,9 +512,10 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
 
 
 def plan(ctx: Context, size: str) -> Outcome:
-    """``python -m normgeo.plan <the train part's overrides> --json``: the planned peak per GPU."""
+    """``python -m normgeo.plan <the train part's overrides> --measure --json``: the planned peak per GPU, the
+    eager trace and the compiled step measured on the device (on the CPU stand-in: the reason it is not)."""
     overrides = [*ctx.mode.train_sizes()[size], *ctx.mode.trainer(), *QUIET]
-    done, shown, seconds = ctx.run([sys.executable, "-m", "normgeo.plan", *overrides, "--json"],
+    done, shown, seconds = ctx.run([sys.executable, "-m", "normgeo.plan", *overrides, "--measure", "--json"],
                                    ctx.mode.budget(240))
     reason = failure(done, seconds, ctx)
     if reason is not None:
@@ -525,7 +527,8 @@ def plan(ctx: Context, size: str) -> Outcome:
         "",
         seconds,
         [f"`{shown}`"],
-        data={"total": report["memory"]["no_ac"]["total"], "precision": report["config"]["precision"]},
+        data={"total": report["memory"]["no_ac"]["total"], "precision": report["config"]["precision"],
+              "measured": report["measured"]},
     )
 
 
@@ -534,7 +537,9 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
     path = f"memory {size}"
     if not planned.passed:
         return Outcome(path, False, f"plan failed: {planned.summary}", planned.seconds, planned.details)
-    total = planned.data["total"]
+    traced, measured = planned.data["total"], planned.data["measured"]
+    # The plan of the run as it trains: the measured step where the plan could measure it, else the trace.
+    total = measured.get("peak", traced)
     cells, ok = [], True
     for row in trained:
         peak = row.data.get("peak_bytes")
@@ -548,14 +553,17 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
             met = "met" if abs(ratio - 1) <= TARGETS["memory_ratio"] else "missed"
             cells.append(f"{row.path.split()[-1]}: measured {peak / 2**30:.2f} GiB, ratio {ratio:.3f} "
                          f"(target within ±{TARGETS['memory_ratio']:.0%}: {met})")
-    summary = (
-        f"planned {total / 2**30:.3f} GiB (the layer arm, {planned.data['precision']}, no checkpointing); "
-        + "; ".join(cells)
-    )
+    if "peak" in measured:
+        how = (f"planned {total / 2**30:.3f} GiB: {measured['steps']} "
+               f"{'compiled' if measured['compiled'] else 'eager'} steps measured by the plan (its eager "
+               f"trace: {traced / 2**30:.3f} GiB)")
+    else:
+        how = f"planned {total / 2**30:.3f} GiB: the eager trace (not measured: {measured['reason']})"
+    summary = f"{how}, the layer arm, {planned.data['precision']}, no checkpointing; " + "; ".join(cells)
     details = [
         f"- plan: {planned.details[0]}",
-        "- measured: `torch.cuda.max_memory_allocated()` over each arm's "
-        "training (the train rows); the plan traces the eager model, training ran compiled",
+        "- measured: `torch.cuda.max_memory_allocated()` over each arm's training (the train rows); the "
+        "plan's own measurement is `models.plan.measure_step` (the layer arm's step, as training runs it)",
     ]
     return Outcome(path, ok, summary, planned.seconds, details)
 
@@ -993,10 +1001,15 @@ def check(
         "norm cost": lambda: norm_cost(ctx),
     }
     chosen = {"environment", *parts}
+    sizes = [size for size in ("70m", "410m") if f"train {size}" in chosen]
     with ThreadPoolExecutor(1) as host:
-        plans = {size: host.submit(plan, ctx, size) for size in ("70m", "410m") if f"train {size}" in chosen}
+        # A plan measures its step on the device: on a GPU after the timed parts, which have the GPU to
+        # themselves; on the stand-in (nothing measured) beside them.
+        plans = {size: host.submit(plan, ctx, size) for size in sizes} if mode.standin else {}
         reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
         results = {name: guarded(name, fn) for name, fn in timed.items() if name in chosen}
+        if not mode.standin:
+            plans = {size: host.submit(plan, ctx, size) for size in sizes}
         untimed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
             "ddp resume": lambda: resume(ctx, "ddp"),
             "fsdp resume": lambda: resume(ctx, "fsdp"),

@@ -1,8 +1,12 @@
 """Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``, refreshed
 every ``last_every`` steps and, with ``every_minutes``, every that many minutes of wall time.
 
-:class:`CheckpointSchedule` is the schedule (pure arithmetic, also the probe's); :class:`ScheduledCheckpoint`
-writes at it; the stop on a signal that saves ``last.ckpt`` early is callbacks/signals.py's.
+:class:`CheckpointSchedule` is the schedule (pure arithmetic, also the probe's). :class:`ScheduledCheckpoint`
+is the one owner of what is saved when: after each optimizer step it decides, in this order, whether the
+session stops here (``stop_at_step``, then a stop signal on any rank: callbacks/signals.py's
+:class:`~callbacks.signals.StopOnSignal` is asked), whether the weights are finite, and what to write (the
+scheduled checkpoint, ``last.ckpt``); a new trigger is one branch in
+:meth:`ScheduledCheckpoint.on_optimizer_step` and one field of the ``checkpoint`` config.
 
 Both are written through :class:`AtomicCheckpointIO`, so a kill mid-write never leaves a truncated file.
 A step that also validates is checkpointed after its validation: a kill during validation then resumes
@@ -28,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import SignalStop, installed_interrupt
+from callbacks.signals import SignalStop, StopOnSignal, installed_interrupt
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
 from normgeo.runs.run_config import LAST_CHECKPOINT
@@ -145,16 +149,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
-    """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming.
+    """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming; ends the
+    session at ``stop_at_step`` or on a stop signal (``signal_stop``), saving ``last.ckpt`` at that step.
 
     Scheduled checkpoints are the experiment's data: by default they keep weights only (no optimizer
-    state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume.
+    state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume. Lightning runs
+    Checkpoint callbacks after the others: this step's probe has measured when this one decides.
     """
 
-    def __init__(self, dirpath: str, schedule: CheckpointSchedule,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        dirpath: str,
+        schedule: CheckpointSchedule,
+        *,
+        stop_at_step: int | None = None,
+        signal_stop: StopOnSignal | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.dirpath = Path(dirpath)
         self.schedule = schedule  # also says how often last.ckpt is refreshed and what scheduled ones keep
+        self.stop_at_step = stop_at_step
+        self.signal_stop = signal_stop
         self._after_validation: int | None = None  # a step whose checkpoints wait for its validation
         self._last_saved_at: int | None = None  # the step of this session's newest last.ckpt
         self.clock = clock
@@ -178,6 +193,12 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         return Path(dirpath) / f"step-{step:07d}.ckpt"
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        # Whether the session ends after this step: its last.ckpt is then written on train end.
+        if self.stop_at_step is not None and step >= self.stop_at_step:
+            trainer.should_stop = True
+        elif self.signal_stop is not None:
+            self.signal_stop.poll(trainer, step)
+        # What this step writes.
         last_every = self.schedule.last_every
         on_steps = step in self.schedule or (last_every and step % last_every == 0)
         if not on_steps and not self.minutes_due(trainer):
@@ -220,6 +241,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
         which the step's end would have written), so that the resume continues from this step."""
         if isinstance(exception, SignalStop):
+            if self.signal_stop is not None:
+                self.signal_stop.abandoned(trainer, exception)
             self._after_validation = None
             step = trainer.global_step
             if step in self.schedule and step in self.saved_steps:
@@ -254,18 +277,3 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved_steps = list(state_dict.get("saved_steps", []))
-
-
-class StopAtStep(L.Callback):
-    """Ends this session cleanly after optimizer step ``step`` (last.ckpt is written on train end).
-
-    For splitting a long run into chunks that fit a scheduler's time slots: the next session
-    continues with ``resume=auto`` exactly where this one stopped.
-    """
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True

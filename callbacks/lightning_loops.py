@@ -11,8 +11,8 @@ import lightning as L
 def validation_follows(trainer: L.Trainer) -> bool:
     """Whether Lightning validates right after this training batch (its own rule, asked, not copied).
 
-    Called from a checkpoint callback's on_train_batch_end: Lightning runs Checkpoint callbacks last, so
-    a ``should_stop`` set by StopAtStep or a requeue (which also triggers validation) is already seen.
+    Called from the checkpoint owner's on_train_batch_end after it decided whether the session stops at this
+    step: a ``should_stop`` set there (``stop_at_step``, a requeue; both trigger a validation) is seen.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if epoch_loop.val_loop.skip:

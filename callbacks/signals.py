@@ -1,9 +1,9 @@
 """Stopping a run on a signal: the user's Ctrl-C or SIGTERM, and SLURM's requeue signal (USR1).
 
-:class:`StopOnSignal` stops every rank after the same optimizer step (``last.ckpt`` is then written by the
-checkpoint callback); a validation or a probe in progress is abandoned at once (:class:`SignalStop`);
-train.py prints the resume command and exits 128 + the signal number (:func:`exit_if_interrupted`), or
-requeues the SLURM job.
+:class:`StopOnSignal` stops every rank after the same optimizer step when the checkpoint owner polls it
+(``last.ckpt`` is then written by that owner, callbacks/checkpointing.py); a validation or a probe in
+progress is abandoned at once (:class:`SignalStop`); train.py prints the resume command and exits 128 + the
+signal number (:func:`exit_if_interrupted`), or requeues the SLURM job.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 
 from callbacks.lightning_loops import settle_abandoned_validation
-from callbacks.optimizer_step import OptimizerStepCallback
 from normgeo.runs.run_config import LAST_CHECKPOINT
 from slurm.requeue import SlurmRequeue
 
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 class SignalStop(Exception):
     """A stop signal arrived while this session measured (a validation, a probe): the measurement is abandoned
-    at once and ``last.ckpt`` saved at the current optimizer step (:meth:`StopOnSignal.on_exception`,
-    :meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
+    at once and ``last.ckpt`` saved at the current optimizer step
+    (:meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
 
 
 class Interrupt:
@@ -47,7 +47,6 @@ class Interrupt:
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def __init__(self) -> None:
         self.received = False
@@ -63,6 +62,7 @@ class Interrupt:
         # The signal of a second interrupt: its SystemExit may surface as another exception
         # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
         self.abandoning: int | None = None
+        self.replaced: dict[int, Any] = {}  # the handlers install() replaced, put back by uninstall()
 
     def enter(self, what: str) -> None:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
@@ -80,13 +80,15 @@ class Interrupt:
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
-                signal.signal(signum, self)
+                self.replaced[signum] = signal.signal(signum, self)
 
     def uninstall(self) -> None:
+        """Put back the handlers :meth:`install` replaced (one that was not set from Python: the default)."""
         self.abandonable = None
-        for signum in self.SIGNALS:
+        for signum, previous in self.replaced.items():
             if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
-                signal.signal(signum, self.DEFAULTS[signum])
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self.replaced = {}
 
     def __call__(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -131,15 +133,17 @@ def abandonable(what: str) -> Iterator[None]:
         interrupt.leave()
 
 
-class StopOnSignal(OptimizerStepCallback):
+class StopOnSignal(L.Callback):
     """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once: SLURM's
     requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
 
     Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler
     does) makes the resume point a whole optimizer step: no half-accumulated gradients, no
-    half-applied update, and no collective that could meet another rank's all-reduce. ``last.ckpt``
-    is then written on train end by :class:`callbacks.checkpointing.ScheduledCheckpoint`; train.py
-    requeues the job, or prints the resume command. """
+    half-applied update, and no collective that could meet another rank's all-reduce. The checkpoint owner
+    (:class:`callbacks.checkpointing.ScheduledCheckpoint`) asks :meth:`poll` after each step and
+    :meth:`abandoned` when a signal abandoned a validation or a probe, before it writes ``last.ckpt``;
+    this callback keeps the handler's life (installed on train start, put back at teardown) and marks
+    validations abandonable. train.py requeues the job, or prints the resume command."""
 
     def __init__(self, requeue: SlurmRequeue | None = None, resume_command: str = "",
                  last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
@@ -158,7 +162,6 @@ class StopOnSignal(OptimizerStepCallback):
         return None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
         if self.requeue is not None:
             self.requeue.training = True
         self.interrupt.announce = trainer.is_global_zero
@@ -175,14 +178,17 @@ class StopOnSignal(OptimizerStepCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self.interrupt.leave()
-        if isinstance(exception, SignalStop):
-            step = trainer.global_step
-            if str(exception).startswith("the validation"):
-                settle_abandoned_validation(trainer)
-            if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
-                log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
-                            signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
-                self.interrupt.stopped_at = step
+
+    def abandoned(self, trainer: L.Trainer, exception: SignalStop) -> None:
+        """A signal abandoned a validation or a probe at this step: count an abandoned validation as run, and
+        record the step the session stopped at (before the checkpoint owner saves ``last.ckpt`` there)."""
+        step = trainer.global_step
+        if str(exception).startswith("the validation"):
+            settle_abandoned_validation(trainer)
+        if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
+            log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
+                        signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
+            self.interrupt.stopped_at = step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.interrupt.uninstall()
@@ -193,7 +199,9 @@ class StopOnSignal(OptimizerStepCallback):
         step-0 probe (another callback's on_train_start) is covered too."""
         return InstallInterrupt(self.interrupt)
 
-    def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+    def poll(self, trainer: L.Trainer, step: int) -> None:
+        """After optimizer step ``step``: whether any rank received a stop signal; if so, every rank stops
+        here (``trainer.should_stop``)."""
         if trainer.should_stop or step >= trainer.max_steps:
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
         # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C

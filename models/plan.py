@@ -430,6 +430,52 @@ def plan_strategy(setup: TrainSetup, counts: ModelCounts, checkpointing: bool,
     return StrategyPlan(checkpointing, m1, Linear(m1.total - slope * b1, slope, (b1, b2)), flops)
 
 
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A training step's peak as CUDA's allocator held it, measured on the device (:func:`measure_step`)."""
+
+    peak: int                       # torch.cuda.max_memory_allocated over the steps, bytes
+    micro_batch: int
+    steps: int
+    compiled: bool
+    device: str
+
+
+def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
+    """The peak of ``steps`` real training steps of one device at the configured micro_batch, compiled as
+    ``compile=true`` trains (``model.compile()``): what Inductor keeps for the backward cannot be traced with
+    fake tensors, so the step runs. The first steps create the optimizer state and, compiled, generate the
+    kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over a training run is.
+    One device without sharding: DDP's buckets and FSDP2's shards stay the trace's (:func:`per_gpu`)."""
+    if device.type != "cuda":
+        raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
+    compiled = bool(setup.model.get("compile"))
+    _, low = PRECISIONS[setup.precision]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    module = build_module(setup).to(device)  # built as training builds it (its init draws on the CPU)
+    if compiled:
+        module.model.compile()
+    optimizer = build_optimizer(module, setup.fused_adamw)
+    vocab = int(setup.model["model"].get("vocab_size", 50257))
+    shape = (setup.micro_batch, setup.seq_len)
+    inputs = torch.randint(0, vocab, shape, device=device)
+    targets = torch.randint(0, vocab, shape, device=device)
+    for _ in range(steps):
+        with torch.autocast(device.type, dtype=low) if low is not None else nullcontext():
+            loss = module.model(inputs, targets)
+        loss.backward()
+        if setup.gradient_clip:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), setup.gradient_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del module, optimizer, loss
+    torch.cuda.empty_cache()
+    return MeasuredStep(peak, setup.micro_batch, steps, compiled, torch.cuda.get_device_name(device))
+
+
 def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
     """6 N + 12 L T d (PaLM, appendix B) with N the matmul weights: an embedding lookup does no FLOPs."""
     m = setup.model["model"]

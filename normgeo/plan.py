@@ -11,6 +11,12 @@ check, before the claim) are ``normgeo/runs/preflight.py``.
 
     python -m normgeo.plan experiment=paper_1b norm=rms
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
+    python -m normgeo.plan size=410m compile=true --measure   # on a GPU: the compiled step, measured
+
+The tables trace the eager step: for ``compile=true`` they are an upper bound, since Inductor keeps fewer
+activations for the backward than eager autograd does, and that cannot be traced ahead of time.
+``--measure`` (a CUDA machine, one device) runs three real steps of the configuration as it will train,
+compiled where it compiles, and reports their allocator peak beside the trace (``models.plan.measure_step``).
 
 Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g.
 ``val_loss`` (the final point) or ``val_loss/tail`` (the primary statistic)) with
@@ -35,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
@@ -45,9 +52,11 @@ from models.plan import (
     GIB,
     GPUS,
     Plan,
+    TrainSetup,
     fits,
     largest_micro_batch,
     make_plan,
+    measure_step,
     quiet_plan,
 )
 from normgeo.figures.style import norm_label
@@ -108,8 +117,22 @@ def gpu_rows(cfg: DictConfig, plan: Plan, gpus: Sequence[str]) -> list[dict]:
     return rows
 
 
-def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool = True) -> tuple[Plan, dict]:
-    """The plan of a composed config and everything the command prints (a JSON-able dict)."""
+def measured_step(setup: TrainSetup) -> dict:
+    """:func:`models.plan.measure_step` on this machine's GPU, as a JSON-able dict; ``{"reason": ...}`` where
+    it cannot run (no CUDA device, or a strategy over several devices, whose buckets and shards only the
+    trace models)."""
+    if not torch.cuda.is_available():
+        return {"reason": "no CUDA device here: the step is measured on the GPU it will train on"}
+    if setup.world_size != 1 or setup.strategy != "single":
+        return {"reason": f"{setup.strategy} over {setup.world_size} device(s): only a one-device step is "
+                          "measured (the trace plans DDP's buckets and FSDP2's shards)"}
+    return asdict(measure_step(setup, torch.device("cuda", torch.cuda.current_device())))
+
+
+def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool = True,
+                measure: bool = False) -> tuple[Plan, dict]:
+    """The plan of a composed config and everything the command prints (a JSON-able dict); ``measure``: also
+    the step measured on this machine's GPU (:func:`measured_step`)."""
     unknown = [g for g in cfg.plan.gpus if g not in GPUS]
     if unknown:
         raise ConfigError(f"plan.gpus={unknown[0]}: unknown GPU (one of {', '.join(GPUS)})")
@@ -146,6 +169,8 @@ def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool
         "gpus": gpu_rows(cfg, plan, cfg.plan.gpus),
         "disk": checkpoint_disk(cfg, plan),
         "headroom": {"gib": cfg.plan.headroom_gib, "fragmentation": cfg.plan.fragmentation},
+        "compile": bool(setup.model.get("compile")),
+        "measured": measured_step(setup) if measure else None,
     }
     return plan, report
 
@@ -159,7 +184,7 @@ def print_report(report: dict) -> None:
     print(
         f"plan: {c['size']} {c['norm']} · {c['strategy']} over {c['world_size']} GPU(s) · {c['precision']} · "
         f"micro_batch {c['micro_batch']} · global_batch {c['global_batch']} x seq_len {c['seq_len']} · "
-        f"{c['max_steps']:,} steps (planned with fake tensors, not measured)"
+        f"{c['max_steps']:,} steps (the tables: planned with fake tensors)"
     )
     print(f"parameters: {n['parameters']:,} total · {n['non_embedding']:,} non-embedding · "
           f"{n['parameter_bytes'] / 1e9:.2f} GB · AdamW state {n['optimizer_bytes'] / 1e9:.2f} GB")
@@ -193,6 +218,7 @@ def print_report(report: dict) -> None:
     rows.append(["+ per extra sample", *[_gib(report["peak_per_sample"][k]) for k in columns],
                  *([""] if report["probe_memory"] else [])])
     print_table(header, rows, left=("GiB per GPU",))
+    print(measured_text(report))
     h = report["headroom"]
     gpu_header = ["GPU", "GiB", "fits", "largest micro_batch", "fits (AC)", "largest micro_batch (AC)",
                   "s / step", "run hours", "GPU-hours"]
@@ -223,6 +249,22 @@ def print_report(report: dict) -> None:
     d = report["disk"]
     print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "
           f"{d['last_bytes'] / 1e9:.2f} GB = {d['total_bytes'] / 1e9:.1f} GB (probe files not counted)")
+
+
+def measured_text(report: dict) -> str:
+    """What the memory table is for this configuration: the eager trace, and the measured step beside it."""
+    traced = report["memory"]["ac" if report["config"]["activation_checkpointing"] else "no_ac"]["total"]
+    measured = report.get("measured")
+    if measured and "peak" in measured:
+        kind = "compiled" if measured["compiled"] else "eager"
+        return (f"measured on {measured['device']}: {measured['steps']} {kind} steps at micro_batch "
+                f"{measured['micro_batch']} peaked at {_gib(measured['peak'])} GiB "
+                f"(the eager trace above: {_gib(traced)} GiB, ratio {measured['peak'] / traced:.3f})")
+    why = f" (not measured: {measured['reason']})" if measured else ""
+    if report["compile"]:
+        return ("compile=true: the table traces the eager step, an upper bound (Inductor keeps fewer "
+                f"activations); --measure on the GPU measures the compiled step{why}")
+    return f"the table traces the eager step, as compile=false trains{why}"
 
 
 def _yes(value: bool | None) -> str:
@@ -314,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (no -m: plan one run at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    parser.add_argument("--measure", action="store_true",
+                        help="on a CUDA machine, also run three real steps of the configuration as it will "
+                             "train (compiled with compile=true) and report their peak memory")
     parser.add_argument("--seeds-for", metavar="METRIC=MARGIN", default=None,
                         help="seeds per arm that resolve MARGIN for a verdict metric, e.g. val_loss=0.01")
     parser.add_argument("--sd", type=float, default=None,
@@ -343,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose(overrides)
         if seeds_for is not None:
             sd, source = (args.sd, "given") if args.sd is not None else sweep_sd(args.sweep, seeds_for[0])
-        _, report = plan_config(cfg)
+        _, report = plan_config(cfg, measure=args.measure)
     except DuplicateRuns as err:  # --sweep holding two folders of one run: each named, as compare names them
         print(err, file=sys.stderr)
         return CONFIG_ERROR_EXIT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from models.plan import (
     TrainSetup,
     largest_micro_batch,
     make_plan,
+    measure_step,
     preflight_error,
     quiet_plan,
     trace_step,
@@ -155,6 +157,22 @@ def test_the_command_prints_a_plan_and_writes_nothing(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compiled_plan_says_it_traced_the_eager_step_and_measure_says_where_it_can_run(capsys) -> None:
+    """Issue 50, item 4: never an eager number for a compiled run without saying so. --measure runs the real
+    step where there is a CUDA device (docs/gpu_numbers.md); here it names why it did not."""
+    tiny = ["size=tiny", "seq_len=64", "micro_batch=4", "global_batch=8"]
+    assert plan_main([*tiny, "compile=true", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "compile=true: the table traces the eager step, an upper bound (Inductor keeps fewer" in out
+    assert "(not measured: no CUDA device here" in out or "measured on " in out
+    assert plan_main([*tiny, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compile"] is False and report["measured"] is None  # not asked: nothing run
+    setup = TrainSetup(model={"model": {"block_size": 64}}, micro_batch=1, global_batch=1)
+    with pytest.raises(ValueError, match="measuring a step needs a CUDA device"):
+        measure_step(setup, torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -377,3 +379,43 @@ def test_an_output_folder_under_a_file_is_one_line_for_analyze_and_export(tmp_pa
         f"error: --out={blocker / 'x'}: {blocker} is a file, so the folder cannot be created there; choose "
         "another --out=..."), done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def read_only_mount_works() -> bool:
+    """Whether this machine lets a test mount a read-only tmpfs in its own mount namespace (``unshare -m``):
+    the one read-only folder that stays read-only for root, who may write into a chmod 555 folder."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"],
+                           capture_output=True, check=False) if shutil.which("unshare") else None
+    return probe is not None and probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not read_only_mount_works(), reason="no mount namespace here for a read-only filesystem")
+def test_an_output_folder_on_a_read_only_filesystem_is_one_line_for_analyze_and_export(
+    tmp_path: Path,
+) -> None:
+    """Issue 52, class 7: analyze.py's out_dir and the export's --out on a read-only filesystem (a folder
+    under it, and the read-only folder itself) are refused in one line, exit 2, before anything is loaded."""
+    mount = tmp_path / "read-only"
+    mount.mkdir()
+    export = [sys.executable, "-m", "normgeo.export", str(tmp_path / "no-run"), "--to", "hf", "--out"]
+    commands = [
+        [sys.executable, "analyze.py", "model=smollm2-135m", f"out_dir={mount / 'x'}", "device=cpu"],
+        [*export, str(mount / "y")],
+        [*export, str(mount)],
+    ]
+    script = f"mount -t tmpfs -o ro tmpfs {mount} && " + " ; ".join(
+        " ".join(map(shlex.quote, command)) + "; echo exit=$?" for command in commands
+    )
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.stdout.split() == ["exit=2"] * 3, done.stdout + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: out_dir={mount / 'x'}: {mount} is not writable (permissions or a read-only filesystem); "
+        "choose another out_dir=...",
+        f"error: --out={mount / 'y'}: {mount} is not writable (permissions or a read-only filesystem); "
+        "choose another --out=...",
+        f"error: --out={mount}: {mount} is not writable (permissions or a read-only filesystem); "
+        "choose another --out=...",
+    ], done.stderr[-3000:]
+    assert list(mount.iterdir()) == []  # the mount is gone with its namespace: nothing was written beneath
