@@ -97,8 +97,9 @@ def check_norm_cost(output: str, impls: list[str]) -> None:
 
 def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
     """bench/norm_cost.py's kernel accounting on the CPU's profiler: a LayerNorm's
-    forward and backward are all norm time; beside a matmul, the norm's share is
-    its ops' self time, below one; a model without norms has none."""
+    forward and backward are norm time; the sum after it and a matmul beside it are not;
+    a model without norms has none. Only the classification is asserted: the op times
+    of one profiled call on a busy machine are noise."""
     spec = importlib.util.spec_from_file_location("norm_cost", ROOT / "bench" / "norm_cost.py")
     profile = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = profile  # its dataclasses look their module up there
@@ -106,19 +107,26 @@ def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
     x = torch.randn(256, 64, requires_grad=True)
     norm, linear = torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)
 
-    def shares(fn) -> dict:
+    def shares(fn) -> tuple[dict, dict[str, float]]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             fn()
-        return profile.kernel_shares([e for e in prof.events() if not e.is_async], cuda=False)
+        result = profile.kernel_shares([e for e in prof.events() if not e.is_async], cuda=False)
+        return result, {t["name"]: t["us"] for t in result["top"]}
 
-    alone = shares(lambda: norm(x).sum().backward())
-    names = {t["name"] for t in alone["top"]}
-    assert {"aten::native_layer_norm", "aten::native_layer_norm_backward"} <= names, names
-    # The sum and its backward (ones, expand) are not the norm's; the norm's own ops are.
-    assert 0.3 < alone["norm_share"] < 1, alone
-    mixed = shares(lambda: linear(norm(x)).sum().backward())
-    assert 0 < mixed["norm_share"] < alone["norm_share"] and mixed["total_us"] > mixed["norm_us"] > 0, mixed
-    assert shares(lambda: linear(x).sum().backward())["norm_us"] == 0
+    def norm_ops_us(times: dict[str, float]) -> float:
+        return times["aten::native_layer_norm"] + times["aten::native_layer_norm_backward"]
+
+    alone, times = shares(lambda: norm(x).sum().backward())
+    # The norm's own ops are norm time; the sum is not, so the share stays below one.
+    assert alone["norm_us"] >= norm_ops_us(times) > 0, alone
+    assert alone["total_us"] - alone["norm_us"] >= times["aten::sum"] > 0, alone
+    mixed, times = shares(lambda: linear(norm(x)).sum().backward())
+    matmul_us = times["aten::addmm"] + times["aten::mm"]
+    assert mixed["norm_us"] >= norm_ops_us(times) > 0, mixed
+    assert mixed["total_us"] - mixed["norm_us"] >= matmul_us > 0, mixed
+    assert mixed["norm_share"] == pytest.approx(mixed["norm_us"] / mixed["total_us"])
+    without, times = shares(lambda: linear(x).sum().backward())
+    assert without["norm_us"] == 0 and without["total_us"] >= times["aten::addmm"] > 0
 
 
 def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Path) -> None:
