@@ -24,6 +24,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
@@ -59,7 +60,7 @@ from normgeo.runs.run_config import (
 from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
-from normgeo.runs.summary import SessionClock, format_summary, read_summary, run_summary, write_summary
+from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -201,9 +202,10 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     # SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits (at once during a validation or a
     # probe). Its handler is installed first; the checkpoint owner asks it after each step's probe.
     stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
-    clock = SessionClock()
+    timer = Timer(verbose=False)  # the run's training time, kept in its checkpoints (summary.json's wall_s)
+    keep = KeepStart(start)
     owned = make_callbacks(cfg, run_dir, schedule, stop, start.probe_ids)
-    callbacks = [stop.installer, KeepStart(start), *owned, *extra_callbacks, clock, stop]
+    callbacks = [stop.installer, keep, *owned, *extra_callbacks, timer, stop]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -235,8 +237,9 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         if trainer.is_global_zero:
             summary = run_summary(
                 trainer,
-                clock,
+                timer,
                 run_dir,
+                start_step=keep.session_start_step,
                 tokens_per_step=module.tokens_per_step,
                 figures=[],
                 stopped_by=DIVERGED,
@@ -255,17 +258,17 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
         with stopping_on_signals("after training, while the summary and figures were written", left):
-            finish(cfg, trainer, clock, stop.stopped_by, module.tokens_per_step)
+            finish(cfg, trainer, timer, keep.session_start_step, stop.stopped_by, module.tokens_per_step)
     return trainer
 
 
-def finish(cfg: DictConfig, trainer: L.Trainer, clock: SessionClock, stopped_by: str | None,
+def finish(cfg: DictConfig, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
            tokens_per_step: int) -> None:
     """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
     it), then the figures when the run is complete (not requeued or stopped)."""
     run_dir = Path(cfg.run_dir)
-    write_summary(run_dir, run_summary(trainer, clock, run_dir, tokens_per_step=tokens_per_step, figures=[],
-                                       stopped_by=stopped_by))
+    write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
+                                       tokens_per_step=tokens_per_step, figures=[], stopped_by=stopped_by))
     if cfg.probe.enabled and stopped_by is None:
         figures = draw_figures(run_dir)
         log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)

@@ -12,9 +12,10 @@ class OptimizerStepCallback(L.Callback):
     ``on_train_start`` call ``super().on_train_start`` (it records the step a resumed session starts at)."""
 
     _last_seen_step = -1
+    session_start_step = 0  # the step this session began at: the checkpoint's when resuming
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_seen_step = trainer.global_step
+        self._last_seen_step = self.session_start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self._last_seen_step:

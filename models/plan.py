@@ -266,32 +266,42 @@ def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def random_batch(setup: TrainSetup, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(setup: TrainSetup, batch: int, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     vocab = int(setup.model["model"].get("vocab_size", 50257))
     shape = (batch, setup.seq_len)
-    return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+    return torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device)
 
 
-def autocast_of(setup: TrainSetup):
+def autocast_of(setup: TrainSetup, device_type: str = "cpu"):
+    """The precision's autocast on ``device_type``; on the CPU the same casts as CUDA's for the fake trace."""
     _, low = PRECISIONS[setup.precision]
-    return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
+    return torch.autocast(device_type, dtype=low) if low is not None else nullcontext()
+
+
+def training_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup,
+                  batch: tuple[torch.Tensor, torch.Tensor], flops: FlopCounterMode | None = None) -> None:
+    """One micro-step as training takes it: forward under autocast, backward; with an optimizer also
+    clipping and the AdamW step. The one step the fake trace and the measured step both run; ``flops``
+    sees the forward and backward only."""
+    inputs, targets = batch
+    with flops if flops is not None else nullcontext():
+        with autocast_of(setup, inputs.device.type):
+            loss = module.model(inputs, targets)
+        loss.backward()
+    if optimizer is not None:
+        if setup.gradient_clip:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), setup.gradient_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def run_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
              tracker: MemTracker, flops: FlopCounterMode) -> None:
-    """One micro-step (forward, backward; with an optimizer also clipping and the AdamW step) inside
-    ``tracker``; ``flops`` sees the forward and backward only."""
-    inputs, targets = random_batch(setup, batch)
+    """One :func:`training_step` on a random batch inside ``tracker``."""
+    inputs = random_batch(setup, batch)
     with tracker:
-        with flops:
-            with autocast_of(setup):
-                loss = module.model(inputs, targets)
-            loss.backward()
-        if optimizer is not None:
-            if setup.gradient_clip:
-                torch.nn.utils.clip_grad_norm_(module.parameters(), setup.gradient_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, setup, inputs, flops)
 
 
 def snapshot(tracker: MemTracker) -> dict[str, int]:
@@ -450,28 +460,18 @@ def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> 
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
     compiled = bool(setup.model.get("compile"))
-    _, low = PRECISIONS[setup.precision]
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     module = build_module(setup).to(device)  # built as training builds it (its init draws on the CPU)
     if compiled:
         module.model.compile()
     optimizer = build_optimizer(module, setup.fused_adamw)
-    vocab = int(setup.model["model"].get("vocab_size", 50257))
-    shape = (setup.micro_batch, setup.seq_len)
-    inputs = torch.randint(0, vocab, shape, device=device)
-    targets = torch.randint(0, vocab, shape, device=device)
+    batch = random_batch(setup, setup.micro_batch, device)
     for _ in range(steps):
-        with torch.autocast(device.type, dtype=low) if low is not None else nullcontext():
-            loss = module.model(inputs, targets)
-        loss.backward()
-        if setup.gradient_clip:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), setup.gradient_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, setup, batch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del module, optimizer, loss
+    del module, optimizer
     torch.cuda.empty_cache()
     return MeasuredStep(peak, setup.micro_batch, steps, compiled, torch.cuda.get_device_name(device))
 

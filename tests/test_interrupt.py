@@ -106,6 +106,8 @@ def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_pa
         run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT), signal.SIGINT
     )
 
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    trained_s = saved["callbacks"]["Timer"]["time_elapsed"]["train"]  # Lightning's Timer, at the save
     resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
@@ -120,9 +122,9 @@ def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_pa
     log = summary["session_log"]
     assert [s["steps"] for s in log] == [[0, stopped], [stopped, MAX_STEPS]]
     assert [s["ended"] for s in log] == ["interrupted by SIGINT", "finished"]
-    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in log), abs=2e-3) and all(
-        s["wall_s"] > 0 for s in log
-    )
+    # The run's time: the first session's up to its checkpoint (restored from it), then the second's.
+    assert 0 < trained_s <= log[0]["wall_s"] and log[1]["wall_s"] > 0
+    assert summary["wall_s"] == pytest.approx(trained_s + log[1]["wall_s"], abs=2e-3)
     assert summary["figures"] and not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
 
 

@@ -1,9 +1,11 @@
 """The end-of-run summary: printed when train.py ends and kept in ``<run_dir>/summary.json``.
 
-Final train and validation loss, steps and tokens, wall time and tokens/s (over every session of the
-run: a resumed session adds its time to the previous sessions'), and where the records, figures,
-checkpoints and logs are. Every session that ends on its own feet writes it, the ones stopped by an
-interrupt or a requeue too, so that the next session counts them (``sessions``, ``session_log``).
+Final train and validation loss, steps and tokens, wall time and tokens/s, and where the records, figures,
+checkpoints and logs are. The run's wall time is Lightning's ``Timer``: saved in every checkpoint and
+restored on resume, it counts the training time behind the checkpointed state (a killed session's time up
+to its last checkpoint included, the steps it retrained after that once). Every session that ends on its
+own feet writes the summary, the ones stopped by an interrupt or a requeue too, so that the next session
+counts them (``sessions``, ``session_log``).
 """
 
 from __future__ import annotations
@@ -14,32 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import WandbLogger
 
 from corpus.atomic import atomic_open
 from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
 
 
-class SessionClock(L.Callback):
-    """The optimizer steps and wall time of this session's training (validation and probes included)."""
-
-    def __init__(self) -> None:
-        self.start_step = 0
-        self.started: float | None = None
-        self.wall_s = 0.0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step  # the checkpoint's step when resuming
-        self.started = time.perf_counter()
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.started is not None:
-            self.wall_s = time.perf_counter() - self.started
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self.on_train_end(trainer, pl_module)  # a stop signal that abandoned a validation or a probe
+def session_wall_s(timer: Timer) -> float:
+    """This session's training time (validation and probes included): the Timer's, less what it restored."""
+    started = timer.start_time()
+    if started is None:
+        return 0.0
+    ended = timer.end_time()
+    return (time.monotonic() if ended is None else ended) - started
 
 
 def _metric(trainer: L.Trainer, name: str) -> float | None:
@@ -55,25 +45,27 @@ def _log_dir(logger: Any) -> str | None:
 
 def run_summary(
     trainer: L.Trainer,
-    clock: SessionClock,
+    timer: Timer,
     run_dir: Path,
     *,
+    start_step: int,
     tokens_per_step: int,
     figures: list[Path],
     stopped_by: str | None = None,
 ) -> dict[str, Any]:
-    """The summary of the run as it stands after this session, merged with earlier sessions' wall time.
+    """The summary of the run as it stands after this session (which began at ``start_step``), merged with
+    the earlier sessions' summaries.
 
     ``stopped_by`` says why the session ended early ("interrupted by SIGINT", "requeue"), None when it
     ran to ``max_steps`` or ``stop_at_step``.
     """
-    previous = read_summary(run_dir) if clock.start_step > 0 else {}
+    previous = read_summary(run_dir) if start_step > 0 else {}
     step = trainer.global_step
-    session_tokens = (step - clock.start_step) * tokens_per_step
-    wall_s = float(previous.get("wall_s") or 0.0) + clock.wall_s
+    session_tokens = (step - start_step) * tokens_per_step
+    session_s = session_wall_s(timer)
     this_session = {
-        "steps": [clock.start_step, step],
-        "wall_s": round(clock.wall_s, 3),
+        "steps": [start_step, step],
+        "wall_s": round(session_s, 3),
         "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped"),
     }
     return {
@@ -84,12 +76,12 @@ def run_summary(
         "val_loss": _metric(trainer, "val/loss"),
         "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
         "tokens_seen": step * tokens_per_step,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(timer.time_elapsed(), 3),
         "sessions": int(previous.get("sessions") or 0) + 1,
-        "session_wall_s": round(clock.wall_s, 3),
+        "session_wall_s": round(session_s, 3),
         # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
         "session_log": [*previous.get("session_log", []), this_session],
-        "tokens_per_s": round(session_tokens / clock.wall_s, 1) if clock.wall_s > 0 else None,
+        "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
         "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
         "figures": [str(f) for f in figures],
         "checkpoints": str(run_dir / "checkpoints"),
