@@ -32,7 +32,8 @@ from models.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.figures.analysis import print_summary, summarize, write_summary
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.intervention import print_intervention
-from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
@@ -110,7 +111,8 @@ def analyze(cfg: DictConfig) -> Path:
     save_references(out_dir / REFERENCES_FILE, references)
     for name, file_rows in records.files.items():
         write_step(out_dir / name, file_rows)
-    stale = [out_dir / INTERVENTION_FILE, *(out_dir / "figures").glob("intervention_*")]
+    stale = [out_dir / INTERVENTION_FILE, out_dir / INTERVENTION_POSITIONS_FILE,
+             *(out_dir / "figures").glob("intervention_*")]
     if not records.intervention and any(path.exists() for path in stale):
         # An earlier analysis's intervention (its records and
         # figures) would read as this one's: it measured none.
@@ -118,6 +120,13 @@ def analyze(cfg: DictConfig) -> Path:
             path.unlink(missing_ok=True)
         log.warning("removed %s and its figures from an earlier analysis: this run measured no intervention "
                     "(probe.intervention=[])", INTERVENTION_FILE)
+    unmeasured = [out_dir / MEAN_SOURCES_FILE, *(out_dir / "figures").glob("mean_sources_*")]
+    if MEAN_SOURCES_FILE not in records.files and any(path.exists() for path in unmeasured):
+        # The same for an earlier analysis's mean sources: this run measured none.
+        for path in unmeasured:
+            path.unlink(missing_ok=True)
+        log.warning("removed %s and its figures from an earlier analysis: this run measured no mean sources "
+                    "(probe.mean_sources=false)", MEAN_SOURCES_FILE)
     figures = write_run_figures(out_dir)
     summary = summarize(rows, null)
     write_summary(out_dir, summary)

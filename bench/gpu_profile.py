@@ -10,6 +10,13 @@ synchronizations), not on kernels.
         # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
     python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256
         # the same on the CPU, printed
+    python bench/gpu_profile.py --device cpu --size 70m --tokens 8192 --batch-size 4 --probe-only
+        # the probe's ops on the CPU: the host syncs it would make on a GPU, and its aten ops
+
+Every section also counts the aten ops of the call, and the ones among them that hand a value to the host
+(``probe_cost.HOST_SYNC_OPS``: ``nonzero``, ``item``, ...): on the CPU these cost nothing, but each is a wait
+for the GPU when run there, so the CPU's profile counts the syncs a GPU's would have. The probe's are also
+counted inside its batches alone (``run_probe``), without the records made from them at the end.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 # The sibling scripts' own pieces (the script's folder is
 # on sys.path): the same probe and norm calls they time.
 from norm_cost import EPS, forward_backward
-from probe_cost import build, plain_forward, probe, token_ids
+from probe_cost import build, op_counts, plain_forward, probe, token_ids
 from torch.profiler import ProfilerActivity, profile
 
 from models.hardware import missing_cuda
@@ -42,8 +49,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int) -> str:
-    """One warm-up call, then one profiled call: wall time, device time, the top operators, the syncs."""
+def sync_summary(counts: dict[str, int]) -> str:
+    """``12 (aten::nonzero ×8, aten::item ×4)`` from :func:`probe_cost.op_counts`' counts."""
+    named = [f"{k} ×{v}" for k, v in sorted(counts.items()) if k.startswith("aten::")]
+    return f"{counts['syncs']}" + (f" ({', '.join(named)})" if named else "")
+
+
+def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int, probe_scope: bool = False
+             ) -> str:
+    """One warm-up call, then one profiled call: wall time, device time, the top operators, the syncs.
+    ``probe_scope``: the call is a probe; its ops inside ``run_probe`` (the batches) are counted apart."""
     fn()
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -57,6 +72,16 @@ def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: in
     kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     launches = sum(e.count for e in events if e.key == "cudaLaunchKernel")
     syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
+    every = op_counts(prof.events(), scope=None)
+    ops = [
+        f"- aten ops: {every['aten']} ({every['aten_outermost']} called from Python); host-sync aten ops "
+        f"(a wait for the GPU each, there): {sync_summary(every)}"
+    ]
+    if probe_scope:
+        batches = op_counts(prof.events())
+        ops.append(f"- in the probe's batches (run_probe, without the records): aten ops {batches['aten']} "
+                   f"({batches['aten_outermost']} called from Python); host-sync aten ops: "
+                   f"{sync_summary(batches)}")
     lines = [
         f"## {name}",
         "",
@@ -65,6 +90,7 @@ def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: in
         f" ({launches} launches)",
         "- host-device syncs and copies: "
         + (", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"),
+        *ops,
     ]
     tables = [("self device time", "self_cuda_time_total")] if device.type == "cuda" else []
     for title, key in [*tables, ("self CPU time", "self_cpu_time_total")]:
@@ -93,6 +119,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="write the page there (markdown) as well as print it"
     )
+    parser.add_argument("--probe-only", action="store_true", help="profile the probe alone, not the norms")
     args = parser.parse_args()
     device = torch.device(args.device)
     if reason := missing_cuda("--device", args.device, "--device cpu"):
@@ -113,11 +140,22 @@ def main() -> None:
             lambda: probe(model, ids, args.batch_size, null=0, energy_and_rows=False),
             device,
             args.rows,
+            probe_scope=True,
         ),
     ]
+    if args.probe_only:
+        sections.append(
+            profiled(
+                f"angle probe K=64 +energy, {args.size}, {args.tokens} tokens",
+                lambda: probe(model, ids, args.batch_size),
+                device,
+                args.rows,
+                probe_scope=True,
+            )
+        )
     x = torch.randn(args.norm_tokens, args.dim, device=device).requires_grad_()
     dy = torch.randn(args.norm_tokens, args.dim, device=device)
-    for impl in ("stock", "compiled"):
+    for impl in () if args.probe_only else ("stock", "compiled"):
         for kind in ("layer", "rms"):
             norm = make_norm(kind, args.dim, EPS, impl=impl).to(device)
             run = forward_backward(norm, x, dy)

@@ -33,17 +33,58 @@ import time
 
 import torch
 from hydra import compose, initialize_config_dir
+from torch.autograd.profiler_util import FunctionEvent
 
 from models.gpt import GPT
 from models.hardware import missing_cuda
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
-from normgeo.measure.pipeline import measure_records
+from normgeo.measure.pipeline import PROBE_SCOPE, measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_module
 from normgeo.runs.config import CONF_DIR
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
+# The aten ops that hand a tensor's value (or its size) to the host: on a GPU each waits for every queued
+# kernel. On the CPU they cost nothing, but the profiler records them: counted there, they are the
+# syncs the same code makes on a GPU (a copy of a GPU tensor to the CPU is one too, invisible on the CPU).
+HOST_SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
+    "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+})
+
+
+def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> dict[str, int]:
+    """Among profiled CPU ``events`` (``prof.events()``), inside the ``scope`` label (run_probe's batches;
+    None: all): ``syncs``, the host-sync ops of :data:`HOST_SYNC_OPS` not inside another (``item`` calls
+    ``_local_scalar_dense``: one sync), ``aten`` every aten op, ``aten_outermost`` those called from Python
+    (not from another aten op: about one kernel launch each on a GPU), and each sync op's own count."""
+    # Per event, from its parent's: (inside the scope, inside an aten op, inside a host-sync op).
+    flags: dict[int, tuple[bool, bool, bool]] = {}
+
+    def of(event: FunctionEvent | None) -> tuple[bool, bool, bool]:
+        if event is None:
+            return scope is None, False, False
+        if id(event) not in flags:
+            inside, aten, sync = of(event.cpu_parent)
+            name = event.name
+            flags[id(event)] = (inside or name == scope, aten or name.startswith("aten::"),
+                                sync or name in HOST_SYNC_OPS)
+        return flags[id(event)]
+
+    counts = {"syncs": 0, "aten": 0, "aten_outermost": 0}
+    for event in events:
+        if event.is_async or not event.name.startswith("aten::"):
+            continue
+        inside, below_aten, below_sync = of(event.cpu_parent)
+        if not inside:
+            continue
+        counts["aten"] += 1
+        counts["aten_outermost"] += not below_aten
+        if event.name in HOST_SYNC_OPS and not below_sync:
+            counts["syncs"] += 1
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
 
 
 def build(size: str) -> GPT:
@@ -73,11 +114,12 @@ def probe(
     scopes: tuple[str, ...] = (),
     budget: int = DEFAULT_INTERVENTION_TOKENS,
     resume: bool = True,
+    mean_sources: bool = True,
 ) -> None:
-    """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid and
-    every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
+    """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid, mean
+    sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
     config = ProbeConfig(tokens=len(ids), batch_size=batch_size, null_directions=null, intervention=scopes,
-                         intervention_tokens=budget)
+                         intervention_tokens=budget, mean_sources=mean_sources)
     measure_records(
         model,
         ids,
@@ -148,6 +190,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-tokens", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument("--device", default="cpu", help="where the model and the probe run: cpu or cuda")
+    parser.add_argument("--mean-sources-cost", action="store_true",
+                        help="only the default probe with and without mean_sources.jsonl, interleaved")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if reason := missing_cuda("--device", args.device, "--device cpu"):
@@ -165,6 +209,16 @@ def main() -> None:
     probe(model, token_ids(model.config.block_size), 1)  # warm-up: allocator, kernels
     large, small = token_ids(args.tokens), token_ids(args.budget_tokens)
     default = f"default probe (+intervention on the first {min(DEFAULT_INTERVENTION_TOKENS, args.tokens)})"
+    if args.mean_sources_cost:
+        best = report(f"probe tokens={args.tokens}", timed({
+            "plain forward": lambda m, b: plain_forward(m, large, b),
+            f"{default} without mean sources": lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES,
+                                                                 mean_sources=False),
+            default: lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES),
+        }, model, args.batch_size, args.repeats))
+        print(f"MEAN SOURCES COST (default probe with / without, best): "
+              f"{best[default] / best[f'{default} without mean sources']:.3f}")
+        return None
     best = report(f"probe tokens={args.tokens}", timed({
         "plain forward": lambda m, b: plain_forward(m, large, b),
         "angle probe K=0": lambda m, b: probe(m, large, b, null=0, energy_and_rows=False),

@@ -16,14 +16,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
+from normgeo.measure.intervention import INTERVENTION_POSITIONS_FILE  # noqa: E402
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE  # noqa: E402
 from normgeo.measure.pipeline import measure_records  # noqa: E402
 from normgeo.measure.probe import make_references  # noqa: E402
 from normgeo.measure.probe_config import ProbeConfig  # noqa: E402
 
 
 def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
-    """angles.jsonl, null.jsonl and intervention.jsonl rows, by the callback's own call: each rank probes
-    every world-th window (24 full ones and a 7-token tail)."""
+    """angles.jsonl, null.jsonl, intervention.jsonl, intervention_positions.jsonl and mean_sources.jsonl
+    rows, by the callback's own call: each rank probes every world-th window (24 full ones and a 7-token
+    tail)."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
     ids = torch.randint(0, 50257, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
     probe = ProbeConfig(
@@ -41,7 +44,9 @@ def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
         rank=rank,
         world_size=world,
     )
-    return {"angles": records.rows, "null": records.null, "intervention": records.intervention}
+    return {"angles": records.rows, "null": records.null, "intervention": records.intervention,
+            "mean_sources": records.files[MEAN_SOURCES_FILE],
+            "intervention_positions": records.files[INTERVENTION_POSITIONS_FILE]}
 
 
 def worker(rank: int, world: int, out: str, port: str) -> None:

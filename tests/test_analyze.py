@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
-from tests.conftest import entry_point_here
+from tests.conftest import ROOT, entry_point_here
 
 SEQ_LEN, BATCH = 32, 2
 TOKENS = 3 * SEQ_LEN + 12  # two batches of windows and a shorter remainder sequence
@@ -258,6 +260,33 @@ def _summary(path: Path) -> dict[tuple, dict]:
 
 
 @pytest.mark.slow
+def test_the_mean_sources_page_says_what_the_records_hold(outputs: dict[str, Path]) -> None:
+    """docs/mean_sources_page.py over an encoder (MiniLM, LayerNorm) and a language model (ours, RMSNorm): a
+    section per model, the finding's numbers as the records give them, paths relative to the repository."""
+    script = ROOT / "docs" / "mean_sources_page.py"
+    done = subprocess.run([sys.executable, str(script), str(outputs["minilm"]), str(outputs["ours"])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = done.stdout
+    assert "## minilm (layer;" in page and "## ours-rms (rms;" in page
+    assert f"`{os.path.relpath(outputs['ours'], ROOT)}`" in page  # the sources, relative to the repository
+    for name, folder in outputs.items():
+        rows = read_rows(folder / "mean_sources.jsonl")
+        dims = [r for r in rows if r["kind"] == "dimensions"]
+        first = [r["mean_sq_share"] for r in rows if r["kind"] == "position" and r["bucket"] == "0"]
+        finding = next(line for line in page.splitlines() if line.startswith(f"- **{rows[0]['model']}**"))
+        assert f"over its {len(dims)} norm inputs" in finding, finding
+        median = f"a median {100 * float(np.median(first)):.1f}% (range {100 * min(first):.1f}%"
+        assert median in finding, (name, finding)
+    positions = read_rows(outputs["ours"] / "intervention_positions.jsonl")
+    share = next(r["delta_loss_share"] for r in positions if r["scope"] == "all" and r["bucket"] == "0")
+    finding = next(line for line in page.splitlines() if line.startswith("- **ours-rms**"))
+    assert f"position 0 make {100 * share:.1f}% of that change" in finding, finding
+    minilm = next(line for line in page.splitlines() if line.startswith("- **minilm**"))
+    assert "leaves a mean cosine of" in minilm, minilm
+
+
+@pytest.mark.slow
 def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     out = outputs["minilm"]
     rows = read_rows(out / "angles.jsonl")
@@ -271,7 +300,7 @@ def test_cli_minilm_writes_everything(outputs: dict[str, Path]) -> None:
     assert info["seq_len"] == 512 and info["tokens"] == 4096  # capped at MiniLM's 512 positions
     assert sorted(p.name for p in (out / "figures").glob("*.png")) == [
         "intervention_minilm_layer_pretrained.png", "layers_minilm_layer_pretrained.png",
-        "null_layers_minilm_layer_pretrained.png",
+        "mean_sources_minilm_layer_pretrained.png", "null_layers_minilm_layer_pretrained.png",
     ]
     null = read_rows(out / "null.jsonl")
     assert len(null) == 13 * 3 and {(r["null_k"], r["sequences"], r["count"]) for r in null} == {
@@ -442,3 +471,25 @@ def test_an_analysis_without_the_intervention_removes_the_earlier_ones_records_a
         "removed intervention.jsonl and its figures from an earlier analysis" in again.stdout + again.stderr
     )
     assert list((out / "figures").glob("layers_*"))  # this run's own figures
+
+
+@pytest.mark.slow
+def test_an_analysis_without_mean_sources_removes_the_earlier_ones_records_and_figure(
+    our_checkpoint: Path, tmp_path: Path
+) -> None:
+    """As for the intervention: probe.mean_sources=false after an analysis with it leaves no
+    mean_sources.jsonl or figure of the earlier one to read as this one's."""
+    args = ("model=checkpoint", f"model.checkpoint={our_checkpoint}", "model.name=ours-rms", "probe=pydoc",
+            "probe.tokens=300", "probe.intervention=[]", f"output_root={tmp_path}")
+    _ok(_analyze(*args))  # mean sources on by default
+    out = tmp_path / "analyze" / "ours-rms"
+    rows = read_rows(out / "mean_sources.jsonl")
+    assert {r["kind"] for r in rows} == {"dimensions", "position"}
+    assert list((out / "figures").glob("mean_sources_*"))
+    assert {r["count"] for r in rows if r["kind"] == "dimensions"} == {300}
+    again = _analyze(*args, "probe.mean_sources=false")
+    _ok(again)
+    assert not (out / "mean_sources.jsonl").exists() and not list((out / "figures").glob("mean_sources_*"))
+    said = again.stdout + again.stderr
+    assert "removed mean_sources.jsonl and its figures from an earlier analysis" in said
+    assert list((out / "figures").glob("layers_*"))

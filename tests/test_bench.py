@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.gpt import GPT, GPTConfig
 from models.norms import NORM_ARMS
+from normgeo.measure.angles import AngleMeasurement
+from normgeo.measure.energy import EnergyMeasurement
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.pipeline import run_probe
+from normgeo.measure.probe import make_references, residual_norms
 from tests.conftest import ROOT
 
 
@@ -292,6 +298,31 @@ def test_norm_cost_convert_times_the_layernorm_model_against_its_rms_conversion(
     assert 0 < low <= high
 
 
+def test_the_probe_waits_on_the_device_no_more_with_more_norms() -> None:
+    """The probe's batches (angles with the null directions, the energy) read no tensor's value back per norm:
+    the host-sync ops bench/probe_cost.py counts on the CPU's profiler (on a GPU each waits for every queued
+    kernel) are as many with 2 blocks as with 1, and few, while the aten ops grow with the norms."""
+    spec = importlib.util.spec_from_file_location("probe_cost", ROOT / "bench" / "probe_cost.py")
+    probe_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_cost)
+
+    def counts(layers: int) -> dict[str, int]:
+        config = GPTConfig(n_layer=layers, n_head=2, n_embd=32, block_size=16, norm="layer")
+        model = GPT(config, seed=0).eval()
+        norms = residual_norms(find_norm_sites(model))
+        tokens = torch.randint(0, 50257, (4, 16), generator=torch.Generator().manual_seed(0))
+        measurements = [
+            AngleMeasurement(norms, make_references(32), num_sequences=4), EnergyMeasurement(norms)
+        ]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run_probe(model, [tokens], measurements, norms=norms, batch_size=2)
+        return probe_cost.op_counts(prof.events())
+
+    one, two = counts(1), counts(2)
+    assert one["syncs"] == two["syncs"] <= 3, (one, two)
+    assert two["aten_outermost"] > one["aten_outermost"] > 0
+
+
 @pytest.mark.slow  # compiles two norms: seconds
 def test_gpu_profile_writes_where_the_time_goes(tmp_path) -> None:
     """bench/gpu_profile.py on the CPU: a section per profiled call with its wall time and top operators; the
@@ -331,9 +362,25 @@ def test_gpu_profile_writes_where_the_time_goes(tmp_path) -> None:
     assert len(re.findall(r"^- wall [0-9.]+ ms \(profiled\)", text, flags=re.M)) == len(sections)
     probe = text.split("## angle probe")[1].split("## stock")[0]
     assert re.search(r"aten::item ×\d+", probe) and "By self CPU time:" in probe
+    # The records read the statistics back; the batches themselves nothing.
+    assert re.search(r"in the probe's batches .*; host-sync aten ops: 0\n", probe)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_probe_cost_times_the_mean_sources_interleaved() -> None:
+    """bench/probe_cost.py --mean-sources-cost: the default probe with and without mean_sources.jsonl, and
+    their ratio (issue 53's cost target)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "512",
+         "--repeats", "2", "--mean-sources-cost"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, check=True).stdout
+    timed = re.findall(r"^  (.+?) +best +[\d.]+ s +median +[\d.]+ s +all (.+)$", out, flags=re.MULTILINE)
+    default = "default probe (+intervention on the first 512)"
+    assert [name for name, _ in timed] == ["plain forward", f"{default} without mean sources", default]
+    assert all(len(values.split(", ")) == 2 for _, values in timed)
+    assert re.search(r"MEAN SOURCES COST \(default probe with / without, best\): \d+\.\d{3}", out), out
+
+
 def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--device", "cuda"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

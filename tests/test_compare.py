@@ -129,5 +129,20 @@ def test_the_verdict_of_real_runs_tests_the_pooled_geometry_against_an_independe
         mean + half, rel=1e-6
     )
     assert row["family"] == "described" and math.isnan(row["p_diff"]) and math.isnan(row["p_tost"])
+    # Where the mean lives, from mean_sources.jsonl at the last probe: described rows, never tested.
+    def mean_sources(run: str) -> tuple[float, float]:
+        rows = [r for r in read_rows(compared / run / "mean_sources.jsonl") if r["step"] is not None]
+        last = [r for r in rows if r["step"] == max(r["step"] for r in rows)]
+        first = [r["mean_sq_share"] for r in last if r["kind"] == "position" and r["bucket"] == "0"]
+        top8 = [r["top8_share"] for r in last if r["kind"] == "dimensions"]
+        return float(np.mean(first)), float(np.mean(top8))
+
+    for metric, index in (("mean_first/last", 0), ("mean_top8/last", 1)):
+        diffs = [mean_sources(f"tiny-layer-s{seed}")[index] - mean_sources(f"tiny-rms-s{seed}")[index]
+                 for seed in (0, 1)]
+        row = layer_rms.loc[metric]
+        assert row["n_seeds"] == 2 and row["mean"] == pytest.approx(np.mean(diffs)), metric
+        assert row["family"] == "described" and math.isnan(row["p_diff"]), metric
     text = (compared / "compare" / "verdict.md").read_text()
     assert "## Described, not tested" in text and "## Declared secondary questions" in text
+    assert "| `mean_first/last` | 2 |" in text and "| `mean_top8/last` | 2 |" in text

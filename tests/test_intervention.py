@@ -2,7 +2,7 @@
 
 - the intervened forward of our GPT equals a hand-written float64 forward with the norm formula swapped;
 - inputs made orthogonal to 1 (TransformerLens' "center writing weights") leave the predictions unchanged;
-- a known component along 1 changes the loss exactly as the closed form says;
+- a known component along 1 changes the loss exactly as the closed form says, by energy bin and by position;
 - at initialization, LayerNorm without its centering *is* RMSNorm (and the reverse);
 - hooks leave the model bitwise as it was, also when a forward raises;
 - scopes resumed mid-stack equal the full re-run (our GPT, GPT-2 and Llama from transformers), a model that
@@ -24,6 +24,8 @@ from normgeo.measure.intervention import (
     ENERGY_EDGES,
     INTERVENTION_FIELDS,
     INTERVENTION_FILE,
+    INTERVENTION_POSITIONS_FILE,
+    POSITION_FIELDS,
     CenteringIntervention,
     IntactPrediction,
     block_stack,
@@ -31,6 +33,7 @@ from normgeo.measure.intervention import (
     intervention_scopes,
     next_token_changes,
 )
+from normgeo.measure.mean_sources import BUCKET_STARTS, bucket_names
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
@@ -71,11 +74,16 @@ def token_ids(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, count)
 
 
-def records(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> list[dict]:
-    """intervention.jsonl's rows of one probe, by the pipeline the training probe and analyze.py call."""
+def probe_files(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> dict[str, list[dict]]:
+    """The records files of one probe, by the pipeline the training probe and analyze.py call."""
     probe = ProbeConfig(len(ids), batch_size=4, seed=0, bootstrap_replicates=200, intervention=tuple(kinds))
     return measure_records(model, ids, SEQ, make_references(WIDTH), probe, model_name="t", step=0,
-                           tokens_per_step=None, **kwargs).intervention
+                           tokens_per_step=None, **kwargs).files
+
+
+def records(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> list[dict]:
+    """intervention.jsonl's rows of one probe."""
+    return probe_files(model, ids, kinds, **kwargs).get(INTERVENTION_FILE, [])
 
 
 # --- a hand-written GPT forward, in float64 -------------------------------------------------------------
@@ -198,7 +206,8 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
             projection.weight.zero_()
             projection.bias.zero_()
     ids = token_ids(5 * SEQ, seed=4)
-    row = records(model, ids, kinds=("layers",))[-1]
+    files = probe_files(model, ids, kinds=("layers",))
+    row = files[INTERVENTION_FILE][-1]
     assert row["scope_name"] == "layer final"
 
     gain = model.ln_f.weight.detach().numpy()
@@ -230,6 +239,26 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
         if inside.any():
             assert entry["delta_loss"] == pytest.approx(-delta[inside].mean(), abs=1e-9)
             assert entry["mean_fraction"] == pytest.approx(fraction[inside].mean(), rel=1e-6)
+    # By the position of the predicting token in its window: the same changes, bucketed.
+    by_position = [r for r in files[INTERVENTION_POSITIONS_FILE] if r["scope_name"] == "layer final"]
+    assert [r["bucket"] for r in by_position] == bucket_names()
+    assert all(list(r) == list(POSITION_FIELDS) for r in by_position)
+    loss_change, kl, agree = -delta.reshape(5, SEQ - 1), kl.reshape(5, SEQ - 1), (
+        p_log.argmax(1) == q_log.argmax(1)).reshape(5, SEQ - 1)
+    ends = [*BUCKET_STARTS[1:], None]
+    for entry, start, end in zip(by_position, BUCKET_STARTS, ends, strict=True):
+        inside = slice(start, end)
+        assert entry["tokens"] == loss_change[:, inside].size
+        if not entry["tokens"]:  # beyond the windows
+            assert entry["delta_loss"] is None and entry["delta_loss_share"] == 0
+            continue
+        assert entry["delta_loss"] == pytest.approx(loss_change[:, inside].mean(), abs=1e-9)
+        assert entry["kl"] == pytest.approx(kl[:, inside].mean(), rel=1e-9)
+        assert entry["top1_agreement"] == pytest.approx(agree[:, inside].mean())
+        assert entry["delta_loss_share"] == pytest.approx(
+            loss_change[:, inside].sum() / loss_change.sum(), rel=1e-7)
+        assert entry["delta_loss_ci_low"] <= entry["delta_loss"] <= entry["delta_loss_ci_high"]
+    assert sum(r["kl_share"] for r in by_position) == pytest.approx(1.0)
 
 
 def test_at_initialization_layernorm_without_centering_is_rmsnorm() -> None:

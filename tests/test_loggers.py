@@ -67,8 +67,8 @@ def test_wandb_figures_have_their_own_keys_and_the_config_is_logged_once(logged_
     figures = [key for key in media if key.startswith("figures/")]
     assert sorted(figures) == sorted(f"figures/{Path(p).stem}" for p in end_figures(logged_run))
     # layers at steps 0 and 3, the angle against step, 1 among the null directions per layer and per step, and
-    # the centering intervention per block at the last step
-    assert len(figures) == 6
+    # the centering intervention per block and where the mean lives at the last step
+    assert len(figures) == 7
     assert all(media[key] == {"images/separated"} for key in [*figures, "probe/layers"])
     assert media["probe/angles"] == {"table-file"}
     kinds = [record.WhichOneof("record_type") for record in wandb_records(wandb_runs(logged_run)[0])]

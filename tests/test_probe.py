@@ -167,6 +167,24 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         ):
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
         assert [b["tokens"] for b in multi["energy_bins"]] == [b["tokens"] for b in single["energy_bins"]]
+    # By position: the per-sequence, per-bucket sums are all-reduced too (4 scopes x 6 buckets).
+    assert len(outputs[1]["intervention_positions"]) == len(outputs[2]["intervention_positions"]) == 4 * 6
+    for single, multi in zip(outputs[1]["intervention_positions"], outputs[2]["intervention_positions"],
+                             strict=True):
+        assert (single["scope_name"], single["bucket"], single["tokens"], single["sequences"]) == (
+            multi["scope_name"], multi["bucket"], multi["tokens"], multi["sequences"])
+        for field in ("delta_loss", "delta_loss_ci_low", "delta_loss_ci_high", "kl", "delta_loss_share"):
+            assert multi[field] == pytest.approx(single[field], abs=1e-6), field
+    # Mean sources: sums, maxima and histograms of the ranks' tokens, so the rows are one process's.
+    assert len(outputs[1]["mean_sources"]) == len(outputs[2]["mean_sources"]) == 5 * 7  # 5 norms, 1 + 6 rows
+    for single, multi in zip(outputs[1]["mean_sources"], outputs[2]["mean_sources"], strict=True):
+        assert single.keys() == multi.keys()
+        for field, value in single.items():
+            if isinstance(value, float) or (isinstance(value, list) and value
+                                            and isinstance(value[0], float)):
+                assert multi[field] == pytest.approx(value, rel=1e-9, abs=1e-12), field
+            else:
+                assert multi[field] == value, field
 
 
 WRITER = """

@@ -10,8 +10,10 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from normgeo.figures.intervention import plot_intervention_layers
+from normgeo.figures.mean_sources import plot_mean_sources_layers
 from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
 from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
 from normgeo.paths import slug
 
@@ -246,6 +248,11 @@ def write_run_figures(
     changes = read_rows(run_dir / INTERVENTION_FILE)
     for step in sorted({r["step"] for r in changes}, key=lambda s: -1 if s is None else s)[-1:]:
         figure = plot_intervention_layers(changes, out_dir, step=step)
+        if figure is not None:
+            figures.append(figure)
+    sources = read_rows(run_dir / MEAN_SOURCES_FILE)
+    for step in sorted({r["step"] for r in sources}, key=lambda s: -1 if s is None else s)[-1:]:
+        figure = plot_mean_sources_layers(sources, out_dir, step=step)
         if figure is not None:
             figures.append(figure)
     return figures

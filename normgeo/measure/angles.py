@@ -49,6 +49,11 @@ class AngleMeasurement(Measurement):
         ]
         self.with_null = with_null
         self.bootstrap = {"replicates": bootstrap_replicates, "block": bootstrap_block, "seed": seed}
+        self.sequence_ids: torch.Tensor | None = None  # the batch's, on self.device
+
+    def before_batch(self, batch: ProbeBatch) -> None:
+        # Once a batch, not at every norm: a copy from the host waits for the GPU's queued work.
+        self.sequence_ids = batch.sequence_ids.to(self.device)
 
     def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
                      batch: ProbeBatch) -> None:
@@ -57,7 +62,7 @@ class AngleMeasurement(Measurement):
         standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
         middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized else []
         self.stats.update_sites(
-            self.first_site[index], [vectors, *middle, output.to(self.device)], batch.sequence_ids
+            self.first_site[index], [vectors, *middle, output.to(self.device)], self.sequence_ids
         )
 
     def all_reduce(self) -> None:

@@ -49,6 +49,7 @@ class EnergyStatistics:
         high = torch.tensor([LOG10_RANGE[name][1] for name in QUANTITIES], **f64)
         self.num_bins = int(round(float((high - self.low).max()))) * BINS_PER_DECADE
         self.hist = torch.zeros((num_sites, q, self.num_bins), dtype=torch.int64, device=self.device)
+        self.bin_offsets = torch.arange(q, device=self.device) * self.num_bins  # each quantity's histogram
 
     @staticmethod
     def quantities(vectors: torch.Tensor) -> torch.Tensor:
@@ -57,33 +58,43 @@ class EnergyStatistics:
         The two reductions over d run in float32 (a float64 copy of the activations would cost as much as
         the rest of the probe); their error is ~1e-7 of ||x||, so a fraction below ~1e-12 is rounding.
         """
+        values, directed = EnergyStatistics.masked_quantities(vectors)
+        return values[directed.squeeze(1)]
+
+    @staticmethod
+    def masked_quantities(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`quantities` of every row, and which rows are nonzero ((n, 1) bool): the rows of zero
+        vectors hold 1 (of no consequence) rather than being dropped, which a GPU would have to count for the
+        host."""
         x = vectors.detach().reshape(-1, vectors.shape[-1])
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
         dim = x.shape[-1]
         along = x.sum(dim=-1).to(torch.float64)
         length = torch.linalg.vector_norm(x, dim=-1).to(torch.float64)
-        along, length = along[length > 0], length[length > 0]
+        directed = (length > 0).unsqueeze(1)
         fraction = (along / length).square() / dim
-        return torch.stack([fraction.clamp(max=1.0), math.sqrt(dim) / length], dim=1)
+        values = torch.stack([fraction.clamp(max=1.0), math.sqrt(dim) / length], dim=1)
+        return torch.where(directed, values, 1.0), directed
 
     @torch.no_grad()
     def update(self, site: int, vectors: torch.Tensor) -> None:
-        values = self.quantities(vectors.to(self.device))
-        if values.shape[0] == 0:
-            return
-        batch_mean = values.mean(dim=0)
-        batch_m2 = (values - batch_mean).square().sum(dim=0)
+        # Zero vectors are masked out of every statistic rather than dropped: no count read back from a GPU.
+        # Where there are none, every sum, extreme and bin is the same as over the nonzero rows alone.
+        values, directed = self.masked_quantities(vectors.to(self.device))
+        count = directed.sum(dtype=torch.float64)  # 0-d
+        batch_mean = torch.where(directed, values, 0.0).sum(dim=0) / count.clamp(min=1)
+        batch_m2 = torch.where(directed, values - batch_mean, 0.0).square().sum(dim=0)
         self.count[site], self.mean[site], self.m2[site] = chan_merge(
-            self.count[site], self.mean[site], self.m2[site], float(values.shape[0]), batch_mean, batch_m2
+            self.count[site], self.mean[site], self.m2[site], count, batch_mean, batch_m2
         )
-        self.min[site] = torch.minimum(self.min[site], values.min(dim=0).values)
-        self.max[site] = torch.maximum(self.max[site], values.max(dim=0).values)
+        self.min[site] = torch.minimum(self.min[site], torch.where(directed, values, math.inf).amin(dim=0))
+        self.max[site] = torch.maximum(self.max[site], torch.where(directed, values, -math.inf).amax(dim=0))
         # log10(0) = -inf lands in the first bin, like every value below the range.
         logs = torch.log10(values).nan_to_num(neginf=-1e9)
         bins = ((logs - self.low) * BINS_PER_DECADE).floor().clamp_(0, self.num_bins - 1).long()
-        flat = bins + torch.arange(len(QUANTITIES), device=self.device) * self.num_bins
+        flat = bins + self.bin_offsets
         # index_add_, not bincount: on a GPU bincount reads its input's maximum back to size its output.
-        self.hist[site].view(-1).index_add_(0, flat.reshape(-1), torch.ones_like(flat.reshape(-1)))
+        self.hist[site].view(-1).index_add_(0, flat.reshape(-1), directed.expand_as(flat).reshape(-1).long())
 
     def merge(self, other: EnergyStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank)."""

@@ -27,6 +27,11 @@ that one can see whether the tokens with a component along 1 are the ones that c
 without a language-model head (an encoder such as MiniLM) gets the cosine between its intact and
 intervened output vectors instead, and its rows say so (``output: "embedding"``).
 
+The same changes by the position of the predicting token in its probe window (the buckets of
+``mean_sources.jsonl``: 0, 1-3, 4-15, ...) go to ``intervention_positions.jsonl``, from the same forwards:
+how much of a scope's loss change comes from the first position, where attention sinks and the massive
+activations that carry the mean sit.
+
 Nothing is stored per token beyond one batch: per scope, per-sequence sums (O(scopes x sequences)) and
 per-bin sums. Hooks are removed whatever happens, so the model is left bitwise as it was.
 """
@@ -44,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from normgeo.measure.mean_sources import BUCKET_STARTS, bucket_names
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import block_bootstrap_means, json_number
@@ -51,6 +57,7 @@ from normgeo.measure.stats import block_bootstrap_means, json_number
 log = logging.getLogger(__name__)
 
 INTERVENTION_FILE = "intervention.jsonl"
+INTERVENTION_POSITIONS_FILE = "intervention_positions.jsonl"
 # Probe tokens the intervention runs on (probe.intervention_tokens): its 95% interval of the loss change on
 # SmolLM2-135M is already +-0.017 nats at 4,096 tokens (docs/intervention_numbers.md).
 DEFAULT_INTERVENTION_TOKENS = 8192
@@ -446,6 +453,9 @@ class CenteringIntervention(Measurement):
         self.bin_count = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))
         self.bin_sum: np.ndarray | None = None  # (scopes, bins, fields)
         self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
+        # Per scope, sequence and position bucket: token counts and sums (the per-position rows' bootstrap).
+        self.position_count = np.zeros((len(self.scopes), num_sequences, len(BUCKET_STARTS)))
+        self.position_sum: np.ndarray | None = None  # (scopes, sequences, buckets, fields)
         self._fractions: dict[str, torch.Tensor] = {}
         self._intervenable = {norm.name for norm in self.norms}
         resumable = [
@@ -518,6 +528,7 @@ class CenteringIntervention(Measurement):
         fields = len(self.fields)
         self.seq_sum = np.zeros((len(self.scopes), self.num_sequences, fields))
         self.bin_sum = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1, fields))
+        self.position_sum = np.zeros((len(self.scopes), self.num_sequences, len(BUCKET_STARTS), fields))
 
     @torch.no_grad()
     def observe_batch(self, batch: ProbeBatch) -> None:
@@ -587,7 +598,7 @@ class CenteringIntervention(Measurement):
             self._fall_back(f"a forward resumed at block {middle} {why}")
 
     def _add(self, scope: int, per_token: np.ndarray, energy: np.ndarray, sequence_ids: np.ndarray) -> None:
-        assert self.seq_sum is not None and self.bin_sum is not None
+        assert self.seq_sum is not None and self.bin_sum is not None and self.position_sum is not None
         np.add.at(self.seq_count[scope], sequence_ids, per_token.shape[1])
         np.add.at(self.seq_sum[scope], sequence_ids, per_token.sum(axis=1))
         flat, values = energy.reshape(-1), per_token.reshape(-1, per_token.shape[-1])
@@ -595,13 +606,20 @@ class CenteringIntervention(Measurement):
         np.add.at(self.bin_count[scope], bins, 1)
         np.add.at(self.bin_sum[scope], bins, values)
         np.add.at(self.bin_energy[scope], bins, flat)
+        # The position of the token whose prediction (or output vector) changed, in its probe window.
+        positions = np.arange(per_token.shape[1])
+        buckets = np.searchsorted(BUCKET_STARTS, positions, side="right") - 1
+        where = (sequence_ids[:, None], buckets[None, :])
+        np.add.at(self.position_count[scope], where, 1)
+        np.add.at(self.position_sum[scope], where, per_token)
 
     def all_reduce(self) -> None:
         if not distributed() or not self.scopes:
             return
         # Every rank ran the same intervened batches (lead_id), so every rank's sums exist and have one shape.
         assert self.seq_sum is not None and self.bin_sum is not None
-        for name in ("seq_count", "seq_sum", "bin_count", "bin_sum", "bin_energy"):
+        for name in ("seq_count", "seq_sum", "bin_count", "bin_sum", "bin_energy", "position_count",
+                     "position_sum"):
             tensor = torch.from_numpy(getattr(self, name)).to(self.device)
             dist.all_reduce(tensor)
             setattr(self, name, tensor.cpu().numpy())
@@ -609,7 +627,8 @@ class CenteringIntervention(Measurement):
     def records(self, where: RecordKeys) -> dict[str, list[dict]]:
         if not self.with_rows:
             return {}
-        return {INTERVENTION_FILE: intervention_rows(self, **where, **self.bootstrap)}
+        return {INTERVENTION_FILE: intervention_rows(self, **where, **self.bootstrap),
+                INTERVENTION_POSITIONS_FILE: position_rows(self, **where, **self.bootstrap)}
 
 
 INTERVENTION_FIELDS = (
@@ -698,4 +717,71 @@ def intervention_rows(
             ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed
         )
         rows.append({name: row[name] for name in INTERVENTION_FIELDS})
+    return rows
+
+
+POSITION_FIELDS = (
+    "model", "norm", "step", "tokens_seen", "scope", "scope_name", "action", "output", "bucket",
+    "first_position", "last_position", "tokens", "sequences",
+    "delta_loss", "delta_loss_ci_low", "delta_loss_ci_high",
+    "kl", "kl_ci_low", "kl_ci_high",
+    "top1_agreement", "top1_agreement_ci_low", "top1_agreement_ci_high",
+    "loss_intact",
+    "cosine", "cosine_ci_low", "cosine_ci_high",
+    "delta_loss_share", "kl_share",
+    "ci_level", "bootstrap_replicates", "bootstrap_block", "bootstrap_seed",
+)
+
+
+def position_rows(
+    probe: CenteringIntervention,
+    *,
+    model: str,
+    norm: str,
+    step: int | None,
+    tokens_seen: int | None,
+    replicates: int = 1000,
+    block: int = 1,
+    seed: int = 0,
+    level: float = 0.95,
+) -> list[dict]:
+    """``intervention_positions.jsonl``'s rows: one per scope and position bucket (:data:`POSITION_FIELDS`).
+
+    Each bucket's means have the same block bootstrap over probe sequences as the scope's row; ``*_share``
+    is the bucket's part of the scope's summed loss change (or KL) over all its tokens: the part of the
+    mean change that the bucket's predictions make, null where the scope's sum is 0."""
+    if not probe.scopes or probe.position_sum is None:
+        return []
+    fields = probe.fields
+    names = bucket_names()
+    rows = []
+    for index, scope in enumerate(probe.scopes):
+        totals = probe.position_sum[index].sum(axis=(0, 1))  # (fields,)
+        for b, name in enumerate(names):
+            count, sums = probe.position_count[index, :, b], probe.position_sum[index, :, b]
+            row: dict = {
+                "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen,
+                "scope": scope.kind, "scope_name": scope.name, "action": scope.action, "output": probe.output,
+                "bucket": name, "first_position": BUCKET_STARTS[b],
+                "last_position": BUCKET_STARTS[b + 1] - 1 if b + 1 < len(BUCKET_STARTS) else None,
+                "tokens": int(count.sum()), "sequences": int((count > 0).sum()),
+            }
+            interval = (block_bootstrap_means(count, sums, replicates=replicates, block=block, seed=seed,
+                                              level=level) if count.sum() else None)
+            for quantity in ("delta_loss", "kl", "top1_agreement", "cosine"):
+                f = fields.index(quantity) if quantity in fields and interval is not None else None
+                row[quantity] = json_number(interval["mean"][f]) if f is not None else None
+                row[f"{quantity}_ci_low"] = json_number(interval["low"][f]) if f is not None else None
+                row[f"{quantity}_ci_high"] = json_number(interval["high"][f]) if f is not None else None
+            intact = fields.index("loss_intact") if "loss_intact" in fields else None
+            row["loss_intact"] = (json_number(interval["mean"][intact])
+                                  if intact is not None and interval is not None else None)
+            for quantity in ("delta_loss", "kl"):
+                f = fields.index(quantity) if quantity in fields else None
+                total = totals[f] if f is not None else 0.0
+                row[f"{quantity}_share"] = json_number(sums[:, f].sum() / total) if total else None
+            row.update(
+                ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed
+            )
+            rows.append({key: row[key] for key in POSITION_FIELDS})
     return rows

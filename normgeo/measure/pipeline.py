@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from corpus.sources import SourceError, probe_documents
@@ -34,6 +35,7 @@ from normgeo.measure.intervention import (
     CenteringIntervention,
     intervention_scopes,
 )
+from normgeo.measure.mean_sources import MeanSourcesMeasurement
 from normgeo.measure.measurement import Measurement, ProbeBatch
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms
@@ -42,6 +44,8 @@ from normgeo.measure.records import ANGLES_FILE, NULL_FILE
 from normgeo.measure.stats import AngleStatistics
 
 log = logging.getLogger(__name__)
+# The profiler label around run_probe's batches (bench/gpu_profile.py counts the host syncs under it).
+PROBE_SCOPE = "normgeo.run_probe"
 
 
 class AnalysisError(RuntimeError):
@@ -197,6 +201,7 @@ def run_probe(
             for measurement in measurements:
                 stack.enter_context(measurement)
             stack.enter_context(eval_mode(model))
+            stack.enter_context(record_function(PROBE_SCOPE))  # a profile's probe ops, records apart
             stack.enter_context(torch.no_grad())
             stack.enter_context(autocast())
             stack.enter_context(bar)
@@ -227,7 +232,7 @@ def run_probe(
 class Records:
     """What one measurement yields: the probe's sites and angle statistics, the norm label, and the rows of
     every file the measurements write (``angles.jsonl``, ``null.jsonl`` if asked for, ``energy.jsonl``,
-    ``ellipsoid.jsonl``, ``intervention.jsonl`` if asked for)."""
+    ``ellipsoid.jsonl``, ``intervention.jsonl`` and ``mean_sources.jsonl`` if asked for)."""
 
     sites: list[ProbeSite]
     stats: AngleStatistics
@@ -347,6 +352,8 @@ def measure_records(
         EnergyMeasurement(norms, device=where),
         EllipsoidMeasurement(norms),
     ]
+    if probe.mean_sources:
+        measurements.append(MeanSourcesMeasurement(norms, device=where))
     scopes = intervention_scopes(norms, probe.intervention) if probe.intervention else []
     intervention = None
     if scopes:

@@ -33,6 +33,7 @@ class ProbeConfig:
     intervention: tuple[str, ...] = DEFAULT_SCOPES  # the centering intervention's scopes; () turns it off
     # its token budget (None: every probe token)
     intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS
+    mean_sources: bool = True  # mean_sources.jsonl: where the component along 1 lives
 
     @classmethod
     def from_config(cls, probe: Mapping[str, Any], **overrides: Any) -> ProbeConfig:
@@ -50,6 +51,7 @@ class ProbeConfig:
             "bootstrap_replicates": bootstrap.get("replicates"),
             "bootstrap_block": bootstrap.get("block"),
             "intervention": tuple(probe["intervention"]) if probe.get("intervention") is not None else None,
+            "mean_sources": probe.get("mean_sources"),
         }
         config = cls(**{key: value for key, value in values.items() if value is not None})
         if "intervention_tokens" in probe:  # null is a value here: every probe token

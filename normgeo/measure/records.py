@@ -196,7 +196,7 @@ class DamagedRecords(ValueError):
 KEY_FIELDS = ("model", "norm", "step")
 TEXT_FIELDS = frozenset(
     {"model", "norm", "site", "ref", "quantity", "kind", "scope", "scope_name", "site_class", "action",
-     "output"}
+     "output", "bucket"}
 )
 
 

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from normgeo.measure.ellipsoid import ELLIPSOID_FILE
 from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
 
 # Read whole before any figure or table is made, so that one damaged file leaves its run out instead of
 # stopping a figure or the verdict half-way.
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE)
+RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE,
+                INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE)
 
 
 def read_run_records(run_dir: Path) -> dict[str, list[dict]]:

@@ -33,7 +33,7 @@ from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import DescrStatsW
 from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
-from normgeo.measure.geometry import angle_deg
+from normgeo.measure.geometry import UnitReferences, angle_deg, unit_references
 
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
@@ -41,6 +41,10 @@ DEFAULT_BINS_PER_DEGREE = 40  # 0.025 deg bins: interpolated quantiles are withi
 NULL_QUANTILES = (0.05, 0.50, 0.95)
 # Per-sequence sums are of (angle - 90): the angles sit near 90, so sums of squares keep their digits.
 CENTER_DEG = 90.0
+# Near-axis (vector, null direction) pairs whose sine angle_deg refines, per vector on average over an
+# update: a fixed buffer, so the GPU is not waited on for their number. In d dimensions a random direction is
+# within 60 deg of a vector with probability ~exp(-d / 8); pairs beyond keep sqrt(1 - cos^2) (<= 0.03 deg).
+NULL_NEAR_AXIS_PER_VECTOR = 1
 
 
 def json_number(value: float) -> float | None:
@@ -281,6 +285,9 @@ class AngleStatistics:
         )
         self.num_null = nulls.shape[0]
         self.null_units = (nulls / nulls.norm(dim=-1, keepdim=True).clamp(min=1e-300)).to(torch.float32)
+        # What angle_deg would make of them at every update (the same bits), made once: fewer kernels a pass.
+        self.ref_unit_references = unit_references(self.ref_units, torch.float64, self.device)
+        self.null_unit_references = unit_references(self.null_units, torch.float32, self.device)
         shape = (num_sites, self.num_refs)
         f64 = {"dtype": torch.float64, "device": self.device}
         null_shape = (num_sites, self.num_null)
@@ -298,6 +305,9 @@ class AngleStatistics:
         self.min = torch.full(shape, math.inf, **f64)
         self.max = torch.full(shape, -math.inf, **f64)
         self.hist = torch.zeros((*shape, self.num_bins), dtype=torch.int64, device=self.device)
+        # Where each (site, reference)'s histogram starts in the flattened histograms of consecutive sites.
+        self.bin_offsets = (torch.arange(num_sites * self.num_refs, device=self.device) * self.num_bins).view(
+            num_sites, 1, self.num_refs)
         self.zero_count = torch.zeros(num_sites, **f64)
         self.norm_count = torch.zeros(num_sites, **f64)
         self.norm_mean = torch.zeros(num_sites, **f64)
@@ -319,10 +329,11 @@ class AngleStatistics:
         the same rows at each (a norm's input, standardized input and output).
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
-        would, and the host waits on the GPU where ``angle_deg`` asks whether any vector lies near an axis and
-        where the sequence ids are copied over, not at every count: counts stay tensors, the histogram is an
-        ``index_add_`` (``bincount`` reads its maximum back), zero vectors are masked rather than branched
-        on. On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
+        would, and the host never waits on the GPU: counts stay tensors, the histogram is an ``index_add_``
+        (``bincount`` reads its maximum back), zero vectors are masked rather than branched on, ``angle_deg``
+        picks its near-axis pairs into a buffer of fixed size, and ``sequence_ids`` should already be on the
+        device (a copy from the host waits for the GPU; :class:`AngleMeasurement` copies them once a batch).
+        On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
         d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
         allocation over it faults in fresh pages (``bench/probe_cost.py``, 70m, 8,192 tokens: the angle
         probe took 6.65 s with three sites per pass, 5.43 s one by one).
@@ -353,11 +364,12 @@ class AngleStatistics:
         # deg). A zero vector has none: it is set to 90 deg here (0 once centered), out of every sum.
         directed = nonzero.unsqueeze(-1)  # (S, n, 1)
 
-        def angles(units: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            return torch.where(directed, angle_deg(rows, units), CENTER_DEG)
+        def angles(units: UnitReferences, rows: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+            return torch.where(directed, angle_deg(rows, units, capacity), CENTER_DEG)
 
-        # References in float64 (1 may sit far from 90 deg; the moments keep every digit).
-        ref_degrees = angles(self.ref_units, x.to(torch.float64))  # (S, n, R)
+        # References in float64 (1 may sit far from 90 deg; the moments keep every digit), every near-axis
+        # pair refined.
+        ref_degrees = angles(self.ref_unit_references, x.to(torch.float64))  # (S, n, R)
         batch_mean = torch.where(directed, ref_degrees, 0.0).sum(dim=1) / safe_count
         batch_m2 = torch.where(directed, ref_degrees - batch_mean.unsqueeze(1), 0.0).square().sum(dim=1)
         self.count[sites], self.mean[sites], self.m2[sites] = chan_merge(
@@ -370,15 +382,18 @@ class AngleStatistics:
             self.max[sites], torch.where(directed, ref_degrees, -math.inf).amax(dim=1)
         )
         bins = (ref_degrees * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
-        flat = bins + torch.arange(S * R, device=self.device).view(S, 1, R) * self.num_bins
+        flat = bins + self.bin_offsets[:S]
         self.hist[sites].view(-1).index_add_(0, flat.view(-1), directed.expand_as(flat).reshape(-1).long())
 
         # Null directions: sums in float64 of (angle - 90): random directions in high dimension stay
         # within a few degrees of 90, so the sums of squares lose no digits to cancellation.
         if self.num_null:
-            # float32 here (the K directions cost 10x more in float64 on CPU; ~1e-5 deg).
+            # float32 here (the K directions cost 10x more in float64 on CPU; ~1e-5 deg), near-axis pairs
+            # refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is rarely near one).
             # zero: 0
-            centered = angles(self.null_units, x).sub_(CENTER_DEG).view(S, groups, -1, self.num_null)
+            capacity = NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1]
+            centered = angles(self.null_unit_references, x, capacity).sub_(CENTER_DEG)
+            centered = centered.view(S, groups, -1, self.num_null)
             null_sum = centered.sum(dim=2, dtype=torch.float64)  # (S, groups, K)
             null_sumsq = centered.square().sum(dim=2, dtype=torch.float64)
             total, square = null_sum.sum(dim=1), null_sumsq.sum(dim=1)

@@ -173,6 +173,10 @@ class ProbeSchema:
         "many probe tokens (whole windows; the angles keep probe.tokens); "
         "null: all of them",
     )
+    mean_sources: bool = doc(
+        ProbeConfig.mean_sources,
+        "mean_sources.jsonl: the energy along 1 by position and the dimensions that carry the mean",
+    )
 
 
 @schema

@@ -16,10 +16,18 @@ import pandas as pd
 
 from normgeo.measure.energy import ENERGY_FILE
 from normgeo.measure.intervention import INTERVENTION_FILE
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.records import NULL_FILE, read_rows
 from normgeo.readers.downstream import downstream_scores
 from normgeo.readers.metrics import last_value
-from normgeo.verdict.metrics import GEOMETRY, INTERVENTION, INTERVENTION_METRICS, SITE_CLASSES
+from normgeo.verdict.metrics import (
+    GEOMETRY,
+    INTERVENTION,
+    INTERVENTION_METRICS,
+    MEAN_FIRST,
+    MEAN_TOP8,
+    SITE_CLASSES,
+)
 
 VAL_TAIL = 0.2     # the primary statistic: the mean of the last 20% of the validation points
 PROBE_WINDOW = 0.3  # the geometry's window: the last 30% of the probe steps
@@ -100,6 +108,23 @@ def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
     return out
 
 
+def mean_sources_measures(run_dir: Path) -> dict[str, float | None]:
+    """Where a run's mean lives at its last probe: the share of E[μ²] at the probe windows' first position
+    and the share of its 8 largest dimensions, each the mean over the norm inputs (None without the file)."""
+    rows = [r for r in read_rows(run_dir / MEAN_SOURCES_FILE) if r.get("step") is not None]
+    out: dict[str, float | None] = {MEAN_FIRST: None, MEAN_TOP8: None}
+    if not rows:
+        return out
+    last = max(r["step"] for r in rows)
+    first = [r["mean_sq_share"] for r in rows if r["step"] == last and r["kind"] == "position"
+             and r["bucket"] == "0" and r["mean_sq_share"] is not None]
+    top8 = [r["top8_share"] for r in rows if r["step"] == last and r["kind"] == "dimensions"
+            and r["top8_share"] is not None]
+    out[MEAN_FIRST] = float(np.mean(first)) if first else None
+    out[MEAN_TOP8] = float(np.mean(top8)) if top8 else None
+    return out
+
+
 def run_measures(tables: RunTables) -> pd.DataFrame:
     """One row per run: arm keys, validation loss (final and tail), the angle
     with 1 per site class at the last probe (and its mean over the site
@@ -128,6 +153,7 @@ def run_measures(tables: RunTables) -> pd.DataFrame:
         row["ones_dev/all"] = float(np.mean(per_site)) if per_site else None  # the site classes pooled
         row.update(geometry_measures(Path(run.run_dir)))
         row.update(intervention_measures(Path(run.run_dir)))
+        row.update(mean_sources_measures(Path(run.run_dir)))
         row.update(downstream_scores(Path(run.run_dir)))
         rows.append(row)
     return pd.DataFrame(rows)

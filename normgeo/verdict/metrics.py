@@ -9,6 +9,8 @@ from normgeo.readers.downstream import DOWNSTREAM_PREFIX, is_downstream
 
 SITE_CLASSES = ("ln1.in", "ln2.in", "final.in", "ln1.out", "ln2.out", "final.out")
 INTERVENTION = "intervention_dloss"  # the centering intervention's loss change, all norms at once
+# Where the mean lives (mean_sources.jsonl) at the last probe, mean over the norm inputs: described only.
+MEAN_FIRST, MEAN_TOP8 = "mean_first/last", "mean_top8/last"
 INTACT = "intact"  # the "other" of a per-arm intervention row: the arm's own model without the swap
 
 
@@ -101,6 +103,12 @@ TABLE: tuple[Metric, ...] = (
         "the intervention changes {arm}'s loss more",
         True,
     ),
+    Metric(MEAN_FIRST, "share of E[μ²] at each probe window's first position, mean over the norm inputs "
+           "(last probe)", "mean_sources", "", "+.3f",
+           "more of the mean sits at the first position under {arm}", True),
+    Metric(MEAN_TOP8, "share of E[μ²] in the 8 dimensions with the largest |φᵢ|, mean over the norm inputs "
+           "(last probe)", "mean_sources", "", "+.3f", "the mean is carried by fewer dimensions under {arm}",
+           True),
 )
 METRICS: dict[str, Metric] = {m.name: m for m in TABLE}
 GEOMETRY = ("rank_pct", "band_margin", "ones_energy")

@@ -1,0 +1,234 @@
+"""Where the mean lives: which positions and feature dimensions carry each norm input's component along 1.
+
+For a token vector x in R^d with mean mu(x) = (1/d) sum_i x_i, LayerNorm's centering removes mu^2 d of its
+energy (the fraction ``ones_fraction`` = mu^2 / mean(x^2) of :mod:`normgeo.measure.energy`). Streamed at every
+norm input, like the energy:
+
+- by position bucket (the token's position in its probe window: 0, 1-3, 4-15, 16-63, 64-255, 256+), the
+  energy fraction along 1 (count, mean, std, min, max, quantiles: one :class:`EnergyStatistics` site per
+  (site, bucket)) and the bucket's sum of mu^2;
+- by feature dimension, the exact decomposition of E[mu^2]: phi_i = E[mu x_i / d] sums over i to E[mu^2]
+  (sum_i mu x_i / d = mu^2 for every token), accumulated in float64;
+- massive dimensions (Sun et al. 2024): the per-dimension max |x_i| over the probed tokens against 100x the
+  median |x| over all entries of the site, read from a histogram of |x| binned by the float32 exponent
+  and leading mantissa bits (log-spaced bins, 3% wide).
+
+Every part is a sum, a max or a histogram of the tokens, so two batches or two ranks merge exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from normgeo.measure.energy import QUANTITIES, EnergyStatistics
+from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
+from normgeo.measure.norm_sites import NormSite
+from normgeo.measure.probe import ProbeSite, input_sites
+from normgeo.measure.stats import QUANTILE_FIELDS, json_number, one_cpu_thread
+
+MEAN_SOURCES_FILE = "mean_sources.jsonl"
+# First position of each bucket; a bucket runs to the next one's start (the last one is open).
+BUCKET_STARTS = (0, 1, 4, 16, 64, 256)
+TOP_DIMS = 16  # dimensions listed by |phi_i|
+SHARE_TARGET = 0.9  # dims_for_90: dimensions needed for this share of E[mu^2]
+MASSIVE_RATIO = 100.0  # a massive dimension's max |x_i| exceeds this many median |x|
+MASSIVE_LISTED = 64  # at most this many massive dimensions listed (massive_count counts them all)
+# |x| histogram: one bin per float32 exponent and leading ABS_MANTISSA_BITS mantissa bits (bins 2^-5 = 3% wide
+# relative to their lower edge, every float32 magnitude from 0 to inf).
+ABS_MANTISSA_BITS = 5
+ABS_BINS = 1 << (8 + ABS_MANTISSA_BITS)
+ABS_SHIFT = 23 - ABS_MANTISSA_BITS  # float32 bits below the bin's
+CHUNK_TOKENS = 2048  # tokens per float64 copy in the decomposition
+FRACTION = QUANTITIES.index("ones_fraction")
+
+
+def bucket_names(starts: Sequence[int] = BUCKET_STARTS) -> list[str]:
+    """"0", "1-3", ..., "256+": each bucket's positions."""
+    ends = [*starts[1:], None]
+    return [
+        f"{start}+" if end is None else (str(start) if end == start + 1 else f"{start}-{end - 1}")
+        for start, end in zip(starts, ends, strict=True)
+    ]
+
+
+class MeanSourcesStatistics:
+    """Streamed mean sources at S norm inputs of widths ``dims``: position buckets, phi_i, max |x_i|, |x|
+    histogram. :meth:`merge` and :meth:`all_reduce` are sums (and maxima) of the per-rank state."""
+
+    _SUMMED = ("count", "mean_sq", "bucket_mean_sq", "abs_hist")
+
+    def __init__(self, dims: Sequence[int], device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.dims = list(dims)
+        self.num_sites = len(self.dims)
+        self.num_buckets = len(BUCKET_STARTS)
+        f64 = {"dtype": torch.float64, "device": self.device}
+        self.buckets = EnergyStatistics(self.num_sites * self.num_buckets, device=self.device)
+        self.count = torch.zeros(self.num_sites, **f64)  # tokens
+        self.mean_sq = torch.zeros(self.num_sites, **f64)  # sum over tokens of mu^2
+        self.bucket_mean_sq = torch.zeros((self.num_sites, self.num_buckets), **f64)
+        self.phi = [torch.zeros(d, **f64) for d in self.dims]  # sum over tokens of mu x_i / d
+        self.max_abs = [torch.zeros(d, **f64) for d in self.dims]
+        self.abs_hist = torch.zeros((self.num_sites, ABS_BINS), dtype=torch.int64, device=self.device)
+        self.starts = torch.tensor(BUCKET_STARTS, device=self.device)  # once: no host copy per update
+
+    @torch.no_grad()
+    def update(self, site: int, vectors: torch.Tensor) -> None:
+        """Add the token vectors ``vectors`` (rows, T, d) of probe windows (position = index along T) at
+        ``site``; a 2-d (T, d) tensor is one window."""
+        x = vectors.detach().to(self.device)
+        x = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        x = x.reshape(-1, *x.shape[-2:]) if x.dim() != 2 else x.unsqueeze(0)
+        length, dim = x.shape[1], x.shape[2]
+        for b, start in enumerate(BUCKET_STARTS):
+            if start < length:
+                end = BUCKET_STARTS[b + 1] if b + 1 < self.num_buckets else length
+                self.buckets.update(site * self.num_buckets + b, x[:, start:end])
+        flat = x.reshape(-1, dim)
+        # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu and phi are one sum.
+        # In chunks: one float64 copy of a whole batch would be over glibc's mmap threshold (stats.py).
+        means = []
+        for chunk in flat.split(CHUNK_TOKENS):
+            wide = chunk.to(torch.float64)
+            mu = wide.mean(dim=-1)
+            self.phi[site] += mu @ wide / dim
+            means.append(mu)
+        square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
+        self.count[site] += float(square.numel())
+        self.mean_sq[site] += square.sum()
+        bucket = torch.bucketize(torch.arange(length, device=self.device), self.starts, right=True) - 1
+        self.bucket_mean_sq[site].index_add_(0, bucket, square.sum(dim=0))
+        # |x| in float32 by clearing the sign bit; its histogram's bin is its top bits (the exponent and
+        # ABS_MANTISSA_BITS of the mantissa): log-spaced bins by a shift, where log10 would cost passes more.
+        bits = flat.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
+        magnitude = bits.view(torch.float32).amax(dim=0).to(torch.float64)
+        self.max_abs[site] = torch.maximum(self.max_abs[site], magnitude)
+        bits.bitwise_right_shift_(ABS_SHIFT)
+        # index_add_, not bincount: on a GPU bincount reads its input's maximum back to size its output.
+        ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(bits.numel())
+        self.abs_hist[site].index_add_(0, bits.reshape(-1), ones)
+
+    def merge(self, other: MeanSourcesStatistics) -> None:
+        """Fold in the statistics of a disjoint set of tokens (another batch or rank)."""
+        self.buckets.merge(other.buckets)
+        for field in self._SUMMED:
+            setattr(self, field, getattr(self, field) + getattr(other, field))
+        self.phi = [a + b for a, b in zip(self.phi, other.phi, strict=True)]
+        self.max_abs = [torch.maximum(a, b) for a, b in zip(self.max_abs, other.max_abs, strict=True)]
+
+    def all_reduce(self) -> None:
+        """Every rank's sums and maxima into every rank (no-op outside torch.distributed)."""
+        self.buckets.all_reduce()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        for field in self._SUMMED:
+            dist.all_reduce(getattr(self, field))
+        phi, max_abs = torch.cat(self.phi), torch.cat(self.max_abs)
+        dist.all_reduce(phi)
+        dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+        self.phi, self.max_abs = list(phi.split(self.dims)), list(max_abs.split(self.dims))
+
+    def median_abs(self) -> torch.Tensor:
+        """(S,) float64: the median |x| over all entries of each site, the middle of the histogram bin that
+        holds it (within 1.6%); NaN for a site with no token."""
+        cumulative = self.abs_hist.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+        index = torch.searchsorted(cumulative.contiguous(), (total + 1) // 2).squeeze(-1)
+        # The bin's lower and upper edges are the float32 numbers whose bits start with the bin's index.
+        edges = torch.stack([index, index + 1]).clamp(max=ABS_BINS - 1).to(torch.int32) << ABS_SHIFT
+        low, high = edges.view(torch.float32).to(torch.float64)
+        return torch.where(total.squeeze(-1) > 0, (low + high) / 2, math.nan)
+
+
+def dimension_summary(phi: torch.Tensor, mean_sq: float, top: int = TOP_DIMS) -> dict:
+    """The decomposition's fields from phi (d,) and E[mu^2] (both means over tokens, float64)."""
+    order = torch.argsort(phi.abs(), descending=True, stable=True)
+    ranked = phi[order]
+    share = ranked / mean_sq if mean_sq > 0 else torch.full_like(ranked, math.nan)
+    cumulative = ranked.cumsum(dim=0)
+    reached = (cumulative >= SHARE_TARGET * mean_sq).nonzero()
+    return {
+        "top_dims": [int(i) for i in order[:top]],
+        "top_shares": [json_number(v) for v in share[:top]],
+        "top1_share": json_number(share[:1].sum()),
+        "top8_share": json_number(share[:8].sum()),
+        "dims_for_90": int(reached[0, 0]) + 1 if mean_sq > 0 and len(reached) else None,
+    }
+
+
+def mean_sources_rows(
+    sites: Sequence[ProbeSite],
+    stats: MeanSourcesStatistics,
+    *,
+    model: str,
+    norm: str,
+    step: int | None,
+    tokens_seen: int | None,
+) -> list[dict]:
+    """``mean_sources.jsonl``: per site one ``kind: "dimensions"`` row, then one ``kind: "position"`` row per
+    bucket (an empty bucket, beyond the probe's windows, has count 0 and null statistics)."""
+    energy = stats.buckets
+    count, mean, std = energy.count.cpu(), energy.mean.cpu(), energy.std().cpu()
+    low, high, quantiles = energy.min.cpu(), energy.max.cpu(), energy.quantiles().cpu()
+    tokens, mean_sq, bucket_mean_sq = stats.count.cpu(), stats.mean_sq.cpu(), stats.bucket_mean_sq.cpu()
+    medians = stats.median_abs().cpu()
+    names = bucket_names()
+    rows = []
+    for s, site in enumerate(sites):
+        keys = {"model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
+                "site": site.site, "dim": site.dim}
+        n = float(tokens[s])
+        total = float(mean_sq[s]) / n if n else math.nan
+        phi = stats.phi[s].cpu() / max(n, 1.0)
+        max_abs = stats.max_abs[s].cpu()
+        median = float(medians[s])
+        massive = (max_abs > MASSIVE_RATIO * median).nonzero().flatten()  # none where the median is NaN
+        massive = massive[torch.argsort(max_abs[massive], descending=True, stable=True)]
+        row = {**keys, "kind": "dimensions", "count": int(n), "mean_sq": json_number(total)}
+        row.update(dimension_summary(phi, total))
+        row.update(
+            median_abs=json_number(median),
+            massive_ratio=MASSIVE_RATIO,
+            massive_count=len(massive),
+            massive_dims=[int(i) for i in massive[:MASSIVE_LISTED]],
+            massive_max_abs=[json_number(max_abs[i]) for i in massive[:MASSIVE_LISTED]],
+            massive_share=json_number(phi[massive].sum() / total) if n and total > 0 else None,
+        )
+        rows.append(row)
+        for b, name in enumerate(names):
+            i = s * stats.num_buckets + b
+            end = BUCKET_STARTS[b + 1] - 1 if b + 1 < len(BUCKET_STARTS) else None
+            in_bucket = int(count[i, FRACTION])
+            row = {**keys, "kind": "position", "bucket": name, "first_position": BUCKET_STARTS[b],
+                   "last_position": end, "count": in_bucket,
+                   "mean_sq_share": json_number(bucket_mean_sq[s, b] / mean_sq[s]) if n else None}
+            row.update({"mean": json_number(mean[i, FRACTION]), "std": json_number(std[i, FRACTION]),
+                        "min": json_number(low[i, FRACTION]), "max": json_number(high[i, FRACTION])})
+            row.update({q: json_number(quantiles[i, FRACTION, k]) for k, q in enumerate(QUANTILE_FIELDS)})
+            if not in_bucket:
+                row.update({field: None for field in ("mean", "std", "min", "max", *QUANTILE_FIELDS)})
+            rows.append(row)
+    return rows
+
+
+class MeanSourcesMeasurement(Measurement):
+    """``mean_sources.jsonl``: where the component along 1 lives at every norm input."""
+
+    def __init__(self, norms: Sequence[NormSite], device: torch.device | str = "cpu") -> None:
+        self.norms = list(norms)
+        self.stats = MeanSourcesStatistics([norm.dim for norm in self.norms], device=device)
+
+    def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
+                     batch: ProbeBatch) -> None:
+        with one_cpu_thread(self.stats.device):
+            self.stats.update(index, inputs)
+
+    def all_reduce(self) -> None:
+        self.stats.all_reduce()
+
+    def records(self, where: RecordKeys) -> dict[str, list[dict]]:
+        return {MEAN_SOURCES_FILE: mean_sources_rows(input_sites(self.norms), self.stats, **where)}

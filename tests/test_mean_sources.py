@@ -1,0 +1,269 @@
+"""mean_sources.jsonl (normgeo.measure.mean_sources) against a direct float64 computation: on random
+activations, on a real model's, merged over halves, with planted massive dimensions, and through the
+pipeline's records."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models.gpt import GPT, GPTConfig
+from normgeo.measure.energy import EnergyStatistics
+from normgeo.measure.mean_sources import (
+    BUCKET_STARTS,
+    MEAN_SOURCES_FILE,
+    MeanSourcesMeasurement,
+    MeanSourcesStatistics,
+    bucket_names,
+    mean_sources_rows,
+)
+from normgeo.measure.norm_sites import find_norm_sites
+from normgeo.measure.pipeline import measure_records, run_probe
+from normgeo.measure.probe import ProbeSite, input_sites, make_references, residual_norms
+from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.records import read_rows, record_problem, write_step
+from normgeo.measure.run_records import read_run_records
+
+KEYS = {"model": "m", "norm": "layer", "step": None, "tokens_seen": None}
+
+
+def direct(windows: torch.Tensor) -> dict:
+    """The measurement by hand in float64: phi, E[mu^2], per bucket the fractions along 1 and sum of mu^2."""
+    x = windows.to(torch.float64)
+    d = x.shape[-1]
+    mu = x.mean(dim=-1)  # (rows, T)
+    fraction = mu.square() / x.square().mean(dim=-1)  # (x.1)^2 / (d ||x||^2)
+    buckets = []
+    for b, start in enumerate(BUCKET_STARTS):
+        end = BUCKET_STARTS[b + 1] if b + 1 < len(BUCKET_STARTS) else None
+        buckets.append((fraction[:, start:end].reshape(-1), mu[:, start:end].square().sum()))
+    return {
+        "phi": (mu.unsqueeze(-1) * x / d).reshape(-1, d).mean(dim=0),
+        "mean_sq": mu.square().mean(),
+        "buckets": buckets,
+        "max_abs": x.abs().reshape(-1, d).amax(dim=0),
+    }
+
+
+def random_windows(rows: int, length: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # A mean along 1 that varies by token and two dimensions that carry more of it.
+    x = torch.randn(rows, length, d, generator=g, dtype=torch.float64)
+    x += 0.5 * torch.randn(rows, length, 1, generator=g, dtype=torch.float64)
+    x[..., 3] += 4.0
+    x[..., 11] -= 2.0
+    return x
+
+
+def rows_of(stats: MeanSourcesStatistics, d: int) -> list[dict]:
+    return mean_sources_rows([ProbeSite(0, "ln1.in", "layer", d)], stats, **KEYS)
+
+
+def test_bucket_names() -> None:
+    assert bucket_names() == ["0", "1-3", "4-15", "16-63", "64-255", "256+"]
+
+
+def test_random_activations_match_a_direct_float64_computation() -> None:
+    d = 48
+    windows = random_windows(5, 300, d, seed=0)
+    stats = MeanSourcesStatistics([d])
+    for part in windows.split(2):  # several batches
+        stats.update(0, part)
+    truth = direct(windows)
+    phi = stats.phi[0] / stats.count[0]
+    mean_sq = stats.mean_sq[0] / stats.count[0]
+    # The decomposition is exact: sum_i phi_i = E[mu^2], and each phi_i is the direct one.
+    assert abs(float(phi.sum() - mean_sq)) <= 1e-10 * float(mean_sq)
+    torch.testing.assert_close(phi, truth["phi"], rtol=1e-10, atol=1e-13)
+    assert float(mean_sq) == pytest.approx(float(truth["mean_sq"]), rel=1e-12)
+    torch.testing.assert_close(stats.max_abs[0], truth["max_abs"], rtol=1e-7, atol=0)  # |x| in float32
+
+    rows = rows_of(stats, d)
+    assert all(record_problem(row) is None for row in rows)
+    dims, positions = rows[0], rows[1:]
+    assert dims["kind"] == "dimensions" and dims["count"] == 5 * 300
+    order = torch.argsort(truth["phi"].abs(), descending=True)
+    shares = truth["phi"][order] / truth["mean_sq"]
+    assert dims["top_dims"][0] == 3 and dims["top_dims"] == order[:16].tolist()
+    assert dims["top_shares"] == pytest.approx(shares[:16].tolist(), rel=1e-9)
+    assert dims["top1_share"] == pytest.approx(float(shares[0]), rel=1e-9)
+    assert dims["top8_share"] == pytest.approx(float(shares[:8].sum()), rel=1e-9)
+    needed = int((shares.cumsum(0) >= 0.9).nonzero()[0, 0]) + 1
+    assert dims["dims_for_90"] == needed
+    # Each bucket's fraction along 1 is the per-token recomputation's, its mu^2 share the direct one.
+    assert [row["bucket"] for row in positions] == bucket_names()
+    total = float(truth["mean_sq"]) * 5 * 300
+    for row, (fraction, mean_sq_in) in zip(positions, truth["buckets"], strict=True):
+        assert row["count"] == fraction.numel()
+        assert row["mean"] == pytest.approx(float(fraction.mean()), rel=1e-6)  # float32 sums over d
+        assert row["min"] == pytest.approx(float(fraction.min()), rel=1e-5)
+        assert row["max"] == pytest.approx(float(fraction.max()), rel=1e-5)
+        assert row["p50"] == pytest.approx(float(fraction.median()), rel=0.03)  # 100 bins per decade
+        assert row["mean_sq_share"] == pytest.approx(float(mean_sq_in) / total, rel=1e-9)
+    assert sum(row["mean_sq_share"] for row in positions) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_the_merge_of_two_halves_equals_one_pass() -> None:
+    d = 32
+    windows = random_windows(6, 80, d, seed=1)
+    whole, first, second = (MeanSourcesStatistics([d, d]) for _ in range(3))
+    for site in (0, 1):
+        whole.update(site, windows * (site + 1))
+        first.update(site, windows[:3] * (site + 1))
+        second.update(site, windows[3:] * (site + 1))
+    first.merge(second)
+    assert torch.equal(first.count, whole.count) and torch.equal(first.abs_hist, whole.abs_hist)
+    assert torch.equal(first.buckets.hist, whole.buckets.hist)
+    for a, b in ((first.mean_sq, whole.mean_sq), (first.bucket_mean_sq, whole.bucket_mean_sq),
+                 (first.buckets.mean, whole.buckets.mean), *zip(first.phi, whole.phi, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    assert all(torch.equal(a, b) for a, b in zip(first.max_abs, whole.max_abs, strict=True))
+    sites = [ProbeSite(0, "ln1.in", "layer", d), ProbeSite(0, "ln2.in", "layer", d)]
+    merged, single = (mean_sources_rows(sites, s, **KEYS) for s in (first, whole))
+    for a, b in zip(merged, single, strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, float) or (isinstance(value, list) and value
+                                            and isinstance(value[0], float)):
+                assert value == pytest.approx(b[key], rel=1e-9), key
+            else:
+                assert value == b[key], key
+
+
+def test_the_massive_dimension_rule_finds_planted_outliers() -> None:
+    d = 64
+    windows = random_windows(4, 40, d, seed=2)
+    windows[..., 3] -= 4.0  # plain Gaussian entries: median |x| ~ 0.67
+    windows[..., 11] += 2.0
+    windows[:, 0, 7] = 1000.0  # on position 0 of every window: ~1500x the median |x|
+    windows[1, 5, 20] = -300.0  # once, anywhere: ~450x
+    windows[2, 9, 30] = 30.0  # ~45x: not massive
+    stats = MeanSourcesStatistics([d])
+    stats.update(0, windows)
+    dims, positions = rows_of(stats, d)[0], rows_of(stats, d)[1:]
+    median = float(windows.abs().median())
+    assert dims["median_abs"] == pytest.approx(median, rel=0.02)
+    assert dims["massive_dims"] == [7, 20] and dims["massive_count"] == 2
+    assert dims["massive_max_abs"] == [1000.0, 300.0]
+    truth = direct(windows)
+    share = float((truth["phi"][7] + truth["phi"][20]) / truth["mean_sq"])
+    assert dims["massive_share"] == pytest.approx(share, rel=1e-9) and share > 0.9
+    assert dims["top_dims"][0] == 7 and dims["top1_share"] > 0.9
+    assert positions[0]["bucket"] == "0" and positions[0]["mean_sq_share"] > 0.9  # the mean lives at 0
+
+
+def test_empty_and_short_probes_give_null_statistics() -> None:
+    stats = MeanSourcesStatistics([8])
+    dims, *positions = rows_of(stats, 8)
+    assert dims["count"] == 0 and dims["mean_sq"] is None and dims["dims_for_90"] is None
+    assert dims["massive_dims"] == [] and dims["massive_share"] is None and dims["median_abs"] is None
+    assert all(row["count"] == 0 and row["mean"] is None and row["mean_sq_share"] is None
+               for row in positions)
+    stats.update(0, torch.randn(2, 10, 8))  # windows of 10 tokens: the buckets from 16 on stay empty
+    positions = rows_of(stats, 8)[1:]
+    assert [row["count"] for row in positions] == [2, 6, 12, 0, 0, 0]
+    assert positions[3]["mean"] is None and positions[3]["mean_sq_share"] == 0.0
+
+
+def test_the_bucket_fraction_is_the_energy_statistic() -> None:
+    """One engine: a bucket's row is an EnergyStatistics site fed that bucket's tokens."""
+    windows = random_windows(3, 20, 16, seed=3)
+    stats, energy = MeanSourcesStatistics([16]), EnergyStatistics(1)
+    stats.update(0, windows)
+    energy.update(0, windows[:, 4:16])
+    row = rows_of(stats, 16)[3]
+    assert row["bucket"] == "4-15" and row["count"] == int(energy.count[0, 0])
+    assert row["mean"] == pytest.approx(float(energy.mean[0, 0]), rel=1e-9)  # 10 digits in JSON
+    assert row["p95"] == pytest.approx(float(energy.quantiles()[0, 0, 5]), rel=1e-9)
+
+
+def tiny_gpt(norm: str) -> GPT:
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, norm=norm), seed=0).eval()
+
+
+def captured_check(model: nn.Module, sequences: torch.Tensor, forward=None) -> None:
+    """The measurement in the pipeline's forward equals the direct computation on the captured norm inputs."""
+    norms = residual_norms(find_norm_sites(model))
+    captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(norms))}
+    handles = [norm.module.register_forward_hook(
+        lambda module, inputs, output, i=i: captured[i].append(inputs[0].detach().clone()))
+        for i, norm in enumerate(norms)]
+    measurement = MeanSourcesMeasurement(norms)
+    try:
+        run_probe(model, [sequences], [measurement], norms=norms, forward=forward, batch_size=3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = measurement.records(KEYS)[MEAN_SOURCES_FILE]
+    assert all(record_problem(row) is None for row in rows)
+    per_site = 1 + len(BUCKET_STARTS)
+    assert len(rows) == per_site * len(norms)
+    for i, site in enumerate(input_sites(norms)):
+        x = torch.cat(captured[i]).to(torch.float64)
+        truth = direct(x)
+        stats = measurement.stats
+        phi, mean_sq = stats.phi[i] / stats.count[i], stats.mean_sq[i] / stats.count[i]
+        assert abs(float(phi.sum() - mean_sq)) <= 1e-10 * float(mean_sq), site
+        torch.testing.assert_close(phi, truth["phi"], rtol=1e-9, atol=1e-12 * float(truth["mean_sq"]))
+        dims, positions = rows[i * per_site], rows[i * per_site + 1 : (i + 1) * per_site]
+        tokens = x.shape[0] * x.shape[1]
+        assert (dims["layer"], dims["site"], dims["count"]) == (site.layer, site.site, tokens)
+        total = float(truth["mean_sq"]) * tokens
+        for row, (fraction, mean_sq_in) in zip(positions, truth["buckets"], strict=True):
+            assert row["count"] == fraction.numel()
+            if fraction.numel():
+                assert row["mean"] == pytest.approx(float(fraction.mean()), rel=1e-5, abs=1e-12)
+                assert row["mean_sq_share"] == pytest.approx(float(mean_sq_in) / total, rel=1e-9)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_models_norm_inputs_match_the_direct_computation(norm: str) -> None:
+    sequences = torch.randint(0, 50257, (7, 32), generator=torch.Generator().manual_seed(0))
+    captured_check(tiny_gpt(norm), sequences)
+
+
+@pytest.mark.slow
+def test_smollm2_activations_match_the_direct_computation(smollm2_model_and_tokenizer) -> None:
+    """Real weights (the packaged SmolLM2-135M, RMSNorm): its first position holds massive activations."""
+    model, tokenizer = smollm2_model_and_tokenizer
+    text = " ".join(["Normalization layers keep the hidden vectors of a transformer on a sphere."] * 12)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0, :128]
+    captured_check(model, ids.view(2, 64), forward=lambda batch: model(input_ids=batch))
+
+
+def test_the_pipeline_writes_the_file_when_asked_and_the_reader_reads_it(tmp_path: Path) -> None:
+    model = tiny_gpt("rms")
+    ids = torch.randint(0, 50257, (5 * 32 + 9,), generator=torch.Generator().manual_seed(4))
+    options = {"model_name": "tiny", "step": 3, "tokens_per_step": 10}
+    references = make_references(32)
+    on = measure_records(model, ids, 32, references, ProbeConfig(len(ids), intervention=()), **options)
+    off = measure_records(model, ids, 32, references,
+                          ProbeConfig(len(ids), intervention=(), mean_sources=False), **options)
+    assert MEAN_SOURCES_FILE not in off.files
+    assert {name: rows for name, rows in on.files.items() if name != MEAN_SOURCES_FILE} == off.files
+    rows = on.files[MEAN_SOURCES_FILE]
+    assert len(rows) == 5 * (1 + len(BUCKET_STARTS))  # ln1, ln2 of 2 blocks and the final norm
+    assert {row["kind"] for row in rows} == {"dimensions", "position"}
+    assert all(row["step"] == 3 and row["tokens_seen"] == 30 and row["norm"] == "rms" for row in rows)
+    assert all(row["count"] == len(ids) for row in rows if row["kind"] == "dimensions")
+    write_step(tmp_path / MEAN_SOURCES_FILE, rows)
+    (tmp_path / "angles.jsonl").write_text("")
+    write_step(tmp_path / "angles.jsonl", on.rows)
+    assert read_rows(tmp_path / MEAN_SOURCES_FILE) == rows
+    assert read_run_records(tmp_path)[MEAN_SOURCES_FILE] == rows
+
+
+def test_probe_config_reads_the_switch() -> None:
+    assert ProbeConfig.from_config({"tokens": 8}).mean_sources is True
+    assert ProbeConfig.from_config({"tokens": 8, "mean_sources": False}).mean_sources is False
+
+
+def test_record_problem_accepts_the_rows_and_refuses_a_numeric_bucket() -> None:
+    row = rows_of(MeanSourcesStatistics([4]), 4)[1]
+    assert record_problem(row) is None
+    assert "expected text" in record_problem({**row, "bucket": 0})
+    assert not math.isnan(row["first_position"])
