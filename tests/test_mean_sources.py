@@ -4,6 +4,7 @@ pipeline's records."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from normgeo.measure.mean_sources import (
     MeanSourcesMeasurement,
     MeanSourcesStatistics,
     bucket_names,
+    empty_buckets,
     mean_sources_rows,
 )
 from normgeo.measure.norm_sites import find_norm_sites
@@ -255,6 +257,27 @@ def test_the_pipeline_writes_the_file_when_asked_and_the_reader_reads_it(tmp_pat
     write_step(tmp_path / "angles.jsonl", on.rows)
     assert read_rows(tmp_path / MEAN_SOURCES_FILE) == rows
     assert read_run_records(tmp_path)[MEAN_SOURCES_FILE] == rows
+
+
+def test_windows_too_short_for_a_bucket_get_one_warning_and_the_probe_goes_on(caplog) -> None:
+    """A bucket no window reaches is said once, where the probe announces its cost (the first probe of a run,
+    every analysis), and its rows hold count 0; windows that reach every bucket say nothing."""
+    assert empty_buckets(32) == ["64-255", "256+"] and empty_buckets(256) == ["256+"]
+    assert empty_buckets(257) == []
+    model = tiny_gpt("rms")
+    ids = torch.randint(0, 50257, (2 * 32,), generator=torch.Generator().manual_seed(5))
+    probe = ProbeConfig(len(ids), intervention=())
+    with caplog.at_level(logging.WARNING, logger="normgeo.measure.pipeline"):
+        records = measure_records(model, ids, 32, make_references(32), probe, model_name="tiny", step=None,
+                                  tokens_per_step=None, announce_cost=True)
+        measure_records(model, ids, 32, make_references(32), probe, model_name="tiny", step=None,
+                        tokens_per_step=None)  # a later probe of the same run: not said again
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == ["probe windows of 32 tokens: mean_sources.jsonl's position bucket(s) 64-255, 256+ hold "
+                    "no tokens (count 0); a longer seq_len (analyze.py: model.seq_len) reaches them"]
+    rows = records.files[MEAN_SOURCES_FILE]
+    empty = [r for r in rows if r["kind"] == "position" and r["first_position"] >= 32]
+    assert len(empty) == 2 * 5 and all(r["count"] == 0 for r in empty)
 
 
 def test_probe_config_reads_the_switch() -> None:

@@ -14,6 +14,7 @@ import yaml
 
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
 from models.lit import LitGPT, warmup_cosine
+from normgeo.measure.mean_sources import BUCKET_STARTS, MEAN_SOURCES_FILE
 from normgeo.measure.records import read_rows
 from normgeo.runs.session import REPLACED_DIR
 from tests.conftest import (
@@ -69,6 +70,21 @@ def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) ->
     assert any(name.startswith("layers_") for name in figures) and any(
         name.startswith("steps_") for name in figures
     )
+
+
+def test_mean_sources_at_every_probe_and_none_when_off(accumulated_run: Path, tmp_path: Path) -> None:
+    """probe.mean_sources (on by default): mean_sources.jsonl at every probe and its figure; off, the same
+    training writes neither."""
+    rows = read_rows(accumulated_run / MEAN_SOURCES_FILE)
+    per_step = (2 * 2 + 1) * (1 + len(BUCKET_STARTS))  # norm inputs x (dimensions row + a row per bucket)
+    assert [sum(r["step"] == s for r in rows) for s in (0, 2, 5, 6)] == [per_step] * 4
+    assert all(r["count"] == 500 for r in rows if r["kind"] == "dimensions")
+    assert list((accumulated_run / "figures").glob("mean_sources_*.png"))
+    off = tmp_path / "off"
+    train_here(off, "max_steps=1", "checkpoint.steps=[1]", "probe.tokens=500", "probe.intervention=[]",
+               "probe.mean_sources=false")
+    assert len({r["step"] for r in read_rows(off / "angles.jsonl")}) == 2
+    assert not (off / MEAN_SOURCES_FILE).exists() and not list((off / "figures").glob("mean_sources_*"))
 
 
 @pytest.mark.slow

@@ -55,6 +55,11 @@ def bucket_names(starts: Sequence[int] = BUCKET_STARTS) -> list[str]:
     ]
 
 
+def empty_buckets(longest_window: int, starts: Sequence[int] = BUCKET_STARTS) -> list[str]:
+    """The buckets that windows of at most ``longest_window`` tokens never reach (their rows hold count 0)."""
+    return [name for name, start in zip(bucket_names(starts), starts, strict=True) if start >= longest_window]
+
+
 class MeanSourcesStatistics:
     """Streamed mean sources at S norm inputs of widths ``dims``: position buckets, phi_i, max |x_i|, |x|
     histogram. :meth:`merge` and :meth:`all_reduce` are sums (and maxima) of the per-rank state."""

@@ -35,7 +35,7 @@ from normgeo.measure.intervention import (
     CenteringIntervention,
     intervention_scopes,
 )
-from normgeo.measure.mean_sources import MeanSourcesMeasurement
+from normgeo.measure.mean_sources import MEAN_SOURCES_FILE, MeanSourcesMeasurement, empty_buckets
 from normgeo.measure.measurement import Measurement, ProbeBatch
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms
@@ -354,6 +354,11 @@ def measure_records(
     ]
     if probe.mean_sources:
         measurements.append(MeanSourcesMeasurement(norms, device=where))
+        longest = max(part.shape[1] for part in parts)
+        if announce_cost and (empty := empty_buckets(longest)):  # valid, and the run goes on: said once
+            log.warning("probe windows of %d tokens: %s's position bucket(s) %s hold no tokens (count 0); "
+                        "a longer seq_len (analyze.py: model.seq_len) reaches them", longest,
+                        MEAN_SOURCES_FILE, ", ".join(empty))
     scopes = intervention_scopes(norms, probe.intervention) if probe.intervention else []
     intervention = None
     if scopes:
