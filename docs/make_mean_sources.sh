@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Where the mean lives in two real pretrained models, offline, on CPU: SmolLM2-135M-Instruct (RMSNorm) and
 # all-MiniLM-L6-v2 (LayerNorm), on Wikipedia text, with the centering intervention on all norms at once.
-# Writes docs/mean_sources.md (docs/mean_sources_page.py) and docs/figures/mean_sources_*.png; training runs'
-# folders given after the output root are added to the page (their last probed step).
+# Writes docs/mean_sources.md (docs/mean_sources_page.py) and docs/figures/mean_sources_*.png. The page's
+# training runs (their last probed step) are the study's seed-0 LayerNorm and RMSNorm arms (experiment=study_cpu,
+# as docs/make_study.sh trains them), trained here side by side on one core each; run folders given after
+# the output root (an earlier study's) are used instead.
 #
 #   bash docs/make_mean_sources.sh [output_root] [run_dir ...]     # default: outputs/mean_sources (deleted first)
 set -euo pipefail
@@ -12,6 +14,19 @@ shift || true
 WIKI=${NORMGEO_SHARED:-../shared}/corpora/wikipedia
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
 rm -rf "$OUT"
+RUNS=("$@")
+if [ ${#RUNS[@]} -eq 0 ]; then
+  WEBTEXT=${NORMGEO_SHARED:-../shared}/corpora/webtext
+  python -m corpus data=local data.source.path="$WEBTEXT" data_root="$OUT/data"
+  pids=()
+  for arm in layer rms; do
+    OMP_NUM_THREADS=1 python train.py experiment=study_cpu seed=0 norm=$arm data.source.path="$WEBTEXT" \
+      probe.path="$WIKI" output_root="$OUT/study" data_root="$OUT/data" trainer.enable_progress_bar=false &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done  # each run's failure stops the script
+  RUNS=("$OUT/study/study-layer-s0" "$OUT/study/study-rms-s0")
+fi
 # SmolLM2: 16 windows of 256 tokens; MiniLM: 20,000 tokens in windows of 512 (as docs/make_intervention_figures.sh).
 python analyze.py model=smollm2-135m probe=local probe.path="$WIKI" probe.tokens=4096 model.seq_len=256 \
   output_root="$OUT" progress=false
@@ -20,5 +35,5 @@ python analyze.py model=minilm probe=local probe.path="$WIKI" probe.tokens=20000
 SMOL="$OUT/analyze/smollm2-135m-instruct-q4_1"
 MINI="$OUT/analyze/minilm"
 cp "$SMOL"/figures/mean_sources_*.png "$MINI"/figures/mean_sources_*.png docs/figures/
-python docs/mean_sources_page.py "$SMOL" "$MINI" "$@" > docs/mean_sources.md
+python docs/mean_sources_page.py "$SMOL" "$MINI" "${RUNS[@]}" > docs/mean_sources.md
 echo "page: docs/mean_sources.md"
