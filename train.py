@@ -77,9 +77,8 @@ def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
         if not logger_cfg:
             continue
         if logger_cfg._target_.endswith("CSVLogger") and same_folder(
-            Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"),
-            run_dir / CSV_DIR,
-        ):
+                Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"),
+                run_dir / CSV_DIR):
             continue  # the CSV every run writes already (older logger configs still name it)
         if logger_cfg._target_.endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
@@ -123,18 +122,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
         # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    trainer = instantiate(
-        cfg.trainer,
-        **trainer_arguments(cfg),
-        default_root_dir=str(run_dir),
-        callbacks=callbacks,
-        logger=make_loggers(cfg, run_dir),
-        plugins=plugins,
-    )
+    trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), default_root_dir=str(run_dir),
+                          callbacks=callbacks, logger=make_loggers(cfg, run_dir), plugins=plugins)
     # The global batch is fixed; accumulation is whatever the device count leaves over (checked at the start).
-    trainer.accumulate_grad_batches = accumulation_steps(
-        cfg.global_batch, cfg.micro_batch, trainer.world_size
-    )
+    trainer.accumulate_grad_batches = accumulation_steps(cfg.global_batch, cfg.micro_batch,
+                                                         trainer.world_size)
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer
 
@@ -150,13 +142,11 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
             f", centering intervention {','.join(scopes)} on the first "
             f"{min(cfg.probe.intervention_tokens or cfg.probe.tokens, cfg.probe.tokens):,}"
             if scopes else ", no centering intervention")
-    return (
-        f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), "
-        f"{cfg.size.n_layer} layers, d={cfg.size.n_embd}"
-        f" · {module.tokens_per_step:,} tokens per optimizer step ({cfg.global_batch} sequences x "
-        f"{cfg.seq_len}) · accumulation {trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x "
-        f"world size {trainer.world_size} · precision {trainer.precision} · {probe}"
-    )
+    return (f"model: {count} parameters, norm={cfg.norm.name} ({cfg.placement.name}-norm), "
+            f"{cfg.size.n_layer} layers, d={cfg.size.n_embd} · {module.tokens_per_step:,} tokens per "
+            f"optimizer step ({cfg.global_batch} sequences x {cfg.seq_len}) · accumulation "
+            f"{trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x world size "
+            f"{trainer.world_size} · precision {trainer.precision} · {probe}")
 
 
 class KeepStart(OptimizerStepCallback):
@@ -179,8 +169,7 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
     if cfg.probe.enabled:
         callbacks.append(
             AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
-                       ProbeConfig.from_config(cfg.probe), ids=probe_ids)
-        )
+                       ProbeConfig.from_config(cfg.probe), ids=probe_ids))
     return callbacks
 
 
@@ -216,11 +205,9 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         log.info("%s", describe_run(cfg, trainer, module))
         # Legal but costly, valid but probably not meant, asked for but nothing
         # to measure: each said once in one line, and the run goes on as asked.
-        for kind, lines in (
-            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
-            ("odd", odd_values(cfg)),
-            ("nothing measured", unmeasured_values(cfg)),
-        ):
+        for kind, lines in (("costly", costly_values(cfg, probes=len(schedule) + 1)),
+                            ("odd", odd_values(cfg)),
+                            ("nothing measured", unmeasured_values(cfg))):
             for line in lines:
                 log.warning("%s: %s", kind, line)
     if ckpt_path:
@@ -235,25 +222,13 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
         if trainer.is_global_zero:
-            summary = run_summary(
-                trainer,
-                timer,
-                run_dir,
-                start_step=keep.session_start_step,
-                tokens_per_step=module.tokens_per_step,
-                figures=[],
-                stopped_by=DIVERGED,
-            )
-            write_summary(
-                run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}}
-            )
-        raise NonFiniteError(
-            f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
-            "a lower optim.lr replaces it",
-            step=err.step,
-            loss=err.loss,
-            lr=err.lr,
-        ) from None
+            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
+                                  tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
+            write_summary(run_dir, {**summary,
+                                    DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
+        raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
+                             "command with a lower optim.lr replaces it",
+                             step=err.step, loss=err.loss, lr=err.lr) from None
     if trainer.is_global_zero:
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
@@ -346,11 +321,8 @@ def run(cfg: DictConfig) -> Refused | None:
     exit_if_interrupted(trainer)  # Ctrl-C/SIGTERM: last.ckpt saved; print the resume command, exit 130/143
     if requeue is not None and requeue.stopped_at is not None:
         if trainer.is_global_zero and not requeue_slurm_job():
-            print(
-                f"error: stopped after step {requeue.stopped_at} for a requeue that SLURM refused; "
-                "submit the job again with resume=auto to continue from last.ckpt",
-                file=sys.stderr,
-            )
+            print(f"error: stopped after step {requeue.stopped_at} for a requeue that SLURM refused; "
+                  "submit the job again with resume=auto to continue from last.ckpt", file=sys.stderr)
             sys.exit(3)
         # Exit rather than return: under submitit a return would record the job as finished.
         sys.exit(0)

@@ -54,17 +54,9 @@ class CheckpointSchedule:
     Iterating yields the steps in order, one at a time.
     """
 
-    def __init__(
-        self,
-        max_steps: int,
-        steps: Iterable[int] | None = None,
-        dense_every: int = 1000,
-        dense_until: int = 10000,
-        sparse_every: int = 10000,
-        last_every: int = 500,
-        keep_optimizer: bool = False,
-        every_minutes: float | None = None,
-    ) -> None:
+    def __init__(self, max_steps: int, steps: Iterable[int] | None = None, dense_every: int = 1000,
+                 dense_until: int = 10000, sparse_every: int = 10000, last_every: int = 500,
+                 keep_optimizer: bool = False, every_minutes: float | None = None) -> None:
         # How often last.ckpt is refreshed (by steps, and by wall time) and what scheduled checkpoints keep
         # (ScheduledCheckpoint).
         self.last_every = last_every
@@ -124,12 +116,9 @@ class CheckpointSchedule:
         return count + (not self.on_rule(end))
 
     def __repr__(self) -> str:
-        rule = (
-            f"steps={self.explicit}"
-            if self.explicit is not None
-            else f"dense_every={self.dense_every}, dense_until={self.dense_until}, "
-            f"sparse_every={self.sparse_every}"
-        )
+        rule = (f"steps={self.explicit}" if self.explicit is not None
+                else f"dense_every={self.dense_every}, dense_until={self.dense_until}, "
+                     f"sparse_every={self.sparse_every}")
         return f"CheckpointSchedule(max_steps={self.max_steps}, {rule})"
 
 
@@ -157,15 +146,9 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     Checkpoint callbacks after the others: this step's probe has measured when this one decides.
     """
 
-    def __init__(
-        self,
-        dirpath: str,
-        schedule: CheckpointSchedule,
-        *,
-        stop_at_step: int | None = None,
-        signal_stop: StopOnSignal | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, dirpath: str, schedule: CheckpointSchedule, *, stop_at_step: int | None = None,
+                 signal_stop: StopOnSignal | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.dirpath = Path(dirpath)
         self.schedule = schedule  # also says how often last.ckpt is refreshed and what scheduled ones keep
         self.stop_at_step = stop_at_step
@@ -217,9 +200,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
-            trainer.save_checkpoint(
-                self.step_path(self.dirpath, step), weights_only=not self.schedule.keep_optimizer
-            )
+            trainer.save_checkpoint(self.step_path(self.dirpath, step),
+                                    weights_only=not self.schedule.keep_optimizer)
             self.saved_steps.append(step)
         self._save_last(trainer)
 
@@ -235,9 +217,8 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, trainer.global_step)
         self._save_last(trainer)
 
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
         which the step's end would have written), so that the resume continues from this step."""
         if isinstance(exception, SignalStop):
@@ -262,15 +243,10 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             last = self.dirpath / LAST_CHECKPOINT
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
             lr = pl_module.hparams.get("lr", float("nan"))
-            raise NonFiniteError(
-                f"training diverged: the parameters are not finite after step {step} (stopped "
-                "without saving; "
-                f"{kept}); the likely cause is the learning rate, optim.lr={lr:g}: lower it (e.g. "
-                f"optim.lr={lr / 10:g})",
-                step=step,
-                loss=float("nan"),
-                lr=lr,
-            )
+            raise NonFiniteError(f"training diverged: the parameters are not finite after step {step} "
+                                 f"(stopped without saving; {kept}); the likely cause is the learning "
+                                 f"rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
+                                 step=step, loss=float("nan"), lr=lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_steps": list(self.saved_steps)}

@@ -174,9 +174,8 @@ class StopOnSignal(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.interrupt.leave()  # its result is being logged: a signal from now on stops at the next step
 
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
         self.interrupt.leave()
 
     def abandoned(self, trainer: L.Trainer, exception: SignalStop) -> None:
@@ -254,12 +253,8 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
         saved = stop.last_checkpoint
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
-        print(
-            f"interrupted by {signal.Signals(signum).name}: stopped after step "
-            f"{interrupt.stopped_at}{abandoned} "
-            f"and saved {saved}; continue the run with:",
-            file=sys.stderr,
-        )
+        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
+              f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
         print(interrupt.resume_command, file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 

@@ -20,14 +20,8 @@ from models.lit import LitGPT
 # architecture (size), the arm (norm, placement), the context. The schema names
 # a key by it when the model refuses a field (normgeo.runs.schema.check_train).
 MODEL_KEYS = {
-    "n_layer": "size.n_layer",
-    "n_head": "size.n_head",
-    "n_embd": "size.n_embd",
-    "block_size": "seq_len",
-    "norm": "norm.name",
-    "norm_eps": "norm.eps",
-    "norm_impl": "norm.impl",
-    "placement": "placement.name",
+    "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
+    "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
     "tie_embeddings": "tie_embeddings",
 }
 
@@ -40,19 +34,10 @@ def model_config(cfg: DictConfig) -> dict[str, Any]:
 def module_arguments(cfg: DictConfig) -> dict[str, Any]:
     """models.lit.LitGPT's arguments, as plain values (they are its saved hyperparameters)."""
     optim = cfg.optim
-    return {
-        "model": model_config(cfg),
-        "seed": cfg.seed,
-        "max_steps": cfg.max_steps,
-        "global_batch": cfg.global_batch,
-        "lr": optim.lr,
-        "min_lr_ratio": optim.min_lr_ratio,
-        "warmup_steps": optim.warmup_steps,
-        "weight_decay": optim.weight_decay,
-        "betas": list(optim.betas),
-        "fused": optim.fused,
-        "compile": cfg.compile,
-    }
+    return {"model": model_config(cfg), "seed": cfg.seed, "max_steps": cfg.max_steps,
+            "global_batch": cfg.global_batch, "lr": optim.lr, "min_lr_ratio": optim.min_lr_ratio,
+            "warmup_steps": optim.warmup_steps, "weight_decay": optim.weight_decay,
+            "betas": list(optim.betas), "fused": optim.fused, "compile": cfg.compile}
 
 
 def make_module(cfg: DictConfig, **changes: Any) -> LitGPT:
@@ -63,29 +48,17 @@ def make_module(cfg: DictConfig, **changes: Any) -> LitGPT:
 def make_datamodule(cfg: DictConfig) -> TokenDataModule:
     """``cfg.data`` (its own keys: the source, the prepared folder, the tokenizer, the batch order's seed)
     with the run's batch geometry, steps, validation and workers."""
-    return instantiate(
-        cfg.data,
-        seq_len=cfg.seq_len,
-        global_batch=cfg.global_batch,
-        micro_batch=cfg.micro_batch,
-        max_steps=cfg.max_steps,
-        val_sequences=cfg.val_sequences,
-        val_seed=cfg.val_seed,
-        num_workers=cfg.num_workers,
-    )
+    return instantiate(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                       micro_batch=cfg.micro_batch, max_steps=cfg.max_steps, val_sequences=cfg.val_sequences,
+                       val_seed=cfg.val_seed, num_workers=cfg.num_workers)
 
 
 def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
     """What the run sets on ``cfg.trainer``'s Trainer: its steps, validation
     by steps (not epochs), no sanity validation, and precision null as the
     hardware's default (bf16-mixed on GPUs that have it, else 32-true)."""
-    return {
-        "precision": cfg.trainer.precision or default_precision(),
-        "max_steps": cfg.max_steps,
-        "max_epochs": -1,
-        "check_val_every_n_epoch": None,
-        "num_sanity_val_steps": 0,
-    }
+    return {"precision": cfg.trainer.precision or default_precision(), "max_steps": cfg.max_steps,
+            "max_epochs": -1, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
 
 
 def make_schedule(cfg: DictConfig) -> Any:

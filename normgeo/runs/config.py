@@ -44,10 +44,8 @@ def attach_log_file(path: Path) -> None:
 def close_file_logs(folder: Path) -> None:
     """Stop logging into files under ``folder``, so that a removed folder stays removed and the next job of a
     ``-m`` sweep (same process) logs into its own."""
-    loggers = [
-        logging.getLogger(),
-        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
-    ]
+    loggers = [logging.getLogger(),
+               *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
     for logger in loggers:
         for handler in list(logger.handlers):
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):

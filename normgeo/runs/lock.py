@@ -94,11 +94,8 @@ class RunLock:
                 log.warning("%s: the filesystem refuses file locks (%s); nothing stops a second train.py "
                             "from starting into this run directory", self.path, err)
                 break
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self.fd = fd

@@ -27,11 +27,9 @@ def strategy_of(cfg: DictConfig, world_size: int) -> tuple[str, dict]:
     if target.endswith("DDPStrategy") or target.startswith("ddp"):
         return "ddp", {}
     if target.endswith("FSDP2Strategy"):
-        return "fsdp2", {
-            "fsdp_param_dtype": strategy.get("param_dtype"),
-            "fsdp_reduce_dtype": strategy.get("reduce_dtype"),
-            "activation_checkpointing": bool(strategy.get("activation_checkpointing", False)),
-        }
+        return "fsdp2", {"fsdp_param_dtype": strategy.get("param_dtype"),
+                         "fsdp_reduce_dtype": strategy.get("reduce_dtype"),
+                         "activation_checkpointing": bool(strategy.get("activation_checkpointing", False))}
     raise ConfigError(f"trainer.strategy={target}: cannot be planned (auto, DDPStrategy or FSDP2Strategy)")
 
 
@@ -59,18 +57,10 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
         raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
                           f"global_batch={cfg.global_batch}")
     model = module_arguments(cfg)
-    return TrainSetup(
-        model=model,
-        micro_batch=int(cfg.micro_batch),
-        global_batch=int(cfg.global_batch),
-        precision=precision,
-        strategy=strategy,
-        world_size=world,
-        gradient_clip=cfg.trainer.get("gradient_clip_val"),
-        fused_adamw=not on_cpu,
-        probe_batch=int(cfg.probe.batch_size),
-        **fsdp,
-    )
+    return TrainSetup(model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch),
+                      precision=precision, strategy=strategy, world_size=world,
+                      gradient_clip=cfg.trainer.get("gradient_clip_val"), fused_adamw=not on_cpu,
+                      probe_batch=int(cfg.probe.batch_size), **fsdp)
 
 
 def preflight(cfg: DictConfig) -> None:

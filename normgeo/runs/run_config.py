@@ -35,67 +35,33 @@ CHECKPOINT_KEY = "run_config"
 # Dotted keys (and everything under them) that may differ between sessions of one run: where the run
 # runs and how it reports, not what it computes (tests/test_training.py, tests/test_norm_factorial.py).
 ALLOWED_CHANGES: tuple[str, ...] = (
-    "resume",
-    "stop_at_step",
-    "run_dir",
-    "output_root",
-    "data_root",
-    "run_name",  # which session, and where
+    "resume", "stop_at_step", "run_dir", "output_root", "data_root", "run_name",  # which session, and where
     # The global batch is fixed: the devices and the micro batch only change the accumulation.
-    "trainer.devices",
-    "trainer.num_nodes",
-    "trainer.accelerator",
-    "trainer.strategy",
-    "micro_batch",
+    "trainer.devices", "trainer.num_nodes", "trainer.accelerator", "trainer.strategy", "micro_batch",
     "size.micro_batch",  # only the default of micro_batch
     # The same math and weights: another kernel, floating-point order or batching of the same work.
-    "compile",
-    "optim.fused",
-    "norm.impl",
-    "num_workers",
-    "probe.batch_size",
+    "compile", "optim.fused", "norm.impl", "num_workers", "probe.batch_size",
     # How the run reports, and how often it refreshes last.ckpt.
-    "trainer.enable_progress_bar",
-    "trainer.enable_model_summary",
-    "trainer.log_every_n_steps",
-    "logger",
-    "log_every",
-    "checkpoint.last_every",
-    "checkpoint.every_minutes",
-    "size.gpus",
-    "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
-    "data.directory",
-    "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
-    "data.source.config_node",
-    "probe.source.config_node",  # which node a local source's refusals name
+    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "logger",
+    "log_every", "checkpoint.last_every", "checkpoint.every_minutes",
+    "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
+    "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
+    "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name
 )
 
 
 # Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the
 # schedule's copies; normgeo/runs/build.py passes those values now): compared through the keys they copy,
 # so a run recorded with them, or before them, resumes; only a change to one that both sides hold counts.
-DERIVED: tuple[str, ...] = (
-    "model",
-    "checkpoint._target_",
-    "checkpoint.max_steps",
-    "data.seq_len",
-    "data.global_batch",
-    "data.micro_batch",
-    "data.max_steps",
-    "data.val_sequences",
-    "data.val_seed",
-    "data.num_workers",
-)
+DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps",
+                            "data.seq_len", "data.global_batch", "data.micro_batch", "data.max_steps",
+                            "data.val_sequences", "data.val_seed", "data.num_workers")
 # Keys added later, with the value every run recorded before them had: absent in an old record means this.
 LEGACY_DEFAULTS: dict[str, Any] = {
-    "placement.name": "pre",
-    "placement.run_suffix": "",
-    "probe.plain_text_extensions": [],
-    "probe.source.plain_text_extensions": [],
+    "placement.name": "pre", "placement.run_suffix": "",
+    "probe.plain_text_extensions": [], "probe.source.plain_text_extensions": [],
     "data.source.plain_text_extensions": [],
-    "probe.encoding": "utf-8",
-    "probe.source.encoding": "utf-8",
-    "data.source.encoding": "utf-8",
+    "probe.encoding": "utf-8", "probe.source.encoding": "utf-8", "data.source.encoding": "utf-8",
     "threads": None,
     "probe.intervention_tokens": None,  # every probe token was intervened on
     "val_seed": None,
@@ -123,14 +89,10 @@ class ResumeConfigError(ValueError):
         self.changes = changes
         self.source = source
         lines = [f"refusing to continue the run: its config ({source}) differs from this session's in:"]
-        lines += [
-            f"  {key}: {format_value(old)} → {format_value(new)}" for key, (old, new) in changes.items()
-        ]
-        lines.append(
-            hint
-            or "A resumed run must stay the same experiment. Start a new run with a different run_name=... "
-            "or seed=..., or resume with the original values."
-        )
+        lines += [f"  {key}: {format_value(old)} → {format_value(new)}"
+                  for key, (old, new) in changes.items()]
+        lines.append(hint or "A resumed run must stay the same experiment. Start a new run with a different "
+                             "run_name=... or seed=..., or resume with the original values.")
         super().__init__("\n".join(lines))
 
 
@@ -162,9 +124,8 @@ def is_allowed(key: str, allowed: Iterable[str] = ALLOWED_CHANGES) -> bool:
     return any(key == a or key.startswith(f"{a}.") for a in allowed)
 
 
-def config_changes(
-    old: Mapping[str, Any], new: Mapping[str, Any], allowed: Iterable[str] = ALLOWED_CHANGES
-) -> Changes:
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
+                   allowed: Iterable[str] = ALLOWED_CHANGES) -> Changes:
     """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT."""
     allowed = tuple(allowed)
     flat_old, flat_new = flatten(old), flatten(new)
@@ -240,22 +201,16 @@ def verify_run_config(run_dir: str | os.PathLike, ckpt_path: str | None, current
         saved = load_run_config(run_dir)
         if saved is not None and (changes := config_changes(saved, current)):
             raise ResumeConfigError(
-                changes,
-                str(saved_file),
+                changes, str(saved_file),
                 hint=f"An earlier session in {run_dir} left this config but no checkpoint. Start this run "
-                f"with a different run_name=... or seed=..., or delete {saved_file} to start it here.",
-            )
+                     f"with a different run_name=... or seed=..., or delete {saved_file} to start it here.")
         return
     saved, source = checkpoint_run_config(ckpt_path), ckpt_path
     if saved is None:
         saved, source = load_run_config(run_dir), str(saved_file)
     if saved is None:
-        log.warning(
-            "%s holds no run config and %s is missing (a run from before configs were recorded): "
-            "resuming without checking that the config is unchanged",
-            ckpt_path,
-            saved_file,
-        )
+        log.warning("%s holds no run config and %s is missing (a run from before configs were recorded): "
+                    "resuming without checking that the config is unchanged", ckpt_path, saved_file)
         return
     if changes := config_changes(saved, current):
         raise ResumeConfigError(changes, str(source))

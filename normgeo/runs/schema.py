@@ -73,9 +73,8 @@ def node(kind: type, text: str) -> Any:
 class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
     eps: Positive = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
-    impl: str = doc(
-        "stock", f"how every norm runs: {' | '.join(NORM_IMPLS)} (torch.compile of each norm's forward)"
-    )
+    impl: str = doc("stock", f"how every norm runs: {' | '.join(NORM_IMPLS)} "
+                             "(torch.compile of each norm's forward)")
 
 
 @schema
@@ -103,21 +102,18 @@ class SizeSchema:
 class OptimSchema:
     lr: Positive = doc(MISSING, "peak learning rate")
     min_lr_ratio: Fraction = doc(0.1, "cosine decay ends at this fraction of the peak")
-    warmup_steps: Natural = doc(
-        MISSING, "linear warm-up steps (0: none); not fewer than max_steps: a warning"
-    )
+    warmup_steps: Natural = doc(MISSING, "linear warm-up steps (0: none); "
+                                         "not fewer than max_steps: a warning")
     weight_decay: NonNegative = doc(0.1, "AdamW weight decay on matrices")
     betas: Annotated[list[Annotated[float, Interval(ge=0, lt=1)]], Len(2, 2)] = doc(
-        [0.9, 0.95], "AdamW betas"
-    )
+        [0.9, 0.95], "AdamW betas")
     fused: bool | None = doc(None, "AdamW's fused kernel: null = on CUDA only; true also on the CPU")
 
 
 @schema
 class CheckpointSchema:
-    _target_: str = doc(
-        MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule; it ends with max_steps)"
-    )
+    _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule; "
+                                 "it ends with max_steps)")
     steps: list[Count] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps")
     dense_every: Count = doc(1000, "a checkpoint every this many steps up to dense_until")
     dense_until: Count = doc(10000, "end of the dense part of the schedule")
@@ -130,13 +126,10 @@ class CheckpointSchema:
 
 @schema
 class BootstrapSchema:
-    replicates: Count = doc(
-        ProbeConfig.bootstrap_replicates, "bootstrap replicates for the 95% intervals of null.jsonl"
-    )
-    block: Count = doc(
-        ProbeConfig.bootstrap_block,
-        "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks",
-    )
+    replicates: Count = doc(ProbeConfig.bootstrap_replicates,
+                            "bootstrap replicates for the 95% intervals of null.jsonl")
+    block: Count = doc(ProbeConfig.bootstrap_block,
+                       "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks")
 
 
 @schema
@@ -146,37 +139,26 @@ class ProbeSchema:
     source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
     path: str | None = doc(None, "local files for probe=local")
     plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
-    encoding: str = doc(
-        "utf-8", "probe=local: the text files' encoding, e.g. latin-1 (bytes that do not decode are refused)"
-    )
+    encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 "
+                                 "(bytes that do not decode are refused)")
     tokens: Count = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len")
     seed: Seed = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap")
-    include_standardized: bool = doc(
-        ProbeConfig.include_standardized, "also measure LayerNorm's standardization (.std sites)"
-    )
-    null_directions: Natural = doc(
-        ProbeConfig.null_directions, "random unit directions that 1 is compared with; 0: none"
-    )
+    include_standardized: bool = doc(ProbeConfig.include_standardized,
+                                     "also measure LayerNorm's standardization (.std sites)")
+    null_directions: Natural = doc(ProbeConfig.null_directions,
+                                   "random unit directions that 1 is compared with; 0: none")
     sample: bool = doc(ProbeConfig.sample, "documents in a seeded order over the whole source")
-    min_doc_tokens: Natural = doc(
-        ProbeConfig.min_doc_tokens, "skip documents shorter than this (title-only stubs)"
-    )
+    min_doc_tokens: Natural = doc(ProbeConfig.min_doc_tokens,
+                                  "skip documents shorter than this (title-only stubs)")
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
-    intervention: list[str] = doc(
-        list(ProbeConfig.intervention),
-        "the centering intervention's scopes (intervention.jsonl): "
-        f"{' | '.join(SCOPE_KINDS)}; [] turns it off",
-    )
+    intervention: list[str] = doc(list(ProbeConfig.intervention),
+                                  "the centering intervention's scopes (intervention.jsonl): "
+                                  f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
     intervention_tokens: Count | None = doc(
-        ProbeConfig.intervention_tokens,
-        "the intervention runs on the first this "
-        "many probe tokens (whole windows; the angles keep probe.tokens); "
-        "null: all of them",
-    )
-    mean_sources: bool = doc(
-        ProbeConfig.mean_sources,
-        "mean_sources.jsonl: the energy along 1 by position and the dimensions that carry the mean",
-    )
+        ProbeConfig.intervention_tokens, "the intervention runs on the first this many probe tokens "
+        "(whole windows; the angles keep probe.tokens); null: all of them")
+    mean_sources: bool = doc(ProbeConfig.mean_sources, "mean_sources.jsonl: the energy along 1 by position "
+                             "and the dimensions that carry the mean")
 
 
 @schema
@@ -198,8 +180,7 @@ class DataSchema:
     directory: str = doc(MISSING, "where the prepared token files live")
     tokenizer: str = doc("gpt2", "tiktoken encoding")
     val_fraction: Annotated[float, Interval(gt=0, lt=1)] = doc(
-        0.005, "fraction of documents held out for validation"
-    )
+        0.005, "fraction of documents held out for validation")
     auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
     prepare_command: str = doc("", "the command that prepares this corpus")
     seed: Seed = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
@@ -210,34 +191,28 @@ class DataSchema:
 class PlanSchema:
     check: bool = doc(True, "on a GPU, refuse a launch whose planned peak memory cannot fit (exit 2)")
     mfu: Annotated[float, Interval(gt=0, le=1)] = doc(
-        0.4, "model FLOPs utilization for the planned time and GPU-hours"
-    )
+        0.4, "model FLOPs utilization for the planned time and GPU-hours")
     headroom_gib: NonNegative = doc(1.5, "GiB per GPU for the CUDA context and NCCL")
     fragmentation: NonNegative = doc(0.1, "allocator fragmentation margin on the planned peak")
     devices: Count | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)")
-    gpus: list[str] = doc(
-        ["a6000", "a100-40gb", "a100-80gb", "h100-80gb"], "GPU types to plan for (models/plan.py)"
-    )
+    gpus: list[str] = doc(["a6000", "a100-40gb", "a100-80gb", "h100-80gb"],
+                          "GPU types to plan for (models/plan.py)")
 
 
 @schema
 class TrainSchema:
     seed: Seed = doc(0, "initial weights and dropout; also the batch order through data.seed (default: seed)")
-    threads: Count | None = doc(
-        None,
-        "torch CPU threads (torch.set_num_threads); null: torch's default "
-        "(OMP_NUM_THREADS, else every core). The count sets the floating-point sum order",
-    )
+    threads: Count | None = doc(None, "torch CPU threads (torch.set_num_threads); null: torch's default "
+                                "(OMP_NUM_THREADS, else every core). The count sets the floating-point "
+                                "sum order")
     run_name: str = doc(MISSING, "the run directory's name")
     output_root: str = doc("outputs", "where run directories go")
     run_dir: str = doc(MISSING, "the run directory")
     data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)")
-    resume: str | None = doc(
-        None, "null: refuse a directory with checkpoints; auto: continue; or a .ckpt path"
-    )
-    stop_at_step: Count | None = doc(
-        None, "end this session after this optimizer step (resumable; null: at max_steps)"
-    )
+    resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; "
+                                   "or a .ckpt path")
+    stop_at_step: Count | None = doc(None, "end this session after this optimizer step (resumable; "
+                                           "null: at max_steps)")
     max_steps: Count = doc(MISSING, "optimizer steps of the whole run")
     global_batch: Count = doc(64, "sequences per optimizer step over all devices")
     micro_batch: Count = doc(MISSING, "sequences per device per forward pass; divides global_batch")
@@ -247,28 +222,22 @@ class TrainSchema:
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
     val_every: Count = doc(1000, "optimizer steps between validations")
     val_sequences: Count = doc(64, "validation sequences; at most the validation split's distinct windows")
-    val_seed: Seed | None = doc(
-        None,
-        "the validation windows' draw; null: seed (each seed its own windows); a "
-        "number: the same windows for every arm and seed",
-    )
+    val_seed: Seed | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); "
+                                "a number: the same windows for every arm and seed")
     log_every: Count = doc(10, "optimizer steps between logged metrics")
     norm: NormSchema = node(NormSchema, "group norm: the arm")
-    placement: PlacementSchema = node(
-        PlacementSchema, "group placement: pre (GPT-2) or post (norm after each add)"
-    )
+    placement: PlacementSchema = node(PlacementSchema,
+                                      "group placement: pre (GPT-2) or post (norm after each add)")
     size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
     optim: OptimSchema = node(OptimSchema, "AdamW and the warm-up + cosine schedule")
-    checkpoint: CheckpointSchema = node(
-        CheckpointSchema, "_target_ node of the checkpoint (and probe) schedule"
-    )
+    checkpoint: CheckpointSchema = node(CheckpointSchema,
+                                        "_target_ node of the checkpoint (and probe) schedule")
     data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
     probe: TrainProbeSchema = node(TrainProbeSchema, "group probe: the angle measurements")
     trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")
     logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger")
-    plan: PlanSchema = node(
-        PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU pre-flight check"
-    )
+    plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU "
+                                        "pre-flight check")
 
 
 @schema
@@ -315,26 +284,20 @@ def check_types(cfg: DictConfig, kind: type, script: str) -> None:
     except ValidationError as err:
         errors = err.errors(include_url=False)
         error = next((e for e in errors if not _interpolated(cfg, e["loc"])), errors[0])
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(
-            "."
-        )
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                        for part in error["loc"]).lstrip(".")
         if error["type"] == "unexpected_keyword_argument":
             *parents, name = error["loc"]
             for parent in parents:  # the node the unknown key was added to
                 kind = next(f.default_factory for f in dataclasses.fields(kind) if f.name == parent)
             close = difflib.get_close_matches(str(name), [f.name for f in dataclasses.fields(kind)], n=1)
             hint = f"did you mean {where.removesuffix(str(name))}{close[0]}? " if close else ""
-            raise ConfigError(
-                f"{where}: no such key ({hint}python {script} --help lists every key)"
-            ) from None
+            raise ConfigError(f"{where}: no such key "
+                              f"({hint}python {script} --help lists every key)") from None
         hint = _hint_at(kind, error["loc"])
-        message = (
-            f"expected {type_words(hint)}"
-            if error["type"] in RANGE_ERRORS
-            else f"expected a finite {type_words(hint)}"
-            if error["type"] == "finite_number"
-            else error["msg"]
-        )
+        message = (f"expected {type_words(hint)}" if error["type"] in RANGE_ERRORS
+                   else f"expected a finite {type_words(hint)}" if error["type"] == "finite_number"
+                   else error["msg"])
         raise ConfigError(f"{where}={format_value(error['input'])}: {message}") from None
 
 
@@ -350,11 +313,8 @@ def _hint_at(kind: type, loc: tuple) -> Any:
         # to the list or node inside
         while typing.get_origin(hint) in (Annotated, typing.Union, types.UnionType):
             hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-        hint = (
-            typing.get_args(hint)[0]
-            if isinstance(part, int)
-            else typing.get_type_hints(hint, include_extras=True)[part]
-        )
+        hint = (typing.get_args(hint)[0] if isinstance(part, int)
+                else typing.get_type_hints(hint, include_extras=True)[part])
     return hint
 
 
@@ -376,22 +336,16 @@ def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
     max_steps = cfg.max_steps
     steps = cfg.checkpoint.steps
     if steps is not None and (beyond := [s for s in steps if s > max_steps]):
-        raise ConfigError(
-            f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond max_steps={max_steps}; "
-            "expected checkpoint steps <= max_steps"
-        )
+        raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond "
+                          f"max_steps={max_steps}; expected checkpoint steps <= max_steps")
     if cfg.probe.enabled and (refusal := ProbeConfig.from_config(cfg.probe).size_refusal(cfg.seq_len)):
         raise ConfigError(refusal)
     if val_tokens is not None:
         windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
-        _expect(
-            cfg.val_sequences <= windows,
-            "val_sequences",
-            cfg.val_sequences,
-            f"at most {max(windows, 0):,}: the validation split holds {val_tokens:,} tokens, so more windows "
-            f"of seq_len={cfg.seq_len} only repeat them; lower val_sequences or prepare a larger "
-            "data.val_fraction",
-        )
+        _expect(cfg.val_sequences <= windows, "val_sequences", cfg.val_sequences,
+                f"at most {max(windows, 0):,}: the validation split holds {val_tokens:,} tokens, so more "
+                f"windows of seq_len={cfg.seq_len} only repeat them; lower val_sequences or prepare a "
+                "larger data.val_fraction")
 
 
 # Above these, a legal value is reported at start with its cost (costly_values): the fraction of the
@@ -410,23 +364,18 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     val_tokens = cfg.val_sequences * cfg.seq_len
     validations = cfg.max_steps // cfg.val_every
     if validations and validations * val_tokens / 3 > COSTLY_FRACTION * train_tokens:
-        lines.append(
-            f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
-            f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} training "
-            f"steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)"
-        )
+        lines.append(f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
+                     f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} "
+                     f"training steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)")
     if cfg.probe.enabled and probes * cfg.probe.tokens / 3 > COSTLY_FRACTION * train_tokens:
-        lines.append(
-            f"probe.tokens={cfg.probe.tokens}: each of the {probes:,} probes forwards {cfg.probe.tokens:,} "
-            f"tokens with hooks, at least the compute of {cfg.probe.tokens / 3 / step_tokens:,.0f} "
-            f"training steps ({probes * cfg.probe.tokens / 3 / train_tokens:.0%} of the training's)"
-        )
+        lines.append(f"probe.tokens={cfg.probe.tokens}: each of the {probes:,} probes forwards "
+                     f"{cfg.probe.tokens:,} tokens with hooks, at least the compute of "
+                     f"{cfg.probe.tokens / 3 / step_tokens:,.0f} training steps "
+                     f"({probes * cfg.probe.tokens / 3 / train_tokens:.0%} of the training's)")
     preset = cfg.size.max_steps
     if cfg.max_steps > COSTLY_STEPS_FACTOR * preset:
-        lines.append(
-            f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, {cfg.max_steps / preset:,.0f}x "
-            f"the {preset:,} steps of size={cfg.size.name}"
-        )
+        lines.append(f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, "
+                     f"{cfg.max_steps / preset:,.0f}x the {preset:,} steps of size={cfg.size.name}")
     return lines
 
 
@@ -437,11 +386,9 @@ def odd_values(cfg: DictConfig) -> list[str]:
     if warmup and warmup >= max_steps:
         return [
             f"optim.warmup_steps={warmup} is not fewer than max_steps={max_steps}: the learning rate "
-            "rises for "
-            "the whole run and "
+            "rises for the whole run and "
             f"{'reaches its peak only at the last step' if warmup == max_steps else 'never reaches its peak'}"
-            ", with no decay; optim.warmup_steps below max_steps (0: none) warms up, then decays"
-        ]
+            ", with no decay; optim.warmup_steps below max_steps (0: none) warms up, then decays"]
     return []
 
 
@@ -452,11 +399,10 @@ def unmeasured_values(cfg: DictConfig) -> list[str]:
     arm = NORM_ARMS.get(cfg.norm.name)
     scopes = list(cfg.probe.get("intervention") or [])
     if cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS:
-        lines.append(
-            f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take out or put "
-            f"in (its norms are {arm.site_kind} sites, not {' or '.join(INTERVENABLE_KINDS)}), so no "
-            "intervention is measured and no intervention.jsonl written; probe.intervention=[] says so"
-        )
+        lines.append(f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take "
+                     f"out or put in (its norms are {arm.site_kind} sites, not "
+                     f"{' or '.join(INTERVENABLE_KINDS)}), so no intervention is measured and no "
+                     "intervention.jsonl written; probe.intervention=[] says so")
     return lines
 
 
@@ -474,13 +420,10 @@ LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 def check_intervention(probe: DictConfig) -> None:
     """probe.intervention: known scope kinds, each once."""
     kinds = list(probe.get("intervention") or [])
-    _expect(
-        all(kind in SCOPE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
-        "probe.intervention",
-        probe.get("intervention"),
-        f"a list of distinct scopes from {', '.join(SCOPE_KINDS)}, or [] for none, "
-        "e.g. probe.intervention=[all,layers]",
-    )
+    _expect(all(kind in SCOPE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
+            "probe.intervention", probe.get("intervention"),
+            f"a list of distinct scopes from {', '.join(SCOPE_KINDS)}, or [] for none, "
+            "e.g. probe.intervention=[all,layers]")
 
 
 def check_probe_source(probe: DictConfig) -> None:
@@ -490,16 +433,12 @@ def check_probe_source(probe: DictConfig) -> None:
     if source.get("_target_") != LOCAL_SOURCE:
         return
     if OmegaConf.is_missing(source, "path") or source.path is None:
-        raise ConfigError(
-            "probe.path=null: expected the probe's local text for probe=local (a folder, file or "
-            "glob), e.g. probe.path=../shared/corpora/wikipedia"
-        )
+        raise ConfigError("probe.path=null: expected the probe's local text for probe=local (a folder, "
+                          "file or glob), e.g. probe.path=../shared/corpora/wikipedia")
     try:
-        LocalFilesSource(
-            str(source.path),
-            plain_text_extensions=tuple(source.get("plain_text_extensions") or ()),
-            config_node=str(source.get("config_node", "probe")),
-        ).check()
+        LocalFilesSource(str(source.path),
+                         plain_text_extensions=tuple(source.get("plain_text_extensions") or ()),
+                         config_node=str(source.get("config_node", "probe"))).check()
     except SourceError as err:
         raise ConfigError(str(err)) from None
 
@@ -572,11 +511,8 @@ def key_docs(kind: type, prefix: str = "") -> list[str]:
             lines += [f"{key}:  # {text}", *key_docs(f.default_factory, f"{key}.")]
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(
-            f"{key}: {type_words(hints[f.name])} = "
-            f"{'(from conf/)' if default == MISSING else format_value(default)}"
-            f"  # {text}"
-        )
+        lines.append(f"{key}: {type_words(hints[f.name])} = "
+                     f"{'(from conf/)' if default == MISSING else format_value(default)}  # {text}")
     return lines
 
 

@@ -75,9 +75,8 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     """Checkpoints a resume may continue from, in the order tried: last.ckpt, then the scheduled step-*.ckpt
     newest first (full state only with keep_optimizer)."""
     last = run_dir / "checkpoints" / LAST_CHECKPOINT
-    return ([last] if last.exists() else []) + sorted(
-        (run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True
-    )
+    return ([last] if last.exists() else []) + sorted((run_dir / "checkpoints").glob("step-*.ckpt"),
+                                                      reverse=True)
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
@@ -99,44 +98,36 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
         if (run_dir / "checkpoints" / LAST_CHECKPOINT).exists():
             raise RunDirectoryError(
                 f"{run_dir} already holds a run ({LAST_CHECKPOINT}). Continue it with resume=auto, "
-                "or start another with a different run_name=... or seed=..."
-            )
+                "or start another with a different run_name=... or seed=...")
         return None
     if resume == "auto":
         path, step, passed_over = newest_resumable(run_dir)
         if passed_over and path is None:
-            raise RunDirectoryError(
-                f"{passed_over[0]} and no other full-state checkpoint is readable: nothing to resume from. "
-                "Start the run again under another run_name=..., or delete the damaged file to start it here."
-            )
+            raise RunDirectoryError(f"{passed_over[0]} and no other full-state checkpoint is readable: "
+                                    "nothing to resume from. Start the run again under another run_name=..., "
+                                    "or delete the damaged file to start it here.")
         if path is None and is_rank_zero() and (traces := run_traces(run_dir)) and not slurm_requeued():
             # A run killed before its first checkpoint, or one whose checkpoints were deleted: training it
-            # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run;
-            # the other ranks of a start (srun's tasks, DDP's
-            # processes) see rank 0's fresh files and follow it.
+            # again from step 0 here would write over its logs. A requeued SLURM job restarts its own run; the
+            # other ranks of a start (srun's tasks, DDP's processes) see rank 0's fresh files and follow it.
             raise RunDirectoryError(
-                f"{run_dir} holds an earlier run "
-                f"({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}) "
-                f"but no checkpoint to resume from: nothing to resume, and its files stay as they are. Start "
-                f"it fresh elsewhere: {fresh_command(run_dir)} (or delete {run_dir} to start it there)"
-            )
+                f"{run_dir} holds an earlier run ({', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}"
+                ") but no checkpoint to resume from: nothing to resume, and its files stay as they are. "
+                f"Start it fresh elsewhere: {fresh_command(run_dir)} (or delete {run_dir} to start it there)")
         for reason in passed_over:
             log.warning("resume=auto: %s; falling back to %s (step %s)", reason, path, step)
         return str(path) if path else None
     if not Path(resume).is_file():
-        raise RunDirectoryError(
-            f"resume={resume!r}: no such checkpoint file (use resume=auto or a .ckpt path)"
-        )
+        raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file "
+                                "(use resume=auto or a .ckpt path)")
     info = checkpoint_info(Path(resume))
     if isinstance(info, str):
         raise RunDirectoryError(f"resume={resume!r}: unreadable checkpoint ({info}); use resume=auto")
     if not info.full_state:
         raise RunDirectoryError(
-            f"resume={resume!r} holds weights only (a scheduled checkpoint, "
-            "checkpoint.keep_optimizer=false), "
-            "not the optimizer state a resume needs: resume the run from its last.ckpt with resume=auto, or "
-            f"study these weights with: python analyze.py model=checkpoint model.checkpoint={resume}"
-        )
+            f"resume={resume!r} holds weights only (a scheduled checkpoint, checkpoint.keep_optimizer=false),"
+            " not the optimizer state a resume needs: resume the run from its last.ckpt with resume=auto, or "
+            f"study these weights with: python analyze.py model=checkpoint model.checkpoint={resume}")
     return resume
 
 
@@ -153,12 +144,8 @@ def replace_diverged_run(run_dir: Path) -> bool:
     for path in run_dir.iterdir():
         if path.name not in KEPT_ON_REPLACE:
             path.rename(aside / path.name)
-    log.warning(
-        "replaced the run that diverged at step %s (optim.lr=%s) in %s",
-        record.get("step"),
-        record.get("lr"),
-        run_dir,
-    )
+    log.warning("replaced the run that diverged at step %s (optim.lr=%s) in %s",
+                record.get("step"), record.get("lr"), run_dir)
     return True
 
 
@@ -175,9 +162,8 @@ def run_traces(run_dir: Path) -> list[str]:
     if not run_dir.is_dir():
         return []
     ignored = {LOCK_FILE, TRAIN_LOG} if launched_together() else {LOCK_FILE}
-    return sorted(
-        p.name for p in run_dir.iterdir() if p.name not in ignored and not p.name.endswith(TMP_SUFFIX)
-    )
+    return sorted(p.name for p in run_dir.iterdir()
+                  if p.name not in ignored and not p.name.endswith(TMP_SUFFIX))
 
 
 def fresh_command(run_dir: Path) -> str:
@@ -197,10 +183,8 @@ def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
     if not isinstance(info, CheckpointInfo) or info.step < target:
         return None
     if target < int(cfg.max_steps):
-        return (
-            f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); nothing to do: "
-            f"raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}"
-        )
+        return (f"{cfg.run_dir}: already at step {info.step} (stop_at_step={cfg.stop_at_step}); "
+                f"nothing to do: raise stop_at_step or drop it to train on to max_steps={cfg.max_steps}")
     return f"{cfg.run_dir}: already finished at step {info.step}; nothing to do"
 
 
@@ -240,8 +224,7 @@ def check_diverged_start(cfg: DictConfig, run_dir: Path, record: dict[str, Any],
     raise RunDirectoryError(
         f"{run_dir} holds a run that diverged at step {record.get('step')} (optim.lr={lr}); "
         f"{'a resume' if resume is not None else 'the same config'} would diverge again. Start it afresh "
-        f"with a lower learning rate (the diverged run is then replaced): {suggestion}"
-    )
+        f"with a lower learning rate (the diverged run is then replaced): {suggestion}")
 
 
 def session_checkpoint(cfg: DictConfig) -> str | None:
@@ -326,11 +309,9 @@ def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError |
     existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     path, step, _ = newest_resumable(run_dir)
-    kept = (
-        f"from {path.name} (step {step}, intact)" if path else "from the start (no checkpoint was saved yet)"
-    )
+    kept = (f"from {path.name} (step {step}, intact)" if path
+            else "from the start (no checkpoint was saved yet)")
     removed = "; its partial file was removed" if isinstance(cause, DiskFullError) else ""  # atomic_open's
     return RunDiskFullError(
         f"{cause.strerror or 'No space left on device'} writing {where} ({free / 2**20:.0f} MiB free there"
-        f"{removed}): free space on that disk, then continue {kept} with resume=auto: {resume_command(cfg)}"
-    )
+        f"{removed}): free space on that disk, then continue {kept} with resume=auto: {resume_command(cfg)}")

@@ -218,19 +218,13 @@ def check_trainer(cfg: DictConfig) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = instantiate(
-                cfg.trainer,
-                **trainer_arguments(cfg),
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-            )
+                cfg.trainer, **trainer_arguments(cfg), logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
     # Lightning's refusal, or Hydra's for a strategy class it cannot locate
     except InstantiationException as err:
         cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
         raise StartError(
-            f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}"
-        ) from err
+            f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
     finally:
         logging.disable(logging.NOTSET)
     try:
@@ -246,9 +240,8 @@ def check_start(cfg: DictConfig) -> Start:
     check_config("train", cfg)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if refusal := missing_cuda(
-        "trainer.accelerator", accelerator, "trainer=cpu (or trainer=ddp_cpu) on this machine"
-    ):
+    if refusal := missing_cuda("trainer.accelerator", accelerator,
+                               "trainer=cpu (or trainer=ddp_cpu) on this machine"):
         raise StartError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)

@@ -43,16 +43,8 @@ def _log_dir(logger: Any) -> str | None:
     return getattr(logger, "log_dir", None)
 
 
-def run_summary(
-    trainer: L.Trainer,
-    timer: Timer,
-    run_dir: Path,
-    *,
-    start_step: int,
-    tokens_per_step: int,
-    figures: list[Path],
-    stopped_by: str | None = None,
-) -> dict[str, Any]:
+def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: int, tokens_per_step: int,
+                figures: list[Path], stopped_by: str | None = None) -> dict[str, Any]:
     """The summary of the run as it stands after this session (which began at ``start_step``), merged with
     the earlier sessions' summaries.
 
@@ -63,31 +55,21 @@ def run_summary(
     step = trainer.global_step
     session_tokens = (step - start_step) * tokens_per_step
     session_s = session_wall_s(timer)
-    this_session = {
-        "steps": [start_step, step],
-        "wall_s": round(session_s, 3),
-        "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped"),
-    }
+    this_session = {"steps": [start_step, step], "wall_s": round(session_s, 3),
+                    "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped")}
     return {
-        "step": step,
-        "max_steps": trainer.max_steps,
-        "finished": step >= trainer.max_steps,
-        "train_loss": _metric(trainer, "train/loss"),
-        "val_loss": _metric(trainer, "val/loss"),
+        "step": step, "max_steps": trainer.max_steps, "finished": step >= trainer.max_steps,
+        "train_loss": _metric(trainer, "train/loss"), "val_loss": _metric(trainer, "val/loss"),
         "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
-        "tokens_seen": step * tokens_per_step,
-        "wall_s": round(timer.time_elapsed(), 3),
-        "sessions": int(previous.get("sessions") or 0) + 1,
-        "session_wall_s": round(session_s, 3),
+        "tokens_seen": step * tokens_per_step, "wall_s": round(timer.time_elapsed(), 3),
+        "sessions": int(previous.get("sessions") or 0) + 1, "session_wall_s": round(session_s, 3),
         # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
         "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
         "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
-        "figures": [str(f) for f in figures],
-        "checkpoints": str(run_dir / "checkpoints"),
+        "figures": [str(f) for f in figures], "checkpoints": str(run_dir / "checkpoints"),
         "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
-        "train_log": str(run_dir / TRAIN_LOG),
-        "disk_bytes": disk_use(run_dir),
+        "train_log": str(run_dir / TRAIN_LOG), "disk_bytes": disk_use(run_dir),
     }
 
 
@@ -97,11 +79,9 @@ def disk_use(run_dir: Path) -> dict[str, int]:
     def size(paths) -> int:
         return sum(p.stat().st_size for p in paths if p.is_file())
 
-    return {
-        "checkpoints": size((run_dir / "checkpoints").rglob("*")),
-        "records": size(run_dir.glob("*.jsonl")),
-        "total": size(run_dir.rglob("*")),
-    }
+    return {"checkpoints": size((run_dir / "checkpoints").rglob("*")),
+            "records": size(run_dir.glob("*.jsonl")),
+            "total": size(run_dir.rglob("*"))}
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -124,16 +104,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"run summary: step {summary['step']}/{summary['max_steps']}"
         f"{' (finished)' if summary['finished'] else ''} · train loss {number(summary['train_loss'], '.4f')}"
-        f" · val loss {number(summary['val_loss'], '.4f')}{validated}"
-        f" · {summary['tokens_seen']:,} tokens"
+        f" · val loss {number(summary['val_loss'], '.4f')}{validated} · {summary['tokens_seen']:,} tokens"
         f" · {number(summary['tokens_per_s'], ',.0f')} tok/s overall (the session's tokens over its "
-        "wall time: "
-        f"start-up, probes and validation included) · wall {summary['wall_s']:.1f} s",
+        f"wall time: start-up, probes and validation included) · wall {summary['wall_s']:.1f} s",
         f"  records:     {summary['records'] or '-'}",
         f"  figures:     {len(summary['figures'])} in "
         f"{Path(summary['figures'][0]).parent if summary['figures'] else '-'}",
-        f"  checkpoints: {summary['checkpoints']}",
-    ]
+        f"  checkpoints: {summary['checkpoints']}"]
     lines += [f"  logs:        {name}: {where}" for name, where in summary["logs"].items()]
     lines.append(f"  train log:   {summary['train_log']}")
     return "\n".join(lines)
