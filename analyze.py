@@ -104,6 +104,7 @@ def analyze(cfg: DictConfig) -> Path:
         model, ids, seq_len, references, probe,
         model_name=cfg.model.name, step=loaded.step, tokens_per_step=loaded.tokens_per_step,
         forward=loaded.forward, norms=norms, device=device, progress=cfg.progress, announce_cost=True,
+        separator=loaded.separator,
     )
     measured_at = time.perf_counter()
     rows, null = records.rows, records.null

@@ -18,7 +18,7 @@ from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signals import abandonable
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
-from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids
+from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import (
@@ -124,6 +124,7 @@ class AngleProbe(OptimizerStepCallback):
                 device=pl_module.device,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
+                separator=tiktoken_separator(self.tokenizer),  # the documents' end-of-text in probe_ids
             )
         self._announced = True
         if trainer.is_global_zero:

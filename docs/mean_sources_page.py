@@ -16,7 +16,7 @@ from pathlib import Path
 
 from normgeo.figures.intervention import interval_text
 from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MASSIVE_RATIO, MEAN_SOURCES_FILE
+from normgeo.measure.mean_sources import DOC_START, MASSIVE_RATIO, MEAN_SOURCES_FILE
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
 
@@ -53,7 +53,10 @@ class Folder:
         self.folder = folder
         rows = last_step(read_rows(folder / MEAN_SOURCES_FILE))
         self.dimensions = [r for r in rows if r["kind"] == "dimensions"]
-        self.positions = [r for r in rows if r["kind"] == "position"]
+        # The window-position buckets partition the tokens; the document starts overlap them (read apart).
+        self.positions = [r for r in rows if r["kind"] == "position" and r["bucket"] != DOC_START]
+        self.doc_starts = {(r["layer"], r["site"]): r for r in rows
+                           if r["kind"] == "position" and r["bucket"] == DOC_START and r["count"]}
         info_file = folder / "run_info.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
         self.model, self.norm = rows[0]["model"], rows[0]["norm"]
@@ -63,7 +66,9 @@ class Folder:
             f"{info['dtype']}" if info else f"step {self.step}"
         )
         self.intervention = self.scope_all(folder / INTERVENTION_FILE)
-        self.by_position = self.scope_all(folder / INTERVENTION_POSITIONS_FILE)
+        by_position = self.scope_all(folder / INTERVENTION_POSITIONS_FILE)
+        self.by_position = [r for r in by_position if r["bucket"] != DOC_START]
+        self.doc_start_changes = [r for r in by_position if r["bucket"] == DOC_START and r["tokens"]]
 
     @staticmethod
     def scope_all(path: Path) -> list[dict]:
@@ -111,6 +116,13 @@ class Folder:
             )
         else:
             text += f"No input has a massive dimension ({rule}). "
+        if self.doc_starts:
+            first_site = self.dimensions[0]
+            starts = self.doc_starts.get((first_site["layer"], first_site["site"]))
+            part = starts["count"] / first_site["count"] if starts and first_site["count"] else None
+            shares = [r["mean_sq_share"] for r in self.doc_starts.values()]
+            text += (f"The first tokens of the probe's documents are {percent(part)} of its tokens and "
+                     f"hold a median {median_range(shares)} of E[μ²]. ")
         first = [r for r in self.by_position if r["bucket"] == FIRST]
         if self.intervention and first:
             whole = self.intervention[0]
@@ -119,8 +131,12 @@ class Folder:
                     f"The centering intervention on all norms ({whole['action']}) changes the loss by "
                     f"{ci(whole, 'delta_loss', 4)} nats; the predictions at position 0 make "
                     f"{percent(first[0]['delta_loss_share'])} of that change and "
-                    f"{percent(first[0]['kl_share'])} of the KL."
+                    f"{percent(first[0]['kl_share'])} of the KL"
                 )
+                for r in self.doc_start_changes:  # one row (scope "all"), where the documents are known
+                    text += (f", those at the documents' first tokens {percent(r['delta_loss_share'])} and "
+                             f"{percent(r['kl_share'])}")
+                text += "."
             else:
                 text += (
                     f"The centering intervention on all norms ({whole['action']}) leaves a mean cosine of "
@@ -166,18 +182,19 @@ class Folder:
                           "top-1 agreement |", "| --- | --- | --- | --- | --- | --- | --- |"]
             else:
                 lines += ["| positions | tokens | cosine |", "| --- | --- | --- |"]
-            for r in self.by_position:
+            for r in [*self.by_position, *self.doc_start_changes]:
                 if not r["tokens"]:
                     continue
+                where = "document starts (any position)" if r["bucket"] == DOC_START else r["bucket"]
                 if next_token:
                     lines.append(
-                        f"| {r['bucket']} | {r['tokens']:,} | "
+                        f"| {where} | {r['tokens']:,} | "
                         f"{ci(r, 'delta_loss', 4)} | "
                         f"{percent(r['delta_loss_share'])} | {r['kl']:.2e} | {percent(r['kl_share'])} | "
                         f"{percent(r['top1_agreement'], 2)} |"
                     )
                 else:
-                    lines.append(f"| {r['bucket']} | {r['tokens']:,} | {ci(r, 'cosine', 5)} |")
+                    lines.append(f"| {where} | {r['tokens']:,} | {ci(r, 'cosine', 5)} |")
         return [*lines, ""]
 
 

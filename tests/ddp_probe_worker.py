@@ -22,13 +22,21 @@ from normgeo.measure.pipeline import measure_records  # noqa: E402
 from normgeo.measure.probe import make_references  # noqa: E402
 from normgeo.measure.probe_config import ProbeConfig  # noqa: E402
 
+SEPARATOR = 50256
+# Documents end mid-window, at a window's last token (the next starts the next window, on the other rank)
+# and at the tail's first token: with the stream's first token, 8 document starts in windows 0 (2), 2, 3 (2),
+# 14, 15 and the tail (24): on both ranks of 2, every one at a position with a next token.
+DOCUMENT_ENDS = (9, 31, 47, 60, 230, 250, 24 * 16)
+DOCUMENT_STARTS, DOCUMENT_WINDOWS = 8, 6
+
 
 def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
     """angles.jsonl, null.jsonl, intervention.jsonl, intervention_positions.jsonl and mean_sources.jsonl
     rows, by the callback's own call: each rank probes every world-th window (24 full ones and a 7-token
-    tail)."""
+    tail), its documents separated by GPT-2's end-of-text (SEPARATOR at DOCUMENT_ENDS)."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
-    ids = torch.randint(0, 50257, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, SEPARATOR, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
+    ids[list(DOCUMENT_ENDS)] = SEPARATOR
     probe = ProbeConfig(
         len(ids), batch_size=5, seed=0, bootstrap_replicates=200, intervention=("all", "layers")
     )
@@ -43,6 +51,7 @@ def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
         tokens_per_step=0,
         rank=rank,
         world_size=world,
+        separator=SEPARATOR,
     )
     return {"angles": records.rows, "null": records.null, "intervention": records.intervention,
             "mean_sources": records.files[MEAN_SOURCES_FILE],

@@ -278,10 +278,17 @@ def test_the_mean_sources_page_says_what_the_records_hold(outputs: dict[str, Pat
         assert f"over its {len(dims)} norm inputs" in finding, finding
         median = f"a median {100 * float(np.median(first)):.1f}% (range {100 * min(first):.1f}%"
         assert median in finding, (name, finding)
+        # analyze.py knows the tokenizer's separator (MiniLM's SEP, our end-of-text): the document starts.
+        starts = [r for r in rows if r["kind"] == "position" and r["bucket"] == "doc_start"]
+        assert len(starts) == len(dims) and all(r["count"] > 0 for r in starts)
+        assert "The first tokens of the probe's documents are" in finding, finding
     positions = read_rows(outputs["ours"] / "intervention_positions.jsonl")
     share = next(r["delta_loss_share"] for r in positions if r["scope"] == "all" and r["bucket"] == "0")
     finding = next(line for line in page.splitlines() if line.startswith("- **ours-rms**"))
     assert f"position 0 make {100 * share:.1f}% of that change" in finding, finding
+    doc = next(r for r in positions if r["scope"] == "all" and r["bucket"] == "doc_start")
+    assert f"those at the documents' first tokens {100 * doc['delta_loss_share']:.1f}%" in finding, finding
+    assert "| document starts (any position) |" in page
     minilm = next(line for line in page.splitlines() if line.startswith("- **minilm**"))
     assert "leaves a mean cosine of" in minilm, minilm
 

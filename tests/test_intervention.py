@@ -33,7 +33,7 @@ from normgeo.measure.intervention import (
     intervention_scopes,
     next_token_changes,
 )
-from normgeo.measure.mean_sources import BUCKET_STARTS, bucket_names
+from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
@@ -206,7 +206,15 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
             projection.weight.zero_()
             projection.bias.zero_()
     ids = token_ids(5 * SEQ, seed=4)
-    files = probe_files(model, ids, kinds=("layers",))
+    # Documents packed across the windows: the stream's first at window 0's position 0, one mid-window 0, one
+    # at window 1's position 0 (its separator window 0's last token), one mid window 2, one at window 3's
+    # last position (no next token there: no prediction of its own).
+    separator = VOCAB - 1
+    ids[ids == separator] = 0
+    ids[[4, SEQ - 1, 2 * SEQ + 9, 3 * SEQ + 10]] = separator
+    starts = np.zeros(len(ids), dtype=bool)
+    starts[[0, 5, SEQ, 2 * SEQ + 10, 3 * SEQ + 11]] = True
+    files = probe_files(model, ids, kinds=("layers",), separator=separator)
     row = files[INTERVENTION_FILE][-1]
     assert row["scope_name"] == "layer final"
 
@@ -240,9 +248,9 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
             assert entry["delta_loss"] == pytest.approx(-delta[inside].mean(), abs=1e-9)
             assert entry["mean_fraction"] == pytest.approx(fraction[inside].mean(), rel=1e-6)
     # By the position of the predicting token in its window: the same changes, bucketed.
-    by_position = [r for r in files[INTERVENTION_POSITIONS_FILE] if r["scope_name"] == "layer final"]
-    assert [r["bucket"] for r in by_position] == bucket_names()
-    assert all(list(r) == list(POSITION_FIELDS) for r in by_position)
+    *by_position, doc = [r for r in files[INTERVENTION_POSITIONS_FILE] if r["scope_name"] == "layer final"]
+    assert [r["bucket"] for r in by_position] == bucket_names() and doc["bucket"] == DOC_START
+    assert all(list(r) == list(POSITION_FIELDS) for r in [*by_position, doc])
     loss_change, kl, agree = -delta.reshape(5, SEQ - 1), kl.reshape(5, SEQ - 1), (
         p_log.argmax(1) == q_log.argmax(1)).reshape(5, SEQ - 1)
     ends = [*BUCKET_STARTS[1:], None]
@@ -258,7 +266,30 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
         assert entry["delta_loss_share"] == pytest.approx(
             loss_change[:, inside].sum() / loss_change.sum(), rel=1e-7)
         assert entry["delta_loss_ci_low"] <= entry["delta_loss"] <= entry["delta_loss_ci_high"]
-    assert sum(r["kl_share"] for r in by_position) == pytest.approx(1.0)
+    assert sum(r["kl_share"] for r in by_position) == pytest.approx(1.0)  # the window positions alone
+    # The predictions made at the first token of a document, wherever it falls in its window.
+    predicting = starts.reshape(5, SEQ)[:, :-1]
+    assert (doc["first_position"], doc["last_position"]) == (None, None)
+    assert (doc["tokens"], doc["sequences"]) == (4, 3)  # windows 0 (2), 1 and 2; window 3's has no prediction
+    assert doc["delta_loss"] == pytest.approx(loss_change[predicting].mean(), abs=1e-9)
+    assert doc["kl"] == pytest.approx(kl[predicting].mean(), rel=1e-9)
+    assert doc["top1_agreement"] == pytest.approx(agree[predicting].mean())
+    share = loss_change[predicting].sum() / loss_change.sum()  # of the scope's whole change
+    assert doc["delta_loss_share"] == pytest.approx(share, rel=1e-7)
+    assert doc["kl_share"] == pytest.approx(kl[predicting].sum() / kl.sum(), rel=1e-7)
+    # Drawn from 3 of the 5 windows: the replicates that drew none are left out of the interval.
+    assert doc["delta_loss_ci_low"] <= doc["delta_loss"] <= doc["delta_loss_ci_high"]
+    # Without a separator the document starts are unknown: their row is empty and nothing else changes.
+    unknown = probe_files(model, ids, kinds=("layers",))
+    assert unknown[INTERVENTION_FILE] == files[INTERVENTION_FILE]
+    positions, known = unknown[INTERVENTION_POSITIONS_FILE], files[INTERVENTION_POSITIONS_FILE]
+    assert [r for r in positions if r["bucket"] != DOC_START] == [
+        r for r in known if r["bucket"] != DOC_START]
+    empty = [r for r in positions if r["bucket"] == DOC_START]
+    assert [r["scope_name"] for r in empty] == ["layer 0", "layer final"]  # one per scope
+    assert all(r["tokens"] == 0 for r in empty)
+    assert all(r[name] is None for r in empty
+               for name in ("delta_loss", "kl", "delta_loss_ci_low", "delta_loss_share", "kl_share"))
 
 
 def test_at_initialization_layernorm_without_centering_is_rmsnorm() -> None:

@@ -4,18 +4,24 @@ pipeline's records."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from corpus.sources import LocalFilesSource
+from corpus.tokenize import tiktoken_batch_encoder
 from models.gpt import GPT, GPTConfig
 from normgeo.measure.energy import EnergyStatistics
 from normgeo.measure.mean_sources import (
     BUCKET_STARTS,
+    DOC_START,
     MEAN_SOURCES_FILE,
     MeanSourcesMeasurement,
     MeanSourcesStatistics,
@@ -24,11 +30,19 @@ from normgeo.measure.mean_sources import (
     mean_sources_rows,
 )
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.measure.pipeline import measure_records, run_probe
+from normgeo.measure.pipeline import (
+    document_starts,
+    measure_records,
+    probe_ids,
+    run_probe,
+    tiktoken_separator,
+)
 from normgeo.measure.probe import ProbeSite, input_sites, make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import read_rows, record_problem, write_step
 from normgeo.measure.run_records import read_run_records
+from normgeo.measure.stats import QUANTILE_FIELDS
+from tests.conftest import ROOT
 
 KEYS = {"model": "m", "norm": "layer", "step": None, "tokens_seen": None}
 
@@ -86,8 +100,13 @@ def test_random_activations_match_a_direct_float64_computation() -> None:
 
     rows = rows_of(stats, d)
     assert all(record_problem(row) is None for row in rows)
-    dims, positions = rows[0], rows[1:]
+    dims, positions, doc = rows[0], rows[1:-1], rows[-1]
     assert dims["kind"] == "dimensions" and dims["count"] == 5 * 300
+    # No document starts given: their row is there, empty.
+    assert (doc["kind"], doc["bucket"], doc["first_position"], doc["last_position"]) == (
+        "position", DOC_START, None, None)
+    assert doc["count"] == 0 and doc["mean_sq_share"] is None
+    assert all(doc[field] is None for field in ("mean", "std", "min", "max", *QUANTILE_FIELDS))
     order = torch.argsort(truth["phi"].abs(), descending=True)
     shares = truth["phi"][order] / truth["mean_sq"]
     assert dims["top_dims"][0] == 3 and dims["top_dims"] == order[:16].tolist()
@@ -112,11 +131,12 @@ def test_random_activations_match_a_direct_float64_computation() -> None:
 def test_the_merge_of_two_halves_equals_one_pass() -> None:
     d = 32
     windows = random_windows(6, 80, d, seed=1)
+    starts = torch.rand(6, 80, generator=torch.Generator().manual_seed(1)) < 0.1  # the document starts too
     whole, first, second = (MeanSourcesStatistics([d, d]) for _ in range(3))
     for site in (0, 1):
-        whole.update(site, windows * (site + 1))
-        first.update(site, windows[:3] * (site + 1))
-        second.update(site, windows[3:] * (site + 1))
+        whole.update(site, windows * (site + 1), starts)
+        first.update(site, windows[:3] * (site + 1), starts[:3])
+        second.update(site, windows[3:] * (site + 1), starts[3:])
     first.merge(second)
     assert torch.equal(first.count, whole.count) and torch.equal(first.abs_hist, whole.abs_hist)
     assert torch.equal(first.buckets.hist, whole.buckets.hist)
@@ -126,6 +146,7 @@ def test_the_merge_of_two_halves_equals_one_pass() -> None:
     assert all(torch.equal(a, b) for a, b in zip(first.max_abs, whole.max_abs, strict=True))
     sites = [ProbeSite(0, "ln1.in", "layer", d), ProbeSite(0, "ln2.in", "layer", d)]
     merged, single = (mean_sources_rows(sites, s, **KEYS) for s in (first, whole))
+    assert [r["count"] for r in single if r.get("bucket") == DOC_START] == [int(starts.sum())] * 2
     for a, b in zip(merged, single, strict=True):
         assert a.keys() == b.keys()
         for key, value in a.items():
@@ -167,7 +188,8 @@ def test_empty_and_short_probes_give_null_statistics() -> None:
                for row in positions)
     stats.update(0, torch.randn(2, 10, 8))  # windows of 10 tokens: the buckets from 16 on stay empty
     positions = rows_of(stats, 8)[1:]
-    assert [row["count"] for row in positions] == [2, 6, 12, 0, 0, 0]
+    assert [row["count"] for row in positions] == [2, 6, 12, 0, 0, 0, 0]  # and no document start
+    assert positions[-1]["mean_sq_share"] is None  # unknown, not 0
     assert positions[3]["mean"] is None and positions[3]["mean_sq_share"] == 0.0
 
 
@@ -202,7 +224,7 @@ def captured_check(model: nn.Module, sequences: torch.Tensor, forward=None) -> N
             handle.remove()
     rows = measurement.records(KEYS)[MEAN_SOURCES_FILE]
     assert all(record_problem(row) is None for row in rows)
-    per_site = 1 + len(BUCKET_STARTS)
+    per_site = 2 + len(BUCKET_STARTS)  # dimensions, the buckets, the document starts
     assert len(rows) == per_site * len(norms)
     for i, site in enumerate(input_sites(norms)):
         x = torch.cat(captured[i]).to(torch.float64)
@@ -211,7 +233,8 @@ def captured_check(model: nn.Module, sequences: torch.Tensor, forward=None) -> N
         phi, mean_sq = stats.phi[i] / stats.count[i], stats.mean_sq[i] / stats.count[i]
         assert abs(float(phi.sum() - mean_sq)) <= 1e-10 * float(mean_sq), site
         torch.testing.assert_close(phi, truth["phi"], rtol=1e-9, atol=1e-12 * float(truth["mean_sq"]))
-        dims, positions = rows[i * per_site], rows[i * per_site + 1 : (i + 1) * per_site]
+        dims, positions = rows[i * per_site], rows[i * per_site + 1 : (i + 1) * per_site - 1]
+        assert rows[(i + 1) * per_site - 1]["count"] == 0  # run_probe was given no document starts
         tokens = x.shape[0] * x.shape[1]
         assert (dims["layer"], dims["site"], dims["count"]) == (site.layer, site.site, tokens)
         total = float(truth["mean_sq"]) * tokens
@@ -248,7 +271,7 @@ def test_the_pipeline_writes_the_file_when_asked_and_the_reader_reads_it(tmp_pat
     assert MEAN_SOURCES_FILE not in off.files
     assert {name: rows for name, rows in on.files.items() if name != MEAN_SOURCES_FILE} == off.files
     rows = on.files[MEAN_SOURCES_FILE]
-    assert len(rows) == 5 * (1 + len(BUCKET_STARTS))  # ln1, ln2 of 2 blocks and the final norm
+    assert len(rows) == 5 * (2 + len(BUCKET_STARTS))  # ln1, ln2 of 2 blocks and the final norm
     assert {row["kind"] for row in rows} == {"dimensions", "position"}
     assert all(row["step"] == 3 and row["tokens_seen"] == 30 and row["norm"] == "rms" for row in rows)
     assert all(row["count"] == len(ids) for row in rows if row["kind"] == "dimensions")
@@ -276,8 +299,115 @@ def test_windows_too_short_for_a_bucket_get_one_warning_and_the_probe_goes_on(ca
     assert said == ["probe windows of 32 tokens: mean_sources.jsonl's position bucket(s) 64-255, 256+ hold "
                     "no tokens (count 0); a longer seq_len (analyze.py: model.seq_len) reaches them"]
     rows = records.files[MEAN_SOURCES_FILE]
-    empty = [r for r in rows if r["kind"] == "position" and r["first_position"] >= 32]
+    empty = [r for r in rows if r["kind"] == "position" and r["bucket"] in ("64-255", "256+")]
     assert len(empty) == 2 * 5 and all(r["count"] == 0 for r in empty)
+
+
+SEPARATOR = 50256  # GPT-2's end-of-text, the training probe's separator
+
+
+def test_document_starts_are_the_streams_first_token_and_the_tokens_after_a_separator() -> None:
+    ids = np.array([5, 6, SEPARATOR, 7, SEPARATOR, SEPARATOR, 8, 9, SEPARATOR])
+    assert document_starts(ids, SEPARATOR).tolist() == [True, False, False, True, False, False, True, False,
+                                                        False]  # a separator begins no document
+    assert document_starts(np.array([SEPARATOR, 4, 5]), SEPARATOR).tolist() == [False, True, False]
+    assert document_starts(ids, None) is None
+
+
+def test_probe_ids_open_with_a_document_and_close_each_with_the_separator(tmp_path: Path) -> None:
+    """What document_starts assumes of probe_ids: the stream's first token is its first document's, and
+    each document's first token follows the previous document's separator."""
+    texts = ["The first document.", "A second one, a little longer than the first.", "Third."]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    encode, eot, _ = tiktoken_batch_encoder("gpt2")
+    lengths = [len(ids) for ids in encode(texts)]
+    total = sum(lengths) + len(texts)
+    ids = probe_ids(LocalFilesSource(str(tmp_path)), encode, eot, ProbeConfig(total, sample=False))
+    assert eot == tiktoken_separator() == SEPARATOR and ids[-1] == eot and ids[0] != eot
+    expected = np.zeros(total, dtype=bool)
+    expected[np.cumsum([0, *(n + 1 for n in lengths[:-1])])] = True
+    assert document_starts(ids, eot).tolist() == expected.tolist()
+
+
+def test_the_document_start_row_is_a_direct_recomputation_over_the_tokens_after_a_separator() -> None:
+    """Documents that cross the probe windows (16 tokens; 3 windows and a 5-token tail): the stream's first
+    document at window 0's position 0, one mid-window, one whose separator is window 0's last token (so it
+    starts at window 1's position 0), one mid window 2 and one at the tail window's position 0. The
+    doc_start row equals the float64 recomputation over those tokens of the captured norm inputs; without a
+    separator it is empty and nothing else changes."""
+    model, length = tiny_gpt("layer"), 16
+    ids = torch.randint(0, 50000, (3 * length + 5,), generator=torch.Generator().manual_seed(6))
+    separators = [6, length - 1, 2 * length + 4, 3 * length - 1]
+    ids[separators] = SEPARATOR
+    starts = torch.zeros(len(ids), dtype=torch.bool)
+    starts[[0, *(index + 1 for index in separators)]] = True  # stream positions 0, 7, 16, 37, 48
+    norms = residual_norms(find_norm_sites(model))
+    captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(norms))}
+    handles = [norm.module.register_forward_hook(
+        lambda module, inputs, output, i=i: captured[i].append(inputs[0].detach().clone()))
+        for i, norm in enumerate(norms)]
+    probe = ProbeConfig(len(ids), batch_size=2, intervention=())
+    options = {"model_name": "tiny", "step": None, "tokens_per_step": None}
+    try:
+        files = measure_records(model, ids, length, make_references(32), probe, separator=SEPARATOR,
+                                **options).files
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = files[MEAN_SOURCES_FILE]
+    assert all(record_problem(row) is None for row in rows)
+    doc_rows = [r for r in rows if r.get("bucket") == DOC_START]
+    assert len(doc_rows) == len(norms)
+    for i, row in enumerate(doc_rows):
+        # The batches in order are the stream in order: windows are its consecutive slices.
+        x = torch.cat([part.reshape(-1, part.shape[-1]) for part in captured[i]]).to(torch.float64)
+        assert len(x) == len(ids)
+        mu = x.mean(dim=-1)
+        fraction = (mu.square() / x.square().mean(dim=-1))[starts]
+        assert (row["first_position"], row["last_position"], row["count"]) == (None, None, 5)
+        assert row["mean"] == pytest.approx(float(fraction.mean()), rel=1e-5)  # float32 sums over d
+        assert row["std"] == pytest.approx(float(fraction.std(unbiased=False)), rel=1e-4)
+        assert row["min"] == pytest.approx(float(fraction.min()), rel=1e-5)
+        assert row["max"] == pytest.approx(float(fraction.max()), rel=1e-5)
+        assert row["p50"] == pytest.approx(float(fraction.median()), rel=0.03)  # 100 bins per decade
+        share = mu[starts].square().sum() / mu.square().sum()
+        assert row["mean_sq_share"] == pytest.approx(float(share), rel=1e-9)
+    # It overlaps the window positions' buckets: theirs alone partition the tokens.
+    window_rows = [r for r in rows if r["kind"] == "position" and r["bucket"] != DOC_START]
+    assert sum(r["count"] for r in window_rows) == len(ids) * len(norms)
+    assert sum(r["mean_sq_share"] for r in window_rows) == pytest.approx(len(norms), rel=1e-9)
+
+    unknown = measure_records(model, ids, length, make_references(32), probe, **options).files
+    assert {name: rows for name, rows in unknown.items() if name != MEAN_SOURCES_FILE} == {
+        name: rows for name, rows in files.items() if name != MEAN_SOURCES_FILE}
+    without = unknown[MEAN_SOURCES_FILE]
+    kept = [r for r in rows if r.get("bucket") != DOC_START]
+    assert [r for r in without if r.get("bucket") != DOC_START] == kept
+    empty = [r for r in without if r.get("bucket") == DOC_START]
+    assert len(empty) == len(norms) and all(r["count"] == 0 and r["mean_sq_share"] is None for r in empty)
+    assert all(r[field] is None for r in empty for field in ("mean", "std", "min", "max", *QUANTILE_FIELDS))
+
+
+def test_the_document_starts_add_no_host_sync() -> None:
+    """The masks go to the device once per probe and are masked in, never selected: the probe's batches
+    make no host sync (bench/probe_cost.py counts them on the CPU's profiler) with them, as without."""
+    spec = importlib.util.spec_from_file_location("probe_cost", ROOT / "bench" / "probe_cost.py")
+    probe_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_cost)
+    model = tiny_gpt("rms")
+    norms = residual_norms(find_norm_sites(model))
+    tokens = torch.randint(0, 50257, (4, 32), generator=torch.Generator().manual_seed(7))
+    starts = torch.rand(4, 32, generator=torch.Generator().manual_seed(7)) < 0.2
+
+    def syncs(document_starts: list[torch.Tensor] | None) -> tuple[int, int]:
+        measurement = MeanSourcesMeasurement(norms)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run_probe(model, [tokens], [measurement], norms=norms, batch_size=2,
+                      document_starts=document_starts)
+        doc = measurement.records(KEYS)[MEAN_SOURCES_FILE][-1]
+        return probe_cost.op_counts(prof.events())["syncs"], doc["count"]
+
+    assert syncs(None)[0] == 0 and syncs([starts]) == (0, int(starts.sum()))
 
 
 def test_probe_config_reads_the_switch() -> None:

@@ -19,10 +19,12 @@ import torch
 from models.gpt import GPT, GPTConfig
 from normgeo.measure.angles import AngleMeasurement
 from normgeo.measure.geometry import angle_deg
+from normgeo.measure.mean_sources import DOC_START
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import probe_angles, run_probe
 from normgeo.measure.probe import REFERENCE_NAMES, make_references, residual_norms
 from normgeo.measure.records import FIELDS, read_rows, statistics_rows, write_step
+from tests.ddp_probe_worker import DOCUMENT_STARTS, DOCUMENT_WINDOWS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,8 +169,11 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         ):
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
         assert [b["tokens"] for b in multi["energy_bins"]] == [b["tokens"] for b in single["energy_bins"]]
-    # By position: the per-sequence, per-bucket sums are all-reduced too (4 scopes x 6 buckets).
-    assert len(outputs[1]["intervention_positions"]) == len(outputs[2]["intervention_positions"]) == 4 * 6
+    # By position: the per-sequence, per-bucket sums are all-reduced too (4 scopes x (6 buckets + the
+    # document starts, on both ranks)).
+    assert len(outputs[1]["intervention_positions"]) == len(outputs[2]["intervention_positions"]) == 4 * 7
+    starts = [r for r in outputs[2]["intervention_positions"] if r["bucket"] == DOC_START]
+    assert [(r["tokens"], r["sequences"]) for r in starts] == [(DOCUMENT_STARTS, DOCUMENT_WINDOWS)] * 4
     for single, multi in zip(outputs[1]["intervention_positions"], outputs[2]["intervention_positions"],
                              strict=True):
         assert (single["scope_name"], single["bucket"], single["tokens"], single["sequences"]) == (
@@ -176,7 +181,9 @@ def test_two_process_ddp_probe_equals_one_process(tmp_path: Path) -> None:
         for field in ("delta_loss", "delta_loss_ci_low", "delta_loss_ci_high", "kl", "delta_loss_share"):
             assert multi[field] == pytest.approx(single[field], abs=1e-6), field
     # Mean sources: sums, maxima and histograms of the ranks' tokens, so the rows are one process's.
-    assert len(outputs[1]["mean_sources"]) == len(outputs[2]["mean_sources"]) == 5 * 7  # 5 norms, 1 + 6 rows
+    assert len(outputs[1]["mean_sources"]) == len(outputs[2]["mean_sources"]) == 5 * 8  # 5 norms, 1 + 6 + 1
+    starts = [r for r in outputs[2]["mean_sources"] if r.get("bucket") == DOC_START]
+    assert [r["count"] for r in starts] == [DOCUMENT_STARTS] * 5 and starts[0]["mean_sq_share"] > 0
     for single, multi in zip(outputs[1]["mean_sources"], outputs[2]["mean_sources"], strict=True):
         assert single.keys() == multi.keys()
         for field, value in single.items():

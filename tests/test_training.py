@@ -14,7 +14,7 @@ import yaml
 
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
 from models.lit import LitGPT, warmup_cosine
-from normgeo.measure.mean_sources import BUCKET_STARTS, MEAN_SOURCES_FILE
+from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, MEAN_SOURCES_FILE
 from normgeo.measure.records import read_rows
 from normgeo.runs.session import REPLACED_DIR
 from tests.conftest import (
@@ -76,8 +76,12 @@ def test_mean_sources_at_every_probe_and_none_when_off(accumulated_run: Path, tm
     """probe.mean_sources (on by default): mean_sources.jsonl at every probe and its figure; off, the same
     training writes neither."""
     rows = read_rows(accumulated_run / MEAN_SOURCES_FILE)
-    per_step = (2 * 2 + 1) * (1 + len(BUCKET_STARTS))  # norm inputs x (dimensions row + a row per bucket)
+    # norm inputs x (dimensions row + a row per bucket + the document starts')
+    per_step = (2 * 2 + 1) * (2 + len(BUCKET_STARTS))
     assert [sum(r["step"] == s for r in rows) for s in (0, 2, 5, 6)] == [per_step] * 4
+    # The training probe knows its documents (GPT-2's end-of-text between them): the stream opens with one.
+    starts = [r["count"] for r in rows if r["kind"] == "position" and r["bucket"] == DOC_START]
+    assert len(starts) == 4 * (2 * 2 + 1) and min(starts) >= 1
     assert all(r["count"] == 500 for r in rows if r["kind"] == "dimensions")
     assert list((accumulated_run / "figures").glob("mean_sources_*.png"))
     off = tmp_path / "off"
@@ -113,6 +117,11 @@ def test_analyze_of_a_checkpoint_gives_the_training_probe_records(
     assert analyzed == trained
     trained_null = [r for r in read_rows(accumulated_run / "null.jsonl") if r["step"] == 5]
     assert read_rows(tmp_path / "out" / "null.jsonl") == trained_null
+    # Both know where the probe's documents start (the checkpoint's end-of-text): the same doc_start rows.
+    trained_sources = [r for r in read_rows(accumulated_run / MEAN_SOURCES_FILE) if r["step"] == 5]
+    analyzed_sources = read_rows(tmp_path / "out" / MEAN_SOURCES_FILE)
+    assert analyzed_sources == trained_sources
+    assert all(r["count"] > 0 for r in analyzed_sources if r.get("bucket") == DOC_START)
 
 
 def test_losses_are_logged_once_per_optimizer_step(accumulated_run: Path) -> None:

@@ -78,9 +78,14 @@ class EnergyStatistics:
 
     @torch.no_grad()
     def update(self, site: int, vectors: torch.Tensor) -> None:
+        self.update_quantities(site, *self.masked_quantities(vectors.to(self.device)))
+
+    @torch.no_grad()
+    def update_quantities(self, site: int, values: torch.Tensor, directed: torch.Tensor) -> None:
+        """Add the rows of ``values`` (n, 2) (:meth:`masked_quantities`) where ``directed`` (n, 1) is true:
+        the caller may mask out more rows than the zero vectors (mean_sources' document starts)."""
         # Zero vectors are masked out of every statistic rather than dropped: no count read back from a GPU.
         # Where there are none, every sum, extreme and bin is the same as over the nonzero rows alone.
-        values, directed = self.masked_quantities(vectors.to(self.device))
         count = directed.sum(dtype=torch.float64)  # 0-d
         batch_mean = torch.where(directed, values, 0.0).sum(dim=0) / count.clamp(min=1)
         batch_m2 = torch.where(directed, values - batch_mean, 0.0).square().sum(dim=0)

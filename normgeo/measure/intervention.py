@@ -30,7 +30,9 @@ intervened output vectors instead, and its rows say so (``output: "embedding"``)
 The same changes by the position of the predicting token in its probe window (the buckets of
 ``mean_sources.jsonl``: 0, 1-3, 4-15, ...) go to ``intervention_positions.jsonl``, from the same forwards:
 how much of a scope's loss change comes from the first position, where attention sinks and the massive
-activations that carry the mean sit.
+activations that carry the mean sit. One more row (``doc_start``) holds the predictions made at the first
+token of each document of the packed probe stream, wherever it falls in its window: it overlaps the
+position buckets, whose shares alone sum to 1.
 
 Nothing is stored per token beyond one batch: per scope, per-sequence sums (O(scopes x sequences)) and
 per-bin sums. Hooks are removed whatever happens, so the model is left bitwise as it was.
@@ -49,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from normgeo.measure.mean_sources import BUCKET_STARTS, bucket_names
+from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import block_bootstrap_means, json_number
@@ -453,9 +455,10 @@ class CenteringIntervention(Measurement):
         self.bin_count = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))
         self.bin_sum: np.ndarray | None = None  # (scopes, bins, fields)
         self.bin_energy = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1))  # sum of the tokens' fractions
-        # Per scope, sequence and position bucket: token counts and sums (the per-position rows' bootstrap).
-        self.position_count = np.zeros((len(self.scopes), num_sequences, len(BUCKET_STARTS)))
-        self.position_sum: np.ndarray | None = None  # (scopes, sequences, buckets, fields)
+        # Per scope, sequence and position bucket, then the document starts (the last slot, overlapping the
+        # buckets): token counts and sums (the per-position rows' bootstrap).
+        self.position_count = np.zeros((len(self.scopes), num_sequences, len(BUCKET_STARTS) + 1))
+        self.position_sum: np.ndarray | None = None  # (scopes, sequences, buckets + 1, fields)
         self._fractions: dict[str, torch.Tensor] = {}
         self._intervenable = {norm.name for norm in self.norms}
         resumable = [
@@ -528,7 +531,7 @@ class CenteringIntervention(Measurement):
         fields = len(self.fields)
         self.seq_sum = np.zeros((len(self.scopes), self.num_sequences, fields))
         self.bin_sum = np.zeros((len(self.scopes), len(ENERGY_EDGES) - 1, fields))
-        self.position_sum = np.zeros((len(self.scopes), self.num_sequences, len(BUCKET_STARTS), fields))
+        self.position_sum = np.zeros((len(self.scopes), self.num_sequences, len(BUCKET_STARTS) + 1, fields))
 
     @torch.no_grad()
     def observe_batch(self, batch: ProbeBatch) -> None:
@@ -553,6 +556,10 @@ class CenteringIntervention(Measurement):
             IntactPrediction.of(intact, batch.tokens[:rows]) if kind == "next_token" and rows else None
         )
         fractions = {name: value[:rows] for name, value in fractions.items()}
+        tokens = slice(0, -1) if kind == "next_token" else slice(None)  # the last token has no next token
+        # The predicting tokens that begin a document; read back with the changes below (a few batches only).
+        starts = (batch.document_starts[:rows, tokens].cpu().numpy()
+                  if batch.document_starts is not None else None)
         if self.replay is not None and not self._checked:
             self._check_replay(batch)
         for index, scope in enumerate(self.scopes):
@@ -565,16 +572,13 @@ class CenteringIntervention(Measurement):
                 continue
             if kind == "next_token":
                 per_token = next_token_changes(reference, changed, batch.tokens[:rows])
-                tokens = slice(0, -1)  # the last token has no next token
             else:
                 per_token = embedding_changes(intact, changed)
-                tokens = slice(None)
             # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
             seen = [fractions[site.name][:, tokens] for site in scope.sites if site.name in fractions]
             energy = torch.stack(seen).mean(dim=0) if seen else torch.zeros(per_token.shape[:2])
-            self._add(
-                index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(), ids.cpu().numpy()
-            )
+            self._add(index, per_token.double().cpu().numpy(), energy.double().cpu().numpy(),
+                      ids.cpu().numpy(), starts)
         if self.replay is not None:
             self.replay.outputs = [None] * len(self.replay.stack)  # this batch's activations go now
 
@@ -597,7 +601,8 @@ class CenteringIntervention(Measurement):
         if why:
             self._fall_back(f"a forward resumed at block {middle} {why}")
 
-    def _add(self, scope: int, per_token: np.ndarray, energy: np.ndarray, sequence_ids: np.ndarray) -> None:
+    def _add(self, scope: int, per_token: np.ndarray, energy: np.ndarray, sequence_ids: np.ndarray,
+             starts: np.ndarray | None = None) -> None:
         assert self.seq_sum is not None and self.bin_sum is not None and self.position_sum is not None
         np.add.at(self.seq_count[scope], sequence_ids, per_token.shape[1])
         np.add.at(self.seq_sum[scope], sequence_ids, per_token.sum(axis=1))
@@ -612,6 +617,11 @@ class CenteringIntervention(Measurement):
         where = (sequence_ids[:, None], buckets[None, :])
         np.add.at(self.position_count[scope], where, 1)
         np.add.at(self.position_sum[scope], where, per_token)
+        if starts is not None:  # the predicting tokens that begin a document: the last slot
+            doc = len(BUCKET_STARTS)
+            np.add.at(self.position_count[scope][:, doc], sequence_ids, starts.sum(axis=1))
+            np.add.at(self.position_sum[scope][:, doc], sequence_ids,
+                      np.where(starts[..., None], per_token, 0.0).sum(axis=1))
 
     def all_reduce(self) -> None:
         if not distributed() or not self.scopes:
@@ -745,7 +755,8 @@ def position_rows(
     seed: int = 0,
     level: float = 0.95,
 ) -> list[dict]:
-    """``intervention_positions.jsonl``'s rows: one per scope and position bucket (:data:`POSITION_FIELDS`).
+    """``intervention_positions.jsonl``'s rows: one per scope and position bucket (:data:`POSITION_FIELDS`),
+    then the scope's document starts (``bucket: "doc_start"``, positions null), which overlap the buckets.
 
     Each bucket's means have the same block bootstrap over probe sequences as the scope's row; ``*_share``
     is the bucket's part of the scope's summed loss change (or KL) over all its tokens: the part of the
@@ -753,21 +764,23 @@ def position_rows(
     if not probe.scopes or probe.position_sum is None:
         return []
     fields = probe.fields
-    names = bucket_names()
+    names = [*bucket_names(), DOC_START]
+    firsts = [*BUCKET_STARTS, None]
+    lasts = [*(start - 1 for start in BUCKET_STARTS[1:]), None, None]
     rows = []
     for index, scope in enumerate(probe.scopes):
-        totals = probe.position_sum[index].sum(axis=(0, 1))  # (fields,)
+        # Over the position buckets alone (each token once): the document starts are counted in them too.
+        totals = probe.position_sum[index, :, : len(BUCKET_STARTS)].sum(axis=(0, 1))  # (fields,)
         for b, name in enumerate(names):
             count, sums = probe.position_count[index, :, b], probe.position_sum[index, :, b]
             row: dict = {
                 "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen,
                 "scope": scope.kind, "scope_name": scope.name, "action": scope.action, "output": probe.output,
-                "bucket": name, "first_position": BUCKET_STARTS[b],
-                "last_position": BUCKET_STARTS[b + 1] - 1 if b + 1 < len(BUCKET_STARTS) else None,
+                "bucket": name, "first_position": firsts[b], "last_position": lasts[b],
                 "tokens": int(count.sum()), "sequences": int((count > 0).sum()),
             }
             interval = (block_bootstrap_means(count, sums, replicates=replicates, block=block, seed=seed,
-                                              level=level) if count.sum() else None)
+                                              level=level, drop_empty=True) if count.sum() else None)
             for quantity in ("delta_loss", "kl", "top1_agreement", "cosine"):
                 f = fields.index(quantity) if quantity in fields and interval is not None else None
                 row[quantity] = json_number(interval["mean"][f]) if f is not None else None
@@ -776,9 +789,11 @@ def position_rows(
             intact = fields.index("loss_intact") if "loss_intact" in fields else None
             row["loss_intact"] = (json_number(interval["mean"][intact])
                                   if intact is not None and interval is not None else None)
+            # A position bucket past the windows has share 0; no document start (no separator): unknown.
+            known = name != DOC_START or row["tokens"] > 0
             for quantity in ("delta_loss", "kl"):
                 f = fields.index(quantity) if quantity in fields else None
-                total = totals[f] if f is not None else 0.0
+                total = totals[f] if f is not None and known else 0.0
                 row[f"{quantity}_share"] = json_number(sums[:, f].sum() / total) if total else None
             row.update(
                 ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed

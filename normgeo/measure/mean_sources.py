@@ -6,7 +6,9 @@ norm input, like the energy:
 
 - by position bucket (the token's position in its probe window: 0, 1-3, 4-15, 16-63, 64-255, 256+), the
   energy fraction along 1 (count, mean, std, min, max, quantiles: one :class:`EnergyStatistics` site per
-  (site, bucket)) and the bucket's sum of mu^2;
+  (site, bucket)) and the bucket's sum of mu^2; the same over the tokens that begin a document of the
+  packed probe stream (``doc_start``, from :attr:`ProbeBatch.document_starts`), which overlaps the
+  position buckets rather than being one of them;
 - by feature dimension, the exact decomposition of E[mu^2]: phi_i = E[mu x_i / d] sums over i to E[mu^2]
   (sum_i mu x_i / d = mu^2 for every token), accumulated in float64;
 - massive dimensions (Sun et al. 2024): the per-dimension max |x_i| over the probed tokens against 100x the
@@ -33,6 +35,9 @@ from normgeo.measure.stats import QUANTILE_FIELDS, json_number, one_cpu_thread
 MEAN_SOURCES_FILE = "mean_sources.jsonl"
 # First position of each bucket; a bucket runs to the next one's start (the last one is open).
 BUCKET_STARTS = (0, 1, 4, 16, 64, 256)
+# The bucket of the tokens that begin a document (any window position): after the position buckets, which
+# partition the tokens, it overlaps them.
+DOC_START = "doc_start"
 TOP_DIMS = 16  # dimensions listed by |phi_i|
 SHARE_TARGET = 0.9  # dims_for_90: dimensions needed for this share of E[mu^2]
 MASSIVE_RATIO = 100.0  # a massive dimension's max |x_i| exceeds this many median |x|
@@ -61,8 +66,9 @@ def empty_buckets(longest_window: int, starts: Sequence[int] = BUCKET_STARTS) ->
 
 
 class MeanSourcesStatistics:
-    """Streamed mean sources at S norm inputs of widths ``dims``: position buckets, phi_i, max |x_i|, |x|
-    histogram. :meth:`merge` and :meth:`all_reduce` are sums (and maxima) of the per-rank state."""
+    """Streamed mean sources at S norm inputs of widths ``dims``: position buckets and document starts,
+    phi_i, max |x_i|, |x| histogram. :meth:`merge` and :meth:`all_reduce` are sums (and maxima) of the
+    per-rank state."""
 
     _SUMMED = ("count", "mean_sq", "bucket_mean_sq", "abs_hist")
 
@@ -71,28 +77,40 @@ class MeanSourcesStatistics:
         self.dims = list(dims)
         self.num_sites = len(self.dims)
         self.num_buckets = len(BUCKET_STARTS)
+        self.slots = self.num_buckets + 1  # per site: the position buckets, then the document starts
         f64 = {"dtype": torch.float64, "device": self.device}
-        self.buckets = EnergyStatistics(self.num_sites * self.num_buckets, device=self.device)
+        self.buckets = EnergyStatistics(self.num_sites * self.slots, device=self.device)
         self.count = torch.zeros(self.num_sites, **f64)  # tokens
         self.mean_sq = torch.zeros(self.num_sites, **f64)  # sum over tokens of mu^2
-        self.bucket_mean_sq = torch.zeros((self.num_sites, self.num_buckets), **f64)
+        self.bucket_mean_sq = torch.zeros((self.num_sites, self.slots), **f64)
         self.phi = [torch.zeros(d, **f64) for d in self.dims]  # sum over tokens of mu x_i / d
         self.max_abs = [torch.zeros(d, **f64) for d in self.dims]
         self.abs_hist = torch.zeros((self.num_sites, ABS_BINS), dtype=torch.int64, device=self.device)
         self.starts = torch.tensor(BUCKET_STARTS, device=self.device)  # once: no host copy per update
 
     @torch.no_grad()
-    def update(self, site: int, vectors: torch.Tensor) -> None:
+    def update(self, site: int, vectors: torch.Tensor, document_starts: torch.Tensor | None = None) -> None:
         """Add the token vectors ``vectors`` (rows, T, d) of probe windows (position = index along T) at
-        ``site``; a 2-d (T, d) tensor is one window."""
+        ``site``; a 2-d (T, d) tensor is one window. ``document_starts`` (rows, T) bool: the tokens that
+        begin a document (None: unknown, the ``doc_start`` row stays empty)."""
         x = vectors.detach().to(self.device)
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
         x = x.reshape(-1, *x.shape[-2:]) if x.dim() != 2 else x.unsqueeze(0)
-        length, dim = x.shape[1], x.shape[2]
+        rows, length, dim = x.shape
+        # The fraction along 1 of every token once; the buckets and the document starts take their tokens
+        # from it (a second pass over d for the document starts would cost as much as the buckets').
+        values, directed = EnergyStatistics.masked_quantities(x)
+        values, directed = values.view(rows, length, -1), directed.view(rows, length, 1)
         for b, start in enumerate(BUCKET_STARTS):
             if start < length:
                 end = BUCKET_STARTS[b + 1] if b + 1 < self.num_buckets else length
-                self.buckets.update(site * self.num_buckets + b, x[:, start:end])
+                self.buckets.update_quantities(site * self.slots + b, values[:, start:end].reshape(-1, 2),
+                                               directed[:, start:end].reshape(-1, 1))
+        starts = None
+        if document_starts is not None:  # masked, not selected: selecting would read a count back
+            starts = document_starts.to(self.device).reshape(rows, length)
+            self.buckets.update_quantities(site * self.slots + self.num_buckets, values.view(-1, 2),
+                                           (directed & starts.unsqueeze(-1)).view(-1, 1))
         flat = x.reshape(-1, dim)
         # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu and phi are one sum.
         # In chunks: one float64 copy of a whole batch would be over glibc's mmap threshold (stats.py).
@@ -106,7 +124,9 @@ class MeanSourcesStatistics:
         self.count[site] += float(square.numel())
         self.mean_sq[site] += square.sum()
         bucket = torch.bucketize(torch.arange(length, device=self.device), self.starts, right=True) - 1
-        self.bucket_mean_sq[site].index_add_(0, bucket, square.sum(dim=0))
+        self.bucket_mean_sq[site, : self.num_buckets].index_add_(0, bucket, square.sum(dim=0))
+        if starts is not None:
+            self.bucket_mean_sq[site, self.num_buckets] += torch.where(starts, square, 0.0).sum()
         # |x| in float32 by clearing the sign bit; its histogram's bin is its top bits (the exponent and
         # ABS_MANTISSA_BITS of the mantissa): log-spaced bins by a shift, where log10 would cost passes more.
         bits = flat.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
@@ -175,13 +195,17 @@ def mean_sources_rows(
     tokens_seen: int | None,
 ) -> list[dict]:
     """``mean_sources.jsonl``: per site one ``kind: "dimensions"`` row, then one ``kind: "position"`` row per
-    bucket (an empty bucket, beyond the probe's windows, has count 0 and null statistics)."""
+    bucket (an empty bucket, beyond the probe's windows, has count 0 and null statistics) and one for the
+    document starts (``bucket: "doc_start"``, positions null; count 0 and null statistics and share where
+    no document start was probed, as without a separator)."""
     energy = stats.buckets
     count, mean, std = energy.count.cpu(), energy.mean.cpu(), energy.std().cpu()
     low, high, quantiles = energy.min.cpu(), energy.max.cpu(), energy.quantiles().cpu()
     tokens, mean_sq, bucket_mean_sq = stats.count.cpu(), stats.mean_sq.cpu(), stats.bucket_mean_sq.cpu()
     medians = stats.median_abs().cpu()
-    names = bucket_names()
+    names = [*bucket_names(), DOC_START]
+    firsts = [*BUCKET_STARTS, None]
+    lasts = [*(start - 1 for start in BUCKET_STARTS[1:]), None, None]
     rows = []
     for s, site in enumerate(sites):
         keys = {"model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
@@ -205,12 +229,13 @@ def mean_sources_rows(
         )
         rows.append(row)
         for b, name in enumerate(names):
-            i = s * stats.num_buckets + b
-            end = BUCKET_STARTS[b + 1] - 1 if b + 1 < len(BUCKET_STARTS) else None
+            i = s * stats.slots + b
             in_bucket = int(count[i, FRACTION])
-            row = {**keys, "kind": "position", "bucket": name, "first_position": BUCKET_STARTS[b],
-                   "last_position": end, "count": in_bucket,
-                   "mean_sq_share": json_number(bucket_mean_sq[s, b] / mean_sq[s]) if n else None}
+            # A position bucket's share is 0 where it has no token; the document starts' is unknown there.
+            known = bool(n) and (in_bucket > 0 or name != DOC_START)
+            row = {**keys, "kind": "position", "bucket": name, "first_position": firsts[b],
+                   "last_position": lasts[b], "count": in_bucket,
+                   "mean_sq_share": json_number(bucket_mean_sq[s, b] / mean_sq[s]) if known else None}
             row.update({"mean": json_number(mean[i, FRACTION]), "std": json_number(std[i, FRACTION]),
                         "min": json_number(low[i, FRACTION]), "max": json_number(high[i, FRACTION])})
             row.update({q: json_number(quantiles[i, FRACTION, k]) for k, q in enumerate(QUANTILE_FIELDS)})
@@ -229,8 +254,9 @@ class MeanSourcesMeasurement(Measurement):
 
     def observe_norm(self, index: int, norm: NormSite, inputs: torch.Tensor, output: torch.Tensor,
                      batch: ProbeBatch) -> None:
+        starts = batch.document_starts
         with one_cpu_thread(self.stats.device):
-            self.stats.update(index, inputs)
+            self.stats.update(index, inputs, None if starts is None else starts[: batch.rows])
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

@@ -35,7 +35,9 @@ class ProbeBatch:
     global sequence id any rank holds in this batch: the same on every rank, so a decision made from it
     (run the intervention's forwards or not) is collective-safe. ``forward`` runs the model on token ids
     (as the intact forward did); ``output`` is the intact forward's (None inside the forward).
-    ``progress(n)`` advances the probe's progress bar by n forwards.
+    ``progress(n)`` advances the probe's progress bar by n forwards. ``document_starts`` (bool, the shape of
+    ``tokens``, on the same device; padding rows false) marks the tokens that begin a document of the packed
+    probe stream; None where the pipeline was given no separator (where documents start is unknown).
     """
 
     tokens: torch.Tensor
@@ -45,6 +47,7 @@ class ProbeBatch:
     forward: Callable[[torch.Tensor], object]
     output: object = None
     progress: Callable[[float], None] = lambda forwards: None
+    document_starts: torch.Tensor | None = None
 
 
 RecordKeys = dict  # {"model", "norm", "step", "tokens_seen"}: the keys every record row starts with

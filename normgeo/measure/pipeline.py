@@ -78,6 +78,25 @@ def tiktoken_probe_ids(source, probe: ProbeConfig, tokenizer: str = "gpt2") -> n
     return probe_ids(source, encode, eot, probe)
 
 
+def tiktoken_separator(tokenizer: str = "gpt2") -> int:
+    """The separator :func:`tiktoken_probe_ids` puts after each document: the encoding's end-of-text."""
+    return tiktoken_batch_encoder(tokenizer)[1]
+
+
+def document_starts(ids: np.ndarray | torch.Tensor, separator: int | None) -> np.ndarray | None:
+    """Which tokens of the probe stream ``ids`` begin a document (bool, one per token), None without a
+    separator. :func:`probe_ids` puts the separator after each document (``first_tokens``), so the stream
+    opens with its first document's first token: a document begins at the first token, unless that is a
+    separator, and at every token after a separator that is not itself one."""
+    if separator is None:
+        return None
+    ids = np.asarray(ids)
+    is_separator = ids == separator
+    starts = ~is_separator
+    starts[1:] &= is_separator[:-1]
+    return starts
+
+
 def windows(ids: np.ndarray | torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """The one windowing rule: ``(n, seq_len)`` windows, then the tokens that do not fill one as a
     single shorter ``(1, rest)`` window, so every probe token is measured exactly once (the paper's
@@ -149,6 +168,7 @@ def run_probe(
     measurements: Sequence[Measurement],
     *,
     norms: Sequence[NormSite],
+    document_starts: Sequence[torch.Tensor] | None = None,
     forward: Callable[[torch.Tensor], object] | None = None,
     batch_size: int = 8,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -166,10 +186,17 @@ def run_probe(
     many forwards as the largest share (a sharded model's all-gathers are collective); padding rows are never
     measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``autocast`` gives the
     precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch.
+    ``document_starts``: bool windows of the shapes of ``parts`` (:func:`document_starts` cut by
+    :func:`windows`), handed to every batch as :attr:`ProbeBatch.document_starts`.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     call = forward or (lambda batch: model(batch))
     batches = probe_batches(parts, batch_size, rank, world_size)
+    # On the device once for the whole probe (a byte a token), so a batch's mask is a slice there: no copy
+    # from the host per batch.
+    starts = ([mask for _, mask, _ in probe_batches([p.to(device) for p in document_starts], batch_size,
+                                                        rank, world_size)]
+              if document_starts is not None else [None] * len(batches))
     total = sum(1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements) for _, _, lead_id in batches)
     current: list[ProbeBatch | None] = [None]  # the batch being measured; None while other forwards run
 
@@ -208,7 +235,8 @@ def run_probe(
             for number, (ids, tokens, lead_id) in enumerate(batches):
                 rows = len(ids)
                 batch = ProbeBatch(tokens=tokens.to(device, non_blocking=True), rows=rows, sequence_ids=ids,
-                                   lead_id=lead_id, forward=call, progress=bar.update)
+                                   lead_id=lead_id, forward=call, progress=bar.update,
+                                   document_starts=starts[number])
                 for measurement in measurements:
                     measurement.before_batch(batch)
                 current[0] = batch
@@ -318,6 +346,7 @@ def measure_records(
     world_size: int = 1,
     announce_cost: bool = False,
     resume_mid_stack: bool = True,
+    separator: int | None = None,
 ) -> Records:
     """Every measurement ``probe`` asks for on ``ids`` cut by :func:`windows`, merged over ranks, as records.
 
@@ -327,12 +356,16 @@ def measure_records(
     ``probe.intervention`` scopes (none: not run) on the first ``probe.intervention_tokens`` probe tokens in
     whole windows. ``announce_cost``: log the forwards the probe will run before it starts.
     ``resume_mid_stack=False`` re-runs every per-block scope's forward from the embeddings (what the resumed
-    forwards are tested and benchmarked against). Call it on every rank: the statistics are all-reduced and
-    FSDP2-sharded gains all-gathered.
+    forwards are tested and benchmarked against). ``separator``: the token :func:`probe_ids` put between
+    the documents of ``ids``, from which the document starts are found (:func:`document_starts`; None: not
+    known, and ``mean_sources.jsonl``'s and ``intervention_positions.jsonl``'s ``doc_start`` rows are
+    empty). Call it on every rank: the statistics are all-reduced and FSDP2-sharded gains all-gathered.
     """
     parts = windows(ids, seq_len)
     if not parts:
         raise AnalysisError("no probe tokens to measure")
+    starts = document_starts(ids, separator)
+    start_parts = [w.bool() for w in windows(starts, seq_len)] if starts is not None else None
     num_sequences = sum(len(part) for part in parts)
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     where = torch.device(device) if device is not None else next(model.parameters()).device
@@ -375,6 +408,7 @@ def measure_records(
         parts,
         measurements,
         norms=norms,
+        document_starts=start_parts,
         forward=forward,
         batch_size=probe.batch_size,
         autocast=autocast,

@@ -595,12 +595,15 @@ def block_bootstrap_means(
     block: int = 1,
     seed: int = 0,
     level: float = 0.95,
+    drop_empty: bool = False,
 ) -> dict[str, np.ndarray]:
     """Token-weighted means of M per-token quantities and their percentile block-bootstrap intervals.
 
     ``seq_count`` (N,) holds each probe sequence's number of tokens and ``seq_sum`` (N, M) the sums of the
     M quantities over them; a replicate's mean is its total sum over its total count (like the point
     estimate). Returns ``mean``, ``low`` and ``high``, each (M,); NaN where no token was counted.
+    ``drop_empty``: the interval is over the replicates that drew a token (tokens that only some sequences
+    hold, such as the first tokens of documents); otherwise one replicate without any makes it NaN.
     """
     if len(seq_count) == 0:
         raise ValueError("block_bootstrap_means needs per-sequence sums of at least one sequence")
@@ -610,7 +613,10 @@ def block_bootstrap_means(
     alpha = (1.0 - level) / 2.0
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = sums.sum(axis=0) / counts.sum()
-        boot = (weights @ sums) / (weights @ counts)[:, None]  # (B, M)
+        drawn = weights @ counts
+        boot = (weights @ sums) / drawn[:, None]  # (B, M)
+        if drop_empty and (drawn > 0).any():
+            boot = boot[drawn > 0]
         low, high = np.quantile(boot, [alpha, 1 - alpha], axis=0)
     return {"mean": mean, "low": low, "high": high}
 
