@@ -121,8 +121,8 @@ class Folder:
             starts = self.doc_starts.get((first_site["layer"], first_site["site"]))
             part = starts["count"] / first_site["count"] if starts and first_site["count"] else None
             shares = [r["mean_sq_share"] for r in self.doc_starts.values()]
-            text += (f"The first tokens of the probe's documents are {percent(part)} of its tokens and "
-                     f"hold a median {median_range(shares)} of E[μ²]. ")
+            text += (f"The first tokens of the probe's documents ({starts['count'] if starts else 0:,}) are "
+                     f"{percent(part, 2)} of its tokens and hold a median {median_range(shares)} of E[μ²]. ")
         first = [r for r in self.by_position if r["bucket"] == FIRST]
         if self.intervention and first:
             whole = self.intervention[0]

@@ -278,7 +278,17 @@ def test_a_known_component_along_ones_changes_the_loss_as_the_closed_form_says()
     assert doc["delta_loss_share"] == pytest.approx(share, rel=1e-7)
     assert doc["kl_share"] == pytest.approx(kl[predicting].sum() / kl.sum(), rel=1e-7)
     # Drawn from 3 of the 5 windows: the replicates that drew none are left out of the interval.
-    assert doc["delta_loss_ci_low"] <= doc["delta_loss"] <= doc["delta_loss_ci_high"]
+    assert doc["delta_loss_ci_low"] < doc["delta_loss"] < doc["delta_loss_ci_high"]
+    # Document starts in one window only: every replicate that draws them draws the same tokens (an interval
+    # of width 0), so the bounds are null and the mean stays.
+    single = ids.copy()
+    single[single == separator] = 0
+    single[4] = separator
+    one = [r for r in probe_files(model, single, kinds=("layers",), separator=separator)[
+        INTERVENTION_POSITIONS_FILE] if r["bucket"] == DOC_START]
+    assert [(r["tokens"], r["sequences"]) for r in one] == [(2, 1)] * 2
+    assert all(r["delta_loss"] is not None and r["delta_loss_ci_low"] is None and r["kl_ci_high"] is None
+               for r in one)
     # Without a separator the document starts are unknown: their row is empty and nothing else changes.
     unknown = probe_files(model, ids, kinds=("layers",))
     assert unknown[INTERVENTION_FILE] == files[INTERVENTION_FILE]

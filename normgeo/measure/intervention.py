@@ -781,11 +781,15 @@ def position_rows(
             }
             interval = (block_bootstrap_means(count, sums, replicates=replicates, block=block, seed=seed,
                                               level=level, drop_empty=True) if count.sum() else None)
+            # Tokens in one resampled block only (a few document starts): every replicate that draws them
+            # draws the same tokens, so the interval would have width 0; it is null instead.
+            varies = len(np.unique(np.flatnonzero(count) // block)) >= 2
             for quantity in ("delta_loss", "kl", "top1_agreement", "cosine"):
                 f = fields.index(quantity) if quantity in fields and interval is not None else None
                 row[quantity] = json_number(interval["mean"][f]) if f is not None else None
-                row[f"{quantity}_ci_low"] = json_number(interval["low"][f]) if f is not None else None
-                row[f"{quantity}_ci_high"] = json_number(interval["high"][f]) if f is not None else None
+                bounds = f is not None and varies
+                row[f"{quantity}_ci_low"] = json_number(interval["low"][f]) if bounds else None
+                row[f"{quantity}_ci_high"] = json_number(interval["high"][f]) if bounds else None
             intact = fields.index("loss_intact") if "loss_intact" in fields else None
             row["loss_intact"] = (json_number(interval["mean"][intact])
                                   if intact is not None and interval is not None else None)
