@@ -38,7 +38,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from models.gpt import GPT
 from models.hardware import missing_cuda
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
-from normgeo.measure.pipeline import PROBE_SCOPE, measure_records
+from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_module
@@ -117,7 +117,8 @@ def probe(
     mean_sources: bool = True,
 ) -> None:
     """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid, mean
-    sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
+    sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens; the
+    document starts found as the training probe finds them, after GPT-2's end-of-text."""
     config = ProbeConfig(tokens=len(ids), batch_size=batch_size, null_directions=null, intervention=scopes,
                          intervention_tokens=budget, mean_sources=mean_sources)
     measure_records(
@@ -131,6 +132,7 @@ def probe(
         tokens_per_step=None,
         with_null=energy_and_rows,
         resume_mid_stack=resume,
+        separator=tiktoken_separator(),
     )
 
 
