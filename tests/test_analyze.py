@@ -281,7 +281,7 @@ def test_the_mean_sources_page_says_what_the_records_hold(outputs: dict[str, Pat
         # analyze.py knows the tokenizer's separator (MiniLM's SEP, our end-of-text): the document starts.
         starts = [r for r in rows if r["kind"] == "position" and r["bucket"] == "doc_start"]
         assert len(starts) == len(dims) and all(r["count"] > 0 for r in starts)
-        assert "The first tokens of the probe's documents are" in finding, finding
+        assert f"The first tokens of the probe's documents ({starts[0]['count']}) are" in finding, finding
     positions = read_rows(outputs["ours"] / "intervention_positions.jsonl")
     share = next(r["delta_loss_share"] for r in positions if r["scope"] == "all" and r["bucket"] == "0")
     finding = next(line for line in page.splitlines() if line.startswith("- **ours-rms**"))
