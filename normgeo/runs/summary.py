@@ -11,7 +11,6 @@ counts them (``sessions``, ``session_log``).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,18 @@ from corpus.atomic import atomic_open
 from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
 
 
-def session_wall_s(timer: Timer) -> float:
-    """This session's training time (validation and probes included): the Timer's, less what it restored."""
+def session_wall_s(trainer: L.Trainer, timer: Timer) -> float:
+    """This session's training time (validation and probes included): the Timer's, less what it restored.
+
+    A session ended by a signal or a divergence skips ``on_train_end``; its clock is stopped here, so that
+    this time and the run's (``timer.time_elapsed()``) are read at one instant and a first session's agree.
+    """
     started = timer.start_time()
     if started is None:
         return 0.0
-    ended = timer.end_time()
-    return (time.monotonic() if ended is None else ended) - started
+    if timer.end_time() is None:
+        timer.on_train_end(trainer, trainer.lightning_module)
+    return timer.end_time() - started
 
 
 def _metric(trainer: L.Trainer, name: str) -> float | None:
@@ -54,7 +58,7 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: 
     previous = read_summary(run_dir) if start_step > 0 else {}
     step = trainer.global_step
     session_tokens = (step - start_step) * tokens_per_step
-    session_s = session_wall_s(timer)
+    session_s = session_wall_s(trainer, timer)
     this_session = {"steps": [start_step, step], "wall_s": round(session_s, 3),
                     "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped")}
     return {
