@@ -27,6 +27,10 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
+# One thread per process: the README's two xdist workers on two cores would otherwise each take every core
+# (torch's default) and contend, as would the processes a test starts (they inherit it). Set before torch is
+# imported; a test that needs more threads asks for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
