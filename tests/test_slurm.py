@@ -79,7 +79,10 @@ def cluster() -> Iterator[None]:
     if not SCRIPT.is_file():
         pytest.skip(f"{SCRIPT} is missing (set NORMGEO_SHARED to the shared folder)")
     try:
-        up = sh("bash", str(SCRIPT), "up", timeout=900, check=False)
+        # The node advertises this machine's cores: slurm-local.sh counts them with nproc, which reads
+        # the one OpenMP thread the tests run with (conftest.py) as one core.
+        env = {**os.environ, "SLURM_LOCAL_CPUS": os.environ.get("SLURM_LOCAL_CPUS", str(os.cpu_count()))}
+        up = sh("bash", str(SCRIPT), "up", timeout=900, check=False, env=env)
     except subprocess.TimeoutExpired:
         pytest.skip("slurm-local.sh up did not finish in 15 min")
     if up.returncode:
