@@ -16,7 +16,8 @@ tmp=$(mktemp)
 SHAPE=(size=70m seq_len=256 micro_batch=4 global_batch=4)
 
 # The machine's cores: nproc alone would count OMP_NUM_THREADS (a benchmark run with one thread) as them.
-load() { echo "Load average $1: $(cut -d' ' -f1-3 /proc/loadavg) (1, 5, 15 min; $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) cores)."; }
+cores() { env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc; }
+load() { echo "Load average $1: $(cut -d' ' -f1-3 /proc/loadavg) (1, 5, 15 min; $(cores) cores)."; }
 
 norm_cost() {
   echo "## Each norm arm alone: \`python bench/norm_cost.py --markdown\`"
