@@ -29,6 +29,15 @@ from omegaconf import DictConfig
 from corpus.atomic import atomic_write_json, stop_on_signals
 from corpus.sources import SourceError
 from models.pretrained import ModelLoadError, load_model, max_positions
+from normgeo.config.checks import Refused, check_config, config_errors_exit_2, refuse
+from normgeo.config.compose import (
+    ANALYZE_CONF_DIR,
+    CONF_ROOT,
+    attach_log_file,
+    close_file_logs,
+    write_hydra_files,
+)
+from normgeo.config.schema import ConfigError
 from normgeo.figures.analysis import print_summary, summarize, write_summary
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.intervention import print_intervention
@@ -46,16 +55,7 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
-from normgeo.runs.checks import Refused, check_config, config_errors_exit_2, refuse
-from normgeo.runs.config import (
-    ANALYZE_CONF_DIR,
-    CONF_ROOT,
-    attach_log_file,
-    close_file_logs,
-    write_hydra_files,
-)
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
-from normgeo.runs.schema import ConfigError
 
 log = logging.getLogger("normgeo.analyze")
 # The log's name until the outputs are written: a failed
@@ -208,7 +208,7 @@ def run(cfg: DictConfig) -> Refused | None:
     return None
 
 
-# Hydra's own config errors exit 2 too, an unknown group option naming the options (normgeo.runs.checks).
+# Hydra's own config errors exit 2 too, an unknown group option naming the options (normgeo.config.checks).
 main = config_errors_exit_2(run, [Path(ANALYZE_CONF_DIR), CONF_ROOT / "shared"])
 
 if __name__ == "__main__":

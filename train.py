@@ -40,6 +40,9 @@ from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.lit import LitGPT, NonFiniteError
+from normgeo.config.checks import Refused, config_errors_exit_2, refuse
+from normgeo.config.compose import CONF_DIR, CONF_ROOT, close_file_logs
+from normgeo.config.schema import costly_values, odd_values, unmeasured_values
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
@@ -47,8 +50,6 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.readers.metrics import CSV_DIR
 from normgeo.runs.build import make_module, make_schedule, trainer_arguments
-from normgeo.runs.checks import Refused, config_errors_exit_2, refuse
-from normgeo.runs.config import CONF_DIR, CONF_ROOT, close_file_logs
 from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -57,7 +58,6 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     save_run_config,
 )
-from normgeo.runs.schema import costly_values, odd_values, unmeasured_values
 from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary

@@ -59,9 +59,9 @@ from train_throughput import autocast
 from models.hardware import default_precision, missing_cuda
 from models.lit import compute_dtype, peak_flops
 from models.norms import compile_refusal
+from normgeo.config.compose import CONF_DIR
 from normgeo.measure.stats import mean_t_interval
 from normgeo.runs.build import make_module
-from normgeo.runs.config import CONF_DIR
 
 SIZES = ("70m", "160m", "410m", "1b")
 ARMS = ("layer", "rms", "layer_nobias")

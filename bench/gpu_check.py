@@ -74,9 +74,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from models.hardware import missing_cuda
 from models.lit import peak_flops
 from models.norms import compile_refusal
+from normgeo.config.compose import CONF_DIR
 from normgeo.measure.records import ANGLES_FILE, read_rows
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.config import CONF_DIR
 from normgeo.runs.start import start_session
 from train import train
 

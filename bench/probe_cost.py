@@ -37,12 +37,12 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from models.gpt import GPT
 from models.hardware import missing_cuda
+from normgeo.config.compose import CONF_DIR
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_module
-from normgeo.runs.config import CONF_DIR
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
 # The aten ops that hand a tensor's value (or its size) to the host: on a GPU each waits for every queued

@@ -47,8 +47,9 @@ from models.gpt import GPT, GPTConfig
 from models.hardware import default_precision
 from models.lit import compute_dtype
 from models.norms import NORM_ARMS
-from normgeo.runs.build import make_datamodule, make_module, model_config
-from normgeo.runs.config import CONF_DIR
+from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import model_config
+from normgeo.runs.build import make_datamodule, make_module
 from normgeo.runs.start import start_session
 from train import train
 

@@ -65,7 +65,7 @@ class CheckpointSchedule:
         self.max_steps = max_steps
         self.dense_every, self.dense_until, self.sparse_every = dense_every, dense_until, sparse_every
         # An explicit list is as long as the user wrote it: kept sorted, without the steps past the end.
-        # Steps and intervals are positive (normgeo.runs.schema.CheckpointSchema checks them).
+        # Steps and intervals are positive (normgeo.config.schema.CheckpointSchema checks them).
         self.explicit = None if steps is None else sorted({int(s) for s in steps if s <= max_steps})
         if max_steps > 0 and not self.on_rule(max_steps):
             log.info("checkpoint schedule: adding the final step %d (not on the schedule)", max_steps)

@@ -59,16 +59,16 @@ from models.plan import (
     measure_step,
     quiet_plan,
 )
+from normgeo.config.checks import check_config
+from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import ConfigError
 from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.readers.identity import DuplicateRuns
 from normgeo.runs.build import make_schedule
-from normgeo.runs.checks import check_config
-from normgeo.runs.config import CONF_DIR
 from normgeo.runs.preflight import setup_from_config
-from normgeo.runs.schema import ConfigError
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import run_measures

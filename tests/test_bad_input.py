@@ -1,6 +1,6 @@
 """The bad-input table of docs/reliability.md is the contract: every row is tried here.
 
-Every row composes in-process (Hydra ``compose`` + normgeo.runs.schema's check, fast); the starred rows also
+Every row composes in-process (Hydra ``compose`` + normgeo.config.schema's check, fast); the starred rows also
 run through the scripts' Hydra main for the exit code and "nothing written", a few as real subprocesses.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from normgeo.runs.checks import check_config, unquoted_non_ascii
-from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
-from normgeo.runs.schema import ConfigError
+from normgeo.config.checks import check_config, unquoted_non_ascii
+from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
+from normgeo.config.schema import ConfigError
 from tests.conftest import ROOT, call_entry_point
 
 ROW = re.compile(
@@ -35,10 +35,10 @@ def table_rows() -> list[dict]:
 
 
 ROWS = table_rows()
-# Refused by the entry point, not at compose time: a group option that does not exist (before Hydra composes,
-# naming the options: normgeo.runs.checks.unknown_group_option), and the start checks before the run directory
-# is claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a bare Trainer
-# built on this machine checks; normgeo/runs/start.py); run through the entry point (starred).
+# Refused by the entry point, not at compose time: a group option that does not exist (before Hydra
+# composes, naming the options: normgeo.config.checks.unknown_group_option), and the start checks before the
+# run directory is claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a
+# bare Trainer built on this machine checks; normgeo/runs/start.py); run through the entry point (starred).
 RUNTIME = (
     "norm=batch",
     "logger=[csv,nosuch]",

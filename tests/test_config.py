@@ -16,8 +16,8 @@ from corpus.__main__ import main as corpus_main
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
+from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from normgeo.runs.build import make_datamodule
-from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from tests.conftest import ROOT
 
 TRAIN_GROUPS = ("norm", "placement", "size", "data", "probe", "trainer", "logger", "experiment")

@@ -33,8 +33,8 @@ from omegaconf import OmegaConf
 
 import train
 from models.strategies import FSDP2Strategy
+from normgeo.config.compose import CONF_DIR
 from normgeo.measure.records import read_rows
-from normgeo.runs.config import CONF_DIR
 from tests.conftest import ROOT, run_train, step_losses
 
 TRAINERS = sorted(p.stem for p in (Path(CONF_DIR) / "trainer").glob("*.yaml"))

@@ -19,9 +19,9 @@ from hydra.utils import instantiate
 from corpus.prepare import load_prepared, prepare
 from corpus.sources import LocalFilesSource, SourceError
 from corpus.tokenize import tiktoken_encoding
-from normgeo.runs.checks import check_config
-from normgeo.runs.config import ANALYZE_CONF_DIR, CONF_DIR
-from normgeo.runs.schema import ConfigError
+from normgeo.config.checks import check_config
+from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
+from normgeo.config.schema import ConfigError
 from tests.conftest import ROOT, train_here, train_in_process
 
 CSV_ROW = "Another row of comma separated text about the quick brown fox"

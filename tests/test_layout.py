@@ -75,6 +75,7 @@ def test_the_layout_check_sees_a_missing_module() -> None:
 NORMGEO_FLOORS = (
     "normgeo.paths",
     "normgeo.measure",
+    "normgeo.config",
     "normgeo.runs",
     "normgeo.readers",
     "normgeo.verdict",

@@ -14,9 +14,10 @@ from torch._dynamo.utils import counters
 from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
 from models.norms import NORM_ARMS, NORM_IMPLS
+from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import model_config
 from normgeo.measure.norm_sites import find_norm_sites
-from normgeo.runs.build import make_module, model_config
-from normgeo.runs.config import CONF_DIR
+from normgeo.runs.build import make_module
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
 

@@ -1,8 +1,8 @@
-"""Every numeric key's range is declared once in the schema (normgeo/runs/schema.py: its type, as ``Count`` or
-``Annotated[float, Interval(...)]``) and enforced through the real entry points by pydantic: for each key a
-value outside its range, NaN and inf give one line naming the key, exit 2 and no folder. The quick tier calls
-train.py's and analyze.py's Hydra entry points in-process (a subprocess per case would take minutes); a few of
-the same cases run as real subprocesses (slow)."""
+"""Every numeric key's range is declared once in the schema (normgeo/config/schema.py: its type, as ``Count``
+or ``Annotated[float, Interval(...)]``) and enforced through the real entry points by pydantic: for each
+key a value outside its range, NaN and inf give one line naming the key, exit 2 and no folder. The quick
+tier calls train.py's and analyze.py's Hydra entry points in-process (a subprocess per case would take
+minutes); a few of the same cases run as real subprocesses (slow)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import pytest
 from annotated_types import Len
 from hydra import compose, initialize_config_dir
 
-from normgeo.runs.checks import check_config
-from normgeo.runs.config import CONF_DIR
-from normgeo.runs.schema import AnalyzeSchema, TrainSchema, costly_values
+from normgeo.config.checks import check_config
+from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import AnalyzeSchema, TrainSchema, costly_values
 from tests.conftest import ROOT, call_entry_point
 
 SCRIPTS = {"train": TrainSchema, "analyze": AnalyzeSchema}

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from models.hardware import default_precision
-from normgeo.runs.config import CONF_DIR
+from normgeo.config.compose import CONF_DIR
 from normgeo.runs.run_config import (
     ABSENT,
     RUN_CONFIG_FILE,

@@ -1,5 +1,5 @@
 """Issue 34: a setting that asks for a measurement the run cannot make is said
-once at start and the run goes on (``normgeo.runs.schema.unmeasured_values``):
+once at start and the run goes on (``normgeo.config.schema.unmeasured_values``):
 DyT has no centering for the intervention to take out or put in."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from normgeo.runs.schema import unmeasured_values
+from normgeo.config.schema import unmeasured_values
 from tests.conftest import train_here
 from tests.test_user_faults import composed_train
 

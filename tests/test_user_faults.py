@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 
 import normgeo.report as report
 from corpus.prepare import PreparedDataError
-from normgeo.runs.checks import check_config
-from normgeo.runs.config import CONF_DIR
+from normgeo.config.checks import check_config
+from normgeo.config.compose import CONF_DIR
 from normgeo.runs.start import StartError, check_trainer
 from tests.conftest import ROOT
 
@@ -361,7 +361,7 @@ def test_report_says_where_the_figures_of_several_runs_go(tmp_path: Path, monkey
 
 
 def test_analyze_lists_no_probe_key_it_ignores_and_refuses_them() -> None:
-    from normgeo.runs.schema import AnalyzeSchema, TrainSchema, key_docs
+    from normgeo.config.schema import AnalyzeSchema, TrainSchema, key_docs
 
     analyze, train = "\n".join(key_docs(AnalyzeSchema)), "\n".join(key_docs(TrainSchema))
     assert (

@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-CONF_ROOT = Path(__file__).resolve().parent.parent.parent / "conf"  # normgeo.runs.config.CONF_ROOT
+CONF_ROOT = Path(__file__).resolve().parent.parent.parent / "conf"  # normgeo.config.compose.CONF_ROOT
 
 
 class NormgeoSharedConf(SearchPathPlugin):

@@ -4,7 +4,7 @@ What the angle probe, the energy and the centering intervention measure, and on 
 probe callback, ``analyze.py`` and the export's parity check build one from their config
 (:meth:`ProbeConfig.from_config`, conf/shared/probe/*.yaml) and hand it down unchanged to
 :func:`normgeo.measure.pipeline.measure_records`; the schema's defaults for these keys
-(``normgeo.runs.schema.ProbeSchema``) are this class's.
+(``normgeo.config.schema.ProbeSchema``) are this class's.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-import normgeo.runs.config  # noqa: F401  (registers the resolvers the config uses)
+import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import read_run_config

@@ -10,25 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from corpus.datamodule import TokenDataModule
 from models.hardware import default_precision
 from models.lit import LitGPT
-
-# models.gpt.GPTConfig's fields and the keys they are read from: the
-# architecture (size), the arm (norm, placement), the context. The schema names
-# a key by it when the model refuses a field (normgeo.runs.schema.check_train).
-MODEL_KEYS = {
-    "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
-    "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
-    "tie_embeddings": "tie_embeddings",
-}
-
-
-def model_config(cfg: DictConfig) -> dict[str, Any]:
-    """models.gpt.GPTConfig's fields, read from their keys (:data:`MODEL_KEYS`)."""
-    return {field: OmegaConf.select(cfg, key) for field, key in MODEL_KEYS.items()}
+from normgeo.config.schema import model_config
 
 
 def module_arguments(cfg: DictConfig) -> dict[str, Any]:

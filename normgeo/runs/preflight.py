@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.hardware import default_precision
 from models.plan import TrainSetup, make_plan, preflight_error, quiet_plan
+from normgeo.config.schema import ConfigError
 from normgeo.runs.build import module_arguments
-from normgeo.runs.schema import ConfigError
 
 
 class PlanRefusal(ValueError):

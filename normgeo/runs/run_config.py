@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
+from normgeo.config.schema import format_value
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +141,6 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
         if before != after or (isinstance(before, bool) != isinstance(after, bool)):
             changes[key] = (before, after)
     return changes
-
-
-def format_value(value: Any) -> str:
-    """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
-    if isinstance(value, DictConfig | ListConfig):
-        value = OmegaConf.to_container(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
 
 
 def save_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> bool:

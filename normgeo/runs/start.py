@@ -39,6 +39,9 @@ from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
+from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
+from normgeo.config.compose import attach_log_file, close_file_logs, write_hydra_files
+from normgeo.config.schema import ConfigError, check_cross_keys
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
@@ -51,12 +54,9 @@ from normgeo.paths import (
     topmost_missing,
 )
 from normgeo.runs.build import make_datamodule, trainer_arguments
-from normgeo.runs.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
-from normgeo.runs.config import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
 from normgeo.runs.preflight import PlanRefusal, preflight
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
-from normgeo.runs.schema import ConfigError, check_cross_keys
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
     REFUSALS,

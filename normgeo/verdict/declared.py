@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from models.norms import NORM_ARMS
+from normgeo.config.compose import CONF_ROOT
 from normgeo.paths import repo_relative
-from normgeo.runs.config import CONF_ROOT
 from normgeo.verdict.metrics import INTACT, INTERVENTION, MARGIN_KEYS, METRICS, metric
 
 MARGINS_FILE = CONF_ROOT / "compare" / "margins.yaml"

@@ -1,5 +1,5 @@
 """Hydra/OmegaConf glue: where conf/ lives, the resolvers conf/ uses, the schemas'
-registration (the config check itself: :mod:`normgeo.runs.checks`), and the files Hydra would write into a
+registration (the config check itself: :mod:`normgeo.config.checks`), and the files Hydra would write into a
 job's folder, written by the entry points themselves once a start is accepted (Hydra writes none: its job
 folder is the working directory, ``hydra.output_subdir`` null, conf/shared/hydra/job_logging/console.yaml)."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from normgeo.config.schema import SCHEMAS, key_docs
+from normgeo.config.schema import register as register_schemas
 from normgeo.paths import REPO_ROOT, path_slug, slug
-from normgeo.runs.schema import SCHEMAS, key_docs
-from normgeo.runs.schema import register as register_schemas
 
 # conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
 # conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).

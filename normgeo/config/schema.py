@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import torch
 from annotated_types import Ge, Gt, Interval, Len
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from corpus.sources import LocalFilesSource, SourceError
@@ -37,8 +37,32 @@ from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.runs.build import MODEL_KEYS, model_config
-from normgeo.runs.run_config import format_value
+
+# models.gpt.GPTConfig's fields and the keys they are read from: the
+# architecture (size), the arm (norm, placement), the context. The schema names
+# a key by it when the model refuses a field (normgeo.config.schema.check_train).
+MODEL_KEYS = {
+    "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
+    "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
+    "tie_embeddings": "tie_embeddings",
+}
+
+
+def model_config(cfg: DictConfig) -> dict[str, Any]:
+    """models.gpt.GPTConfig's fields, read from their keys (:data:`MODEL_KEYS`)."""
+    return {field: OmegaConf.select(cfg, key) for field, key in MODEL_KEYS.items()}
+
+
+def format_value(value: Any) -> str:
+    """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
 
 SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
 

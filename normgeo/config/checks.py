@@ -5,7 +5,7 @@ analyze.run), first: Hydra writes nothing into their folders by itself. A refusa
 line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors
 (:func:`config_errors_exit_2`); in a ``-m`` sweep the refused job returns :class:`Refused`
 instead, the other jobs run, and :class:`RefusalReport` lists the refused ones at the end
-(:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.runs.schema`). """
+(:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.config.schema`). """
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ from hydra.types import RunMode
 from lightning import Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from normgeo.runs.schema import SCHEMAS
+from normgeo.config.schema import SCHEMAS
 
 CONFIG_ERROR_EXIT = 2
 
 
 def check_config(schema: str, cfg: DictConfig) -> None:
-    """normgeo.runs.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
+    """normgeo.config.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
     SCHEMAS[schema][1](cfg)
 
 
