@@ -38,9 +38,8 @@ from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
 
-# models.gpt.GPTConfig's fields and the keys they are read from: the
-# architecture (size), the arm (norm, placement), the context. The schema names
-# a key by it when the model refuses a field (normgeo.config.schema.check_train).
+# models.gpt.GPTConfig's fields and the keys they are read from: the architecture (size), the arm (norm,
+# placement), the context. check_train names a key by it when the model refuses a field.
 MODEL_KEYS = {
     "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
     "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
