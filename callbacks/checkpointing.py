@@ -35,9 +35,12 @@ from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signals import SignalStop, StopOnSignal, installed_interrupt
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
+from normgeo.config.schema import CheckpointSchema
 from normgeo.runs.run_config import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
+# The checkpoint keys' defaults, written once: in the config's schema (``python train.py --help``).
+DEFAULTS = CheckpointSchema(_target_=f"{__name__}.CheckpointSchedule")
 
 
 class CheckpointSchedule:
@@ -54,9 +57,11 @@ class CheckpointSchedule:
     Iterating yields the steps in order, one at a time.
     """
 
-    def __init__(self, max_steps: int, steps: Iterable[int] | None = None, dense_every: int = 1000,
-                 dense_until: int = 10000, sparse_every: int = 10000, last_every: int = 500,
-                 keep_optimizer: bool = False, every_minutes: float | None = None) -> None:
+    def __init__(self, max_steps: int, steps: Iterable[int] | None = DEFAULTS.steps,
+                 dense_every: int = DEFAULTS.dense_every, dense_until: int = DEFAULTS.dense_until,
+                 sparse_every: int = DEFAULTS.sparse_every, last_every: int = DEFAULTS.last_every,
+                 keep_optimizer: bool = DEFAULTS.keep_optimizer,
+                 every_minutes: float | None = DEFAULTS.every_minutes) -> None:
         # How often last.ckpt is refreshed (by steps, and by wall time) and what scheduled checkpoints keep
         # (ScheduledCheckpoint).
         self.last_every = last_every

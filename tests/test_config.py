@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import shutil
 import subprocess
 import sys
@@ -12,11 +15,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.checkpointing import CheckpointSchedule
 from corpus.__main__ import main as corpus_main
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
 from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
+from normgeo.config.schema import CheckpointSchema
 from normgeo.runs.build import make_datamodule
 from tests.conftest import ROOT
 
@@ -46,6 +51,22 @@ def test_every_option_of_every_train_group_composes_and_resolves(group: str) -> 
         cfg = compose_train(override, *REQUIRED.get(override, []))
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         assert resolved["data"]["_target_"] == "corpus.datamodule.TokenDataModule", override
+
+
+def test_every_checkpoint_default_is_written_once_in_the_schema() -> None:
+    """The checkpoint keys' defaults live in CheckpointSchema alone: train.yaml's node names only the class,
+    and CheckpointSchedule's parameters default to the schema's values by name, not by a second literal."""
+    assert list(OmegaConf.load(Path(CONF_DIR) / "train.yaml").checkpoint) == ["_target_"]
+    keys = [f.name for f in dataclasses.fields(CheckpointSchema) if f.name != "_target_"]
+    init = next(node for node in ast.walk(ast.parse(inspect.getsource(CheckpointSchedule)))
+                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    defaults = init.args.defaults
+    written = {arg.arg: ast.unparse(value)
+               for arg, value in zip(init.args.args[-len(defaults):], defaults, strict=True)}
+    assert written == {key: f"DEFAULTS.{key}" for key in keys}
+    composed = compose_train().checkpoint  # the composed config still holds every key, at its default
+    assert {key: composed[key] for key in keys} == {
+        key: getattr(CheckpointSchema(_target_="x"), key) for key in keys}
 
 
 def test_the_data_options_are_the_documented_ones() -> None:
