@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from corpus.atomic import atomic_write_json, stop_on_signals
+from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError
 from models.pretrained import ModelLoadError, load_model, max_positions
 from normgeo.config.checks import Refused, check_config, config_errors_exit_2, refuse
@@ -56,6 +56,7 @@ from normgeo.paths import (
     topmost_missing,
 )
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
+from normgeo.signals import stop_on_signals
 
 log = logging.getLogger("normgeo.analyze")
 # The log's name until the outputs are written: a failed

@@ -6,10 +6,10 @@ same batch stream, same probe tokens and reference vectors.
 
 from __future__ import annotations
 
-# ruff: noqa: E402  (the SLURM signal handler is installed before the slow imports, on purpose)
-from slurm.requeue import install_requeue_handler, record_slurm_job, requeue_slurm_job
+# ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
+from normgeo.signals import OWNER, StopAtOnce
 
-install_requeue_handler()
+OWNER.take_requeue()
 
 import contextlib
 import logging
@@ -34,7 +34,6 @@ from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, Sche
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
-from corpus.atomic import stopping_on_signals
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
@@ -61,9 +60,14 @@ from normgeo.runs.run_config import (
 from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
+from slurm.requeue import record_slurm_job, requeue_slurm_job
 
 log = logging.getLogger("normgeo.train")
 WANDB_ID_FILE = "wandb_run_id.txt"
+# Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory is
+# put back as it was); from training on, callbacks.signals.Interrupt saves last.ckpt instead.
+BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)",
+                             "nothing was trained; run the same command again")
 
 
 def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
@@ -178,7 +182,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     ``with start_session(cfg) as start: train(cfg, start, ...)``); ``extra_callbacks``: bench/'s timers."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    requeue = install_requeue_handler()
+    requeue = OWNER.take_requeue()
     ckpt_path = start.ckpt_path  # a resume continues the same experiment, a new run a new directory
     start.replace_diverged_run()  # a diverged run in this folder: this corrected start replaces it
     run_config = resolved_run_config(cfg)
@@ -218,7 +222,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     try:
         # A validation or a probe abandoned on Ctrl-C/SIGTERM
         # ends fit with SignalStop; last.ckpt saved at this step.
-        with contextlib.suppress(SignalStop):
+        with OWNER.owning(BEFORE_TRAINING), contextlib.suppress(SignalStop):
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
         if trainer.is_global_zero:
@@ -232,7 +236,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     if trainer.is_global_zero:
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
-        with stopping_on_signals("after training, while the summary and figures were written", left):
+        with OWNER.owning(StopAtOnce("after training, while the summary and figures were written", left)):
             finish(cfg, trainer, timer, keep.session_start_step, stop.stopped_by, module.tokens_per_step)
     return trainer
 
@@ -276,7 +280,7 @@ USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, An
 def run(cfg: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate and claim (normgeo.runs.start) -> build and fit (train) -> finish."""
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
-    requeue = install_requeue_handler()
+    requeue = OWNER.take_requeue()
     try:
         start = start_session(cfg)  # the config checked, then the run, then the claim: nothing written before
     except RunFinished as done:  # nothing left to train: one line, exit 0 (a sweep's other jobs go on)
@@ -337,11 +341,9 @@ def main() -> None:
     trained or written)."""
     if PLAN_FLAG in sys.argv[1:]:
         sys.exit(plan_main([a for a in sys.argv[1:] if a != PLAN_FLAG]))
-    # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory
-    # is put back as it was); from training on, StopOnSignal's handler saves last.ckpt instead. Each handler
-    # puts back the one it replaced: a caller's (a test, a notebook) is there again when main returns.
-    with stopping_on_signals("before training started (checks, data preparation)",
-                             "nothing was trained; run the same command again"):
+    # The process's signal owner (normgeo.signals) puts back a caller's handlers (a test's, a notebook's)
+    # when main returns.
+    with OWNER.owning(BEFORE_TRAINING):
         config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
 
 

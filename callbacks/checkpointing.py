@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import SignalStop, StopOnSignal, installed_interrupt
+from callbacks.signals import SignalStop, StopOnSignal, training_interrupt
 from corpus.atomic import atomic_open
 from models.lit import NonFiniteError
 from normgeo.config.schema import CheckpointSchema
@@ -136,7 +136,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with atomic_open(os.fspath(path), "wb") as handle:
                 torch.save(checkpoint, handle)
         except Exception:
-            interrupt = installed_interrupt()
+            interrupt = training_interrupt()
             if interrupt is not None and interrupt.abandoning is not None:  # torch.save's C++ writer turned
                 raise SystemExit(128 + interrupt.abandoning) from None  # that SystemExit into a RuntimeError
             raise

@@ -1,9 +1,10 @@
 """Stopping a run on a signal: the user's Ctrl-C or SIGTERM, and SLURM's requeue signal (USR1).
 
+The training phase of the process's signal owner (normgeo.signals) is :class:`Interrupt`.
 :class:`StopOnSignal` stops every rank after the same optimizer step when the checkpoint owner polls it
-(``last.ckpt`` is then written by that owner, callbacks/checkpointing.py); a validation or a probe in
-progress is abandoned at once (:class:`SignalStop`); train.py prints the resume command and exits 128 + the
-signal number (:func:`exit_if_interrupted`), or requeues the SLURM job.
+(``last.ckpt`` is then written by that owner, callbacks/checkpointing.py); a validation or a probe in progress
+is abandoned at once (:class:`SignalStop`); train.py prints the resume command and exits 128 + the signal
+number (:func:`exit_if_interrupted`), or requeues the SLURM job.
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
 
 from callbacks.lightning_loops import settle_abandoned_validation
 from normgeo.runs.run_config import LAST_CHECKPOINT
+from normgeo.signals import OWNER
 from slurm.requeue import SlurmRequeue
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,15 @@ class SignalStop(Exception):
 
 
 class Interrupt:
-    """The user's SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``) while training: recorded, so that
-    :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved at
-    that step; train.py then prints the resume command and exits 128 + the signal number (130, 143).
+    """The training phase of the signal owner: the user's SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``)
+    is recorded, so that :class:`StopOnSignal` stops every rank after the current optimizer step and
+    ``last.ckpt`` is saved at that step; train.py then prints the resume command and exits 128 + the signal
+    number (130, 143).
 
-    Replaces, from train start on, Python's KeyboardInterrupt (Lightning turns it into exit 1 without
+    In place, from train start on, of Python's KeyboardInterrupt (Lightning turns it into exit 1 without
     saving) and Lightning's SIGTERM handler (it stops at the next batch without saving). A second signal
     stops at once: whatever is being written is abandoned (atomic writes keep the previous file).
     """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received = False
@@ -62,7 +61,6 @@ class Interrupt:
         # The signal of a second interrupt: its SystemExit may surface as another exception
         # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
         self.abandoning: int | None = None
-        self.replaced: dict[int, Any] = {}  # the handlers install() replaced, put back by uninstall()
 
     def enter(self, what: str) -> None:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
@@ -76,19 +74,6 @@ class Interrupt:
 
     def leave(self) -> None:
         self.abandonable = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self.replaced[signum] = signal.signal(signum, self)
-
-    def uninstall(self) -> None:
-        """Put back the handlers :meth:`install` replaced (one that was not set from Python: the default)."""
-        self.abandonable = None
-        for signum, previous in self.replaced.items():
-            if signal.getsignal(signum) is self:  # Lightning's teardown may have restored its own already
-                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-        self.replaced = {}
 
     def __call__(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -111,18 +96,17 @@ class Interrupt:
             os.write(2, (text + "\n").encode())
 
 
-def installed_interrupt() -> Interrupt | None:
-    """The :class:`Interrupt` that handles this process's SIGTERM, if any (the signal table is its one
-    registry)."""
-    handler = signal.getsignal(signal.SIGTERM)
-    return handler if isinstance(handler, Interrupt) else None
+def training_interrupt() -> Interrupt | None:
+    """The :class:`Interrupt` that decides what a stop signal does now, if training is the owner's phase."""
+    phase = OWNER.phase
+    return phase if isinstance(phase, Interrupt) else None
 
 
 @contextlib.contextmanager
 def abandonable(what: str) -> Iterator[None]:
     """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop);
-    nothing happens without an installed :class:`Interrupt`."""
-    interrupt = installed_interrupt()
+    nothing happens outside training's phase (:class:`Interrupt`)."""
+    interrupt = training_interrupt()
     if interrupt is None:
         yield
         return
@@ -190,7 +174,8 @@ class StopOnSignal(L.Callback):
             self.interrupt.stopped_at = step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.interrupt.uninstall()
+        self.interrupt.leave()
+        OWNER.leave(self.interrupt)
 
     @property
     def installer(self) -> L.Callback:
@@ -231,14 +216,16 @@ class StopOnSignal(L.Callback):
 
 
 class InstallInterrupt(L.Callback):
-    """Installs an :class:`Interrupt` on train start: after Lightning's SIGTERM handler, which fit registers
-    before this hook, and before the other callbacks' on_train_start (the step-0 probe)."""
+    """Makes :class:`Interrupt` the signal owner's phase on train start: after Lightning's fit put its SIGTERM
+    handler over the owner's (taken back here), and before the other callbacks' on_train_start (the step-0
+    probe)."""
 
     def __init__(self, interrupt: Interrupt) -> None:
         self.interrupt = interrupt
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.interrupt.install()
+        OWNER.reclaim()
+        OWNER.enter(self.interrupt)
 
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:

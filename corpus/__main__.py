@@ -19,11 +19,11 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
-from corpus.atomic import stop_on_signals
 from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.config.checks import group_options, unknown_group_option
 from normgeo.config.compose import CONF_DIR, CONF_ROOT
+from normgeo.signals import stop_on_signals
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
 

@@ -6,9 +6,7 @@ import contextlib
 import errno
 import json
 import os
-import signal
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -121,35 +119,3 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def stop_on_signals(doing: str, again: str) -> None:
-    """Until a later handler takes over (train.py's, from training on): SIGINT or SIGTERM ends the process
-    at once with one line and exit 128 + the signal. The SystemExit unwinds through :func:`atomic_open`,
-    which removes its temporary, so what was being written is dropped whole and nothing half-written stays."""
-
-    def stop(signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        # os.write, not print: the signal may land inside a print to stderr.
-        os.write(2, f"{name} {doing}: stopped, nothing half-written left; {again}\n".encode())
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, stop)
-
-
-@contextlib.contextmanager
-def stopping_on_signals(doing: str, again: str) -> Iterator[None]:
-    """:func:`stop_on_signals` for the ``with`` block only: the handlers that were there are put back after it
-    (the next job of a ``-m`` sweep in this process keeps its own messages)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    stop_on_signals(doing, again)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

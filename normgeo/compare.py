@@ -45,13 +45,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from corpus.atomic import stop_on_signals
 from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
 from normgeo.paths import check_writable_folder
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.signals import stop_on_signals
 from normgeo.verdict.declared import load_verdict_config
 
 

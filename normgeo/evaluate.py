@@ -24,13 +24,14 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from corpus.atomic import atomic_write_json, full_disk_cause, stop_on_signals
+from corpus.atomic import atomic_write_json, full_disk_cause
 from corpus.next_sentence import TASK_NAME, write_task
 from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
 from normgeo.readers.downstream import EVAL_FILE, merged_eval, read_eval
+from normgeo.signals import stop_on_signals
 
 DEFAULT_CORPUS = (
     Path(__file__).resolve().parent.parent.parent

@@ -41,7 +41,6 @@ from corpus.atomic import (
     atomic_write_text,
     full_disk_cause,
     give_usual_file_modes,
-    stop_on_signals,
 )
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
@@ -66,6 +65,7 @@ from normgeo.paths import FolderError, check_writable_folder
 from normgeo.readers.metrics import read_metrics
 from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
+from normgeo.signals import stop_on_signals
 
 TARGETS = ("hf", "transformer-lens", "nnsight")
 CONVERSIONS = ("rms",)  # --as: the norm a Pre-LN LayerNorm arm is converted to

@@ -25,13 +25,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from corpus.atomic import stop_on_signals
 from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.paths import FolderError, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs
+from normgeo.signals import stop_on_signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:

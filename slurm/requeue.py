@@ -1,5 +1,6 @@
 """SLURM's requeue signal and session bookkeeping for train.py; standard library only, so that train.py can
-install the USR1 handler before its slow imports (Python dies of a USR1 it has no handler for).
+have the USR1 handler before its slow imports (Python dies of a USR1 it has no handler for): the process's
+signal owner (normgeo.signals) hands USR1 to :class:`SlurmRequeue`.
 
 :class:`callbacks.signals.StopOnSignal` is the training side: it stops every rank at the next
 optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
@@ -8,10 +9,8 @@ optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -65,21 +64,10 @@ def requeue_slurm_job() -> bool:
     return True
 
 
-def install_requeue_handler() -> SlurmRequeue | None:
-    """The USR1 handler of this process under SLURM (installed once); None outside SLURM."""
-    current = signal.getsignal(signal.SIGUSR1)
-    if isinstance(current, SlurmRequeue):
-        return current
-    # SLURMEnvironment.detect()'s rule: srun/sbatch tasks, not an interactive allocation's shell.
-    under_slurm = "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in (
-        "bash",
-        "interactive",
-    )
-    if not under_slurm or threading.current_thread() is not threading.main_thread():
-        return None
-    handler = SlurmRequeue()
-    signal.signal(signal.SIGUSR1, handler)
-    return handler
+def under_slurm() -> bool:
+    """This process is a SLURM task (srun/sbatch), not an interactive allocation's shell:
+    SLURMEnvironment.detect()'s rule."""
+    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def record_slurm_job(run_dir: Path) -> None:

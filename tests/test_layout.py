@@ -74,6 +74,7 @@ def test_the_layout_check_sees_a_missing_module() -> None:
 # normgeo/paths.py (names and folders; the standard library only) at the bottom.
 NORMGEO_FLOORS = (
     "normgeo.paths",
+    "normgeo.signals",
     "normgeo.measure",
     "normgeo.config",
     "normgeo.runs",

@@ -1,0 +1,130 @@
+"""The process's one owner of its stop signals: SIGINT (Ctrl-C), SIGTERM (``kill``, ``scancel``) and, in a
+SLURM job, SIGUSR1 (the requeue signal).
+
+An entry point takes them (:meth:`SignalOwner.owning`) and, when it returns, puts back the handlers that were
+there (a caller's: a notebook's, a test's, the next job of a ``-m`` sweep). While it owns them, what a stop
+signal does is the current phase's to say, the innermost of a stack: :class:`StopAtOnce` before and after
+training (one line, exit 128 + the signal; what :func:`corpus.atomic.atomic_open` was writing is dropped
+whole), and during training ``callbacks.signals.Interrupt`` (stop at the next optimizer step, abandon a
+validation or a probe). Lightning's fit puts its own SIGTERM handler over the owner's and back at its
+teardown; the training phase takes the signal back for the fit (:meth:`SignalOwner.reclaim`). SLURM's USR1
+goes to :class:`slurm.requeue.SlurmRequeue`: it is taken before train.py's slow imports (Python dies of a USR1
+it has no handler for) and kept for the job's life. Standard library only, so that train.py can import it
+first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from slurm.requeue import SlurmRequeue, under_slurm
+
+Phase = Callable[[int, Any], None]  # a signal handler: what SIGINT or SIGTERM does in this phase
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopAtOnce:
+    """A phase in which SIGINT or SIGTERM ends the process at once with one line and exit 128 + the signal:
+    the SystemExit unwinds through ``atomic_open``, which removes its temporary, so nothing half-written
+    stays. ``doing``: when it came (``before training started``); ``again``: what to do next."""
+
+    def __init__(self, doing: str, again: str) -> None:
+        self.doing, self.again = doing, again
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the signal may land inside a print to stderr.
+        os.write(2, f"{name} {self.doing}: stopped, nothing half-written left; {self.again}\n".encode())
+        raise SystemExit(128 + signum)
+
+
+class SignalOwner:
+    """The handler of this process's stop signals (:data:`OWNER`, the one instance); see the module's doc."""
+
+    def __init__(self) -> None:
+        self.phases: list[Phase] = []
+        self.held: set[int] = set()  # the signals it handles now
+        self.requeue: SlurmRequeue | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGUSR1 and self.requeue is not None:
+            self.requeue(signum, frame)
+        elif self.phases:
+            self.phases[-1](signum, frame)
+        elif signum == signal.SIGINT:  # held, no phase: as Python would
+            raise KeyboardInterrupt
+        else:
+            raise SystemExit(128 + signum)
+
+    def take(self, signums: tuple[int, ...]) -> dict[int, Any]:
+        """Handle ``signums`` from now on; the handlers it replaced (none where it handled the signal
+        already). Only the main thread can set handlers: elsewhere, nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        replaced = {signum: signal.signal(signum, self) for signum in signums
+                    if signal.getsignal(signum) is not self}
+        self.held.update(signums)
+        return replaced
+
+    def give_back(self, replaced: dict[int, Any]) -> None:
+        """Put back what :meth:`take` replaced (a handler not set from Python: the default)."""
+        for signum, previous in replaced.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            self.held.discard(signum)
+
+    @contextlib.contextmanager
+    def owning(self, phase: Phase) -> Iterator[SignalOwner]:
+        """Within the block SIGINT and SIGTERM go to the owner, ``phase`` saying what they do (a phase entered
+        inside the block ends with it); after it, the handlers that were there are back."""
+        replaced = self.take(STOP_SIGNALS)
+        depth = len(self.phases)
+        self.phases.append(phase)
+        try:
+            yield self
+        finally:
+            del self.phases[depth:]
+            self.give_back(replaced)
+
+    def enter(self, phase: Phase) -> None:
+        """``phase`` decides from now on, until :meth:`leave` (or the end of the :meth:`owning` block)."""
+        self.phases.append(phase)
+
+    def leave(self, phase: Phase) -> None:
+        if phase in self.phases:
+            self.phases.remove(phase)
+
+    @property
+    def phase(self) -> Phase | None:
+        """The phase that decides now (None: none entered)."""
+        return self.phases[-1] if self.phases else None
+
+    def reclaim(self) -> None:
+        """Handle again the signals it holds that a library has since taken over (Lightning's fit sets its
+        SIGTERM handler, and puts the owner's back at its teardown)."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.held:
+                if signal.getsignal(signum) is not self:
+                    signal.signal(signum, self)
+
+    def take_requeue(self) -> SlurmRequeue | None:
+        """In a SLURM job: SIGUSR1 to :class:`~slurm.requeue.SlurmRequeue` for the job's life (once); None
+        outside SLURM or off the main thread."""
+        if self.requeue is None and under_slurm() and threading.current_thread() is threading.main_thread():
+            self.requeue = SlurmRequeue()  # first: a USR1 may come as soon as the owner takes it
+            self.take((signal.SIGUSR1,))
+        return self.requeue
+
+
+OWNER = SignalOwner()
+
+
+def stop_on_signals(doing: str, again: str) -> None:
+    """For a command's whole process (compare, report, export, evaluate, analyze, corpus): SIGINT or SIGTERM
+    stops it at once (:class:`StopAtOnce`), through the owner."""
+    OWNER.take(STOP_SIGNALS)
+    OWNER.enter(StopAtOnce(doing, again))
