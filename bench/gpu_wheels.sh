@@ -14,8 +14,8 @@
 #                                         # `analyze smollm2` needs: more than a 64 MiB working-tree copy holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
-export LIGER_VERSION=0.8.5  # Liger's kernels for the lent machine (pure Python + Triton)   # the lent image's python3 (binary wheels are built per version)
+PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}  # the lent image's python3 (binary wheels are built per version)
+export LIGER_VERSION=0.8.5  # Liger's kernels for the lent machine (pure Python + Triton)
 list_only=false
 extra=""
 for arg in "$@"; do

@@ -9,8 +9,8 @@ whole), and during training ``callbacks.signals.Interrupt`` (stop at the next op
 validation or a probe). Lightning's fit puts its own SIGTERM handler over the owner's and back at its
 teardown; the training phase takes the signal back for the fit (:meth:`SignalOwner.reclaim`). SLURM's USR1
 goes to :class:`slurm.requeue.SlurmRequeue`: it is taken before train.py's slow imports (Python dies of a USR1
-it has no handler for) and kept for the job's life. Standard library only, so that train.py can import it
-first.
+it has no handler for) and kept for the job's life. Standard library only (slurm.requeue is too), so that
+train.py can import it first.
 """
 
 from __future__ import annotations
