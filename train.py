@@ -220,8 +220,8 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
     try:
-        # A validation or a probe abandoned on Ctrl-C/SIGTERM
-        # ends fit with SignalStop; last.ckpt saved at this step.
+        # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
+        # this step. The signals are owned here as well as in main(): bench/ calls train() without main().
         with OWNER.owning(BEFORE_TRAINING), contextlib.suppress(SignalStop):
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
