@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-README_MAX_LINES = 250
+README_MAX_LINES = 150
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 FENCE = re.compile(r"^\s*(```|~~~)")
