@@ -12,7 +12,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from models.hardware import default_precision
+from models.norms import compile_refusal
+from normgeo.config import schema
 from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import compiles
+from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import (
     ABSENT,
     RUN_CONFIG_FILE,
@@ -145,6 +149,25 @@ def test_paths_and_per_device_settings_may_change() -> None:
 
 def test_precision_null_is_recorded_as_what_it_means_here() -> None:
     assert resolved("trainer=default")["trainer"]["precision"] == default_precision()
+
+
+def test_compile_auto_is_off_on_the_cpu_on_for_cuda_and_recorded_as_decided(monkeypatch) -> None:
+    """Issue 61, item 1: compile=auto (the default) compiles CUDA training only; true/false stay as set."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cpu = compose("train", overrides=["trainer=cpu"])
+        gpu = compose("train", overrides=["trainer=gpu"])
+        auto = compose("train", overrides=["trainer=default"])  # accelerator=auto: a GPU when there is one
+        forced = compose("train", overrides=["trainer=cpu", "compile=true"])
+    assert cpu.compile == "auto" and resolved_run_config(cpu)["compile"] is False
+    assert module_arguments(cpu)["compile"] is False
+    assert compiles(forced) is True and compiles(cpu, "cuda") == (compile_refusal("cuda") is None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compiles(auto) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(schema, "compile_refusal", lambda device_type: None)  # Triton there
+    assert compiles(auto) is True and compiles(gpu) is True
+    monkeypatch.setattr(schema, "compile_refusal", lambda device_type: "no Triton")
+    assert compiles(gpu) is False  # auto falls back to eager where torch.compile cannot run
 
 
 # --- saving and reading -------------------------------------------------------------------------------

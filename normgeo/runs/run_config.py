@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
-from normgeo.config.schema import format_value
+from normgeo.config.schema import compiles, format_value
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ def resolved_run_config(cfg: DictConfig) -> dict[str, Any]:
     # resume on hardware with another default (bf16 vs fp16 vs fp32) is seen as the change it is.
     if isinstance(trainer, dict) and "precision" in trainer and trainer["precision"] is None:
         trainer["precision"] = default_precision()
+    config["compile"] = compiles(cfg)  # compile=auto: recorded as what this session decided
     return config
 
 
