@@ -467,3 +467,17 @@ def test_last_ckpt_is_also_refreshed_every_n_minutes(tmp_path: Path) -> None:
     assert time_.saved == [2, 4, 6]
     off = CheckpointSchedule(max_steps=6, steps=[6], last_every=0)
     assert off.every_minutes is None
+
+
+@pytest.mark.slow  # a process of its own: inductor finds its C++ compiler once per process
+def test_compile_true_where_torch_compile_cannot_run_is_refused_at_the_start(tmp_path: Path) -> None:
+    """compile=true is refused before anything is written where inductor has no C++ compiler (compile=auto
+    would train eagerly there)."""
+    no_compiler = {"CXX": str(tmp_path / "no-such-g++")}
+    done = run_train(tmp_path / "run", "compile=true", check=False, env=no_compiler)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (
+        "compile=true: torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ "
+        "or set CXX); or compile=auto (eager where it cannot compile)"
+    ) in done.stderr
+    assert not (tmp_path / "run").exists()
