@@ -87,8 +87,21 @@ RESULT = "GPU_CHECK_RESULT "  # the prefix of a child's one JSON line on stdout
 ARMS = ("layer", "rms")
 ANGLE_TOLERANCE_DEG = 1e-3
 ANGLE_FIELDS = ("mean_deg", "std_deg", "min_deg", "max_deg")
-# The issue's targets, reported against, never enforced: a GPU run that misses one still passes.
+# The issue's targets, reported against, never enforced: a row that misses one has the status missed (ran,
+# short of it), not FAILED (did not run), and the check's exit status stays 0.
 TARGETS = {"mfu_410m": 0.45, "memory_ratio": 0.10, "floor_fraction": 0.70}
+
+
+def target_met(name: str, value: float) -> bool:
+    """Whether a measured value meets ``TARGETS[name]``, the one comparison of every row with a target: the
+    MFU at 410m and a compiled norm kernel's share of the copy floor at least the target; the measured /
+    planned memory ratio within ±target of 1. NaN (nothing measured) misses."""
+    target = TARGETS[name]
+    return abs(value - 1) <= target if name == "memory_ratio" else value >= target
+
+
+def met_word(met: bool) -> str:
+    return "met" if met else "missed"
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
 # The stand-in times nothing, so its parts run side by side, this many at once: the 2 cores of the development
@@ -201,7 +214,8 @@ QUIET = ["logger=csv", "val_every=100000", "trainer.enable_progress_bar=false", 
 
 @dataclass
 class Outcome:
-    """One path's row: passed or not, its numbers or why it failed, the details under the table, its data."""
+    """One path's row: passed or not, its numbers or why it failed, the details under the table, its data;
+    ``missed``: it ran and a number of it missed its target (:func:`target_met`)."""
 
     path: str
     passed: bool
@@ -209,6 +223,12 @@ class Outcome:
     seconds: float = 0.0
     details: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
+    missed: bool = False
+
+    @property
+    def status(self) -> str:
+        """The page's status: passed, missed (ran, short of a target) or FAILED (did not run)."""
+        return "FAILED" if not self.passed else "missed" if self.missed else "passed"
 
 
 Parts = dict[str, Callable[[], Outcome | list[Outcome]]]  # per part's name, what runs it
@@ -437,7 +457,7 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
             "overrides": overrides,
             "steps": int(trainer.global_step),
             "precision": str(trainer.precision),
-            "compile": bool(cfg.compile),
+            "compile": bool(trainer.lightning_module.hparams["compile"]),
             "fused_adamw": bool(optimizer.defaults.get("fused")),
             "tokens_per_s": statistics.median(steady(per_step["perf/tokens_per_s"])),
             "mfu": statistics.median(steady(per_step["perf/mfu"])) if per_step["perf/mfu"] else None,
@@ -506,12 +526,10 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
             f"(median step {result['step_s'] * 1e3:.0f} ms), {result['precision']}, "
             f"compile {result['compile']}, fused AdamW {result['fused_adamw']}"
         )
-        target = ""
+        target, met = "", True
         if size == "410m" and result["mfu"] is not None:
-            target = (
-                f" (target ≥ {TARGETS['mfu_410m']:.0%}: "
-                f"{'met' if result['mfu'] >= TARGETS['mfu_410m'] else 'missed'})"
-            )
+            met = target_met("mfu_410m", result["mfu"])
+            target = f" (target ≥ {TARGETS['mfu_410m']:.0%}: {met_word(met)})"
         details = [
             f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (train.py's `train()` in "
             f"`{ctx.shown(shown)}`)",
@@ -522,7 +540,7 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
         ok = result["steps"] > 0 and math.isfinite(result["final_loss"])
         if not ctx.mode.standin:  # the paths the paper trains with
             ok = ok and result["precision"] == "bf16-mixed" and result["compile"] and result["fused_adamw"]
-        rows.append(Outcome(path, ok, summary + target, seconds, details, data=result))
+        rows.append(Outcome(path, ok, summary + target, seconds, details, data=result, missed=not met))
     return rows
 
 
@@ -555,7 +573,7 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
     traced, measured = planned.data["total"], planned.data["measured"]
     # The plan of the run as it trains: the measured step where the plan could measure it, else the trace.
     total = measured.get("peak", traced)
-    cells, ok = [], True
+    cells, ok, missed = [], True, False
     for row in trained:
         peak = row.data.get("peak_bytes")
         if not row.passed:
@@ -565,9 +583,10 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
             cells.append(f"{row.path.split()[-1]}: not measured (the CPU has no allocator peak)")
         else:
             ratio = peak / total
-            met = "met" if abs(ratio - 1) <= TARGETS["memory_ratio"] else "missed"
+            met = target_met("memory_ratio", ratio)
+            missed = missed or not met
             cells.append(f"{row.path.split()[-1]}: measured {peak / 2**30:.2f} GiB, ratio {ratio:.3f} "
-                         f"(target within ±{TARGETS['memory_ratio']:.0%}: {met})")
+                         f"(target within ±{TARGETS['memory_ratio']:.0%}: {met_word(met)})")
     if "peak" in measured:
         how = (f"planned {total / 2**30:.3f} GiB: {measured['steps']} "
                f"{'compiled' if measured['compiled'] else 'eager'} steps measured by the plan (its eager "
@@ -580,7 +599,7 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
         "- measured: `torch.cuda.max_memory_allocated()` over each arm's training (the train rows); the "
         "plan's own measurement is `models.plan.measure_step` (the layer arm's step, as training runs it)",
     ]
-    return Outcome(path, ok, summary, planned.seconds, details)
+    return Outcome(path, ok, summary, planned.seconds, details, missed=missed)
 
 
 def resume(ctx: Context, strategy: str) -> Outcome:
@@ -778,7 +797,7 @@ def norm_cost(ctx: Context) -> Outcome:
     (their device time from torch.profiler, not the wall time of the call), float32 and bf16."""
     base = (["--impls", "stock", "--dims", "64", "--tokens", "256", "--repeats", "1", "--copy-mib", "2",
              "--target-ms", "1"] if ctx.mode.standin else ["--dims", "2048,8192", "--repeats", "5"])
-    cells, details, seconds = [], [], 0.0
+    cells, details, seconds, missed = [], [], 0.0, False
     for dtype in ("float32", "bfloat16"):
         done, shown, took = ctx.run(
             [sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"],
@@ -799,15 +818,19 @@ def norm_cost(ctx: Context) -> Outcome:
         for d, impl, kind, _, _, to_floor in found:
             if int(d) == widest and kind in ARMS:
                 fraction = 1 / float(to_floor) if to_floor not in ("nan", "0.00") else math.nan
-                met = "met" if fraction >= TARGETS["floor_fraction"] else "missed"
-                shares.append(f"{impl} {kind} {fraction:.0%}" + (f" ({met})" if impl != "stock" else ""))
+                if impl == "stock":  # the target is the compiled and Liger kernels'
+                    shares.append(f"{impl} {kind} {fraction:.0%}")
+                    continue
+                met = target_met("floor_fraction", fraction)
+                missed = missed or not met
+                shares.append(f"{impl} {kind} {fraction:.0%} ({met_word(met)})")
         cells.append(
             f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: " + ", ".join(shares)
         )
         details.append(f"- {ctx.shown(done.stdout.splitlines()[0])}")
     summary = ("kernel time (torch.profiler) as a share of the floor, target ≥ "
                f"{TARGETS['floor_fraction']:.0%} for compiled or liger: " + "; ".join(cells))
-    return Outcome("norm cost", True, summary, seconds, details)
+    return Outcome("norm cost", True, summary, seconds, details, missed=missed)
 
 
 def efficiency_parts(ctx: Context, sizes: Sequence[str], out: Path) -> Parts:
@@ -937,7 +960,7 @@ def earlier_rows(page_file: Path, repeated: set[str]) -> list[KeptRow]:
     sections = {m.group(1): re.sub(r"^_kept from the run of [^_]*_\n+", "", m.group(2).strip()).splitlines()
                 for m in re.finditer(r"^## ([^\n]+)\n\n(.*?)(?=^## |\Z)", text, re.M | re.S)}
     kept = []
-    for m in re.finditer(r"^\| ([^|]+?) \| (passed|FAILED) \| (.*)$", text, re.M):
+    for m in re.finditer(r"^\| ([^|]+?) \| (passed|missed|FAILED) \| (.*)$", text, re.M):
         path, generated = m.group(1), page_date
         if earlier := re.fullmatch(r"(.+) \(kept: ([^)]+)\)", path):
             path, generated = earlier.groups()
@@ -984,7 +1007,8 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
         lines += [
             f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; "
             "measured peak "
-            "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor. "
+            "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor; a row "
+            "that ran but missed its target has the status missed (FAILED: it did not run). "
             "`<work>` is the check's scratch folder.",
             "",
         ]
@@ -998,7 +1022,7 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
     rows = sorted([*outcomes, *kept], key=lambda r: page_position(r.path))  # kept rows in their places
     for r in rows:
         lines.append(r.row if isinstance(r, KeptRow) else
-                     f"| {r.path} | {'passed' if r.passed else 'FAILED'} | {r.summary.replace('|', '/')} | "
+                     f"| {r.path} | {r.status} | {r.summary.replace('|', '/')} | "
                      f"{r.seconds:.0f} |")
     for r in rows:
         if isinstance(r, KeptRow):
@@ -1057,9 +1081,10 @@ def check(
     partial.write_text(text)
     partial.replace(out / PAGE)
     failed = [o.path for o in outcomes if not o.passed]
+    missed = sum(o.status == "missed" for o in outcomes)
     print(
         f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} "
-        "paths passed "
+        f"paths ran ({missed} of them missed a target) "
         f"in {time.monotonic() - clock:.0f} s"
     )
     if failed:

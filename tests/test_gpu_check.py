@@ -3,9 +3,11 @@ refuses."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import importlib.metadata
 import importlib.util
+import math
 import re
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ import torch
 from tests.conftest import ROOT
 
 SCRIPT = str(ROOT / "bench" / "gpu_check.py")
+NOW = datetime.datetime(2026, 11, 29, tzinfo=datetime.timezone.utc)
 # One row per path the check covers, in the page's order.
 PATHS = [
     "environment",
@@ -173,3 +176,33 @@ def test_parts_names_unknown_parts_in_one_line(tmp_path: Path, capsys) -> None:
              "efficiency 1b", "ddp resume", "fsdp resume", "probe cost", "probe agreement", "norm cost",
              "analyze smollm2"]))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_number_short_of_its_target_makes_the_row_missed_not_passed_or_failed(tmp_path: Path) -> None:
+    """Issue 61, item 6: every target is compared by one function (NaN: nothing measured, missed), and a row
+    that ran with a number just outside its target has the status missed; just inside, passed."""
+    check = gpu_check_module()
+    for name, inside, outside in (("mfu_410m", 0.4501, 0.4499), ("floor_fraction", 0.7001, 0.6999),
+                                  ("memory_ratio", 1.0999, 1.1001), ("memory_ratio", 0.9001, 0.8999)):
+        assert check.target_met(name, inside) and not check.target_met(name, outside), name
+        assert not check.target_met(name, math.nan)
+    # The memory row computes its ratio from the bytes measured and planned, then compares it.
+    planned = check.Outcome("plan 70m", True, "", details=["`python -m normgeo.plan`"],
+                            data={"total": 10_000, "precision": "bf16-mixed", "measured": {"reason": "cpu"}})
+
+    def memory_row(*peaks: int, size: str = "70m"):
+        trained = [check.Outcome(f"train {size} {arm}", True, "", data={"peak_bytes": peak})
+                   for arm, peak in zip(("layer", "rms"), peaks, strict=True)]
+        return check.memory(None, size, trained, planned)
+
+    assert memory_row(10_999, 9_001).status == "passed"
+    assert memory_row(10_999, 8_999).status == "missed"  # one arm's ratio 0.8999
+    assert memory_row(3_800, 10_000).status == "missed"  # docs/gpu_numbers.md's 0.380
+    failed = memory_row(10_000, 10_000)
+    failed.passed = False
+    assert failed.status == "FAILED"
+    ctx = check.Context(check.Mode(standin=False), tmp_path, deadline=0.0)
+    outcomes = [memory_row(10_999, 9_001), memory_row(11_001, 10_000, size="410m")]
+    rows = page_rows(check.page(outcomes, ctx, {}, NOW, 1.0))
+    statuses = {path: cells[0] for path, cells in rows.items()}
+    assert statuses == {"memory 70m": "passed", "memory 410m": "missed"}

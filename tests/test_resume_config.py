@@ -3,18 +3,28 @@ devices, paths, loggers and the micro batch may change (normgeo/runs/run_config.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 
 from models.hardware import default_precision
+from models.norms import compile_refusal
+from normgeo.config import schema
 from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import compiles
+from normgeo.runs import run_config
+from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import (
     ABSENT,
+    ALLOWED_CHANGES,
     RUN_CONFIG_FILE,
     ResumeConfigError,
     checkpoint_run_config,
@@ -24,7 +34,7 @@ from normgeo.runs.run_config import (
     save_run_config,
     verify_run_config,
 )
-from tests.conftest import FAST, call_entry_point, run_train, step_losses, train_here
+from tests.conftest import FAST, call_entry_point, run_train, step_losses, train_here, train_in_process
 
 # 4 steps, no probe (it is not what is tested here, and each session is a subprocess on 2 CPU cores).
 COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
@@ -145,6 +155,25 @@ def test_paths_and_per_device_settings_may_change() -> None:
 
 def test_precision_null_is_recorded_as_what_it_means_here() -> None:
     assert resolved("trainer=default")["trainer"]["precision"] == default_precision()
+
+
+def test_compile_auto_is_off_on_the_cpu_on_for_cuda_and_recorded_as_decided(monkeypatch) -> None:
+    """Issue 61, item 1: compile=auto (the default) compiles CUDA training only; true/false stay as set."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cpu = compose("train", overrides=["trainer=cpu"])
+        gpu = compose("train", overrides=["trainer=gpu"])
+        auto = compose("train", overrides=["trainer=default"])  # accelerator=auto: a GPU when there is one
+        forced = compose("train", overrides=["trainer=cpu", "compile=true"])
+    assert cpu.compile == "auto" and resolved_run_config(cpu)["compile"] is False
+    assert module_arguments(cpu)["compile"] is False
+    assert compiles(forced) is True and compiles(cpu, "cuda") == (compile_refusal("cuda") is None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compiles(auto) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(schema, "compile_refusal", lambda device_type: None)  # Triton there
+    assert compiles(auto) is True and compiles(gpu) is True
+    monkeypatch.setattr(schema, "compile_refusal", lambda device_type: "no Triton")
+    assert compiles(gpu) is False  # auto falls back to eager where torch.compile cannot run
 
 
 # --- saving and reading -------------------------------------------------------------------------------
@@ -289,3 +318,79 @@ def test_resuming_on_two_ddp_processes_continues_the_one_device_run(
         # Same tokens, same weights after step 2: only the order of the gradient all-reduce and of the
         # loss mean over ranks differs from one device's accumulation, so the losses agree to float32.
         assert losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+# --- what a resume may do, said on each key (normgeo/config/schema.py, issue 62 item 2) -----------------
+
+
+@schema.schema
+class LaterSchema(schema.TrainSchema):
+    """train.py's schema with two keys added later, as a change to the schema alone would add them."""
+
+    knob: int = schema.doc(3, "a key added later: every run recorded before it ran with 3", before=3)
+    shown: str = schema.doc("a", "a key added later that may change between sessions", may_change=True)
+
+
+@contextlib.contextmanager
+def later_schema(monkeypatch) -> Iterator[None]:
+    """LaterSchema as train.py's schema: composed (the ConfigStore), checked and read for the resume rules."""
+    with monkeypatch.context() as patch:
+        patch.setattr(schema, "TrainSchema", LaterSchema)
+        patch.setattr(run_config, "TrainSchema", LaterSchema)
+        ConfigStore.instance().store(name="train_schema", node=LaterSchema)
+        try:
+            yield
+        finally:
+            schema.register()  # the real schema back in the ConfigStore
+
+
+def test_the_resume_rules_are_the_schemas_and_cover_plan_and_mean_sources() -> None:
+    allowed, before = run_config.resume_rules(schema.TrainSchema)
+    assert allowed == ALLOWED_CHANGES
+    assert {"plan", "probe.mean_sources", "trainer.devices", "compile"} <= set(allowed)
+    assert before["probe.intervention_tokens"] is None and before["data.source.encoding"] == "utf-8"
+    old = resolved()
+    new = resolved("plan.check=false", "plan.gpus=[a6000]", "probe.mean_sources=false")
+    assert config_changes(old, new) == {}
+    del old["probe"]["mean_sources"], old["plan"]  # a run recorded before they existed
+    assert config_changes(old, new) == {}
+    del old["probe"]["intervention_tokens"]  # recorded before it: every probe token was intervened on
+    assert config_changes(old, resolved("probe.intervention_tokens=null")) == {}
+    assert config_changes(old, resolved("probe.intervention_tokens=64")) == {
+        "probe.intervention_tokens": (None, 64)}
+
+
+def test_a_key_added_to_the_schema_says_what_a_run_recorded_without_it_resumes_with(monkeypatch) -> None:
+    old = resolved()  # recorded without knob and shown
+    assert "knob" not in old
+    with later_schema(monkeypatch):
+        new = resolved("shown=b")
+        assert new["knob"] == 3 and config_changes(old, new) == {}
+        assert config_changes(old, {**new, "knob": 4}) == {"knob": (3, 4)}
+    # The rules are the schema's: under today's, neither key is known to an old record.
+    assert config_changes(old, new) == {"knob": (ABSENT, 3), "shown": (ABSENT, "b")}
+
+
+@pytest.mark.slow
+def test_runs_recorded_before_a_key_existed_resume_and_plan_may_change(
+    stopped_run: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A real run recorded before probe.mean_sources and plan existed (deleted from its run_config.yaml and
+    checkpoint) resumes on today's code with plan.check changed; then with a key added to the schema alone
+    (LaterSchema): its recorded value resumes, another is refused."""
+    run_dir = tmp_path / "old"
+    shutil.copytree(stopped_run, run_dir)
+    saved = yaml.safe_load((run_dir / RUN_CONFIG_FILE).read_text())
+    assert saved["probe"].pop("mean_sources") is True and saved.pop("plan")["check"] is True
+    (run_dir / RUN_CONFIG_FILE).write_text(yaml.safe_dump(saved, sort_keys=False))
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    last["run_config"] = saved
+    torch.save(last, run_dir / "checkpoints" / "last.ckpt")
+    train_here(run_dir, *COMMON, "resume=auto", "stop_at_step=3", "plan.check=false")
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    with later_schema(monkeypatch):
+        refused = train_in_process(run_dir, *COMMON, "resume=auto", "knob=4", capsys=capsys)
+        assert refused.returncode == 2 and "knob: 3 → 4" in refused.stderr, refused.stderr[-2000:]
+        train_here(run_dir, *COMMON, "resume=auto", "shown=b")
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 4 and last["run_config"]["knob"] == 3

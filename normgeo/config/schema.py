@@ -81,15 +81,30 @@ def schema(cls: type) -> type:
     return dataclasses.dataclass(cls)
 
 
-def doc(default: Any, text: str) -> Any:
-    """A field's default and its one-line doc (``--help``); a list default is copied per instance."""
+def doc(default: Any, text: str, *, may_change: bool | tuple[str, ...] = False,
+        before: Any = dataclasses.MISSING) -> Any:
+    """A field's default and its one-line doc (``--help``); a list default is copied per instance. What a
+    resume may do with the key (normgeo.runs.run_config.resume_rules): ``may_change``, it may differ between
+    sessions of one run (where the run runs and how it reports, not what it computes); ``before``, for a key
+    added later, the value every run recorded before it had. For a node whose keys conf/ writes (``Any``):
+    the tuple of its keys that may change, and ``before`` as {key: value}."""
+    metadata = {"doc": text, "may_change": may_change, "before": before}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"doc": text})
-    return dataclasses.field(default=default, metadata={"doc": text})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def node(kind: type, text: str) -> Any:
-    return dataclasses.field(default_factory=kind, metadata={"doc": text})
+def node(kind: type, text: str, *, may_change: bool = False) -> Any:
+    return dataclasses.field(default_factory=kind, metadata={"doc": text, "may_change": may_change})
+
+
+# The keys of the nodes conf/ writes that the schema types as Any, for their resume rules (doc()): a
+# source's keys added later, with the value every earlier run had, and the Trainer's arguments that may
+# change: the devices, nodes, accelerator and strategy (the global batch is fixed, so they only change the
+# accumulation), and how it reports.
+SOURCE_BEFORE = {"plain_text_extensions": [], "encoding": "utf-8"}
+TRAINER_MAY_CHANGE = ("devices", "num_nodes", "accelerator", "strategy", "enable_progress_bar",
+                      "enable_model_summary", "log_every_n_steps")
 
 
 @schema
@@ -97,13 +112,13 @@ class NormSchema:
     name: str = doc(MISSING, f"the norm of every block and the final norm: {' | '.join(NORM_ARMS)}")
     eps: Positive = doc(1e-5, "added to the variance (LayerNorm) or mean square (RMSNorm)")
     impl: str = doc("stock", f"how every norm runs: {' | '.join(NORM_IMPLS)} "
-                             "(torch.compile of each norm's forward)")
+                             "(torch.compile of each norm's forward)", may_change=True)  # the same weights
 
 
 @schema
 class PlacementSchema:
-    name: str = doc(MISSING, f"where the norms sit in a block: {' | '.join(PLACEMENTS)}")
-    run_suffix: str = doc("", "appended to the norm in run names (pre-norm runs keep their names)")
+    name: str = doc(MISSING, f"where the norms sit in a block: {' | '.join(PLACEMENTS)}", before="pre")
+    run_suffix: str = doc("", "appended to the norm in run names (pre-norm runs keep their names)", before="")
 
 
 @schema
@@ -116,9 +131,11 @@ class SizeSchema:
     lr: Positive = doc(MISSING, "default peak learning rate (optim.lr)")
     warmup_steps: Natural = doc(MISSING, "default warm-up (optim.warmup_steps)")
     max_steps: Count = doc(MISSING, "default max_steps")
-    micro_batch: Count = doc(MISSING, "default micro_batch")
-    gpus: Natural | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job")
-    minutes: Count = doc(60, "SLURM time limit per job, minutes")
+    micro_batch: Count = doc(MISSING, "default micro_batch", may_change=True)
+    # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
+    gpus: Natural | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job",
+                               may_change=True)
+    minutes: Count = doc(60, "SLURM time limit per job, minutes", may_change=True)
 
 
 @schema
@@ -130,7 +147,8 @@ class OptimSchema:
     weight_decay: NonNegative = doc(0.1, "AdamW weight decay on matrices")
     betas: Annotated[list[Annotated[float, Interval(ge=0, lt=1)]], Len(2, 2)] = doc(
         [0.9, 0.95], "AdamW betas")
-    fused: bool | None = doc(None, "AdamW's fused kernel: null = on CUDA only; true also on the CPU")
+    fused: bool | None = doc(None, "AdamW's fused kernel: null = on CUDA only; true also on the CPU",
+                             may_change=True)
 
 
 @schema
@@ -141,10 +159,11 @@ class CheckpointSchema:
     dense_every: Count = doc(1000, "a checkpoint every this many steps up to dense_until")
     dense_until: Count = doc(10000, "end of the dense part of the schedule")
     sparse_every: Count = doc(10000, "a checkpoint every this many steps after it")
-    last_every: Natural = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps")
+    last_every: Natural = doc(500, "refresh last.ckpt (for resuming) this often; 0: only at scheduled steps",
+                              may_change=True)
     keep_optimizer: bool = doc(False, "scheduled checkpoints keep the optimizer state too")
     every_minutes: Positive | None = doc(None, "also refresh last.ckpt when this many minutes passed since "
-                                               "the last one (rank 0's clock); null: off")
+                                               "the last one (rank 0's clock); null: off", may_change=True)
 
 
 @schema
@@ -159,11 +178,14 @@ class BootstrapSchema:
 class ProbeSchema:
     """The probe keys train.py and analyze.py share (conf/shared/probe/ presets)."""
 
-    source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)")
+    # config_node: which node a local source's refusals name
+    source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)",
+                      may_change=("config_node",), before=SOURCE_BEFORE)
     path: str | None = doc(None, "local files for probe=local")
-    plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]")
+    plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]",
+                                           before=[])
     encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 "
-                                 "(bytes that do not decode are refused)")
+                                 "(bytes that do not decode are refused)", before="utf-8")
     tokens: Count = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len")
     seed: Seed = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap")
     include_standardized: bool = doc(ProbeConfig.include_standardized,
@@ -179,9 +201,11 @@ class ProbeSchema:
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
     intervention_tokens: Count | None = doc(
         ProbeConfig.intervention_tokens, "the intervention runs on the first this many probe tokens "
-        "(whole windows; the angles keep probe.tokens); null: all of them")
+        "(whole windows; the angles keep probe.tokens); null: all of them",
+        before=None)  # every probe token was intervened on
+    # Its own file: the other records are the same with it or without, so a run from before it resumes.
     mean_sources: bool = doc(ProbeConfig.mean_sources, "mean_sources.jsonl: the energy along 1 by position "
-                             "and the dimensions that carry the mean")
+                             "and the dimensions that carry the mean", may_change=True)
 
 
 @schema
@@ -190,7 +214,7 @@ class TrainProbeSchema(ProbeSchema):
     batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
-    batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass")
+    batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass", may_change=True)
 
 
 @schema
@@ -199,13 +223,14 @@ class DataSchema:
     name: str = doc(MISSING, "the corpus's name (its prepared folder)")
     source: Any = doc(MISSING, "_target_ node of the training text (corpus.sources); data=local: path, "
                       "text_field, plain_text_extensions (other extensions read as plain text, e.g. [.md]), "
-                      "encoding (utf-8; e.g. latin-1)")
-    directory: str = doc(MISSING, "where the prepared token files live")
+                      "encoding (utf-8; e.g. latin-1)", may_change=("config_node",), before=SOURCE_BEFORE)
+    # conf/train/data/*.yaml derive them from data_root
+    directory: str = doc(MISSING, "where the prepared token files live", may_change=True)
     tokenizer: str = doc("gpt2", "tiktoken encoding")
     val_fraction: Annotated[float, Interval(gt=0, lt=1)] = doc(
         0.005, "fraction of documents held out for validation")
     auto_prepare: bool = doc(True, "prepare on the fly when missing (else refuse and name the command)")
-    prepare_command: str = doc("", "the command that prepares this corpus")
+    prepare_command: str = doc("", "the command that prepares this corpus", may_change=True)
     seed: Seed = doc(MISSING, "the batch order (default: the top-level seed); data.seed=N varies the batches "
                      "alone, the initial weights keep seed")
 
@@ -227,27 +252,33 @@ class TrainSchema:
     seed: Seed = doc(0, "initial weights and dropout; also the batch order through data.seed (default: seed)")
     threads: Count | None = doc(None, "torch CPU threads (torch.set_num_threads); null: torch's default "
                                 "(OMP_NUM_THREADS, else every core). The count sets the floating-point "
-                                "sum order")
-    run_name: str = doc(MISSING, "the run directory's name")
-    output_root: str = doc("outputs", "where run directories go")
-    run_dir: str = doc(MISSING, "the run directory")
-    data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)")
+                                "sum order", before=None)
+    # Which session, and where (may_change): the run's outputs stay where its first session put them.
+    run_name: str = doc(MISSING, "the run directory's name", may_change=True)
+    output_root: str = doc("outputs", "where run directories go", may_change=True)
+    run_dir: str = doc(MISSING, "the run directory", may_change=True)
+    data_root: str = doc(MISSING, "where prepared corpora go (env NORMGEO_DATA, default ./data)",
+                         may_change=True)
     resume: str | None = doc(None, "null: refuse a directory with checkpoints; auto: continue; "
-                                   "or a .ckpt path")
+                                   "or a .ckpt path", may_change=True)
     stop_at_step: Count | None = doc(None, "end this session after this optimizer step (resumable; "
-                                           "null: at max_steps)")
+                                           "null: at max_steps)", may_change=True)
     max_steps: Count = doc(MISSING, "optimizer steps of the whole run")
     global_batch: Count = doc(64, "sequences per optimizer step over all devices")
-    micro_batch: Count = doc(MISSING, "sequences per device per forward pass; divides global_batch")
+    # The global batch is fixed: the devices and the micro batch only change the accumulation.
+    micro_batch: Count = doc(MISSING, "sequences per device per forward pass; divides global_batch",
+                             may_change=True)
     seq_len: Count = doc(MISSING, "tokens per sequence (the model's context)")
-    num_workers: Natural = doc(0, "DataLoader workers")
-    compile: bool = doc(False, "torch.compile the model")
+    num_workers: Natural = doc(0, "DataLoader workers", may_change=True)
+    compile: bool | str = doc("auto", "torch.compile the model: true | false | auto (on when training on "
+                              "CUDA, off on the CPU, where compiling costs more than it saves in short runs)",
+                              may_change=True)  # the same math: another kernel, floating-point order
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
     val_every: Count = doc(1000, "optimizer steps between validations")
     val_sequences: Count = doc(64, "validation sequences; at most the validation split's distinct windows")
     val_seed: Seed | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); "
-                                "a number: the same windows for every arm and seed")
-    log_every: Count = doc(10, "optimizer steps between logged metrics")
+                                "a number: the same windows for every arm and seed", before=None)
+    log_every: Count = doc(10, "optimizer steps between logged metrics", may_change=True)
     norm: NormSchema = node(NormSchema, "group norm: the arm")
     placement: PlacementSchema = node(PlacementSchema,
                                       "group placement: pre (GPT-2) or post (norm after each add)")
@@ -257,10 +288,12 @@ class TrainSchema:
                                         "_target_ node of the checkpoint (and probe) schedule")
     data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
     probe: TrainProbeSchema = node(TrainProbeSchema, "group probe: the angle measurements")
-    trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer")
-    logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger")
+    trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer",
+                       may_change=TRAINER_MAY_CHANGE)
+    logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger", may_change=True)
+    # How the run is planned and checked before it starts, not what it computes.
     plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU "
-                                        "pre-flight check")
+                                        "pre-flight check", may_change=True)
 
 
 @schema
@@ -437,6 +470,17 @@ def training_device_type(trainer: DictConfig) -> str:
     return "cpu"
 
 
+def compiles(cfg: DictConfig, device_type: str | None = None) -> bool:
+    """Whether the run compiles its model: compile=true | false as set; compile=auto on for CUDA training
+    (where a compiler works; the compiled step is 1.1-1.8x faster on an H200, docs/training.md), off on the
+    CPU. ``device_type``: where the run trains (default: :func:`training_device_type`). The one place auto
+    is decided: the module's argument, the plan and the run's record read it here."""
+    if cfg.compile != "auto":
+        return bool(cfg.compile)
+    device_type = device_type or training_device_type(cfg.trainer)
+    return device_type == "cuda" and compile_refusal(device_type) is None
+
+
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
@@ -487,6 +531,10 @@ def check_train(cfg: DictConfig) -> None:
         # norm=..., placement=...
         group = f" ({key.removesuffix('.name')}=...)" if key.endswith(".name") else ""
         raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{group}") from None
+    _expect(isinstance(cfg.compile, bool) or cfg.compile == "auto", "compile", cfg.compile,
+            "true, false or auto (on when training on CUDA)")
+    if cfg.compile is True and (refusal := compile_refusal(training_device_type(cfg.trainer))):
+        raise ConfigError(f"compile=true: {refusal}; or compile=auto (eager where it cannot compile)")
     if cfg.norm.impl == "compiled":
         # Refused at the start rather than falling back: a run that says compiled runs compiled.
         refusal = compile_refusal(training_device_type(cfg.trainer))

@@ -33,6 +33,7 @@ from normgeo.measure.energy import ENERGY_FILE, EnergyMeasurement, EnergyStatist
 from normgeo.measure.intervention import (
     INTERVENTION_FILE,
     CenteringIntervention,
+    eager,
     intervention_scopes,
 )
 from normgeo.measure.mean_sources import MEAN_SOURCES_FILE, MeanSourcesMeasurement, empty_buckets
@@ -228,6 +229,10 @@ def run_probe(
             for measurement in measurements:
                 stack.enter_context(measurement)
             stack.enter_context(eval_mode(model))
+            # A compiled model (compile=true) is probed eagerly: Dynamo does not guard on forward hooks
+            # (torch._dynamo.config.skip_nnmodule_hook_guards), so a graph traced without the probe's hooks,
+            # or with an earlier probe's, would be replayed and the norms left unobserved (count 0).
+            stack.enter_context(eager())
             stack.enter_context(record_function(PROBE_SCOPE))  # a profile's probe ops, records apart
             stack.enter_context(torch.no_grad())
             stack.enter_context(autocast())

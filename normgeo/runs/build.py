@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from corpus.datamodule import TokenDataModule
 from models.hardware import default_precision
 from models.lit import LitGPT
-from normgeo.config.schema import model_config
+from normgeo.config.schema import compiles, model_config
 
 
 def module_arguments(cfg: DictConfig) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def module_arguments(cfg: DictConfig) -> dict[str, Any]:
     return {"model": model_config(cfg), "seed": cfg.seed, "max_steps": cfg.max_steps,
             "global_batch": cfg.global_batch, "lr": optim.lr, "min_lr_ratio": optim.min_lr_ratio,
             "warmup_steps": optim.warmup_steps, "weight_decay": optim.weight_decay,
-            "betas": list(optim.betas), "fused": optim.fused, "compile": cfg.compile}
+            "betas": list(optim.betas), "fused": optim.fused, "compile": compiles(cfg)}
 
 
 def make_module(cfg: DictConfig, **changes: Any) -> LitGPT:

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.hardware import default_precision
 from models.plan import TrainSetup, make_plan, preflight_error, quiet_plan
-from normgeo.config.schema import ConfigError
+from normgeo.config.schema import ConfigError, compiles
 from normgeo.runs.build import module_arguments
 
 
@@ -56,7 +56,8 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
     if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
         raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
                           f"global_batch={cfg.global_batch}")
-    model = module_arguments(cfg)
+    # compile=auto as on the device planned for (a login node plans a GPU run).
+    model = {**module_arguments(cfg), "compile": compiles(cfg, "cpu" if on_cpu else "cuda")}
     return TrainSetup(model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch),
                       precision=precision, strategy=strategy, world_size=world,
                       gradient_clip=cfg.trainer.get("gradient_clip_val"), fused_adamw=not on_cpu,

@@ -8,6 +8,7 @@ settings a session may legitimately change (devices, loggers, paths, micro batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
-from normgeo.config.schema import format_value
+from normgeo.config.schema import TrainSchema, compiles, format_value
 
 log = logging.getLogger(__name__)
 
@@ -32,42 +33,6 @@ OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "
 TRAIN_LOG = "train.log"  # the run's log (Hydra's job log, train.py's job name): every rank appends to it
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
-
-# Dotted keys (and everything under them) that may differ between sessions of one run: where the run
-# runs and how it reports, not what it computes (tests/test_training.py, tests/test_norm_factorial.py).
-ALLOWED_CHANGES: tuple[str, ...] = (
-    "resume", "stop_at_step", "run_dir", "output_root", "data_root", "run_name",  # which session, and where
-    # The global batch is fixed: the devices and the micro batch only change the accumulation.
-    "trainer.devices", "trainer.num_nodes", "trainer.accelerator", "trainer.strategy", "micro_batch",
-    "size.micro_batch",  # only the default of micro_batch
-    # The same math and weights: another kernel, floating-point order or batching of the same work.
-    "compile", "optim.fused", "norm.impl", "num_workers", "probe.batch_size",
-    # How the run reports, and how often it refreshes last.ckpt.
-    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "logger",
-    "log_every", "checkpoint.last_every", "checkpoint.every_minutes",
-    "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
-    "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
-    "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name
-)
-
-
-# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the
-# schedule's copies; normgeo/runs/build.py passes those values now): compared through the keys they copy,
-# so a run recorded with them, or before them, resumes; only a change to one that both sides hold counts.
-DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps",
-                            "data.seq_len", "data.global_batch", "data.micro_batch", "data.max_steps",
-                            "data.val_sequences", "data.val_seed", "data.num_workers")
-# Keys added later, with the value every run recorded before them had: absent in an old record means this.
-LEGACY_DEFAULTS: dict[str, Any] = {
-    "placement.name": "pre", "placement.run_suffix": "",
-    "probe.plain_text_extensions": [], "probe.source.plain_text_extensions": [],
-    "data.source.plain_text_extensions": [],
-    "probe.encoding": "utf-8", "probe.source.encoding": "utf-8", "data.source.encoding": "utf-8",
-    "threads": None,
-    "probe.intervention_tokens": None,  # every probe token was intervened on
-    "val_seed": None,
-}
-
 
 class _Absent:
     """Stands for a key that one of the two configs does not have."""
@@ -106,6 +71,7 @@ def resolved_run_config(cfg: DictConfig) -> dict[str, Any]:
     # resume on hardware with another default (bf16 vs fp16 vs fp32) is seen as the change it is.
     if isinstance(trainer, dict) and "precision" in trainer and trainer["precision"] is None:
         trainer["precision"] = default_precision()
+    config["compile"] = compiles(cfg)  # compile=auto: recorded as what this session decided
     return config
 
 
@@ -121,20 +87,58 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def is_allowed(key: str, allowed: Iterable[str] = ALLOWED_CHANGES) -> bool:
+def resume_rules(kind: type) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """What a resume may do with each key, as the schema ``kind``'s fields say it (schema.doc's ``may_change``
+    and ``before``): the dotted keys (and everything under them) that may differ between sessions of one run,
+    and {dotted key: the value every run recorded before the key existed}."""
+    allowed: list[str] = []
+    before: dict[str, Any] = {}
+    for f in dataclasses.fields(kind):
+        may_change, old = f.metadata.get("may_change", False), f.metadata.get("before", dataclasses.MISSING)
+        if may_change is True:
+            allowed.append(f.name)
+        elif may_change:  # the keys of a node conf/ writes
+            allowed += [f"{f.name}.{key}" for key in may_change]
+        if old is not dataclasses.MISSING:
+            before.update(flatten({f.name: old}))
+        if dataclasses.is_dataclass(f.default_factory) and may_change is not True:
+            inner_allowed, inner_before = resume_rules(f.default_factory)
+            allowed += [f"{f.name}.{key}" for key in inner_allowed]
+            before.update({f"{f.name}.{key}": value for key, value in inner_before.items()})
+    return tuple(allowed), before
+
+
+# What two sessions of one run may differ in: where the run runs and how it reports, not what it computes
+# (tests/test_training.py, tests/test_norm_factorial.py); declared on the keys (normgeo/config/schema.py).
+ALLOWED_CHANGES: tuple[str, ...] = resume_rules(TrainSchema)[0]
+
+# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the
+# schedule's copies; normgeo/runs/build.py passes those values now): compared through the keys they copy,
+# so a run recorded with them, or before them, resumes; only a change to one that both sides hold counts.
+# Listed here, not on the schema: the schema declares today's keys, and these are not among them (the
+# schedule's _target_ is, but runs recorded before it was a key of checkpoint lack it).
+DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps",
+                            "data.seq_len", "data.global_batch", "data.micro_batch", "data.max_steps",
+                            "data.val_sequences", "data.val_seed", "data.num_workers")
+
+
+def is_allowed(key: str, allowed: Iterable[str]) -> bool:
     return any(key == a or key.startswith(f"{a}.") for a in allowed)
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
-                   allowed: Iterable[str] = ALLOWED_CHANGES) -> Changes:
-    """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT."""
-    allowed = tuple(allowed)
+                   allowed: Iterable[str] | None = None) -> Changes:
+    """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT, but for
+    the keys that may change (``allowed``, default: the schema's) and a key added later, absent in ``old``,
+    whose value there is the one every run recorded before it had."""
+    may_change, legacy = resume_rules(TrainSchema)  # read at each call: a test may give another schema
+    allowed = tuple(may_change if allowed is None else allowed)
     flat_old, flat_new = flatten(old), flatten(new)
     changes: Changes = {}
     for key in [*flat_old, *(k for k in flat_new if k not in flat_old)]:
         if is_allowed(key, allowed):
             continue
-        before, after = flat_old.get(key, LEGACY_DEFAULTS.get(key, ABSENT)), flat_new.get(key, ABSENT)
+        before, after = flat_old.get(key, legacy.get(key, ABSENT)), flat_new.get(key, ABSENT)
         if ABSENT in (before, after) and is_allowed(key, DERIVED):
             continue
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
