@@ -1,0 +1,200 @@
+"""What the harness adds to an optimizer step: its host syncs, and its host time against the bare step.
+
+On a GPU, train.py's step at 70m is slower than ``bench/efficiency.py``'s bare optimizer step of the same
+model (20 ms against 14 ms, docs/gpu_numbers.md and docs/efficiency.md). Two things make a harness slower
+than its model, and both show on the CPU:
+
+- **host syncs**: every read of a device tensor's value on the host (``.item()``, ``bool(tensor)``,
+  ``nonzero``, ...) waits for every queued kernel; the host then cannot queue the next step's kernels while
+  the GPU runs this one's. They are counted per optimizer step over a real ``train()`` run under
+  torch.profiler, with ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`, its host-sync ops;
+  the run steps a fused AdamW, as on a GPU), each step a profiler scope from its first micro-batch's start
+  to the next step's. The logging steps (``LitGPT.reports_at``: every ``log_every``, the session's first,
+  the last, which also writes the final checkpoint) read the loss and the rates back on purpose; the others
+  should read nothing.
+- **host time**: on a model so small that the host's work is most of a step (``size=tiny``, one block of
+  width 32, 32-token windows, one micro-batch of 2 sequences a step, one thread), the harness's time per
+  optimizer step (``train()``: Lightning's loop, the data module, logging, callbacks; progress bar, probe,
+  validation and intermediate checkpoints off, as gpu_check's training rows) against the bare step of
+  ``bench/efficiency.py`` (``efficiency.Arm``: forward, loss, backward, clipping, AdamW, schedule) of the
+  same config. Harness and bare runs alternate, ``--repeats`` times; warm-up steps are not timed; medians and
+  their ratio.
+
+    python bench/harness_overhead.py                        # 12 profiled steps; 5 repeats of 40 timed steps
+    python bench/harness_overhead.py --steps 4 --warmup 1 --repeats 1 --sync-steps 4 --log-every 2   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+from efficiency import STANDIN, Arm
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from probe_cost import op_counts
+from torch.profiler import ProfilerActivity, profile, record_function
+from train_throughput import StepTimer, scratch
+
+from normgeo.config.compose import CONF_DIR
+from normgeo.runs.build import make_datamodule
+from normgeo.runs.start import start_session
+from train import train
+
+# One micro-batch per optimizer step (no accumulation), so that a harness step and a bare step do the same
+# work; fused AdamW as a GPU steps it (on the CPU too: torch's fused CPU kernel).
+SHAPE = [*STANDIN, "global_batch=2", "optim.fused=true", "optim.warmup_steps=0"]
+# The harness as gpu_check's training rows run it: CSV metrics, no progress bar, probe or validation, the
+# final checkpoint only.
+HARNESS = ["trainer=cpu", "logger=csv", "trainer.enable_progress_bar=false",
+           "trainer.enable_model_summary=false", "val_every=100000", "probe.enabled=false",
+           "checkpoint.steps=[]", "checkpoint.last_every=0"]
+SCOPE = "harness optimizer step "
+
+
+class StepScopes(L.Callback):
+    """A profiler scope per optimizer step, named :data:`SCOPE` + the step it ends at, from the start of its
+    first micro-batch to the start of the next step's (its logging, callbacks and the next batch's loading
+    included); the steps at which the module reports (reads its loss back on purpose) noted."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.logging: set[int] = set()
+        self.scope: record_function | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.close()
+            step = trainer.global_step + 1
+            self.steps.append(step)
+            if pl_module.reports_at(step):
+                self.logging.add(step)
+            self.scope = record_function(f"{SCOPE}{step}")
+            self.scope.__enter__()
+
+    def close(self) -> None:
+        if self.scope is not None:
+            self.scope.__exit__(None, None, None)
+            self.scope = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self.close()
+
+
+def compose_run(overrides: Sequence[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], set[int]]:
+    """One ``train()`` run of ``overrides`` under torch.profiler: per optimizer step its host-sync counts
+    (:func:`probe_cost.op_counts`), and the logging steps."""
+    cfg = compose_run(overrides)
+    scopes = StepScopes()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
+        train(cfg, start, extra_callbacks=[scopes])
+    events = prof.events()
+    return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
+
+
+def harness_step_s(overrides: Sequence[str], warmup: int, steps: int) -> float:
+    """Seconds per optimizer step of ``train()``, the first ``warmup`` steps not timed."""
+    cfg = compose_run([*overrides, f"max_steps={warmup + steps}"])
+    timer = StepTimer(warmup)
+    with start_session(cfg) as start:
+        train(cfg, start, extra_callbacks=[timer])
+    return (timer.end - timer.start) / steps
+
+
+def bare_step_s(arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, steps: int) -> float:
+    """Seconds per bare optimizer step (``efficiency.Arm.step``), the first ``warmup`` steps not timed."""
+    for index in range(warmup):
+        arm.step(*batches[index % len(batches)])
+    start = time.perf_counter()
+    for index in range(steps):
+        arm.step(*batches[index % len(batches)])
+    return (time.perf_counter() - start) / steps
+
+
+def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
+    arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
+    generator = torch.Generator().manual_seed(arm.cfg.seed)
+    windows = [torch.randint(0, arm.model.config.vocab_size, (arm.cfg.micro_batch, arm.cfg.seq_len + 1),
+                             generator=generator) for _ in range(2)]
+    return arm, [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
+
+def listing(values: Sequence[float], scale: float = 1e3) -> str:
+    return ", ".join(f"{v * scale:.3f}" for v in values)
+
+
+@contextlib.contextmanager
+def working_folder() -> Iterator[Path]:
+    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as folder:
+        yield folder
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sync-steps", type=int, default=12, help="optimizer steps of the profiled run")
+    parser.add_argument("--log-every", type=int, default=4, help="log_every of the runs")
+    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="optimizer steps per run before the timing")
+    parser.add_argument("--repeats", type=int, default=5, help="harness and bare runs, alternated")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    args = parser.parse_args(argv)
+    if min(args.sync_steps, args.log_every, args.steps, args.warmup, args.repeats, args.threads) < 1:
+        parser.error("every count must be at least 1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    torch.set_num_threads(args.threads)
+    with working_folder() as work:
+        shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
+                  f"data_root={work / 'data'}"]
+        make_datamodule(compose_run(shared)).prepare_data()  # tokenized before any run
+        print(f"harness_overhead: {' '.join(SHAPE)}; {args.threads} thread(s); cpu; "
+              f"load average before {os.getloadavg()[0]:.2f}")
+        counts, logging = sync_counts([*shared, f"max_steps={args.sync_steps}", f"run_dir={work / 'syncs'}"])
+        other = [step for step in counts if step not in logging]
+        print(f"host syncs per optimizer step, one run of {args.sync_steps} steps, "
+              f"log_every={args.log_every} (torch.profiler; bench/probe_cost.py's host-sync ops):")
+        for name, steps in (("logging steps", sorted(logging)), ("other steps", other)):
+            ops = sorted({op for step in steps for op in counts[step] if op.startswith("aten::")})
+            print(f"  {name}: " + ", ".join(f"step {s}: {counts[s]['syncs']}" for s in steps)
+                  + (f" ({', '.join(ops)})" if ops else ""))
+        outside = sum(counts[step]["syncs"] for step in other)
+        print(f"SYNCS OUTSIDE LOGGING STEPS: {outside} in {len(other)} steps "
+              f"({outside / max(len(other), 1):.2f} per step); at logging steps "
+              f"{statistics.median(counts[s]['syncs'] for s in logging):.0f} per step (median)")
+        arm, batches = bare_arm(shared)
+        harness, bare = [], []
+        for repeat in range(args.repeats):
+            gc.collect()
+            run_dir = f"run_dir={work / f'run{repeat}'}"
+            harness.append(harness_step_s([*shared, run_dir], args.warmup, args.steps))
+            gc.collect()
+            bare.append(bare_step_s(arm, batches, args.warmup, args.steps))
+    print(f"host time per optimizer step (ms), {args.steps} timed after {args.warmup} warm-up, "
+          f"{args.repeats} alternated repeats:")
+    print(f"  harness median {statistics.median(harness) * 1e3:.3f}  all {listing(harness)}")
+    print(f"  bare    median {statistics.median(bare) * 1e3:.3f}  all {listing(bare)}")
+    print(f"HARNESS / BARE (medians): {statistics.median(harness) / statistics.median(bare):.3f}; "
+          f"load average after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
