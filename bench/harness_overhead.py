@@ -9,16 +9,19 @@ than its model, and both show on the CPU:
   the GPU runs this one's. They are counted per optimizer step over a real ``train()`` run under
   torch.profiler, with ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`, its host-sync ops;
   the run steps a fused AdamW, as on a GPU), each step a profiler scope from its first micro-batch's start
-  to the next step's. The logging steps (``LitGPT.reports_at``: every ``log_every``, the session's first,
-  the last, which also writes the final checkpoint) read the loss and the rates back on purpose; the others
-  should read nothing.
-- **host time**: on a model so small that the host's work is most of a step (``size=tiny``, one block of
-  width 32, 32-token windows, one micro-batch of 2 sequences a step, one thread), the harness's time per
-  optimizer step (``train()``: Lightning's loop, the data module, logging, callbacks; progress bar, probe,
-  validation and intermediate checkpoints off, as gpu_check's training rows) against the bare step of
-  ``bench/efficiency.py`` (``efficiency.Arm``: forward, loss, backward, clipping, AdamW, schedule) of the
-  same config. Harness and bare runs alternate, ``--repeats`` times; warm-up steps are not timed; medians and
-  their ratio.
+  to the next step's. A copy of a device tensor to the host (``.tolist()``, ``.cpu()``) is a sync too that
+  the CPU's profiler cannot see (on the CPU it is no op): the module's one read of its loss and divergence
+  flag at each report is such a copy, so a logging step counts one fewer than a GPU waits. The logging
+  steps (``LitGPT.reports_at``: every ``log_every``, the session's first, the last, which also writes the
+  final checkpoint) read the loss and the rates back on purpose; the others should read nothing.
+- **host time**: on the smallest model (``size=tiny`` with one block of width 32, 32-token windows, one
+  micro-batch of 2 sequences a step, one thread; GPT-2's 50,257-token vocabulary still makes the output layer
+  and AdamW most of a CPU step), the harness's time per optimizer step (``train()``: Lightning's loop, the
+  data module, logging, callbacks; progress bar, probe, validation and intermediate checkpoints off, as
+  gpu_check's training rows) against the bare step of ``bench/efficiency.py`` (``efficiency.Arm``: forward,
+  loss, backward, clipping, AdamW, schedule) of the same config: the difference is the harness's own host
+  work. Harness and bare runs alternate, ``--repeats`` times; warm-up steps are not timed; medians and their
+  ratio, of the wall time and of the process's CPU time (which a shared machine's other work inflates less).
 
     python bench/harness_overhead.py                        # 12 profiled steps; 5 repeats of 40 timed steps
     python bench/harness_overhead.py --steps 4 --warmup 1 --repeats 1 --sync-steps 4 --log-every 2   # seconds
@@ -109,23 +112,26 @@ def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], se
     return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
 
 
-def harness_step_s(overrides: Sequence[str], warmup: int, steps: int) -> float:
-    """Seconds per optimizer step of ``train()``, the first ``warmup`` steps not timed."""
+def harness_step_s(overrides: Sequence[str], warmup: int, steps: int) -> tuple[float, float]:
+    """Seconds per optimizer step of ``train()``, wall and the process's CPU time, the first ``warmup``
+    steps not timed."""
     cfg = compose_run([*overrides, f"max_steps={warmup + steps}"])
     timer = StepTimer(warmup)
     with start_session(cfg) as start:
         train(cfg, start, extra_callbacks=[timer])
-    return (timer.end - timer.start) / steps
+    return (timer.end - timer.start) / steps, (timer.cpu_end - timer.cpu_start) / steps
 
 
-def bare_step_s(arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int, steps: int) -> float:
-    """Seconds per bare optimizer step (``efficiency.Arm.step``), the first ``warmup`` steps not timed."""
+def bare_step_s(arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
+                steps: int) -> tuple[float, float]:
+    """Seconds per bare optimizer step (``efficiency.Arm.step``), wall and the process's CPU time, the first
+    ``warmup`` steps not timed."""
     for index in range(warmup):
         arm.step(*batches[index % len(batches)])
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for index in range(steps):
         arm.step(*batches[index % len(batches)])
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
 
 
 def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -180,19 +186,25 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({outside / max(len(other), 1):.2f} per step); at logging steps "
               f"{statistics.median(counts[s]['syncs'] for s in logging):.0f} per step (median)")
         arm, batches = bare_arm(shared)
-        harness, bare = [], []
+        times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
         for repeat in range(args.repeats):
             gc.collect()
             run_dir = f"run_dir={work / f'run{repeat}'}"
-            harness.append(harness_step_s([*shared, run_dir], args.warmup, args.steps))
+            times["harness"].append(harness_step_s([*shared, run_dir], args.warmup, args.steps))
             gc.collect()
-            bare.append(bare_step_s(arm, batches, args.warmup, args.steps))
+            times["bare"].append(bare_step_s(arm, batches, args.warmup, args.steps))
     print(f"host time per optimizer step (ms), {args.steps} timed after {args.warmup} warm-up, "
-          f"{args.repeats} alternated repeats:")
-    print(f"  harness median {statistics.median(harness) * 1e3:.3f}  all {listing(harness)}")
-    print(f"  bare    median {statistics.median(bare) * 1e3:.3f}  all {listing(bare)}")
-    print(f"HARNESS / BARE (medians): {statistics.median(harness) / statistics.median(bare):.3f}; "
-          f"load average after {os.getloadavg()[0]:.2f}")
+          f"{args.repeats} alternated repeats; wall, and the process's CPU time (steadier on shared cores):")
+    medians = {}
+    for index, clock in enumerate(("wall", "cpu")):
+        for name, values in times.items():
+            column = [value[index] for value in values]
+            medians[name, clock] = statistics.median(column)
+            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {listing(column)}")
+    print("HARNESS / BARE (medians): "
+          + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f}"
+                      for clock in ("wall", "cpu"))
+          + f"; load average after {os.getloadavg()[0]:.2f}")
     return 0
 
 
