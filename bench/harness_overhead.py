@@ -20,10 +20,11 @@ than its model, and both show on the CPU:
   data module, logging, callbacks; progress bar, probe, validation and intermediate checkpoints off, as
   gpu_check's training rows) against the bare step of ``bench/efficiency.py`` (``efficiency.Arm``: forward,
   loss, backward, clipping, AdamW, schedule) of the same config: the difference is the harness's own host
-  work. Harness and bare runs alternate, ``--repeats`` times; warm-up steps are not timed; medians and their
-  ratio, of the wall time and of the process's CPU time (which a shared machine's other work inflates less).
+  work. The two alternate step by step within each training run (:class:`PairedBare`), so that a shared
+  machine's load hits both alike; warm-up steps are not timed; per run the mean step of each, over
+  ``--repeats`` runs their medians and ratio, of the wall time and of the process's CPU time.
 
-    python bench/harness_overhead.py                        # 12 profiled steps; 5 repeats of 40 timed steps
+    python bench/harness_overhead.py                        # 24 profiled steps; 5 runs of 60 timed steps
     python bench/harness_overhead.py --steps 4 --warmup 1 --repeats 1 --sync-steps 4 --log-every 2   # seconds
 """
 
@@ -46,7 +47,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from probe_cost import op_counts
 from torch.profiler import ProfilerActivity, profile, record_function
-from train_throughput import StepTimer, scratch
+from train_throughput import scratch
 
 from normgeo.config.compose import CONF_DIR
 from normgeo.runs.build import make_datamodule
@@ -112,26 +113,43 @@ def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], se
     return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
 
 
-def harness_step_s(overrides: Sequence[str], warmup: int, steps: int) -> tuple[float, float]:
-    """Seconds per optimizer step of ``train()``, wall and the process's CPU time, the first ``warmup``
-    steps not timed."""
-    cfg = compose_run([*overrides, f"max_steps={warmup + steps}"])
-    timer = StepTimer(warmup)
+class PairedBare(L.Callback):
+    """Interleaves the bare step with the harness's, step by step, so that a shared machine's load hits both
+    alike: before each optimizer step of the harness one bare step (``efficiency.Arm.step``) runs; from step
+    ``warmup`` on both are timed, wall and the process's CPU time, a harness step from the end of the bare
+    step before it to the start of the next one's (its data loading, logging and callbacks included)."""
+
+    def __init__(self, arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
+                 steps: int) -> None:
+        self.arm, self.batches, self.warmup, self.steps = arm, batches, warmup, steps
+        self.times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
+        self.mark: tuple[float, float] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
+        now = time.perf_counter(), time.process_time()
+        if self.mark is not None:
+            self.times["harness"].append((now[0] - self.mark[0], now[1] - self.mark[1]))
+        self.mark = None
+        step = trainer.global_step
+        self.arm.step(*self.batches[step % len(self.batches)])
+        if self.warmup <= step < self.warmup + self.steps:
+            done = time.perf_counter(), time.process_time()
+            self.times["bare"].append((done[0] - now[0], done[1] - now[1]))
+            self.mark = done
+
+
+def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                  warmup: int, steps: int) -> dict[str, tuple[float, float]]:
+    """One ``train()`` run with :class:`PairedBare`: per optimizer step, the harness's and the bare step's
+    mean seconds over the ``steps`` timed steps after ``warmup``, wall and CPU."""
+    cfg = compose_run([*overrides, f"max_steps={warmup + steps + 1}"])  # the last step's end not timed
+    paired = PairedBare(arm, batches, warmup, steps)
     with start_session(cfg) as start:
-        train(cfg, start, extra_callbacks=[timer])
-    return (timer.end - timer.start) / steps, (timer.cpu_end - timer.cpu_start) / steps
-
-
-def bare_step_s(arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
-                steps: int) -> tuple[float, float]:
-    """Seconds per bare optimizer step (``efficiency.Arm.step``), wall and the process's CPU time, the first
-    ``warmup`` steps not timed."""
-    for index in range(warmup):
-        arm.step(*batches[index % len(batches)])
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for index in range(steps):
-        arm.step(*batches[index % len(batches)])
-    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
+        train(cfg, start, extra_callbacks=[paired])
+    return {name: (statistics.fmean(t[0] for t in values), statistics.fmean(t[1] for t in values))
+            for name, values in paired.times.items()}
 
 
 def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -156,11 +174,11 @@ def working_folder() -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sync-steps", type=int, default=12, help="optimizer steps of the profiled run")
-    parser.add_argument("--log-every", type=int, default=4, help="log_every of the runs")
-    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run")
+    parser.add_argument("--sync-steps", type=int, default=24, help="optimizer steps of the profiled run")
+    parser.add_argument("--log-every", type=int, default=10, help="log_every of the runs (train.py's)")
+    parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps per run before the timing")
-    parser.add_argument("--repeats", type=int, default=5, help="harness and bare runs, alternated")
+    parser.add_argument("--repeats", type=int, default=5, help="timed training runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
     args = parser.parse_args(argv)
     if min(args.sync_steps, args.log_every, args.steps, args.warmup, args.repeats, args.threads) < 1:
@@ -189,12 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
         for repeat in range(args.repeats):
             gc.collect()
-            run_dir = f"run_dir={work / f'run{repeat}'}"
-            times["harness"].append(harness_step_s([*shared, run_dir], args.warmup, args.steps))
-            gc.collect()
-            times["bare"].append(bare_step_s(arm, batches, args.warmup, args.steps))
-    print(f"host time per optimizer step (ms), {args.steps} timed after {args.warmup} warm-up, "
-          f"{args.repeats} alternated repeats; wall, and the process's CPU time (steadier on shared cores):")
+            run = paired_step_s([*shared, f"run_dir={work / f'run{repeat}'}"], arm, batches, args.warmup,
+                                args.steps)
+            for name, value in run.items():
+                times[name].append(value)
+    print(f"host time per optimizer step (ms), the mean of {args.steps} steps after {args.warmup} warm-up "
+          f"per run, {args.repeats} runs, harness and bare steps alternated step by step; wall, and the "
+          "process's CPU time:")
     medians = {}
     for index, clock in enumerate(("wall", "cpu")):
         for name, values in times.items():
@@ -202,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             medians[name, clock] = statistics.median(column)
             print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {listing(column)}")
     print("HARNESS / BARE (medians): "
-          + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f}"
+          + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f} "
+                      f"({(medians['harness', clock] - medians['bare', clock]) * 1e3:+.3f} ms a step)"
                       for clock in ("wall", "cpu"))
           + f"; load average after {os.getloadavg()[0]:.2f}")
     return 0

@@ -58,23 +58,20 @@ REFERENCE_ARM = "rms"
 
 
 class StepTimer(L.Callback):
-    """Wall time (and the process's CPU time) of the optimizer steps after the first ``skip`` (compilation,
-    allocator warm-up)."""
+    """Wall time of the optimizer steps after the first ``skip`` (compilation, allocator warm-up)."""
 
     def __init__(self, skip: int) -> None:
         self.skip = skip
         self.start: float | None = None
         self.end: float | None = None
-        self.cpu_start: float | None = None
-        self.cpu_end: float | None = None
         self.seen = -1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self.seen:
             self.seen = trainer.global_step
             if trainer.global_step == self.skip:
-                self.start, self.cpu_start = time.perf_counter(), time.process_time()
-            self.end, self.cpu_end = time.perf_counter(), time.process_time()
+                self.start = time.perf_counter()
+            self.end = time.perf_counter()
 
 
 def harness_tokens_per_s(cfg: DictConfig, skip: int) -> float:
