@@ -87,7 +87,9 @@ def compile_counts() -> dict[str, int]:
 class Arm:
     """One norm arm as train.py builds it, with its optimizer and schedule, and one optimizer step."""
 
-    def __init__(self, size: str, arm: str, mode: str, device: torch.device, standin: bool) -> None:
+    def __init__(self, size: str, arm: str, mode: str, device: torch.device, standin: bool,
+                 extra: Sequence[str] = ()) -> None:
+        """``extra``: Hydra overrides after the size's (bench/harness_overhead.py's: its run's own shape)."""
         overrides = [
             f"size={size}",
             f"norm={arm}",
@@ -96,6 +98,7 @@ class Arm:
         ]
         if standin:
             overrides = [*overrides[1:], *STANDIN]
+        overrides = [*overrides, *extra]
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             self.cfg = compose("train", overrides=overrides)
         module = make_module(self.cfg)

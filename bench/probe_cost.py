@@ -52,14 +52,19 @@ HOST_SYNC_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
     "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
 })
+# Ops whose CPU kernel reads a scalar of its own (fused AdamW's step count) that its CUDA kernel reads on the
+# device: the reads inside them are the CPU's, not a wait a GPU makes (the harness steps a fused AdamW there).
+CPU_KERNEL_READS = frozenset({"aten::_fused_adamw_", "aten::_fused_adam_"})
 
 
 def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> dict[str, int]:
     """Among profiled CPU ``events`` (``prof.events()``), inside the ``scope`` label (run_probe's batches;
     None: all): ``syncs``, the host-sync ops of :data:`HOST_SYNC_OPS` not inside another (``item`` calls
-    ``_local_scalar_dense``: one sync), ``aten`` every aten op, ``aten_outermost`` those called from Python
-    (not from another aten op: about one kernel launch each on a GPU), and each sync op's own count."""
-    # Per event, from its parent's: (inside the scope, inside an aten op, inside a host-sync op).
+    ``_local_scalar_dense``: one sync) nor inside an op of :data:`CPU_KERNEL_READS`, ``aten`` every aten op,
+    ``aten_outermost`` those called from Python (not from another aten op: about one kernel launch each on a
+    GPU), and each sync op's own count."""
+    # Per event, from its parent's: (inside the scope, inside an aten op, inside a host-sync op or a CPU
+    # kernel's own read).
     flags: dict[int, tuple[bool, bool, bool]] = {}
 
     def of(event: FunctionEvent | None) -> tuple[bool, bool, bool]:
@@ -69,7 +74,7 @@ def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> d
             inside, aten, sync = of(event.cpu_parent)
             name = event.name
             flags[id(event)] = (inside or name == scope, aten or name.startswith("aten::"),
-                                sync or name in HOST_SYNC_OPS)
+                                sync or name in HOST_SYNC_OPS or name in CPU_KERNEL_READS)
         return flags[id(event)]
 
     counts = {"syncs": 0, "aten": 0, "aten_outermost": 0}

@@ -241,9 +241,10 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         inf/NaN: the first non-finite loss named if there was one (LitGPT notes
         it on the device without waiting), else the parameters checked."""
         pl_module.raise_if_diverged()
-        # Each rank checks what it holds (an FSDP2 DTensor's local shard); the decision is all-reduced.
-        finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                     for p in pl_module.parameters())
+        # Each rank checks what it holds (an FSDP2 DTensor's local shard), read back in one wait for the
+        # device (not one per parameter); the decision is all-reduced.
+        finite = bool(torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                                   for p in pl_module.parameters()]).all())
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             last = self.dirpath / LAST_CHECKPOINT
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"

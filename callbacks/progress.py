@@ -173,8 +173,10 @@ class StepProgressBar(ProgressBar):
             print(*args, sep=sep, **kwargs)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        """The module's ``prog_bar`` metrics, without the logger version (``v_num``)."""
-        return dict(trainer.progress_bar_metrics)
+        """The module's console figures (LitGPT's ``console_metrics``: the latest report's loss and rate,
+        host values), then its ``prog_bar`` metrics (the validation loss), without the logger version
+        (``v_num``)."""
+        return {**getattr(pl_module, "console_metrics", {}), **trainer.progress_bar_metrics}
 
     @property
     def _stream(self) -> TextIO:
@@ -264,8 +266,9 @@ class StepProgressBar(ProgressBar):
         return fields + (["validating"] if self._validating else [])
 
     def _show(self, trainer: L.Trainer, pl_module: L.LightningModule, now: float, *, force: bool) -> None:
-        # Reading the metrics converts the module's device tensors (a wait for the device): the bar, drawn at
-        # every step, reads them where the module logged new ones (every log_every_n_steps) or when forced.
+        # Reading Lightning's prog_bar metrics converts any device tensor a module logged there (a wait for
+        # the device): the bar, drawn at every step, reads them where the module logs new ones (every
+        # log_every_n_steps) or when forced.
         if self._bar is not None:
             if force or self._step % max(trainer.log_every_n_steps, 1) == 0 or not self._metrics:
                 self._metrics = self.get_metrics(trainer, pl_module)

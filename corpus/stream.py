@@ -36,14 +36,17 @@ class TokenWindows(Dataset):
         self.global_batch = global_batch
         self.seed = seed
         self._tokens: np.memmap | None = None  # opened lazily: one memmap per worker process
+        self._step_offsets: tuple[int, np.ndarray] | None = None  # the latest step's draw, for its windows
 
     def __len__(self) -> int:  # nominal: the stream is unbounded, samplers decide what is read
         return self.global_batch
 
     def offset(self, index: int) -> int:
         step, slot = divmod(index, self.global_batch)
-        offsets = window_offsets(self.seed, step, self.global_batch, self.num_tokens, self.seq_len + 1)
-        return int(offsets[slot])
+        if self._step_offsets is None or self._step_offsets[0] != step:  # one draw per step, not per window
+            self._step_offsets = (
+                step, window_offsets(self.seed, step, self.global_batch, self.num_tokens, self.seq_len + 1))
+        return int(self._step_offsets[1][slot])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tokens is None:

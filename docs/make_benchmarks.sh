@@ -2,12 +2,13 @@
 # Re-measures the numbers docs/benchmarks.md quotes and writes them to docs/bench_numbers.md: each norm arm's
 # forward + backward alone, stock and compiled (bench/norm_cost.py), the training loop against a plain PyTorch
 # loop and a minimal loop of its own, and each arm's end-to-end training tokens/s at 70m, interleaved in one run
-# (bench/train_throughput.py). About 15 minutes on 2 CPU cores; run it on an otherwise idle machine. Each
-# section records the load average before and after it, so a page measured on shared cores says so.
+# (bench/train_throughput.py), and the harness's own host syncs and host time per optimizer step against the
+# bare step on a tiny model (bench/harness_overhead.py). About 15 minutes on 2 CPU cores; run it on an otherwise
+# idle machine. Each section records the load average before and after it, so a page measured on shared cores says so.
 #
 #   bash docs/make_benchmarks.sh             # every section, a new page
 #   bash docs/make_benchmarks.sh norm_cost   # only "Each norm arm alone", replaced in the existing page
-#   bash docs/make_benchmarks.sh training_loop   # or arms_in_training: that section only
+#   bash docs/make_benchmarks.sh training_loop   # or arms_in_training, harness_overhead: that section only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-${NORMGEO_SHARED:-../shared}/tiktoken} HF_HUB_OFFLINE=1 WANDB_MODE=offline
@@ -40,6 +41,14 @@ arms_in_training() {
   python bench/train_throughput.py "${SHAPE[@]}" --arms --steps 6 --repeats 3 --markdown 2>/dev/null
 }
 
+harness_overhead() {
+  echo "## The harness's own cost per optimizer step: \`OMP_NUM_THREADS=1 python bench/harness_overhead.py\`"
+  echo
+  echo '```'
+  OMP_NUM_THREADS=1 python bench/harness_overhead.py 2>/dev/null
+  echo '```'
+}
+
 case "${1:-all}" in
   all)
     {
@@ -52,9 +61,11 @@ case "${1:-all}" in
       training_loop
       echo
       arms_in_training
+      echo
+      harness_overhead
     } > "$tmp"
     ;;
-  norm_cost|training_loop|arms_in_training)
+  norm_cost|training_loop|arms_in_training|harness_overhead)
     # The section from its heading up to the next "## " heading (or the end) is replaced; the rest is kept.
     "$1" > "$tmp.section"
     python - "$page" "$tmp.section" "$tmp" "$1" <<'PY'
@@ -62,16 +73,18 @@ import re, sys
 page, section = (open(p).read() for p in sys.argv[1:3])
 out, name = sys.argv[3:5]
 heading = {"norm_cost": "Each norm arm alone:", "training_loop": "The training loop:",
-           "arms_in_training": "Each arm in training"}[name]
+           "arms_in_training": "Each arm in training", "harness_overhead": "The harness's own cost"}[name]
 pattern = re.compile(rf"^## {re.escape(heading)}.*?(?=^## |\Z)", re.S | re.M)
-if not pattern.search(page):
+if not pattern.search(page) and name == "harness_overhead":  # a page from before this section: appended
+    page = page.rstrip("\n") + "\n\n" + section
+elif not pattern.search(page):
     sys.exit(f"{sys.argv[1]}: no '## {heading}' section to replace; run bash docs/make_benchmarks.sh")
 open(out, "w").write(pattern.sub(lambda _: section.rstrip("\n") + "\n\n", page, count=1).rstrip("\n") + "\n")
 PY
     rm -f "$tmp.section"
     ;;
   *)
-    echo "docs/make_benchmarks.sh: unknown section '$1': give none (every section), norm_cost, training_loop or arms_in_training" >&2
+    echo "docs/make_benchmarks.sh: unknown section '$1': give none (every section), norm_cost, training_loop, arms_in_training or harness_overhead" >&2
     exit 2
     ;;
 esac

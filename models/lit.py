@@ -90,6 +90,9 @@ class LitGPT(L.LightningModule):
         self._step_loss: torch.Tensor | None = None  # the latest optimizer step's global loss, on the device
         self._step_lr = 0.0  # and its learning rate
         self._reported_step: int | None = None  # the latest step reported (None: none yet this session)
+        # The latest report's loss and rate as host values, for the console (callbacks.progress): logged with
+        # prog_bar=True instead, Lightning would read them back from the device after every batch.
+        self.console_metrics: dict[str, float] = {}
         # the first non-finite loss's step (-1: none), on the device
         self._diverged_step: torch.Tensor | None = None
         self._diverged_loss: torch.Tensor | None = None
@@ -203,15 +206,17 @@ class LitGPT(L.LightningModule):
         self._diverged_step = torch.where(first, step, self._diverged_step)
         self._diverged_loss = torch.where(first, loss, self._diverged_loss)
 
-    def raise_if_diverged(self) -> None:
+    def raise_if_diverged(self, *also: torch.Tensor) -> list[float]:
         """Raise :class:`NonFiniteError` naming the first step whose loss was inf or NaN, if any; waits for
-        the device. Every rank holds the same all-reduced losses, so all raise at once. The checkpoints and
-        the probe call it before they read the weights; :meth:`report` at every reporting step."""
+        the device once, and returns the values of the device scalars ``also`` read in the same wait. Every
+        rank holds the same all-reduced losses, so all raise at once. The checkpoints and the probe call it
+        before they read the weights; :meth:`report` at every reporting step."""
         if self._diverged_step is None:
-            return
-        step, loss = torch.stack([self._diverged_step.double(), self._diverged_loss.double()]).tolist()
+            return [float(value) for value in also]
+        read = [self._diverged_step, self._diverged_loss, *also]
+        step, loss, *values = torch.stack([value.double() for value in read]).tolist()
         if step < 0:
-            return
+            return values
         lr = self.hparams.lr
         raise NonFiniteError(
             f"training diverged: the training loss is {loss} at step {int(step)}; the likely cause is "
@@ -221,7 +226,7 @@ class LitGPT(L.LightningModule):
     def report(self, step: int) -> None:
         """Wait for the device once (:meth:`raise_if_diverged`), then log step ``step``'s loss, learning rate,
         tokens seen and the rates over the steps since the previous report, now timed exactly."""
-        self.raise_if_diverged()
+        (loss,) = self.raise_if_diverged(self._step_loss)
         self._reported_step = step
         metrics = {
             "train/loss": self._step_loss,
@@ -230,15 +235,12 @@ class LitGPT(L.LightningModule):
         }
         rates = self.step_rates(step, time.perf_counter())
         metrics.update(rates)
-        if "perf/tokens_per_s" in rates:
-            self.log(
-                "tok/s", rates["perf/tokens_per_s"], on_step=True, on_epoch=False, prog_bar=True, logger=False
-            )
+        self.console_metrics = {"loss": loss, **(
+            {"tok/s": rates["perf/tokens_per_s"]} if "perf/tokens_per_s" in rates else {})}
         # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss
         # at step k, the step at which the probe records the weights that update produced.
         metrics["step"] = float(step)
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
-        self.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     def on_validation_start(self) -> None:
         if not self.trainer.sanity_checking:

@@ -390,3 +390,37 @@ def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
         line.startswith("bench/probe_cost.py: --device=cuda: no CUDA GPU on this machine")
         and "--device cpu" in line
     )
+
+
+@pytest.fixture(scope="module")
+def harness_overhead() -> str:
+    """bench/harness_overhead.py at its smallest: 6 profiled steps logging every 3, one alternated repeat."""
+    return run_script(str(ROOT / "bench" / "harness_overhead.py"), "--sync-steps", "6", "--log-every", "3",
+                      "--steps", "2", "--warmup", "1", "--repeats", "1")
+
+
+@pytest.mark.slow  # trains three times: seconds
+def test_harness_overhead_prints_syncs_and_host_times_against_the_bare_step(harness_overhead: str) -> None:
+    logging, other = (re.search(rf"^  {name}: (.*)$", harness_overhead, re.M).group(1)
+                      for name in ("logging steps", "other steps"))
+    assert [int(s) for s in re.findall(r"step (\d+):", logging)] == [1, 3, 6]  # reports: first, every 3, last
+    assert [int(s) for s in re.findall(r"step (\d+):", other)] == [2, 4, 5]
+    for name in ("harness", "bare"):
+        for clock in ("wall", "cpu"):
+            median, values = re.search(rf"^  {name}\s+{clock}\s+median\s+([0-9.]+)  all ([0-9.]+)$",
+                                       harness_overhead, re.M).groups()
+            assert float(median) == float(values) > 0
+    ratios = re.search(r"^HARNESS / BARE \(medians\): wall ([0-9.]+) \(([-+][0-9.]+) ms a step\), "
+                       r"cpu ([0-9.]+) \(([-+][0-9.]+) ms a step\);", harness_overhead, re.M).groups()
+    assert float(ratios[0]) > 0 and float(ratios[2]) > 0
+
+
+@pytest.mark.slow  # trains: seconds
+def test_a_training_run_waits_for_the_device_at_its_logging_steps_only(harness_overhead: str) -> None:
+    """Over a real train() run the host-sync ops bench/probe_cost.py counts (each a wait for every queued
+    kernel on a GPU) come at the steps that log (the loss and rates read back, the final checkpoint's
+    finiteness check), none at the others: the host can queue the next steps' kernels ahead of the GPU."""
+    logging = re.search(r"^  logging steps: (.*)$", harness_overhead, re.M).group(1)
+    assert sum(int(n) for n in re.findall(r"step \d+: (\d+)", logging)) > 0  # the counter sees the reads
+    outside = re.search(r"^SYNCS OUTSIDE LOGGING STEPS: (\d+) in (\d+) steps", harness_overhead, re.M)
+    assert outside.groups() == ("0", "3"), harness_overhead

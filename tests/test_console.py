@@ -118,6 +118,22 @@ def test_the_bar_reads_the_metrics_only_where_the_module_logs_new_ones() -> None
     assert trainer.reads == 4  # steps 1, 10, 20, 30
 
 
+def test_the_bar_shows_the_modules_console_figures_and_lightnings_validation_loss() -> None:
+    """LitGPT's loss and rate are host values on the module (``console_metrics``, read at its reports: logged
+    with prog_bar=True, Lightning would read them back from the device after every batch); the validation
+    loss still comes from Lightning's prog_bar metrics."""
+    trainer = SimpleNamespace(max_steps=10, global_step=0, progress_bar_metrics={"val/loss": 3.5},
+                              sanity_checking=False, log_every_n_steps=1)
+    module = SimpleNamespace(console_metrics={"loss": 3.25, "tok/s": 41234.0}, validated_at=4)
+    out = io.StringIO()
+    bar = StepProgressBar(interactive=True, file=out)
+    bar.on_train_start(trainer, module)
+    trainer.global_step = 1
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+    bar.on_train_end(trainer, module)
+    assert "loss 3.2500 · val/loss 3.5000 (step 4) · 41.2k train tok/s" in out.getvalue()
+
+
 def test_quiet_lightning_drops_the_listed_messages_and_nothing_else() -> None:
     records: list[str] = []
     handler = logging.Handler()

@@ -1,0 +1,232 @@
+"""What the harness adds to an optimizer step: its host syncs, and its host time against the bare step.
+
+On a GPU, train.py's step at 70m is slower than ``bench/efficiency.py``'s bare optimizer step of the same
+model (20 ms against 14 ms, docs/gpu_numbers.md and docs/efficiency.md). Two things make a harness slower
+than its model, and both show on the CPU:
+
+- **host syncs**: every read of a device tensor's value on the host (``.item()``, ``bool(tensor)``,
+  ``nonzero``, ...) waits for every queued kernel; the host then cannot queue the next step's kernels while
+  the GPU runs this one's. They are counted per optimizer step over a real ``train()`` run under
+  torch.profiler, with ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`, its host-sync ops;
+  the run steps a fused AdamW, as on a GPU), each step a profiler scope from its first micro-batch's start
+  to the next step's. A copy of a device tensor to the host (``.tolist()``, ``.cpu()``) is a sync too that
+  the CPU's profiler cannot see (on the CPU it is no op): the module's one read of its loss and divergence
+  flag at each report is such a copy, so a logging step counts one fewer than a GPU waits. The logging
+  steps (``LitGPT.reports_at``: every ``log_every``, the session's first, the last, which also writes the
+  final checkpoint) read the loss and the rates back on purpose; the others should read nothing.
+- **host time**: on the smallest model (``size=tiny`` with one block of width 32, 32-token windows, one
+  micro-batch of 2 sequences a step, one thread; GPT-2's 50,257-token vocabulary still makes the output layer
+  and AdamW most of a CPU step), the harness's time per optimizer step (``train()``: Lightning's loop, the
+  data module, logging, callbacks; progress bar, probe, validation and intermediate checkpoints off, as
+  gpu_check's training rows) against the bare step of ``bench/efficiency.py`` (``efficiency.Arm``: forward,
+  loss, backward, clipping, AdamW, schedule) of the same config: the difference is the harness's own host
+  work. The two alternate step by step within each training run (:class:`PairedBare`), so that a shared
+  machine's load hits both alike; warm-up steps are not timed; per run the mean step of each, over
+  ``--repeats`` runs their medians and ratio, of the wall time and of the process's CPU time.
+
+    python bench/harness_overhead.py                        # 24 profiled steps; 5 runs of 60 timed steps
+    python bench/harness_overhead.py --steps 4 --warmup 1 --repeats 1 --sync-steps 4 --log-every 2   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+from efficiency import STANDIN, Arm
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from probe_cost import op_counts
+from torch.profiler import ProfilerActivity, profile, record_function
+from train_throughput import scratch
+
+from normgeo.config.compose import CONF_DIR
+from normgeo.runs.build import make_datamodule
+from normgeo.runs.start import start_session
+from train import train
+
+# One micro-batch per optimizer step (no accumulation), so that a harness step and a bare step do the same
+# work; fused AdamW as a GPU steps it (on the CPU too: torch's fused CPU kernel).
+SHAPE = [*STANDIN, "global_batch=2", "optim.fused=true", "optim.warmup_steps=0"]
+# The harness as gpu_check's training rows run it: CSV metrics, no progress bar, probe or validation, the
+# final checkpoint only.
+HARNESS = ["trainer=cpu", "logger=csv", "trainer.enable_progress_bar=false",
+           "trainer.enable_model_summary=false", "val_every=100000", "probe.enabled=false",
+           "checkpoint.steps=[]", "checkpoint.last_every=0"]
+SCOPE = "harness optimizer step "
+
+
+class StepScopes(L.Callback):
+    """A profiler scope per optimizer step, named :data:`SCOPE` + the step it ends at, from the start of its
+    first micro-batch to the start of the next step's (its logging, callbacks and the next batch's loading
+    included); the steps at which the module reports (reads its loss back on purpose) noted."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.logging: set[int] = set()
+        self.scope: record_function | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.close()
+            step = trainer.global_step + 1
+            self.steps.append(step)
+            if pl_module.reports_at(step):
+                self.logging.add(step)
+            self.scope = record_function(f"{SCOPE}{step}")
+            self.scope.__enter__()
+
+    def close(self) -> None:
+        if self.scope is not None:
+            self.scope.__exit__(None, None, None)
+            self.scope = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self.close()
+
+
+def compose_run(overrides: Sequence[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], set[int]]:
+    """One ``train()`` run of ``overrides`` under torch.profiler: per optimizer step its host-sync counts
+    (:func:`probe_cost.op_counts`), and the logging steps."""
+    cfg = compose_run(overrides)
+    scopes = StepScopes()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
+        train(cfg, start, extra_callbacks=[scopes])
+    events = prof.events()
+    return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
+
+
+class PairedBare(L.Callback):
+    """Interleaves the bare step with the harness's, step by step, so that a shared machine's load hits both
+    alike: before each optimizer step of the harness one bare step (``efficiency.Arm.step``) runs; from step
+    ``warmup`` on both are timed, wall and the process's CPU time, a harness step from the end of the bare
+    step before it to the start of the next one's (its data loading, logging and callbacks included)."""
+
+    def __init__(self, arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
+                 steps: int) -> None:
+        self.arm, self.batches, self.warmup, self.steps = arm, batches, warmup, steps
+        self.times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
+        self.mark: tuple[float, float] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
+        now = time.perf_counter(), time.process_time()
+        if self.mark is not None:
+            self.times["harness"].append((now[0] - self.mark[0], now[1] - self.mark[1]))
+        self.mark = None
+        step = trainer.global_step
+        self.arm.step(*self.batches[step % len(self.batches)])
+        if self.warmup <= step < self.warmup + self.steps:
+            done = time.perf_counter(), time.process_time()
+            self.times["bare"].append((done[0] - now[0], done[1] - now[1]))
+            self.mark = done
+
+
+def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                  warmup: int, steps: int) -> dict[str, tuple[float, float]]:
+    """One ``train()`` run with :class:`PairedBare`: per optimizer step, the harness's and the bare step's
+    mean seconds over the ``steps`` timed steps after ``warmup``, wall and CPU."""
+    cfg = compose_run([*overrides, f"max_steps={warmup + steps + 1}"])  # the last step's end not timed
+    paired = PairedBare(arm, batches, warmup, steps)
+    with start_session(cfg) as start:
+        train(cfg, start, extra_callbacks=[paired])
+    return {name: (statistics.fmean(t[0] for t in values), statistics.fmean(t[1] for t in values))
+            for name, values in paired.times.items()}
+
+
+def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
+    arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
+    generator = torch.Generator().manual_seed(arm.cfg.seed)
+    windows = [torch.randint(0, arm.model.config.vocab_size, (arm.cfg.micro_batch, arm.cfg.seq_len + 1),
+                             generator=generator) for _ in range(2)]
+    return arm, [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
+
+def listing(values: Sequence[float], scale: float = 1e3) -> str:
+    return ", ".join(f"{v * scale:.3f}" for v in values)
+
+
+@contextlib.contextmanager
+def working_folder() -> Iterator[Path]:
+    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as folder:
+        yield folder
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sync-steps", type=int, default=24, help="optimizer steps of the profiled run")
+    parser.add_argument("--log-every", type=int, default=10, help="log_every of the runs (train.py's)")
+    parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="optimizer steps per run before the timing")
+    parser.add_argument("--repeats", type=int, default=5, help="timed training runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    args = parser.parse_args(argv)
+    if min(args.sync_steps, args.log_every, args.steps, args.warmup, args.repeats, args.threads) < 1:
+        parser.error("every count must be at least 1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    torch.set_num_threads(args.threads)
+    with working_folder() as work:
+        shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
+                  f"data_root={work / 'data'}"]
+        make_datamodule(compose_run(shared)).prepare_data()  # tokenized before any run
+        print(f"harness_overhead: {' '.join(SHAPE)}; {args.threads} thread(s); cpu; "
+              f"load average before {os.getloadavg()[0]:.2f}")
+        counts, logging = sync_counts([*shared, f"max_steps={args.sync_steps}", f"run_dir={work / 'syncs'}"])
+        other = [step for step in counts if step not in logging]
+        print(f"host syncs per optimizer step, one run of {args.sync_steps} steps, "
+              f"log_every={args.log_every} (torch.profiler; bench/probe_cost.py's host-sync ops):")
+        for name, steps in (("logging steps", sorted(logging)), ("other steps", other)):
+            ops = sorted({op for step in steps for op in counts[step] if op.startswith("aten::")})
+            print(f"  {name}: " + ", ".join(f"step {s}: {counts[s]['syncs']}" for s in steps)
+                  + (f" ({', '.join(ops)})" if ops else ""))
+        outside = sum(counts[step]["syncs"] for step in other)
+        print(f"SYNCS OUTSIDE LOGGING STEPS: {outside} in {len(other)} steps "
+              f"({outside / max(len(other), 1):.2f} per step); at logging steps "
+              f"{statistics.median(counts[s]['syncs'] for s in logging):.0f} per step (median)")
+        arm, batches = bare_arm(shared)
+        times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
+        for repeat in range(args.repeats):
+            gc.collect()
+            run = paired_step_s([*shared, f"run_dir={work / f'run{repeat}'}"], arm, batches, args.warmup,
+                                args.steps)
+            for name, value in run.items():
+                times[name].append(value)
+    print(f"host time per optimizer step (ms), the mean of {args.steps} steps after {args.warmup} warm-up "
+          f"per run, {args.repeats} runs, harness and bare steps alternated step by step; wall, and the "
+          "process's CPU time:")
+    medians = {}
+    for index, clock in enumerate(("wall", "cpu")):
+        for name, values in times.items():
+            column = [value[index] for value in values]
+            medians[name, clock] = statistics.median(column)
+            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {listing(column)}")
+    print("HARNESS / BARE (medians): "
+          + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f} "
+                      f"({(medians['harness', clock] - medians['bare', clock]) * 1e3:+.3f} ms a step)"
+                      for clock in ("wall", "cpu"))
+          + f"; load average after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
