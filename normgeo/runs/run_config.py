@@ -48,6 +48,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "size.gpus", "size.minutes",  # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     "data.directory", "data.prepare_command",  # conf/train/data/*.yaml derive them from data_root
     "data.source.config_node", "probe.source.config_node",  # which node a local source's refusals name
+    "plan",  # the launch gate and the plan's report: nothing the run computes
 )
 
 
