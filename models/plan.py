@@ -493,14 +493,15 @@ class MeasuredStep:
 
 
 def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
-    """The peak of ``steps`` real training steps of one device at the configured micro_batch, compiled as
-    ``compile=true`` trains (``model.compile()``): what Inductor keeps for the backward cannot be traced with
-    fake tensors, so the step runs. The first steps create the optimizer state and, compiled, generate the
-    kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over a training run is.
-    One device without sharding: DDP's buckets and FSDP2's shards stay the trace's (:func:`per_gpu`)."""
+    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, each of
+    global_batch / micro_batch micro-steps (the gradients accumulate as training accumulates them), compiled
+    as ``compile=true`` trains (``model.compile()``). The first steps create the optimizer state and,
+    compiled, generate the kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over
+    a training run is. One device without sharding: DDP's buckets and FSDP2's shards stay the trace's
+    (:func:`per_gpu`)."""
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
-    compiled = bool(setup.model.get("compile"))
+    compiled = setup.compiled
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     module = build_module(setup).to(device)  # built as training builds it (its init draws on the CPU)
@@ -508,7 +509,10 @@ def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> 
         module.model.compile()
     optimizer = build_optimizer(module, setup.fused_adamw)
     batch = random_batch(setup, setup.micro_batch, device)
+    micro_steps = max(setup.global_batch // setup.micro_batch, 1)
     for _ in range(steps):
+        for _ in range(micro_steps - 1):
+            training_step(module, None, setup, batch)
         training_step(module, optimizer, setup, batch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
