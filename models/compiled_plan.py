@@ -47,6 +47,7 @@ from torch import fx
 from torch._functorch.aot_autograd import aot_function
 from torch._inductor.compile_fx import partition_fn
 from torch._inductor.decomposition import select_decomp_table
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.lit import LitGPT
@@ -276,11 +277,9 @@ class CompiledGraphs:
 
 
 def trace_compiled(module: LitGPT, batch: tuple[torch.Tensor, torch.Tensor],
-                   autocast: Callable[[], Any] = nullcontext,
-                   flops: FlopCounterMode | None = None) -> CompiledGraphs:
+                   autocast: Callable[[], Any] = nullcontext) -> CompiledGraphs:
     """The forward and backward graphs Inductor would compile for ``module.model(inputs, targets)``, on the
-    (fake) tensors given, partitioned as Inductor partitions them; ``flops`` counts a second run of them
-    (the first traces)."""
+    (fake) tensors given, partitioned as Inductor partitions them."""
     model = module.model
     params = dict(model.named_parameters())
     graphs: dict[str, fx.GraphModule] = {}
@@ -299,10 +298,22 @@ def trace_compiled(module: LitGPT, batch: tuple[torch.Tensor, torch.Tensor],
                             partition_fn=partition_fn, decompositions=select_decomp_table())
     # The backward graph is made when the backward first runs (AOT autograd compiles it lazily).
     compiled(params, *batch).backward()
-    if flops is not None:
-        with flops:
-            compiled(params, *batch).backward()
     return CompiledGraphs(graphs["forward"], graphs["backward"])
+
+
+def graph_flops(graphs: CompiledGraphs, custom_mapping: dict | None = None) -> int:
+    """FLOPs of the forward and backward graphs, node by node with ``FlopCounterMode``'s formulas (and
+    ``custom_mapping``'s, as it takes them) on the nodes' shapes: what running them would count."""
+    registry = FlopCounterMode(display=False, custom_mapping=custom_mapping).flop_registry
+    total = 0
+    for graph in (graphs.forward.graph, graphs.backward.graph):
+        for node in graph.nodes:
+            packet = getattr(node.target, "_overloadpacket", None)
+            if node.op != "call_function" or packet not in registry:
+                continue
+            args, kwargs = tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+            total += registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
+    return total
 
 
 def compiled_peak(graphs: CompiledGraphs) -> CompiledPeak:

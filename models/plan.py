@@ -28,7 +28,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from models.compiled_plan import compiled_peak, trace_compiled
+from models.compiled_plan import compiled_peak, graph_flops, trace_compiled
 from models.lit import LitGPT
 
 GIB = 2**30
@@ -350,14 +350,13 @@ def trace_compiled_step(setup: TrainSetup, batch: int) -> StepTrace:
     at their peak there."""
     with FakeTensorMode():
         module = build_module(setup)
-        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
-        graphs = trace_compiled(module, random_batch(setup, batch), lambda: autocast_of(setup), counter)
+        graphs = trace_compiled(module, random_batch(setup, batch), lambda: autocast_of(setup))
     counts = model_counts(setup)
     peak = compiled_peak(graphs)
     accumulated = counts.parameter_bytes if setup.accumulating else 0  # gradients in the parameters' dtype
     return StepTrace({"Parameter": counts.parameter_bytes, "Optstate": counts.optimizer_bytes,
                       "Gradient": accumulated + peak.gradients, "Activation": peak.activations,
-                      "Temp": peak.temporaries}, counter.get_total_flops())
+                      "Temp": peak.temporaries}, graph_flops(graphs, SDPA_FLOPS))
 
 
 def trace_sharded_compute(setup: TrainSetup, batch: int, *, checkpointing: bool) -> StepTrace:
