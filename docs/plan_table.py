@@ -40,7 +40,7 @@ def main() -> None:
     totals = dict.fromkeys(GPUS, 0.0)
     for size in SIZES:
         for norm in NORMS:
-            cfg = compose([f"experiment=paper_{size}", f"norm={norm}"])
+            cfg = compose([f"experiment=paper_{size}", f"norm={norm}", f"plan.gpus=[{','.join(GPUS)}]"])
             plan, report = plan_config(cfg, both_checkpointing=False, probe=False)
             row = [f"{size} {norm}", str(plan.setup.world_size), str(plan.setup.micro_batch),
                    report["planned"], f"{plan.configured.memory.total / 2**30:.1f}"]

@@ -31,7 +31,7 @@ from models.plan import (
 )
 from normgeo.plan import compose, measured_overrides, measured_peaks
 from normgeo.plan import main as plan_main
-from normgeo.runs.preflight import setup_from_config
+from normgeo.runs.preflight import PlanRefusal, preflight, setup_from_config
 from tests.conftest import FAST, ROOT, train_here
 
 SIZES = {  # small contexts and batches: a real CPU step in seconds
@@ -193,6 +193,45 @@ def test_the_compiled_plan_is_within_10_percent_of_the_gpus_measured_peak(row: d
     print(f"{row['size']} {row['norm']}: planned {planned / GIB:.2f} GiB, measured {row['peak_gib']} GiB, "
           f"ratio {ratio:.3f} ({time.perf_counter() - start:.0f} s)")
     assert 0.90 <= ratio <= 1.10
+
+
+GATE_CASES = {  # issue 61: the launch gate never refuses a run that fits (the device size stated)
+    "70m-compiled-mb16-12GiB": (["size=70m", "micro_batch=16", "global_batch=16", "compile=true"], 12),
+    "410m-compiled-mb32-48GiB": (["size=410m", "micro_batch=32", "global_batch=32", "compile=true"], 48),
+    "410m-compiled-mb8-16GiB": (["size=410m", "micro_batch=8", "global_batch=8", "compile=true"], 16),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_the_gate_starts_runs_that_fit(case: str, caplog) -> None:
+    """train.py's pre-flight itself (normgeo.runs.preflight.preflight) with plan.device_memory_gib stating
+    the card: it plans as the GPU run would (bf16-mixed, fused AdamW, one device, compiled), starts, and
+    says nothing (H200 measurements: 70m mb16 4.49 GiB, 410m mb32 37.10 GiB)."""
+    overrides, gib = GATE_CASES[case]
+    cfg = compose([*overrides, "trainer=gpu", f"plan.device_memory_gib={gib}"])
+    with caplog.at_level("WARNING"):
+        kept = preflight(cfg)
+    assert kept is not None and kept.plan.compiled and kept.plan.peak + 1.5 * GIB <= gib * GIB
+    print(f"{case}: planned {kept.plan.peak / GIB:.2f} GiB, lower bound {kept.plan.lower_bound / GIB:.2f}")
+    assert "plan:" not in caplog.text
+
+
+@pytest.mark.slow
+def test_the_gate_names_the_accumulated_gradients_of_an_eager_1b_run_on_24_gib(caplog) -> None:
+    """1b, micro_batch 4 of 64 (16 micro-steps), compile=false, on 24 GiB: its fp32 gradients live through
+    the micro-steps; the gate refuses or warns, naming them."""
+    cfg = compose(["size=1b", "micro_batch=4", "global_batch=64", "compile=false", "trainer=gpu",
+                   "plan.device_memory_gib=24"])
+    with caplog.at_level("WARNING"):
+        try:
+            kept = preflight(cfg)
+            message = caplog.text
+        except PlanRefusal as err:
+            kept, message = None, str(err)
+    print(message)
+    assert "accumulated over micro-steps" in message and "eager plan's peak" in message
+    assert kept is None or not kept.plan.compiled
 
 
 def run_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
