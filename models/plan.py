@@ -10,6 +10,16 @@ all-gathered root and two blocks in the FSDP2 ``param_dtype``), with the activat
 model in that dtype. The fake step runs on the CPU with CPU autocast: the same casts as CUDA autocast for
 this model (matmuls and attention in the low dtype; norms, residual stream and loss in float32).
 
+A compiled run (``TrainSetup.compiled``) is planned as it runs: what Inductor's partition saves for the
+backward and the buffers its kernels write (:mod:`models.compiled_plan`), plus the static state; the eager
+trace stays for ``compile=false``, for the activation-checkpointing column and for FSDP2's compute (its
+blocks compiled one by one are not planned). When a micro-step is not the first of its optimizer step
+(gradient accumulation), the gradients of the earlier ones are alive through it: both traces count them.
+
+The launch gate (:func:`gate`) refuses only what cannot fit: when even the lower bound (:func:`lower_bound`:
+the exact static state and the logits) exceeds the card; between that and the planned peak it warns and the
+run starts.
+
 Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). The command that composes a config
 and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check calls :func:`preflight_error`.
 """
