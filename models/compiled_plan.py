@@ -52,8 +52,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models.lit import LitGPT
 
-_aten = torch.ops.aten
-
 # Kernels Inductor calls rather than generates (cuBLAS, flash attention): they write their own outputs
 # and read materialized inputs. Matched by the overload packet's name.
 EXTERN = frozenset({
@@ -144,7 +142,7 @@ class Sweep:
         self.born: list[int] = []
         self.clock = 0
         self.forward_end = 0                        # the clock at the forward graph's end
-        self.at_peak: list[Buffer] = []
+        self.at_peak: list[Buffer] = []              # what is alive at the peak (:meth:`peak`)
         self.parts: dict[fx.Node, list[int]] = {}   # a multi-output kernel's buffers, in order
         # A fused kernel's output and the buffers of the same size and dtype it reads: written in place of
         # one that this kernel reads last (:meth:`in_place`).
@@ -258,14 +256,12 @@ class Sweep:
             live += events[clock]
             if live > best:
                 best, at = live, clock
-        by_kind = dict.fromkeys(("activation", "gradient", "temporary"), 0)
-        for buffer, born in zip(self.buffers, self.born, strict=True):
-            if buffer.kind != "static" and born <= at <= max(buffer.last_use, born):
-                by_kind[buffer.kind] += buffer.size
-        saved = sum(b.size for b in self.buffers if b.kind == "activation")
         self.at_peak = [b for b, born in zip(self.buffers, self.born, strict=True)
                         if b.kind != "static" and born <= at <= max(b.last_use, born)]
-        self.peak_clock = at
+        by_kind = dict.fromkeys(("activation", "gradient", "temporary"), 0)
+        for buffer in self.at_peak:
+            by_kind[buffer.kind] += buffer.size
+        saved = sum(b.size for b in self.buffers if b.kind == "activation")
         return CompiledPeak(best, by_kind["activation"], by_kind["gradient"], by_kind["temporary"], saved,
                             at > self.forward_end)
 

@@ -212,11 +212,11 @@ class DataSchema:
 
 @schema
 class PlanSchema:
-    check: bool = doc(True, "on a GPU, refuse a launch whose least memory cannot fit (exit 2) and warn when the "
-                      "planned peak may not; may change on resume")
+    check: bool = doc(True, "on a GPU, refuse a launch whose least memory cannot fit (exit 2) and warn "
+                      "when the planned peak may not; may change on resume")
     device_memory_gib: Positive | None = doc(
-        None, "the device memory the launch gate checks against, GiB (null: the GPU's own; set, the gate runs "
-        "on any accelerator)")
+        None, "the device memory the launch gate checks against, GiB (null: the GPU's own; set, the gate "
+        "runs on any accelerator)")
     mfu: Annotated[float, Interval(gt=0, le=1)] = doc(
         0.4, "model FLOPs utilization for the planned time and GPU-hours")
     headroom_gib: NonNegative = doc(1.5, "GiB per GPU for the CUDA context and NCCL")
