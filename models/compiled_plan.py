@@ -18,7 +18,11 @@ materializes. The model:
   (the embedding's backward), every graph output (the forward's saved tensors, the gradients), and every
   tensor an extern kernel reads (a fused producer writes it out);
 * fused, never materialized: chains of pointwise operations between those (they are read where the
-  materialized node that consumes them runs); views alias their base;
+  materialized node that consumes them runs), unless a chain read by more than one kernel reads more than
+  ``realize_reads_threshold`` (4) buffers, which Inductor writes out; views alias their base;
+* in place: a fused kernel writes its output into a buffer of the same size and dtype that it reads for the
+  last time (Inductor's in-place update; the backward's saved tensors are donated buffers), e.g. the
+  logits' gradient into the saved logits;
 * a buffer lives from its node to the last node that reads it (directly, through views or through fused
   chains); the forward's saved tensors live until their last use in the backward (Inductor's backward
   frees its inputs as it goes); the gradients the backward returns live to its end, as autograd then
@@ -27,9 +31,10 @@ materializes. The model:
 Static state beside the graphs: the parameters, the optimizer state (fused AdamW's ``exp_avg``,
 ``exp_avg_sq``, ``step``), and when a micro-step is not the first of its optimizer step (gradient
 accumulation) the gradients accumulated so far. Not modelled: the caching allocator's fragmentation and
-rounding, cuBLAS and attention workspaces, Inductor's own heuristics that write out a long fused chain
-(``realize_reads_threshold``), kernel-by-kernel reordering, the optimizer step's and clipping's small
-temporaries, and the CUDA context.
+rounding, cuBLAS and attention workspaces, Inductor's other heuristics that write out a fused chain (too
+large an inner function, accumulated reads), its reordering of kernels, the optimizer step's and clipping's
+small temporaries, and the CUDA context. One graph is planned: under DDP, Dynamo's DDPOptimizer splits it at
+the gradient buckets' boundaries (the buckets are counted beside it, :func:`models.plan.per_gpu`).
 
 Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.plan` calls :func:`compiled_peak`.
 """

@@ -21,7 +21,8 @@ the exact static state and the logits) exceeds the card; between that and the pl
 run starts.
 
 Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). The command that composes a config
-and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check calls :func:`preflight_error`.
+and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check (``normgeo/runs/preflight.py``)
+calls :func:`gate`.
 """
 
 from __future__ import annotations
