@@ -68,12 +68,14 @@ def measured_table() -> None:
           "step (`models/compiled_plan.py`: the joint graph traced with AOT autograd on fake tensors, "
           "partitioned by Inductor's partition function; a liveness sweep over the buffers Inductor writes: "
           "extern kernels' outputs (matmuls, attention), reductions, scatters, graph outputs (saved "
-          "tensors, gradients) and every extern kernel's input; pointwise chains fused; a fused kernel "
-          "written in place of a buffer of the same size it reads last, the backward's saved tensors being "
-          "donated) plus the static state (parameters, AdamW state, the gradients of earlier micro-steps "
-          "when accumulating), or the eager trace (MemTracker over eager autograd) for compile=false. "
+          "tensors, gradients) and every extern kernel's input; pointwise chains fused unless reused with "
+          "more than 4 reads; a fused kernel written in place of a buffer of the same size it reads last, "
+          "the backward's saved tensors being donated) plus the static state (parameters, AdamW state, "
+          "the gradients of earlier micro-steps when accumulating), or the eager trace (MemTracker over "
+          "eager autograd) for compile=false. "
           "Not modelled: allocator fragmentation and rounding, cuBLAS and attention workspaces, the CUDA "
-          "context, Inductor's heuristics that write out long fused chains. *seconds*: the planning time on "
+          "context, Inductor's other heuristics that write out fused chains, its kernel reordering, DDP's "
+          "graph split at bucket boundaries. *seconds*: the planning time on "
           "this machine (two traces: the configured micro_batch and half of it).\n")
     print("| size | norm | micro_batch | global_batch | planned | plan GiB | measured GiB | plan / measured "
           "| device, date, torch | seconds |")
@@ -87,6 +89,16 @@ def measured_table() -> None:
               f"{report['planned']} | {peak:.2f} | {row['peak_gib']:.2f} | {peak / row['peak_gib']:.3f} | "
               f"{row['device']}, {row['date']}, torch {row['torch']} | {seconds:.0f} |")
         sys.stdout.flush()
+    print("\ntrain.py's launch gate (`models.plan.gate`, run by `normgeo/runs/preflight.py` before the "
+          "run folder is claimed) holds this plan against the GPU (or `plan.device_memory_gib`): it refuses "
+          "only when the plan's lower bound, the exact static state (parameters, AdamW state, DDP's buckets "
+          "or the gradients accumulated over micro-steps, FSDP2's shards) plus one micro-batch's logits, and "
+          "`plan.headroom_gib` exceed the card; between that and the planned peak it warns with the numbers "
+          "and the run starts. The refusal names the planned peak (compiled or eager), the card and the "
+          "largest micro_batch that fits (`micro_batch=N` starts and resumes; `plan.check=false` too). "
+          "Rank 0 plans once per run and keeps the plan in `<run_dir>/plan.json` with a hash of what it "
+          "planned, written once the start is accepted; other ranks and later sessions read it, and a "
+          "changed config is planned again.")
 
 
 if __name__ == "__main__":
