@@ -10,8 +10,19 @@ all-gathered root and two blocks in the FSDP2 ``param_dtype``), with the activat
 model in that dtype. The fake step runs on the CPU with CPU autocast: the same casts as CUDA autocast for
 this model (matmuls and attention in the low dtype; norms, residual stream and loss in float32).
 
+A compiled run (``TrainSetup.compiled``) is planned as it runs: what Inductor's partition saves for the
+backward and the buffers its kernels write (:mod:`models.compiled_plan`), plus the static state; the eager
+trace stays for ``compile=false``, for the activation-checkpointing column and for FSDP2's compute (its
+blocks compiled one by one are not planned). When a micro-step is not the first of its optimizer step
+(gradient accumulation), the gradients of the earlier ones are alive through it: both traces count them.
+
+The launch gate (:func:`gate`) refuses only what cannot fit: when even the lower bound (:func:`lower_bound`:
+the exact static state and the logits) exceeds the card; between that and the planned peak it warns and the
+run starts.
+
 Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). The command that composes a config
-and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check calls :func:`preflight_error`.
+and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check (``normgeo/runs/preflight.py``)
+calls :func:`gate`.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from models.compiled_plan import compiled_peak, graph_flops, trace_compiled
 from models.lit import LitGPT
 
 GIB = 2**30
@@ -107,6 +119,7 @@ class TrainSetup:
     gradient_clip: float | None = 1.0
     fused_adamw: bool = True        # LitGPT's choice on CUDA; false reproduces its CPU optimizer
     probe_batch: int = 8
+    compiled: bool = False          # the run is compiled (compile resolved): the compiled step is planned
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -122,6 +135,17 @@ class TrainSetup:
     @property
     def seq_len(self) -> int:
         return int(self.model["model"]["block_size"])
+
+    @property
+    def accumulating(self) -> bool:
+        """More than one micro-step per optimizer step: the gradients live through the later ones."""
+        return self.global_batch > self.micro_batch * self.world_size
+
+    @property
+    def plans_compiled(self) -> bool:
+        """Whether the compiled step is planned: compiled, and not FSDP2 (its blocks are compiled one by
+        one between the sharding hooks; its compute is the eager trace)."""
+        return self.compiled and self.strategy != "fsdp2"
 
 
 @dataclass(frozen=True)
@@ -183,6 +207,7 @@ class StrategyPlan:
     memory: Memory                  # at the configured micro_batch
     peak: Linear                    # total per GPU against micro_batch
     flops_per_token: float          # counted, forward + backward (+ recompute with checkpointing)
+    compiled: bool = False          # the compiled step (models.compiled_plan) rather than the eager trace
 
 
 @dataclass
@@ -316,6 +341,9 @@ def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool
         module = build_module(setup)
         optimizer = build_optimizer(module, setup.fused_adamw)
         warm_optimizer(module, optimizer)
+        if setup.accumulating:  # a later micro-step: the earlier ones' gradients are there (summed into)
+            for p in module.parameters():
+                p.grad = torch.zeros_like(p)
         if checkpointing:
             for block in module.model.blocks:
                 checkpoint(block)  # what FSDP2Strategy applies (composable, names unchanged)
@@ -324,6 +352,22 @@ def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool
         counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
         run_step(module, optimizer, setup, batch, tracker, counter)
         return StepTrace(snapshot(tracker), counter.get_total_flops())
+
+
+def trace_compiled_step(setup: TrainSetup, batch: int) -> StepTrace:
+    """Peak memory and FLOPs of one steady-state compiled micro-step of one device
+    (:mod:`models.compiled_plan`), in MemTracker's categories: the static state counted here (parameters,
+    AdamW state, and with accumulation the gradients of the earlier micro-steps), the graphs' buffers
+    at their peak there."""
+    with FakeTensorMode():
+        module = build_module(setup)
+        graphs = trace_compiled(module, random_batch(setup, batch), lambda: autocast_of(setup))
+    counts = model_counts(setup)
+    peak = compiled_peak(graphs)
+    accumulated = counts.parameter_bytes if setup.accumulating else 0  # gradients in the parameters' dtype
+    return StepTrace({"Parameter": counts.parameter_bytes, "Optstate": counts.optimizer_bytes,
+                      "Gradient": accumulated + peak.gradients, "Activation": peak.activations,
+                      "Temp": peak.temporaries}, graph_flops(graphs, SDPA_FLOPS))
 
 
 def trace_sharded_compute(setup: TrainSetup, batch: int, *, checkpointing: bool) -> StepTrace:
@@ -389,8 +433,11 @@ def per_gpu(setup: TrainSetup, counts: ModelCounts, trace: StepTrace, compute: S
         return Memory(trace.get("Parameter"), trace.get("Gradient"), trace.get("Optstate"),
                       trace.get("Activation"), rest)
     if setup.strategy == "ddp":
-        # gradient_as_bucket_view: the gradients live in DDP's buckets, allocated once for good.
-        return Memory(trace.get("Parameter"), counts.parameter_bytes, trace.get("Optstate"),
+        # gradient_as_bucket_view: the gradients live in DDP's buckets, allocated once for good (a compiled
+        # backward's gradients are copied into them: those alive at its peak come on top).
+        fresh = trace.get("Gradient") - (counts.parameter_bytes if setup.accumulating else 0)
+        new = max(fresh, 0) if setup.plans_compiled else 0
+        return Memory(trace.get("Parameter"), counts.parameter_bytes + new, trace.get("Optstate"),
                       trace.get("Activation"), rest)
     assert compute is not None
     ranks = setup.world_size
@@ -426,10 +473,14 @@ def plan_strategy(setup: TrainSetup, counts: ModelCounts, checkpointing: bool,
     batches = batches or (setup.micro_batch, second_batch(setup.micro_batch))
     memories = []
     flops = 0.0
+    compiled = setup.plans_compiled and not checkpointing
     for i, batch in enumerate(batches):
         if setup.strategy == "fsdp2":  # the sharded state is analytic: only the compute is traced
             trace = trace_sharded_compute(setup, batch, checkpointing=checkpointing)
             memories.append(per_gpu(setup, counts, trace, trace))
+        elif compiled:
+            trace = trace_compiled_step(setup, batch)
+            memories.append(per_gpu(setup, counts, trace, None))
         else:
             trace = trace_step(setup, batch, checkpointing=checkpointing)
             memories.append(per_gpu(setup, counts, trace, None))
@@ -437,7 +488,7 @@ def plan_strategy(setup: TrainSetup, counts: ModelCounts, checkpointing: bool,
             flops = trace.flops / (batch * setup.seq_len)
     (b1, b2), (m1, m2) = batches[:2], memories[:2]
     slope = (m1.total - m2.total) / (b1 - b2)
-    return StrategyPlan(checkpointing, m1, Linear(m1.total - slope * b1, slope, (b1, b2)), flops)
+    return StrategyPlan(checkpointing, m1, Linear(m1.total - slope * b1, slope, (b1, b2)), flops, compiled)
 
 
 @dataclass(frozen=True)
@@ -452,14 +503,15 @@ class MeasuredStep:
 
 
 def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
-    """The peak of ``steps`` real training steps of one device at the configured micro_batch, compiled as
-    ``compile=true`` trains (``model.compile()``): what Inductor keeps for the backward cannot be traced with
-    fake tensors, so the step runs. The first steps create the optimizer state and, compiled, generate the
-    kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over a training run is.
-    One device without sharding: DDP's buckets and FSDP2's shards stay the trace's (:func:`per_gpu`)."""
+    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, each of
+    global_batch / micro_batch micro-steps (the gradients accumulate as training accumulates them), compiled
+    as ``compile=true`` trains (``model.compile()``). The first steps create the optimizer state and,
+    compiled, generate the kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over
+    a training run is. One device without sharding: DDP's buckets and FSDP2's shards stay the trace's
+    (:func:`per_gpu`)."""
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
-    compiled = bool(setup.model.get("compile"))
+    compiled = setup.compiled
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     module = build_module(setup).to(device)  # built as training builds it (its init draws on the CPU)
@@ -467,7 +519,10 @@ def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> 
         module.model.compile()
     optimizer = build_optimizer(module, setup.fused_adamw)
     batch = random_batch(setup, setup.micro_batch, device)
+    micro_steps = max(setup.global_batch // setup.micro_batch, 1)
     for _ in range(steps):
+        for _ in range(micro_steps - 1):
+            training_step(module, None, setup, batch)
         training_step(module, optimizer, setup, batch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -511,22 +566,102 @@ def probe_memory(setup: TrainSetup, counts: ModelCounts, trace: StepTrace) -> Me
 
 # ------------------------------------------------------------------------------------------- pre-flight
 
+@dataclass(frozen=True)
+class GatePlan:
+    """What the launch gate needs of a plan: JSON-able, kept in a run folder (normgeo.runs.preflight) so that
+    every rank and every requeued session decides on the same numbers without tracing again."""
+
+    peak: int                   # planned peak per GPU at micro_batch
+    lower_bound: int            # what certainly lives at once (:func:`lower_bound`)
+    fixed: float                # the peak against micro_batch: fixed + per_sample * b
+    per_sample: float
+    compiled: bool              # the compiled step was planned (else the eager trace)
+    micro_batch: int
+    global_batch: int
+    world_size: int
+    memory: dict[str, int]      # the peak's categories (Memory.as_dict)
+    accumulated_gradients: int  # gradients alive through the micro-steps after the first (0: none)
+
+    @property
+    def line(self) -> Linear:
+        return Linear(self.fixed, self.per_sample, (self.micro_batch, self.micro_batch))
+
+    @property
+    def kind(self) -> str:
+        return "compiled" if self.compiled else "eager"
+
+
+def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
+    """Bytes that certainly live at once on a GPU during a step, whatever a compiler keeps: the exact static
+    state (parameters, AdamW state, DDP's gradient buckets or the gradients accumulated over micro-steps;
+    under FSDP2 their shards) plus the logits of one micro-batch in the autocast dtype (the head's
+    matmul writes them whole while that state lives)."""
+    low = PRECISIONS[setup.precision][1] or PRECISIONS[setup.precision][0]
+    vocab = int(setup.model["model"].get("vocab_size", 50257))
+    multiple = int(setup.model["model"].get("vocab_multiple", 64))
+    logits = setup.micro_batch * setup.seq_len * math.ceil(vocab / multiple) * multiple * low.itemsize
+    persistent_gradients = setup.strategy == "ddp" or setup.accumulating or setup.strategy == "fsdp2"
+    state = counts.parameter_bytes + counts.optimizer_bytes
+    state += counts.parameter_bytes if persistent_gradients else 0
+    if setup.strategy == "fsdp2":
+        state = math.ceil(state / setup.world_size)
+    return state + logits
+
+
+def gate_plan(plan: Plan) -> GatePlan:
+    chosen, setup = plan.configured, plan.setup
+    accumulated = plan.counts.parameter_bytes if setup.accumulating and setup.strategy == "single" else 0
+    return GatePlan(chosen.memory.total, lower_bound(setup, plan.counts), chosen.peak.fixed,
+                    chosen.peak.per_sample, chosen.compiled, setup.micro_batch, setup.global_batch,
+                    setup.world_size, chosen.memory.as_dict(), accumulated)
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    refusal: str | None     # one line: the launch is refused
+    warning: str | None     # one line: the launch goes on, the plan says it may not fit
+
+
+def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib: float,
+         fragmentation: float) -> GateDecision:
+    """The launch gate: refuse only what cannot fit, never a run that fits.
+
+    Refused when even the lower bound (:func:`lower_bound`) + the CUDA context (headroom_gib) exceeds
+    the card; warned when the planned peak + the context does (the plan may overstate what the allocator
+    holds); else nothing. Fragmentation is not counted in either; the largest micro_batch named does count
+    it (what to launch)."""
+    context = headroom_gib * GIB
+    if planned.peak + context <= total_memory:
+        return GateDecision(None, None)
+    best = largest_micro_batch(planned.line, total_memory, planned.global_batch, planned.world_size,
+                               headroom_gib, fragmentation)
+    advice = (f"micro_batch={best} fits the plan (a start and a resume accept it)" if best is not None
+              else "no micro_batch fits the plan: more GPUs, trainer=fsdp or activation checkpointing")
+    m = planned.memory
+    parts = (f"parameters {m['parameters'] / GIB:.1f}, gradients {m['gradients'] / GIB:.1f}"
+             + (f" (of which {planned.accumulated_gradients / GIB:.1f} accumulated over micro-steps)"
+                if planned.accumulated_gradients else "")
+             + f", AdamW state {m['optimizer'] / GIB:.1f}, activations {m['activations'] / GIB:.1f}, "
+             f"temporaries {m['temporaries'] / GIB:.1f} GiB")
+    card = f"the {total_memory / GIB:.1f} GiB of {device_name}"
+    planned_text = (f"the {planned.kind} plan's peak {planned.peak / GIB:.1f} GiB per GPU at micro_batch="
+                    f"{planned.micro_batch} ({parts})")
+    if planned.lower_bound + context > total_memory:
+        return GateDecision(
+            f"micro_batch={planned.micro_batch} cannot fit: even the least it needs, "
+            f"{planned.lower_bound / GIB:.1f} GiB (the static state and the logits) + {headroom_gib:g} GiB "
+            f"CUDA context, exceeds {card}; {planned_text}; {advice} "
+            "(python -m normgeo.plan <same overrides>; plan.check=false skips this check)", None)
+    return GateDecision(None, (
+        f"{planned_text} + {headroom_gib:g} GiB CUDA context exceeds {card}, its lower bound "
+        f"{planned.lower_bound / GIB:.1f} GiB does not: starting; should it run out of memory, {advice}"))
+
+
 def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom_gib: float,
                     fragmentation: float) -> str | None:
-    """None when the plan's peak may fit ``total_memory``; else the one-line reason to refuse the launch.
-
-    Refuses only what clearly cannot fit: the planned peak plus the CUDA context (headroom_gib) beyond
-    the card, fragmentation not counted. The largest micro_batch named does count it (what to launch)."""
-    peak = plan.configured.memory.total
-    if peak + headroom_gib * GIB <= total_memory:
-        return None
-    best = largest_micro_batch(plan.configured.peak, total_memory, plan.setup.global_batch,
-                               plan.setup.world_size, headroom_gib, fragmentation)
-    advice = (f"the largest micro_batch that fits is {best}" if best is not None
-              else "no micro_batch fits: use more GPUs, trainer=fsdp or activation checkpointing")
-    return (f"planned peak {peak / GIB:.1f} GiB per GPU (micro_batch={plan.setup.micro_batch}) + "
-            f"{headroom_gib:g} GiB CUDA context exceeds the {total_memory / GIB:.1f} GiB of {device_name}: "
-            f"{advice} (python -m normgeo.plan <same overrides>; plan.check=false skips this check)")
+    """The gate's refusal for ``plan`` (None: the launch goes on; :func:`gate` for the warning)."""
+    return gate(gate_plan(plan), total_memory, device_name, headroom_gib=headroom_gib,
+                fragmentation=fragmentation).refusal
 
 
 @contextmanager

@@ -13,10 +13,17 @@ check, before the claim) are ``normgeo/runs/preflight.py``.
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
     python -m normgeo.plan size=410m compile=true --measure   # on a GPU: the compiled step, measured
 
-The tables trace the eager step: for ``compile=true`` they are an upper bound, since Inductor keeps fewer
-activations for the backward than eager autograd does, and that cannot be traced ahead of time.
-``--measure`` (a CUDA machine, one device) runs three real steps of the configuration as it will train,
-compiled where it compiles, and reports their allocator peak beside the trace (``models.plan.measure_step``).
+A run that compiles (``compile=true``, or ``auto`` on a GPU) is planned as it runs: the joint graph Inductor
+would partition, what it saves and the buffers it writes (``models/compiled_plan.py``); the table says
+which it planned. Activation checkpointing's column and FSDP2's compute stay the eager trace.
+``--measure`` (a CUDA machine, one device) runs three real optimizer steps of the configuration as it will
+train (its micro-steps accumulating), compiled where it compiles, and reports their allocator peak beside
+the plan (``models.plan.measure_step``); ``--record`` adds it to ``docs/measured_peaks.json``, the
+measurements ``docs/plan.md`` and tests/test_plan.py hold the plan against:
+
+    for spec in 70m:16 410m:32 1b:8; do size=${spec%:*}; mb=${spec#*:}
+      for gb in $mb $((4 * mb)); do python -m normgeo.plan size=$size micro_batch=$mb global_batch=$gb \
+        trainer=gpu compile=true --measure --record; done; done
 
 Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g.
 ``val_loss`` (the final point) or ``val_loss/tail`` (the primary statistic)) with
@@ -33,6 +40,7 @@ every seed, at this plan's GPU-hours per run):
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -48,6 +56,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from corpus.atomic import atomic_open
 from models.plan import (
     GIB,
     GPUS,
@@ -75,6 +84,35 @@ from normgeo.verdict.measures import run_measures
 from normgeo.verdict.metrics import METRICS, metric
 
 CONFIG_ERROR_EXIT = 2
+# The peaks measured on GPUs, one place: docs/plan.md's table and tests/test_plan.py read them, --record adds.
+MEASURED_PEAKS = Path(__file__).resolve().parents[1] / "docs" / "measured_peaks.json"
+
+
+def measured_peaks(path: Path = MEASURED_PEAKS) -> list[dict]:
+    """The measured rows: size, norm, micro_batch, global_batch, compiled, peak_gib, device, date, torch."""
+    return json.loads(path.read_text(encoding="utf-8"))["rows"]
+
+
+def measured_overrides(row: dict) -> list[str]:
+    """The train.py overrides of a measured row (a one-GPU run as bench/gpu_check.py trains it)."""
+    return [f"size={row['size']}", f"norm={row['norm']}", f"micro_batch={row['micro_batch']}",
+            f"global_batch={row['global_batch']}", "trainer=gpu", f"compile={str(row['compiled']).lower()}"]
+
+
+def record_measurement(report: dict, path: Path = MEASURED_PEAKS) -> dict:
+    """Add the report's measured step to ``path`` (replacing a row of the same configuration and device)."""
+    measured, c = report["measured"], report["config"]
+    row = {"size": c["size"], "norm": c["norm"], "micro_batch": c["micro_batch"],
+           "global_batch": c["global_batch"], "compiled": measured["compiled"],
+           "peak_gib": round(measured["peak"] / GIB, 2), "device": measured["device"],
+           "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+           "source": "python -m normgeo.plan --measure --record"}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    same = ("size", "norm", "micro_batch", "global_batch", "compiled", "device")
+    data["rows"] = [r for r in data["rows"] if any(r.get(k) != row[k] for k in same)] + [row]
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1)
+    return row
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
@@ -169,7 +207,8 @@ def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool
         "gpus": gpu_rows(cfg, plan, cfg.plan.gpus),
         "disk": checkpoint_disk(cfg, plan),
         "headroom": {"gib": cfg.plan.headroom_gib, "fragmentation": cfg.plan.fragmentation},
-        "compile": bool(setup.model.get("compile")),
+        "compile": setup.compiled,
+        "planned": "compiled" if plan.configured.compiled else "eager",
         "measured": measured_step(setup) if measure else None,
     }
     return plan, report
@@ -184,7 +223,7 @@ def print_report(report: dict) -> None:
     print(
         f"plan: {c['size']} {c['norm']} · {c['strategy']} over {c['world_size']} GPU(s) · {c['precision']} · "
         f"micro_batch {c['micro_batch']} · global_batch {c['global_batch']} x seq_len {c['seq_len']} · "
-        f"{c['max_steps']:,} steps (the tables: planned with fake tensors)"
+        f"{c['max_steps']:,} steps (the tables: planned with fake tensors, the {report['planned']} step)"
     )
     print(f"parameters: {n['parameters']:,} total · {n['non_embedding']:,} non-embedding · "
           f"{n['parameter_bytes'] / 1e9:.2f} GB · AdamW state {n['optimizer_bytes'] / 1e9:.2f} GB")
@@ -252,18 +291,23 @@ def print_report(report: dict) -> None:
 
 
 def measured_text(report: dict) -> str:
-    """What the memory table is for this configuration: the eager trace, and the measured step beside it."""
+    """What the memory table is for this configuration (the compiled step or the eager trace), and the
+    measured step beside it."""
     traced = report["memory"]["ac" if report["config"]["activation_checkpointing"] else "no_ac"]["total"]
+    planned = report["planned"]
     measured = report.get("measured")
     if measured and "peak" in measured:
         kind = "compiled" if measured["compiled"] else "eager"
         return (f"measured on {measured['device']}: {measured['steps']} {kind} steps at micro_batch "
                 f"{measured['micro_batch']} peaked at {_gib(measured['peak'])} GiB "
-                f"(the eager trace above: {_gib(traced)} GiB, ratio {measured['peak'] / traced:.3f})")
+                f"(the {planned} plan above: {_gib(traced)} GiB, ratio {measured['peak'] / traced:.3f})")
     why = f" (not measured: {measured['reason']})" if measured else ""
+    if planned == "compiled":
+        return ("the table plans the compiled step (models/compiled_plan.py: what Inductor saves and "
+                f"writes; allocator fragmentation and workspaces not counted){why}")
     if report["compile"]:
-        return ("compile=true: the table traces the eager step, an upper bound (Inductor keeps fewer "
-                f"activations); --measure on the GPU measures the compiled step{why}")
+        return ("compile=true: the table traces the eager step (activation checkpointing or FSDP2's "
+                f"compute: not planned compiled), an upper bound{why}")
     return f"the table traces the eager step, as compile=false trains{why}"
 
 
@@ -359,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="on a CUDA machine, also run three real steps of the configuration as it will "
                              "train (compiled with compile=true) and report their peak memory")
+    parser.add_argument("--record", action="store_true",
+                        help="with --measure: add the measured peak to docs/measured_peaks.json")
     parser.add_argument("--seeds-for", metavar="METRIC=MARGIN", default=None,
                         help="seeds per arm that resolve MARGIN for a verdict metric, e.g. val_loss=0.01")
     parser.add_argument("--sd", type=float, default=None,
@@ -388,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose(overrides)
         if seeds_for is not None:
             sd, source = (args.sd, "given") if args.sd is not None else sweep_sd(args.sweep, seeds_for[0])
+        if args.record and not args.measure:
+            raise ValueError("--record: give it with --measure (it records the measured step)")
         _, report = plan_config(cfg, measure=args.measure)
     except DuplicateRuns as err:  # --sweep holding two folders of one run: each named, as compare names them
         print(err, file=sys.stderr)
@@ -404,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer",
                   file=sys.stderr)
             return CONFIG_ERROR_EXIT
+    if args.record and "peak" in (report["measured"] or {}):
+        row = record_measurement(report)
+        print(f"recorded in {MEASURED_PEAKS}: {row}", file=sys.stderr)
     if as_json:
         print(json.dumps(report, indent=1))
     elif seeds_for is not None:

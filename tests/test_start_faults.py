@@ -6,6 +6,7 @@ directory byte for byte as it was (or absent), and a run directory is trained by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -20,10 +21,19 @@ import pytest
 import normgeo.runs.start as start_checks
 from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
-from normgeo.runs.preflight import PlanRefusal
+from normgeo.runs.preflight import PLAN_FILE, PlanRefusal, read_kept_plan
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
-from tests.conftest import FAST, ROOT, module_main, run_entry_point, run_train, train_here, train_in_process
+from tests.conftest import (
+    FAST,
+    ROOT,
+    module_main,
+    run_entry_point,
+    run_train,
+    step_losses,
+    train_here,
+    train_in_process,
+)
 
 
 def sha_tree(folder: Path) -> dict[str, str] | None:
@@ -171,6 +181,43 @@ def test_a_plan_that_cannot_fit_is_refused_before_the_claim(workspace: Path, mon
     done = train_in_process(run_dir, "max_steps=1", capsys=capsys)
     assert_refused(done, "the planned peak 212.3 GiB cannot fit")
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+
+
+@pytest.mark.slow
+def test_the_gate_refuses_through_the_device_override_before_the_claim(workspace: Path, capsys) -> None:
+    """Issue 61: plan.device_memory_gib states the device, so the gate runs on the CPU too: a card below the
+    plan's lower bound refuses the start, one line naming the card and the micro_batch that fits, nothing
+    written."""
+    run_dir = workspace / "override-too-small"
+    done = train_in_process(run_dir, "max_steps=1", "plan.device_memory_gib=0.001", capsys=capsys)
+    assert_refused(done, "micro_batch=4 cannot fit", "plan.device_memory_gib=0.001", "eager plan's peak",
+                   "no micro_batch fits the plan")
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then", [(["plan.device_memory_gib=64"], ["plan.check=false"]),
+                                        (["plan.check=false"], ["plan.device_memory_gib=64"])])
+def test_a_run_resumes_with_the_check_turned_off_or_on(workspace: Path, first: list[str],
+                                                        then: list[str]) -> None:
+    """Issue 61: plan may change between sessions, so ``resume=auto plan.check=false`` continues a run
+    started with the check on, and the other way round; a plan made is kept in the run folder
+    (plan.json) once the start is accepted, and a later session of the same config reads it."""
+    run_dir = workspace / f"resume-{first[0].split('=')[0]}"
+    common = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
+    train_here(run_dir, *common, *first, "stop_at_step=2")
+    kept = run_dir / PLAN_FILE
+    assert kept.exists() == ("plan.check=false" not in first)
+    before = kept.read_bytes() if kept.exists() else None
+    assert max(step_losses(run_dir)) == 2
+    train_here(run_dir, *common, *then, "resume=auto")
+    assert sorted(step_losses(run_dir)) == [1, 2, 3, 4]  # continued, not refused and not started over
+    if before is not None:  # the check is off now: the kept plan stays as it was
+        assert kept.read_bytes() == before
+    else:  # the check is on now: planned once, kept, and read (not made again) by the next session
+        plan = json.loads(kept.read_text())
+        assert plan["plan"]["compiled"] is False and plan["inputs"]["setup"]["micro_batch"] == 4
+        assert read_kept_plan(run_dir, plan["inputs_hash"]) is not None
 
 
 @pytest.mark.slow

@@ -237,7 +237,11 @@ class DataSchema:
 
 @schema
 class PlanSchema:
-    check: bool = doc(True, "on a GPU, refuse a launch whose planned peak memory cannot fit (exit 2)")
+    check: bool = doc(True, "on a GPU, refuse a launch whose least memory cannot fit (exit 2) and warn "
+                      "when the planned peak may not; may change on resume")
+    device_memory_gib: Positive | None = doc(
+        None, "the device memory the launch gate checks against, GiB (null: the GPU's own; set, the gate "
+        "runs on any accelerator)")
     mfu: Annotated[float, Interval(gt=0, le=1)] = doc(
         0.4, "model FLOPs utilization for the planned time and GPU-hours")
     headroom_gib: NonNegative = doc(1.5, "GiB per GPU for the CUDA context and NCCL")
@@ -470,15 +474,16 @@ def training_device_type(trainer: DictConfig) -> str:
     return "cpu"
 
 
-def compiles(cfg: DictConfig, device_type: str | None = None) -> bool:
+def compiles(cfg: DictConfig, device_type: str | None = None, *, planned: bool = False) -> bool:
     """Whether the run compiles its model: compile=true | false as set; compile=auto on for CUDA training
     (where a compiler works; the compiled step is 1.1-1.8x faster on an H200, docs/training.md), off on the
-    CPU. ``device_type``: where the run trains (default: :func:`training_device_type`). The one place auto
-    is decided: the module's argument, the plan and the run's record read it here."""
+    CPU. ``device_type``: where the run trains (default: :func:`training_device_type`); ``planned``: the run
+    is planned elsewhere (a login node), so its compiler is not looked for here. The one place auto is
+    decided: the module's argument, the plan and the run's record read it here."""
     if cfg.compile != "auto":
         return bool(cfg.compile)
     device_type = device_type or training_device_type(cfg.trainer)
-    return device_type == "cuda" and compile_refusal(device_type) is None
+    return device_type == "cuda" and (planned or compile_refusal(device_type) is None)
 
 
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"

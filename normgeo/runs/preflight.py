@@ -1,17 +1,35 @@
-"""The plan of a composed train.py config, and train.py's pre-flight check with it: on a GPU, a config whose
-planned peak memory cannot fit the device is refused before the run directory is claimed
-(normgeo.runs.start). The planner itself is ``models/plan.py`` (fake tensors); ``python -m normgeo.plan``
-prints its report."""
+"""The plan of a composed train.py config, and train.py's pre-flight check with it (the launch gate,
+:func:`models.plan.gate`): on a GPU (or against ``plan.device_memory_gib``), a config whose least memory
+cannot fit the device is refused before the run directory is claimed (normgeo.runs.start); one whose planned
+peak may not fit is warned about and starts. The planner itself is ``models/plan.py`` (fake tensors; the
+compiled step when the run compiles); ``python -m normgeo.plan`` prints its report.
+
+The plan is made once per run: rank 0 plans, and once the start is accepted the plan is kept in
+``<run_dir>/plan.json`` with a hash of what it planned (the planner's setup and torch's version). Every
+other rank and every later session (a requeue, ``resume=auto``) reads it when the hash matches and plans
+again when the config differs; a rank other than 0 with no kept plan leaves the decision to rank 0."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from corpus.atomic import atomic_open
 from models.hardware import default_precision
-from models.plan import TrainSetup, make_plan, preflight_error, quiet_plan
+from models.plan import GIB, GatePlan, TrainSetup, gate, gate_plan, make_plan, quiet_plan
 from normgeo.config.schema import ConfigError, compiles
 from normgeo.runs.build import module_arguments
+from normgeo.runs.run_config import is_rank_zero
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
 
 
 class PlanRefusal(ValueError):
@@ -56,26 +74,86 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
     if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
         raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
                           f"global_batch={cfg.global_batch}")
-    # compile=auto as on the device planned for (a login node plans a GPU run).
-    model = {**module_arguments(cfg), "compile": compiles(cfg, "cpu" if on_cpu else "cuda")}
+    # compile=auto as on the device planned for: a login node without Triton plans a GPU run compiled.
+    compiled = compiles(cfg, "cpu" if on_cpu else "cuda", planned=True)
+    model = {**module_arguments(cfg), "compile": compiled}
     return TrainSetup(model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch),
                       precision=precision, strategy=strategy, world_size=world,
                       gradient_clip=cfg.trainer.get("gradient_clip_val"), fused_adamw=not on_cpu,
-                      probe_batch=int(cfg.probe.batch_size), **fsdp)
+                      probe_batch=int(cfg.probe.batch_size), compiled=compiled, **fsdp)
 
 
-def preflight(cfg: DictConfig) -> None:
-    """The start's last check (normgeo.runs.start, before the claim): on a GPU, raise PlanRefusal when the
-    planned peak cannot fit the device's memory. Skipped on the CPU and with plan.check=false."""
-    if not cfg.plan.check or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
-        return
-    setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count())
-    precision = str(cfg.trainer.precision or default_precision())
-    setup = TrainSetup(**{**setup.__dict__, "precision": precision})
-    with quiet_plan():
-        plan = make_plan(setup, both_checkpointing=False, probe=False)
+@dataclass(frozen=True)
+class KeptPlan:
+    """A gate plan and the hash of what it planned: ``<run_dir>/plan.json``."""
+
+    inputs_hash: str
+    inputs: dict
+    plan: GatePlan
+
+
+def planning_inputs(setup: TrainSetup) -> tuple[dict, str]:
+    """What a plan depends on (the planner's setup, torch's version) and its hash."""
+    inputs = {"setup": asdict(setup), "torch": torch.__version__}
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return inputs, hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_kept_plan(run_dir: Path, inputs_hash: str) -> GatePlan | None:
+    """The plan kept in ``run_dir`` for these inputs; None when there is none, it is unreadable or it planned
+    another config."""
+    try:
+        data = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+        if data.get("inputs_hash") != inputs_hash:
+            return None
+        return GatePlan(**data["plan"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def write_kept_plan(run_dir: Path, kept: KeptPlan) -> None:
+    """Rank 0, once the start is accepted (normgeo.runs.start.open_run_files)."""
+    with atomic_open(run_dir / PLAN_FILE, "w", encoding="utf-8") as handle:
+        json.dump(asdict(kept), handle, indent=1, default=str)
+
+
+def device_memory(cfg: DictConfig) -> tuple[int, str] | None:
+    """The memory the gate checks against and its name: ``plan.device_memory_gib``, else the GPU's; None
+    where there is nothing to check (the CPU, no CUDA device)."""
+    if cfg.plan.get("device_memory_gib") is not None:
+        gib = float(cfg.plan.device_memory_gib)
+        return int(gib * GIB), f"plan.device_memory_gib={gib:g}"
+    if cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
+        return None
     device = torch.cuda.get_device_properties(0)
-    error = preflight_error(plan, device.total_memory, device.name, headroom_gib=cfg.plan.headroom_gib,
-                            fragmentation=cfg.plan.fragmentation)
-    if error:
-        raise PlanRefusal(error)
+    return device.total_memory, device.name
+
+
+def preflight(cfg: DictConfig) -> KeptPlan | None:
+    """The start's last check (normgeo.runs.start, before the claim): raise PlanRefusal when even the plan's
+    lower bound cannot fit the device, warn when the planned peak may not. Returns the plan to keep in the run
+    folder once the start is accepted (None: nothing checked). Skipped with plan.check=false, and on the CPU
+    unless plan.device_memory_gib is set."""
+    device = device_memory(cfg)
+    if not cfg.plan.check or device is None:
+        return None
+    total_memory, device_name = device
+    cuda = cfg.trainer.accelerator != "cpu" and torch.cuda.is_available()
+    setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count() if cuda else None)
+    if cuda:
+        precision = str(cfg.trainer.precision or default_precision())
+        setup = TrainSetup(**{**setup.__dict__, "precision": precision})
+    inputs, inputs_hash = planning_inputs(setup)
+    planned = read_kept_plan(Path(cfg.run_dir), inputs_hash)
+    if planned is None:
+        if not is_rank_zero():  # rank 0 plans and decides; its plan is kept for the others
+            return None
+        with quiet_plan():
+            planned = gate_plan(make_plan(setup, both_checkpointing=False, probe=False))
+    decision = gate(planned, total_memory, device_name, headroom_gib=cfg.plan.headroom_gib,
+                    fragmentation=cfg.plan.fragmentation)
+    if decision.refusal:
+        raise PlanRefusal(decision.refusal)
+    if decision.warning:
+        log.warning("plan: %s", decision.warning)
+    return KeptPlan(inputs_hash, inputs, planned)

@@ -55,7 +55,7 @@ from normgeo.paths import (
 )
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
-from normgeo.runs.preflight import PlanRefusal, preflight
+from normgeo.runs.preflight import PLAN_FILE, KeptPlan, PlanRefusal, preflight, write_kept_plan
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
@@ -77,7 +77,7 @@ class StartError(ValueError):
 START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session): their bytes are kept for an undo.
-REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE)
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
@@ -160,6 +160,7 @@ class Start:
     ckpt_path: str | None
     datamodule: Any  # corpus.datamodule.TokenDataModule, prepared and loaded
     probe_ids: Any  # numpy ids of the probe text (None without a probe): tokenized once, here
+    plan: KeptPlan | None = None  # the launch gate's plan, kept in the run folder once the start is accepted
     lock: RunLock | None = None
     found: Found | None = None
     # a diverged run was moved aside for this start (normgeo.runs.session.REPLACED_DIR)
@@ -265,11 +266,11 @@ def check_start(cfg: DictConfig) -> Start:
         check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
     except (TokenizerError, AnalysisError, PreparedDataError, SourceError) as err:
         raise StartError(str(err)) from err
-    try:  # on a GPU, a config whose planned peak cannot fit its memory (normgeo.plan): dearest, so last
-        preflight(cfg)
+    try:  # on a GPU, a config whose least memory cannot fit (normgeo.runs.preflight): dearest, so last
+        plan = preflight(cfg)
     except PlanRefusal as err:
         raise StartError(str(err)) from err
-    return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids)
+    return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids, plan=plan)
 
 
 def claim(start: Start) -> None:
@@ -300,9 +301,12 @@ def start_session(cfg: DictConfig) -> Start:
 
 def open_run_files(start: Start) -> None:
     """What Hydra would have written into the run directory before the task, written now that the start is
-    accepted: ``.hydra/`` (rank 0) and ``<job name>.log`` (``train.log``; a DDP child rank's own)."""
+    accepted: ``.hydra/`` and the launch gate's ``plan.json`` (rank 0), and ``<job name>.log``
+    (``train.log``; a DDP child rank's own)."""
     if is_rank_zero():
         write_hydra_files(start.run_dir, start.config)
+        if start.plan is not None:  # every rank and every later session of the run reads it
+            write_kept_plan(start.run_dir, start.plan)
     # another rank (an srun task) may not have seen rank 0's yet
     start.run_dir.mkdir(parents=True, exist_ok=True)
     attach_log_file(start.run_dir / f"{HydraConfig.get().job.name}.log")
