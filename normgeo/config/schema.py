@@ -486,6 +486,19 @@ def compiles(cfg: DictConfig, device_type: str | None = None, *, planned: bool =
     return device_type == "cuda" and (planned or compile_refusal(device_type) is None)
 
 
+def compiler_refusal(cfg: DictConfig) -> str | None:
+    """Why this machine cannot compile what the run asks compiled (compile=true, norm.impl=compiled), or
+    None: refused at the start rather than falling back, since a run that says compiled runs compiled. Not a
+    config check: the same config is planned (normgeo.plan) on a machine without the GPU's compiler."""
+    wants = [key for key, on in (("compile=true", cfg.compile is True),
+                                 ("norm.impl=compiled", cfg.norm.impl == "compiled")) if on]
+    if not wants or not (refusal := compile_refusal(training_device_type(cfg.trainer))):
+        return None
+    instead = "compile=auto (eager where it cannot compile)" if wants[0] == "compile=true" else \
+        "train with norm.impl=stock"
+    return f"{wants[0]}: {refusal}; or {instead}"
+
+
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
@@ -538,13 +551,6 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{group}") from None
     _expect(isinstance(cfg.compile, bool) or cfg.compile == "auto", "compile", cfg.compile,
             "true, false or auto (on when training on CUDA)")
-    if cfg.compile is True and (refusal := compile_refusal(training_device_type(cfg.trainer))):
-        raise ConfigError(f"compile=true: {refusal}; or compile=auto (eager where it cannot compile)")
-    if cfg.norm.impl == "compiled":
-        # Refused at the start rather than falling back: a run that says compiled runs compiled.
-        refusal = compile_refusal(training_device_type(cfg.trainer))
-        if refusal:
-            raise ConfigError(f"norm.impl=compiled: {refusal}; or train with norm.impl=stock")
     steps = cfg.checkpoint.steps
     if steps is not None:
         _expect(all(a < b for a, b in zip(steps, steps[1:], strict=False)), "checkpoint.steps",

@@ -41,7 +41,7 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
 from normgeo.config.compose import attach_log_file, close_file_logs, write_hydra_files
-from normgeo.config.schema import ConfigError, check_cross_keys
+from normgeo.config.schema import ConfigError, check_cross_keys, compiler_refusal
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
@@ -243,6 +243,8 @@ def check_start(cfg: DictConfig) -> Start:
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if refusal := missing_cuda("trainer.accelerator", accelerator,
                                "trainer=cpu (or trainer=ddp_cpu) on this machine"):
+        raise StartError(refusal)
+    if refusal := compiler_refusal(cfg):
         raise StartError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
