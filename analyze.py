@@ -184,7 +184,7 @@ def run(cfg: DictConfig) -> Refused | None:
     try:
         check_config("analyze", cfg)
         check_writable_folder(Path(cfg.out_dir), "out_dir")
-        check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE)
+        check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
     except (ConfigError, FolderError) as err:
         return refuse(cfg.out_dir, err)
     stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")

@@ -246,7 +246,7 @@ def check_start(cfg: DictConfig) -> Start:
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
-    check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE)
+    check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE, beside="2")
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
         raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
