@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"written to {out_dir}")
     if damaged:  # the others are compared; the exit status says the comparison is not of every run
         for err in damaged:
-            print(f"skipped {err.path.parent}: {err}", file=sys.stderr)
+            print(f"skipped {err.run_dir or err.path.parent}: {err}", file=sys.stderr)
         print(f"error: {len(damaged)} run(s) skipped for damaged records (listed above); the other runs are "
               f"compared in {out_dir}", file=sys.stderr)
         return 1

@@ -28,9 +28,8 @@ from pathlib import Path
 from normgeo.figures.angles import FIGURES_DIR, plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
-from normgeo.measure.run_records import read_run_records
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
-from normgeo.readers.identity import DuplicateRuns, check_unique_runs
+from normgeo.readers.identity import DuplicateRuns, check_unique_runs, read_run_files
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
@@ -67,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         try:
-            runs[str(run_dir)] = read_run_records(run_dir)[ANGLES_FILE]  # every records file, one rule
+            # every file of the run by its one reader (compare's and status's): a damaged one skips the run
+            runs[str(run_dir)] = read_run_files(run_dir).records[ANGLES_FILE]
         except DamagedRecords as err:
             print(f"skipped {run_dir}: {err}", file=sys.stderr)
             skipped.append(err)
