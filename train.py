@@ -40,7 +40,7 @@ from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.lit import LitGPT, NonFiniteError
 from normgeo.config.checks import Refused, config_errors_exit_2, refuse
-from normgeo.config.compose import CONF_DIR, CONF_ROOT, close_file_logs
+from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
 from normgeo.config.schema import costly_values, odd_values, unmeasured_values
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
@@ -344,7 +344,7 @@ def main() -> None:
     # The process's signal owner (normgeo.signals) puts back a caller's handlers (a test's, a notebook's)
     # when main returns.
     with OWNER.owning(BEFORE_TRAINING):
-        config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
+        config_errors_exit_2(run, TRAIN_CONFIG_DIRS)()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ folder, never ``.hydra/`` or a log into the run directory that the same override
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -22,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from corpus.prepare import PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.config.checks import group_options, unknown_group_option
-from normgeo.config.compose import CONF_DIR, CONF_ROOT
+from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.signals import stop_on_signals
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
@@ -30,7 +29,7 @@ USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [
 
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
-    groups = [Path(CONF_DIR), CONF_ROOT / "shared"]
+    groups = TRAIN_CONFIG_DIRS
     if {"-h", "--help"} & set(overrides):
         print(f"{__doc__.split(chr(10) + chr(10))[0]}\n\n{USAGE}\n\ndata=<option>: "
               f"{', '.join(group_options('data', groups) or [])}; every other key as train.py takes it "

@@ -467,9 +467,20 @@ def check_probe_source(probe: DictConfig) -> None:
 
 
 def check_output_root(cfg: DictConfig) -> None:
-    """An empty output_root (an unset shell variable: output_root=$OUT) would put the outputs at the root."""
-    _expect(str(cfg.output_root).strip() != "", "output_root", cfg.output_root,
-            "a folder, e.g. output_root=outputs (an unset shell variable gives an empty one)")
+    """Every name that becomes a path, checked alike: an empty folder (an unset shell variable:
+    output_root=$OUT) would put the outputs at the root or in the working directory; an empty, ``.`` or
+    ``..`` run_name would put the run into output_root itself (beside data/, the other runs) or above."""
+    examples = {"output_root": "outputs", "run_dir": "outputs/my-run", "out_dir": "outputs/analyze/my-model",
+                "data_root": "data"}
+    for key, example in examples.items():
+        if key in cfg:
+            _expect(str(cfg[key]).strip() != "", key, cfg[key],
+                    f"a folder, e.g. {key}={example} (an unset shell variable gives an empty one)")
+    if "run_name" in cfg:
+        parts = str(cfg.run_name).replace("\\", "/").split("/")
+        _expect(all(part.strip() not in ("", ".", "..") for part in parts), "run_name", cfg.run_name,
+                "a folder name of its own under output_root, e.g. run_name=my-run (empty, '.' or '..' puts "
+                "the run into output_root itself, beside data/ and the other runs, or above it)")
 
 
 def check_train(cfg: DictConfig) -> None:
