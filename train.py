@@ -57,7 +57,7 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     save_run_config,
 )
-from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
+from normgeo.runs.session import DIVERGED, RunFinished, continue_command, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
 from slurm.requeue import record_slurm_job, requeue_slurm_job
@@ -194,7 +194,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     schedule: CheckpointSchedule = make_schedule(cfg)
     # SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits (at once during a validation or a
     # probe). Its handler is installed first; the checkpoint owner asks it after each step's probe.
-    stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
+    stop = StopOnSignal(requeue, lambda: continue_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
     timer = Timer(verbose=False)  # the run's training time, kept in its checkpoints (summary.json's wall_s)
     keep = KeepStart(start)
     owned = make_callbacks(cfg, run_dir, schedule, stop, start.probe_ids)

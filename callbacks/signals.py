@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning as L
@@ -52,7 +52,9 @@ class Interrupt:
         self.signum: int | None = None  # the signal this rank received first
         self.stopped_at: int | None = None  # the step at which training stopped, on every rank
         self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
-        self.resume_command = ""
+        # The command that goes on with the run, asked when it is printed: what the run's folder holds then
+        # decides it (normgeo.runs.session.continue_command).
+        self.continue_command: Callable[[], str] = str
         # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
         # one process only: ranks that did not receive the signal would wait in a collective.
         self.abandonable: str | None = None
@@ -79,7 +81,7 @@ class Interrupt:
         name = signal.Signals(signum).name
         if self.received:
             self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
-                     f"continue with:\n{self.resume_command}")
+                     f"continue with:\n{self.continue_command()}")
             self.abandoning = signum
             raise SystemExit(128 + signum)
         self.received, self.signum = True, signum
@@ -129,12 +131,12 @@ class StopOnSignal(L.Callback):
     this callback keeps the handler's life (installed on train start, put back at teardown) and marks
     validations abandonable. train.py requeues the job, or prints the resume command."""
 
-    def __init__(self, requeue: SlurmRequeue | None = None, resume_command: str = "",
+    def __init__(self, requeue: SlurmRequeue | None = None, continue_command: Callable[[], str] = str,
                  last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
         self.requeue = requeue
         self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message
         self.interrupt = Interrupt()
-        self.interrupt.resume_command = resume_command
+        self.interrupt.continue_command = continue_command
 
     @property
     def stopped_by(self) -> str | None:
@@ -242,7 +244,7 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
         print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
               f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
-        print(interrupt.resume_command, file=sys.stderr, flush=True)
+        print(interrupt.continue_command(), file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 

@@ -309,3 +309,49 @@ def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_complete
     # Complete now: the same command says so and changes nothing.
     again = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "drawing them" not in again.stdout and "already finished" in again.stdout
+
+
+# A probe of seconds at step 0 (the interruptions below land in it), the intervention's forwards left out.
+LONG_PROBE = ("max_steps=2", "checkpoint.steps=[2]", "probe.tokens=16384", "probe.intervention=[]")
+
+
+def interrupt_twice_in_the_first_probe(run_dir: Path, signum: int) -> tuple[int, list[str]]:
+    """Start train.py and, 1.5 s after its run config is saved (fit starts next: the step-0 probe), send
+    ``signum`` twice, 0.05 s apart: the exit code and the lines of stderr."""
+    err_path = run_dir.parent / f"{run_dir.name}-twice.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(train_args(run_dir, *LONG_PROBE), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (run_dir / "run_config.yaml").is_file():
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
+                time.sleep(0.02)
+            time.sleep(1.5)
+            for _ in range(2):
+                proc.send_signal(signum)
+                time.sleep(0.05)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode, err_path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_command_printed_after_two_signals_before_the_first_last_ckpt_is_accepted(
+        tmp_path: Path, signum: int) -> None:
+    """Issue 64, class 4: two Ctrl-C (or, a variant, two SIGTERM) in a new run's step-0 probe, before any
+    last.ckpt: the printed command is one train.py accepts (the run's own command: nothing to resume), and it
+    trains the run to its end; before: "continue with: ... resume=auto", refused ("no checkpoint to resume
+    from")."""
+    run_dir = tmp_path / "run"
+    code, lines = interrupt_twice_in_the_first_probe(run_dir, signum)
+    assert code == 128 + signum, "\n".join(lines[-30:])
+    command = shlex.split(lines[-1])
+    assert command[-1] == f"run_dir={run_dir}" and "resume=auto" not in command, lines[-3:]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 2
+
