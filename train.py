@@ -7,7 +7,7 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
-from normgeo.signals import OWNER, StopAtOnce
+from normgeo.signals import OWNER, StopAtOnce, ignore_at_exit
 
 OWNER.take_requeue()
 
@@ -236,8 +236,15 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     if trainer.is_global_zero:
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
-        with OWNER.owning(StopAtOnce("after training, while the summary and figures were written", left)):
-            finish(cfg, trainer, timer, keep.session_start_step, stop.stopped_by, module.tokens_per_step)
+        end = StopAtOnce("after training, while the summary and figures were written", left)
+        # A signal as fit ended, after its last step's poll, is the end's to answer: the summary (the
+        # session's account) is written, the figures are left to resume=auto, and the exit says it stopped.
+        late = stop.late_signal
+        stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
+        with OWNER.owning(end):
+            finish(cfg, trainer, timer, keep.session_start_step, stopped_by, module.tokens_per_step)
+            if late is not None:
+                end(late, None)
     return trainer
 
 
@@ -348,4 +355,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        ignore_at_exit()

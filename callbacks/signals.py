@@ -147,6 +147,13 @@ class StopOnSignal(L.Callback):
             return f"interrupted by {signal.Signals(self.interrupt.signum or signal.SIGTERM).name}"
         return None
 
+    @property
+    def late_signal(self) -> int | None:
+        """A stop signal this session received after its last step's poll (as fit ended: nothing left to
+        stop), which train.py's end honours; None when there was none or the poll acted on it."""
+        interrupt = self.interrupt
+        return interrupt.signum if interrupt.received and interrupt.stopped_at is None else None
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.requeue is not None:
             self.requeue.training = True

@@ -128,3 +128,12 @@ def stop_on_signals(doing: str, again: str) -> None:
     stops it at once (:class:`StopAtOnce`), through the owner."""
     OWNER.take(STOP_SIGNALS)
     OWNER.enter(StopAtOnce(doing, again))
+
+
+def ignore_at_exit() -> None:
+    """An entry point's main has returned or raised: its exit code and last line are decided. SIGINT and
+    SIGTERM are ignored from here on, so that a second Ctrl-C while the interpreter exits (an atexit callback)
+    adds no traceback below the last line and a SIGTERM does not turn the exit code into a kill's."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)

@@ -355,3 +355,34 @@ def test_the_command_printed_after_two_signals_before_the_first_last_ckpt_is_acc
     assert done.returncode == 0, done.stderr[-4000:]
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 2
 
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_as_fit_ends_stops_the_end_and_says_so(tmp_path: Path, signum: int) -> None:
+    """Issue 64, class 3: SIGINT or SIGTERM just after Lightning's "`Trainer.fit` stopped" (the last step's
+    poll is past): the summary is written (its session ``interrupted by ...``), the figures are left, one line
+    says so with the command that draws them, and the exit is 128 + the signal; the command completes the run
+    without retraining; before: the figures drawn and exit 0 (SIGTERM: after a "finishing this optimizer step"
+    line), with nothing in the summary saying the session was interrupted."""
+    run_dir = tmp_path / "end"
+    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]")
+    err_path = tmp_path / "end.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 300
+        while "`Trainer.fit` stopped" not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
+            time.sleep(0.001)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=120)
+    lines = err_path.read_text().splitlines()
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, "\n".join(lines[-20:])
+    said = f"{name} after training, while the summary and figures were written: stopped"
+    assert lines[-1].startswith(said), lines[-3:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] is True and summary["figures"] == []
+    assert summary["session_log"][-1]["ended"] == f"interrupted by {name}"
+    command = lines[-1].split("checkpointed; ", 1)[1].split(" writes the rest", 1)[0]
+    done = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "drawing them (nothing is retrained)" in done.stdout, done.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["figures"]
