@@ -41,7 +41,13 @@ from corpus.tokenize import TokenizerError
 from models.lit import LitGPT, NonFiniteError
 from normgeo.config.checks import Refused, config_errors_exit_2, refuse
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
-from normgeo.config.schema import costly_values, odd_values, unmeasured_values
+from normgeo.config.schema import (
+    costly_values,
+    launch_cost,
+    odd_values,
+    training_device_type,
+    unmeasured_values,
+)
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
@@ -209,7 +215,11 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         log.info("%s", describe_run(cfg, trainer, module))
         # Legal but costly, valid but probably not meant, asked for but nothing
         # to measure: each said once in one line, and the run goes on as asked.
-        for kind, lines in (("costly", costly_values(cfg, probes=len(schedule) + 1)),
+        launch = launch_cost(cfg, parameters=module.model.num_parameters(),
+                             train_tokens=datamodule.data.num_tokens("train"),
+                             device=training_device_type(cfg.trainer), precision=str(trainer.precision))
+        for kind, lines in (("costly launch", launch),
+                            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
                             ("odd", odd_values(cfg)),
                             ("nothing measured", unmeasured_values(cfg))):
             for line in lines:
@@ -233,7 +243,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
                              "command with a lower optim.lr replaces it",
                              step=err.step, loss=err.loss, lr=err.lr) from None
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
         # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
         left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
         end = StopAtOnce("after training, while the summary and figures were written", left)
@@ -309,8 +319,8 @@ def run(cfg: DictConfig) -> Refused | None:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
         trainer = train(cfg, start)
-        # fit returned: its files stay (a stop during the step-0 probe saved last.ckpt at step 0)
-        start.keep()
+        if not start.kept:  # stopped before its first optimizer step (a signal in the first probe): it
+            start.undo()  # trained and saved nothing, and the folder goes back to how the start found it
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)

@@ -63,6 +63,7 @@ class Interrupt:
         # The signal of a second interrupt: its SystemExit may surface as another exception
         # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
         self.abandoning: int | None = None
+        self.trained = False  # whether this session made an optimizer step: else a stop has nothing to save
 
     def enter(self, what: str) -> None:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
@@ -88,7 +89,8 @@ class Interrupt:
         if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
             what, self.abandonable = self.abandonable, None
             self.abandoned = what
-            self.say(f"{name}: abandoning {what}, saving last.ckpt ({name} again: stop now)")
+            saving = "saving last.ckpt" if self.trained else "nothing trained this session, nothing to save"
+            self.say(f"{name}: abandoning {what}, {saving} ({name} again: stop now)")
             raise SignalStop(what)
         self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
 
@@ -137,6 +139,7 @@ class StopOnSignal(L.Callback):
         self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message
         self.interrupt = Interrupt()
         self.interrupt.continue_command = continue_command
+        self.session_start_step = 0  # the step this session began at (a resume's checkpoint step)
 
     @property
     def stopped_by(self) -> str | None:
@@ -155,6 +158,7 @@ class StopOnSignal(L.Callback):
         return interrupt.signum if interrupt.received and interrupt.stopped_at is None else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.session_start_step = trainer.global_step
         if self.requeue is not None:
             self.requeue.training = True
         self.interrupt.announce = trainer.is_global_zero
@@ -195,6 +199,7 @@ class StopOnSignal(L.Callback):
     def poll(self, trainer: L.Trainer, step: int) -> None:
         """After optimizer step ``step``: whether any rank received a stop signal; if so, every rank stops
         here (``trainer.should_stop``)."""
+        self.interrupt.trained = True
         if trainer.should_stop or step >= trainer.max_steps:
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
         # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
@@ -249,8 +254,13 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
         saved = stop.last_checkpoint
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
-        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
-              f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
+        if interrupt.stopped_at == stop.session_start_step:  # nothing trained, nothing saved (see train.py)
+            print(f"interrupted by {signal.Signals(signum).name} before this session's first optimizer step"
+                  f"{abandoned}: nothing trained, nothing saved, the run's folder as this session found it; "
+                  "go on with:", file=sys.stderr)
+        else:
+            print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
+                  f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
         print(interrupt.continue_command(), file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 

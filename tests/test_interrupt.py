@@ -349,6 +349,9 @@ def test_the_command_printed_after_two_signals_before_the_first_last_ckpt_is_acc
     run_dir = tmp_path / "run"
     code, lines = interrupt_twice_in_the_first_probe(run_dir, signum)
     assert code == 128 + signum, "\n".join(lines[-30:])
+    # Class 6: a session that trained nothing saved nothing (before: a last.ckpt of step 0, 4 GB for size=1b),
+    # and its start is undone: the new run's folder is gone.
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
     command = shlex.split(lines[-1])
     assert command[-1] == f"run_dir={run_dir}" and "resume=auto" not in command, lines[-3:]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -402,6 +402,31 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     return lines
 
 
+# Above these a launch is said at start, once, with its cost and what to run instead (launch_cost).
+PASSES_WARNED = 100  # passes over the training tokens: the run learns a small corpus by heart
+CPU_PARAMETERS_WARNED = 100_000_000  # parameters trained on a CPU: a model sized for a GPU
+
+
+def launch_cost(cfg: DictConfig, *, parameters: int, train_tokens: int, device: str,
+                precision: str) -> list[str]:
+    """At most one line for a launch that is valid but probably not meant (the headline ``size=1b`` on a
+    machine without a GPU, over the small default corpus): what it costs and what to run instead."""
+    step_tokens = cfg.global_batch * cfg.seq_len
+    passes = cfg.max_steps * step_tokens / max(train_tokens, 1)
+    costs, instead = [], []
+    if passes > PASSES_WARNED:
+        costs.append(f"{cfg.max_steps:,} steps of {step_tokens:,} tokens are ~{passes:,.0f} passes over the "
+                     f"{train_tokens:,} training tokens of data={cfg.data.name}")
+        instead.append("data=openwebtext (prepared once, online: python -m corpus data=openwebtext) or fewer "
+                       "max_steps")
+    if device == "cpu" and parameters > CPU_PARAMETERS_WARNED:
+        costs.append(f"a {parameters / 1e6:,.0f}M-parameter model trained in {precision} on the CPU")
+        instead.append("a GPU machine (or size=tiny here)")
+    if not costs:
+        return []
+    return [f"size={cfg.size.name}: {'; '.join(costs)}; run with {', and '.join(instead)} instead"]
+
+
 def odd_values(cfg: DictConfig) -> list[str]:
     """One line per setting that is valid but probably not what was meant (the run goes on as asked): a
     warm-up as long as the run or longer, whose learning rate reaches its peak late or never decays."""
