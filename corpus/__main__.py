@@ -12,16 +12,19 @@ folder, never ``.hydra/`` or a log into the run directory that the same override
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
-from corpus.prepare import PreparedDataError, load_prepared, prepare
+from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.config.checks import group_options, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
+from normgeo.paths import FolderError, check_own_folder
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
@@ -51,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         source = instantiate(data_cfg.source)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {err}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
+        check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
+    except FolderError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         if verify_only:

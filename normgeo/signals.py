@@ -43,6 +43,18 @@ class StopAtOnce:
         raise SystemExit(128 + signum)
 
 
+class FinishFirst:
+    """A phase whose work must not be cut in half (a start being undone, the run's folder put back as it was
+    found): SIGINT or SIGTERM is said and not acted on; the process is stopping already (an undo follows a
+    stop or a failure) and says how to go on once that work is done."""
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        os.write(2, f"{signal.Signals(signum).name} {self.doing}: finishing that first\n".encode())
+
+
 class SignalOwner:
     """The handler of this process's stop signals (:data:`OWNER`, the one instance); see the module's doc."""
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import normgeo.runs.start as start_checks
+from corpus.__main__ import main as corpus_main
 from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.preflight import PlanRefusal
@@ -389,6 +390,13 @@ def test_no_command_writes_below_a_run_or_a_data_folder(workspace: Path, capfd) 
     assert_refused(module_main(capfd, "export", run_dir, "--to", "hf", "--out", data / "hf"),
                    f"is inside {data.resolve()}, which holds prepared data (python -m corpus)")
     assert_refused(module_main(capfd, "compare", run_dir, "--out", data), f"--out={data} holds prepared data")
+    # Prepared data is a folder of its own too: python -m corpus, or train.py preparing, inside a run.
+    capfd.readouterr()
+    assert corpus_main(["data=pydoc", f"data_root={run_dir}"]) == 2
+    assert capfd.readouterr().err.strip().startswith(f"error: data.directory={run_dir / 'pydoc'} is inside")
+    other = workspace / "below" / "b-run"
+    done = run_entry_point("train", [*FAST, f"run_dir={other}", f"data_root={run_dir}"], capfd)
+    assert_refused(done, f"data.directory={run_dir / 'pydoc'} is inside {run_dir.resolve()}")
     assert sha_tree(run_dir) == before and sha_tree(data) == data_before
     resumed = train_in_process(run_dir, "max_steps=1", "resume=auto", capsys=capfd)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
