@@ -7,7 +7,7 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
-from normgeo.signals import OWNER, StopAtOnce, ignore_at_exit
+from normgeo.signals import OWNER, FinishFirst, StopAtOnce, ignore_at_exit
 
 OWNER.take_requeue()
 
@@ -17,8 +17,9 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning as L
@@ -159,6 +160,22 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
             f"{trainer.world_size} · precision {trainer.precision} · {probe}")
 
 
+class FitPhase(FinishFirst):
+    """What SIGINT or SIGTERM does where training's Interrupt does not decide (fit's setup before it, its
+    teardown after) and while the end's summary is written: before the session's first optimizer step it
+    stops at once (nothing was trained); after it, it is held for the end to answer once the summary is
+    written (``received``)."""
+
+    def __init__(self, start: Start) -> None:
+        super().__init__("as training ended")
+        self.start = start
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.start.kept:
+            BEFORE_TRAINING(signum, frame)
+        super().__call__(signum, frame)
+
+
 class KeepStart(OptimizerStepCallback):
     """Keeps the start at this session's first optimizer step (normgeo.runs.start.Start.keep): a failure from
     then on keeps the files it wrote (before it, run() undoes the start)."""
@@ -229,46 +246,56 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
-    try:
-        # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
-        # this step. The signals are owned here as well as in main(): bench/ calls train() without main().
-        with OWNER.owning(BEFORE_TRAINING), contextlib.suppress(SignalStop):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-        if trainer.is_global_zero:
-            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                  tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
-            write_summary(run_dir, {**summary,
-                                    DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
-        raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
-                             "command with a lower optim.lr replaces it",
-                             step=err.step, loss=err.loss, lr=err.lr) from None
-    if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
-        # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
-        left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
-        end = StopAtOnce("after training, while the summary and figures were written", left)
-        # A signal as fit ended, after its last step's poll, is the end's to answer: the summary (the
-        # session's account) is written, the figures are left to resume=auto, and the exit says it stopped.
-        late = stop.late_signal
-        stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
-        with OWNER.owning(end):
-            finish(cfg, trainer, timer, keep.session_start_step, stopped_by, module.tokens_per_step)
-            if late is not None:
-                end(late, None)
+    # Under training's Interrupt (fit's setup before it, its teardown after) and through the end's summary:
+    # before the first optimizer step a signal stops at once, after it the end answers it once the summary is
+    # written. The signals are owned here as well as in main(): bench/ calls train() without main().
+    fit_phase = FitPhase(start)
+    with OWNER.owning(fit_phase):
+        try:
+            # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
+            # this step.
+            with contextlib.suppress(SignalStop):
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
+            if trainer.is_global_zero:
+                summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
+                                      tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
+                write_summary(run_dir, {**summary,
+                                        DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
+            raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
+                                 "command with a lower optim.lr replaces it",
+                                 step=err.step, loss=err.loss, lr=err.lr) from None
+        if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
+            # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
+            left = (f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing "
+                    "retrained")
+            end = StopAtOnce("after training, while the summary and figures were written", left)
+            # A signal as fit ended (after its last step's poll, or in its teardown): the summary (the
+            # session's account) is written, the figures are left to resume=auto, the exit says it stopped.
+            late = stop.late_signal or fit_phase.received
+            stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
+            finish(cfg, trainer, timer, keep.session_start_step, stopped_by, module.tokens_per_step, end=end,
+                   pending=lambda: stop.late_signal or fit_phase.received)
     return trainer
 
 
 def finish(cfg: DictConfig, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
-           tokens_per_step: int) -> None:
+           tokens_per_step: int, end: StopAtOnce | None = None,
+           pending: Callable[[], int | None] = lambda: None) -> None:
     """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
-    it), then the figures when the run is complete (not requeued or stopped)."""
+    it; the caller's phase holds a signal while it is written), then the figures when the run is complete
+    (not requeued or stopped), under ``end``'s phase; a signal held meanwhile (``pending``) is answered by
+    ``end`` before them (one line, exit 128 + the signal)."""
     run_dir = Path(cfg.run_dir)
     write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
                                        tokens_per_step=tokens_per_step, figures=[], stopped_by=stopped_by))
-    if cfg.probe.enabled and stopped_by is None:
-        figures = draw_figures(run_dir)
-        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
-    log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
+    with OWNER.owning(end) if end is not None else contextlib.nullcontext():
+        if end is not None and (signum := pending()) is not None:
+            end(signum, None)
+        if cfg.probe.enabled and stopped_by is None:
+            figures = draw_figures(run_dir)
+            log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
+        log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
 
 
 def draw_figures(run_dir: Path) -> list[Path]:

@@ -45,13 +45,15 @@ class StopAtOnce:
 
 class FinishFirst:
     """A phase whose work must not be cut in half (a start being undone, the run's folder put back as it was
-    found): SIGINT or SIGTERM is said and not acted on; the process is stopping already (an undo follows a
-    stop or a failure) and says how to go on once that work is done."""
+    found; the session's summary, its account of what it trained): SIGINT or SIGTERM is said and kept in
+    ``received`` for the caller to act on once that work is done."""
 
     def __init__(self, doing: str) -> None:
         self.doing = doing
+        self.received: int | None = None  # the first signal that came, for the caller to act on after
 
     def __call__(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
         os.write(2, f"{signal.Signals(signum).name} {self.doing}: finishing that first\n".encode())
 
 
