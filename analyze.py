@@ -56,7 +56,7 @@ from normgeo.paths import (
     topmost_missing,
 )
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
-from normgeo.signals import stop_on_signals
+from normgeo.signals import ignore_at_exit, stop_on_signals
 
 log = logging.getLogger("normgeo.analyze")
 # The log's name until the outputs are written: a failed
@@ -184,7 +184,7 @@ def run(cfg: DictConfig) -> Refused | None:
     try:
         check_config("analyze", cfg)
         check_writable_folder(Path(cfg.out_dir), "out_dir")
-        check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE)
+        check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
     except (ConfigError, FolderError) as err:
         return refuse(cfg.out_dir, err)
     stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
@@ -213,4 +213,7 @@ def run(cfg: DictConfig) -> Refused | None:
 main = config_errors_exit_2(run, [Path(ANALYZE_CONF_DIR), CONF_ROOT / "shared"])
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        ignore_at_exit()

@@ -7,7 +7,7 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
-from normgeo.signals import OWNER, StopAtOnce
+from normgeo.signals import OWNER, FinishFirst, StopAtOnce, ignore_at_exit
 
 OWNER.take_requeue()
 
@@ -17,8 +17,9 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning as L
@@ -40,8 +41,14 @@ from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.lit import LitGPT, NonFiniteError
 from normgeo.config.checks import Refused, config_errors_exit_2, refuse
-from normgeo.config.compose import CONF_DIR, CONF_ROOT, close_file_logs
-from normgeo.config.schema import costly_values, odd_values, unmeasured_values
+from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
+from normgeo.config.schema import (
+    costly_values,
+    launch_cost,
+    odd_values,
+    training_device_type,
+    unmeasured_values,
+)
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
@@ -57,7 +64,7 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     save_run_config,
 )
-from normgeo.runs.session import DIVERGED, RunFinished, disk_full_refusal, resume_command
+from normgeo.runs.session import DIVERGED, RunFinished, continue_command, disk_full_refusal, resume_command
 from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
 from slurm.requeue import record_slurm_job, requeue_slurm_job
@@ -153,6 +160,22 @@ def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
             f"{trainer.world_size} · precision {trainer.precision} · {probe}")
 
 
+class FitPhase(FinishFirst):
+    """What SIGINT or SIGTERM does where training's Interrupt does not decide (fit's setup before it, its
+    teardown after) and while the end's summary is written: before the session's first optimizer step it
+    stops at once (nothing was trained); after it, it is held for the end to answer once the summary is
+    written (``received``)."""
+
+    def __init__(self, start: Start) -> None:
+        super().__init__("as training ended")
+        self.start = start
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.start.kept:
+            BEFORE_TRAINING(signum, frame)
+        super().__call__(signum, frame)
+
+
 class KeepStart(OptimizerStepCallback):
     """Keeps the start at this session's first optimizer step (normgeo.runs.start.Start.keep): a failure from
     then on keeps the files it wrote (before it, run() undoes the start)."""
@@ -194,7 +217,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     schedule: CheckpointSchedule = make_schedule(cfg)
     # SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits (at once during a validation or a
     # probe). Its handler is installed first; the checkpoint owner asks it after each step's probe.
-    stop = StopOnSignal(requeue, resume_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
+    stop = StopOnSignal(requeue, lambda: continue_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
     timer = Timer(verbose=False)  # the run's training time, kept in its checkpoints (summary.json's wall_s)
     keep = KeepStart(start)
     owned = make_callbacks(cfg, run_dir, schedule, stop, start.probe_ids)
@@ -209,7 +232,11 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
         log.info("%s", describe_run(cfg, trainer, module))
         # Legal but costly, valid but probably not meant, asked for but nothing
         # to measure: each said once in one line, and the run goes on as asked.
-        for kind, lines in (("costly", costly_values(cfg, probes=len(schedule) + 1)),
+        launch = launch_cost(cfg, parameters=module.model.num_parameters(),
+                             train_tokens=datamodule.data.num_tokens("train"),
+                             device=training_device_type(cfg.trainer), precision=str(trainer.precision))
+        for kind, lines in (("costly launch", launch),
+                            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
                             ("odd", odd_values(cfg)),
                             ("nothing measured", unmeasured_values(cfg))):
             for line in lines:
@@ -219,39 +246,56 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
-    try:
-        # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
-        # this step. The signals are owned here as well as in main(): bench/ calls train() without main().
-        with OWNER.owning(BEFORE_TRAINING), contextlib.suppress(SignalStop):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-        if trainer.is_global_zero:
-            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                  tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
-            write_summary(run_dir, {**summary,
-                                    DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
-        raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
-                             "command with a lower optim.lr replaces it",
-                             step=err.step, loss=err.loss, lr=err.lr) from None
-    if trainer.is_global_zero:
-        # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
-        left = f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing retrained"
-        with OWNER.owning(StopAtOnce("after training, while the summary and figures were written", left)):
-            finish(cfg, trainer, timer, keep.session_start_step, stop.stopped_by, module.tokens_per_step)
+    # Under training's Interrupt (fit's setup before it, its teardown after) and through the end's summary:
+    # before the first optimizer step a signal stops at once, after it the end answers it once the summary is
+    # written. The signals are owned here as well as in main(): bench/ calls train() without main().
+    fit_phase = FitPhase(start)
+    with OWNER.owning(fit_phase):
+        try:
+            # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
+            # this step.
+            with contextlib.suppress(SignalStop):
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
+            if trainer.is_global_zero:
+                summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
+                                      tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
+                write_summary(run_dir, {**summary,
+                                        DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
+            raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
+                                 "command with a lower optim.lr replaces it",
+                                 step=err.step, loss=err.loss, lr=err.lr) from None
+        if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
+            # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
+            left = (f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing "
+                    "retrained")
+            end = StopAtOnce("after training, while the summary and figures were written", left)
+            # A signal as fit ended (after its last step's poll, or in its teardown): the summary (the
+            # session's account) is written, the figures are left to resume=auto, the exit says it stopped.
+            late = stop.late_signal or fit_phase.received
+            stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
+            finish(cfg, trainer, timer, keep.session_start_step, stopped_by, module.tokens_per_step, end=end,
+                   pending=lambda: stop.late_signal or fit_phase.received)
     return trainer
 
 
 def finish(cfg: DictConfig, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
-           tokens_per_step: int) -> None:
+           tokens_per_step: int, end: StopAtOnce | None = None,
+           pending: Callable[[], int | None] = lambda: None) -> None:
     """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
-    it), then the figures when the run is complete (not requeued or stopped)."""
+    it; the caller's phase holds a signal while it is written), then the figures when the run is complete
+    (not requeued or stopped), under ``end``'s phase; a signal held meanwhile (``pending``) is answered by
+    ``end`` before them (one line, exit 128 + the signal)."""
     run_dir = Path(cfg.run_dir)
     write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
                                        tokens_per_step=tokens_per_step, figures=[], stopped_by=stopped_by))
-    if cfg.probe.enabled and stopped_by is None:
-        figures = draw_figures(run_dir)
-        log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
-    log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
+    with OWNER.owning(end) if end is not None else contextlib.nullcontext():
+        if end is not None and (signum := pending()) is not None:
+            end(signum, None)
+        if cfg.probe.enabled and stopped_by is None:
+            figures = draw_figures(run_dir)
+            log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
+        log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
 
 
 def draw_figures(run_dir: Path) -> list[Path]:
@@ -302,8 +346,8 @@ def run(cfg: DictConfig) -> Refused | None:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
         trainer = train(cfg, start)
-        # fit returned: its files stay (a stop during the step-0 probe saved last.ckpt at step 0)
-        start.keep()
+        if not start.kept:  # stopped before its first optimizer step (a signal in the first probe): it
+            start.undo()  # trained and saved nothing, and the folder goes back to how the start found it
     except BaseException as err:
         finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
@@ -344,8 +388,11 @@ def main() -> None:
     # The process's signal owner (normgeo.signals) puts back a caller's handlers (a test's, a notebook's)
     # when main returns.
     with OWNER.owning(BEFORE_TRAINING):
-        config_errors_exit_2(run, [Path(CONF_DIR), CONF_ROOT / "shared"])()
+        config_errors_exit_2(run, TRAIN_CONFIG_DIRS)()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        ignore_at_exit()

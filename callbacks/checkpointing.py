@@ -225,12 +225,15 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
-        which the step's end would have written), so that the resume continues from this step."""
+        which the step's end would have written), so that the resume continues from this step; none before
+        this session's first optimizer step (its probe at the step it started from): nothing new to keep."""
         if isinstance(exception, SignalStop):
             if self.signal_stop is not None:
                 self.signal_stop.abandoned(trainer, exception)
             self._after_validation = None
             step = trainer.global_step
+            if step == self.session_start_step:
+                return  # this session trained nothing: nothing to save (train.py undoes its start)
             if step in self.schedule and step in self.saved_steps:
                 self._save_last(trainer)
             else:

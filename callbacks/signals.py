@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning as L
@@ -52,7 +52,9 @@ class Interrupt:
         self.signum: int | None = None  # the signal this rank received first
         self.stopped_at: int | None = None  # the step at which training stopped, on every rank
         self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
-        self.resume_command = ""
+        # The command that goes on with the run, asked when it is printed: what the run's folder holds then
+        # decides it (normgeo.runs.session.continue_command).
+        self.continue_command: Callable[[], str] = str
         # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
         # one process only: ranks that did not receive the signal would wait in a collective.
         self.abandonable: str | None = None
@@ -61,6 +63,7 @@ class Interrupt:
         # The signal of a second interrupt: its SystemExit may surface as another exception
         # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
         self.abandoning: int | None = None
+        self.trained = False  # whether this session made an optimizer step: else a stop has nothing to save
 
     def enter(self, what: str) -> None:
         """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
@@ -79,14 +82,15 @@ class Interrupt:
         name = signal.Signals(signum).name
         if self.received:
             self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
-                     f"continue with:\n{self.resume_command}")
+                     f"continue with:\n{self.continue_command()}")
             self.abandoning = signum
             raise SystemExit(128 + signum)
         self.received, self.signum = True, signum
         if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
             what, self.abandonable = self.abandonable, None
             self.abandoned = what
-            self.say(f"{name}: abandoning {what}, saving last.ckpt ({name} again: stop now)")
+            saving = "saving last.ckpt" if self.trained else "nothing trained this session, nothing to save"
+            self.say(f"{name}: abandoning {what}, {saving} ({name} again: stop now)")
             raise SignalStop(what)
         self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
 
@@ -129,12 +133,13 @@ class StopOnSignal(L.Callback):
     this callback keeps the handler's life (installed on train start, put back at teardown) and marks
     validations abandonable. train.py requeues the job, or prints the resume command."""
 
-    def __init__(self, requeue: SlurmRequeue | None = None, resume_command: str = "",
+    def __init__(self, requeue: SlurmRequeue | None = None, continue_command: Callable[[], str] = str,
                  last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
         self.requeue = requeue
         self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message
         self.interrupt = Interrupt()
-        self.interrupt.resume_command = resume_command
+        self.interrupt.continue_command = continue_command
+        self.session_start_step = 0  # the step this session began at (a resume's checkpoint step)
 
     @property
     def stopped_by(self) -> str | None:
@@ -145,7 +150,15 @@ class StopOnSignal(L.Callback):
             return f"interrupted by {signal.Signals(self.interrupt.signum or signal.SIGTERM).name}"
         return None
 
+    @property
+    def late_signal(self) -> int | None:
+        """A stop signal this session received after its last step's poll (as fit ended: nothing left to
+        stop), which train.py's end honours; None when there was none or the poll acted on it."""
+        interrupt = self.interrupt
+        return interrupt.signum if interrupt.received and interrupt.stopped_at is None else None
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.session_start_step = trainer.global_step
         if self.requeue is not None:
             self.requeue.training = True
         self.interrupt.announce = trainer.is_global_zero
@@ -186,6 +199,7 @@ class StopOnSignal(L.Callback):
     def poll(self, trainer: L.Trainer, step: int) -> None:
         """After optimizer step ``step``: whether any rank received a stop signal; if so, every rank stops
         here (``trainer.should_stop``)."""
+        self.interrupt.trained = True
         if trainer.should_stop or step >= trainer.max_steps:
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
         # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
@@ -240,9 +254,14 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
         wait_for_other_ranks(trainer)  # their last words must come before the resume command
         saved = stop.last_checkpoint
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
-        print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
-              f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
-        print(interrupt.resume_command, file=sys.stderr, flush=True)
+        if interrupt.stopped_at == stop.session_start_step:  # nothing trained, nothing saved (see train.py)
+            print(f"interrupted by {signal.Signals(signum).name} before this session's first optimizer step"
+                  f"{abandoned}: nothing trained, nothing saved, the run's folder as this session found it; "
+                  "go on with:", file=sys.stderr)
+        else:
+            print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
+                  f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
+        print(interrupt.continue_command(), file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 

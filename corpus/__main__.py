@@ -19,10 +19,12 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
-from corpus.prepare import PreparedDataError, load_prepared, prepare
+from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.config.checks import group_options, unknown_group_option
-from normgeo.config.compose import CONF_DIR, CONF_ROOT
+from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
+from normgeo.paths import FolderError, check_own_folder
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
 USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [data_root=...]"
@@ -30,7 +32,7 @@ USAGE = "usage: python -m corpus [verify] data=<option> [data.source.path=...] [
 
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
-    groups = [Path(CONF_DIR), CONF_ROOT / "shared"]
+    groups = TRAIN_CONFIG_DIRS
     if {"-h", "--help"} & set(overrides):
         print(f"{__doc__.split(chr(10) + chr(10))[0]}\n\n{USAGE}\n\ndata=<option>: "
               f"{', '.join(group_options('data', groups) or [])}; every other key as train.py takes it "
@@ -52,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         source = instantiate(data_cfg.source)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {err}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
+        check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
+    except FolderError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         if verify_only:

@@ -49,8 +49,9 @@ from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
 from normgeo.measure.records import ANGLES_FILE
-from normgeo.paths import check_writable_folder
+from normgeo.paths import check_own_folder, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 from normgeo.verdict.declared import load_verdict_config
 
@@ -84,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # every option checked before anything is written
         formats = check_formats(args.formats.split(","))
         check_writable_folder(out_dir, "--out")
+        check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside="compare")  # not in a run
     except ValueError as err:  # FolderError is one
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -111,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"written to {out_dir}")
     if damaged:  # the others are compared; the exit status says the comparison is not of every run
         for err in damaged:
-            print(f"skipped {err.path.parent}: {err}", file=sys.stderr)
+            print(f"skipped {err.run_dir or err.path.parent}: {err}", file=sys.stderr)
         print(f"error: {len(damaged)} run(s) skipped for damaged records (listed above); the other runs are "
               f"compared in {out_dir}", file=sys.stderr)
         return 1

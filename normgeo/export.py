@@ -61,9 +61,9 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.paths import FolderError, check_writable_folder
+from normgeo.paths import FolderError, check_own_folder, check_writable_folder
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.run_config import LAST_CHECKPOINT, RUN_CONFIG_FILE
+from normgeo.runs.run_config import EXPORT_INFO, LAST_CHECKPOINT, OUTPUT_MARKERS, RUN_CONFIG_FILE
 from normgeo.runs.session import divergence
 from normgeo.signals import stop_on_signals
 
@@ -73,7 +73,6 @@ CONVERTING_TARGETS = ("hf", "nnsight")  # the targets that save the Hugging Face
 # The token ids the model card's parity is measured on: (sequences, tokens), seeded, capped at the context.
 PARITY_SHAPE = (4, 64)
 PARITY_SEED = 0
-EXPORT_INFO = "normgeo_export.json"
 CHECKPOINT_NAME = "step-{step:07d}.ckpt"
 
 
@@ -346,15 +345,10 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
     try:  # a read-only or file-shaped parent: one line now, not an OSError after the conversion
         check_writable_folder(out_dir, "--out")
+        # Not inside a run (where resume, status and the sweep readers look), nor any other command's folder.
+        check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside=target)
     except FolderError as err:
         raise ExportError(str(err)) from None
-    resolved = out_dir.resolve()
-    if inside := next((d for d in (resolved, *resolved.parents) if (d / RUN_CONFIG_FILE).is_file()), None):
-        raise ExportError(
-            f"--out {out_dir} is inside the run directory {inside}, where resume, status and the "
-            f"sweep readers look for runs and checkpoints; write it beside the run, e.g. --out "
-            f"{inside.parent / f'{inside.name}-{target}'}"
-        )
     path = choose_checkpoint(run_dir, step, checkpoint)
     try:
         gpt, saved_step, hparams = load_checkpoint(path)

@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,20 +70,41 @@ def check_writable_folder(folder: Path, key: str) -> None:
         )
 
 
-def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: str) -> None:
-    """``folder`` may take this command's outputs: FolderError when it is the filesystem's root, holds another
-    command's outputs (one of ``markers``, file name -> what it marks, other than this command's ``own``), or
-    holds a sweep (a visible folder one level down holding a marker): a command writes only where it owns."""
+def folder_owner(folder: Path, markers: Mapping[str, str]) -> tuple[Path, str] | None:
+    """The nearest of ``folder`` (resolved) and its parents holding one of ``markers`` (file name -> what it
+    marks), with that marker's name: the command whose folder ``folder`` is, or lies in (None: none)."""
+    resolved = folder.resolve()
+    for candidate in (resolved, *resolved.parents):
+        name = next((name for name in markers if (candidate / name).is_file()), None)
+        if name is not None:
+            return candidate, name
+    return None
+
+
+def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: str | None,
+                     own_subfolders: Collection[str] = (), beside: str = "out") -> None:
+    """``folder`` may take this command's outputs: FolderError when it is the filesystem's root; is, or lies
+    at any depth below, a folder holding another command's outputs (one of ``markers``, file name -> what it
+    marks; a folder marked by this command's ``own`` is its own, to write again, but nothing goes below it);
+    or holds a sweep (a visible folder one level down holding a marker): a command writes only where it owns.
+    ``own_subfolders`` are the folders this command keeps inside another's (report's ``figures``, the
+    figures of the run it draws); ``beside`` names the folder the refusal suggests beside the owner's."""
     resolved = folder.resolve()
     if resolved == Path(resolved.anchor):
         raise FolderError(f"{key}={folder}: the filesystem's root (an unset variable in the path?); choose a "
                           f"folder of its own, e.g. {key}=outputs/...")
+    if (owned := folder_owner(resolved, markers)) is not None:
+        owner, name = owned
+        inside = resolved.relative_to(owner).parts
+        if owner == resolved and name != own:
+            raise FolderError(f"{key}={folder} holds {markers[name]}: nothing of this command goes there; "
+                              f"choose another {key}=...")
+        if owner != resolved and inside[0] not in own_subfolders:
+            raise FolderError(f"{key}={folder} is inside {owner}, which holds {markers[name]}: nothing of "
+                              f"this command goes there; write it beside that folder, e.g. "
+                              f"{key}={owner.parent / f'{owner.name}-{beside}'}")
     if not resolved.is_dir():
         return
-    for name, what in markers.items():
-        if name != own and (resolved / name).is_file():
-            raise FolderError(f"{key}={folder} holds {what}: nothing of this command goes there; "
-                              f"choose another {key}=...")
     runs = sorted(child.name for child in resolved.iterdir()
                   if child.is_dir() and not child.name.startswith(".")
                   and any((child / name).is_file() for name in markers))

@@ -68,8 +68,8 @@ from models.plan import (
     measure_step,
     quiet_plan,
 )
-from normgeo.config.checks import check_config
-from normgeo.config.compose import CONF_DIR
+from normgeo.config.checks import check_config, unknown_group_option
+from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import ConfigError
 from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load
@@ -117,6 +117,8 @@ def record_measurement(report: dict, path: Path = MEASURED_PEAKS) -> dict:
 
 def compose(overrides: Sequence[str]) -> DictConfig:
     """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
+    if refusal := unknown_group_option(overrides, TRAIN_CONFIG_DIRS):  # the options listed, as train.py does
+        raise ConfigError(refusal)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))
     check_config("train", cfg)

@@ -25,12 +25,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.angles import plot_compare, write_run_figures
+from normgeo.figures.angles import FIGURES_DIR, plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
-from normgeo.measure.run_records import read_run_records
-from normgeo.paths import FolderError, check_writable_folder
-from normgeo.readers.identity import DuplicateRuns, check_unique_runs
+from normgeo.paths import FolderError, check_own_folder, check_writable_folder
+from normgeo.readers.identity import DuplicateRuns, check_unique_runs, read_run_files
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
 
@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         try:
-            runs[str(run_dir)] = read_run_records(run_dir)[ANGLES_FILE]  # every records file, one rule
+            # every file of the run by its one reader (compare's and status's): a damaged one skips the run
+            runs[str(run_dir)] = read_run_files(run_dir).records[ANGLES_FILE]
         except DamagedRecords as err:
             print(f"skipped {run_dir}: {err}", file=sys.stderr)
             skipped.append(err)
@@ -90,11 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    run_out = {run: (args.out / Path(run).name if args.out else Path(run) / "figures") for run in runs}
-    out_dir = args.out or Path(next(iter(runs))) / "figures"
+    run_out = {run: (args.out / Path(run).name if args.out else Path(run) / FIGURES_DIR) for run in runs}
+    out_dir = args.out or Path(next(iter(runs))) / FIGURES_DIR
     try:
-        for folder in {*run_out.values(), out_dir}:
+        for folder in dict.fromkeys([out_dir, *run_out.values()]):  # --out first: the folder named
             check_writable_folder(folder, "--out")
+            # Not into a run's other folders (checkpoints/, csv/) nor another command's: a run's own figures/
+            # (report's default) is the one folder it keeps inside a run.
+            check_own_folder(folder, "--out", OUTPUT_MARKERS, own=None, own_subfolders=(FIGURES_DIR,),
+                             beside="figures")
     except FolderError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,20 @@ class StopAtOnce:
         raise SystemExit(128 + signum)
 
 
+class FinishFirst:
+    """A phase whose work must not be cut in half (a start being undone, the run's folder put back as it was
+    found; the session's summary, its account of what it trained): SIGINT or SIGTERM is said and kept in
+    ``received`` for the caller to act on once that work is done."""
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+        self.received: int | None = None  # the first signal that came, for the caller to act on after
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+        os.write(2, f"{signal.Signals(signum).name} {self.doing}: finishing that first\n".encode())
+
+
 class SignalOwner:
     """The handler of this process's stop signals (:data:`OWNER`, the one instance); see the module's doc."""
 
@@ -128,3 +142,12 @@ def stop_on_signals(doing: str, again: str) -> None:
     stops it at once (:class:`StopAtOnce`), through the owner."""
     OWNER.take(STOP_SIGNALS)
     OWNER.enter(StopAtOnce(doing, again))
+
+
+def ignore_at_exit() -> None:
+    """An entry point's main has returned or raised: its exit code and last line are decided. SIGINT and
+    SIGTERM are ignored from here on, so that a second Ctrl-C while the interpreter exits (an atexit callback)
+    adds no traceback below the last line and a SIGTERM does not turn the exit code into a kill's."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)

@@ -15,7 +15,8 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
   column reads ``pretrained`` for a model measured as published.
 
 A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
-``damaged``; the file and line go to stderr and the exit status is 1. Two folders holding the same run (arm
+``damaged``; a damaged ``summary.json``, ``metrics.csv`` or config leaves what it would have said unknown
+(``-``, the state ``unknown``); each file and line (or key) goes to stderr and the exit status is 1. Two folders holding the same run (arm
 keys and seed, :mod:`normgeo.readers.identity`) are refused
 as ``normgeo.compare`` refuses them: each named, exit 2.
 

@@ -100,8 +100,8 @@ def test_bad_input_is_refused_with_one_line_and_nothing_written(capsys, tmp_path
     (run / "run_config.yaml").write_text("seed: 0\n")
     for inside in (run / "exported", run / "checkpoints" / "hf"):
         message = refused(capsys, tmp_path, run, "--to", "hf", "--out", inside)
-        assert f"is inside the run directory {run.resolve()}" in message
-        assert message.endswith(f"--out {run.resolve().parent / 'dyt-post-hf'}")
+        assert f"is inside {run.resolve()}, which holds a training run (train.py)" in message
+        assert message.endswith(f"--out={run.resolve().parent / 'dyt-post-hf'}")
     # A checkpoint of another run would get this run's model card: refused, naming its run.
     other = tmp_path / "other-run"
     foreign = hand_checkpoint(other / "checkpoints" / "step-0000003.ckpt", "rms")

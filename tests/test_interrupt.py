@@ -309,3 +309,87 @@ def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_complete
     # Complete now: the same command says so and changes nothing.
     again = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "drawing them" not in again.stdout and "already finished" in again.stdout
+
+
+# A probe of seconds at step 0 (the interruptions below land in it), the intervention's forwards left out.
+LONG_PROBE = ("max_steps=2", "checkpoint.steps=[2]", "probe.tokens=16384", "probe.intervention=[]")
+
+
+def interrupt_twice_in_the_first_probe(run_dir: Path, signum: int) -> tuple[int, list[str]]:
+    """Start train.py and, 1.5 s after its run config is saved (fit starts next: the step-0 probe), send
+    ``signum`` twice, 0.05 s apart: the exit code and the lines of stderr."""
+    err_path = run_dir.parent / f"{run_dir.name}-twice.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(train_args(run_dir, *LONG_PROBE), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (run_dir / "run_config.yaml").is_file():
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
+                time.sleep(0.02)
+            time.sleep(1.5)
+            for _ in range(2):
+                proc.send_signal(signum)
+                time.sleep(0.05)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode, err_path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_command_printed_after_two_signals_before_the_first_last_ckpt_is_accepted(
+        tmp_path: Path, signum: int) -> None:
+    """Issue 64, class 4: two Ctrl-C (or, a variant, two SIGTERM) in a new run's step-0 probe, before any
+    last.ckpt: the printed command is one train.py accepts (the run's own command: nothing to resume), and it
+    trains the run to its end; before: "continue with: ... resume=auto", refused ("no checkpoint to resume
+    from")."""
+    run_dir = tmp_path / "run"
+    code, lines = interrupt_twice_in_the_first_probe(run_dir, signum)
+    assert code == 128 + signum, "\n".join(lines[-30:])
+    # Class 6: a session that trained nothing saved nothing (before: a last.ckpt of step 0, 4 GB for size=1b),
+    # and its start is undone: the new run's folder is gone.
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+    if lines[-1].endswith("nothing was trained; run the same command again"):  # the second signal after fit
+        command = train_args(run_dir, *LONG_PROBE)
+    else:
+        command = shlex.split(lines[-1])
+        assert command[-1] == f"run_dir={run_dir}" and "resume=auto" not in command, lines[-3:]
+    assert "Traceback" not in "\n".join(lines), "\n".join(lines[-30:])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_as_fit_ends_stops_the_end_and_says_so(tmp_path: Path, signum: int) -> None:
+    """Issue 64, class 3: SIGINT or SIGTERM just after Lightning's "`Trainer.fit` stopped" (the last step's
+    poll is past): the summary is written (its session ``interrupted by ...``), the figures are left, one line
+    says so with the command that draws them, and the exit is 128 + the signal; the command completes the run
+    without retraining; before: the figures drawn and exit 0 (SIGTERM: after a "finishing this optimizer step"
+    line), with nothing in the summary saying the session was interrupted."""
+    run_dir = tmp_path / "end"
+    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]")
+    err_path = tmp_path / "end.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 300
+        while "`Trainer.fit` stopped" not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
+            time.sleep(0.001)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=120)
+    lines = err_path.read_text().splitlines()
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, "\n".join(lines[-20:])
+    said = f"{name} after training, while the summary and figures were written: stopped"
+    assert lines[-1].startswith(said), lines[-3:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] is True and summary["figures"] == []
+    assert summary["session_log"][-1]["ended"] == f"interrupted by {name}"
+    command = lines[-1].split("checkpointed; ", 1)[1].split(" writes the rest", 1)[0]
+    done = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "drawing them (nothing is retrained)" in done.stdout, done.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["figures"]

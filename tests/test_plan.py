@@ -29,6 +29,8 @@ from models.plan import (
     trace_compiled_step,
     trace_step,
 )
+from normgeo.config.checks import group_options
+from normgeo.config.compose import TRAIN_CONFIG_DIRS
 from normgeo.plan import compose, measured_overrides, measured_peaks
 from normgeo.plan import main as plan_main
 from normgeo.runs.preflight import PlanRefusal, preflight, setup_from_config
@@ -297,6 +299,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, override: str, capfd, 
     stderr = capfd.readouterr().err
     assert stderr.startswith("error: ") and stderr.strip().count("\n") == 0, stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override", ["size=70M", "norm=batch"])
+def test_an_unknown_group_option_lists_the_choices_as_train_py_does(override: str, capfd) -> None:
+    """Issue 64, class 5: ``python -m normgeo.plan size=70M`` names the options of the group, the line
+    train.py prints (checks.unknown_group_option; before: Hydra's "Could not find 'size/70M'")."""
+    capfd.readouterr()
+    assert plan_main([override]) == 2
+    stderr = capfd.readouterr().err
+    group, option = override.split("=")
+    options = group_options(group, TRAIN_CONFIG_DIRS)
+    listed = ", ".join(options)
+    assert stderr.strip() == f"error: {override}: no such option of {group}; choose from {listed}", stderr
+    assert option not in options and "tiny" in group_options("size", TRAIN_CONFIG_DIRS)
 
 
 @pytest.mark.slow

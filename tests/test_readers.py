@@ -5,6 +5,7 @@ and say ``--out`` when they cannot write (through the entry points, on the real 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -117,3 +118,51 @@ def test_status_checks_its_options(capfd) -> None:
     one_error_line(
         module_main(capfd, "status", "--active-minutes=nan", "--no-slurm"), 2, "--active-minutes=nan"
     )
+
+
+def test_every_file_of_a_run_is_read_by_one_reader_that_names_it(sweep: Path, capfd) -> None:
+    """Issue 64, class 2: a summary.json with text where a number belongs and a damaged metrics.csv, through
+    compare and status: each names the file, the line and what it expected, the advice fits the file, the
+    other runs go on, the exit says something was skipped (before: compare aborted with "could not convert
+    string to float: 'abc'" or pandas' "Error tokenizing data", status said nothing)."""
+    summary = sweep / "tiny-rms-s1" / "summary.json"
+    summary.write_text(summary.read_text().replace('"train_loss": ', '"train_loss": "abc", "was": ', 1))
+    metrics = sweep / "tiny-layer-s1" / "csv" / "version_0" / "metrics.csv"
+    metrics.write_text(metrics.read_text() + '3,"cut\n')
+    result = module_main(capfd, "compare", sweep, "--formats=png")
+    said = result.stderr
+    assert (f"skipped {summary.parent}: {summary}:" in said and "damaged summary ('train_loss' is 'abc', "
+            "expected a number or null); copy it again" in said), said[-3000:]
+    assert f"skipped {metrics.parents[2]}: {metrics}:" in said and "damaged metrics row" in said, said[-3000:]
+    assert "remove that line" not in said  # a one-object JSON file has no line to remove
+    one_error_line(result, 1, "2 run(s) skipped for damaged records")
+    assert "tiny-rms-s0" in (sweep / "compare" / "summary.md").read_text()
+    status = module_main(capfd, "status", sweep, "--no-slurm", "--json")
+    assert f"damaged tiny-layer-s1: {metrics}:" in status.stderr and f"{summary}:" in status.stderr
+    one_error_line(status, 1, "2 run(s) with damaged records")
+    rows = {row["run"]: row for row in map(json.loads, status.stdout.splitlines())}
+    assert rows["tiny-layer-s1"]["loss"] is None and rows["tiny-layer-s0"]["loss"] is not None
+
+
+def test_a_damaged_summary_or_an_empty_records_file_is_named_by_status_and_report(sweep: Path, capfd) -> None:
+    """Issue 64, class 2: an empty summary.json, one with ``"step": "lots"`` (its checkpoints deleted) and an
+    empty energy.jsonl: status shows the state as unknown with the reason (before: ``running -/3``, silent),
+    report skips the run naming the file (before: silent) and compare too (before: "energy: 0 file(s)")."""
+    empty, lots = sweep / "tiny-rms-s0" / "summary.json", sweep / "tiny-rms-s1" / "summary.json"
+    empty.write_text("")
+    lots.write_text(lots.read_text().replace('"step": 3', '"step": "lots"', 1))
+    for run in (empty.parent, lots.parent):
+        shutil.rmtree(run / "checkpoints")
+    energy = sweep / "tiny-layer-s1" / "energy.jsonl"
+    energy.write_text("")
+    status = module_main(capfd, "status", sweep, "--no-slurm", "--json")
+    rows = {row["run"]: row for row in map(json.loads, status.stdout.splitlines())}
+    assert rows["tiny-rms-s0"]["state"] == "unknown" and rows["tiny-rms-s1"]["state"] == "unknown", rows
+    assert f"{empty}:1: damaged summary (empty: no summary in it)" in status.stderr, status.stderr[-3000:]
+    assert f"{lots}:" in status.stderr and "'step' is 'lots', expected a whole number" in status.stderr
+    assert f"{energy}:1: damaged record (no record in the file" in status.stderr
+    one_error_line(status, 1, "3 run(s) with damaged records")
+    report = module_main(capfd, "report", sweep / "tiny-layer-s0", empty.parent, f"--out={sweep / 'figs'}")
+    assert f"skipped {empty.parent}: {empty}:1: damaged summary" in report.stderr, report.stderr[-3000:]
+    one_error_line(report, 1, "1 run(s) skipped")
+    one_error_line(module_main(capfd, "report", energy.parent), 2, "no readable run")

@@ -8,6 +8,7 @@ steps after its last.ckpt (written every step here) and its unflushed CSV rows; 
 from __future__ import annotations
 
 import csv
+import json
 import random
 import signal
 import subprocess
@@ -219,3 +220,31 @@ def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(
     for key, row in angles.items():
         assert row["count"] == ref_angles[key]["count"]
         assert row["mean_deg"] == pytest.approx(ref_angles[key]["mean_deg"], abs=1e-3), key
+
+
+def test_a_killed_sessions_time_up_to_its_last_checkpoint_counts_in_wall_s(tmp_path: Path) -> None:
+    """Issue 64, class 3 (docs/training.md checked): after a SIGKILL, the resumed run's ``wall_s`` is the
+    killed session's training time up to its last checkpoint (Lightning's Timer, kept in last.ckpt) plus the
+    resumed session's, not the resumed session's alone; ``session_log`` lists the sessions that wrote a
+    summary (the killed one wrote none)."""
+    run_dir = tmp_path / "killed"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    settings = ("max_steps=6", "checkpoint.last_every=2", "checkpoint.steps=[6]")
+    proc = subprocess.Popen(train_args(run_dir, *settings), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (last.exists() and ckpt_step(last) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "no last.ckpt at step 2"
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    trained_s = saved["callbacks"]["Timer"]["time_elapsed"]["train"]
+    assert trained_s > 0
+    run_to_end(run_dir, *settings, "resume=auto")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [session] = summary["session_log"]
+    assert session["steps"] == [saved["global_step"], 6]
+    assert summary["wall_s"] == pytest.approx(trained_s + session["wall_s"], abs=2e-3)

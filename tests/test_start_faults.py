@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import normgeo.runs.start as start_checks
+from corpus.__main__ import main as corpus_main
 from normgeo.paths import FolderError, check_writable_folder
 from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
 from normgeo.runs.preflight import PLAN_FILE, PlanRefusal, read_kept_plan
@@ -409,6 +410,42 @@ def test_a_command_writes_only_into_folders_it_owns(workspace: Path, capsys) -> 
     assert sha_tree(sweep) == before
     # Its own folder: a run resumes into its run_dir (nothing left to train here: one line, exit 0).
     resumed = train_in_process(run_dir, "max_steps=1", "probe.enabled=false", "resume=auto", capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_no_command_writes_below_a_run_or_a_data_folder(workspace: Path, capfd) -> None:
+    """Issue 64, class 1: the rule holds at every depth: analyze.py ``out_dir=<run>/checkpoints``,
+    ``normgeo.compare --out <run>`` and ``--out <run>/checkpoints``, ``normgeo.report --out
+    <run>/checkpoints``, and (variants) an export or a comparison into a prepared data folder are refused in
+    one line, exit 2, nothing written; the run's own ``resume=auto`` still goes (before: analyze wrote
+    angles.jsonl, .hydra/ and analyze.log among the checkpoints and the resume was refused as "holds a
+    sweep"; compare wrote ~90 files into the run)."""
+    run_dir = workspace / "below" / "a-run"
+    train_here(run_dir, "max_steps=1")
+    data = workspace / "data" / "pydoc"
+    before, data_before = sha_tree(run_dir), sha_tree(data)
+    analysis = ["model=checkpoint", f"model.checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}",
+                "probe=pydoc", "probe.tokens=512", "device=cpu", "progress=false"]
+    inside = f"is inside {run_dir.resolve()}, which holds a training run (train.py): nothing of this command"
+    done = run_entry_point("analyze", [*analysis, f"out_dir={run_dir / 'checkpoints'}"], capfd)
+    assert_refused(done, f"out_dir={run_dir / 'checkpoints'} {inside}", f"out_dir={run_dir}-analysis")
+    for out in (run_dir, run_dir / "checkpoints"):
+        assert_refused(module_main(capfd, "compare", run_dir, "--out", out), f"--out={out} ")
+    assert_refused(module_main(capfd, "report", run_dir, "--out", run_dir / "checkpoints"),
+                   f"--out={run_dir / 'checkpoints'} {inside}")
+    assert_refused(module_main(capfd, "export", run_dir, "--to", "hf", "--out", data / "hf"),
+                   f"is inside {data.resolve()}, which holds prepared data (python -m corpus)")
+    assert_refused(module_main(capfd, "compare", run_dir, "--out", data), f"--out={data} holds prepared data")
+    # Prepared data is a folder of its own too: python -m corpus, or train.py preparing, inside a run.
+    capfd.readouterr()
+    assert corpus_main(["data=pydoc", f"data_root={run_dir}"]) == 2
+    assert capfd.readouterr().err.strip().startswith(f"error: data.directory={run_dir / 'pydoc'} is inside")
+    other = workspace / "below" / "b-run"
+    done = run_entry_point("train", [*FAST, f"run_dir={other}", f"data_root={run_dir}"], capfd)
+    assert_refused(done, f"data.directory={run_dir / 'pydoc'} is inside {run_dir.resolve()}")
+    assert sha_tree(run_dir) == before and sha_tree(data) == data_before
+    resumed = train_in_process(run_dir, "max_steps=1", "resume=auto", capsys=capfd)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
 

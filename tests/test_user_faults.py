@@ -16,8 +16,9 @@ import normgeo.report as report
 from corpus.prepare import PreparedDataError
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import launch_cost
 from normgeo.runs.start import StartError, check_trainer
-from tests.conftest import ROOT
+from tests.conftest import FAST, ROOT, entry_point_here
 
 
 def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
@@ -368,3 +369,31 @@ def test_analyze_lists_no_probe_key_it_ignores_and_refuses_them() -> None:
         "probe.enabled" not in analyze and "probe.batch_size" not in analyze and "model.batch_size" in analyze
     )
     assert "probe.enabled: bool = true" in train and "probe.batch_size: int >= 1 = 8" in train
+
+
+def test_the_headline_launch_without_a_gpu_says_once_what_it_costs_and_what_to_run_instead() -> None:
+    """Issue 64, class 6: ``train.py norm=rms size=1b`` on a CPU over the embedded pydoc corpus (~139k
+    training tokens): one warning line with the passes over the data and the model on the CPU, and what to
+    run instead (before: not a word); the smoke-sized default says nothing."""
+    cfg = composed_train("norm=rms", "size=1b", "trainer=cpu")
+    [line] = launch_cost(cfg, parameters=1_010_000_000, train_tokens=139_000, device="cpu",
+                         precision="32-true")
+    assert "50,000 steps of 65,536 tokens are ~23,574 passes over the 139,000 training tokens" in line, line
+    assert "data=openwebtext" in line and "1,010M-parameter model trained in 32-true on the CPU" in line
+    assert "a GPU machine (or size=tiny here)" in line
+    # On a GPU over a large corpus, or the small default run: nothing to say.
+    assert launch_cost(cfg, parameters=1_010_000_000, train_tokens=9_000_000_000, device="cuda",
+                       precision="bf16-mixed") == []
+    tiny = composed_train("size=tiny", "trainer=cpu")
+    assert launch_cost(tiny, parameters=400_000, train_tokens=139_000, device="cpu",
+                       precision="32-true") == []
+
+
+@pytest.mark.slow
+def test_the_costly_launch_warning_is_one_line_at_start(tmp_path: Path) -> None:
+    """The same warning through train.py (the data's real token count): once, and the run goes on."""
+    done = entry_point_here("train", [*FAST, f"run_dir={tmp_path / 'run'}", f"data_root={tmp_path / 'data'}",
+                                      "size.max_steps=30000", "stop_at_step=1", "probe.enabled=false"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "costly launch:" in line]
+    assert len(said) == 1 and "passes over the" in said[0] and "data=openwebtext" in said[0], said

@@ -21,6 +21,9 @@ from normgeo.paths import REPO_ROOT, path_slug, slug
 CONF_ROOT = REPO_ROOT / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
 ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
+# Where train.py's config groups live (its own, then the groups it shares with analyze.py): what every entry
+# point composing train.py's config (train.py, normgeo.plan, python -m corpus) lists a group's options from.
+TRAIN_CONFIG_DIRS = (Path(CONF_DIR), CONF_ROOT / "shared")
 
 
 def write_hydra_files(folder: Path, config: DictConfig) -> None:

@@ -439,6 +439,31 @@ def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
     return lines
 
 
+# Above these a launch is said at start, once, with its cost and what to run instead (launch_cost).
+PASSES_WARNED = 100  # passes over the training tokens: the run learns a small corpus by heart
+CPU_PARAMETERS_WARNED = 100_000_000  # parameters trained on a CPU: a model sized for a GPU
+
+
+def launch_cost(cfg: DictConfig, *, parameters: int, train_tokens: int, device: str,
+                precision: str) -> list[str]:
+    """At most one line for a launch that is valid but probably not meant (the headline ``size=1b`` on a
+    machine without a GPU, over the small default corpus): what it costs and what to run instead."""
+    step_tokens = cfg.global_batch * cfg.seq_len
+    passes = cfg.max_steps * step_tokens / max(train_tokens, 1)
+    costs, instead = [], []
+    if passes > PASSES_WARNED:
+        costs.append(f"{cfg.max_steps:,} steps of {step_tokens:,} tokens are ~{passes:,.0f} passes over the "
+                     f"{train_tokens:,} training tokens of data={cfg.data.name}")
+        instead.append("data=openwebtext (prepared once, online: python -m corpus data=openwebtext) or fewer "
+                       "max_steps")
+    if device == "cpu" and parameters > CPU_PARAMETERS_WARNED:
+        costs.append(f"a {parameters / 1e6:,.0f}M-parameter model trained in {precision} on the CPU")
+        instead.append("a GPU machine (or size=tiny here)")
+    if not costs:
+        return []
+    return [f"size={cfg.size.name}: {'; '.join(costs)}; run with {', and '.join(instead)} instead"]
+
+
 def odd_values(cfg: DictConfig) -> list[str]:
     """One line per setting that is valid but probably not what was meant (the run goes on as asked): a
     warm-up as long as the run or longer, whose learning rate reaches its peak late or never decays."""
@@ -529,9 +554,20 @@ def check_probe_source(probe: DictConfig) -> None:
 
 
 def check_output_root(cfg: DictConfig) -> None:
-    """An empty output_root (an unset shell variable: output_root=$OUT) would put the outputs at the root."""
-    _expect(str(cfg.output_root).strip() != "", "output_root", cfg.output_root,
-            "a folder, e.g. output_root=outputs (an unset shell variable gives an empty one)")
+    """Every name that becomes a path, checked alike: an empty folder (an unset shell variable:
+    output_root=$OUT) would put the outputs at the root or in the working directory; an empty, ``.`` or
+    ``..`` run_name would put the run into output_root itself (beside data/, the other runs) or above."""
+    examples = {"output_root": "outputs", "run_dir": "outputs/my-run", "out_dir": "outputs/analyze/my-model",
+                "data_root": "data"}
+    for key, example in examples.items():
+        if key in cfg:
+            _expect(str(cfg[key]).strip() != "", key, cfg[key],
+                    f"a folder, e.g. {key}={example} (an unset shell variable gives an empty one)")
+    if "run_name" in cfg:
+        parts = str(cfg.run_name).replace("\\", "/").split("/")
+        _expect(all(part.strip() not in ("", ".", "..") for part in parts), "run_name", cfg.run_name,
+                "a folder name of its own under output_root, e.g. run_name=my-run (empty, '.' or '..' puts "
+                "the run into output_root itself, beside data/ and the other runs, or above it)")
 
 
 def check_train(cfg: DictConfig) -> None:

@@ -17,6 +17,8 @@ from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
 from normgeo.paths import slug
 
+FIGURES_DIR = "figures"  # a run's own figures: train.py's at the end, normgeo.report's by default
+
 
 def _layer_position(layer, n_layers: int) -> float:
     if layer == "final":
@@ -220,7 +222,7 @@ def write_run_figures(
     rows = read_rows(run_dir / ANGLES_FILE)
     if not rows:
         return []
-    out_dir = out_dir or run_dir / "figures"
+    out_dir = out_dir or run_dir / FIGURES_DIR
     figures = []
     by_model = defaultdict(list)
     for row in rows:

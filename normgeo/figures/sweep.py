@@ -3,7 +3,6 @@ per-run summary (:func:`summary_table`). What the comparison figures and the ver
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +11,9 @@ import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
-from normgeo.measure.run_records import read_run_records
-from normgeo.readers.identity import check_unique_runs, identity_from_config, read_run_config
-from normgeo.readers.metrics import last_value, read_metrics
+from normgeo.readers.identity import check_unique_runs, identity_from_config, read_run_files
+from normgeo.readers.metrics import last_value
 from normgeo.readers.status import find_runs, is_analysis
-from normgeo.runs.run_config import SUMMARY_FILE
 
 
 @dataclass
@@ -45,21 +42,6 @@ def run_directories(paths: Sequence[Path]) -> list[Path]:
     return sorted(dict.fromkeys(p.resolve() for p in found))
 
 
-def run_summary(run_dir: Path) -> dict:
-    """The run's summary.json ({} when absent); raises :class:`DamagedRecords` naming the file when it is cut
-    short or not a JSON object."""
-    path = run_dir / SUMMARY_FILE
-    if not path.is_file():
-        return {}
-    try:
-        summary = json.loads(path.read_text(errors="replace"))
-    except json.JSONDecodeError as err:
-        raise DamagedRecords(path, err.lineno, f"{err.msg} at column {err.colno}") from None
-    if not isinstance(summary, dict):
-        raise DamagedRecords(path, 1, f"a JSON {type(summary).__name__}, not an object")
-    return summary
-
-
 def records_frame(comparison: Comparison, filename: str) -> pd.DataFrame:
     """One records file (``energy.jsonl``, ``intervention.jsonl``, ...) of every run, with the run's name,
     arm and seed; empty if no run has it."""
@@ -83,14 +65,12 @@ def load(paths: Sequence[Path]) -> Comparison:
     found = run_directories(paths)
     check_unique_runs(found)  # two folders of one arm and seed: refused before anything is read
     for run_dir in found:
-        try:
-            # every records file read: a damaged one skips the run
-            rows = read_run_records(run_dir)[ANGLES_FILE]
-            config = read_run_config(run_dir)
-            summaries[str(run_dir)] = run_summary(run_dir)
+        try:  # every file of the run read whole, by its one reader: a damaged one skips the run
+            files = read_run_files(run_dir)
         except DamagedRecords as err:
             damaged.append(err)
             continue
+        rows, config, summaries[str(run_dir)] = files.records[ANGLES_FILE], files.config, files.summary
         identity = identity_from_config(config, rows[0]["norm"])
         norm, placement = identity.norm, identity.placement
         info = {
@@ -114,7 +94,7 @@ def load(paths: Sequence[Path]) -> Comparison:
         angles = angles[angles["step"].notna()]  # a run's own records all have steps
         angles["layer"] = angles["layer"].astype(str)  # block indices and "final" in one column
         angle_frames.append(angles.assign(**info))
-        metrics = read_metrics(run_dir)
+        metrics = files.metrics
         if not metrics.empty:
             metric_frames.append(align_train_steps(metrics, tokens_per_step).assign(**info))
     if not runs:

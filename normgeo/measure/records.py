@@ -174,9 +174,10 @@ def null_rows(
 
 
 class DamagedRecords(ValueError):
-    """A records file (``angles.jsonl``, ``null.jsonl``, ...) with a line that is not a record, or no record
-    at all: a copy cut short, a disk that filled up, a hand edit. Names the file, the line and what it
-    expected; readers of many runs skip that run."""
+    """A file of a run (a records file such as ``angles.jsonl``, ``summary.json``, ``metrics.csv``, the
+    config) with a line that is not what it should hold, or nothing at all: a copy cut short, a disk that
+    filled up, a hand edit. Names the file, the line (or key) and what it expected, ``what`` the file holds
+    and ``fix`` the advice that fits the file; readers of many runs skip that run."""
 
     def __init__(
         self,
@@ -185,9 +186,11 @@ class DamagedRecords(ValueError):
         reason: str,
         fix: str = "copy the file again from where the run wrote it, or remove that line to keep the other "
         "records",
+        what: str = "record",
     ) -> None:
         self.path, self.line = path, line
-        super().__init__(f"{path}:{line}: damaged record ({reason}); {fix}")
+        self.run_dir: Path | None = None  # the run it belongs to, where a reader of a run's files knows it
+        super().__init__(f"{path}:{line}: damaged {what} ({reason}); {fix}")
 
 
 # What every record holds, in every records file: the key it is replaced by (write_step), and the fields that

@@ -18,6 +18,9 @@ from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read
 # stopping a figure or the verdict half-way.
 RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE,
                 INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE)
+# Every probe of every arm measures these (the norms' inputs): empty beside a filled angles.jsonl is damage,
+# unlike a measurement that may find nothing to measure (DyT's ellipsoid, an arm without centering).
+FILLED_BY_EVERY_PROBE = (ENERGY_FILE,)
 
 
 def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
@@ -28,4 +31,8 @@ def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
     angles = Path(run_dir) / ANGLES_FILE
     if angles.is_file() and not records[ANGLES_FILE]:
         raise DamagedRecords(angles, 1, "no record in the file", "copy it again from where the run wrote it")
+    for name in FILLED_BY_EVERY_PROBE:  # written with angles.jsonl at every probe, never empty beside it
+        if records[ANGLES_FILE] and (Path(run_dir) / name).is_file() and not records[name]:
+            raise DamagedRecords(Path(run_dir) / name, 1, f"no record in the file, while {ANGLES_FILE} has "
+                                 f"{len(records[ANGLES_FILE])}", "copy it again from where the run wrote it")
     return records

@@ -9,9 +9,12 @@ logged value; when a step was logged twice, e.g. by a resumed session, the later
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
+
+from normgeo.measure.records import DamagedRecords
 
 COLUMNS = ["step", "metric", "value"]
 CSV_DIR = "csv"  # Lightning's CSVLogger(save_dir=run_dir, name=CSV_DIR)
@@ -23,14 +26,45 @@ def session_number(version_dir: Path) -> int:
     return int(suffix) if suffix.isdigit() else 0
 
 
+def metrics_damage(path: Path, line: int, reason: str) -> DamagedRecords:
+    """A damaged ``metrics.csv``, named with the CSV's own fix (a row can be removed; a later session's
+    rows are in its own version folder)."""
+    return DamagedRecords(path, line, reason, "copy the file again from where the run wrote it, or remove "
+                          "that row to keep the others", what="metrics row")
+
+
+def read_metrics_file(path: Path) -> pd.DataFrame:
+    """One session's ``metrics.csv`` as logged (a column per metric, a row per step), every cell a number or
+    empty; raises :class:`DamagedRecords` naming the file, the row's line and what it expected."""
+    try:
+        wide = pd.read_csv(path)
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as err:
+        row = re.search(r"(?:row|line) (\d+)", str(err))
+        # pandas counts data rows from 0 (the file's line 2) in "row N", the file's lines in "line N"
+        line = (int(row.group(1)) + (2 if "row" in row.group(0) else 0)) if row else 1
+        raise metrics_damage(path, line, str(err).strip().splitlines()[-1]) from None
+    if "step" not in wide.columns:
+        raise metrics_damage(path, 1, f"no 'step' column in its header ({', '.join(map(str, wide.columns))})")
+    for column in wide.columns:
+        numbers = pd.to_numeric(wide[column], errors="coerce")
+        bad = wide[column].notna() & numbers.isna()
+        if bad.any():
+            first = int(bad.to_numpy().nonzero()[0][0])
+            raise metrics_damage(path, first + 2, f"{column!r} is {wide[column].iloc[first]!r}, expected a "
+                                 "number")
+        wide[column] = numbers
+    return wide
+
+
 def read_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """Logged metrics (step, metric, value) of every session, the later session's value winning for a step."""
+    """Logged metrics (step, metric, value) of every session, the later session's value winning for a step;
+    raises :class:`DamagedRecords` naming a damaged file (:func:`read_metrics_file`)."""
     frames = []
     for version in sorted((Path(run_dir) / CSV_DIR).glob("version_*"), key=session_number):
         path = version / "metrics.csv"
         if not path.is_file() or path.stat().st_size == 0:  # a killed session never flushed its metrics
             continue
-        wide = pd.read_csv(path).drop(columns="epoch", errors="ignore").dropna(subset=["step"])
+        wide = read_metrics_file(path).drop(columns="epoch", errors="ignore").dropna(subset=["step"])
         tidy = wide.melt(id_vars="step", var_name="metric", value_name="value").dropna(subset=["value"])
         frames.append(tidy.assign(session=session_number(version)))
     if not frames:

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import ANGLES_FILE, DamagedRecords
 from normgeo.measure.run_records import read_run_records
-from normgeo.readers.identity import read_run_config
+from normgeo.readers.identity import read_run_config, read_summary_file
 from normgeo.readers.metrics import last_value, read_metrics
-from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
+from normgeo.runs.run_config import TRAIN_LOG
 from normgeo.runs.session import divergence, newest_resumable
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -87,11 +87,9 @@ def checkpoint_step(run_dir: Path) -> int | None:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.readers.metrics)."""
-    try:
-        return last_value(read_metrics(run_dir), "train/loss")
-    except Exception:  # a log being written, or cut short by a kill: the loss column stays empty
-        return None
+    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.readers.metrics);
+    raises DamagedRecords naming a damaged metrics.csv."""
+    return last_value(read_metrics(run_dir), "train/loss")
 
 
 def last_probe_step(run_dir: Path) -> int | str | None:
@@ -179,28 +177,36 @@ def infer_state(
 
 
 def finished_by_summary(run_dir: Path) -> int | None:
-    """The last step of a run whose summary.json says it finished, else None (summary.json read here, not
-    through normgeo.runs.summary, which imports Lightning: status stays quick)."""
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    finished = isinstance(summary, dict) and summary.get("finished") is True
-    return summary["step"] if finished and isinstance(summary.get("step"), int) else None
+    """The last step of a run whose summary.json says it finished, else None (the one summary reader,
+    normgeo.readers.identity, not normgeo.runs.summary, which imports Lightning: status stays quick); raises
+    DamagedRecords naming a damaged summary.json."""
+    summary = read_summary_file(run_dir)
+    return summary["step"] if summary.get("finished") is True and "step" in summary else None
 
 
 def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: float = 900.0) -> RunStatus:
+    """The run's state from its files (and SLURM). A damaged file (records, config, summary.json,
+    metrics.csv: each through its one reader) is this run's problem, not the whole listing's: what it
+    would have said is shown as unknown ("-", the state ``unknown``) and ``damaged`` names each such file."""
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
-    try:  # one damaged file is this run's problem, not the whole listing's
-        probe_step, damaged = last_probe_step(run_dir), None
-    except DamagedRecords as err:
-        probe_step, damaged = "damaged", str(err)
+    problems: list[str] = []
+
+    def read(reader: Callable[[Path], Any], unknown: Any) -> Any:
+        try:
+            return reader(run_dir)
+        except DamagedRecords as err:
+            problems.append(str(err))
+            return unknown
+
+    probe_step = read(last_probe_step, "damaged")
     if is_analysis(run_dir):
-        return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None, damaged)
-    try:
-        max_steps, stop_at_step = run_config(run_dir)
-    except DamagedRecords as err:
-        (max_steps, stop_at_step), damaged = (None, None), damaged or str(err)
+        return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None,
+                         "; ".join(problems) or None)
+    max_steps, stop_at_step = read(run_config, (None, None))
+    known = len(problems)
+    finished_step = read(finished_by_summary, None)
+    summary_damaged = len(problems) > known
+    loss = read(last_loss, None)
     step = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
     state_from_slurm = slurm_state(job) if (job and use_slurm) else None
@@ -217,17 +223,19 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
     )
     if state == "failed":
         state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
-    if step is None and (finished_step := finished_by_summary(run_dir)) is not None:
+    if step is None and finished_step is not None:
         state, step = "finished", finished_step  # its checkpoints deleted since (to save space)
+    elif summary_damaged and state != "finished" and state_from_slurm is None:
+        state = "unknown"  # a recent file change is no sign of running when the run's own account is damaged
     return RunStatus(
         run=name,
         state=state,
         step=step,
         max_steps=max_steps,
-        loss=last_loss(run_dir),
+        loss=loss,
         probe_step=probe_step,
         slurm_job=job,
         slurm_state=state_from_slurm,
         updated_s_ago=None if updated is None else round(updated, 1),
-        damaged=damaged,
+        damaged="; ".join(problems) or None,
     )

@@ -20,6 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
+from corpus.prepare import META_FILE
 from models.hardware import default_precision
 from normgeo.config.schema import TrainSchema, compiles, format_value
 
@@ -28,8 +29,10 @@ log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
 LAST_CHECKPOINT = "last.ckpt"  # in <run>/checkpoints/: the full state to resume from
 RUN_INFO_FILE = "run_info.json"  # analyze.py's record of what it measured, written last
+EXPORT_INFO = "normgeo_export.json"  # normgeo.export's record of where an export came from
 # The file that says which command's outputs a folder holds (normgeo.paths.check_own_folder).
-OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "an analysis (analyze.py)"}
+OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "an analysis (analyze.py)",
+                  META_FILE: "prepared data (python -m corpus)", EXPORT_INFO: "an export (normgeo.export)"}
 TRAIN_LOG = "train.log"  # the run's log (Hydra's job log, train.py's job name): every rank appends to it
 SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"

@@ -262,6 +262,16 @@ def resume_command(cfg: DictConfig) -> str:
     return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
 
 
+def continue_command(cfg: DictConfig) -> str:
+    """The one command printed to go on with this run, from what its folder holds now: :func:`resume_command`
+    where a checkpoint resume=auto continues from is there; else (stopped before its first ``last.ckpt``,
+    where resume=auto would be refused: no checkpoint to resume from) this session's own command with
+    ``run_dir`` pinned and no ``resume``, which starts the run again (:func:`resume_checkpoint`)."""
+    if newest_resumable(Path(cfg.run_dir))[0] is not None:
+        return resume_command(cfg)
+    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}"])
+
+
 def this_command(drop: tuple[str, ...], add: list[str]) -> str:
     """This session's command line as a shell command (its Hydra overrides, one job's in a ``-m`` sweep),
     without the overrides of the keys in ``drop`` and with ``add`` after them."""
@@ -309,9 +319,9 @@ def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError |
     existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     path, step, _ = newest_resumable(run_dir)
-    kept = (f"from {path.name} (step {step}, intact)" if path
-            else "from the start (no checkpoint was saved yet)")
+    how = (f"continue from {path.name} (step {step}, intact) with resume=auto" if path
+           else "start it again (no checkpoint was saved yet)")
     removed = "; its partial file was removed" if isinstance(cause, DiskFullError) else ""  # atomic_open's
     return RunDiskFullError(
         f"{cause.strerror or 'No space left on device'} writing {where} ({free / 2**20:.0f} MiB free there"
-        f"{removed}): free space on that disk, then continue {kept} with resume=auto: {resume_command(cfg)}")
+        f"{removed}): free space on that disk, then {how}: {continue_command(cfg)}")

@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from corpus.atomic import remove_stale_temporaries
-from corpus.prepare import PreparedDataError
+from corpus.prepare import META_FILE, PreparedDataError
 from corpus.sources import SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
@@ -65,6 +65,7 @@ from normgeo.runs.session import (
     session_checkpoint,
     slurm_requeued,
 )
+from normgeo.signals import OWNER, FinishFirst
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +188,14 @@ class Start:
             shutil.rmtree(self.run_dir / REPLACED_DIR, ignore_errors=True)
 
     def undo(self) -> None:
-        """The run directory as this start found it (a fresh one removed); then the lock is released."""
-        if self.found is not None:
-            close_file_logs(self.run_dir)
-            put_back(self.run_dir, self.found, replaced=self.replaced)
-            self.found = None
-        self.release()
+        """The run directory as this start found it (a fresh one removed); then the lock is released. A stop
+        signal meanwhile (a second Ctrl-C) waits: a half-done undo would leave neither folder."""
+        with OWNER.owning(FinishFirst("while this start is undone")):
+            if self.found is not None:
+                close_file_logs(self.run_dir)
+                put_back(self.run_dir, self.found, replaced=self.replaced)
+                self.found = None
+            self.release()
 
     def release(self) -> None:
         if self.lock is not None:
@@ -249,7 +252,9 @@ def check_start(cfg: DictConfig) -> Start:
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
-    check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE)
+    check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE, beside="run")
+    # The data folder by the same rule: prepared data is a folder of its own, never inside a run.
+    check_own_folder(Path(cfg.data.directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
     if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
         raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
