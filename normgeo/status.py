@@ -16,9 +16,9 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 
 A run whose ``angles.jsonl`` is damaged (a line cut short) is still listed, its probe column reading
 ``damaged``; a damaged ``summary.json``, ``metrics.csv`` or config leaves what it would have said unknown
-(``-``, the state ``unknown``); each file and line (or key) goes to stderr and the exit status is 1. Two folders holding the same run (arm
-keys and seed, :mod:`normgeo.readers.identity`) are refused
-as ``normgeo.compare`` refuses them: each named, exit 2.
+(``-``, the state ``unknown``); each file and line (or key) goes to stderr and the exit status is 1.
+Two folders holding the same run (arm keys and seed, :mod:`normgeo.readers.identity`) are refused as
+``normgeo.compare`` refuses them: each named, exit 2.
 
 SLURM states come from ``squeue`` (and ``sacct`` where accounting is on) for the job ids that train.py
 appends to ``slurm_jobs.tsv``; without them everything is inferred from the files.
