@@ -6,6 +6,10 @@
 # as docs/make_study.sh trains them), trained here side by side on one core each; run folders given after
 # the output root (an earlier study's) are used instead.
 #
+# CPU time (one thread each): SmolLM2's analysis about 12 minutes (its probe: 54 forwards of 8 x 256 tokens),
+# MiniLM's 1, each training arm about 10; on a 2-core machine shared with other jobs, under nice, the whole
+# script took about 70 minutes.
+#
 #   bash docs/make_mean_sources.sh [output_root] [run_dir ...]     # default: outputs/mean_sources (deleted first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
