@@ -147,6 +147,7 @@ def analyze(cfg: DictConfig) -> Path:
         "probe_source": source.describe(),
         "probe_sampled": bool(cfg.probe.sample),
         "probe_min_doc_tokens": cfg.probe.min_doc_tokens,
+        "probe_max_doc_tokens": cfg.probe.max_doc_tokens,
         "null_directions": cfg.probe.null_directions,
         "load_s": round(loaded_at - started, 2),
         "tokenize_s": round(tokenized_at - loaded_at, 2),

@@ -77,19 +77,26 @@ def iter_document_tokens(
 
 
 def first_tokens(
-    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int, min_tokens: int = 0
+    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int, min_tokens: int = 0,
+    max_tokens: int | None = None,
 ) -> np.ndarray:
     """The first ``count`` tokens of the concatenated documents; raises if the corpus is shorter.
 
     Documents with fewer than ``min_tokens`` tokens (separator not counted) are skipped: title-only
-    stubs and headings are not the article text a probe means.
+    stubs and headings are not the article text a probe means. The rest are cut to their first
+    ``max_tokens`` tokens (None: whole), each still closed by its separator, so one long article cannot
+    fill the probe and its statistics span at least ``count / max_tokens`` documents.
     """
+    if max_tokens is not None and max_tokens < max(min_tokens, 1):
+        raise ValueError(f"max_tokens={max_tokens} is below min_tokens={min_tokens} (or 1)")
     chunks: list[np.ndarray] = []
     total = 0
     separator = 0 if eot_id is None else 1
     for ids in iter_document_tokens(documents, encode_batch, eot_id):
         if len(ids) - separator < min_tokens:
             continue
+        if max_tokens is not None and len(ids) - separator > max_tokens:
+            ids = np.concatenate([ids[:max_tokens], ids[len(ids) - separator :]])  # cut, then its separator
         chunks.append(ids)
         total += len(ids)
         if total >= count:

@@ -39,11 +39,21 @@ def ci(row: dict, name: str, digits: int) -> str:
     return interval_text(row[name], row[f"{name}_ci_low"], row[f"{name}_ci_high"], digits)
 
 
-def median_range(values: list[float]) -> str:
+def share_interval(value: float | None, low: float | None, high: float | None) -> str:
+    """A share with its 95% interval, in percent (the estimate alone where there is none)."""
+    if low is None or high is None:
+        return percent(value)
+    return f"{percent(value)} [{percent(low)}, {percent(high)}]"
+
+
+def median_range(values: list[float], interval: list[float | None] | None = None) -> str:
+    """The median of ``values`` (with ``interval``, [median, low, high] over documents: its 95% interval)
+    and their range."""
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    return f"{percent(statistics.median(values))} (range {percent(min(values))} to {percent(max(values))})"
+    median = share_interval(*interval) if interval else percent(statistics.median(values))
+    return f"{median} (range {percent(min(values))} to {percent(max(values))})"
 
 
 class Folder:
@@ -61,9 +71,13 @@ class Folder:
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
         self.model, self.norm = rows[0]["model"], rows[0]["norm"]
         self.step = rows[0]["step"]
+        self.documents = self.dimensions[0].get("documents") if self.dimensions else None
+        spans = f"{self.documents:,} documents" if self.documents else "documents unknown"
+        cap = info.get("probe_max_doc_tokens")
         self.described = (
-            f"{info['tokens']:,} tokens of {info['probe_source']}, windows of {info['seq_len']}, "
-            f"{info['dtype']}" if info else f"step {self.step}"
+            f"{info['tokens']:,} tokens of {info['probe_source']} ({spans}"
+            f"{f', each cut to its first {cap:,} tokens' if cap else ''}), windows of {info['seq_len']}, "
+            f"{info['dtype']}" if info else f"step {self.step}; {spans}"
         )
         self.intervention = self.scope_all(folder / INTERVENTION_FILE)
         by_position = self.scope_all(folder / INTERVENTION_POSITIONS_FILE)
@@ -88,6 +102,11 @@ class Folder:
         total = sum(r["count"] for r in buckets)
         return sum(r["count"] for r in buckets if r["bucket"] == FIRST) / total if total else float("nan")
 
+    def with_interval(self, row: dict, share: str) -> str:
+        """A site's share with its interval over documents (records without one: the share alone)."""
+        value = self.first_share(row) if share == "position0_share" else row[share]
+        return share_interval(value, row.get(f"{share}_low"), row.get(f"{share}_high"))
+
     def fraction_first_and_rest(self, row: dict) -> tuple[float | None, float | None]:
         """The mean energy fraction along 1 of position 0's tokens and of all the others'."""
         buckets = self.site_positions(row["layer"], row["site"])
@@ -96,20 +115,28 @@ class Folder:
         count = sum(c for c, _ in rest)
         return (first[0] if first else None, sum(c * m for c, m in rest) / count if count else None)
 
+    def inputs_median(self, share: str) -> list[float | None] | None:
+        """[median, low, high] of ``share`` over the inputs, its interval over documents (None: unknown)."""
+        return self.dimensions[0].get(f"inputs_median_{share}") if self.dimensions else None
+
     def finding(self) -> str:
         """The model's answer in one paragraph, from its numbers."""
         shares = [self.first_share(r) for r in self.dimensions]
         top8 = [r["top8_share"] for r in self.dimensions]
         massive = [r for r in self.dimensions if r["massive_count"]]
         sites = len(self.dimensions)
+        over = (f" (95% intervals of the medians: a bootstrap over the probe's {self.documents:,} documents)"
+                if self.documents and self.inputs_median("position0_share") else "")
         text = (
             f"**{self.model}** ({self.norm}): position 0 is {percent(self.first_tokens())} of the probed "
-            f"tokens and holds a median {median_range(shares)} of E[μ²] over its {sites} norm inputs; "
-            f"the 8 dimensions with the largest |φᵢ| hold {median_range(top8)}. "
+            f"tokens and holds a median {median_range(shares, self.inputs_median('position0_share'))} of "
+            f"E[μ²] over its {sites} norm inputs{over}; the 8 dimensions with the largest |φᵢ| hold "
+            f"{median_range(top8, self.inputs_median('top8_share'))}. "
         )
-        rule = f"max |xᵢ| over {MASSIVE_RATIO:g}× the median |x|"
+        exact = all(r.get("median_exact") for r in self.dimensions)
+        rule = f"max |xᵢ| over {MASSIVE_RATIO:g}× the {'exact ' if exact else ''}median |x|"
         if massive:
-            carried = median_range([r["massive_share"] for r in massive])
+            carried = median_range([r["massive_share"] for r in massive], self.inputs_median("massive_share"))
             text += (
                 f"Massive dimensions ({rule}) appear at {len(massive)} of the {sites} inputs and carry "
                 f"{carried} of E[μ²] there. "
@@ -152,7 +179,9 @@ class Folder:
             f"Source: `{self.folder}`. E[μ²] share at position 0, the mean energy "
             "fraction along 1 of position 0's tokens and of the others', the shares of E[μ²] of the top 1 "
             "and top 8 dimensions by |φᵢ|, the dimensions needed for 90% of it, and the massive dimensions "
-            "with their share.",
+            "(max |xᵢ| over 100× the exact median |x|) with their share; the shares at position 0, of the "
+            "top 8 and of the massive dimensions with their 95% intervals over the probe's documents "
+            "(bootstrap).",
             "",
             "| layer | site | d | E[μ²] at pos 0 | fraction at pos 0 | fraction elsewhere | top 1 | top 8 | "
             "dims for 90% | massive (top dims) | massive share |",
@@ -168,10 +197,11 @@ class Folder:
             dims = ", ".join(str(d) for d in r["massive_dims"][:4])
             dims += ", ..." if r["massive_count"] > 4 else ""
             lines.append(
-                f"| {r['layer']} | {r['site']} | {r['dim']} | {percent(self.first_share(r))} | "
+                f"| {r['layer']} | {r['site']} | {r['dim']} | {self.with_interval(r, 'position0_share')} | "
                 f"{'-' if first is None else f'{first:.2e}'} | {'-' if rest is None else f'{rest:.2e}'} | "
-                f"{percent(r['top1_share'])} | {percent(r['top8_share'])} | {r['dims_for_90'] or '-'} | "
-                f"{r['massive_count']}{f' ({dims})' if dims else ''} | {percent(r['massive_share'])} |"
+                f"{percent(r['top1_share'])} | {self.with_interval(r, 'top8_share')} | "
+                f"{r['dims_for_90'] or '-'} | {r['massive_count']}{f' ({dims})' if dims else ''} | "
+                f"{self.with_interval(r, 'massive_share') if dims else percent(r['massive_share'])} |"
             )
         if self.by_position:
             next_token = self.by_position[0]["output"] == "next_token"

@@ -276,8 +276,12 @@ def test_the_mean_sources_page_says_what_the_records_hold(outputs: dict[str, Pat
         first = [r["mean_sq_share"] for r in rows if r["kind"] == "position" and r["bucket"] == "0"]
         finding = next(line for line in page.splitlines() if line.startswith(f"- **{rows[0]['model']}**"))
         assert f"over its {len(dims)} norm inputs" in finding, finding
-        median = f"a median {100 * float(np.median(first)):.1f}% (range {100 * min(first):.1f}%"
+        # The median over the inputs, its 95% interval over the probe's documents (from the records), range.
+        low, high = dims[0]["inputs_median_position0_share"][1:]
+        median = (f"a median {100 * float(np.median(first)):.1f}% [{100 * low:.1f}%, {100 * high:.1f}%] "
+                  f"(range {100 * min(first):.1f}%")
         assert median in finding, (name, finding)
+        assert f"a bootstrap over the probe's {dims[0]['documents']:,} documents" in finding, finding
         # analyze.py knows the tokenizer's separator (MiniLM's SEP, our end-of-text): the document starts.
         starts = [r for r in rows if r["kind"] == "position" and r["bucket"] == "doc_start"]
         assert len(starts) == len(dims) and all(r["count"] > 0 for r in starts)

@@ -23,6 +23,7 @@ from normgeo.measure.mean_sources import (
     BUCKET_STARTS,
     DOC_START,
     MEAN_SOURCES_FILE,
+    SHARES,
     MeanSourcesMeasurement,
     MeanSourcesStatistics,
     bucket_names,
@@ -41,7 +42,7 @@ from normgeo.measure.probe import ProbeSite, input_sites, make_references, resid
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import read_rows, record_problem, write_step
 from normgeo.measure.run_records import read_run_records
-from normgeo.measure.stats import QUANTILE_FIELDS
+from normgeo.measure.stats import QUANTILE_FIELDS, block_bootstrap_means
 from tests.conftest import ROOT
 
 KEYS = {"model": "m", "norm": "layer", "step": None, "tokens_seen": None}
@@ -177,6 +178,83 @@ def test_the_massive_dimension_rule_finds_planted_outliers() -> None:
     assert dims["massive_share"] == pytest.approx(share, rel=1e-9) and share > 0.9
     assert dims["top_dims"][0] == 7 and dims["top1_share"] > 0.9
     assert positions[0]["bucket"] == "0" and positions[0]["mean_sq_share"] > 0.9  # the mean lives at 0
+
+
+def test_the_massive_cut_uses_the_exact_median_where_a_histogram_bin_would_flip_it() -> None:
+    """Entries whose median |x| sits at the bottom of its 3% histogram bin (1.0001, in [1, 1.03125)): a
+    dimension with max 101 is over 100x the exact median (100.01) but under 100x the bin's middle (101.56),
+    so a histogram median drops it; one with max 99 is under either cut."""
+    d = 64
+    windows = random_windows(4, 40, d, seed=3).float()
+    windows *= 1.0001 / windows.abs().median()
+    windows[..., 5] = windows[..., 5].clamp(-1, 1)
+    windows[..., 6] = windows[..., 6].clamp(-1, 1)
+    windows[2, 3, 5], windows[1, 7, 6] = 101.0, -99.0
+    median = float(windows.abs().median())  # torch's: the lower median, as the measurement's
+    assert 1.0 <= median < 1.0002 and 100 * median < 101.0 < 100 * 1.015625
+    stats = MeanSourcesStatistics([d])
+    stats.update(0, windows[:2])  # the band comes from this first batch; the second adds to it
+    stats.update(0, windows[2:])
+    dims = rows_of(stats, d)[0]
+    assert dims["median_abs"] == median and dims["median_exact"] is True
+    assert 5 in dims["massive_dims"] and 6 not in dims["massive_dims"]
+
+
+def test_a_median_that_leaves_the_first_batchs_band_falls_back_to_the_histogram(caplog) -> None:
+    """A first batch far below the rest: the median's bin is outside the band it chose, so the median is the
+    bin's middle (within 1.6%), said so in the record and once in the log."""
+    d = 16
+    small, large = random_windows(1, 8, d, seed=4), random_windows(6, 8, d, seed=5) * 100
+    stats = MeanSourcesStatistics([d])
+    stats.update(0, small)
+    stats.update(0, large)
+    with caplog.at_level(logging.WARNING):
+        dims = rows_of(stats, d)[0]
+    median = float(torch.cat([small, large]).float().abs().median())
+    assert dims["median_exact"] is False and dims["median_abs"] == pytest.approx(median, rel=0.016)
+    assert "not exact" in caplog.text
+
+
+def test_the_shares_intervals_are_a_bootstrap_over_documents() -> None:
+    """Per-document sums against a direct float64 computation, and the intervals are the one bootstrap's
+    (stats.block_bootstrap_means) over those sums: over documents, with a median over the inputs from the
+    same resamples."""
+    d, rows, length = 24, 6, 20
+    windows = random_windows(rows, length, d, seed=7)
+    windows[:, 0, 2] += 30.0  # position 0 carries most of the mean, unevenly over documents
+    windows[3, 0, 2] += 60.0
+    documents = torch.arange(rows * length).div(37, rounding_mode="floor").view(rows, length)  # 4 documents
+    stats = MeanSourcesStatistics([d, d], documents=4)
+    for site in (0, 1):
+        stats.update(site, windows * (site + 1), documents=documents)
+    sites = [ProbeSite(0, "ln1.in", "layer", d), ProbeSite(0, "ln2.in", "layer", d)]
+    rows = mean_sources_rows(sites, stats, **KEYS, replicates=200, seed=3)
+    dims = [r for r in rows if r["kind"] == "dimensions"]
+    x = windows.to(torch.float64)
+    mu = x.mean(dim=-1)
+    doc = documents.reshape(-1)
+    per_doc_sq = torch.zeros(4, dtype=torch.float64).index_add_(0, doc, mu.square().reshape(-1))
+    first = torch.zeros(4, dtype=torch.float64).index_add_(0, documents[:, 0], mu[:, 0].square())
+    phi = torch.zeros(4, d, dtype=torch.float64).index_add_(0, doc, (mu.unsqueeze(-1) * x / d).reshape(-1, d))
+    boots = []
+    for site, row in enumerate(dims):
+        scale = (site + 1) ** 2
+        torch.testing.assert_close(stats.unit_mean_sq[site], per_doc_sq * scale)
+        torch.testing.assert_close(stats.unit_first_sq[site], first * scale)
+        torch.testing.assert_close(stats.unit_phi[site], phi * scale)
+        parts = np.stack([first.numpy(), phi[:, row["top_dims"][:8]].sum(dim=1).numpy(),
+                          phi[:, row["massive_dims"]].sum(dim=1).numpy()], axis=1)
+        expected = block_bootstrap_means(per_doc_sq.numpy(), parts, replicates=200, block=1, seed=3)
+        assert row["documents"] == 4 and row["position0_share"] > 0.5
+        for k, share in enumerate(SHARES):
+            assert row[share] == pytest.approx(expected["mean"][k], rel=1e-9)
+            assert [row[f"{share}_low"], row[f"{share}_high"]] == pytest.approx(
+                [expected["low"][k], expected["high"][k]], rel=1e-9)
+        assert row["position0_share_low"] < row["position0_share"] < row["position0_share_high"]
+        boots.append(expected["replicates"])
+    median = np.median(np.stack([b[:, 0] for b in boots], axis=1), axis=1)
+    assert dims[0]["inputs_median_position0_share"] == pytest.approx(
+        [float(np.median([r["position0_share"] for r in dims])), *np.quantile(median, [0.025, 0.975])])
 
 
 def test_empty_and_short_probes_give_null_statistics() -> None:
@@ -329,6 +407,34 @@ def test_probe_ids_open_with_a_document_and_close_each_with_the_separator(tmp_pa
     assert document_starts(ids, eot).tolist() == expected.tolist()
 
 
+def test_a_long_document_cannot_fill_the_probe_past_max_doc_tokens(tmp_path: Path) -> None:
+    """One very long article and several short ones (real tiktoken, the real probe_ids): without a cap the
+    long one fills the probe; with probe.max_doc_tokens each document gives at most that many tokens (then
+    its separator), so the probe spans several documents, and a short one under min_doc_tokens is still
+    skipped."""
+    long_text = " ".join(f"The long article's sentence number {i} goes on." for i in range(400))
+    short = [f"Short article {i}: a few words about topic {i}, enough to pass the minimum." for i in range(6)]
+    texts = [long_text, "Stub.", *short]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    encode, eot, _ = tiktoken_batch_encoder("gpt2")
+    lengths = [len(ids) for ids in encode(texts)]
+    cap = 64
+    tokens = cap + 1 + sum(n + 1 for n in lengths[2:])  # the cut article and every short one, separators too
+    assert lengths[0] > 10 * tokens and lengths[1] < 8 <= min(lengths[2:]) and max(lengths[2:]) < cap
+    source = LocalFilesSource(str(tmp_path))
+    uncapped = probe_ids(source, encode, eot, ProbeConfig(tokens, sample=False, min_doc_tokens=8))
+    assert document_starts(uncapped, eot).sum() == 1  # the long article is the whole probe
+    capped = ProbeConfig(tokens, sample=False, min_doc_tokens=8, max_doc_tokens=cap)
+    ids = probe_ids(source, encode, eot, capped)
+    starts = np.flatnonzero(document_starts(ids, eot))
+    assert len(starts) == 1 + len(short)  # the long one cut, the stub skipped, every short one whole
+    assert ids[:cap].tolist() == encode([long_text])[0][:cap] and ids[cap] == eot
+    assert ids[cap + 1 : cap + 1 + lengths[2]].tolist() == encode([short[0]])[0]
+    assert ProbeConfig(tokens, min_doc_tokens=8, max_doc_tokens=7).size_refusal(16).startswith(
+        "probe.max_doc_tokens=7: below probe.min_doc_tokens=8")
+    assert ProbeConfig(tokens, min_doc_tokens=8, max_doc_tokens=8).size_refusal(16) is None
+
+
 def test_the_document_start_row_is_a_direct_recomputation_over_the_tokens_after_a_separator() -> None:
     """Documents that cross the probe windows (16 tokens; 3 windows and a 5-token tail): the stream's first
     document at window 0's position 0, one mid-window, one whose separator is window 0's last token (so it
@@ -381,8 +487,15 @@ def test_the_document_start_row_is_a_direct_recomputation_over_the_tokens_after_
     assert {name: rows for name, rows in unknown.items() if name != MEAN_SOURCES_FILE} == {
         name: rows for name, rows in files.items() if name != MEAN_SOURCES_FILE}
     without = unknown[MEAN_SOURCES_FILE]
-    kept = [r for r in rows if r.get("bucket") != DOC_START]
-    assert [r for r in without if r.get("bucket") != DOC_START] == kept
+    # Without a separator the documents are unknown too: the shares keep their values, not their intervals.
+    by_documents = {"documents", *(f"{share}_{end}" for share in SHARES for end in ("low", "high")),
+                    *(f"inputs_median_{share}" for share in SHARES)}
+    kept = [{k: v for k, v in r.items() if k not in by_documents}
+            for r in rows if r.get("bucket") != DOC_START]
+    assert [{k: v for k, v in r.items() if k not in by_documents}
+            for r in without if r.get("bucket") != DOC_START] == kept
+    assert all(r[field] is None for r in without if r["kind"] == "dimensions" for field in by_documents)
+    assert all(r["documents"] == 5 for r in rows if r["kind"] == "dimensions")
     empty = [r for r in without if r.get("bucket") == DOC_START]
     assert len(empty) == len(norms) and all(r["count"] == 0 and r["mean_sq_share"] is None for r in empty)
     assert all(r[field] is None for r in empty for field in ("mean", "std", "min", "max", *QUANTILE_FIELDS))

@@ -169,6 +169,10 @@ def check_train_refusal(overrides: list[str], tmp_path: Path, capsys) -> str:
             "error: probe.bootstrap.block=9: the probe's 16 sequences (probe.tokens=4096 / "
             "seq_len=256) make fewer than 2 whole blocks",
         ),
+        (
+            ["probe.min_doc_tokens=64", "probe.max_doc_tokens=32"],
+            "error: probe.max_doc_tokens=32: below probe.min_doc_tokens=64",
+        ),
     ],
 )
 def test_cross_key_rules_are_refused_by_the_entry_point(overrides: list[str], message: str, tmp_path: Path,

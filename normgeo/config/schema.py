@@ -195,6 +195,9 @@ class ProbeSchema:
     sample: bool = doc(ProbeConfig.sample, "documents in a seeded order over the whole source")
     min_doc_tokens: Natural = doc(ProbeConfig.min_doc_tokens,
                                   "skip documents shorter than this (title-only stubs)")
+    max_doc_tokens: Count | None = doc(ProbeConfig.max_doc_tokens,
+                                       "cut longer documents to their first this many tokens, so one long "
+                                       "article cannot fill the probe; >= min_doc_tokens; null: no cap")
     bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(ProbeConfig.intervention),
                                   "the centering intervention's scopes (intervention.jsonl): "

@@ -38,6 +38,8 @@ class ProbeBatch:
     ``progress(n)`` advances the probe's progress bar by n forwards. ``document_starts`` (bool, the shape of
     ``tokens``, on the same device; padding rows false) marks the tokens that begin a document of the packed
     probe stream; None where the pipeline was given no separator (where documents start is unknown).
+    ``documents`` (int64, the same shape; padding rows 0) numbers the document of the probe stream each token
+    belongs to (0, 1, ...; a separator is its document's), None where the starts are.
     """
 
     tokens: torch.Tensor
@@ -48,6 +50,7 @@ class ProbeBatch:
     output: object = None
     progress: Callable[[float], None] = lambda forwards: None
     document_starts: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
 
 RecordKeys = dict  # {"model", "norm", "step", "tokens_seen"}: the keys every record row starts with

@@ -56,12 +56,14 @@ class AnalysisError(RuntimeError):
 def probe_ids(source, encode_batch: EncodeBatch, separator: int | None, probe: ProbeConfig) -> np.ndarray:
     """The first ``probe.tokens`` token ids of the source's
     documents in its seeded sampling order (those under
-    ``probe.min_doc_tokens`` skipped); an :class:`AnalysisError` saying what to change if there are fewer."""
+    ``probe.min_doc_tokens`` skipped, the rest cut to their first ``probe.max_doc_tokens``); an
+    :class:`AnalysisError` saying what to change if there are fewer."""
     if probe.tokens <= 0:
         raise AnalysisError(f"probe.tokens must be positive, not {probe.tokens}")
     try:
         documents = probe_documents(source, sample=probe.sample, seed=probe.seed)
-        return first_tokens(documents, encode_batch, separator, probe.tokens, min_tokens=probe.min_doc_tokens)
+        return first_tokens(documents, encode_batch, separator, probe.tokens, min_tokens=probe.min_doc_tokens,
+                            max_tokens=probe.max_doc_tokens)
     except SourceError as exc:  # a ValueError too, but about reading the corpus, not its size
         raise AnalysisError(
             f"{exc} Or probe a local copy of the text: probe=local probe.path=<folder or file>"
@@ -96,6 +98,12 @@ def document_starts(ids: np.ndarray | torch.Tensor, separator: int | None) -> np
     starts = ~is_separator
     starts[1:] &= is_separator[:-1]
     return starts
+
+
+def document_index(starts: np.ndarray) -> np.ndarray:
+    """Which document of the probe stream each token belongs to (0, 1, ...), from :func:`document_starts`:
+    a separator is the document's it closes, and a stream that opens with one gives it to document 0."""
+    return np.maximum(np.cumsum(starts, dtype=np.int64) - 1, 0)
 
 
 def windows(ids: np.ndarray | torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -170,6 +178,7 @@ def run_probe(
     *,
     norms: Sequence[NormSite],
     document_starts: Sequence[torch.Tensor] | None = None,
+    documents: Sequence[torch.Tensor] | None = None,
     forward: Callable[[torch.Tensor], object] | None = None,
     batch_size: int = 8,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -188,7 +197,8 @@ def run_probe(
     measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``autocast`` gives the
     precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch.
     ``document_starts``: bool windows of the shapes of ``parts`` (:func:`document_starts` cut by
-    :func:`windows`), handed to every batch as :attr:`ProbeBatch.document_starts`.
+    :func:`windows`), handed to every batch as :attr:`ProbeBatch.document_starts`; ``documents`` likewise
+    (:func:`document_index` cut by :func:`windows`) as :attr:`ProbeBatch.documents`.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     call = forward or (lambda batch: model(batch))
@@ -198,6 +208,9 @@ def run_probe(
     starts = ([mask for _, mask, _ in probe_batches([p.to(device) for p in document_starts], batch_size,
                                                         rank, world_size)]
               if document_starts is not None else [None] * len(batches))
+    numbers = ([rows for _, rows, _ in probe_batches([p.to(device) for p in documents], batch_size, rank,
+                                                     world_size)]
+               if documents is not None else [None] * len(batches))
     total = sum(1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements) for _, _, lead_id in batches)
     current: list[ProbeBatch | None] = [None]  # the batch being measured; None while other forwards run
 
@@ -241,7 +254,7 @@ def run_probe(
                 rows = len(ids)
                 batch = ProbeBatch(tokens=tokens.to(device, non_blocking=True), rows=rows, sequence_ids=ids,
                                    lead_id=lead_id, forward=call, progress=bar.update,
-                                   document_starts=starts[number])
+                                   document_starts=starts[number], documents=numbers[number])
                 for measurement in measurements:
                     measurement.before_batch(batch)
                 current[0] = batch
@@ -371,6 +384,8 @@ def measure_records(
         raise AnalysisError("no probe tokens to measure")
     starts = document_starts(ids, separator)
     start_parts = [w.bool() for w in windows(starts, seq_len)] if starts is not None else None
+    index = document_index(starts) if starts is not None else None
+    document_parts = windows(index, seq_len) if index is not None else None
     num_sequences = sum(len(part) for part in parts)
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     where = torch.device(device) if device is not None else next(model.parameters()).device
@@ -391,7 +406,9 @@ def measure_records(
         EllipsoidMeasurement(norms),
     ]
     if probe.mean_sources:
-        measurements.append(MeanSourcesMeasurement(norms, device=where))
+        measurements.append(MeanSourcesMeasurement(
+            norms, device=where, documents=int(index[-1]) + 1 if index is not None else 0,
+            bootstrap_replicates=probe.bootstrap_replicates, seed=probe.seed))
         longest = max(part.shape[1] for part in parts)
         if announce_cost and (empty := empty_buckets(longest)):  # valid, and the run goes on: said once
             log.warning("probe windows of %d tokens: %s's position bucket(s) %s hold no tokens (count 0); "
@@ -414,6 +431,7 @@ def measure_records(
         measurements,
         norms=norms,
         document_starts=start_parts,
+        documents=document_parts,
         forward=forward,
         batch_size=probe.batch_size,
         autocast=autocast,

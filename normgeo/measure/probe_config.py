@@ -28,6 +28,7 @@ class ProbeConfig:
     null_directions: int = DEFAULT_NULL_DIRECTIONS  # random unit directions 1 is compared with
     sample: bool = True  # documents in a seeded order over the whole source
     min_doc_tokens: int = 0  # documents shorter than this are skipped
+    max_doc_tokens: int | None = None  # longer ones are cut to their first this many tokens (None: whole)
     bootstrap_replicates: int = 1000  # for the 95% intervals
     bootstrap_block: int = 1  # consecutive probe sequences per resampled block
     intervention: tuple[str, ...] = DEFAULT_SCOPES  # the centering intervention's scopes; () turns it off
@@ -48,6 +49,7 @@ class ProbeConfig:
             "null_directions": probe.get("null_directions"),
             "sample": probe.get("sample"),
             "min_doc_tokens": probe.get("min_doc_tokens"),
+            "max_doc_tokens": probe.get("max_doc_tokens"),
             "bootstrap_replicates": bootstrap.get("replicates"),
             "bootstrap_block": bootstrap.get("block"),
             "intervention": tuple(probe["intervention"]) if probe.get("intervention") is not None else None,
@@ -62,8 +64,13 @@ class ProbeConfig:
         """Why this probe, in sequences of ``seq_len`` (the config key ``seq_len_key``),
         cannot give intervals, or None: it needs at least 2 sequences, and at least 2
         whole bootstrap blocks (one block resamples to itself: zero-width intervals that
-        look like certainty). The one rule of train.py and analyze.py."""
+        look like certainty); and a ``max_doc_tokens`` under ``min_doc_tokens`` would keep no document.
+        The one rule of train.py and analyze.py."""
         tokens, block = self.tokens, self.bootstrap_block
+        if self.max_doc_tokens is not None and self.max_doc_tokens < max(self.min_doc_tokens, 1):
+            return (f"probe.max_doc_tokens={self.max_doc_tokens}: below probe.min_doc_tokens="
+                    f"{self.min_doc_tokens}, so every document would be skipped or cut to nothing; "
+                    "expected max_doc_tokens >= min_doc_tokens (or null: no cap)")
         sequences = -(-tokens // seq_len)
         if tokens < 2 * seq_len:
             return (f"probe.tokens={tokens}: expected at least 2 sequences of {seq_len_key}={seq_len} "

@@ -601,7 +601,9 @@ def block_bootstrap_means(
 
     ``seq_count`` (N,) holds each probe sequence's number of tokens and ``seq_sum`` (N, M) the sums of the
     M quantities over them; a replicate's mean is its total sum over its total count (like the point
-    estimate). Returns ``mean``, ``low`` and ``high``, each (M,); NaN where no token was counted.
+    estimate). Returns ``mean``, ``low`` and ``high``, each (M,); NaN where no token was counted; and
+    ``replicates`` (B, M), the replicates' means, for a statistic of several such means (the same ``seed``
+    and number of sequences draw the same resamples, so two calls' replicates are paired).
     ``drop_empty``: the interval is over the replicates that drew a token (tokens that only some sequences
     hold, such as the first tokens of documents); otherwise one replicate without any makes it NaN.
     """
@@ -618,7 +620,7 @@ def block_bootstrap_means(
         if drop_empty and (drawn > 0).any():
             boot = boot[drawn > 0]
         low, high = np.quantile(boot, [alpha, 1 - alpha], axis=0)
-    return {"mean": mean, "low": low, "high": high}
+    return {"mean": mean, "low": low, "high": high, "replicates": boot}
 
 
 def block_bootstrap(
