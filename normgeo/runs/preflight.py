@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.hardware import default_precision
 from models.plan import TrainSetup, make_plan, preflight_error, quiet_plan
-from normgeo.config.schema import ConfigError, compiles
+from normgeo.config.schema import ConfigError, check_accumulation, compiles
 from normgeo.runs.build import module_arguments
 
 
@@ -53,9 +53,7 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
     on_cpu = cfg.trainer.accelerator == "cpu"
     # trainer.precision=null: what default_precision() picks on the GPU (bf16 on every GPU planned for).
     precision = str(cfg.trainer.precision or ("32-true" if on_cpu else "bf16-mixed"))
-    if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
-        raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
-                          f"global_batch={cfg.global_batch}")
+    check_accumulation(cfg, world)
     # compile=auto as on the device planned for (a login node plans a GPU run).
     model = {**module_arguments(cfg), "compile": compiles(cfg, "cpu" if on_cpu else "cuda")}
     return TrainSetup(model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch),
