@@ -37,12 +37,12 @@ from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
-from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.lit import LitGPT, NonFiniteError
 from normgeo.config.checks import Refused, config_errors_exit_2, refuse
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
 from normgeo.config.schema import (
+    check_accumulation,
     costly_values,
     launch_cost,
     odd_values,
@@ -136,8 +136,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
     trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), default_root_dir=str(run_dir),
                           callbacks=callbacks, logger=make_loggers(cfg, run_dir), plugins=plugins)
     # The global batch is fixed; accumulation is whatever the device count leaves over (checked at the start).
-    trainer.accumulate_grad_batches = accumulation_steps(cfg.global_batch, cfg.micro_batch,
-                                                         trainer.world_size)
+    trainer.accumulate_grad_batches = check_accumulation(cfg, trainer.world_size)
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer
 

@@ -59,6 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.export.hf import to_hf
 from models.gpt import GPT, GPTConfig
+from models.hardware import DTYPES
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm
 
 REFERENCE = "rms"
@@ -67,7 +68,7 @@ LIGER = "liger"
 # The ratios that answer "is RMSNorm cheaper": the paper's
 # two arms, and mean subtraction alone (no bias in either).
 RATIOS = (("layer", REFERENCE), ("layer_nobias", REFERENCE))
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BENCHED_DTYPES = ("float32", "bfloat16")  # of models.hardware.DTYPES
 SIZES = Path(__file__).resolve().parent.parent / "conf" / "train" / "size"
 CONVERT_MODELS = ("original", "converted")
 # The ops (and their kernels, and Inductor's kernels named after the ops they fuse) that are a norm's work.
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{', '.join(NORM_IMPLS)}, and {LIGER} on CUDA where liger_kernel is installed)",
     )
     parser.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="the input's and parameters' dtype"
+        "--dtype", default="float32", choices=BENCHED_DTYPES, help="the input's and parameters' dtype"
     )
     parser.add_argument(
         "--repeats", type=int, default=7, help="interleaved measurements per arm; the median is shown"

@@ -8,6 +8,8 @@ import re
 import torch
 
 CUDA_NAMES = ("gpu", "cuda")  # Lightning's accelerator names that need a CUDA GPU
+# The dtypes a config names (FSDP2's parameter and reduce dtypes, the plan's, a pretrained model's).
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def missing_cuda(key: str, device: str, fallback: str) -> str | None:

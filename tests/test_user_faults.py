@@ -16,9 +16,9 @@ import normgeo.report as report
 from corpus.prepare import PreparedDataError
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
-from normgeo.config.schema import launch_cost
-from normgeo.runs.start import StartError, check_trainer
-from tests.conftest import FAST, ROOT, entry_point_here
+from normgeo.config.schema import ConfigError, launch_cost
+from normgeo.runs.start import check_trainer
+from tests.conftest import FAST, ROOT, entry_point_here, train_in_process
 
 
 def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
@@ -85,7 +85,7 @@ def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
 ) -> None:
     cfg = composed_train(*overrides)
     check_config("train", cfg)  # the config's own keys are fine: Lightning, on this machine, says no
-    with pytest.raises(StartError) as refused:
+    with pytest.raises(ConfigError) as refused:  # a StartError, or the config's own (the accumulation)
         check_trainer(cfg)
     assert str(refused.value).startswith(message), refused.value
 
@@ -107,6 +107,31 @@ def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
 def test_trainer_arguments_lightning_accepts_on_this_machine_pass(overrides: list[str]) -> None:
     # the GPU presets (trainer=gpu, ddp, fsdp) are checked where they run
     check_trainer(composed_train(*overrides))
+
+
+class BrokenStrategy:
+    """A strategy whose constructor has a bug (nothing a user set): the start must not call it a refusal."""
+
+    def __init__(self, process_group_backend: str = "gloo") -> None:
+        raise RuntimeError(f"a bug in the strategy's own code ({process_group_backend})")
+
+
+BROKEN = "trainer.strategy._target_=tests.test_user_faults.BrokenStrategy"
+
+
+@pytest.mark.parametrize(("overrides", "code", "line"), [
+    ([BROKEN], 1, "RuntimeError: a bug in the strategy's own code (gloo)"),
+    ([BROKEN, "+trainer.strategy.nosuch=1"], 2,
+     "error: trainer: BrokenStrategy.__init__() got an unexpected keyword argument 'nosuch'"),
+])
+def test_a_strategy_that_fails_by_a_bug_keeps_its_traceback_a_bad_key_is_one_line(
+        overrides: list[str], code: int, line: str, tmp_path: Path, capsys) -> None:
+    done = train_in_process(tmp_path / "run", "trainer=ddp_cpu", *overrides, capsys=capsys)
+    assert done.returncode == code, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert any(said.startswith(line) for said in lines), done.stderr[-3000:]
+    assert ("Traceback" in done.stderr) == (code == 1) and (code == 1 or len(lines) == 1), done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

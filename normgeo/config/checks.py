@@ -10,12 +10,10 @@ instead, the other jobs run, and :class:`RefusalReport` lists the refused ones a
 from __future__ import annotations
 
 import sys
-import types
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -24,8 +22,7 @@ from hydra.core.utils import JobStatus, run_job
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from lightning import Trainer
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from normgeo.config.schema import SCHEMAS
 
@@ -35,61 +32,6 @@ CONFIG_ERROR_EXIT = 2
 def check_config(schema: str, cfg: DictConfig) -> None:
     """normgeo.config.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
     SCHEMAS[schema][1](cfg)
-
-
-def fits(value: object, hint: object) -> bool:
-    """Whether ``value`` (plain, from YAML) is of the type ``hint`` of a signature: the types a config can
-    give (numbers, text, true/false, null, lists, mappings, literals and unions of them); a class the config
-    cannot spell is taken as fitting (Hydra builds it from a mapping, and its constructor checks it)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        return any(fits(value, arg) for arg in args)
-    if origin is Literal:  # the values are Lightning's to refuse, with its list of them
-        return any(type(value) is type(arg) for arg in args)
-    if hint is type(None):
-        return value is None
-    if origin in (list, tuple, Sequence):
-        return isinstance(value, (list, tuple))
-    if origin in (dict, Mapping):
-        return isinstance(value, dict)
-    if hint in (bool, int, float, str):
-        if isinstance(value, bool):
-            return hint is bool
-        return isinstance(value, (int, float) if hint is float else hint)
-    return True
-
-
-def describe(hint: object) -> str:
-    """A signature's type in words: ``a whole number or null``."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        # A union's order is typing's cache's (Union[int, float] is Union[float, int]): words sorted, null
-        # last, and a whole number said once as a number where any number is taken.
-        words = {describe(arg) for arg in args}
-        if "a number" in words:
-            words.discard("a whole number")
-        return " or ".join(sorted(words, key=lambda word: (word == "null", word)))
-    if origin is Literal:
-        return " or ".join(map(repr, args))
-    if origin in (list, tuple, Sequence):
-        return "a list"
-    if origin in (dict, Mapping):
-        return "a mapping"
-    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a number", str: "text"}
-    return words.get(hint, f"a {getattr(hint, '__name__', hint)}")
-
-
-def trainer_value_problem(trainer: DictConfig) -> str | None:
-    """The first ``trainer.*`` value (``+trainer.max_epochs=abc``) that is not of the type Lightning's Trainer
-    takes for it, in one line; None when all are. A key the Trainer does not take is Lightning's to refuse."""
-    hints = typing.get_type_hints(Trainer.__init__)
-    values = OmegaConf.to_container(trainer, resolve=True)
-    for key, value in values.items():
-        if key.startswith("_") or key not in hints or (isinstance(value, dict) and "_target_" in value):
-            continue  # Hydra's keys, unknown keys, and objects Hydra builds
-        if not fits(value, hints[key]):
-            return f"trainer.{key}={value!r}: Lightning's Trainer takes {describe(hints[key])} there"
-    return None
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:

@@ -393,9 +393,9 @@ def _interpolated(cfg: DictConfig, loc: tuple) -> bool:
     return False
 
 
-def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
-    """The rules between train.py's keys, in one place; ``val_tokens``: the prepared validation split's
-    tokens (its size rule applies once the data is prepared, normgeo.runs.start)."""
+def check_cross_keys(cfg: DictConfig) -> None:
+    """The rules between train.py's keys, in one place (:func:`check_val_sequences` and
+    :func:`check_accumulation` need what the start learns: the data, the devices)."""
     max_steps = cfg.max_steps
     steps = cfg.checkpoint.steps
     if steps is not None and (beyond := [s for s in steps if s > max_steps]):
@@ -403,12 +403,24 @@ def check_cross_keys(cfg: DictConfig, *, val_tokens: int | None = None) -> None:
                           f"max_steps={max_steps}; expected checkpoint steps <= max_steps")
     if cfg.probe.enabled and (refusal := ProbeConfig.from_config(cfg.probe).size_refusal(cfg.seq_len)):
         raise ConfigError(refusal)
-    if val_tokens is not None:
-        windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
-        _expect(cfg.val_sequences <= windows, "val_sequences", cfg.val_sequences,
-                f"at most {max(windows, 0):,}: the validation split holds {val_tokens:,} tokens, so more "
-                f"windows of seq_len={cfg.seq_len} only repeat them; lower val_sequences or prepare a "
-                "larger data.val_fraction")
+
+
+def check_val_sequences(cfg: DictConfig, val_tokens: int) -> None:
+    """val_sequences against the prepared validation split's ``val_tokens`` (normgeo.runs.start)."""
+    windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
+    _expect(cfg.val_sequences <= windows, "val_sequences", cfg.val_sequences,
+            f"at most {max(windows, 0):,}: the validation split holds {val_tokens:,} tokens, so more "
+            f"windows of seq_len={cfg.seq_len} only repeat them; lower val_sequences or prepare a "
+            "larger data.val_fraction")
+
+
+def check_accumulation(cfg: DictConfig, world_size: int) -> int:
+    """The accumulation steps of ``world_size`` devices, or ConfigError when micro_batch x world_size does
+    not divide global_batch (the one check of it: the config, the plan, the start's Trainer)."""
+    try:
+        return accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size)
+    except ValueError as err:
+        raise ConfigError(f"micro_batch={cfg.micro_batch}: {err}") from None
 
 
 # Above these, a legal value is reported at start with its cost (costly_values): the fraction of the
@@ -601,10 +613,7 @@ def check_train(cfg: DictConfig) -> None:
     check_cross_keys(cfg)
     check_intervention(cfg.probe)
     check_probe_source(cfg.probe)
-    try:
-        accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=1)
-    except ValueError as err:
-        raise ConfigError(f"micro_batch={cfg.micro_batch}: {err}") from None
+    check_accumulation(cfg, world_size=1)
 
 
 def check_analyze(cfg: DictConfig) -> None:

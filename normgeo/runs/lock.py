@@ -1,25 +1,26 @@
-"""One training process per run directory: a kernel lock (``flock``) on ``<run_dir>/.normgeo.lock``.
+"""One training process per run directory: an exclusive ``flock`` (filelock's UnixFileLock) on
+``<run_dir>/.normgeo.lock``.
 
 Two ``train.py`` started into the same run directory would both train it, interleave ``train.log`` and
 write two CSV versions. The second one is refused instead, naming the holder's host and PID (the file's
-content, JSON). The kernel drops a ``flock`` when its process dies (SIGKILL, a requeued or cancelled SLURM
-job), so a killed run never leaves its directory locked. The file is created when a start claims the
-directory (normgeo.runs.start) and stays, hidden, afterwards: deleting a lock file races with a process
-that opened it just before. Only the launching process (global rank 0) holds it; the processes Lightning's
-DDP launcher starts share its run.
+content, JSON, written once the lock is held; filelock opens the file without truncating it). The kernel
+drops a ``flock`` when its process dies (SIGKILL, a requeued or cancelled SLURM job), so a killed run never
+leaves its directory locked. The file is created when a start claims the directory (normgeo.runs.start)
+and stays, hidden, afterwards: deleting a lock file races with a process that opened it just before. Only
+the launching process (global rank 0) holds it; the processes Lightning's DDP launcher starts share its run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
 import socket
 import time
 from pathlib import Path
+
+from filelock import Timeout, UnixFileLock
 
 LOCK_FILE = ".normgeo.lock"
 # A start that finds the lock held tries again for this long: a probe by another starting process
@@ -48,21 +49,18 @@ def in_use_message(run_dir: Path, holder: str) -> str:
 def lock_holder(run_dir: Path) -> str | None:
     """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None when nobody does; writes
     nothing."""
-    try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:  # no lock file (a new run, or one from before locks), or no run directory at all
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():  # a new run, one from before locks, or no run directory at all
         return None
+    probe = UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts only with a holder's exclusive lock
-        except BlockingIOError:
-            return _holder_text(os.pread(fd, 4096, 0).decode(errors="replace"))
-        except OSError:  # a filesystem without locks: nothing to learn here
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        probe.acquire()
+    except Timeout:
+        return _holder_text(path.read_text(errors="replace"))
+    except OSError:  # a filesystem without locks: nothing to learn here
         return None
-    finally:
-        os.close(fd)
+    probe.release()
+    return None
 
 
 class RunLock:
@@ -71,39 +69,25 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
-        self.fd: int | None = None
+        # one holder per process (not per thread); no soft lock where flock is missing (acquire warns)
+        self.lock = UnixFileLock(self.path, thread_local=False, fallback_to_soft=False)
 
     def acquire(self, wait_s: float = 0.0) -> None:
         """Take the lock (waiting up to ``wait_s``) and record this host and PID; RunInUseError if held."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # O_CLOEXEC: no child keeps it
-        deadline = time.monotonic() + max(wait_s, _PROBE_GRACE_S)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = _holder_text(os.pread(fd, 4096, 0).decode(errors="replace"))
-                    os.close(fd)
-                    raise RunInUseError(in_use_message(self.run_dir, holder)) from None
-                time.sleep(0.05)
-            except OSError as err:  # e.g. Lustre mounted without -o flock: run, but say it is unguarded
-                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    os.close(fd)
-                    raise
-                log.warning("%s: the filesystem refuses file locks (%s); nothing stops a second train.py "
-                            "from starting into this run directory", self.path, err)
-                break
+        try:
+            self.lock.acquire(timeout=max(wait_s, _PROBE_GRACE_S))
+        except Timeout:
+            holder = _holder_text(self.path.read_text(errors="replace"))
+            raise RunInUseError(in_use_message(self.run_dir, holder)) from None
+        except OSError as err:  # e.g. Lustre mounted without -o flock: run, but say it is unguarded
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            log.warning("%s: the filesystem refuses file locks (%s); nothing stops a second train.py "
+                        "from starting into this run directory", self.path, err)
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        self.fd = fd
+        self.path.write_text(json.dumps(holder) + "\n")
 
     def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        self.fd = None
+        if self.lock.is_locked:
+            self.lock.release()

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
 from models.plan import GIB, GatePlan, TrainSetup, gate, gate_plan, make_plan, quiet_plan
-from normgeo.config.schema import ConfigError, compiles
+from normgeo.config.schema import ConfigError, check_accumulation, compiles
 from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import is_rank_zero
 
@@ -71,9 +71,7 @@ def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> Train
     on_cpu = cfg.trainer.accelerator == "cpu"
     # trainer.precision=null: what default_precision() picks on the GPU (bf16 on every GPU planned for).
     precision = str(cfg.trainer.precision or ("32-true" if on_cpu else "bf16-mixed"))
-    if world > 1 and cfg.global_batch % (cfg.micro_batch * world):
-        raise ConfigError(f"micro_batch={cfg.micro_batch}: micro_batch x {world} GPUs does not divide "
-                          f"global_batch={cfg.global_batch}")
+    check_accumulation(cfg, world)
     # compile=auto as on the device planned for: a login node without Triton plans a GPU run compiled.
     compiled = compiles(cfg, "cpu" if on_cpu else "cuda", planned=True)
     model = {**module_arguments(cfg), "compile": compiled}

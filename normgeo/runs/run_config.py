@@ -181,7 +181,8 @@ def checkpoint_run_config(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def is_rank_zero() -> bool:
-    """Before Lightning sets up ranks: the launcher/torchrun/SLURM environment of this process."""
+    """Before Lightning sets up ranks: the launcher/torchrun/SLURM environment of this process, read now
+    (Lightning's rank_zero_only.rank is read once at import, and a node's NODE_RANK is not in it)."""
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 

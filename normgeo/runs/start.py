@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
 import time
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +33,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
+from lightning import Trainer
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict
 
 from corpus.atomic import remove_stale_temporaries
 from corpus.prepare import META_FILE, PreparedDataError
 from corpus.sources import SourceError
-from corpus.stream import accumulation_steps
 from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
-from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config, trainer_value_problem
+from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.config.compose import attach_log_file, close_file_logs, write_hydra_files
-from normgeo.config.schema import ConfigError, check_cross_keys, compiler_refusal
+from normgeo.config.schema import (
+    ConfigError,
+    check_accumulation,
+    check_val_sequences,
+    compiler_refusal,
+)
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
@@ -70,7 +80,7 @@ from normgeo.signals import OWNER, FinishFirst
 log = logging.getLogger(__name__)
 
 
-class StartError(ValueError):
+class StartError(ConfigError):
     """A user error found before training (run directory, probe text, tokenizer, data); one line."""
 
 
@@ -209,32 +219,64 @@ class Start:
         self.release()
 
 
+# Trainer.__init__'s signature as a pydantic type: each trainer.* value against its type hint (a value of the
+# wrong type, +trainer.max_epochs=abc, would otherwise be trained with); a class (a strategy): isinstance.
+TRAINER_ARGUMENTS = TypeAdapter(with_config(ConfigDict(arbitrary_types_allowed=True, extra="forbid"))(
+    TypedDict("TrainerArguments", {key: hint for key, hint in typing.get_type_hints(Trainer.__init__).items()
+                                   if key != "return"}, total=False)))
+# Python's words for a call whose arguments the signature does not take: a config's fault, not a bug.
+SIGNATURE_ERROR = re.compile(r"\S+\(\) (got an unexpected keyword|got multiple values|missing \d+ required)")
+
+
+def config_fault(err: InstantiationException) -> bool:
+    """Whether Hydra could not build a ``_target_`` because of the config (no such target, arguments its
+    signature does not take, a value its constructor refuses); anything else is a bug, with its traceback."""
+    cause = err.__cause__
+    return (cause is None or isinstance(cause, ImportError | ValueError | MisconfigurationException)
+            or (isinstance(cause, TypeError) and SIGNATURE_ERROR.match(str(cause)) is not None))
+
+
 def check_trainer(cfg: DictConfig) -> None:
-    """The Trainer's arguments (devices, num_nodes, precision, accelerator, strategy)
-    asked of Lightning on this machine rather than copied: a bare Trainer built from
-    ``cfg.trainer`` as train.py builds it, with nothing attached (no logger, no
-    callback: nothing is written), its values' types checked against its signature first; then the global
-    batch against its world size."""
-    if problem := trainer_value_problem(cfg.trainer):
-        raise StartError(problem)
+    """The Trainer's arguments judged by libraries on this machine rather than copied: each value's type by
+    pydantic from Trainer.__init__'s signature, then the values by Lightning, building a bare Trainer from
+    ``cfg.trainer`` as train.py does with nothing attached (no logger, no callback: nothing is written);
+    then the global batch against its world size."""
     try:
-        logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = instantiate(
-                cfg.trainer, **trainer_arguments(cfg), logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False)
-    # Lightning's refusal, or Hydra's for a strategy class it cannot locate
-    except InstantiationException as err:
+        arguments = instantiate(cfg.trainer, _partial_=True, _convert_="all").keywords
+    except InstantiationException as err:  # a strategy class Hydra cannot locate or call with its keys
+        if not config_fault(err):
+            raise err.__cause__ from None  # a bug: with its traceback (Hydra prints none of Instantiation...)
         cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
         raise StartError(
             f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
+    try:
+        TRAINER_ARGUMENTS.validate_python(arguments)
+    except ValidationError as err:
+        # a value outside a Literal (trainer.precision=fp8): Lightning's error names the allowed ones
+        if errors := [e for e in err.errors(include_url=False) if e["type"] != "literal_error"]:
+            raise StartError(type_refusal(errors)) from None
+    logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = Trainer(**{**arguments, **trainer_arguments(cfg), "logger": False,  # the run's keys win
+                                 "enable_checkpointing": False, "enable_progress_bar": False,
+                                 "enable_model_summary": False})
+    except (ValueError, TypeError, MisconfigurationException) as err:  # Lightning's refusals
+        raise StartError(f"trainer: {str(err).splitlines()[0]}") from err
     finally:
         logging.disable(logging.NOTSET)
-    try:
-        accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size=trainer.world_size)
-    except ValueError as err:
-        raise StartError(f"micro_batch={cfg.micro_batch}: {err}") from None
+    check_accumulation(cfg, trainer.world_size)
+
+
+def type_refusal(errors: list) -> str:
+    """pydantic's refusal of a trainer.* value in one line, naming what the Trainer takes there."""
+    key, value = errors[0]["loc"][0], errors[0]["input"]
+    if errors[0]["type"] == "extra_forbidden":
+        return f"trainer.{key}: Lightning's Trainer takes no argument {key}"
+    takes = sorted({e["msg"].removeprefix("Input should be ").split(", ")[0]
+                    for e in errors if e["loc"][0] == key})
+    return f"trainer.{key}={value!r}: Lightning's Trainer takes {' or '.join(takes)} there"
 
 
 def check_start(cfg: DictConfig) -> Start:
@@ -270,7 +312,7 @@ def check_start(cfg: DictConfig) -> Start:
         datamodule = make_datamodule(cfg)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
-        check_cross_keys(cfg, val_tokens=data.num_tokens("val"))  # now that the split's size is known
+        check_val_sequences(cfg, data.num_tokens("val"))  # now that the split's size is known
     except (TokenizerError, AnalysisError, PreparedDataError, SourceError) as err:
         raise StartError(str(err)) from err
     try:  # on a GPU, a config whose least memory cannot fit (normgeo.runs.preflight): dearest, so last
