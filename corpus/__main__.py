@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
               "(python train.py --help)")
         return 0
     if refusal := unknown_group_option(overrides, groups):
-        print(f"error: {refusal}\n{USAGE}", file=sys.stderr)
+        print(f"{USAGE}\nerror: {refusal}", file=sys.stderr)
         return 2
     stop_on_signals("while preparing the data", "run the same command again to prepare it")
     verify_only = bool(overrides) and overrides[0] == "verify"
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         repair = str(data_cfg.prepare_command or " ".join(["python -m corpus", *overrides]))
         source = instantiate(data_cfg.source)
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {err}\n{USAGE}", file=sys.stderr)
+        print(f"{USAGE}\nerror: {err}", file=sys.stderr)
         return 2
     try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
         check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
