@@ -53,6 +53,7 @@ FAST = ["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_ba
         "log_every=1", "val_every=1000", "probe.tokens=512", "optim.warmup_steps=0"]
 # The reference folders: a run stopped at step 2 of 3 (a resume has work left), a finished two-arm sweep.
 REF_RUN = ["max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0", "stop_at_step=2"]
+RESUME = " ".join(REF_RUN).replace("stop_at_step=2", "stop_at_step=3")  # a resume with a step left
 REF_SWEEP = ["max_steps=2", "checkpoint.steps=[1]", "checkpoint.last_every=0", "norm=layer,rms"]
 # analyze.py on the reference run's checkpoint, cheap settings.
 ANALYZE = ["model=checkpoint", "model.checkpoint={run}/checkpoints/last.ckpt", "probe=pydoc",
@@ -129,18 +130,17 @@ CASES: tuple[Case, ...] = (
     c("t-resume-done", "train.py", "run_dir={copy}/tiny-layer-s0 resume=auto max_steps=2 "
       "checkpoint.steps=[1] "
       "checkpoint.last_every=0", "resume of a finished run", 0, "already finished", copy="sweep"),
-    c("t-resume-nockpt", "train.py", "run_dir={copy} resume=auto " + " ".join(REF_RUN),
+    c("t-resume-nockpt", "train.py", "run_dir={copy} resume=auto " + RESUME,
       "no checkpoint to resume from", 2, "no checkpoint", copy="run", damage=(("rm", "copy/checkpoints"),)),
     c("t-fresh-over-run", "train.py", "run_dir={copy} " + " ".join(REF_RUN), "a new start over a run", 2,
       "resume", copy="run"),
-    c("t-resume-config", "train.py", "run_dir={copy} resume=auto " + " ".join(REF_RUN),
+    c("t-resume-config", "train.py", "run_dir={copy} resume=auto " + RESUME,
       "run_config.yaml garbage", 2, "run_config.yaml", copy="run",
       damage=(("garbage", "copy/run_config.yaml"),)),
-    c("t-resume-angles", "train.py", "run_dir={copy} resume=auto " + " ".join(REF_RUN),
+    c("t-resume-angles", "train.py", "run_dir={copy} resume=auto " + RESUME,
       "angles.jsonl cut mid-line", 2, "angles.jsonl", copy="run", damage=(("trunc", "copy/angles.jsonl"),)),
-    c("t-resume-last", "train.py", "run_dir={copy} resume=auto " + " ".join(REF_RUN).replace("stop_at_step=2",
-      "stop_at_step=3"), "last.ckpt truncated", 0, "last.ckpt", copy="run",
-      damage=(("trunc", "copy/checkpoints/last.ckpt"),), owns=("copy",)),
+    c("t-resume-last", "train.py", "run_dir={copy} resume=auto " + RESUME, "last.ckpt truncated", 2,
+      "last.ckpt", copy="run", damage=(("trunc", "copy/checkpoints/last.ckpt"),)),
     c("t-data-meta", "train.py", "data_root={copy}", "meta.json garbage", 2, "meta.json", copy="data",
       damage=(("garbage", "copy/pydoc/meta.json"),)),
     c("t-data-bin", "train.py", "data_root={copy}", "train.bin truncated", 2, "train.bin", copy="data",
@@ -405,7 +405,9 @@ def classify(case: Case, code: int | str, out: str, err: str, last: str, traceba
         return "cryptic", "a traceback"
     if code != case.exit:
         return "cryptic", f"exit {code}, expected {case.exit}"
-    where = last if case.exit == 2 else said
+    # A refusal's last line; a reader's whole output (it names each skipped run), or the lines a last
+    # line points to ("listed above").
+    where = last if case.exit == 2 and "listed above" not in last else said
     if case.names not in where:
         return "cryptic", f"the message does not name {case.names!r}"
     if case.exit in (0, 130) and said.count(case.names) > 1 and case.interrupt:
