@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from normgeo.analysis import main as analysis_main
+from normgeo.readers.downstream import EVAL_FILE, read_eval
+from normgeo.runs.run_config import RUN_CONFIG_FILE
 from tests.conftest import ROOT
 
 
@@ -48,6 +51,28 @@ def test_the_classes_follow_the_stated_rules() -> None:
     assert walk.classify(refused, 0, "planned\n", "", "", False, [])[0] == "silent"
     assert walk.classify(refused, 1, "", "Traceback (most recent call last)\n", "x", True, [])[0] == "cryptic"
     assert walk.classify(refused, 2, "", "error: bad value\n", "error: bad value", False, [])[0] == "cryptic"
+
+
+def test_what_the_walk_found_is_named_in_one_line(tmp_path: Path, capsys) -> None:
+    """The walk's findings, fixed: ``normgeo.analysis summary --out <a run>`` wrote its summary into the run
+    (damaging); a binary ``angles.jsonl`` ended in a traceback, a binary ``eval.json`` in a message naming
+    no file, ``normgeo.analysis`` without its subcommand named ``command``."""
+    run, records = tmp_path / "run", tmp_path / "analysis"
+    run.mkdir()
+    records.mkdir()
+    (run / RUN_CONFIG_FILE).write_text("seed: 0\n")
+    (records / "angles.jsonl").write_bytes(b"\x00\xff garbage {[\n")
+    assert analysis_main(["summary", str(records), "--out", str(run)]) == 2
+    assert f"--out={run} holds a training run" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == [RUN_CONFIG_FILE]
+    assert analysis_main(["summary", str(records)]) == 2
+    assert f"{records / 'angles.jsonl'}:1: damaged record" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        analysis_main([])
+    assert "required: summary" in capsys.readouterr().err
+    (run / EVAL_FILE).write_bytes(b"\x00\xff")
+    with pytest.raises(ValueError, match=f"{run / EVAL_FILE}: damaged \\(not utf-8 text at byte 1\\)"):
+        read_eval(run)
 
 
 @pytest.mark.slow
