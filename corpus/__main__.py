@@ -23,6 +23,7 @@ from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
 from normgeo.config.checks import group_options, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
+from normgeo.config.schema import ConfigError, check_data_path
 from normgeo.paths import FolderError, check_own_folder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
               "(python train.py --help)")
         return 0
     if refusal := unknown_group_option(overrides, groups):
-        print(f"error: {refusal}\n{USAGE}", file=sys.stderr)
+        print(f"{USAGE}\nerror: {refusal}", file=sys.stderr)
         return 2
     stop_on_signals("while preparing the data", "run the same command again to prepare it")
     verify_only = bool(overrides) and overrides[0] == "verify"
@@ -47,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="corpus"):
             cfg = compose(config_name="train", overrides=overrides)
+        check_data_path(cfg)  # data=local without its path: named as train.py names it
         data_cfg = cfg.data
         directory = str(data_cfg.directory)
         # The command that repairs this corpus: this very command, without ``verify``.
         repair = str(data_cfg.prepare_command or " ".join(["python -m corpus", *overrides]))
         source = instantiate(data_cfg.source)
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {err}\n{USAGE}", file=sys.stderr)
+    except (HydraException, OmegaConfBaseException, ConfigError) as err:
+        print(f"{USAGE}\nerror: {err}", file=sys.stderr)
         return 2
     try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
         check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")

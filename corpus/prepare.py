@@ -155,6 +155,12 @@ def _prepare_locked(
     source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
 ) -> PreparedData:
     existing = _read_meta(directory)
+    if existing is None and (directory / META_FILE).exists():  # damaged: its data may be read by other runs
+        hint = f" Prepare (or repair) it with: {prepare_hint}" if prepare_hint else ""
+        damaged = f"{directory / META_FILE} is damaged (not a JSON mapping)"
+        if not repair:
+            raise PreparedDataError(f"{damaged}: the folder's data is not used.{hint}")
+        log.warning("preparing %s again: %s", directory, damaged)
     if existing is not None and existing.get("source") == source.describe():
         try:
             return load_prepared(directory, tokenizer=tokenizer, verify=verify, prepare_hint=prepare_hint)
@@ -222,10 +228,13 @@ def _prepare_locked(
 
 
 def _read_meta(directory: Path) -> dict | None:
+    """The folder's ``meta.json``, or None where it is absent or damaged (not JSON, not utf-8, not a mapping):
+    the folder is then not prepared, and its files are checked or prepared again as such."""
     try:
-        return json.loads((directory / META_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        meta = json.loads((directory / META_FILE).read_text())
+    except (FileNotFoundError, ValueError):  # a JSONDecodeError or a UnicodeDecodeError (bytes, not text)
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def load_prepared(

@@ -8,14 +8,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.analysis import print_summary, summarize, write_summary
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.paths import FolderError, check_own_folder
+from normgeo.runs.run_config import OUTPUT_MARKERS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m normgeo.analysis", description="Cross-model summary (Table 1) of analyze.py outputs."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="summary")  # named when missing
     summary_parser = commands.add_parser(
         "summary", help="pool angles.jsonl of one or more output directories"
     )
@@ -24,13 +26,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows: list[dict] = []
     null: list[dict] = []
-    for run_dir in args.run_dirs:
-        if not (run_dir / ANGLES_FILE).is_file():
-            print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} an analyze.py output directory?)",
-                  file=sys.stderr)
-            return 2
-        rows += read_rows(run_dir / ANGLES_FILE)
-        null += read_rows(run_dir / NULL_FILE)
+    try:  # a command writes only into a folder it owns: not into a run or an analysis (issue 64)
+        if args.out is not None:
+            check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="summary")
+        for run_dir in args.run_dirs:
+            if not (run_dir / ANGLES_FILE).is_file():
+                print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} an analyze.py output "
+                      "directory?)", file=sys.stderr)
+                return 2
+            rows += read_rows(run_dir / ANGLES_FILE)
+            null += read_rows(run_dir / NULL_FILE)
+    except (FolderError, DamagedRecords) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     summary = summarize(rows, null)
     print_summary(summary)
     if args.out is not None:

@@ -44,8 +44,9 @@ from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
 from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
+from normgeo.paths import check_own_folder
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.run_config import LAST_CHECKPOINT, load_run_config
+from normgeo.runs.run_config import LAST_CHECKPOINT, OUTPUT_MARKERS, load_run_config
 from normgeo.runs.summary import read_summary
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.measures import VAL_TAIL, tail_mean, validation_curve
@@ -352,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.folder.is_dir():
             raise PilotError(f"{args.folder}: not a folder; give the pilot sweep's output folder")
+        if args.out is not None:  # a command writes only into a folder it owns: not into a run (issue 64)
+            check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="pilot")
         split, runs = split_variance(args.folder)
         out.mkdir(parents=True, exist_ok=True)
     except (PilotError, ValueError, FileNotFoundError, OSError) as err:

@@ -160,12 +160,13 @@ def test_probe_wikipedia_is_article_text_and_wikitext_stays_an_option() -> None:
 
 def test_the_prepare_command_has_help_and_names_the_data_options(capsys, tmp_path: Path) -> None:
     """Issue 52, class 6: ``python -m corpus --help`` answers (before: Hydra's lexer exception), and an
-    unknown ``data=`` option is one line listing the options, then the usage, exit 2, nothing prepared."""
+    unknown ``data=`` option is the usage, then one line listing the options (last, where a user looks, as
+    argparse puts it), exit 2, nothing prepared."""
     assert corpus_main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "usage: python -m corpus" in out and "data=<option>: local, openwebtext, pydoc" in out
     assert corpus_main(["data=nosuch", f"data_root={tmp_path}"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "error: data=nosuch: no such option of data; choose from local, openwebtext, pydoc"
-    assert err[1].startswith("usage: python -m corpus") and not any(tmp_path.iterdir())
+    assert err[-1] == "error: data=nosuch: no such option of data; choose from local, openwebtext, pydoc"
+    assert err[0].startswith("usage: python -m corpus") and not any(tmp_path.iterdir())
 

@@ -172,3 +172,22 @@ def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(
     assert "Traceback" not in err
     assert not list(data_root.rglob(f"*{TMP_SUFFIX}")) and not list(data_root.rglob(META_FILE))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", [b"\x00\xff garbage {[\n", b"[1, 2]\n"])
+def test_a_damaged_meta_json_is_refused_by_a_run_and_prepared_again_by_the_prepare(tmp_path: Path,
+                                                                                   damage: bytes) -> None:
+    """Issue 64's walk: a data folder's ``meta.json`` replaced by bytes that are not text, or by JSON that is
+    not a mapping: a run's prepare refuses it naming the file and the repair command, its ``train.bin``
+    untouched (other runs may read it; before: a UnicodeDecodeError traceback); ``python -m corpus``'s
+    repair prepares it again."""
+    folder = tmp_path / "pydoc"
+    prepare(PydocSource(), folder, val_fraction=0.05, progress=False)
+    train = (folder / "train.bin").read_bytes()
+    (folder / META_FILE).write_bytes(damage)
+    with pytest.raises(PreparedDataError, match=r"meta.json is damaged .*python -m corpus data=pydoc"):
+        prepare(PydocSource(), folder, val_fraction=0.05, progress=False,
+                prepare_hint="python -m corpus data=pydoc")
+    assert (folder / "train.bin").read_bytes() == train
+    repaired = prepare(PydocSource(), folder, val_fraction=0.05, progress=False, repair=True)
+    assert repaired.meta["splits"]["train"]["tokens"] > 0 and (folder / "train.bin").read_bytes() == train

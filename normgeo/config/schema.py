@@ -585,12 +585,17 @@ def check_output_root(cfg: DictConfig) -> None:
                 "the run into output_root itself, beside data/ and the other runs, or above it)")
 
 
-def check_train(cfg: DictConfig) -> None:
-    """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
+def check_data_path(cfg: DictConfig) -> None:
+    """data=local without data.source.path (train.py and python -m corpus): checked first, since the keys
+    that interpolate it (data.name, data.directory) cannot resolve without it."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
-        # First: the keys that interpolate it (data.name, data.directory) cannot resolve without it.
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
+
+
+def check_train(cfg: DictConfig) -> None:
+    """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
+    check_data_path(cfg)
     check_types(cfg, TrainSchema, "train.py")
     check_output_root(cfg)
     try:  # the model's own check, reported under the config's keys

@@ -31,6 +31,9 @@ def read_eval(run_dir: Path) -> dict:
         raise ValueError(
             f"{path}: damaged ({err.msg} at line {err.lineno}); move it away and evaluate again"
         ) from err
+    except UnicodeDecodeError as err:  # bytes, not text (a binary file in its place)
+        raise ValueError(f"{path}: damaged (not utf-8 text at byte {err.start}); move it away and evaluate "
+                         "again") from err
     if not isinstance(record, dict) or not isinstance(record.get("tasks", {}), dict):
         raise ValueError(f"{path}: not an eval.json (no tasks mapping); move it away and evaluate again")
     for task, values in record.get("tasks", {}).items():
