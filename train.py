@@ -60,7 +60,9 @@ from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
+    checkpoint_run_config,
     is_rank_zero,
+    repair_run_config,
     resolved_run_config,
     save_run_config,
 )
@@ -242,6 +244,8 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
                 log.warning("%s: %s", kind, line)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
+        if is_rank_zero():
+            repair_run_config(run_dir, checkpoint_run_config(ckpt_path) or run_config)
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced

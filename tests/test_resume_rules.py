@@ -77,3 +77,28 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_
     assert "resume=auto" not in result.stderr.strip().splitlines()[-1].split("Start it fresh elsewhere:")[1]
     assert sha_tree(run_dir) == before
     assert not (tmp_path / "smoke-layer-s0-2").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_run_config_is_repaired_by_a_resume_and_refused_by_a_fresh_start(
+    tmp_path: Path, capsys, caplog
+) -> None:
+    """Issue 64's walk (t-resume-config): garbage in run_config.yaml. A resume reads the config from its
+    checkpoint, says the file was damaged and rewrites it from that copy; a start without a checkpoint,
+    which never replaces the file, is refused in one line naming it, nothing touched."""
+    run_dir = tmp_path / "smoke-layer-s0"
+    train_here(run_dir, *SMOKE, "stop_at_step=2")
+    config = run_dir / "run_config.yaml"
+    recorded = config.read_bytes()
+    config.write_bytes(b"\x00\xff garbage: [unclosed")
+    result = train_in_process(run_dir, *SMOKE, "resume=auto", capsys=capsys)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "run_config.yaml is damaged" in caplog.text and "rewritten from the checkpoint's copy" in caplog.text
+    assert config.read_bytes() == recorded  # the checkpoint's copy is the first session's record
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "run_config.yaml").write_text("- not\n- a mapping\n")
+    before = sha_tree(fresh)
+    refused = train_in_process(fresh, *SMOKE, capsys=capsys)
+    assert_refused(refused, "run_config.yaml is damaged: expected a mapping of the run's keys")
+    assert sha_tree(fresh) == before

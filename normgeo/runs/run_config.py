@@ -160,12 +160,37 @@ def save_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> bo
     return True
 
 
+class DamagedRunConfig(ValueError):
+    """run_config.yaml is there but is not a run's config (not YAML text, or not a mapping)."""
+
+
 def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run's recorded config; None when there is none, DamagedRunConfig when it cannot be read."""
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.exists():
         return None
-    with open(path, encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle)
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise DamagedRunConfig(f"{path} is damaged ({type(err).__name__}): expected the run's config as "
+                               "YAML, as train.py writes it") from None
+    if not isinstance(config, dict):
+        raise DamagedRunConfig(f"{path} is damaged: expected a mapping of the run's keys, found "
+                               f"{type(config).__name__}")
+    return config
+
+
+def repair_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> None:
+    """A resumed run whose run_config.yaml is damaged: rewritten with ``config`` (the checkpoint's copy, the
+    config the weights were trained with), and said; a readable one is never replaced."""
+    try:
+        load_run_config(run_dir)
+        return
+    except DamagedRunConfig as err:
+        log.warning("%s; rewritten from the checkpoint's copy of the run's config", err)
+    with atomic_open(Path(run_dir) / RUN_CONFIG_FILE, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(dict(config), handle, sort_keys=False, allow_unicode=True)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -196,7 +221,11 @@ def verify_run_config(run_dir: str | os.PathLike, ckpt_path: str | None, current
     run_dir = Path(run_dir)
     saved_file = run_dir / RUN_CONFIG_FILE
     if ckpt_path is None:
-        saved = load_run_config(run_dir)
+        try:
+            saved = load_run_config(run_dir)
+        except DamagedRunConfig as err:  # never replaced by a fresh start: the user decides
+            raise DamagedRunConfig(f"{err}; an earlier session left it without a checkpoint: delete it to "
+                                   "start this run here, or start it under another run_name=...") from None
         if saved is not None and (changes := config_changes(saved, current)):
             raise ResumeConfigError(
                 changes, str(saved_file),

@@ -26,6 +26,7 @@ from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
     TRAIN_LOG,
+    DamagedRunConfig,
     ResumeConfigError,
     config_changes,
     is_rank_zero,
@@ -53,7 +54,7 @@ class RunFinished(Exception):
         self.figures_left = figures_left
 
 
-REFUSALS = (RunDirectoryError, ResumeConfigError)
+REFUSALS = (RunDirectoryError, ResumeConfigError, DamagedRunConfig)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ class StartError(ConfigError):
 START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session): their bytes are kept for an undo.
-REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE)
+REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE,
+             RUN_CONFIG_FILE)  # a resume repairs a damaged run_config.yaml (run_config.repair_run_config)
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
