@@ -104,11 +104,21 @@ def config_errors_exit_2(hydra_main: Callable[[], Any],
             return hydra_main()
         except SystemExit as done:
             if done.code == 1 and not raised_by_task(done.__context__):
+                if done.__context__ is not None:  # Hydra's own last line is its HYDRA_FULL_ERROR advice
+                    print(f"error: {hydra_error_line(done.__context__)}", file=sys.stderr)
                 raise SystemExit(CONFIG_ERROR_EXIT) from None
             raise
 
     main.__doc__ = hydra_main.__doc__
     return main
+
+
+def hydra_error_line(error: BaseException) -> str:
+    """Hydra's config error in one line: its message and the first line of its cause (the value's type)."""
+    cause = error.__cause__
+    detail = str(cause).splitlines()[0] if cause is not None and str(cause).strip() else ""
+    text = " ".join(str(error).split())
+    return f"{text}: {detail}" if detail and detail not in text else text
 
 
 def raised_by_task(error: BaseException | None) -> bool:
