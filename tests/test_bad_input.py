@@ -171,3 +171,17 @@ def test_a_non_ascii_value_outside_quotes_is_one_line_with_the_quoting_that_work
         f"output_root='{folder}' (in a shell: \"output_root='{folder}'\")")
     assert not folder.exists()
     assert unquoted_non_ascii([f"output_root='{folder}'", "norm=layer,rms", 'probe.path="é"']) is None
+
+
+@pytest.mark.parametrize(
+    ("script", "override", "named"),
+    [("train", "max_stpes=10", "Could not override 'max_stpes'"),
+     ("train", "optim.lr=abc", "optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
+     ("analyze", "probe.tokenz=5", "Could not override 'probe.tokenz'")],
+)
+def test_hydras_own_errors_end_with_one_line_naming_the_override(script: str, override: str, named: str,
+                                                                 capsys) -> None:
+    """Issue 64's walk: Hydra's last line was its HYDRA_FULL_ERROR advice, naming nothing."""
+    code, stderr = call_entry_point(script, [override], capsys)
+    last = stderr.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: ") and named in last, stderr
