@@ -28,7 +28,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig  # Hydra's composed config: run() checks it into the typed one at once
 
 from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
@@ -38,11 +38,12 @@ from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.tokenize import TokenizerError
-from models.lit import LitGPT, NonFiniteError
+from models.divergence import NonFiniteError
+from models.lit import LitGPT
 from normgeo.config.checks import Refused, config_errors_exit_2, refuse
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
 from normgeo.config.schema import (
-    check_accumulation,
+    TrainSchema,
     costly_values,
     launch_cost,
     odd_values,
@@ -52,10 +53,9 @@ from normgeo.config.schema import (
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
-from normgeo.measure.probe_config import ProbeConfig
 from normgeo.plan import main as plan_main
 from normgeo.readers.metrics import CSV_DIR
-from normgeo.runs.build import make_module, make_schedule, trainer_arguments
+from normgeo.runs.build import make_module, make_schedule
 from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
@@ -66,8 +66,15 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     save_run_config,
 )
-from normgeo.runs.session import DIVERGED, RunFinished, continue_command, disk_full_refusal, resume_command
-from normgeo.runs.start import START_ERRORS, Start, open_run_files, start_session
+from normgeo.runs.session import (
+    DIVERGED,
+    RunFinished,
+    continue_command,
+    disk_full_refusal,
+    mark_diverged,
+    resume_command,
+)
+from normgeo.runs.start import START_ERRORS, Start, instantiate_trainer, open_run_files, start_session
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
@@ -79,21 +86,21 @@ BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)
                              "nothing was trained; run the same command again")
 
 
-def make_loggers(cfg: DictConfig, run_dir: Path) -> list:
+def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
     """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml
     combine, e.g. logger=[csv,wandb]); a null entry (logger.wandb=null) is skipped; a
     plain list still works. A CSVLogger is always among them: its metrics.csv is what
     status, compare, the pilot and the export read (normgeo.readers.metrics)."""
-    configs = cfg.logger.values() if isinstance(cfg.logger, DictConfig) else (cfg.logger or [])
+    configs = cfg.logger.values() if isinstance(cfg.logger, dict) else (cfg.logger or [])
     loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
     for logger_cfg in configs:
         if not logger_cfg:
             continue
-        if logger_cfg._target_.endswith("CSVLogger") and same_folder(
-                Path(str(logger_cfg.save_dir)) / str(logger_cfg.get("name") or "lightning_logs"),
+        if logger_cfg["_target_"].endswith("CSVLogger") and same_folder(
+                Path(str(logger_cfg["save_dir"])) / str(logger_cfg.get("name") or "lightning_logs"),
                 run_dir / CSV_DIR):
             continue  # the CSV every run writes already (older logger configs still name it)
-        if logger_cfg._target_.endswith("WandbLogger"):
+        if logger_cfg["_target_"].endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
             loggers.append(instantiate(logger_cfg))
@@ -104,7 +111,7 @@ def same_folder(a: Path, b: Path) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-def make_wandb_logger(logger_cfg: DictConfig, run_dir: Path):
+def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
     id_file = run_dir / WANDB_ID_FILE
     if id_file.exists():
@@ -125,9 +132,9 @@ def _netrc_has_wandb() -> bool:
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
+def build_trainer(cfg: TrainSchema, run_dir: Path, callbacks: list) -> L.Trainer:
     quiet_lightning()  # before SLURMEnvironment and the Trainer print their hints
-    if cfg.trainer.enable_progress_bar:
+    if cfg.trainer.get("enable_progress_bar", True):
         callbacks = [*callbacks, StepProgressBar()]  # optimizer steps of max_steps, not Lightning's epochs
     plugins: list = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
@@ -135,15 +142,16 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list) -> L.Trainer:
         # is ours, not Lightning's: SlurmRequeue + StopOnSignal stop at a step boundary, write
         # last.ckpt and requeue; Lightning's handler would save mid-step from inside the signal handler.
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    trainer = instantiate(cfg.trainer, **trainer_arguments(cfg), default_root_dir=str(run_dir),
-                          callbacks=callbacks, logger=make_loggers(cfg, run_dir), plugins=plugins)
-    # The global batch is fixed; accumulation is whatever the device count leaves over (checked at the start).
-    trainer.accumulate_grad_batches = check_accumulation(cfg, trainer.world_size)
+    trainer = instantiate_trainer(cfg, default_root_dir=str(run_dir), callbacks=callbacks,
+                                  logger=make_loggers(cfg, run_dir), plugins=plugins)
+    # The global batch is fixed; accumulation is whatever the device count leaves over: known once Lightning
+    # has counted the devices, so set on the Trainer it built (a refusal undoes the start).
+    trainer.accumulate_grad_batches = cfg.accumulation(trainer.world_size)
     trainer.val_check_interval = cfg.val_every * trainer.accumulate_grad_batches
     return trainer
 
 
-def describe_run(cfg: DictConfig, trainer: L.Trainer, module: LitGPT) -> str:
+def describe_run(cfg: TrainSchema, trainer: L.Trainer, module: LitGPT) -> str:
     """The start-up line that replaces Lightning's model summary table (whose FLOPs column reads 0)."""
     params = module.model.num_parameters()
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
@@ -188,7 +196,7 @@ class KeepStart(OptimizerStepCallback):
         self.start.keep()
 
 
-def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule, stop: StopOnSignal,
+def make_callbacks(cfg: TrainSchema, run_dir: Path, schedule: CheckpointSchedule, stop: StopOnSignal,
                    probe_ids=None) -> list:
     """The checkpoint owner (the schedule, ``stop_at_step``, the signal ``stop``) and the angle probe at the
     same steps (``probe_ids``: its tokens, as the start check tokenized them)."""
@@ -197,13 +205,14 @@ def make_callbacks(cfg: DictConfig, run_dir: Path, schedule: CheckpointSchedule,
     if cfg.probe.enabled:
         callbacks.append(
             AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
-                       ProbeConfig.from_config(cfg.probe), ids=probe_ids))
+                       cfg.probe_config, ids=probe_ids))
     return callbacks
 
 
-def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Fit one run. ``start``: what normgeo.runs.start checked and claimed (bench/ calls
-    ``with start_session(cfg) as start: train(cfg, start, ...)``); ``extra_callbacks``: bench/'s timers."""
+    ``with start_session(composed) as start: train(start.config, start, ...)``); ``extra_callbacks``: bench/'s
+    timers."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = OWNER.take_requeue()
@@ -227,7 +236,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
     for logger in trainer.loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        logger.log_hyperparams(run_config)
     module.run_config = run_config  # into every checkpoint
     if trainer.is_global_zero:
         log.info("%s", describe_run(cfg, trainer, module))
@@ -260,14 +269,10 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
             with contextlib.suppress(SignalStop):
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-            if trainer.is_global_zero:
-                summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                      tokens_per_step=module.tokens_per_step, figures=[], stopped_by=DIVERGED)
-                write_summary(run_dir, {**summary,
-                                        DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
-            raise NonFiniteError(f"{err}; {run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same "
-                                 "command with a lower optim.lr replaces it",
-                                 step=err.step, loss=err.loss, lr=err.lr) from None
+            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
+                                  tokens_per_step=module.tokens_per_step, figures=[],
+                                  stopped_by=DIVERGED) if trainer.is_global_zero else None
+            raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
             # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
             left = (f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing "
@@ -282,7 +287,7 @@ def train(cfg: DictConfig, start: Start, extra_callbacks: Sequence[L.Callback] =
     return trainer
 
 
-def finish(cfg: DictConfig, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
+def finish(cfg: TrainSchema, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
            tokens_per_step: int, end: StopAtOnce | None = None,
            pending: Callable[[], int | None] = lambda: None) -> None:
     """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
@@ -324,27 +329,29 @@ USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, An
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def run(cfg: DictConfig) -> Refused | None:
-    """compose (Hydra) -> validate and claim (normgeo.runs.start) -> build and fit (train) -> finish."""
+def run(composed: DictConfig) -> Refused | None:
+    """compose (Hydra) -> validate into the typed config and claim (normgeo.runs.start) -> build and fit
+    (train) -> finish."""
     # Again here: the submitit launcher unpickles run() on the node without running this file's top.
     requeue = OWNER.take_requeue()
     try:
-        start = start_session(cfg)  # the config checked, then the run, then the claim: nothing written before
+        start = start_session(composed)  # the config checked, the run, then the claim: nothing written before
     except RunFinished as done:  # nothing left to train: one line, exit 0 (a sweep's other jobs go on)
         print(done, flush=True)
         if done.figures_left:  # an end interrupted after its summary: its figures, under the run's lock
-            lock = RunLock(Path(cfg.run_dir))
+            lock = RunLock(Path(composed.run_dir))
             try:
                 lock.acquire()
             except RunInUseError as err:
-                return refuse(cfg.run_dir, err)
+                return refuse(composed.run_dir, err)
             try:
-                draw_figures(Path(cfg.run_dir))
+                draw_figures(Path(composed.run_dir))
             finally:
                 lock.release()
         return None
     except START_ERRORS as err:
-        return refuse(cfg.run_dir, err)
+        return refuse(composed.run_dir, err)
+    cfg = start.config
     try:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)

@@ -59,6 +59,7 @@ from train_throughput import autocast
 from models.hardware import default_precision, missing_cuda
 from models.lit import compute_dtype, peak_flops
 from models.norms import compile_refusal
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.stats import mean_t_interval
 from normgeo.runs.build import make_module
@@ -100,7 +101,7 @@ class Arm:
             overrides = [*overrides[1:], *STANDIN]
         overrides = [*overrides, *extra]
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            self.cfg = compose("train", overrides=overrides)
+            self.cfg = check_config("train", compose("train", overrides=overrides))
         module = make_module(self.cfg)
         module.to(device)
         optimizers = module.configure_optimizers()
@@ -110,7 +111,7 @@ class Arm:
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if mode == "compiled":
             self.model.compile()  # as LitGPT.configure_model compiles an unsharded model
-        self.device, self.clip = device, float(self.cfg.trainer.gradient_clip_val)
+        self.device, self.clip = device, float(self.cfg.trainer["gradient_clip_val"])
         self.fused = bool(self.optimizer.defaults.get("fused"))
         self.tokens = self.cfg.micro_batch * self.cfg.seq_len
         self.flops_per_token = module.model.flops_per_token(self.cfg.seq_len)
@@ -180,7 +181,7 @@ def measure(
         "seq_len": first.cfg.seq_len,
         "tokens_per_step": first.tokens,
     }
-    precision = str(first.cfg.trainer.precision or default_precision())  # as trainer_arguments resolves it
+    precision = str(first.cfg.trainer.get("precision") or default_precision())  # as trainer_arguments does
     result["precision"] = precision
     peak = peak_flops(device, compute_dtype(precision))
     for arm, run in built.items():

@@ -49,6 +49,7 @@ from probe_cost import op_counts
 from torch.profiler import ProfilerActivity, profile, record_function
 from train_throughput import scratch
 
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.runs.build import make_datamodule
 from normgeo.runs.start import start_session
@@ -108,7 +109,7 @@ def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], se
     cfg = compose_run(overrides)
     scopes = StepScopes()
     with profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
-        train(cfg, start, extra_callbacks=[scopes])
+        train(start.config, start, extra_callbacks=[scopes])
     events = prof.events()
     return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
 
@@ -147,7 +148,7 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
     cfg = compose_run([*overrides, f"max_steps={warmup + steps + 1}"])  # the last step's end not timed
     paired = PairedBare(arm, batches, warmup, steps)
     with start_session(cfg) as start:
-        train(cfg, start, extra_callbacks=[paired])
+        train(start.config, start, extra_callbacks=[paired])
     return {name: (statistics.fmean(t[0] for t in values), statistics.fmean(t[1] for t in values))
             for name, values in paired.times.items()}
 
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with working_folder() as work:
         shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
                   f"data_root={work / 'data'}"]
-        make_datamodule(compose_run(shared)).prepare_data()  # tokenized before any run
+        make_datamodule(check_config("train", compose_run(shared))).prepare_data()  # tokenized before any run
         print(f"harness_overhead: {' '.join(SHAPE)}; {args.threads} thread(s); cpu; "
               f"load average before {os.getloadavg()[0]:.2f}")
         counts, logging = sync_counts([*shared, f"max_steps={args.sync_steps}", f"run_dir={work / 'syncs'}"])

@@ -37,6 +37,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from models.gpt import GPT
 from models.hardware import missing_cuda
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator
@@ -94,7 +95,7 @@ def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> d
 
 def build(size: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"size={size}"])
+        cfg = check_config("train", compose("train", overrides=[f"size={size}"]))
     return make_module(cfg, seed=0).model.eval()  # as train.py builds it: norm included
 
 

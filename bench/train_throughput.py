@@ -47,8 +47,9 @@ from models.gpt import GPT, GPTConfig
 from models.hardware import default_precision
 from models.lit import compute_dtype
 from models.norms import NORM_ARMS
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
-from normgeo.config.schema import model_config
+from normgeo.config.schema import TrainSchema, model_config
 from normgeo.runs.build import make_datamodule, make_module
 from normgeo.runs.start import start_session
 from train import train
@@ -74,23 +75,24 @@ class StepTimer(L.Callback):
             self.end = time.perf_counter()
 
 
-def harness_tokens_per_s(cfg: DictConfig, skip: int) -> float:
+def harness_tokens_per_s(composed: DictConfig, skip: int) -> float:
     timer = StepTimer(skip)
-    with start_session(cfg) as start:
+    with start_session(composed) as start:
+        cfg = start.config
         train(cfg, start, extra_callbacks=[timer])
     steps = cfg.max_steps - skip
     return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 
 
-def autocast(cfg: DictConfig, device: torch.device):
+def autocast(cfg: TrainSchema, device: torch.device):
     """The harness's precision (bf16-mixed on GPUs that have it, fp32 on CPU) in a plain loop."""
-    precision = str(cfg.trainer.precision or default_precision())
+    precision = str(cfg.trainer.get("precision") or default_precision())
     if precision.endswith("-mixed"):
         return torch.autocast(device.type, dtype=compute_dtype(precision))
     return nullcontext()
 
 
-def timed_steps(cfg: DictConfig, skip: int, device: torch.device, step: Callable[[int], None]) -> float:
+def timed_steps(cfg: TrainSchema, skip: int, device: torch.device, step: Callable[[int], None]) -> float:
     """Tokens/s of ``step(0) ... step(max_steps - 1)``, the first ``skip`` steps not timed."""
     start = 0.0
     for index in range(cfg.max_steps):
@@ -108,7 +110,7 @@ def timed_steps(cfg: DictConfig, skip: int, device: torch.device, step: Callable
     )
 
 
-def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
+def plain_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> float:
     """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW,
     schedule."""
     data = load_prepared(cfg.data.directory)
@@ -131,7 +133,7 @@ def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> floa
             with autocast(cfg, device):
                 loss = model(torch.stack(inputs).to(device), torch.stack(targets).to(device))
             (loss / sampler.accumulation).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.trainer.gradient_clip_val)
+        torch.nn.utils.clip_grad_norm_(params, cfg.trainer["gradient_clip_val"])
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -139,7 +141,7 @@ def plain_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> floa
     return timed_steps(cfg, skip, device, step)
 
 
-def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> float:
+def minimal_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> float:
     """From scratch: one token tensor, the step's windows gathered by offsets, model(x, y), AdamW, clip,
     step."""
     data = load_prepared(cfg.data.directory)
@@ -163,7 +165,7 @@ def minimal_tokens_per_s(cfg: DictConfig, skip: int, device: torch.device) -> fl
             with autocast(cfg, device):
                 loss = model(micro[:, :-1], micro[:, 1:])
             (loss / accumulation).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer["gradient_clip_val"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -256,13 +258,15 @@ def main() -> None:
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
                 extra = [f"norm={name}"] if arms else []
-                cfg = compose("train", overrides=[*overrides, *extra, f"run_dir={workdir / f'run{run}'}"])
+                run_dir = f"run_dir={workdir / f'run{run}'}"
+                composed = compose("train", overrides=[*overrides, *extra, run_dir])
+                cfg = check_config("train", composed)
                 run += 1
                 if repeat == 0:
                     make_datamodule(cfg).prepare_data()  # tokenized before any timing (the loops need it)
                 gc.collect()  # the previous variant's trainer, model and optimizer go before this one starts
                 if arms or name == "harness":
-                    results[name].append(harness_tokens_per_s(cfg, args.skip))
+                    results[name].append(harness_tokens_per_s(composed, args.skip))
                 elif name == "plain":
                     results[name].append(plain_tokens_per_s(cfg, args.skip, device))
                 else:

@@ -101,7 +101,7 @@ class AngleProbe(OptimizerStepCallback):
 
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if step in self.schedule:
-            pl_module.raise_if_diverged()  # no record of weights a non-finite loss updated
+            pl_module.divergence.check()  # no record of weights a non-finite loss updated
             self.probe(trainer, pl_module, step=step)
 
     def probe(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> list[dict]:

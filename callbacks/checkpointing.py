@@ -28,13 +28,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch.distributed.tensor import DTensor
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signals import SignalStop, StopOnSignal, training_interrupt
 from corpus.atomic import atomic_open
-from models.lit import NonFiniteError
 from normgeo.config.schema import CheckpointSchema
 from normgeo.runs.run_config import LAST_CHECKPOINT
 
@@ -240,22 +238,10 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
                 self._save_step(trainer, pl_module, step)
 
     def _check_finite(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        """Never overwrite a good checkpoint with weights that diverged to
-        inf/NaN: the first non-finite loss named if there was one (LitGPT notes
-        it on the device without waiting), else the parameters checked."""
-        pl_module.raise_if_diverged()
-        # Each rank checks what it holds (an FSDP2 DTensor's local shard), read back in one wait for the
-        # device (not one per parameter); the decision is all-reduced.
-        finite = bool(torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                                   for p in pl_module.parameters()]).all())
-        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
-            last = self.dirpath / LAST_CHECKPOINT
-            kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
-            lr = pl_module.hparams.get("lr", float("nan"))
-            raise NonFiniteError(f"training diverged: the parameters are not finite after step {step} "
-                                 f"(stopped without saving; {kept}); the likely cause is the learning "
-                                 f"rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
-                                 step=step, loss=float("nan"), lr=lr)
+        """Never overwrite a good checkpoint with weights that diverged (models.divergence)."""
+        last = self.dirpath / LAST_CHECKPOINT
+        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+        pl_module.divergence.check_weights(pl_module.parameters(), trainer.strategy, step, kept)
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_steps": list(self.saved_steps)}

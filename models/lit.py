@@ -16,18 +16,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from corpus.stream import tokens_per_step
+from models.divergence import Divergence
 from models.gpt import GPT, GPTConfig
 from models.strategies import FSDP2Strategy, compile_blocks
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Training diverged (loss or parameters inf/NaN); raised on every rank at once."""
-
-    def __init__(self, message: str, *, step: int, loss: float, lr: float) -> None:
-        super().__init__(message)
-        self.step, self.loss, self.lr = step, loss, lr
 
 
 # Lightning's table finds no H200 named as CUDA reports it ("NVIDIA H200": its rows need "sxm1" or "nvl1"),
@@ -93,9 +86,7 @@ class LitGPT(L.LightningModule):
         # The latest report's loss and rate as host values, for the console (callbacks.progress): logged with
         # prog_bar=True instead, Lightning would read them back from the device after every batch.
         self.console_metrics: dict[str, float] = {}
-        # the first non-finite loss's step (-1: none), on the device
-        self._diverged_step: torch.Tensor | None = None
-        self._diverged_loss: torch.Tensor | None = None
+        self.divergence = Divergence(lr)  # the first non-finite loss, on the device
         self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
@@ -176,7 +167,7 @@ class LitGPT(L.LightningModule):
         loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
         self._loss_sum, self._micro_steps = None, 0
         step = self.trainer.global_step + 1
-        self._note_divergence(loss, step)
+        self.divergence.note(loss, step)
         self._step_loss, self._step_lr = loss, optimizer.param_groups[0]["lr"]
         if self.reports_at(step):
             self.report(step)
@@ -197,36 +188,10 @@ class LitGPT(L.LightningModule):
             (every > 0 and step % every == 0) or self._reported_step is None or step == self.trainer.max_steps
         )
 
-    def _note_divergence(self, loss: torch.Tensor, step: int) -> None:
-        """Keep, on the device, the first step whose loss is inf or NaN and that loss."""
-        if self._diverged_step is None:
-            self._diverged_step = torch.full((), -1, dtype=torch.long, device=loss.device)
-            self._diverged_loss = torch.zeros((), dtype=loss.dtype, device=loss.device)
-        first = (self._diverged_step < 0) & ~torch.isfinite(loss)
-        self._diverged_step = torch.where(first, step, self._diverged_step)
-        self._diverged_loss = torch.where(first, loss, self._diverged_loss)
-
-    def raise_if_diverged(self, *also: torch.Tensor) -> list[float]:
-        """Raise :class:`NonFiniteError` naming the first step whose loss was inf or NaN, if any; waits for
-        the device once, and returns the values of the device scalars ``also`` read in the same wait. Every
-        rank holds the same all-reduced losses, so all raise at once. The checkpoints and the probe call it
-        before they read the weights; :meth:`report` at every reporting step."""
-        if self._diverged_step is None:
-            return [float(value) for value in also]
-        read = [self._diverged_step, self._diverged_loss, *also]
-        step, loss, *values = torch.stack([value.double() for value in read]).tolist()
-        if step < 0:
-            return values
-        lr = self.hparams.lr
-        raise NonFiniteError(
-            f"training diverged: the training loss is {loss} at step {int(step)}; the likely cause is "
-            f"the learning rate, optim.lr={lr:g}: lower it (e.g. optim.lr={lr / 10:g})",
-            step=int(step), loss=loss, lr=lr)
-
     def report(self, step: int) -> None:
-        """Wait for the device once (:meth:`raise_if_diverged`), then log step ``step``'s loss, learning rate,
+        """Wait for the device once (:meth:`Divergence.check`), then log step ``step``'s loss, learning rate,
         tokens seen and the rates over the steps since the previous report, now timed exactly."""
-        (loss,) = self.raise_if_diverged(self._step_loss)
+        (loss,) = self.divergence.check(self._step_loss)
         self._reported_step = step
         metrics = {
             "train/loss": self._step_loss,
@@ -244,10 +209,10 @@ class LitGPT(L.LightningModule):
 
     def on_validation_start(self) -> None:
         if not self.trainer.sanity_checking:
-            self.raise_if_diverged()  # no validation loss of weights that a non-finite loss updated
+            self.divergence.check()  # no validation loss of weights that a non-finite loss updated
 
     def on_train_end(self) -> None:
-        self.raise_if_diverged()  # a run whose last steps diverged between two reports has not finished
+        self.divergence.check()  # a run whose last steps diverged between two reports has not finished
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch

@@ -53,7 +53,6 @@ import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.atomic import atomic_open
@@ -70,7 +69,7 @@ from models.plan import (
 )
 from normgeo.config.checks import check_config, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
-from normgeo.config.schema import ConfigError
+from normgeo.config.schema import ConfigError, TrainSchema
 from normgeo.figures.style import norm_label
 from normgeo.figures.sweep import load
 from normgeo.figures.tables import print_table
@@ -115,17 +114,17 @@ def record_measurement(report: dict, path: Path = MEASURED_PEAKS) -> dict:
     return row
 
 
-def compose(overrides: Sequence[str]) -> DictConfig:
-    """train.py's config for ``overrides``, checked by the schema, without running Hydra's job (no files)."""
+def compose(overrides: Sequence[str]) -> TrainSchema:
+    """train.py's typed config for ``overrides``, checked by the schema, without running Hydra's job (no
+    files)."""
     if refusal := unknown_group_option(overrides, TRAIN_CONFIG_DIRS):  # the options listed, as train.py does
         raise ConfigError(refusal)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))
-    check_config("train", cfg)
-    return cfg
+    return check_config("train", cfg)
 
 
-def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
+def checkpoint_disk(cfg: TrainSchema, plan: Plan) -> dict[str, int]:
     """Bytes the schedule writes: scheduled checkpoints (weights only unless keep_optimizer) + last.ckpt
     (full state). Tensor bytes only: the metadata (hparams, RNG states, run config) adds some kB."""
     schedule = make_schedule(cfg)  # the schedule train.py builds
@@ -136,7 +135,7 @@ def checkpoint_disk(cfg: DictConfig, plan: Plan) -> dict[str, int]:
             "total_bytes": each * len(schedule) + full}
 
 
-def gpu_rows(cfg: DictConfig, plan: Plan, gpus: Sequence[str]) -> list[dict]:
+def gpu_rows(cfg: TrainSchema, plan: Plan, gpus: Sequence[str]) -> list[dict]:
     """Per GPU type: fits (configured micro_batch, with/without checkpointing), largest micro_batch, time."""
     setup, rows = plan.setup, []
     for key in gpus:
@@ -169,7 +168,7 @@ def measured_step(setup: TrainSetup) -> dict:
     return asdict(measure_step(setup, torch.device("cuda", torch.cuda.current_device())))
 
 
-def plan_config(cfg: DictConfig, *, both_checkpointing: bool = True, probe: bool = True,
+def plan_config(cfg: TrainSchema, *, both_checkpointing: bool = True, probe: bool = True,
                 measure: bool = False) -> tuple[Plan, dict]:
     """The plan of a composed config and everything the command prints (a JSON-able dict); ``measure``: also
     the step measured on this machine's GPU (:func:`measured_step`)."""

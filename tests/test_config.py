@@ -20,6 +20,7 @@ from corpus.__main__ import main as corpus_main
 from corpus.datamodule import TokenDataModule
 from corpus.prepare import load_prepared
 from corpus.sources import HubParquetSource, LocalFilesSource, PydocSource
+from normgeo.config.checks import check_config
 from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR, CONF_ROOT
 from normgeo.config.schema import CheckpointSchema
 from normgeo.runs.build import make_datamodule
@@ -84,7 +85,7 @@ def test_the_data_options_are_the_documented_ones() -> None:
 def test_data_options_instantiate_the_datamodule(tmp_path: Path, option, source_type, auto_prepare) -> None:
     extra = ["data.source.path=../shared/corpora/webtext"] if option == "local" else []
     cfg = compose_train(f"data={option}", f"data_root={tmp_path}", "global_batch=16", "micro_batch=4", *extra)
-    module = make_datamodule(cfg)
+    module = make_datamodule(check_config("train", cfg))
     assert isinstance(module, TokenDataModule) and isinstance(module.source, source_type)
     assert module.auto_prepare is auto_prepare
     assert module.directory.parent == tmp_path

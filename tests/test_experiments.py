@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 import train
 from models.strategies import FSDP2Strategy
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.records import read_rows
 from tests.conftest import ROOT, run_train, step_losses
@@ -61,7 +62,7 @@ def test_every_trainer_option_builds_its_trainer(option: str, tmp_path: Path, mo
     if option in ("ddp", "fsdp"):
         overrides.append("trainer.devices=2")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = check_config("train", compose("train", overrides=overrides))
     trainer = train.build_trainer(cfg, tmp_path, callbacks=[])
     assert isinstance(trainer.strategy, STRATEGY_OF[option]), type(trainer.strategy)
     assert trainer.num_nodes == 1 and isinstance(trainer.num_nodes, int)

@@ -9,11 +9,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch._dynamo.utils import counters
 
+from models.divergence import Divergence, NonFiniteError
 from models.gpt import GPT, PLACEMENTS, GPTConfig, is_norm_parameter
 from models.lit import LitGPT, warmup_cosine
 from models.norms import NORM_ARMS, NORM_IMPLS
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import model_config
 from normgeo.measure.norm_sites import find_norm_sites
@@ -25,7 +28,7 @@ SIZES = ("tiny", "70m", "160m", "410m", "1b")
 def build_from_config(*overrides: str) -> GPT:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
-    return make_module(cfg).model  # the one cfg -> model map (normgeo/runs/build.py)
+    return make_module(check_config("train", cfg)).model  # the one cfg -> model map (normgeo/runs/build.py)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -330,3 +333,24 @@ def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time(
     decayed, plain = module.configure_optimizers()["optimizer"].param_groups
     assert {id(p) for p in decayed["params"]} == matrices
     assert not matrices & {id(p) for p in plain["params"]}
+
+
+def test_divergence_names_the_first_non_finite_loss_and_refuses_non_finite_weights() -> None:
+    """models.divergence: the first non-finite loss is kept on the device and named at the next check; the
+    weights are checked before a checkpoint keeps them, the decision through Lightning's strategy."""
+    watch = Divergence(lr=1e-3)
+    assert watch.check(torch.tensor(2.5)) == [2.5]  # nothing noted yet: the values alone
+    for step, loss in ((1, 3.0), (2, float("nan")), (3, float("inf"))):
+        watch.note(torch.tensor(loss), step)
+    with pytest.raises(NonFiniteError) as diverged:
+        watch.check()
+    assert diverged.value.step == 2 and str(diverged.value).startswith(
+        "training diverged: the training loss is nan at step 2; the likely cause is the learning rate, "
+        "optim.lr=0.001: lower it (e.g. optim.lr=0.0001)")
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
+    finite = Divergence(lr=1e-3)
+    finite.note(torch.tensor(1.0), 1)
+    finite.check_weights([torch.ones(2)], strategy, 5, "kept")
+    with pytest.raises(NonFiniteError, match=r"the parameters are not finite after step 5 \(stopped without "
+                                             r"saving; kept\)"):
+        finite.check_weights([torch.ones(2), torch.tensor([float("inf")])], strategy, 5, "kept")

@@ -245,11 +245,10 @@ def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Pa
 
 def test_costly_values_get_one_line_each_above_their_threshold() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        smoke = compose("train", overrides=["experiment=smoke"])
-        costly = compose(
-            "train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"]
-        )
-        long = compose("train", overrides=["experiment=smoke", "max_steps=1000000"])
+        smoke = check_config("train", compose("train", overrides=["experiment=smoke"]))
+        costly = check_config("train", compose(
+            "train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"]))
+        long = check_config("train", compose("train", overrides=["experiment=smoke", "max_steps=1000000"]))
     assert costly_values(smoke, probes=5) == []
     lines = costly_values(costly, probes=5)
     assert [line.split("=")[0] for line in lines] == ["val_sequences", "probe.tokens"]

@@ -18,8 +18,9 @@ from hydra.core.config_store import ConfigStore
 from models.hardware import default_precision
 from models.norms import compile_refusal
 from normgeo.config import schema
+from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
-from normgeo.config.schema import compiles
+from normgeo.config.schema import CHECKPOINT_SCHEDULE, compiles
 from normgeo.runs import run_config
 from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import (
@@ -42,7 +43,8 @@ COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
 
 def resolved(*overrides: str) -> dict:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return resolved_run_config(compose("train", overrides=["logger=csv", *overrides]))
+        composed = compose("train", overrides=["logger=csv", *overrides])
+        return resolved_run_config(check_config("train", composed))
 
 
 # --- the comparison -----------------------------------------------------------------------------------
@@ -95,19 +97,23 @@ def test_nested_changes_are_reported_old_to_new() -> None:
     assert "run_name=" in message and "seed=" in message and "original values" in message
 
 
-def test_the_copies_older_runs_recorded_are_no_change_either_way_but_their_changes_count() -> None:
+def test_the_copies_older_runs_recorded_are_no_change_but_keys_the_schema_declares_count() -> None:
     """model, checkpoint.max_steps and data.seq_len, ... copied other keys while conf/ held them
-    (normgeo/runs/build.py passes those values now): recorded by an old session and absent in this one, or the
-    reverse, they are no change; where both sides hold one, a change to it still counts."""
+    (normgeo/runs/build.py passes those values now): recorded by an old session, they are keys the schema no
+    longer declares, compared through the keys they copied (run_config.declared: no list to keep); a key the
+    schema declares, absent from this session's config, is a change; checkpoint._target_, which older runs
+    lack, has the value they ran with (its ``before``)."""
     copies = {
         "model": {"_target_": "models.lit.LitGPT", "lr": 1e-3},
-        "checkpoint": {"_target_": "S", "max_steps": 4},
+        "checkpoint": {"max_steps": 4},
         "data": {**BASE["data"], "seq_len": 64, "micro_batch": 4, "val_seed": None},
     }
     old = {**BASE, **copies}
-    assert config_changes(old, BASE) == {} and config_changes(BASE, old) == {}
-    changed = {**old, "model": {**copies["model"], "lr": 0.5}}
-    assert config_changes(old, changed) == {"model.lr": (1e-3, 0.5)}
+    assert config_changes(old, BASE) == {}
+    assert config_changes(old, {**BASE, "checkpoint": {"_target_": CHECKPOINT_SCHEDULE}}) == {}
+    assert config_changes(old, {**BASE, "checkpoint": {"_target_": "mine.Schedule"}}) == {
+        "checkpoint._target_": (CHECKPOINT_SCHEDULE, "mine.Schedule")}
+    assert config_changes({**old, "tie_embeddings": False}, BASE) == {"tie_embeddings": (False, ABSENT)}
 
 
 def test_keys_on_one_side_only_are_changes() -> None:
@@ -160,10 +166,11 @@ def test_precision_null_is_recorded_as_what_it_means_here() -> None:
 def test_compile_auto_is_off_on_the_cpu_on_for_cuda_and_recorded_as_decided(monkeypatch) -> None:
     """Issue 61, item 1: compile=auto (the default) compiles CUDA training only; true/false stay as set."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cpu = compose("train", overrides=["trainer=cpu"])
-        gpu = compose("train", overrides=["trainer=gpu"])
-        auto = compose("train", overrides=["trainer=default"])  # accelerator=auto: a GPU when there is one
-        forced = compose("train", overrides=["trainer=cpu", "compile=true"])
+        cpu, gpu, auto, forced = (
+            check_config("train", compose("train", overrides=overrides)) for overrides in (
+                ["trainer=cpu"], ["trainer=gpu"],
+                ["trainer=default"],  # accelerator=auto: a GPU when there is one
+                ["trainer=cpu", "compile=true"]))
     assert cpu.compile == "auto" and resolved_run_config(cpu)["compile"] is False
     assert module_arguments(cpu)["compile"] is False
     assert compiles(forced) is True and compiles(cpu, "cuda") == (compile_refusal("cuda") is None)

@@ -19,6 +19,7 @@ from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import ConfigError, launch_cost
 from normgeo.runs.start import check_trainer
 from tests.conftest import FAST, ROOT, entry_point_here, train_in_process
+from train import build_trainer
 
 
 def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
@@ -42,11 +43,13 @@ def a_finished_run(run_dir: Path) -> Path:
 
 
 def composed_train(*overrides: str):
+    """train.py's typed config of ``overrides``, checked."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+        return check_config("train", compose("train", overrides=list(overrides)))
 
 
-# 1. Lightning's own argument checks: a bare Trainer built at the start, before the run directory is claimed.
+# 1. Lightning's own argument checks: their types before the run directory is claimed, their values as
+# train.py builds its Trainer (the start then undone).
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
@@ -81,12 +84,12 @@ def composed_train(*overrides: str):
     ],
 )
 def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
-    overrides: list[str], message: str
+    overrides: list[str], message: str, tmp_path: Path
 ) -> None:
-    cfg = composed_train(*overrides)
-    check_config("train", cfg)  # the config's own keys are fine: Lightning, on this machine, says no
+    cfg = composed_train(*overrides)  # the config's own keys are fine: Lightning, on this machine, says no
     with pytest.raises(ConfigError) as refused:  # a StartError, or the config's own (the accumulation)
         check_trainer(cfg)
+        build_trainer(cfg, tmp_path, callbacks=[])
     assert str(refused.value).startswith(message), refused.value
 
 
@@ -104,9 +107,12 @@ def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
         ["trainer.strategy=ddp_spawn"],
     ],
 )
-def test_trainer_arguments_lightning_accepts_on_this_machine_pass(overrides: list[str]) -> None:
+def test_trainer_arguments_lightning_accepts_on_this_machine_pass(
+        overrides: list[str], tmp_path: Path) -> None:
     # the GPU presets (trainer=gpu, ddp, fsdp) are checked where they run
-    check_trainer(composed_train(*overrides))
+    cfg = composed_train(*overrides)
+    check_trainer(cfg)
+    assert build_trainer(cfg, tmp_path, callbacks=[]).max_steps == cfg.max_steps
 
 
 class BrokenStrategy:

@@ -29,9 +29,10 @@ from normgeo.config.schema import SCHEMAS
 CONFIG_ERROR_EXIT = 2
 
 
-def check_config(schema: str, cfg: DictConfig) -> None:
-    """normgeo.config.schema's value checks for ``schema`` (train | analyze); raises schema.ConfigError."""
-    SCHEMAS[schema][1](cfg)
+def check_config(schema: str, cfg: DictConfig) -> Any:
+    """The composed ``cfg`` as ``schema``'s (train | analyze) typed config, checked once by
+    normgeo.config.schema; raises schema.ConfigError."""
+    return SCHEMAS[schema][1](cfg)
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:

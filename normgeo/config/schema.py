@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import re
 import types
 import typing
@@ -47,9 +48,9 @@ MODEL_KEYS = {
 }
 
 
-def model_config(cfg: DictConfig) -> dict[str, Any]:
+def model_config(run: TrainSchema) -> dict[str, Any]:
     """models.gpt.GPTConfig's fields, read from their keys (:data:`MODEL_KEYS`)."""
-    return {field: OmegaConf.select(cfg, key) for field, key in MODEL_KEYS.items()}
+    return {field: operator.attrgetter(key)(run) for field, key in MODEL_KEYS.items()}
 
 
 def format_value(value: Any) -> str:
@@ -151,10 +152,13 @@ class OptimSchema:
                              may_change=True)
 
 
+CHECKPOINT_SCHEDULE = "callbacks.checkpointing.CheckpointSchedule"  # runs recorded before the key: theirs
+
+
 @schema
 class CheckpointSchema:
     _target_: str = doc(MISSING, "the schedule's class (callbacks.checkpointing.CheckpointSchedule; "
-                                 "it ends with max_steps)")
+                                 "it ends with max_steps)", before=CHECKPOINT_SCHEDULE)
     steps: list[Count] | None = doc(None, "explicit checkpoint/probe steps, increasing, each <= max_steps")
     dense_every: Count = doc(1000, "a checkpoint every this many steps up to dense_until")
     dense_until: Count = doc(10000, "end of the dense part of the schedule")
@@ -302,6 +306,23 @@ class TrainSchema:
     plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU "
                                         "pre-flight check", may_change=True)
 
+    # What the keys imply, computed here once: every consumer asks the run's config, none recomputes it.
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def accumulation(self, world_size: int) -> int:
+        """The accumulation steps of ``world_size`` devices, or ConfigError when micro_batch x world_size does
+        not divide global_batch (the one check of it: the config, the plan, the Trainer)."""
+        try:
+            return accumulation_steps(self.global_batch, self.micro_batch, world_size)
+        except ValueError as err:
+            raise ConfigError(f"micro_batch={self.micro_batch}: {err}") from None
+
+    @property
+    def probe_config(self) -> ProbeConfig:
+        return ProbeConfig.from_config(dataclasses.asdict(self.probe))
+
 
 @schema
 class AnalyzeModelSchema:
@@ -338,12 +359,13 @@ def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
         raise ConfigError(f"{key}={format_value(value)}: expected {expected}")
 
 
-def check_types(cfg: DictConfig, kind: type, script: str) -> None:
-    """pydantic's validation of the composed config against the schema ``kind``: ConfigError naming the first
-    key out of its range, not finite or unknown, preferring a key the user set to one filled in by an
-    interpolation (``max_steps: ${size.max_steps}`` is reported as size.max_steps)."""
+def check_types(cfg: DictConfig, kind: type, script: str) -> Any:
+    """pydantic's validation of the composed config against the schema ``kind``, into an instance of it (the
+    typed config every consumer reads from then on): ConfigError naming the first key out of its range, not
+    finite or unknown, preferring a key the user set to one filled in by an interpolation
+    (``max_steps: ${size.max_steps}`` is reported as size.max_steps)."""
     try:
-        TypeAdapter(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
+        return TypeAdapter(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
     except ValidationError as err:
         errors = err.errors(include_url=False)
         error = next((e for e in errors if not _interpolated(cfg, e["loc"])), errors[0])
@@ -393,19 +415,19 @@ def _interpolated(cfg: DictConfig, loc: tuple) -> bool:
     return False
 
 
-def check_cross_keys(cfg: DictConfig) -> None:
+def check_cross_keys(cfg: TrainSchema) -> None:
     """The rules between train.py's keys, in one place (:func:`check_val_sequences` and
-    :func:`check_accumulation` need what the start learns: the data, the devices)."""
+    :meth:`TrainSchema.accumulation` need what the start learns: the data, the devices)."""
     max_steps = cfg.max_steps
     steps = cfg.checkpoint.steps
     if steps is not None and (beyond := [s for s in steps if s > max_steps]):
         raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond "
                           f"max_steps={max_steps}; expected checkpoint steps <= max_steps")
-    if cfg.probe.enabled and (refusal := ProbeConfig.from_config(cfg.probe).size_refusal(cfg.seq_len)):
+    if cfg.probe.enabled and (refusal := cfg.probe_config.size_refusal(cfg.seq_len)):
         raise ConfigError(refusal)
 
 
-def check_val_sequences(cfg: DictConfig, val_tokens: int) -> None:
+def check_val_sequences(cfg: TrainSchema, val_tokens: int) -> None:
     """val_sequences against the prepared validation split's ``val_tokens`` (normgeo.runs.start)."""
     windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
     _expect(cfg.val_sequences <= windows, "val_sequences", cfg.val_sequences,
@@ -414,25 +436,16 @@ def check_val_sequences(cfg: DictConfig, val_tokens: int) -> None:
             "larger data.val_fraction")
 
 
-def check_accumulation(cfg: DictConfig, world_size: int) -> int:
-    """The accumulation steps of ``world_size`` devices, or ConfigError when micro_batch x world_size does
-    not divide global_batch (the one check of it: the config, the plan, the start's Trainer)."""
-    try:
-        return accumulation_steps(cfg.global_batch, cfg.micro_batch, world_size)
-    except ValueError as err:
-        raise ConfigError(f"micro_batch={cfg.micro_batch}: {err}") from None
-
-
 # Above these, a legal value is reported at start with its cost (costly_values): the fraction of the
 # training's own compute that validation or the probe adds, and max_steps against the size's preset.
 COSTLY_FRACTION = 0.25
 COSTLY_STEPS_FACTOR = 10
 
 
-def costly_values(cfg: DictConfig, *, probes: int) -> list[str]:
+def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
     """One line per legal but costly value (val_sequences, probe.tokens, max_steps), with its estimated cost
     in tokens and training steps; ``probes``: how many times the probe runs (the checkpoint schedule)."""
-    step_tokens = cfg.global_batch * cfg.seq_len
+    step_tokens = cfg.tokens_per_step
     train_tokens = cfg.max_steps * step_tokens
     # A forward pass is about a third of a training step (forward + backward) per token.
     lines = []
@@ -459,11 +472,11 @@ PASSES_WARNED = 100  # passes over the training tokens: the run learns a small c
 CPU_PARAMETERS_WARNED = 100_000_000  # parameters trained on a CPU: a model sized for a GPU
 
 
-def launch_cost(cfg: DictConfig, *, parameters: int, train_tokens: int, device: str,
+def launch_cost(cfg: TrainSchema, *, parameters: int, train_tokens: int, device: str,
                 precision: str) -> list[str]:
     """At most one line for a launch that is valid but probably not meant (the headline ``size=1b`` on a
     machine without a GPU, over the small default corpus): what it costs and what to run instead."""
-    step_tokens = cfg.global_batch * cfg.seq_len
+    step_tokens = cfg.tokens_per_step
     passes = cfg.max_steps * step_tokens / max(train_tokens, 1)
     costs, instead = [], []
     if passes > PASSES_WARNED:
@@ -479,7 +492,7 @@ def launch_cost(cfg: DictConfig, *, parameters: int, train_tokens: int, device: 
     return [f"size={cfg.size.name}: {'; '.join(costs)}; run with {', and '.join(instead)} instead"]
 
 
-def odd_values(cfg: DictConfig) -> list[str]:
+def odd_values(cfg: TrainSchema) -> list[str]:
     """One line per setting that is valid but probably not what was meant (the run goes on as asked): a
     warm-up as long as the run or longer, whose learning rate reaches its peak late or never decays."""
     warmup, max_steps = cfg.optim.warmup_steps, cfg.max_steps
@@ -492,12 +505,12 @@ def odd_values(cfg: DictConfig) -> list[str]:
     return []
 
 
-def unmeasured_values(cfg: DictConfig) -> list[str]:
+def unmeasured_values(cfg: TrainSchema) -> list[str]:
     """One line per setting that asks for a measurement this run cannot make (the run goes on without it):
     intervention scopes on an arm whose norms have no centering to take out or put in (DyT)."""
     lines = []
     arm = NORM_ARMS.get(cfg.norm.name)
-    scopes = list(cfg.probe.get("intervention") or [])
+    scopes = cfg.probe.intervention
     if cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS:
         lines.append(f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take "
                      f"out or put in (its norms are {arm.site_kind} sites, not "
@@ -506,7 +519,7 @@ def unmeasured_values(cfg: DictConfig) -> list[str]:
     return lines
 
 
-def training_device_type(trainer: DictConfig) -> str:
+def training_device_type(trainer: dict[str, Any]) -> str:
     """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
     accelerator = str(trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
@@ -514,7 +527,7 @@ def training_device_type(trainer: DictConfig) -> str:
     return "cpu"
 
 
-def compiles(cfg: DictConfig, device_type: str | None = None, *, planned: bool = False) -> bool:
+def compiles(cfg: TrainSchema, device_type: str | None = None, *, planned: bool = False) -> bool:
     """Whether the run compiles its model: compile=true | false as set; compile=auto on for CUDA training
     (where a compiler works; the compiled step is 1.1-1.8x faster on an H200, docs/training.md), off on the
     CPU. ``device_type``: where the run trains (default: :func:`training_device_type`); ``planned``: the run
@@ -526,7 +539,7 @@ def compiles(cfg: DictConfig, device_type: str | None = None, *, planned: bool =
     return device_type == "cuda" and (planned or compile_refusal(device_type) is None)
 
 
-def compiler_refusal(cfg: DictConfig) -> str | None:
+def compiler_refusal(cfg: TrainSchema) -> str | None:
     """Why this machine cannot compile what the run asks compiled (compile=true, norm.impl=compiled), or
     None: refused at the start rather than falling back, since a run that says compiled runs compiled. Not a
     config check: the same config is planned (normgeo.plan) on a machine without the GPU's compiler."""
@@ -542,43 +555,43 @@ def compiler_refusal(cfg: DictConfig) -> str | None:
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
-def check_intervention(probe: DictConfig) -> None:
+def check_intervention(probe: ProbeSchema) -> None:
     """probe.intervention: known scope kinds, each once."""
-    kinds = list(probe.get("intervention") or [])
+    kinds = probe.intervention
     _expect(all(kind in SCOPE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
-            "probe.intervention", probe.get("intervention"),
+            "probe.intervention", kinds,
             f"a list of distinct scopes from {', '.join(SCOPE_KINDS)}, or [] for none, "
             "e.g. probe.intervention=[all,layers]")
 
 
-def check_probe_source(probe: DictConfig) -> None:
+def check_probe_source(probe: ProbeSchema) -> None:
     """probe=local's files, before anything is written: the probe reads them only once training started
     (data=local's are checked by its prepare, which runs before anything is written)."""
     source = probe.source
     if source.get("_target_") != LOCAL_SOURCE:
         return
-    if OmegaConf.is_missing(source, "path") or source.path is None:
+    if source.get("path") in (None, MISSING):
         raise ConfigError("probe.path=null: expected the probe's local text for probe=local (a folder, "
                           "file or glob), e.g. probe.path=../shared/corpora/wikipedia")
     try:
-        LocalFilesSource(str(source.path),
+        LocalFilesSource(str(source["path"]),
                          plain_text_extensions=tuple(source.get("plain_text_extensions") or ()),
                          config_node=str(source.get("config_node", "probe"))).check()
     except SourceError as err:
         raise ConfigError(str(err)) from None
 
 
-def check_output_root(cfg: DictConfig) -> None:
+def check_output_root(cfg: TrainSchema | AnalyzeSchema) -> None:
     """Every name that becomes a path, checked alike: an empty folder (an unset shell variable:
     output_root=$OUT) would put the outputs at the root or in the working directory; an empty, ``.`` or
     ``..`` run_name would put the run into output_root itself (beside data/, the other runs) or above."""
     examples = {"output_root": "outputs", "run_dir": "outputs/my-run", "out_dir": "outputs/analyze/my-model",
                 "data_root": "data"}
     for key, example in examples.items():
-        if key in cfg:
-            _expect(str(cfg[key]).strip() != "", key, cfg[key],
+        if hasattr(cfg, key):
+            _expect(str(getattr(cfg, key)).strip() != "", key, getattr(cfg, key),
                     f"a folder, e.g. {key}={example} (an unset shell variable gives an empty one)")
-    if "run_name" in cfg:
+    if isinstance(cfg, TrainSchema):
         parts = str(cfg.run_name).replace("\\", "/").split("/")
         _expect(all(part.strip() not in ("", ".", "..") for part in parts), "run_name", cfg.run_name,
                 "a folder name of its own under output_root, e.g. run_name=my-run (empty, '.' or '..' puts "
@@ -593,10 +606,11 @@ def check_data_path(cfg: DictConfig) -> None:
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
 
 
-def check_train(cfg: DictConfig) -> None:
-    """Raise ConfigError (key, value, what is expected) for a value train.py cannot run with."""
-    check_data_path(cfg)
-    check_types(cfg, TrainSchema, "train.py")
+def check_train(composed: DictConfig) -> TrainSchema:
+    """The composed config as the run's typed config, validated once; ConfigError (key, value, what is
+    expected) for a value train.py cannot run with."""
+    check_data_path(composed)
+    cfg: TrainSchema = check_types(composed, TrainSchema, "train.py")
     check_output_root(cfg)
     try:  # the model's own check, reported under the config's keys
         GPTConfig(**model_config(cfg))
@@ -618,12 +632,13 @@ def check_train(cfg: DictConfig) -> None:
     check_cross_keys(cfg)
     check_intervention(cfg.probe)
     check_probe_source(cfg.probe)
-    check_accumulation(cfg, world_size=1)
+    cfg.accumulation(world_size=1)
+    return cfg
 
 
-def check_analyze(cfg: DictConfig) -> None:
-    """Raise ConfigError for a value analyze.py cannot run with."""
-    check_types(cfg, AnalyzeSchema, "analyze.py")
+def check_analyze(composed: DictConfig) -> AnalyzeSchema:
+    """The composed config as analyze.py's typed config; ConfigError for a value it cannot run with."""
+    cfg: AnalyzeSchema = check_types(composed, AnalyzeSchema, "analyze.py")
     check_output_root(cfg)
     _expect(cfg.model.kind in ("hf", "checkpoint"), "model.kind", cfg.model.kind, "hf or checkpoint")
     _expect(cfg.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
@@ -634,6 +649,7 @@ def check_analyze(cfg: DictConfig) -> None:
     if refusal := missing_cuda("device", str(cfg.device), "device=cpu (or device=auto)"):
         raise ConfigError(refusal)
     check_probe_source(cfg.probe)
+    return cfg
 
 
 def key_docs(kind: type, prefix: str = "") -> list[str]:

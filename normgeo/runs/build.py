@@ -10,15 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 
 from corpus.datamodule import TokenDataModule
 from models.hardware import default_precision
 from models.lit import LitGPT
-from normgeo.config.schema import compiles, model_config
+from normgeo.config.schema import TrainSchema, compiles, model_config
 
 
-def module_arguments(cfg: DictConfig) -> dict[str, Any]:
+def module_arguments(cfg: TrainSchema) -> dict[str, Any]:
     """models.lit.LitGPT's arguments, as plain values (they are its saved hyperparameters)."""
     optim = cfg.optim
     return {"model": model_config(cfg), "seed": cfg.seed, "max_steps": cfg.max_steps,
@@ -27,12 +26,12 @@ def module_arguments(cfg: DictConfig) -> dict[str, Any]:
             "betas": list(optim.betas), "fused": optim.fused, "compile": compiles(cfg)}
 
 
-def make_module(cfg: DictConfig, **changes: Any) -> LitGPT:
+def make_module(cfg: TrainSchema, **changes: Any) -> LitGPT:
     """The LightningModule of ``cfg`` (``changes``: arguments that differ, e.g. bench/'s ``seed=0``)."""
     return LitGPT(**{**module_arguments(cfg), **changes})
 
 
-def make_datamodule(cfg: DictConfig) -> TokenDataModule:
+def make_datamodule(cfg: TrainSchema) -> TokenDataModule:
     """``cfg.data`` (its own keys: the source, the prepared folder, the tokenizer, the batch order's seed)
     with the run's batch geometry, steps, validation and workers."""
     return instantiate(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -40,14 +39,14 @@ def make_datamodule(cfg: DictConfig) -> TokenDataModule:
                        val_seed=cfg.val_seed, num_workers=cfg.num_workers)
 
 
-def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
+def trainer_arguments(cfg: TrainSchema) -> dict[str, Any]:
     """What the run sets on ``cfg.trainer``'s Trainer: its steps, validation
     by steps (not epochs), no sanity validation, and precision null as the
     hardware's default (bf16-mixed on GPUs that have it, else 32-true)."""
-    return {"precision": cfg.trainer.precision or default_precision(), "max_steps": cfg.max_steps,
+    return {"precision": cfg.trainer.get("precision") or default_precision(), "max_steps": cfg.max_steps,
             "max_epochs": -1, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
 
 
-def make_schedule(cfg: DictConfig) -> Any:
+def make_schedule(cfg: TrainSchema) -> Any:
     """``cfg.checkpoint``'s schedule (callbacks.checkpointing.CheckpointSchedule), ending with max_steps."""
     return instantiate(cfg.checkpoint, max_steps=cfg.max_steps)

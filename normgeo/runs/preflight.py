@@ -18,12 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
 from models.plan import GIB, GatePlan, TrainSetup, gate, gate_plan, make_plan, quiet_plan
-from normgeo.config.schema import ConfigError, check_accumulation, compiles
+from normgeo.config.schema import ConfigError, TrainSchema, compiles
 from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import is_rank_zero
 
@@ -36,12 +35,12 @@ class PlanRefusal(ValueError):
     """The planned peak cannot fit the GPU (train.py refuses the launch, exit 2)."""
 
 
-def strategy_of(cfg: DictConfig, world_size: int) -> tuple[str, dict]:
+def strategy_of(cfg: TrainSchema, world_size: int) -> tuple[str, dict]:
     """single | ddp | fsdp2 (and FSDP2's settings) from ``trainer.strategy``, as Lightning would pick."""
-    strategy = cfg.trainer.strategy
+    strategy = cfg.trainer.get("strategy")
     if strategy in (None, "auto"):
         return ("ddp" if world_size > 1 else "single"), {}
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, dict) else str(strategy)
     if target.endswith("DDPStrategy") or target.startswith("ddp"):
         return "ddp", {}
     if target.endswith("FSDP2Strategy"):
@@ -51,27 +50,27 @@ def strategy_of(cfg: DictConfig, world_size: int) -> tuple[str, dict]:
     raise ConfigError(f"trainer.strategy={target}: cannot be planned (auto, DDPStrategy or FSDP2Strategy)")
 
 
-def planned_world_size(cfg: DictConfig, visible_gpus: int | None = None) -> int:
+def planned_world_size(cfg: TrainSchema, visible_gpus: int | None = None) -> int:
     """GPUs of the run: trainer.devices (auto: plan.devices, the visible GPUs, or size.gpus) x num_nodes."""
-    devices = cfg.trainer.devices
+    devices = cfg.trainer.get("devices")
     if isinstance(devices, int) and devices > 0:
         per_node = devices
-    elif OmegaConf.is_list(devices):
+    elif isinstance(devices, list):
         per_node = len(devices)
     else:
         per_node = cfg.plan.devices or visible_gpus or cfg.size.gpus or 1
-    return per_node * int(cfg.trainer.num_nodes or 1)
+    return per_node * int(cfg.trainer.get("num_nodes") or 1)
 
 
-def setup_from_config(cfg: DictConfig, visible_gpus: int | None = None) -> TrainSetup:
+def setup_from_config(cfg: TrainSchema, visible_gpus: int | None = None) -> TrainSetup:
     """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds
     it)."""
     world = planned_world_size(cfg, visible_gpus)
     strategy, fsdp = strategy_of(cfg, world)
-    on_cpu = cfg.trainer.accelerator == "cpu"
+    on_cpu = cfg.trainer.get("accelerator") == "cpu"
     # trainer.precision=null: what default_precision() picks on the GPU (bf16 on every GPU planned for).
-    precision = str(cfg.trainer.precision or ("32-true" if on_cpu else "bf16-mixed"))
-    check_accumulation(cfg, world)
+    precision = str(cfg.trainer.get("precision") or ("32-true" if on_cpu else "bf16-mixed"))
+    cfg.accumulation(world)
     # compile=auto as on the device planned for: a login node without Triton plans a GPU run compiled.
     compiled = compiles(cfg, "cpu" if on_cpu else "cuda", planned=True)
     model = {**module_arguments(cfg), "compile": compiled}
@@ -115,19 +114,19 @@ def write_kept_plan(run_dir: Path, kept: KeptPlan) -> None:
         json.dump(asdict(kept), handle, indent=1, default=str)
 
 
-def device_memory(cfg: DictConfig) -> tuple[int, str] | None:
+def device_memory(cfg: TrainSchema) -> tuple[int, str] | None:
     """The memory the gate checks against and its name: ``plan.device_memory_gib``, else the GPU's; None
     where there is nothing to check (the CPU, no CUDA device)."""
-    if cfg.plan.get("device_memory_gib") is not None:
+    if cfg.plan.device_memory_gib is not None:
         gib = float(cfg.plan.device_memory_gib)
         return int(gib * GIB), f"plan.device_memory_gib={gib:g}"
-    if cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available():
+    if cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
         return None
     device = torch.cuda.get_device_properties(0)
     return device.total_memory, device.name
 
 
-def preflight(cfg: DictConfig) -> KeptPlan | None:
+def preflight(cfg: TrainSchema) -> KeptPlan | None:
     """The start's last check (normgeo.runs.start, before the claim): raise PlanRefusal when even the plan's
     lower bound cannot fit the device, warn when the planned peak may not. Returns the plan to keep in the run
     folder once the start is accepted (None: nothing checked). Skipped with plan.check=false, and on the CPU
@@ -136,10 +135,10 @@ def preflight(cfg: DictConfig) -> KeptPlan | None:
     if not cfg.plan.check or device is None:
         return None
     total_memory, device_name = device
-    cuda = cfg.trainer.accelerator != "cpu" and torch.cuda.is_available()
+    cuda = cfg.trainer.get("accelerator") != "cpu" and torch.cuda.is_available()
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count() if cuda else None)
     if cuda:
-        precision = str(cfg.trainer.precision or default_precision())
+        precision = str(cfg.trainer.get("precision") or default_precision())
         setup = TrainSetup(**{**setup.__dict__, "precision": precision})
     inputs, inputs_hash = planning_inputs(setup)
     planned = read_kept_plan(Path(cfg.run_dir), inputs_hash)

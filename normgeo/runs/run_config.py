@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
 
 from corpus.atomic import atomic_open
 from corpus.prepare import META_FILE
@@ -65,10 +64,9 @@ class ResumeConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def resolved_run_config(cfg: DictConfig) -> dict[str, Any]:
-    """The session's config as plain, fully resolved values: what gets saved and compared."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
+def resolved_run_config(cfg: TrainSchema) -> dict[str, Any]:
+    """The session's config as plain values: what gets saved and compared."""
+    config = dataclasses.asdict(cfg)
     trainer = config.get("trainer")
     # precision: null means "the hardware's default" (train.py); record what it means here, so that a
     # resume on hardware with another default (bf16 vs fp16 vs fp32) is seen as the change it is.
@@ -115,14 +113,19 @@ def resume_rules(kind: type) -> tuple[tuple[str, ...], dict[str, Any]]:
 # (tests/test_training.py, tests/test_norm_factorial.py); declared on the keys (normgeo/config/schema.py).
 ALLOWED_CHANGES: tuple[str, ...] = resume_rules(TrainSchema)[0]
 
-# Copies of top-level keys that conf/ once held (the LightningModule's node, the data module's and the
-# schedule's copies; normgeo/runs/build.py passes those values now): compared through the keys they copy,
-# so a run recorded with them, or before them, resumes; only a change to one that both sides hold counts.
-# Listed here, not on the schema: the schema declares today's keys, and these are not among them (the
-# schedule's _target_ is, but runs recorded before it was a key of checkpoint lack it).
-DERIVED: tuple[str, ...] = ("model", "checkpoint._target_", "checkpoint.max_steps",
-                            "data.seq_len", "data.global_batch", "data.micro_batch", "data.max_steps",
-                            "data.val_sequences", "data.val_seed", "data.num_workers")
+def declared(key: str, kind: type) -> bool:
+    """Whether the dotted ``key`` is one of the schema ``kind``'s (anything under a node conf/ writes, typed
+    Any, is). A recorded key that is not is a retired copy of another key (the LightningModule's ``model``
+    node, ``data.seq_len``: normgeo/runs/build.py passes those values now), compared through the key it
+    copied."""
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(kind)}
+        if part not in fields:
+            return False
+        kind = fields[part].default_factory  # type: ignore[assignment]
+        if not dataclasses.is_dataclass(kind):
+            return True
+    return True
 
 
 def is_allowed(key: str, allowed: Iterable[str]) -> bool:
@@ -132,8 +135,8 @@ def is_allowed(key: str, allowed: Iterable[str]) -> bool:
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
                    allowed: Iterable[str] | None = None) -> Changes:
     """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT, but for
-    the keys that may change (``allowed``, default: the schema's) and a key added later, absent in ``old``,
-    whose value there is the one every run recorded before it had."""
+    the keys that may change (``allowed``, default: the schema's), a key added later, absent in ``old``,
+    whose value there is the one every run recorded before it had, and a retired key (:func:`declared`)."""
     may_change, legacy = resume_rules(TrainSchema)  # read at each call: a test may give another schema
     allowed = tuple(may_change if allowed is None else allowed)
     flat_old, flat_new = flatten(old), flatten(new)
@@ -142,7 +145,7 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
         if is_allowed(key, allowed):
             continue
         before, after = flat_old.get(key, legacy.get(key, ABSENT)), flat_new.get(key, ABSENT)
-        if ABSENT in (before, after) and is_allowed(key, DERIVED):
+        if after is ABSENT and not declared(key, TrainSchema):
             continue
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
         if before != after or (isinstance(before, bool) != isinstance(after, bool)):

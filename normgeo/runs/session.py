@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
+from models.divergence import NonFiniteError
+from normgeo.config.schema import TrainSchema
 from normgeo.measure.records import ANGLES_FILE
 from normgeo.runs.lock import LOCK_FILE
 from normgeo.runs.run_config import (
@@ -35,7 +36,7 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     verify_run_config,
 )
-from normgeo.runs.summary import read_summary
+from normgeo.runs.summary import read_summary, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def fresh_command(run_dir: Path) -> str:
     return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(free))}"])
 
 
-def finished_message(ckpt_path: str, cfg: DictConfig) -> str | None:
+def finished_message(ckpt_path: str, cfg: TrainSchema) -> str | None:
     """The one line for a resume whose checkpoint already reached this session's target step; None when
     there is training left to do."""
     info = checkpoint_info(Path(ckpt_path))
@@ -212,7 +213,17 @@ def divergence(run_dir: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def check_diverged_start(cfg: DictConfig, run_dir: Path, record: dict[str, Any], resume: str | None) -> None:
+def mark_diverged(run_dir: Path, summary: dict[str, Any] | None, err: NonFiniteError) -> NonFiniteError:
+    """A run that diverged: its session's ``summary`` (rank 0's; None on the other ranks) written with the
+    record :func:`divergence` reads, and the error that says so and how a corrected command replaces it."""
+    if summary is not None:
+        write_summary(run_dir, {**summary, DIVERGED: {"step": err.step, "loss": str(err.loss), "lr": err.lr}})
+    return NonFiniteError(err.what, step=err.step, loss=err.loss, lr=err.lr,
+                          then=f"{run_dir} is marked {DIVERGED} in {SUMMARY_FILE}, and the same command with "
+                               "a lower optim.lr replaces it")
+
+
+def check_diverged_start(cfg: TrainSchema, run_dir: Path, record: dict[str, Any], resume: str | None) -> None:
     """The rule for a folder whose run diverged: a fresh start (resume=null) with a changed config replaces
     it; the same config, or a resume, would only diverge again: refused, naming the command that works."""
     saved = load_run_config(run_dir)
@@ -228,7 +239,7 @@ def check_diverged_start(cfg: DictConfig, run_dir: Path, record: dict[str, Any],
         f"with a lower learning rate (the diverged run is then replaced): {suggestion}")
 
 
-def session_checkpoint(cfg: DictConfig) -> str | None:
+def session_checkpoint(cfg: TrainSchema) -> str | None:
     """The checkpoint this session continues from, or a refusal (REFUSALS); reads, never writes. A folder
     whose run diverged is replaced by a fresh start with a changed config (check_diverged_start)."""
     resume = cfg.resume
@@ -256,14 +267,14 @@ def session_checkpoint(cfg: DictConfig) -> str | None:
 PINNED_KEYS = ("run_dir", "resume")
 
 
-def resume_command(cfg: DictConfig) -> str:
+def resume_command(cfg: TrainSchema) -> str:
     """The shell command that continues this run: this session's own command line (its Hydra overrides,
     one job's in a ``-m`` sweep), with ``run_dir`` pinned (another day's default paths may differ) and
     ``resume=auto``; printed when a session is interrupted or finds its disk full."""
     return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
 
 
-def continue_command(cfg: DictConfig) -> str:
+def continue_command(cfg: TrainSchema) -> str:
     """The one command printed to go on with this run, from what its folder holds now: :func:`resume_command`
     where a checkpoint resume=auto continues from is there; else (stopped before its first ``last.ckpt``,
     where resume=auto would be refused: no checkpoint to resume from) this session's own command with
@@ -309,7 +320,7 @@ class RunDiskFullError(RuntimeError):
     """The run's disk filled up while it trained: the file, the space left and how to continue."""
 
 
-def disk_full_refusal(err: BaseException, cfg: DictConfig) -> RunDiskFullError | None:
+def disk_full_refusal(err: BaseException, cfg: TrainSchema) -> RunDiskFullError | None:
     """``err`` as one line that says which write found the disk full and how to continue, when a full disk
     is behind it (torch.save wraps the OSError into a RuntimeError; Lightning may add its own on top)."""
     cause = full_disk_cause(err)

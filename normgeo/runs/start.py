@@ -16,6 +16,7 @@ a directory the start created removed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -24,7 +25,6 @@ import stat
 import sys
 import time
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from lightning import Trainer
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig  # Hydra's composed config: checked into the typed one here, and saved
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
@@ -46,14 +46,8 @@ from corpus.tokenize import TokenizerError
 from models.hardware import missing_cuda
 from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config
 from normgeo.config.compose import attach_log_file, close_file_logs, write_hydra_files
-from normgeo.config.schema import (
-    ConfigError,
-    check_accumulation,
-    check_val_sequences,
-    compiler_refusal,
-)
+from normgeo.config.schema import ConfigError, TrainSchema, check_val_sequences, compiler_refusal
 from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
-from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.paths import (
@@ -167,7 +161,8 @@ def remove_path(path: Path) -> None:
 class Start:
     """A checked start: what training needs from the checks, and (launching process) the claim."""
 
-    config: DictConfig  # the composed config it was checked against
+    config: TrainSchema  # the run's typed config: what every consumer reads
+    composed: DictConfig  # Hydra's composed config it was checked from, saved as .hydra/config.yaml
     run_dir: Path
     ckpt_path: str | None
     datamodule: Any  # corpus.datamodule.TokenDataModule, prepared and loaded
@@ -237,37 +232,40 @@ def config_fault(err: InstantiationException) -> bool:
             or (isinstance(cause, TypeError) and SIGNATURE_ERROR.match(str(cause)) is not None))
 
 
-def check_trainer(cfg: DictConfig) -> None:
-    """The Trainer's arguments judged by libraries on this machine rather than copied: each value's type by
-    pydantic from Trainer.__init__'s signature, then the values by Lightning, building a bare Trainer from
-    ``cfg.trainer`` as train.py does with nothing attached (no logger, no callback: nothing is written);
-    then the global batch against its world size."""
+def trainer_factory(cfg: TrainSchema, **arguments: Any) -> functools.partial:
+    """``cfg.trainer``'s Trainer class with its arguments and ``arguments`` (its strategy node built).
+    What the config is at fault for (no such target, arguments the signature does not take, a value the
+    strategy refuses) is one line (StartError); anything else is a bug, raised with its traceback."""
     try:
-        arguments = instantiate(cfg.trainer, _partial_=True, _convert_="all").keywords
-    except InstantiationException as err:  # a strategy class Hydra cannot locate or call with its keys
+        return instantiate(cfg.trainer, **arguments, _partial_=True, _convert_="all")
+    except InstantiationException as err:
         if not config_fault(err):
             raise err.__cause__ from None  # a bug: with its traceback (Hydra prints none of Instantiation...)
         cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
         raise StartError(
             f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
+
+
+def check_trainer(cfg: TrainSchema) -> None:
+    """Each trainer.* value against its type in Trainer.__init__'s signature (pydantic), before the claim;
+    the values themselves are Lightning's to refuse when train.py builds the Trainer
+    (:func:`instantiate_trainer`; the start is then undone)."""
     try:
-        TRAINER_ARGUMENTS.validate_python(arguments)
+        TRAINER_ARGUMENTS.validate_python(trainer_factory(cfg).keywords)
     except ValidationError as err:
         # a value outside a Literal (trainer.precision=fp8): Lightning's error names the allowed ones
         if errors := [e for e in err.errors(include_url=False) if e["type"] != "literal_error"]:
             raise StartError(type_refusal(errors)) from None
-    logging.disable(logging.INFO)  # Lightning's device lines: train.py's Trainer prints them, once
+
+
+def instantiate_trainer(cfg: TrainSchema, **attached: Any) -> Trainer:
+    """The run's Trainer with ``attached`` (callbacks, loggers, plugins); what Lightning refuses on this
+    machine (``trainer.devices=0`` on the CPU, an unknown precision) is one line (StartError)."""
+    factory = trainer_factory(cfg, **trainer_arguments(cfg))  # the run's arguments win
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = Trainer(**{**arguments, **trainer_arguments(cfg), "logger": False,  # the run's keys win
-                                 "enable_checkpointing": False, "enable_progress_bar": False,
-                                 "enable_model_summary": False})
+        return factory(**attached)
     except (ValueError, TypeError, MisconfigurationException) as err:  # Lightning's refusals
         raise StartError(f"trainer: {str(err).splitlines()[0]}") from err
-    finally:
-        logging.disable(logging.NOTSET)
-    check_accumulation(cfg, trainer.world_size)
 
 
 def type_refusal(errors: list) -> str:
@@ -280,11 +278,11 @@ def type_refusal(errors: list) -> str:
     return f"trainer.{key}={value!r}: Lightning's Trainer takes {' or '.join(takes)} there"
 
 
-def check_start(cfg: DictConfig) -> Start:
+def check_start(composed: DictConfig) -> Start:
     """Everything a user can get wrong that is known before training,
     cheapest first; raises one of START_ERRORS. Writes nothing in the run
     directory (data is prepared under data_root, as training would)."""
-    check_config("train", cfg)
+    cfg: TrainSchema = check_config("train", composed)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if refusal := missing_cuda("trainer.accelerator", accelerator,
@@ -309,7 +307,7 @@ def check_start(cfg: DictConfig) -> Start:
     try:
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
-            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), ProbeConfig.from_config(cfg.probe))
+            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), cfg.probe_config)
         datamodule = make_datamodule(cfg)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
@@ -320,7 +318,7 @@ def check_start(cfg: DictConfig) -> Start:
         plan = preflight(cfg)
     except PlanRefusal as err:
         raise StartError(str(err)) from err
-    return Start(cfg, run_dir, ckpt_path, datamodule, probe_ids, plan=plan)
+    return Start(cfg, composed, run_dir, ckpt_path, datamodule, probe_ids, plan=plan)
 
 
 def claim(start: Start) -> None:
@@ -340,10 +338,10 @@ def claim(start: Start) -> None:
     start.lock, start.found = lock, found
 
 
-def start_session(cfg: DictConfig) -> Start:
+def start_session(composed: DictConfig) -> Start:
     """:func:`check_start`, then :func:`claim` in the launching process (global rank 0; the processes
     Lightning's DDP launcher starts re-run train.py and share its claim)."""
-    start = check_start(cfg)
+    start = check_start(composed)
     if is_rank_zero():
         claim(start)
     return start
@@ -354,7 +352,7 @@ def open_run_files(start: Start) -> None:
     accepted: ``.hydra/`` and the launch gate's ``plan.json`` (rank 0), and ``<job name>.log``
     (``train.log``; a DDP child rank's own)."""
     if is_rank_zero():
-        write_hydra_files(start.run_dir, start.config)
+        write_hydra_files(start.run_dir, start.composed)
         if start.plan is not None:  # every rank and every later session of the run reads it
             write_kept_plan(start.run_dir, start.plan)
     # another rank (an srun task) may not have seen rank 0's yet
@@ -365,7 +363,7 @@ def open_run_files(start: Start) -> None:
 class SweepFolderCheck(Callback):
     """Hydra callback (conf/train/train.yaml): a sweep's folder can be created (exit 2, one line, if not)."""
 
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:  # Hydra's callback signature
         try:
             check_writable_folder(Path(str(config.hydra.sweep.dir)), "output_root")
         except FolderError as err:
