@@ -34,7 +34,7 @@ from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
-from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
+from callbacks.signals import InstallInterrupt, SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.tokenize import TokenizerError
@@ -72,9 +72,15 @@ from normgeo.runs.session import (
     continue_command,
     disk_full_refusal,
     mark_diverged,
-    resume_command,
 )
-from normgeo.runs.start import START_ERRORS, Start, instantiate_trainer, open_run_files, start_session
+from normgeo.runs.start import (
+    START_ERRORS,
+    Start,
+    finish_wandb_run,
+    instantiate_trainer,
+    open_run_files,
+    start_session,
+)
 from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
@@ -87,10 +93,8 @@ BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)
 
 
 def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
-    """The loggers of ``cfg.logger``: a dict name -> config (conf/train/logger/*.yaml
-    combine, e.g. logger=[csv,wandb]); a null entry (logger.wandb=null) is skipped; a
-    plain list still works. A CSVLogger is always among them: its metrics.csv is what
-    status, compare, the pilot and the export read (normgeo.readers.metrics)."""
+    """The loggers of ``cfg.logger`` (a dict name -> node, so that conf/train/logger/*.yaml combine; a null
+    entry is skipped), and always a CSVLogger: its metrics.csv is what the readers read."""
     configs = cfg.logger.values() if isinstance(cfg.logger, dict) else (cfg.logger or [])
     loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
     for logger_cfg in configs:
@@ -170,10 +174,9 @@ def describe_run(cfg: TrainSchema, trainer: L.Trainer, module: LitGPT) -> str:
 
 
 class FitPhase(FinishFirst):
-    """What SIGINT or SIGTERM does where training's Interrupt does not decide (fit's setup before it, its
-    teardown after) and while the end's summary is written: before the session's first optimizer step it
-    stops at once (nothing was trained); after it, it is held for the end to answer once the summary is
-    written (``received``)."""
+    """SIGINT or SIGTERM where training's Interrupt does not decide (fit's setup, its teardown, the end's
+    summary): before the session's first optimizer step it stops at once (nothing was trained); after it, it
+    is held (``received``) for the end to answer once the summary is written."""
 
     def __init__(self, start: Start) -> None:
         super().__init__("as training ended")
@@ -186,8 +189,7 @@ class FitPhase(FinishFirst):
 
 
 class KeepStart(OptimizerStepCallback):
-    """Keeps the start at this session's first optimizer step (normgeo.runs.start.Start.keep): a failure from
-    then on keeps the files it wrote (before it, run() undoes the start)."""
+    """Keeps the start at this session's first optimizer step: a failure from then on keeps its files."""
 
     def __init__(self, start: Start) -> None:
         self.start = start
@@ -209,10 +211,10 @@ def make_callbacks(cfg: TrainSchema, run_dir: Path, schedule: CheckpointSchedule
     return callbacks
 
 
-def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
-    """Fit one run. ``start``: what normgeo.runs.start checked and claimed (bench/ calls
-    ``with start_session(composed) as start: train(start.config, start, ...)``); ``extra_callbacks``: bench/'s
-    timers."""
+def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """Fit one run: ``start`` is what normgeo.runs.start checked and claimed, its typed config included
+    (bench/ calls ``with start_session(composed) as start: train(start, ...)`` with its timers)."""
+    cfg = start.config
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     requeue = OWNER.take_requeue()
@@ -235,6 +237,11 @@ def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] 
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
+    # The order the run relies on, as Lightning keeps it (the list's, Checkpoint callbacks sorted last): the
+    # signal handler installed before another callback's on_train_start (the step-0 probe); the checkpoint
+    # owner deciding after the step's probe measured.
+    assert isinstance(trainer.callbacks[0], InstallInterrupt), trainer.callbacks
+    assert isinstance(trainer.callbacks[-1], ScheduledCheckpoint), trainer.callbacks
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
     module.run_config = run_config  # into every checkpoint
@@ -258,14 +265,11 @@ def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] 
     elif is_rank_zero():
         # As late as possible, so that a session refused for a bad setting leaves no config behind.
         save_run_config(run_dir, run_config)  # the first session's; never replaced
-    # Under training's Interrupt (fit's setup before it, its teardown after) and through the end's summary:
-    # before the first optimizer step a signal stops at once, after it the end answers it once the summary is
-    # written. The signals are owned here as well as in main(): bench/ calls train() without main().
+    # Owned here as well as in main(): bench/ calls train() without main().
     fit_phase = FitPhase(start)
     with OWNER.owning(fit_phase):
         try:
-            # A validation or a probe abandoned on Ctrl-C/SIGTERM ends fit with SignalStop; last.ckpt saved at
-            # this step.
+            # A validation or a probe abandoned on a signal ends fit with SignalStop, last.ckpt saved.
             with contextlib.suppress(SignalStop):
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
@@ -275,7 +279,7 @@ def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] 
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
             # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
-            left = (f"the trained steps are checkpointed; {resume_command(cfg)} writes the rest, nothing "
+            left = (f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, nothing "
                     "retrained")
             end = StopAtOnce("after training, while the summary and figures were written", left)
             # A signal as fit ended (after its last step's poll, or in its teardown): the summary (the
@@ -288,17 +292,15 @@ def train(cfg: TrainSchema, start: Start, extra_callbacks: Sequence[L.Callback] 
 
 
 def finish(cfg: TrainSchema, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
-           tokens_per_step: int, end: StopAtOnce | None = None,
-           pending: Callable[[], int | None] = lambda: None) -> None:
-    """The session's summary first (its steps, losses, wall time: interrupted in the figures, the run keeps
-    it; the caller's phase holds a signal while it is written), then the figures when the run is complete
-    (not requeued or stopped), under ``end``'s phase; a signal held meanwhile (``pending``) is answered by
-    ``end`` before them (one line, exit 128 + the signal)."""
+           tokens_per_step: int, end: StopAtOnce, pending: Callable[[], int | None]) -> None:
+    """The session's summary first (the caller's phase holds a signal while it is written: interrupted in the
+    figures, the run keeps its account), then under ``end``'s phase a signal held meanwhile (``pending``)
+    answered (one line, exit 128 + the signal), else the figures of a complete run."""
     run_dir = Path(cfg.run_dir)
     write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
                                        tokens_per_step=tokens_per_step, figures=[], stopped_by=stopped_by))
-    with OWNER.owning(end) if end is not None else contextlib.nullcontext():
-        if end is not None and (signum := pending()) is not None:
+    with OWNER.owning(end):
+        if (signum := pending()) is not None:
             end(signum, None)
         if cfg.probe.enabled and stopped_by is None:
             figures = draw_figures(run_dir)
@@ -313,13 +315,6 @@ def draw_figures(run_dir: Path) -> list[Path]:
         log.info("figure: %s", figure)
     write_summary(run_dir, {**read_summary(run_dir), "figures": [str(f) for f in figures]})
     return figures
-
-
-def finish_wandb_run() -> None:
-    """Close this session's wandb run. Lightning leaves it open, and in a local ``-m`` sweep (all jobs in
-    one process) the next job's WandbLogger would then log into it instead of its own run."""
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
-        sys.modules["wandb"].finish()
 
 
 # The project's refusal types, a user's error: one line on stderr and exit 2. Any other exception (a bare
@@ -355,11 +350,10 @@ def run(composed: DictConfig) -> Refused | None:
     try:
         open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
         log.info("run directory: %s", cfg.run_dir)
-        trainer = train(cfg, start)
+        trainer = train(start)
         if not start.kept:  # stopped before its first optimizer step (a signal in the first probe): it
             start.undo()  # trained and saved nothing, and the folder goes back to how the start found it
     except BaseException as err:
-        finish_wandb_run()  # before an undo: its files are in the run directory too
         stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
         if not start.kept:  # before its first optimizer step
             if isinstance(err, (NonFiniteError, SystemExit)) and not stopped:

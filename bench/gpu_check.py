@@ -443,7 +443,7 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
             with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
                 cfg = compose("train", overrides=overrides)
                 with start_session(cfg) as start:
-                    trainer = train(start.config, start, extra_callbacks=[clock])
+                    trainer = train(start, extra_callbacks=[clock])
         except Exception as err:  # one arm's failure is its row's; the other arm still runs
             results[arm] = {
                 "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"

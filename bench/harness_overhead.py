@@ -109,7 +109,7 @@ def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], se
     cfg = compose_run(overrides)
     scopes = StepScopes()
     with profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
-        train(start.config, start, extra_callbacks=[scopes])
+        train(start, extra_callbacks=[scopes])
     events = prof.events()
     return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging
 
@@ -148,7 +148,7 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
     cfg = compose_run([*overrides, f"max_steps={warmup + steps + 1}"])  # the last step's end not timed
     paired = PairedBare(arm, batches, warmup, steps)
     with start_session(cfg) as start:
-        train(start.config, start, extra_callbacks=[paired])
+        train(start, extra_callbacks=[paired])
     return {name: (statistics.fmean(t[0] for t in values), statistics.fmean(t[1] for t in values))
             for name, values in paired.times.items()}
 

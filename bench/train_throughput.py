@@ -79,7 +79,7 @@ def harness_tokens_per_s(composed: DictConfig, skip: int) -> float:
     timer = StepTimer(skip)
     with start_session(composed) as start:
         cfg = start.config
-        train(cfg, start, extra_callbacks=[timer])
+        train(start, extra_callbacks=[timer])
     steps = cfg.max_steps - skip
     return steps * tokens_per_step(cfg.global_batch, cfg.seq_len) / (timer.end - timer.start)
 

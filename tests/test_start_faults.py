@@ -110,7 +110,7 @@ def test_the_first_step_keeps_the_start_and_deletes_what_waited_for_it(tmp_path:
     (run_dir / REPLACED_DIR / "checkpoints").mkdir(parents=True)
     (run_dir / ".angles.jsonl.x.normgeo-tmp").write_text("{")
     (run_dir / "train.log").write_text("[train] step 1\n")
-    start = Start(None, run_dir, None, None, None)
+    start = Start(None, None, run_dir, None, None, None)
     start.keep()
     assert sorted(p.name for p in run_dir.iterdir()) == ["train.log"]
 

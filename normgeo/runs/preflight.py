@@ -1,20 +1,15 @@
-"""The plan of a composed train.py config, and train.py's pre-flight check with it (the launch gate,
-:func:`models.plan.gate`): on a GPU (or against ``plan.device_memory_gib``), a config whose least memory
-cannot fit the device is refused before the run directory is claimed (normgeo.runs.start); one whose planned
-peak may not fit is warned about and starts. The planner itself is ``models/plan.py`` (fake tensors; the
-compiled step when the run compiles); ``python -m normgeo.plan`` prints its report.
-
-The plan is made once per run: rank 0 plans, and once the start is accepted the plan is kept in
-``<run_dir>/plan.json`` with a hash of what it planned (the planner's setup and torch's version). Every
-other rank and every later session (a requeue, ``resume=auto``) reads it when the hash matches and plans
-again when the config differs; a rank other than 0 with no kept plan leaves the decision to rank 0."""
+"""The plan of a run's config (the planner: ``models/plan.py``, on fake tensors) and train.py's pre-flight
+check with it, the launch gate (:func:`models.plan.gate`): on a GPU (or against ``plan.device_memory_gib``)
+a config whose least memory cannot fit is refused before the claim; one whose planned peak may not is warned
+about and starts. Rank 0 plans once per run; the plan is kept in ``<run_dir>/plan.json`` with a hash of
+what it planned, which other ranks and later sessions read while the hash matches."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,8 +58,7 @@ def planned_world_size(cfg: TrainSchema, visible_gpus: int | None = None) -> int
 
 
 def setup_from_config(cfg: TrainSchema, visible_gpus: int | None = None) -> TrainSetup:
-    """The planner's view of a composed train.py config (the model: LitGPT's arguments, as train.py builds
-    it)."""
+    """The planner's view of a run's config (the model: LitGPT's arguments, as train.py builds it)."""
     world = planned_world_size(cfg, visible_gpus)
     strategy, fsdp = strategy_of(cfg, world)
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
@@ -74,10 +68,10 @@ def setup_from_config(cfg: TrainSchema, visible_gpus: int | None = None) -> Trai
     # compile=auto as on the device planned for: a login node without Triton plans a GPU run compiled.
     compiled = compiles(cfg, "cpu" if on_cpu else "cuda", planned=True)
     model = {**module_arguments(cfg), "compile": compiled}
-    return TrainSetup(model=model, micro_batch=int(cfg.micro_batch), global_batch=int(cfg.global_batch),
+    return TrainSetup(model=model, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
                       precision=precision, strategy=strategy, world_size=world,
                       gradient_clip=cfg.trainer.get("gradient_clip_val"), fused_adamw=not on_cpu,
-                      probe_batch=int(cfg.probe.batch_size), compiled=compiled, **fsdp)
+                      probe_batch=cfg.probe.batch_size, compiled=compiled, **fsdp)
 
 
 @dataclass(frozen=True)
@@ -97,8 +91,7 @@ def planning_inputs(setup: TrainSetup) -> tuple[dict, str]:
 
 
 def read_kept_plan(run_dir: Path, inputs_hash: str) -> GatePlan | None:
-    """The plan kept in ``run_dir`` for these inputs; None when there is none, it is unreadable or it planned
-    another config."""
+    """The plan kept in ``run_dir`` for these inputs; None when there is none, unreadable or another's."""
     try:
         data = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
         if data.get("inputs_hash") != inputs_hash:
@@ -115,8 +108,7 @@ def write_kept_plan(run_dir: Path, kept: KeptPlan) -> None:
 
 
 def device_memory(cfg: TrainSchema) -> tuple[int, str] | None:
-    """The memory the gate checks against and its name: ``plan.device_memory_gib``, else the GPU's; None
-    where there is nothing to check (the CPU, no CUDA device)."""
+    """The memory the gate checks and its name: ``plan.device_memory_gib``, else the GPU's, else None."""
     if cfg.plan.device_memory_gib is not None:
         gib = float(cfg.plan.device_memory_gib)
         return int(gib * GIB), f"plan.device_memory_gib={gib:g}"
@@ -127,19 +119,16 @@ def device_memory(cfg: TrainSchema) -> tuple[int, str] | None:
 
 
 def preflight(cfg: TrainSchema) -> KeptPlan | None:
-    """The start's last check (normgeo.runs.start, before the claim): raise PlanRefusal when even the plan's
-    lower bound cannot fit the device, warn when the planned peak may not. Returns the plan to keep in the run
-    folder once the start is accepted (None: nothing checked). Skipped with plan.check=false, and on the CPU
-    unless plan.device_memory_gib is set."""
+    """The start's last check: PlanRefusal when even the plan's lower bound cannot fit the device, a warning
+    when the planned peak may not; the plan to keep (None: nothing checked: plan.check=false, or the CPU)."""
     device = device_memory(cfg)
     if not cfg.plan.check or device is None:
         return None
     total_memory, device_name = device
     cuda = cfg.trainer.get("accelerator") != "cpu" and torch.cuda.is_available()
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count() if cuda else None)
-    if cuda:
-        precision = str(cfg.trainer.get("precision") or default_precision())
-        setup = TrainSetup(**{**setup.__dict__, "precision": precision})
+    if cuda:  # precision=null as this GPU resolves it
+        setup = replace(setup, precision=str(cfg.trainer.get("precision") or default_precision()))
     inputs, inputs_hash = planning_inputs(setup)
     planned = read_kept_plan(Path(cfg.run_dir), inputs_hash)
     if planned is None:

@@ -46,9 +46,8 @@ class RunDirectoryError(RuntimeError):
 
 
 class RunFinished(Exception):
-    """A resume of a run whose checkpoint already reached the step this session would train to: nothing to
-    train (train.py prints the one line and exits 0). ``figures_left``: the run's end was interrupted after
-    its summary, before its figures (train.py draws them, nothing retrained)."""
+    """A resume with nothing to train (train.py says so, exit 0); ``figures_left``: the run's end was
+    interrupted after its summary, and train.py draws its figures."""
 
     def __init__(self, message: str, figures_left: bool = False) -> None:
         super().__init__(message)
@@ -74,8 +73,7 @@ def checkpoint_info(path: Path) -> CheckpointInfo | str:
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:
-    """Checkpoints a resume may continue from, in the order tried: last.ckpt, then the scheduled step-*.ckpt
-    newest first (full state only with keep_optimizer)."""
+    """last.ckpt, then the scheduled step-*.ckpt newest first (full state only with keep_optimizer)."""
     last = run_dir / "checkpoints" / LAST_CHECKPOINT
     return ([last] if last.exists() else []) + sorted((run_dir / "checkpoints").glob("step-*.ckpt"),
                                                       reverse=True)
@@ -134,8 +132,7 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
 
 
 def replace_diverged_run(run_dir: Path) -> bool:
-    """Move a diverged run's files (checkpoints, logs, records, its config and summary) aside into
-    :data:`REPLACED_DIR` before the session that replaces it writes its own; True if it did. The start deletes
+    """Move a diverged run's files aside into :data:`REPLACED_DIR` (True if there was one): the start deletes
     them at its first optimizer step, or moves them back when it fails before it (normgeo.runs.start)."""
     record = divergence(run_dir)
     if record is None:
@@ -151,19 +148,14 @@ def replace_diverged_run(run_dir: Path) -> bool:
     return True
 
 
-def launched_together() -> bool:
-    """This process is one of several of one launch (srun's tasks, torchrun's or Lightning's ranks)."""
-    return int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
-
-
 def run_traces(run_dir: Path) -> list[str]:
-    """The names in ``run_dir`` that an earlier session left (logs, config, records), sorted; none for a
-    missing or empty folder, or one holding only the lock and a killed write's temporaries. In a launch of
-    several processes the log is not counted: the other ranks open it as they start, and an earlier run
-    always left more than its log (rank 0 writes ``.hydra/`` first)."""
+    """The names an earlier session left in ``run_dir``, sorted, but the lock and killed writes' temporaries.
+    In a launch of several processes (srun's tasks, torchrun's or Lightning's ranks) the log is not counted:
+    the other ranks open it as they start, and an earlier run left more (rank 0 writes ``.hydra/`` first)."""
     if not run_dir.is_dir():
         return []
-    ignored = {LOCK_FILE, TRAIN_LOG} if launched_together() else {LOCK_FILE}
+    together = int(os.environ.get("SLURM_NTASKS") or 1) > 1 or int(os.environ.get("WORLD_SIZE") or 1) > 1
+    ignored = {LOCK_FILE, TRAIN_LOG} if together else {LOCK_FILE}
     return sorted(p.name for p in run_dir.iterdir()
                   if p.name not in ignored and not p.name.endswith(TMP_SUFFIX))
 
@@ -177,10 +169,8 @@ def fresh_command(run_dir: Path) -> str:
 
 
 def finished_message(ckpt_path: str, cfg: TrainSchema) -> str | None:
-    """The one line for a resume whose checkpoint already reached this session's target step; None when
-    there is training left to do."""
+    """The one line for a resume whose checkpoint reached the step this session trains to, else None."""
     info = checkpoint_info(Path(ckpt_path))
-    # the step this session trains to
     target = min(int(cfg.stop_at_step or cfg.max_steps), int(cfg.max_steps))
     if not isinstance(info, CheckpointInfo) or info.step < target:
         return None
@@ -267,26 +257,16 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
 PINNED_KEYS = ("run_dir", "resume")
 
 
-def resume_command(cfg: TrainSchema) -> str:
-    """The shell command that continues this run: this session's own command line (its Hydra overrides,
-    one job's in a ``-m`` sweep), with ``run_dir`` pinned (another day's default paths may differ) and
-    ``resume=auto``; printed when a session is interrupted or finds its disk full."""
-    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", "resume=auto"])
-
-
 def continue_command(cfg: TrainSchema) -> str:
-    """The one command printed to go on with this run, from what its folder holds now: :func:`resume_command`
-    where a checkpoint resume=auto continues from is there; else (stopped before its first ``last.ckpt``,
-    where resume=auto would be refused: no checkpoint to resume from) this session's own command with
-    ``run_dir`` pinned and no ``resume``, which starts the run again (:func:`resume_checkpoint`)."""
-    if newest_resumable(Path(cfg.run_dir))[0] is not None:
-        return resume_command(cfg)
-    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}"])
+    """The one command printed to go on with this run, from what its folder holds now: this session's
+    command line with ``run_dir`` pinned (another day's default paths may differ), and ``resume=auto`` where
+    a checkpoint is there to continue from (else the run starts again: resume=auto would be refused)."""
+    resume = ["resume=auto"] if newest_resumable(Path(cfg.run_dir))[0] is not None else []
+    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", *resume])
 
 
 def this_command(drop: tuple[str, ...], add: list[str]) -> str:
-    """This session's command line as a shell command (its Hydra overrides, one job's in a ``-m`` sweep),
-    without the overrides of the keys in ``drop`` and with ``add`` after them."""
+    """This command line (one job's overrides in a ``-m`` sweep), ``drop``'s keys out, ``add`` in."""
     kept = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in drop]
     return shlex.join([*_program(), *kept, *add])
 

@@ -1,16 +1,9 @@
-"""A train.py session's start: every check a user can fail before training, the claim of the run directory,
-and the undo of a start that fails before its first optimizer step.
-
-Hydra writes nothing into the run directory (conf/train/train.yaml), so train.py's task function decides its
-start itself (:func:`start_session`): :func:`check_start` (the config, the run directory, the lock, the
-resume, the probe text and its tokenizer, the prepared data; it writes nothing in the run directory), then
-:func:`claim` (what the folder holds, the folder, the lock) in the launching process, then
-:func:`open_run_files` (``.hydra/``, ``train.log``). A refusal exits 2 with one line and the directory as it
-was. Until its first optimizer step a start only adds files, appends to logs, rewrites the small files of
-:data:`REWRITTEN` and moves a diverged run it replaces aside; what deletes waits for that step
-(:meth:`Start.keep`). So a start that fails before it is undone (:meth:`Start.undo`) from a listing of names,
-sizes and times (:class:`Found`), not a copy of the files: the directory as it was found, byte for byte, and
-a directory the start created removed.
+"""A train.py session's start (:func:`start_session`): :func:`check_start`, every check a user can fail
+before training, writing nothing in the run directory (Hydra writes nothing there either); :func:`claim`;
+:func:`open_run_files` once accepted. Until its first optimizer step a start only adds files, appends to logs,
+rewrites the small files of :data:`REWRITTEN` and moves a diverged run it replaces aside (what deletes waits
+for :meth:`Start.keep`), so a start that fails before it is undone (:meth:`Start.undo`) from a listing of
+names, sizes and times (:class:`Found`): the directory as it was found, byte for byte.
 """
 
 from __future__ import annotations
@@ -83,7 +76,7 @@ START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session): their bytes are kept for an undo.
 REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE,
-             RUN_CONFIG_FILE)  # a resume repairs a damaged run_config.yaml (run_config.repair_run_config)
+             RUN_CONFIG_FILE)  # a resume repairs a damaged one (run_config.repair_run_config)
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
@@ -93,8 +86,7 @@ REQUEUE_LOCK_WAIT_S = 120.0
 class Found:
     """What a run directory held when a start claimed it, for :func:`put_back`."""
 
-    # the topmost folder the claim created (run_dir or an ancestor); None: run_dir existed
-    created: Path | None
+    created: Path | None  # the topmost folder the claim created (run_dir or an ancestor); None: it existed
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # relative path -> size, mtime_ns
     dirs: set[str] = field(default_factory=set)
     rewritten: dict[str, bytes] = field(default_factory=dict)  # the bytes of the REWRITTEN files it held
@@ -170,10 +162,8 @@ class Start:
     plan: KeptPlan | None = None  # the launch gate's plan, kept in the run folder once the start is accepted
     lock: RunLock | None = None
     found: Found | None = None
-    # a diverged run was moved aside for this start (normgeo.runs.session.REPLACED_DIR)
-    replaced: bool = False
-    # past this session's first optimizer step (or a divergence): a failure keeps its files
-    kept: bool = False
+    replaced: bool = False  # a diverged run was moved aside for this start (session.REPLACED_DIR)
+    kept: bool = False  # past this session's first optimizer step (or diverged): a failure keeps its files
 
     def replace_diverged_run(self) -> None:
         """A fresh start in the folder of a run that diverged replaces it (rank 0)."""
@@ -182,7 +172,7 @@ class Start:
 
     def keep(self) -> None:
         """The start stays (its first optimizer step is done, or its run diverged): what it would have deleted
-        goes now, the temporaries killed sessions left and a diverged run it replaced (rank 0)."""
+        goes now (rank 0)."""
         if self.kept:
             return
         self.kept = True
@@ -198,6 +188,7 @@ class Start:
         signal meanwhile (a second Ctrl-C) waits: a half-done undo would leave neither folder."""
         with OWNER.owning(FinishFirst("while this start is undone")):
             if self.found is not None:
+                finish_wandb_run()  # its files are in the run directory too: closed before they go
                 close_file_logs(self.run_dir)
                 put_back(self.run_dir, self.found, replaced=self.replaced)
                 self.found = None
@@ -233,9 +224,8 @@ def config_fault(err: InstantiationException) -> bool:
 
 
 def trainer_factory(cfg: TrainSchema, **arguments: Any) -> functools.partial:
-    """``cfg.trainer``'s Trainer class with its arguments and ``arguments`` (its strategy node built).
-    What the config is at fault for (no such target, arguments the signature does not take, a value the
-    strategy refuses) is one line (StartError); anything else is a bug, raised with its traceback."""
+    """``cfg.trainer``'s Trainer class with its arguments and ``arguments`` (its strategy node built); the
+    config's fault (:func:`config_fault`) is one line (StartError), anything else a bug with its traceback."""
     try:
         return instantiate(cfg.trainer, **arguments, _partial_=True, _convert_="all")
     except InstantiationException as err:
@@ -247,9 +237,8 @@ def trainer_factory(cfg: TrainSchema, **arguments: Any) -> functools.partial:
 
 
 def check_trainer(cfg: TrainSchema) -> None:
-    """Each trainer.* value against its type in Trainer.__init__'s signature (pydantic), before the claim;
-    the values themselves are Lightning's to refuse when train.py builds the Trainer
-    (:func:`instantiate_trainer`; the start is then undone)."""
+    """Each trainer.* value against its type in Trainer.__init__'s signature, before the claim; the values
+    are Lightning's to refuse when train.py builds the Trainer (:func:`instantiate_trainer`)."""
     try:
         TRAINER_ARGUMENTS.validate_python(trainer_factory(cfg).keywords)
     except ValidationError as err:
@@ -279,9 +268,8 @@ def type_refusal(errors: list) -> str:
 
 
 def check_start(composed: DictConfig) -> Start:
-    """Everything a user can get wrong that is known before training,
-    cheapest first; raises one of START_ERRORS. Writes nothing in the run
-    directory (data is prepared under data_root, as training would)."""
+    """Everything a user can get wrong that is known before training, cheapest first (one of START_ERRORS);
+    writes nothing in the run directory (data is prepared under data_root, as training would)."""
     cfg: TrainSchema = check_config("train", composed)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
@@ -322,8 +310,7 @@ def check_start(composed: DictConfig) -> Start:
 
 
 def claim(start: Start) -> None:
-    """Take the run directory for this session: note what it holds, create it, lock it (RunInUseError,
-    nothing changed, when another process holds it)."""
+    """Take the run directory: note what it holds, create it, lock it (RunInUseError: nothing changed)."""
     run_dir = start.run_dir
     found = survey(run_dir)
     lock = RunLock(run_dir)
@@ -340,7 +327,7 @@ def claim(start: Start) -> None:
 
 def start_session(composed: DictConfig) -> Start:
     """:func:`check_start`, then :func:`claim` in the launching process (global rank 0; the processes
-    Lightning's DDP launcher starts re-run train.py and share its claim)."""
+    Lightning's DDP launcher starts re-run train.py and share it)."""
     start = check_start(composed)
     if is_rank_zero():
         claim(start)
@@ -348,9 +335,8 @@ def start_session(composed: DictConfig) -> Start:
 
 
 def open_run_files(start: Start) -> None:
-    """What Hydra would have written into the run directory before the task, written now that the start is
-    accepted: ``.hydra/`` and the launch gate's ``plan.json`` (rank 0), and ``<job name>.log``
-    (``train.log``; a DDP child rank's own)."""
+    """What Hydra would have written into the run directory, now that the start is accepted: ``.hydra/`` and
+    the launch gate's ``plan.json`` (rank 0), and ``train.log`` (every rank)."""
     if is_rank_zero():
         write_hydra_files(start.run_dir, start.composed)
         if start.plan is not None:  # every rank and every later session of the run reads it
@@ -358,6 +344,13 @@ def open_run_files(start: Start) -> None:
     # another rank (an srun task) may not have seen rank 0's yet
     start.run_dir.mkdir(parents=True, exist_ok=True)
     attach_log_file(start.run_dir / f"{HydraConfig.get().job.name}.log")
+
+
+def finish_wandb_run() -> None:
+    """Close this session's wandb run. Lightning leaves it open, and in a local ``-m`` sweep (all jobs in
+    one process) the next job's WandbLogger would then log into it instead of its own run."""
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish()
 
 
 class SweepFolderCheck(Callback):
