@@ -100,19 +100,15 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
     for logger_cfg in configs:
         if not logger_cfg:
             continue
-        if logger_cfg["_target_"].endswith("CSVLogger") and same_folder(
-                Path(str(logger_cfg["save_dir"])) / str(logger_cfg.get("name") or "lightning_logs"),
-                run_dir / CSV_DIR):
+        name = str(logger_cfg.get("name") or "lightning_logs")
+        folder = os.path.abspath(Path(str(logger_cfg.get("save_dir"))) / name)
+        if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(run_dir / CSV_DIR):
             continue  # the CSV every run writes already (older logger configs still name it)
         if logger_cfg["_target_"].endswith("WandbLogger"):
             loggers.append(make_wandb_logger(logger_cfg, run_dir))
         else:
             loggers.append(instantiate(logger_cfg))
     return loggers
-
-
-def same_folder(a: Path, b: Path) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
