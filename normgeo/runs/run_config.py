@@ -128,10 +128,6 @@ def declared(key: str, kind: type) -> bool:
     return True
 
 
-def is_allowed(key: str, allowed: Iterable[str]) -> bool:
-    return any(key == a or key.startswith(f"{a}.") for a in allowed)
-
-
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
                    allowed: Iterable[str] | None = None) -> Changes:
     """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT, but for
@@ -142,7 +138,7 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
     flat_old, flat_new = flatten(old), flatten(new)
     changes: Changes = {}
     for key in [*flat_old, *(k for k in flat_new if k not in flat_old)]:
-        if is_allowed(key, allowed):
+        if any(key == a or key.startswith(f"{a}.") for a in allowed):
             continue
         before, after = flat_old.get(key, legacy.get(key, ABSENT)), flat_new.get(key, ABSENT)
         if after is ABSENT and not declared(key, TrainSchema):

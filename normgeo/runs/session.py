@@ -267,7 +267,9 @@ def continue_command(cfg: TrainSchema) -> str:
 
 def this_command(drop: tuple[str, ...], add: list[str]) -> str:
     """This command line (one job's overrides in a ``-m`` sweep), ``drop``'s keys out, ``add`` in."""
-    kept = [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("~+") not in drop]
+    overrides = (list(HydraConfig.get().overrides.task) if HydraConfig.initialized()
+                 else [a for a in sys.argv[1:] if a not in ("-m", "--multirun")])
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("~+") not in drop]
     return shlex.join([*_program(), *kept, *add])
 
 
@@ -276,12 +278,6 @@ def _hydra_value(path: str) -> str:
     if re.fullmatch(r"[\w/.:@%+-]+", path):
         return path
     return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _task_overrides() -> list[str]:
-    if HydraConfig.initialized():
-        return list(HydraConfig.get().overrides.task)
-    return [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
 
 
 def _program() -> list[str]:
