@@ -31,8 +31,7 @@ def check_config(schema: str, cfg: DictConfig) -> Any:
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:
-    """The line saying how to quote the first override with non-ASCII characters outside quotes: Hydra's
-    grammar stops at them with a lexer error that names no fix."""
+    """How to quote the first override with unquoted non-ASCII: Hydra's lexer error names no fix."""
     for arg in args:
         key, sep, value = arg.partition("=")
         quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
@@ -43,8 +42,7 @@ def unquoted_non_ascii(args: Sequence[str]) -> str | None:
 
 
 def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
-    """The options of config group ``group`` in ``config_dirs`` and Hydra's ConfigStore (a test's toy arm);
-    None when it is no group there."""
+    """The options of group ``group`` in ``config_dirs`` and Hydra's ConfigStore; None: no such group."""
     folders = [Path(folder) / group for folder in config_dirs if (Path(folder) / group).is_dir()]
     stored = ConfigStore.instance().repo.get(group)
     if not folders and not isinstance(stored, dict):
@@ -71,18 +69,16 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
                 return None  # a package's configs (pkg://): Hydra knows its groups
             config_dirs += [Path(str(path).removeprefix("file://")) for path in paths]
     for override in overrides:
-        if override.is_delete() or "." in override.key_or_group or override.key_or_group.startswith("hydra/"):
+        group = override.key_or_group
+        if override.is_delete() or "." in group or group.startswith("hydra/"):
             continue  # a key, or Hydra's own groups (their options come with Hydra and its plugins)
-        options = group_options(override.key_or_group, config_dirs)
-        if options is None:
+        if (known := group_options(group, config_dirs)) is None:
             continue
         value = override.value()
         chosen = (list(override.sweep_string_iterator()) if override.is_sweep_override()
                   else value if isinstance(value, list) else [value])
-        for option in chosen:
-            if option is not None and str(option) not in options:
-                group = override.key_or_group
-                return f"{group}={option}: no such option of {group}; choose from {', '.join(options)}"
+        if unknown := [option for option in chosen if option is not None and str(option) not in known]:
+            return f"{group}={unknown[0]}: no such option of {group}; choose from {', '.join(known)}"
     return None
 
 

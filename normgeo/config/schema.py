@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import operator
 import re
 import types
@@ -47,11 +48,7 @@ def model_config(run: TrainSchema) -> dict[str, Any]:
 
 def format_value(value: Any) -> str:
     """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
 # The ranges the keys share; a float is also finite (schema(): allow_inf_nan=False).
@@ -71,10 +68,9 @@ def schema(cls: type) -> type:
 
 def doc(default: Any, text: str, *, may_change: bool | tuple[str, ...] = False,
         before: Any = dataclasses.MISSING) -> Any:
-    """A field's default (a node's schema class) and its ``--help`` line, and what a resume may do with it
-    (run_config.resume_rules): ``may_change`` between sessions (where and how the run reports, not what it
-    computes); ``before``, for a key added later, the value earlier runs had. For an ``Any`` node: its keys
-    that may change, and ``before`` as {key: value}."""
+    """A field's default (or node class), ``--help`` line and resume rules (run_config.resume_rules):
+    ``may_change`` between sessions (how the run runs and reports, not what it computes); ``before``, for a
+    key added later, the value earlier runs had ({key: value} and a tuple of keys for an ``Any`` node)."""
     metadata = {"doc": text, "may_change": may_change, "before": before}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -187,10 +183,9 @@ class ProbeSchema:
     intervention: list[str] = doc(list(ProbeConfig.intervention),
                                   "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: Count | None = doc(
+    intervention_tokens: Count | None = doc(  # before: every probe token was intervened on
         ProbeConfig.intervention_tokens, "the intervention runs on the first this many probe tokens "
-        "(whole windows; the angles keep probe.tokens); null: all of them",
-        before=None)  # every probe token was intervened on
+        "(whole windows; the angles keep probe.tokens); null: all of them", before=None)
     # Its own file: the other records are the same with it or without, so a run from before it resumes.
     mean_sources: bool = doc(ProbeConfig.mean_sources, "mean_sources.jsonl: the energy along 1 by position "
                              "and the dimensions that carry the mean", may_change=True)
@@ -341,9 +336,8 @@ def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
 
 
 def check_types(cfg: DictConfig, kind: type, script: str) -> Any:
-    """The composed config as an instance of the schema ``kind``, validated by pydantic; ConfigError names the
-    first bad key, preferring one the user set to one an interpolation filled in (``max_steps:
-    ${size.max_steps}`` is reported as size.max_steps)."""
+    """The composed config as a ``kind``, validated by pydantic; ConfigError names the first bad key, the one
+    the user set rather than an interpolation of it (``max_steps: ${size.max_steps}``: size.max_steps)."""
     try:
         return TypeAdapter(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
     except ValidationError as err:
@@ -406,8 +400,7 @@ COSTLY_STEPS_FACTOR = 10  # max_steps against the size's preset
 
 
 def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
-    """One line per legal but costly value (val_sequences, probe.tokens, max_steps) with its estimated cost;
-    ``probes``: how many times the probe runs."""
+    """One line per legal but costly value with its estimated cost; ``probes``: how often the probe runs."""
     step_tokens = cfg.tokens_per_step
     train_tokens = cfg.max_steps * step_tokens
     # A forward pass is about a third of a training step (forward + backward) per token.
@@ -430,15 +423,13 @@ def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
     return lines
 
 
-# Above these a launch is warned of (launch_cost).
 PASSES_WARNED = 100  # passes over the training tokens: the run learns a small corpus by heart
 CPU_PARAMETERS_WARNED = 100_000_000  # parameters trained on a CPU: a model sized for a GPU
 
 
 def launch_cost(cfg: TrainSchema, *, parameters: int, train_tokens: int, device: str,
                 precision: str) -> list[str]:
-    """At most one line for a valid launch probably not meant (``size=1b`` on a CPU, over the small default
-    corpus): what it costs and what to run instead."""
+    """At most one line for a valid launch probably not meant (size=1b on a CPU): cost and what instead."""
     step_tokens = cfg.tokens_per_step
     passes = cfg.max_steps * step_tokens / max(train_tokens, 1)
     costs, instead = [], []
@@ -456,8 +447,7 @@ def launch_cost(cfg: TrainSchema, *, parameters: int, train_tokens: int, device:
 
 
 def odd_values(cfg: TrainSchema) -> list[str]:
-    """One line per valid setting probably not meant (the run goes on as asked): a warm-up not shorter than
-    the run, whose learning rate peaks late or never and never decays."""
+    """One line per valid setting probably not meant (the run goes on): a warm-up not shorter than the run."""
     warmup, max_steps = cfg.optim.warmup_steps, cfg.max_steps
     if warmup and warmup >= max_steps:
         return [
@@ -469,8 +459,7 @@ def odd_values(cfg: TrainSchema) -> list[str]:
 
 
 def unmeasured_values(cfg: TrainSchema) -> list[str]:
-    """One line per measurement asked for that this run cannot make (it goes on without): intervention
-    scopes on an arm whose norms have no centering (DyT)."""
+    """One line per measurement asked for that this run cannot make (it goes on): centering on DyT arms."""
     arm = NORM_ARMS.get(cfg.norm.name)
     scopes = cfg.probe.intervention
     if not (cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS):
@@ -489,9 +478,8 @@ def training_device_type(trainer: dict[str, Any]) -> str:
 
 
 def compiles(cfg: TrainSchema, device_type: str | None = None, *, planned: bool = False) -> bool:
-    """Whether the run compiles its model, the one place compile=auto is decided: on for CUDA training where
-    a compiler works (1.1-1.8x faster on an H200, docs/training.md), off on the CPU. ``planned``: planned
-    elsewhere (a login node), so the compiler is not looked for here."""
+    """Whether the run compiles, the one place compile=auto is decided: on for CUDA where a compiler works
+    (1.1-1.8x faster on an H200, docs/training.md). ``planned`` on a login node: no compiler looked for."""
     if cfg.compile != "auto":
         return bool(cfg.compile)
     device_type = device_type or training_device_type(cfg.trainer)
@@ -501,13 +489,12 @@ def compiles(cfg: TrainSchema, device_type: str | None = None, *, planned: bool 
 def compiler_refusal(cfg: TrainSchema) -> str | None:
     """Why this machine cannot compile what the run asks compiled, or None: refused rather than falling back,
     since a run that says compiled runs compiled. Not a config check: a plan runs where no compiler is."""
-    wants = [key for key, on in (("compile=true", cfg.compile is True),
-                                 ("norm.impl=compiled", cfg.norm.impl == "compiled")) if on]
-    if not wants or not (refusal := compile_refusal(training_device_type(cfg.trainer))):
-        return None
-    instead = "compile=auto (eager where it cannot compile)" if wants[0] == "compile=true" else \
-        "train with norm.impl=stock"
-    return f"{wants[0]}: {refusal}; or {instead}"
+    wants = [(key, instead) for key, on, instead in (
+        ("compile=true", cfg.compile is True, "compile=auto (eager where it cannot compile)"),
+        ("norm.impl=compiled", cfg.norm.impl == "compiled", "train with norm.impl=stock")) if on]
+    if wants and (refusal := compile_refusal(training_device_type(cfg.trainer))):
+        return f"{wants[0][0]}: {refusal}; or {wants[0][1]}"
+    return None
 
 
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
@@ -523,8 +510,7 @@ def check_intervention(probe: ProbeSchema) -> None:
 
 
 def check_probe_source(probe: ProbeSchema) -> None:
-    """probe=local's files, checked before anything is written since the probe reads them only once training
-    started (data=local's prepare runs first anyway)."""
+    """probe=local's files, checked before anything is written: the probe reads them only mid-training."""
     source = probe.source
     if source.get("_target_") != LOCAL_SOURCE:
         return
@@ -556,16 +542,14 @@ def check_output_root(cfg: TrainSchema | AnalyzeSchema) -> None:
 
 
 def check_data_path(cfg: DictConfig) -> None:
-    """data=local without data.source.path: checked first, since data.name and data.directory interpolate
-    it."""
+    """data=local without data.source.path, checked first: data.name and data.directory interpolate it."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
 
 
 def check_train(composed: DictConfig) -> TrainSchema:
-    """The composed config as the run's typed config, validated once; ConfigError (key, value, what is
-    expected) for a value train.py cannot run with."""
+    """The composed config as the run's typed config, validated once; ConfigError for what cannot run."""
     check_data_path(composed)
     cfg: TrainSchema = check_types(composed, TrainSchema, "train.py")
     check_output_root(cfg)
@@ -649,7 +633,6 @@ def type_words(hint: Any) -> str:
 
 
 BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-
 
 SCHEMAS = {"train": (TrainSchema, check_train), "analyze": (AnalyzeSchema, check_analyze)}
 
