@@ -1,12 +1,10 @@
 """The typed schema of train.py's and analyze.py's configs: one declaration per key, read by two libraries.
 
-Each key is a dataclass field: its type with its range (``annotated_types``: ``Count`` is an int >= 1), its
-default and its ``--help`` line (:func:`doc`). Hydra composes with the dataclasses as structured configs
-(a wrong type or an unknown key fails while it composes); pydantic validates the composed config against
-the same dataclasses (:func:`check_types`: ranges, finite floats, a ``+key`` the schema lacks), so nothing
-is declared twice. What belongs to a registry (norm, placement, tokenizer) is asked of it, before anything
-is written; the Trainer's arguments are Lightning's to judge, on the machine that runs.
-"""
+Each key is a dataclass field with its range (``Count``: int >= 1), default and ``--help`` line (:func:`doc`).
+Hydra composes with the dataclasses (a wrong type or unknown key fails there); pydantic validates the result
+against the same ones (:func:`check_types`: ranges, finite floats, a ``+key`` the schema lacks), so nothing is
+declared twice. Registries (norm, placement, tokenizer) judge their names before anything is written; the
+Trainer's arguments are Lightning's to judge, on the machine that runs."""
 
 from __future__ import annotations
 
@@ -638,6 +636,5 @@ SCHEMAS = {"train": (TrainSchema, check_train), "analyze": (AnalyzeSchema, check
 
 
 def register() -> None:
-    store = ConfigStore.instance()
-    for name, (schema, _) in SCHEMAS.items():
-        store.store(name=f"{name}_schema", node=schema)
+    for name, (kind, _) in SCHEMAS.items():
+        ConfigStore.instance().store(name=f"{name}_schema", node=kind)
