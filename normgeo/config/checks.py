@@ -53,8 +53,7 @@ def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
 
 
 def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> str | None:
-    """The line listing the options for the first ``group=option`` override that names none of them: Hydra's
-    own message ("Could not load 'logger/nosuch'") lists its search path instead."""
+    """The line listing a group's options for the first override naming none (Hydra's: its search path)."""
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except OverrideParseException:
@@ -84,8 +83,7 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
 
 def config_errors_exit_2(hydra_main: Callable[[], Any],
                          config_dirs: Sequence[Path] = ()) -> Callable[[], Any]:
-    """``hydra_main`` (a @hydra.main function) with Hydra's own config errors exiting 2, like every other
-    refused input, instead of 1; an unknown group option is refused first, naming the options."""
+    """``hydra_main`` with Hydra's config errors exiting 2 (not 1) and unknown group options refused first."""
 
     def main() -> Any:
         if refusal := unquoted_non_ascii(sys.argv[1:]) or unknown_group_option(sys.argv[1:], config_dirs):

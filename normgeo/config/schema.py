@@ -36,8 +36,7 @@ from normgeo.measure.probe_config import ProbeConfig
 MODEL_KEYS = {
     "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
     "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
-    "tie_embeddings": "tie_embeddings",
-}
+    "tie_embeddings": "tie_embeddings"}
 
 
 def model_config(run: TrainSchema) -> dict[str, Any]:
@@ -191,8 +190,7 @@ class ProbeSchema:
 
 @schema
 class TrainProbeSchema(ProbeSchema):
-    """train.py's probe: the shared keys and two of training's own, so that ``analyze.py --help`` lists no key
-    it would ignore (it always measures, in batches of model.batch_size)."""
+    """train.py's probe: the shared keys and two that analyze.py (which always measures) would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
     batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass", may_change=True)
