@@ -1,15 +1,11 @@
-"""Refusals: the config check, and how a refused job ends.
-
-train.py and analyze.py check in their task functions (normgeo.runs.start.check_start,
-analyze.run), first: Hydra writes nothing into their folders by itself. A refusal prints one
-line naming the key and exits 2 (:data:`CONFIG_ERROR_EXIT`), as do Hydra's own config errors
-(:func:`config_errors_exit_2`); in a ``-m`` sweep the refused job returns :class:`Refused`
-instead, the other jobs run, and :class:`RefusalReport` lists the refused ones at the end
-(:func:`refuse`). The checks themselves are the schema's (:mod:`normgeo.config.schema`). """
+"""How a refused job ends: one line naming the key and exit 2, Hydra's own config errors too; in a ``-m``
+sweep the refused job returns :class:`Refused`, the others run, and :class:`RefusalReport` lists the refused
+ones at the end. The checks themselves are the schema's (:mod:`normgeo.config.schema`)."""
 
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +26,12 @@ CONFIG_ERROR_EXIT = 2
 
 
 def check_config(schema: str, cfg: DictConfig) -> Any:
-    """The composed ``cfg`` as ``schema``'s (train | analyze) typed config, checked once by
-    normgeo.config.schema; raises schema.ConfigError."""
+    """The composed ``cfg`` as ``schema``'s (train | analyze) typed config; raises schema.ConfigError."""
     return SCHEMAS[schema][1](cfg)
 
 
 def unquoted_non_ascii(args: Sequence[str]) -> str | None:
-    """The first ``key=value`` override whose value holds non-ASCII characters outside quotes, as the line
-    that says how to write it: Hydra's override grammar stops at them with a lexer error that names no fix."""
+    """How to quote the first override with unquoted non-ASCII: Hydra's lexer error names no fix."""
     for arg in args:
         key, sep, value = arg.partition("=")
         quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
@@ -48,8 +42,7 @@ def unquoted_non_ascii(args: Sequence[str]) -> str | None:
 
 
 def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
-    """The options of config group ``group``: its YAML files in ``config_dirs`` and the nodes registered in
-    Hydra's ConfigStore (a test's toy arm); None when ``group`` is no group there."""
+    """The options of group ``group`` in ``config_dirs`` and Hydra's ConfigStore; None: no such group."""
     folders = [Path(folder) / group for folder in config_dirs if (Path(folder) / group).is_dir()]
     stored = ConfigStore.instance().repo.get(group)
     if not folders and not isinstance(stored, dict):
@@ -60,8 +53,7 @@ def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
 
 
 def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> str | None:
-    """The first ``group=option`` override that names no option of the group, as the line that lists them:
-    Hydra's own message ("Could not load 'logger/nosuch'") lists its search path, not the options."""
+    """The line listing a group's options for the first override naming none (Hydra's: its search path)."""
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except OverrideParseException:
@@ -76,26 +68,22 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
                 return None  # a package's configs (pkg://): Hydra knows its groups
             config_dirs += [Path(str(path).removeprefix("file://")) for path in paths]
     for override in overrides:
-        if override.is_delete() or "." in override.key_or_group or override.key_or_group.startswith("hydra/"):
+        group = override.key_or_group
+        if override.is_delete() or "." in group or group.startswith("hydra/"):
             continue  # a key, or Hydra's own groups (their options come with Hydra and its plugins)
-        options = group_options(override.key_or_group, config_dirs)
-        if options is None:
+        if (known := group_options(group, config_dirs)) is None:
             continue
         value = override.value()
         chosen = (list(override.sweep_string_iterator()) if override.is_sweep_override()
                   else value if isinstance(value, list) else [value])
-        for option in chosen:
-            if option is not None and str(option) not in options:
-                group = override.key_or_group
-                return f"{group}={option}: no such option of {group}; choose from {', '.join(options)}"
+        if unknown := [option for option in chosen if option is not None and str(option) not in known]:
+            return f"{group}={unknown[0]}: no such option of {group}; choose from {', '.join(known)}"
     return None
 
 
 def config_errors_exit_2(hydra_main: Callable[[], Any],
                          config_dirs: Sequence[Path] = ()) -> Callable[[], Any]:
-    """``hydra_main`` (a @hydra.main function called without arguments), with Hydra's own config errors
-    exiting 2 like every other refused input instead of Hydra's 1; a group option that ``config_dirs`` (and
-    Hydra's ConfigStore) do not have is refused first, naming the options."""
+    """``hydra_main`` with Hydra's config errors exiting 2 (not 1) and unknown group options refused first."""
 
     def main() -> Any:
         if refusal := unquoted_non_ascii(sys.argv[1:]) or unknown_group_option(sys.argv[1:], config_dirs):
@@ -123,15 +111,10 @@ def hydra_error_line(error: BaseException) -> str:
 
 
 def raised_by_task(error: BaseException | None) -> bool:
-    """Whether the exception behind Hydra's exit 1 came from the task function, not from Hydra's config errors
-    (unknown key, bad override syntax, missing group option), which Hydra reports with the same exit 1: the
-    task's traceback passes through Hydra's ``run_job``, as Hydra's own error printer reads it."""
-    trace = error.__traceback__ if error is not None else None
-    while trace is not None:
-        if trace.tb_frame.f_code is run_job.__code__:
-            return True
-        trace = trace.tb_next
-    return False
+    """Whether the exception behind Hydra's exit 1 came from the task function, not Hydra's config errors
+    (the same exit 1): the task's traceback passes through Hydra's ``run_job``, as Hydra's printer sees."""
+    trace = getattr(error, "__traceback__", None)
+    return any(frame.f_code is run_job.__code__ for frame, _ in traceback.walk_tb(trace))
 
 
 @dataclass
@@ -143,8 +126,7 @@ class Refused:
 
 
 def refuse(folder: object, err: BaseException) -> Refused:
-    """Exit 2 with the reason on one line; in a ``-m`` sweep return it instead, so that the other jobs still
-    run (:class:`RefusalReport` lists the refused ones when the sweep ends)."""
+    """Exit 2 with the reason on one line; in a ``-m`` sweep return it instead, so the other jobs run."""
     print(f"error: {err}", file=sys.stderr, flush=True)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         return Refused(str(folder), str(err))
@@ -152,8 +134,7 @@ def refuse(folder: object, err: BaseException) -> Refused:
 
 
 class RefusalReport(Callback):
-    """Hydra callback (conf/train/train.yaml, conf/analyze/analyze.yaml): after a ``-m`` sweep, list the jobs
-    that were refused, and exit 2 if any."""
+    """Hydra callback: after a ``-m`` sweep, list the refused jobs and exit 2 if any."""
 
     def __init__(self) -> None:
         self.refused: list[Refused] = []

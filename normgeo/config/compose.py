@@ -1,7 +1,6 @@
-"""Hydra/OmegaConf glue: where conf/ lives, the resolvers conf/ uses, the schemas'
-registration (the config check itself: :mod:`normgeo.config.checks`), and the files Hydra would write into a
-job's folder, written by the entry points themselves once a start is accepted (Hydra writes none: its job
-folder is the working directory, ``hydra.output_subdir`` null, conf/shared/hydra/job_logging/console.yaml)."""
+"""Hydra/OmegaConf glue: where conf/ lives, its resolvers and schemas, and the files Hydra would write into a
+job's folder, written by the entry points once a start is accepted (Hydra writes none: ``hydra.output_subdir``
+null, conf/shared/hydra/job_logging/console.yaml)."""
 
 from __future__ import annotations
 
@@ -16,19 +15,16 @@ from normgeo.config.schema import SCHEMAS, key_docs
 from normgeo.config.schema import register as register_schemas
 from normgeo.paths import REPO_ROOT, path_slug, slug
 
-# conf/train: train.py's (and python -m corpus's) groups; conf/analyze: analyze.py's model presets;
-# conf/shared: the probe presets both use (added by hydra_plugins/normgeo_searchpath).
+# conf/shared: the probe presets train.py and analyze.py share (added by hydra_plugins/normgeo_searchpath).
 CONF_ROOT = REPO_ROOT / "conf"
 CONF_DIR = str(CONF_ROOT / "train")
 ANALYZE_CONF_DIR = str(CONF_ROOT / "analyze")
-# Where train.py's config groups live (its own, then the groups it shares with analyze.py): what every entry
-# point composing train.py's config (train.py, normgeo.plan, python -m corpus) lists a group's options from.
+# Where every entry point composing train.py's config lists a group's options from.
 TRAIN_CONFIG_DIRS = (Path(CONF_DIR), CONF_ROOT / "shared")
 
 
 def write_hydra_files(folder: Path, config: DictConfig) -> None:
-    """``<folder>/.hydra/``: the composed config, Hydra's config and the command's overrides, as Hydra
-    would."""
+    """``<folder>/.hydra/``: the composed config, Hydra's config and the overrides, as Hydra would."""
     hydra_cfg = HydraConfig.get()
     target = folder / ".hydra"
     target.mkdir(parents=True, exist_ok=True)
@@ -45,7 +41,7 @@ def attach_log_file(path: Path) -> None:
 
 
 def close_file_logs(folder: Path) -> None:
-    """Stop logging into files under ``folder``, so that a removed folder stays removed and the next job of a
+    """Stop logging into files under ``folder``, so a removed folder stays removed and the next job of a
     ``-m`` sweep (same process) logs into its own."""
     loggers = [logging.getLogger(),
                *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
@@ -60,15 +56,12 @@ def register_resolvers() -> None:
     for name, resolver in (("abspath", lambda path: os.path.abspath(os.path.expanduser(str(path)))),
                            ("slug", path_slug),
                            ("model_slug", slug),  # conf/analyze/analyze.yaml's output folder
-                           ("normgeo_key_docs", _key_docs)):  # hydra.help.template: every key with its doc
+                           # hydra.help.template (a string.Template, hence $$): every key with its doc
+                           ("normgeo_key_docs",
+                            lambda schema: "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$"))):
         OmegaConf.register_new_resolver(name, resolver, replace=True)
 
 
-def _key_docs(schema: str) -> str:
-    # the help template is a string.Template
-    return "\n".join(key_docs(SCHEMAS[schema][0])).replace("$", "$$")
-
-
+# conf/ uses the resolvers and the schemas (at the head of its defaults lists) before Hydra composes.
 register_resolvers()
-# conf/ uses both (the resolvers, the schemas at the head of its defaults lists) before Hydra composes
 register_schemas()

@@ -1,23 +1,16 @@
 """The typed schema of train.py's and analyze.py's configs: one declaration per key, read by two libraries.
 
-Each key is a dataclass field: its type (with its allowed range, as ``annotated_types``
-constraints: ``Count`` is an int >= 1), its default and a one-line doc (``doc(default, text)``;
-``python train.py --help`` lists them). Hydra composes with these dataclasses as structured configs
-(the first entry of each primary config's defaults list), so a wrong type (``optim.lr=abc``) or an
-unknown key (``max_stpes=10``) fails while it composes; pydantic then validates the composed config
-against the same dataclasses (:func:`check_types`): every range, finite floats, and a key added
-with ``+`` that the schema lacks. Why both: Hydra needs dataclasses for its ConfigStore and its
-compose-time types, and pydantic reads dataclasses and their ``Annotated`` constraints as they are,
-so nothing is declared twice. The rules that tie keys together are :func:`check_cross_keys`; what
-belongs to a registry (a known norm, placement, tokenizer) is asked of it (:func:`check_train`,
-:func:`check_analyze`), before anything is written. The Trainer's arguments are Lightning's to judge, on the
-machine that runs (normgeo.runs.start.check_trainer).
-"""
+Each key is a dataclass field with its range (``Count``: int >= 1), default and ``--help`` line (:func:`doc`).
+Hydra composes with the dataclasses (a wrong type or unknown key fails there); pydantic validates the result
+against the same ones (:func:`check_types`: ranges, finite floats, a ``+key`` the schema lacks), so nothing is
+declared twice. Registries (norm, placement, tokenizer) judge their names before anything is written; the
+Trainer's arguments are Lightning's to judge, on the machine that runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import operator
 import re
 import types
@@ -27,7 +20,7 @@ from typing import Annotated, Any
 import torch
 from annotated_types import Ge, Gt, Interval, Len
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from corpus.sources import LocalFilesSource, SourceError
@@ -39,70 +32,52 @@ from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
 
-# models.gpt.GPTConfig's fields and the keys they are read from: the architecture (size), the arm (norm,
-# placement), the context. check_train names a key by it when the model refuses a field.
+# models.gpt.GPTConfig's fields and their keys; check_train names the key of a field the model refuses.
 MODEL_KEYS = {
     "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
     "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
-    "tie_embeddings": "tie_embeddings",
-}
+    "tie_embeddings": "tie_embeddings"}
 
 
 def model_config(run: TrainSchema) -> dict[str, Any]:
-    """models.gpt.GPTConfig's fields, read from their keys (:data:`MODEL_KEYS`)."""
     return {field: operator.attrgetter(key)(run) for field, key in MODEL_KEYS.items()}
 
 
 def format_value(value: Any) -> str:
     """As the value would be written on the command line (null, true, [0.9, 0.95], rms)."""
-    if isinstance(value, DictConfig | ListConfig):
-        value = OmegaConf.to_container(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
-
-SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed_everything's largest seed
 
 # The ranges the keys share; a float is also finite (schema(): allow_inf_nan=False).
 Count = Annotated[int, Ge(1)]
 Natural = Annotated[int, Ge(0)]
-Seed = Annotated[int, Interval(ge=0, le=SEED_MAX)]
+Seed = Annotated[int, Interval(ge=0, le=2**32 - 1)]  # numpy's and Lightning's largest seed
 Positive = Annotated[float, Gt(0)]
 NonNegative = Annotated[float, Ge(0)]
 Fraction = Annotated[float, Interval(ge=0, le=1)]
 
 
 def schema(cls: type) -> type:
-    """A config node: a dataclass (Hydra's structured config) that pydantic validates strictly: ranges, finite
-    floats, no key the class lacks."""
+    """A config node: a dataclass (Hydra's structured config) that pydantic validates strictly."""
     cls.__pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)  # type: ignore[attr-defined]
     return dataclasses.dataclass(cls)
 
 
 def doc(default: Any, text: str, *, may_change: bool | tuple[str, ...] = False,
         before: Any = dataclasses.MISSING) -> Any:
-    """A field's default and its one-line doc (``--help``); a list default is copied per instance. What a
-    resume may do with the key (normgeo.runs.run_config.resume_rules): ``may_change``, it may differ between
-    sessions of one run (where the run runs and how it reports, not what it computes); ``before``, for a key
-    added later, the value every run recorded before it had. For a node whose keys conf/ writes (``Any``):
-    the tuple of its keys that may change, and ``before`` as {key: value}."""
+    """A field's default (or node class), ``--help`` line and resume rules (run_config.resume_rules):
+    ``may_change`` between sessions (how the run runs and reports, not what it computes); ``before``, for a
+    key added later, the value earlier runs had ({key: value} and a tuple of keys for an ``Any`` node)."""
     metadata = {"doc": text, "may_change": may_change, "before": before}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    if dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def node(kind: type, text: str, *, may_change: bool = False) -> Any:
-    return dataclasses.field(default_factory=kind, metadata={"doc": text, "may_change": may_change})
-
-
-# The keys of the nodes conf/ writes that the schema types as Any, for their resume rules (doc()): a
-# source's keys added later, with the value every earlier run had, and the Trainer's arguments that may
-# change: the devices, nodes, accelerator and strategy (the global batch is fixed, so they only change the
-# accumulation), and how it reports.
+# The resume rules of the Any nodes' keys (doc()): a source's keys added later, and the Trainer's arguments
+# that may change (the global batch is fixed, so the devices only change the accumulation; how it reports).
 SOURCE_BEFORE = {"plain_text_extensions": [], "encoding": "utf-8"}
 TRAINER_MAY_CHANGE = ("devices", "num_nodes", "accelerator", "strategy", "enable_progress_bar",
                       "enable_model_summary", "log_every_n_steps")
@@ -133,7 +108,6 @@ class SizeSchema:
     warmup_steps: Natural = doc(MISSING, "default warm-up (optim.warmup_steps)")
     max_steps: Count = doc(MISSING, "default max_steps")
     micro_batch: Count = doc(MISSING, "default micro_batch", may_change=True)
-    # SLURM launcher resources (conf/train/hydra/launcher/slurm.yaml)
     gpus: Natural | None = doc(None, "GPUs per SLURM job (hydra/launcher=slurm); 0: a CPU-only job",
                                may_change=True)
     minutes: Count = doc(60, "SLURM time limit per job, minutes", may_change=True)
@@ -202,14 +176,13 @@ class ProbeSchema:
     max_doc_tokens: Count | None = doc(ProbeConfig.max_doc_tokens,
                                        "cut longer documents to their first this many tokens, so one long "
                                        "article cannot fill the probe; >= min_doc_tokens; null: no cap")
-    bootstrap: BootstrapSchema = node(BootstrapSchema, "95% intervals over probe sequences")
+    bootstrap: BootstrapSchema = doc(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(ProbeConfig.intervention),
                                   "the centering intervention's scopes (intervention.jsonl): "
                                   f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: Count | None = doc(
+    intervention_tokens: Count | None = doc(  # before: every probe token was intervened on
         ProbeConfig.intervention_tokens, "the intervention runs on the first this many probe tokens "
-        "(whole windows; the angles keep probe.tokens); null: all of them",
-        before=None)  # every probe token was intervened on
+        "(whole windows; the angles keep probe.tokens); null: all of them", before=None)
     # Its own file: the other records are the same with it or without, so a run from before it resumes.
     mean_sources: bool = doc(ProbeConfig.mean_sources, "mean_sources.jsonl: the energy along 1 by position "
                              "and the dimensions that carry the mean", may_change=True)
@@ -217,8 +190,7 @@ class ProbeSchema:
 
 @schema
 class TrainProbeSchema(ProbeSchema):
-    """train.py's probe: the shared keys, and two that only training has (analyze.py always measures, in
-    batches of model.batch_size), so that ``analyze.py --help`` lists no key it would ignore."""
+    """train.py's probe: the shared keys and two that analyze.py (which always measures) would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
     batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass", may_change=True)
@@ -290,21 +262,21 @@ class TrainSchema:
     val_seed: Seed | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); "
                                 "a number: the same windows for every arm and seed", before=None)
     log_every: Count = doc(10, "optimizer steps between logged metrics", may_change=True)
-    norm: NormSchema = node(NormSchema, "group norm: the arm")
-    placement: PlacementSchema = node(PlacementSchema,
-                                      "group placement: pre (GPT-2) or post (norm after each add)")
-    size: SizeSchema = node(SizeSchema, "group size: architecture and its defaults")
-    optim: OptimSchema = node(OptimSchema, "AdamW and the warm-up + cosine schedule")
-    checkpoint: CheckpointSchema = node(CheckpointSchema,
-                                        "_target_ node of the checkpoint (and probe) schedule")
-    data: DataSchema = node(DataSchema, "group data: _target_ node of the data module")
-    probe: TrainProbeSchema = node(TrainProbeSchema, "group probe: the angle measurements")
+    norm: NormSchema = doc(NormSchema, "group norm: the arm")
+    placement: PlacementSchema = doc(PlacementSchema,
+                                     "group placement: pre (GPT-2) or post (norm after each add)")
+    size: SizeSchema = doc(SizeSchema, "group size: architecture and its defaults")
+    optim: OptimSchema = doc(OptimSchema, "AdamW and the warm-up + cosine schedule")
+    checkpoint: CheckpointSchema = doc(CheckpointSchema,
+                                       "_target_ node of the checkpoint (and probe) schedule")
+    data: DataSchema = doc(DataSchema, "group data: _target_ node of the data module")
+    probe: TrainProbeSchema = doc(TrainProbeSchema, "group probe: the angle measurements")
     trainer: Any = doc(MISSING, "group trainer: _target_ node of lightning.Trainer",
                        may_change=TRAINER_MAY_CHANGE)
     logger: Any = doc(None, "group logger: name -> _target_ node of a Lightning logger", may_change=True)
     # How the run is planned and checked before it starts, not what it computes.
-    plan: PlanSchema = node(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU "
-                                        "pre-flight check", may_change=True)
+    plan: PlanSchema = doc(PlanSchema, "the memory and compute plan (python -m normgeo.plan) and the GPU "
+                                       "pre-flight check", may_change=True)
 
     # What the keys imply, computed here once: every consumer asks the run's config, none recomputes it.
     @property
@@ -312,8 +284,8 @@ class TrainSchema:
         return self.global_batch * self.seq_len
 
     def accumulation(self, world_size: int) -> int:
-        """The accumulation steps of ``world_size`` devices, or ConfigError when micro_batch x world_size does
-        not divide global_batch (the one check of it: the config, the plan, the Trainer)."""
+        """The accumulation steps of ``world_size`` devices; the one check that micro_batch x world_size
+        divides global_batch (for the config, the plan, the Trainer)."""
         try:
             return accumulation_steps(self.global_batch, self.micro_batch, world_size)
         except ValueError as err:
@@ -346,8 +318,8 @@ class AnalyzeSchema:
     out_dir: str = doc(MISSING, "the output folder")
     device: str = doc("auto", "auto | cpu | cuda | cuda:N")
     progress: bool = doc(True, "a progress bar over the probe batches")
-    model: AnalyzeModelSchema = node(AnalyzeModelSchema, "group model: the model to measure")
-    probe: ProbeSchema = node(ProbeSchema, "group probe: the probe text and statistics")
+    model: AnalyzeModelSchema = doc(AnalyzeModelSchema, "group model: the model to measure")
+    probe: ProbeSchema = doc(ProbeSchema, "group probe: the probe text and statistics")
 
 
 class ConfigError(ValueError):
@@ -360,10 +332,8 @@ def _expect(ok: bool, key: str, value: Any, expected: str) -> None:
 
 
 def check_types(cfg: DictConfig, kind: type, script: str) -> Any:
-    """pydantic's validation of the composed config against the schema ``kind``, into an instance of it (the
-    typed config every consumer reads from then on): ConfigError naming the first key out of its range, not
-    finite or unknown, preferring a key the user set to one filled in by an interpolation
-    (``max_steps: ${size.max_steps}`` is reported as size.max_steps)."""
+    """The composed config as a ``kind``, validated by pydantic; ConfigError names the first bad key, the one
+    the user set rather than an interpolation of it (``max_steps: ${size.max_steps}``: size.max_steps)."""
     try:
         return TypeAdapter(kind).validate_python(OmegaConf.to_container(cfg, resolve=True))
     except ValidationError as err:
@@ -373,9 +343,8 @@ def check_types(cfg: DictConfig, kind: type, script: str) -> Any:
                         for part in error["loc"]).lstrip(".")
         if error["type"] == "unexpected_keyword_argument":
             *parents, name = error["loc"]
-            for parent in parents:  # the node the unknown key was added to
-                kind = next(f.default_factory for f in dataclasses.fields(kind) if f.name == parent)
-            close = difflib.get_close_matches(str(name), [f.name for f in dataclasses.fields(kind)], n=1)
+            keys = [f.name for f in dataclasses.fields(_hint_at(kind, tuple(parents)))]  # the key's node
+            close = difflib.get_close_matches(str(name), keys, n=1)
             hint = f"did you mean {where.removesuffix(str(name))}{close[0]}? " if close else ""
             raise ConfigError(f"{where}: no such key "
                               f"({hint}python {script} --help lists every key)") from None
@@ -386,8 +355,7 @@ def check_types(cfg: DictConfig, kind: type, script: str) -> Any:
         raise ConfigError(f"{where}={format_value(error['input'])}: {message}") from None
 
 
-# pydantic's error types of a value outside its declared
-# range: the message states the whole range, as --help does.
+# pydantic's errors of a value outside its range: the message states the whole range, as --help does.
 RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long")
 
 
@@ -395,7 +363,6 @@ def _hint_at(kind: type, loc: tuple) -> Any:
     """The declared type of the key at ``loc`` in the schema ``kind`` (a list element's, for an index)."""
     hint: Any = kind
     for part in loc:
-        # to the list or node inside
         while typing.get_origin(hint) in (Annotated, typing.Union, types.UnionType):
             hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
         hint = (typing.get_args(hint)[0] if isinstance(part, int)
@@ -415,18 +382,6 @@ def _interpolated(cfg: DictConfig, loc: tuple) -> bool:
     return False
 
 
-def check_cross_keys(cfg: TrainSchema) -> None:
-    """The rules between train.py's keys, in one place (:func:`check_val_sequences` and
-    :meth:`TrainSchema.accumulation` need what the start learns: the data, the devices)."""
-    max_steps = cfg.max_steps
-    steps = cfg.checkpoint.steps
-    if steps is not None and (beyond := [s for s in steps if s > max_steps]):
-        raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond "
-                          f"max_steps={max_steps}; expected checkpoint steps <= max_steps")
-    if cfg.probe.enabled and (refusal := cfg.probe_config.size_refusal(cfg.seq_len)):
-        raise ConfigError(refusal)
-
-
 def check_val_sequences(cfg: TrainSchema, val_tokens: int) -> None:
     """val_sequences against the prepared validation split's ``val_tokens`` (normgeo.runs.start)."""
     windows = val_tokens - cfg.seq_len  # distinct start offsets of a window of seq_len + 1 tokens
@@ -436,15 +391,12 @@ def check_val_sequences(cfg: TrainSchema, val_tokens: int) -> None:
             "larger data.val_fraction")
 
 
-# Above these, a legal value is reported at start with its cost (costly_values): the fraction of the
-# training's own compute that validation or the probe adds, and max_steps against the size's preset.
-COSTLY_FRACTION = 0.25
-COSTLY_STEPS_FACTOR = 10
+COSTLY_FRACTION = 0.25  # of the training's compute added by validation or the probe (costly_values)
+COSTLY_STEPS_FACTOR = 10  # max_steps against the size's preset
 
 
 def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
-    """One line per legal but costly value (val_sequences, probe.tokens, max_steps), with its estimated cost
-    in tokens and training steps; ``probes``: how many times the probe runs (the checkpoint schedule)."""
+    """One line per legal but costly value with its estimated cost; ``probes``: how often the probe runs."""
     step_tokens = cfg.tokens_per_step
     train_tokens = cfg.max_steps * step_tokens
     # A forward pass is about a third of a training step (forward + backward) per token.
@@ -467,15 +419,13 @@ def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
     return lines
 
 
-# Above these a launch is said at start, once, with its cost and what to run instead (launch_cost).
 PASSES_WARNED = 100  # passes over the training tokens: the run learns a small corpus by heart
 CPU_PARAMETERS_WARNED = 100_000_000  # parameters trained on a CPU: a model sized for a GPU
 
 
 def launch_cost(cfg: TrainSchema, *, parameters: int, train_tokens: int, device: str,
                 precision: str) -> list[str]:
-    """At most one line for a launch that is valid but probably not meant (the headline ``size=1b`` on a
-    machine without a GPU, over the small default corpus): what it costs and what to run instead."""
+    """At most one line for a valid launch probably not meant (size=1b on a CPU): cost and what instead."""
     step_tokens = cfg.tokens_per_step
     passes = cfg.max_steps * step_tokens / max(train_tokens, 1)
     costs, instead = [], []
@@ -493,8 +443,7 @@ def launch_cost(cfg: TrainSchema, *, parameters: int, train_tokens: int, device:
 
 
 def odd_values(cfg: TrainSchema) -> list[str]:
-    """One line per setting that is valid but probably not what was meant (the run goes on as asked): a
-    warm-up as long as the run or longer, whose learning rate reaches its peak late or never decays."""
+    """One line per valid setting probably not meant (the run goes on): a warm-up not shorter than the run."""
     warmup, max_steps = cfg.optim.warmup_steps, cfg.max_steps
     if warmup and warmup >= max_steps:
         return [
@@ -506,33 +455,27 @@ def odd_values(cfg: TrainSchema) -> list[str]:
 
 
 def unmeasured_values(cfg: TrainSchema) -> list[str]:
-    """One line per setting that asks for a measurement this run cannot make (the run goes on without it):
-    intervention scopes on an arm whose norms have no centering to take out or put in (DyT)."""
-    lines = []
+    """One line per measurement asked for that this run cannot make (it goes on): centering on DyT arms."""
     arm = NORM_ARMS.get(cfg.norm.name)
     scopes = cfg.probe.intervention
-    if cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS:
-        lines.append(f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take "
-                     f"out or put in (its norms are {arm.site_kind} sites, not "
-                     f"{' or '.join(INTERVENABLE_KINDS)}), so no intervention is measured and no "
-                     "intervention.jsonl written; probe.intervention=[] says so")
-    return lines
+    if not (cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS):
+        return []
+    return [f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take "
+            f"out or put in (its norms are {arm.site_kind} sites, not "
+            f"{' or '.join(INTERVENABLE_KINDS)}), so no intervention is measured and no "
+            "intervention.jsonl written; probe.intervention=[] says so"]
 
 
 def training_device_type(trainer: dict[str, Any]) -> str:
     """"cuda" or "cpu": where trainer.accelerator puts the model (auto: a GPU when there is one)."""
     accelerator = str(trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return "cpu"
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "cuda" if on_gpu else "cpu"
 
 
 def compiles(cfg: TrainSchema, device_type: str | None = None, *, planned: bool = False) -> bool:
-    """Whether the run compiles its model: compile=true | false as set; compile=auto on for CUDA training
-    (where a compiler works; the compiled step is 1.1-1.8x faster on an H200, docs/training.md), off on the
-    CPU. ``device_type``: where the run trains (default: :func:`training_device_type`); ``planned``: the run
-    is planned elsewhere (a login node), so its compiler is not looked for here. The one place auto is
-    decided: the module's argument, the plan and the run's record read it here."""
+    """Whether the run compiles, the one place compile=auto is decided: on for CUDA where a compiler works
+    (1.1-1.8x faster on an H200, docs/training.md). ``planned`` on a login node: no compiler looked for."""
     if cfg.compile != "auto":
         return bool(cfg.compile)
     device_type = device_type or training_device_type(cfg.trainer)
@@ -540,16 +483,14 @@ def compiles(cfg: TrainSchema, device_type: str | None = None, *, planned: bool 
 
 
 def compiler_refusal(cfg: TrainSchema) -> str | None:
-    """Why this machine cannot compile what the run asks compiled (compile=true, norm.impl=compiled), or
-    None: refused at the start rather than falling back, since a run that says compiled runs compiled. Not a
-    config check: the same config is planned (normgeo.plan) on a machine without the GPU's compiler."""
-    wants = [key for key, on in (("compile=true", cfg.compile is True),
-                                 ("norm.impl=compiled", cfg.norm.impl == "compiled")) if on]
-    if not wants or not (refusal := compile_refusal(training_device_type(cfg.trainer))):
-        return None
-    instead = "compile=auto (eager where it cannot compile)" if wants[0] == "compile=true" else \
-        "train with norm.impl=stock"
-    return f"{wants[0]}: {refusal}; or {instead}"
+    """Why this machine cannot compile what the run asks compiled, or None: refused rather than falling back,
+    since a run that says compiled runs compiled. Not a config check: a plan runs where no compiler is."""
+    wants = [(key, instead) for key, on, instead in (
+        ("compile=true", cfg.compile is True, "compile=auto (eager where it cannot compile)"),
+        ("norm.impl=compiled", cfg.norm.impl == "compiled", "train with norm.impl=stock")) if on]
+    if wants and (refusal := compile_refusal(training_device_type(cfg.trainer))):
+        return f"{wants[0][0]}: {refusal}; or {wants[0][1]}"
+    return None
 
 
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
@@ -565,8 +506,7 @@ def check_intervention(probe: ProbeSchema) -> None:
 
 
 def check_probe_source(probe: ProbeSchema) -> None:
-    """probe=local's files, before anything is written: the probe reads them only once training started
-    (data=local's are checked by its prepare, which runs before anything is written)."""
+    """probe=local's files, checked before anything is written: the probe reads them only mid-training."""
     source = probe.source
     if source.get("_target_") != LOCAL_SOURCE:
         return
@@ -582,9 +522,8 @@ def check_probe_source(probe: ProbeSchema) -> None:
 
 
 def check_output_root(cfg: TrainSchema | AnalyzeSchema) -> None:
-    """Every name that becomes a path, checked alike: an empty folder (an unset shell variable:
-    output_root=$OUT) would put the outputs at the root or in the working directory; an empty, ``.`` or
-    ``..`` run_name would put the run into output_root itself (beside data/, the other runs) or above."""
+    """Every name that becomes a path, checked alike: an empty folder (an unset ``$OUT``) puts the outputs
+    at the root or here; an empty, ``.`` or ``..`` run_name puts the run into output_root itself or above."""
     examples = {"output_root": "outputs", "run_dir": "outputs/my-run", "out_dir": "outputs/analyze/my-model",
                 "data_root": "data"}
     for key, example in examples.items():
@@ -599,16 +538,14 @@ def check_output_root(cfg: TrainSchema | AnalyzeSchema) -> None:
 
 
 def check_data_path(cfg: DictConfig) -> None:
-    """data=local without data.source.path (train.py and python -m corpus): checked first, since the keys
-    that interpolate it (data.name, data.directory) cannot resolve without it."""
+    """data=local without data.source.path, checked first: data.name and data.directory interpolate it."""
     if cfg.data.source.get("_target_") == LOCAL_SOURCE and OmegaConf.is_missing(cfg.data.source, "path"):
         raise ConfigError("data.source.path=???: data=local reads the folder, file or glob given as "
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
 
 
 def check_train(composed: DictConfig) -> TrainSchema:
-    """The composed config as the run's typed config, validated once; ConfigError (key, value, what is
-    expected) for a value train.py cannot run with."""
+    """The composed config as the run's typed config, validated once; ConfigError for what cannot run."""
     check_data_path(composed)
     cfg: TrainSchema = check_types(composed, TrainSchema, "train.py")
     check_output_root(cfg)
@@ -616,8 +553,7 @@ def check_train(composed: DictConfig) -> TrainSchema:
         GPTConfig(**model_config(cfg))
     except ArchitectureError as err:
         key = MODEL_KEYS[err.field]
-        # norm=..., placement=...
-        group = f" ({key.removesuffix('.name')}=...)" if key.endswith(".name") else ""
+        group = f" ({key.removesuffix('.name')}=...)" if key.endswith(".name") else ""  # norm=...
         raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{group}") from None
     _expect(isinstance(cfg.compile, bool) or cfg.compile == "auto", "compile", cfg.compile,
             "true, false or auto (on when training on CUDA)")
@@ -629,7 +565,12 @@ def check_train(composed: DictConfig) -> TrainSchema:
             "null, auto or the path of a .ckpt file")
     if refusal := unknown_tokenizer(cfg.data.tokenizer, "data.tokenizer"):
         raise ConfigError(refusal)
-    check_cross_keys(cfg)
+    # The rules between keys; check_val_sequences and accumulation need the data and devices the start learns.
+    if steps is not None and (beyond := [s for s in steps if s > cfg.max_steps]):
+        raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond "
+                          f"max_steps={cfg.max_steps}; expected checkpoint steps <= max_steps")
+    if cfg.probe.enabled and (refusal := cfg.probe_config.size_refusal(cfg.seq_len)):
+        raise ConfigError(refusal)
     check_intervention(cfg.probe)
     check_probe_source(cfg.probe)
     cfg.accumulation(world_size=1)
@@ -689,11 +630,9 @@ def type_words(hint: Any) -> str:
 
 BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
 
-
 SCHEMAS = {"train": (TrainSchema, check_train), "analyze": (AnalyzeSchema, check_analyze)}
 
 
 def register() -> None:
-    store = ConfigStore.instance()
-    for name, (schema, _) in SCHEMAS.items():
-        store.store(name=f"{name}_schema", node=schema)
+    for name, (kind, _) in SCHEMAS.items():
+        ConfigStore.instance().store(name=f"{name}_schema", node=kind)
