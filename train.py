@@ -34,7 +34,7 @@ from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
-from callbacks.signals import InstallInterrupt, SignalStop, StopOnSignal, exit_if_interrupted
+from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.tokenize import TokenizerError
@@ -120,16 +120,13 @@ def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
         run_id = secrets.token_hex(4)  # OS entropy, not the seeded RNGs (wandb 0.31 has no util.generate_id)
         if is_rank_zero():
             id_file.write_text(run_id + "\n")
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+        netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
     offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_key
     if offline:
         log.info("wandb: no API key or WANDB_MODE=offline, logging offline; upload later with `wandb sync`")
     return instantiate(logger_cfg, id=run_id, resume="allow", offline=offline)
-
-
-def _netrc_has_wandb() -> bool:
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
 def build_trainer(cfg: TrainSchema, run_dir: Path, callbacks: list) -> L.Trainer:
@@ -194,19 +191,6 @@ class KeepStart(OptimizerStepCallback):
         self.start.keep()
 
 
-def make_callbacks(cfg: TrainSchema, run_dir: Path, schedule: CheckpointSchedule, stop: StopOnSignal,
-                   probe_ids=None) -> list:
-    """The checkpoint owner (the schedule, ``stop_at_step``, the signal ``stop``) and the angle probe at the
-    same steps (``probe_ids``: its tokens, as the start check tokenized them)."""
-    callbacks: list = [ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule,
-                                           stop_at_step=cfg.stop_at_step or None, signal_stop=stop)]
-    if cfg.probe.enabled:
-        callbacks.append(
-            AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
-                       cfg.probe_config, ids=probe_ids))
-    return callbacks
-
-
 def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """Fit one run: ``start`` is what normgeo.runs.start checked and claimed, its typed config included
     (bench/ calls ``with start_session(composed) as start: train(start, ...)`` with its timers)."""
@@ -228,16 +212,20 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     stop = StopOnSignal(requeue, lambda: continue_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
     timer = Timer(verbose=False)  # the run's training time, kept in its checkpoints (summary.json's wall_s)
     keep = KeepStart(start)
-    owned = make_callbacks(cfg, run_dir, schedule, stop, start.probe_ids)
-    callbacks = [stop.installer, keep, *owned, *extra_callbacks, timer, stop]
+    # The checkpoint owner (the schedule, stop_at_step, the signal stop) and the probe at the same steps (its
+    # tokens as the start tokenized them).
+    owner = ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule, stop_at_step=cfg.stop_at_step or None,
+                                signal_stop=stop)
+    probe = [AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
+                        cfg.probe_config, ids=start.probe_ids)] if cfg.probe.enabled else []
+    # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
+    # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
+    # deciding after the step's probe measured.
+    callbacks = [stop.installer, keep, *probe, *extra_callbacks, timer, stop, owner]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
-    # The order the run relies on, as Lightning keeps it (the list's, Checkpoint callbacks sorted last): the
-    # signal handler installed before another callback's on_train_start (the step-0 probe); the checkpoint
-    # owner deciding after the step's probe measured.
-    assert isinstance(trainer.callbacks[0], InstallInterrupt), trainer.callbacks
-    assert isinstance(trainer.callbacks[-1], ScheduledCheckpoint), trainer.callbacks
+    assert trainer.callbacks[0] is callbacks[0] and trainer.callbacks[-1] is owner, trainer.callbacks
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
     module.run_config = run_config  # into every checkpoint

@@ -83,13 +83,6 @@ class KeptPlan:
     plan: GatePlan
 
 
-def planning_inputs(setup: TrainSetup) -> tuple[dict, str]:
-    """What a plan depends on (the planner's setup, torch's version) and its hash."""
-    inputs = {"setup": asdict(setup), "torch": torch.__version__}
-    text = json.dumps(inputs, sort_keys=True, default=str)
-    return inputs, hashlib.sha256(text.encode()).hexdigest()
-
-
 def read_kept_plan(run_dir: Path, inputs_hash: str) -> GatePlan | None:
     """The plan kept in ``run_dir`` for these inputs; None when there is none, unreadable or another's."""
     try:
@@ -129,7 +122,8 @@ def preflight(cfg: TrainSchema) -> KeptPlan | None:
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count() if cuda else None)
     if cuda:  # precision=null as this GPU resolves it
         setup = replace(setup, precision=str(cfg.trainer.get("precision") or default_precision()))
-    inputs, inputs_hash = planning_inputs(setup)
+    inputs = {"setup": asdict(setup), "torch": torch.__version__}  # what the plan depends on
+    inputs_hash = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     planned = read_kept_plan(Path(cfg.run_dir), inputs_hash)
     if planned is None:
         if not is_rank_zero():  # rank 0 plans and decides; its plan is kept for the others

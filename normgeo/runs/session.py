@@ -72,18 +72,14 @@ def checkpoint_info(path: Path) -> CheckpointInfo | str:
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def resume_candidates(run_dir: Path) -> list[Path]:
-    """last.ckpt, then the scheduled step-*.ckpt newest first (full state only with keep_optimizer)."""
-    last = run_dir / "checkpoints" / LAST_CHECKPOINT
-    return ([last] if last.exists() else []) + sorted((run_dir / "checkpoints").glob("step-*.ckpt"),
-                                                      reverse=True)
-
-
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
     """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.readers.status): the first
-    readable full-state candidate, its step, and why each newer candidate was passed over."""
+    readable full-state candidate (last.ckpt, then the scheduled step-*.ckpt newest first, full state with
+    keep_optimizer), its step, and why each newer candidate was passed over."""
+    last = run_dir / "checkpoints" / LAST_CHECKPOINT
     passed_over: list[str] = []
-    for path in resume_candidates(run_dir):
+    scheduled = sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+    for path in ([last] if last.exists() else []) + scheduled:
         info = checkpoint_info(path)
         if isinstance(info, CheckpointInfo) and info.full_state:
             return path, info.step, passed_over
