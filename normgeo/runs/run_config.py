@@ -1,9 +1,6 @@
-"""A resumed run is the same experiment: the run's resolved config, saved with it and checked on resume.
-
-The first session writes ``<run_dir>/run_config.yaml`` and every checkpoint carries the same dict under
-``checkpoint["run_config"]``. A later session compares its own config against it (the checkpoint's copy
-first: it is the config the weights were trained with) and refuses to continue when anything but the
-settings a session may legitimately change (devices, loggers, paths, micro batch, ...) differs.
+"""A resumed run is the same experiment: the first session writes ``<run_dir>/run_config.yaml``, every
+checkpoint carries the same dict, and a later session is refused when its config differs from it (the
+checkpoint's copy first: the weights were trained with it) in anything but what the schema says may change.
 """
 
 from __future__ import annotations
@@ -181,8 +178,7 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def repair_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> None:
-    """A resumed run whose run_config.yaml is damaged: rewritten with ``config`` (the checkpoint's copy, the
-    config the weights were trained with), and said; a readable one is never replaced."""
+    """A damaged run_config.yaml rewritten with ``config`` (a resume's: the checkpoint's copy), and said."""
     try:
         load_run_config(run_dir)
         return
@@ -211,12 +207,9 @@ def is_rank_zero() -> bool:
 
 
 def verify_run_config(run_dir: str | os.PathLike, ckpt_path: str | None, current: Mapping[str, Any]) -> None:
-    """Raise ResumeConfigError when this session would continue the run as another experiment.
-
-    Resuming: against the checkpoint's config, else run_config.yaml; neither (a checkpoint from before
-    configs were recorded) only warns. Starting afresh: against a run_config.yaml that an earlier session
-    left without a checkpoint, since that file is never replaced.
-    """
+    """Raise ResumeConfigError when this session would continue the run as another experiment: against the
+    checkpoint's config, else run_config.yaml (neither: a warning); a fresh start against a run_config.yaml
+    an earlier session left without a checkpoint, since that file is never replaced."""
     run_dir = Path(run_dir)
     saved_file = run_dir / RUN_CONFIG_FILE
     if ckpt_path is None:
