@@ -1,16 +1,10 @@
 """Checkpoints at the paper's schedule (1K, 2K, ... 10K, 20K, ...) plus a resumable ``last.ckpt``, refreshed
 every ``last_every`` steps and, with ``every_minutes``, every that many minutes of wall time.
 
-:class:`CheckpointSchedule` is the schedule (pure arithmetic, also the probe's). :class:`ScheduledCheckpoint`
-is the one owner of what is saved when: after each optimizer step it decides, in this order, whether the
-session stops here (``stop_at_step``, then a stop signal on any rank: callbacks/signals.py's
-:class:`~callbacks.signals.StopOnSignal` is asked), whether the weights are finite, and what to write (the
-scheduled checkpoint, ``last.ckpt``); a new trigger is one branch in
-:meth:`ScheduledCheckpoint.on_optimizer_step` and one field of the ``checkpoint`` config.
-
-Both are written through :class:`AtomicCheckpointIO`, so a kill mid-write never leaves a truncated file.
-A step that also validates is checkpointed after its validation: a kill during validation then resumes
-from the step before and validates again, instead of resuming past a validation that never finished.
+:class:`CheckpointSchedule` is the schedule (also the probe's); :class:`ScheduledCheckpoint` is the one owner
+of what is saved when (a new trigger is one branch in its ``on_optimizer_step``). A step that also validates
+is checkpointed after its validation: a kill during validation then resumes from the step before and
+validates again, instead of resuming past a validation that never finished.
 """
 
 from __future__ import annotations
@@ -42,17 +36,11 @@ DEFAULTS = CheckpointSchema(_target_=f"{__name__}.CheckpointSchedule")
 
 
 class CheckpointSchedule:
-    """The optimizer steps at which the experiment's checkpoints (and probes) happen.
-
-    Either an explicit list of steps, or the rule "every ``dense_every`` steps up to ``dense_until``,
-    then every ``sparse_every`` steps" (the paper: 1000 / 10000 / 10000), always capped at ``max_steps``
-    and always ending with ``max_steps`` itself: the trained model is the one result every run must keep.
-    Built from the config's ``checkpoint`` node (``_target_``), which also says how often ``last.ckpt``
-    is refreshed and whether scheduled checkpoints keep the optimizer state.
-
-    The rule is never expanded into a list: membership, :meth:`next_step_after` and ``len`` are arithmetic,
-    so the memory a schedule takes does not grow with ``max_steps`` (``max_steps=10**12`` is instant).
-    Iterating yields the steps in order, one at a time.
+    """The optimizer steps at which the experiment's checkpoints (and probes) happen: an explicit list, or
+    "every ``dense_every`` steps up to ``dense_until``, then every ``sparse_every``" (the paper: 1000 /
+    10000 / 10000), capped at ``max_steps`` and always ending with it: the trained model is the one result
+    every run must keep. The rule is never expanded into a list (membership, :meth:`next_step_after` and
+    ``len`` are arithmetic), so ``max_steps=10**12`` is instant.
     """
 
     def __init__(self, max_steps: int, steps: Iterable[int] | None = DEFAULTS.steps,
@@ -60,8 +48,7 @@ class CheckpointSchedule:
                  sparse_every: int = DEFAULTS.sparse_every, last_every: int = DEFAULTS.last_every,
                  keep_optimizer: bool = DEFAULTS.keep_optimizer,
                  every_minutes: float | None = DEFAULTS.every_minutes) -> None:
-        # How often last.ckpt is refreshed (by steps, and by wall time) and what scheduled checkpoints keep
-        # (ScheduledCheckpoint).
+        # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
         self.last_every = last_every
         self.every_minutes = every_minutes
         self.keep_optimizer = keep_optimizer
@@ -118,19 +105,12 @@ class CheckpointSchedule:
         count = dense_end // self.dense_every + end // self.sparse_every - dense_end // both
         return count + (not self.on_rule(end))
 
-    def __repr__(self) -> str:
-        rule = (f"steps={self.explicit}" if self.explicit is not None
-                else f"dense_every={self.dense_every}, dense_until={self.dense_until}, "
-                     f"sparse_every={self.sparse_every}")
-        return f"CheckpointSchedule(max_steps={self.max_steps}, {rule})"
-
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save to a temporary file, fsync, rename: readers see the old checkpoint or the new one."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        # Checkpoints go under the run directory, a local folder (check_writable_folder): no s3:// path here
-        try:
+        try:  # a local folder (check_writable_folder): no s3:// path here
             with atomic_open(os.fspath(path), "wb") as handle:
                 torch.save(checkpoint, handle)
         except Exception:
@@ -141,12 +121,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
-    """Writes ``step-XXXXXXX.ckpt`` at every scheduled step and refreshes ``last.ckpt`` for resuming; ends the
-    session at ``stop_at_step`` or on a stop signal (``signal_stop``), saving ``last.ckpt`` at that step.
-
-    Scheduled checkpoints are the experiment's data: by default they keep weights only (no optimizer
-    state, about a third of the size); ``last.ckpt`` always keeps everything needed to resume. Lightning runs
-    Checkpoint callbacks after the others: this step's probe has measured when this one decides.
+    """Writes ``step-XXXXXXX.ckpt`` at every scheduled step (weights only by default, about a third of the
+    size) and refreshes ``last.ckpt`` (everything needed to resume); ends the session at ``stop_at_step`` or
+    on a stop signal (``signal_stop``), saving ``last.ckpt`` there. Lightning runs Checkpoint callbacks after
+    the others: this step's probe has measured when this one decides.
     """
 
     def __init__(self, dirpath: str, schedule: CheckpointSchedule, *, stop_at_step: int | None = None,
@@ -166,18 +144,6 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         super().on_train_start(trainer, pl_module)  # the step this session starts at
         self._last_saved_time = self.clock()
 
-    def minutes_due(self, trainer: L.Trainer) -> bool:
-        """``every_minutes`` have passed since this session's last ``last.ckpt`` by rank 0's clock: every rank
-        takes rank 0's answer, so that all save at the same step (a save is collective under FSDP)."""
-        if self.schedule.every_minutes is None:
-            return False
-        due = self.clock() - self._last_saved_time >= 60 * self.schedule.every_minutes
-        return bool(trainer.strategy.broadcast(due, src=0))
-
-    @staticmethod
-    def step_path(dirpath: str | Path, step: int) -> Path:
-        return Path(dirpath) / f"step-{step:07d}.ckpt"
-
     def on_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         # Whether the session ends after this step: its last.ckpt is then written on train end.
         if self.stop_at_step is not None and step >= self.stop_at_step:
@@ -185,9 +151,11 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         elif self.signal_stop is not None:
             self.signal_stop.poll(trainer, step)
         # What this step writes.
-        last_every = self.schedule.last_every
-        on_steps = step in self.schedule or (last_every and step % last_every == 0)
-        if not on_steps and not self.minutes_due(trainer):
+        last_every, minutes = self.schedule.last_every, self.schedule.every_minutes
+        due = step in self.schedule or (last_every and step % last_every == 0)
+        if not due and minutes is not None:  # rank 0's clock: all save at one step (collective under FSDP)
+            due = trainer.strategy.broadcast(self.clock() - self._last_saved_time >= 60 * minutes, src=0)
+        if not due:
             return
         if validation_follows(trainer):
             self._after_validation = step
@@ -203,7 +171,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
-            trainer.save_checkpoint(self.step_path(self.dirpath, step),
+            trainer.save_checkpoint(self.dirpath / f"step-{step:07d}.ckpt",
                                     weights_only=not self.schedule.keep_optimizer)
             self.saved_steps.append(step)
         self._save_last(trainer)
@@ -215,16 +183,14 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._last_saved_at == trainer.global_step:
-            return  # the final (or stopping) step's last.ckpt is written already: the full state, once (a 1b
-            # run's is 12 GB)
+            return  # the final (or stopping) step's last.ckpt is written already (a 1b run's is 12 GB)
         self._check_finite(trainer, pl_module, trainer.global_step)
         self._save_last(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
         """A signal abandoned a validation or a probe: this step's checkpoints now (the scheduled one too,
-        which the step's end would have written), so that the resume continues from this step; none before
-        this session's first optimizer step (its probe at the step it started from): nothing new to keep."""
+        which the step's end would have written), so that the resume continues from this step."""
         if isinstance(exception, SignalStop):
             if self.signal_stop is not None:
                 self.signal_stop.abandoned(trainer, exception)

@@ -1,7 +1,6 @@
-"""The one place that reaches into Lightning's private loop state (``trainer.fit_loop``), for the two things
-its public API does not say: whether a validation follows this training batch, and how to count a validation a
-stop signal abandoned. tests/test_lightning_loops.py checks every private name used here on a real Trainer, so
-a Lightning release that renames one fails that test rather than a run. """
+"""The one place that reaches into Lightning's private loop state (``trainer.fit_loop``), for what its public
+API does not say. tests/test_lightning_loops.py checks every private name used here on a real Trainer, so a
+Lightning release that renames one fails that test rather than a run."""
 
 from __future__ import annotations
 
@@ -9,11 +8,8 @@ import lightning as L
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after this training batch (its own rule, asked, not copied).
-
-    Called from the checkpoint owner's on_train_batch_end after it decided whether the session stops at this
-    step: a ``should_stop`` set there (``stop_at_step``, a requeue; both trigger a validation) is seen.
-    """
+    """Whether Lightning validates right after this training batch (its own rule, asked, not copied); a
+    ``should_stop`` set before (``stop_at_step``, a requeue: both trigger a validation) is seen."""
     epoch_loop = trainer.fit_loop.epoch_loop
     if epoch_loop.val_loop.skip:
         return False

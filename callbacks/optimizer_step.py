@@ -1,5 +1,4 @@
-"""The base of the callbacks that act once per optimizer step: the checkpoints, the probe, the stop on a
-signal."""
+"""The base of the callbacks that act once per optimizer step (the checkpoints, the probe)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Stopping a run on a signal: the user's Ctrl-C or SIGTERM, and SLURM's requeue signal (USR1).
 
-The training phase of the process's signal owner (normgeo.signals) is :class:`Interrupt`.
-:class:`StopOnSignal` stops every rank after the same optimizer step when the checkpoint owner polls it
-(``last.ckpt`` is then written by that owner, callbacks/checkpointing.py); a validation or a probe in progress
-is abandoned at once (:class:`SignalStop`); train.py prints the resume command and exits 128 + the signal
-number (:func:`exit_if_interrupted`), or requeues the SLURM job.
+:class:`Interrupt` is training's phase of the process's signal owner (normgeo.signals); :class:`StopOnSignal`
+stops every rank after the same optimizer step, and :func:`exit_if_interrupted` prints the resume command.
 """
 
 from __future__ import annotations
@@ -21,9 +18,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import LambdaCallback
 
 from callbacks.lightning_loops import settle_abandoned_validation
-from normgeo.runs.run_config import LAST_CHECKPOINT
 from normgeo.signals import OWNER
 from slurm.requeue import SlurmRequeue
 
@@ -31,37 +28,31 @@ log = logging.getLogger(__name__)
 
 
 class SignalStop(Exception):
-    """A stop signal arrived while this session measured (a validation, a probe): the measurement is abandoned
-    at once and ``last.ckpt`` saved at the current optimizer step
+    """A stop signal abandoned a validation or a probe: ``last.ckpt`` is saved at the current optimizer step
     (:meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
 
 
 class Interrupt:
-    """The training phase of the signal owner: the user's SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``)
-    is recorded, so that :class:`StopOnSignal` stops every rank after the current optimizer step and
-    ``last.ckpt`` is saved at that step; train.py then prints the resume command and exits 128 + the signal
-    number (130, 143).
-
-    In place, from train start on, of Python's KeyboardInterrupt (Lightning turns it into exit 1 without
-    saving) and Lightning's SIGTERM handler (it stops at the next batch without saving). A second signal
-    stops at once: whatever is being written is abandoned (atomic writes keep the previous file).
+    """Training's phase of the signal owner: SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``) is recorded,
+    so that :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved
+    there; the exit is 128 + the signal number (130, 143). In place of Python's KeyboardInterrupt (Lightning
+    turns it into exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without
+    saving). A second signal stops at once (atomic writes keep the previous file).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, continue_command: Callable[[], str] = str) -> None:
         self.received = False
         self.signum: int | None = None  # the signal this rank received first
         self.stopped_at: int | None = None  # the step at which training stopped, on every rank
         self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
-        # The command that goes on with the run, asked when it is printed: what the run's folder holds then
-        # decides it (normgeo.runs.session.continue_command).
-        self.continue_command: Callable[[], str] = str
+        # The command that goes on with the run, asked when printed: the run's folder then decides it.
+        self.continue_command = continue_command
         # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
         # one process only: ranks that did not receive the signal would wait in a collective.
         self.abandonable: str | None = None
         self.single_process = True
         self.abandoned: str | None = None  # what a signal abandoned
-        # The signal of a second interrupt: its SystemExit may surface as another exception
-        # (AtomicCheckpointIO re-raises it), whatever was being written is abandoned.
+        # A second interrupt's signal: its SystemExit may surface as another exception (AtomicCheckpointIO)
         self.abandoning: int | None = None
         self.trained = False  # whether this session made an optimizer step: else a stop has nothing to save
 
@@ -94,6 +85,10 @@ class Interrupt:
             raise SignalStop(what)
         self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
 
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
     def say(self, text: str) -> None:
         if self.announce:
             # os.write, not print: a signal can land while the main thread is inside a print to stderr.
@@ -108,8 +103,8 @@ def training_interrupt() -> Interrupt | None:
 
 @contextlib.contextmanager
 def abandonable(what: str) -> Iterator[None]:
-    """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop);
-    nothing happens outside training's phase (:class:`Interrupt`)."""
+    """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop),
+    under training's phase (:class:`Interrupt`) only."""
     interrupt = training_interrupt()
     if interrupt is None:
         yield
@@ -125,20 +120,17 @@ class StopOnSignal(L.Callback):
     """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once: SLURM's
     requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
 
-    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler
-    does) makes the resume point a whole optimizer step: no half-accumulated gradients, no
-    half-applied update, and no collective that could meet another rank's all-reduce. The checkpoint owner
-    (:class:`callbacks.checkpointing.ScheduledCheckpoint`) asks :meth:`poll` after each step and
-    :meth:`abandoned` when a signal abandoned a validation or a probe, before it writes ``last.ckpt``;
-    this callback keeps the handler's life (installed on train start, put back at teardown) and marks
-    validations abandonable. train.py requeues the job, or prints the resume command."""
+    Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
+    makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied update, and
+    no collective that could meet another rank's all-reduce. The checkpoint owner
+    (:class:`callbacks.checkpointing.ScheduledCheckpoint`) asks :meth:`poll` after each step, and
+    :meth:`abandoned`, before it writes ``last.ckpt``."""
 
-    def __init__(self, requeue: SlurmRequeue | None = None, continue_command: Callable[[], str] = str,
-                 last_checkpoint: str | Path = LAST_CHECKPOINT) -> None:
+    def __init__(self, requeue: SlurmRequeue | None, continue_command: Callable[[], str],
+                 last_checkpoint: Path) -> None:
         self.requeue = requeue
-        self.last_checkpoint = Path(last_checkpoint)  # what the stop saves, named in the resume message
-        self.interrupt = Interrupt()
-        self.interrupt.continue_command = continue_command
+        self.last_checkpoint = last_checkpoint  # what the stop saves, named in the resume message
+        self.interrupt = Interrupt(continue_command)
         self.session_start_step = 0  # the step this session began at (a resume's checkpoint step)
 
     @property
@@ -147,7 +139,7 @@ class StopOnSignal(L.Callback):
         if self.requeue is not None and self.requeue.stopped_at is not None:
             return "requeue"
         if self.interrupt.stopped_at is not None:
-            return f"interrupted by {signal.Signals(self.interrupt.signum or signal.SIGTERM).name}"
+            return f"interrupted by {self.interrupt.name}"
         return None
 
     @property
@@ -182,8 +174,8 @@ class StopOnSignal(L.Callback):
         if str(exception).startswith("the validation"):
             settle_abandoned_validation(trainer)
         if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
-            log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d",
-                        signal.Signals(self.interrupt.signum or signal.SIGTERM).name, exception, step)
+            log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d", self.interrupt.name,
+                        exception, step)
             self.interrupt.stopped_at = step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -192,9 +184,13 @@ class StopOnSignal(L.Callback):
 
     @property
     def installer(self) -> L.Callback:
-        """The callback that installs this stop's signal handler: first in the callback list, so that the
-        step-0 probe (another callback's on_train_start) is covered too."""
-        return InstallInterrupt(self.interrupt)
+        """The callback that makes :class:`Interrupt` the owner's phase on train start: first in the callback
+        list, so that the step-0 probe (another callback's on_train_start) is covered too."""
+        return LambdaCallback(on_train_start=self.install)
+
+    def install(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
+        OWNER.enter(self.interrupt)
 
     def poll(self, trainer: L.Trainer, step: int) -> None:
         """After optimizer step ``step``: whether any rank received a stop signal; if so, every rank stops
@@ -221,25 +217,11 @@ class StopOnSignal(L.Callback):
         elif sigint or sigterm:
             # Every rank exits with the signal the user sent, whichever rank received it.
             interrupt.signum = signal.SIGINT if sigint else signal.SIGTERM
-            log.warning("interrupt (%s): stopping after step %d to save last.ckpt",
-                        signal.Signals(interrupt.signum).name, step)
+            log.warning("interrupt (%s): stopping after step %d to save last.ckpt", interrupt.name, step)
             interrupt.stopped_at = step
         else:
             return
         trainer.should_stop = True
-
-
-class InstallInterrupt(L.Callback):
-    """Makes :class:`Interrupt` the signal owner's phase on train start: after Lightning's fit put its SIGTERM
-    handler over the owner's (taken back here), and before the other callbacks' on_train_start (the step-0
-    probe)."""
-
-    def __init__(self, interrupt: Interrupt) -> None:
-        self.interrupt = interrupt
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        OWNER.reclaim()
-        OWNER.enter(self.interrupt)
 
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:
@@ -249,25 +231,20 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
     if stop is None or stop.interrupt.stopped_at is None:
         return
     interrupt = stop.interrupt
-    signum = interrupt.signum or signal.SIGTERM
     if trainer.is_global_zero:
-        wait_for_other_ranks(trainer)  # their last words must come before the resume command
-        saved = stop.last_checkpoint
+        # The other ranks' last words must come before the resume command: rank 0 of Lightning's DDP launcher
+        # waits (two minutes at most) for their processes, its children, to exit.
+        deadline = time.monotonic() + 120.0
+        for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         abandoned = f" (abandoned {interrupt.abandoned})" if interrupt.abandoned else ""
         if interrupt.stopped_at == stop.session_start_step:  # nothing trained, nothing saved (see train.py)
-            print(f"interrupted by {signal.Signals(signum).name} before this session's first optimizer step"
-                  f"{abandoned}: nothing trained, nothing saved, the run's folder as this session found it; "
-                  "go on with:", file=sys.stderr)
+            print(f"interrupted by {interrupt.name} before this session's first optimizer step{abandoned}: "
+                  "nothing trained, nothing saved, the run's folder as this session found it; go on with:",
+                  file=sys.stderr)
         else:
-            print(f"interrupted by {signal.Signals(signum).name}: stopped after step {interrupt.stopped_at}"
-                  f"{abandoned} and saved {saved}; continue the run with:", file=sys.stderr)
+            print(f"interrupted by {interrupt.name}: stopped after step {interrupt.stopped_at}{abandoned} "
+                  f"and saved {stop.last_checkpoint}; continue the run with:", file=sys.stderr)
         print(interrupt.continue_command(), file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
-
-
-def wait_for_other_ranks(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
-    """Rank 0 of Lightning's DDP launcher waits for the other ranks' processes (its children) to exit."""
-    deadline = time.monotonic() + timeout_s
-    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    raise SystemExit(128 + (interrupt.signum or signal.SIGTERM))

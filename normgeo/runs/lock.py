@@ -1,13 +1,10 @@
 """One training process per run directory: an exclusive ``flock`` (filelock's UnixFileLock) on
-``<run_dir>/.normgeo.lock``.
+``<run_dir>/.normgeo.lock``, held by the launching process (global rank 0).
 
-Two ``train.py`` started into the same run directory would both train it, interleave ``train.log`` and
-write two CSV versions. The second one is refused instead, naming the holder's host and PID (the file's
-content, JSON, written once the lock is held; filelock opens the file without truncating it). The kernel
-drops a ``flock`` when its process dies (SIGKILL, a requeued or cancelled SLURM job), so a killed run never
-leaves its directory locked. The file is created when a start claims the directory (normgeo.runs.start)
-and stays, hidden, afterwards: deleting a lock file races with a process that opened it just before. Only
-the launching process (global rank 0) holds it; the processes Lightning's DDP launcher starts share its run.
+A second ``train.py`` into the same directory (it would interleave ``train.log``, write two CSV versions) is
+refused, naming the holder's host and PID (the file's JSON content; filelock does not truncate it). The kernel
+drops a ``flock`` when its process dies (SIGKILL, a cancelled SLURM job), so a killed run never leaves its
+directory locked. The file stays afterwards: deleting a lock file races with a process that just opened it.
 """
 
 from __future__ import annotations
@@ -33,9 +30,9 @@ class RunInUseError(RuntimeError):
     """Another process trains this run directory; the message names its host and PID."""
 
 
-def _holder_text(raw: str) -> str:
+def _holder_text(path: Path) -> str:
     try:
-        holder = json.loads(raw)
+        holder = json.loads(path.read_text(errors="replace"))
         return f"PID {holder['pid']} on host {holder['host']} (since {holder['since']})"
     except (ValueError, KeyError, TypeError):
         return "another process (the lock file names no holder)"
@@ -47,20 +44,17 @@ def in_use_message(run_dir: Path, holder: str) -> str:
 
 
 def lock_holder(run_dir: Path) -> str | None:
-    """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None when nobody does; writes
-    nothing."""
+    """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None if nobody; writes nothing."""
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file():  # a new run, one from before locks, or no run directory at all
         return None
-    probe = UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
     try:
-        probe.acquire()
+        with UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False):
+            return None
     except Timeout:
-        return _holder_text(path.read_text(errors="replace"))
+        return _holder_text(path)
     except OSError:  # a filesystem without locks: nothing to learn here
         return None
-    probe.release()
-    return None
 
 
 class RunLock:
@@ -77,8 +71,7 @@ class RunLock:
         try:
             self.lock.acquire(timeout=max(wait_s, _PROBE_GRACE_S))
         except Timeout:
-            holder = _holder_text(self.path.read_text(errors="replace"))
-            raise RunInUseError(in_use_message(self.run_dir, holder)) from None
+            raise RunInUseError(in_use_message(self.run_dir, _holder_text(self.path))) from None
         except OSError as err:  # e.g. Lustre mounted without -o flock: run, but say it is unguarded
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise

@@ -1,11 +1,7 @@
-"""The end-of-run summary: printed when train.py ends and kept in ``<run_dir>/summary.json``.
-
-Final train and validation loss, steps and tokens, wall time and tokens/s, and where the records, figures,
-checkpoints and logs are. The run's wall time is Lightning's ``Timer``: saved in every checkpoint and
-restored on resume, it counts the training time behind the checkpointed state (a killed session's time up
-to its last checkpoint included, the steps it retrained after that once). Every session that ends on its
-own feet writes the summary, the ones stopped by an interrupt or a requeue too, so that the next session
-counts them (``sessions``, ``session_log``).
+"""The end-of-run summary (losses, steps, tokens, wall time, where the outputs are): printed when train.py
+ends and kept in ``<run_dir>/summary.json``; every session that ends on its own feet (an interrupted or
+requeued one too) writes it, so that the next counts it. The wall time is Lightning's ``Timer``, restored on
+resume: the training time behind the checkpointed state (a killed session's up to its last checkpoint).
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ from normgeo.runs.run_config import SUMMARY_FILE, TRAIN_LOG
 
 def session_wall_s(trainer: L.Trainer, timer: Timer) -> float:
     """This session's training time (validation and probes included): the Timer's, less what it restored.
-
-    A session ended by a signal or a divergence skips ``on_train_end``; its clock is stopped here, so that
-    this time and the run's (``timer.time_elapsed()``) are read at one instant and a first session's agree.
-    """
+    A session ended by a signal or a divergence skips ``on_train_end``: its clock is stopped here, so that
+    this time and the run's (``timer.time_elapsed()``) are read at one instant and a first session's agree."""
     started = timer.start_time()
     if started is None:
         return 0.0
@@ -49,12 +43,8 @@ def _log_dir(logger: Any) -> str | None:
 
 def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: int, tokens_per_step: int,
                 figures: list[Path], stopped_by: str | None = None) -> dict[str, Any]:
-    """The summary of the run as it stands after this session (which began at ``start_step``), merged with
-    the earlier sessions' summaries.
-
-    ``stopped_by`` says why the session ended early ("interrupted by SIGINT", "requeue"), None when it
-    ran to ``max_steps`` or ``stop_at_step``.
-    """
+    """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions'.
+    ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"), else None."""
     previous = read_summary(run_dir) if start_step > 0 else {}
     step = trainer.global_step
     session_tokens = (step - start_step) * tokens_per_step
@@ -79,13 +69,9 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: 
 
 def disk_use(run_dir: Path) -> dict[str, int]:
     """Bytes on disk of the run: its checkpoints, its records (*.jsonl), and everything in the directory."""
-
-    def size(paths) -> int:
-        return sum(p.stat().st_size for p in paths if p.is_file())
-
-    return {"checkpoints": size((run_dir / "checkpoints").rglob("*")),
-            "records": size(run_dir.glob("*.jsonl")),
-            "total": size(run_dir.rglob("*"))}
+    parts = {"checkpoints": (run_dir / "checkpoints").rglob("*"), "records": run_dir.glob("*.jsonl"),
+             "total": run_dir.rglob("*")}
+    return {part: sum(p.stat().st_size for p in paths if p.is_file()) for part, paths in parts.items()}
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -93,11 +79,9 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    path = Path(run_dir) / SUMMARY_FILE
-    with atomic_open(path, "w", encoding="utf-8") as handle:
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    with atomic_open(Path(run_dir) / SUMMARY_FILE, "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
-    return path
 
 
 def format_summary(summary: dict[str, Any]) -> str:
