@@ -49,13 +49,10 @@ class CheckpointSchedule:
                  keep_optimizer: bool = DEFAULTS.keep_optimizer,
                  every_minutes: float | None = DEFAULTS.every_minutes) -> None:
         # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
-        self.last_every = last_every
-        self.every_minutes = every_minutes
-        self.keep_optimizer = keep_optimizer
+        self.last_every, self.every_minutes, self.keep_optimizer = last_every, every_minutes, keep_optimizer
         self.max_steps = max_steps
         self.dense_every, self.dense_until, self.sparse_every = dense_every, dense_until, sparse_every
-        # An explicit list is as long as the user wrote it: kept sorted, without the steps past the end.
-        # Steps and intervals are positive (normgeo.config.schema.CheckpointSchema checks them).
+        # An explicit list, sorted, without the steps past the end; all positive (CheckpointSchema checks).
         self.explicit = None if steps is None else sorted({int(s) for s in steps if s <= max_steps})
         if max_steps > 0 and not self.on_rule(max_steps):
             log.info("checkpoint schedule: adding the final step %d (not on the schedule)", max_steps)
@@ -81,11 +78,9 @@ class CheckpointSchedule:
         if self.explicit is not None:
             index = bisect.bisect_right(self.explicit, step)
             return self.explicit[index] if index < len(self.explicit) else self.max_steps
-        candidates = [self.max_steps, (step // self.sparse_every + 1) * self.sparse_every]
         dense = (step // self.dense_every + 1) * self.dense_every
-        if dense <= self.dense_until:
-            candidates.append(dense)
-        return min(candidates)
+        sparse = (step // self.sparse_every + 1) * self.sparse_every
+        return min(self.max_steps, sparse, dense if dense <= self.dense_until else sparse)
 
     def __iter__(self) -> Iterator[int]:
         step = self.next_step_after(0)
@@ -150,7 +145,6 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
             trainer.should_stop = True
         elif self.signal_stop is not None:
             self.signal_stop.poll(trainer, step)
-        # What this step writes.
         last_every, minutes = self.schedule.last_every, self.schedule.every_minutes
         due = step in self.schedule or (last_every and step % last_every == 0)
         if not due and minutes is not None:  # rank 0's clock: all save at one step (collective under FSDP)

@@ -11,9 +11,7 @@ def validation_follows(trainer: L.Trainer) -> bool:
     """Whether Lightning validates right after this training batch (its own rule, asked, not copied); a
     ``should_stop`` set before (``stop_at_step``, a requeue: both trigger a validation) is seen."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    if epoch_loop.val_loop.skip:
-        return False
-    return epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    return not epoch_loop.val_loop.skip and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 def settle_abandoned_validation(trainer: L.Trainer) -> None:

@@ -105,10 +105,7 @@ def training_interrupt() -> Interrupt | None:
 def abandonable(what: str) -> Iterator[None]:
     """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop),
     under training's phase (:class:`Interrupt`) only."""
-    interrupt = training_interrupt()
-    if interrupt is None:
-        yield
-        return
+    interrupt = training_interrupt() or Interrupt()  # outside training: one that no signal reaches
     interrupt.enter(what)
     try:
         yield
@@ -122,9 +119,8 @@ class StopOnSignal(L.Callback):
 
     Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
     makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied update, and
-    no collective that could meet another rank's all-reduce. The checkpoint owner
-    (:class:`callbacks.checkpointing.ScheduledCheckpoint`) asks :meth:`poll` after each step, and
-    :meth:`abandoned`, before it writes ``last.ckpt``."""
+    no collective that could meet another rank's all-reduce. The checkpoint owner (callbacks.checkpointing)
+    asks :meth:`poll` after each step, and :meth:`abandoned`, before it writes ``last.ckpt``."""
 
     def __init__(self, requeue: SlurmRequeue | None, continue_command: Callable[[], str],
                  last_checkpoint: Path) -> None:
@@ -170,13 +166,12 @@ class StopOnSignal(L.Callback):
     def abandoned(self, trainer: L.Trainer, exception: SignalStop) -> None:
         """A signal abandoned a validation or a probe at this step: count an abandoned validation as run, and
         record the step the session stopped at (before the checkpoint owner saves ``last.ckpt`` there)."""
-        step = trainer.global_step
         if str(exception).startswith("the validation"):
             settle_abandoned_validation(trainer)
         if self.interrupt.stopped_at is None:  # else stopped at a step boundary already, and said so
+            self.interrupt.stopped_at = trainer.global_step
             log.warning("interrupt (%s): abandoned %s; saving last.ckpt at step %d", self.interrupt.name,
-                        exception, step)
-            self.interrupt.stopped_at = step
+                        exception, trainer.global_step)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.interrupt.leave()
@@ -193,8 +188,7 @@ class StopOnSignal(L.Callback):
         OWNER.enter(self.interrupt)
 
     def poll(self, trainer: L.Trainer, step: int) -> None:
-        """After optimizer step ``step``: whether any rank received a stop signal; if so, every rank stops
-        here (``trainer.should_stop``)."""
+        """After optimizer step ``step``: if any rank received a stop signal, every rank stops here."""
         self.interrupt.trained = True
         if trainer.should_stop or step >= trainer.max_steps:
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for

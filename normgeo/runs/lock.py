@@ -1,10 +1,9 @@
 """One training process per run directory: an exclusive ``flock`` (filelock's UnixFileLock) on
-``<run_dir>/.normgeo.lock``, held by the launching process (global rank 0).
-
-A second ``train.py`` into the same directory (it would interleave ``train.log``, write two CSV versions) is
-refused, naming the holder's host and PID (the file's JSON content; filelock does not truncate it). The kernel
-drops a ``flock`` when its process dies (SIGKILL, a cancelled SLURM job), so a killed run never leaves its
-directory locked. The file stays afterwards: deleting a lock file races with a process that just opened it.
+``<run_dir>/.normgeo.lock``, held by the launching process (global rank 0). A second ``train.py`` into the
+same directory (it would interleave ``train.log``) is refused, naming the holder's host and PID (the file's
+JSON; filelock does not truncate it). The kernel drops a ``flock`` when its process dies (SIGKILL, a
+cancelled SLURM job), so a killed run never leaves its directory locked. The file stays afterwards:
+deleting a lock file races with a process that just opened it.
 """
 
 from __future__ import annotations
