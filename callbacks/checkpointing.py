@@ -4,8 +4,7 @@ every ``last_every`` steps and, with ``every_minutes``, every that many minutes 
 :class:`CheckpointSchedule` is the schedule (also the probe's); :class:`ScheduledCheckpoint` is the one owner
 of what is saved when (a new trigger is one branch in its ``on_optimizer_step``). A step that also validates
 is checkpointed after its validation: a kill during validation then resumes from the step before and
-validates again, instead of resuming past a validation that never finished.
-"""
+validates again, instead of resuming past a validation that never finished."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class CheckpointSchedule:
     "every ``dense_every`` steps up to ``dense_until``, then every ``sparse_every``" (the paper: 1000 /
     10000 / 10000), capped at ``max_steps`` and always ending with it: the trained model is the one result
     every run must keep. The rule is never expanded into a list (membership, :meth:`next_step_after` and
-    ``len`` are arithmetic), so ``max_steps=10**12`` is instant.
-    """
+    ``len`` are arithmetic), so ``max_steps=10**12`` is instant."""
 
     def __init__(self, max_steps: int, steps: Iterable[int] | None = DEFAULTS.steps,
                  dense_every: int = DEFAULTS.dense_every, dense_until: int = DEFAULTS.dense_until,
@@ -119,8 +117,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
     """Writes ``step-XXXXXXX.ckpt`` at every scheduled step (weights only by default, about a third of the
     size) and refreshes ``last.ckpt`` (everything needed to resume); ends the session at ``stop_at_step`` or
     on a stop signal (``signal_stop``), saving ``last.ckpt`` there. Lightning runs Checkpoint callbacks after
-    the others: this step's probe has measured when this one decides.
-    """
+    the others: this step's probe has measured when this one decides."""
 
     def __init__(self, dirpath: str, schedule: CheckpointSchedule, *, stop_at_step: int | None = None,
                  signal_stop: StopOnSignal | None = None,

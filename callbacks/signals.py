@@ -18,7 +18,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LambdaCallback
 
 from callbacks.lightning_loops import settle_abandoned_validation
 from normgeo.signals import OWNER
@@ -37,8 +36,7 @@ class Interrupt:
     so that :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved
     there; the exit is 128 + the signal number (130, 143). In place of Python's KeyboardInterrupt (Lightning
     turns it into exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without
-    saving). A second signal stops at once (atomic writes keep the previous file).
-    """
+    saving). A second signal stops at once (atomic writes keep the previous file)."""
 
     def __init__(self, continue_command: Callable[[], str] = str) -> None:
         self.received = False
@@ -178,14 +176,8 @@ class StopOnSignal(L.Callback):
         OWNER.leave(self.interrupt)
 
     @property
-    def installer(self) -> L.Callback:
-        """The callback that makes :class:`Interrupt` the owner's phase on train start: first in the callback
-        list, so that the step-0 probe (another callback's on_train_start) is covered too."""
-        return LambdaCallback(on_train_start=self.install)
-
-    def install(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
-        OWNER.enter(self.interrupt)
+    def installer(self) -> InstallInterrupt:
+        return InstallInterrupt(self.interrupt)
 
     def poll(self, trainer: L.Trainer, step: int) -> None:
         """After optimizer step ``step``: if any rank received a stop signal, every rank stops here."""
@@ -216,6 +208,18 @@ class StopOnSignal(L.Callback):
         else:
             return
         trainer.should_stop = True
+
+
+class InstallInterrupt(L.Callback):
+    """Makes :class:`Interrupt` the signal owner's phase on train start: first in the callback list, so that
+    the step-0 probe (another callback's on_train_start) is covered too."""
+
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
+        OWNER.enter(self.interrupt)
 
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:

@@ -1,8 +1,7 @@
 """The end-of-run summary (losses, steps, tokens, wall time, where the outputs are): printed when train.py
 ends and kept in ``<run_dir>/summary.json``; every session that ends on its own feet (an interrupted or
 requeued one too) writes it, so that the next counts it. The wall time is Lightning's ``Timer``, restored on
-resume: the training time behind the checkpointed state (a killed session's up to its last checkpoint).
-"""
+resume: the training time behind the checkpointed state (a killed session's up to its last checkpoint)."""
 
 from __future__ import annotations
 
