@@ -4,8 +4,10 @@ behind."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -133,10 +135,9 @@ def test_corpus_verify_finds_mid_file_damage_and_the_prepare_command_repairs_it(
 def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(shared: Path, tmp_path: Path,
                                                                                 command: str) -> None:
     """Issue 27: SIGTERM during data preparation (``python -m corpus``, or train.py preparing before it
-    trains) ends it within seconds with one line and exit 143; what was being written is removed whole."""
-    import signal
-    import time
-
+    trains) ends it at once with one line and exit 143, before the preparation finished (no meta.json: the
+    whole preparation takes about 7 s here, so a time bound would not tell the two apart on a loaded
+    machine); what was being written is removed whole."""
     data_root = tmp_path / "data"
     overrides = [f"data_root={data_root}", "data=local", f"data.source.path={shared / 'corpora'}"]
     args = (
@@ -157,15 +158,13 @@ def test_sigterm_while_preparing_exits_143_at_once_leaving_nothing_half_written(
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no preparation after 300 s"
             time.sleep(0.01)
-        sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143 and took < 10.0, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]
     # a progress bar may close after it
     said = [line for line in err.splitlines() if "stopped, nothing half-written left" in line]
     assert len(said) == 1 and "SIGTERM " in said[0], err[-3000:]
