@@ -258,7 +258,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
             summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                  tokens_per_step=module.tokens_per_step, figures=[],
+                                  tokens_per_step=module.tokens_per_step,
                                   stopped_by=DIVERGED) if trainer.is_global_zero else None
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
@@ -282,7 +282,7 @@ def finish(cfg: TrainSchema, trainer: L.Trainer, timer: Timer, start_step: int, 
     answered (one line, exit 128 + the signal), else the figures of a complete run."""
     run_dir = Path(cfg.run_dir)
     write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
-                                       tokens_per_step=tokens_per_step, figures=[], stopped_by=stopped_by))
+                                       tokens_per_step=tokens_per_step, stopped_by=stopped_by))
     with OWNER.owning(end):
         if (signum := pending()) is not None:
             end(signum, None)

@@ -41,9 +41,10 @@ def _log_dir(logger: Any) -> str | None:
 
 
 def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: int, tokens_per_step: int,
-                figures: list[Path], stopped_by: str | None = None) -> dict[str, Any]:
-    """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions'.
-    ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"), else None."""
+                stopped_by: str | None = None) -> dict[str, Any]:
+    """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions';
+    ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"). Its figures are listed
+    once drawn (train.py)."""
     previous = read_summary(run_dir) if start_step > 0 else {}
     step = trainer.global_step
     session_tokens = (step - start_step) * tokens_per_step
@@ -60,7 +61,7 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: 
         "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
         "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
-        "figures": [str(f) for f in figures], "checkpoints": str(run_dir / "checkpoints"),
+        "figures": [], "checkpoints": str(run_dir / "checkpoints"),
         "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
         "train_log": str(run_dir / TRAIN_LOG), "disk_bytes": disk_use(run_dir),
     }
