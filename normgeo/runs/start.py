@@ -268,8 +268,9 @@ def type_refusal(errors: list) -> str:
 
 
 def check_start(composed: DictConfig) -> Start:
-    """Everything a user can get wrong that is known before training, cheapest first (one of START_ERRORS);
-    writes nothing in the run directory (data is prepared under data_root, as training would)."""
+    """Everything a user can get wrong that is known before training, cheapest first (one of START_ERRORS),
+    the first being Hydra's ``composed`` config checked into the typed one; writes nothing in the run
+    directory (data is prepared under data_root, as training would)."""
     cfg: TrainSchema = check_config("train", composed)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
@@ -326,8 +327,8 @@ def claim(start: Start) -> None:
 
 
 def start_session(composed: DictConfig) -> Start:
-    """:func:`check_start`, then :func:`claim` in the launching process (global rank 0; the processes
-    Lightning's DDP launcher starts re-run train.py and share it)."""
+    """:func:`check_start` of Hydra's ``composed`` config, then :func:`claim` in the launching process
+    (global rank 0; the processes Lightning's DDP launcher starts re-run train.py and share it)."""
     start = check_start(composed)
     if is_rank_zero():
         claim(start)
