@@ -37,8 +37,9 @@ def table_rows() -> list[dict]:
 ROWS = table_rows()
 # Refused by the entry point, not at compose time: a group option that does not exist (before Hydra
 # composes, naming the options: normgeo.config.checks.unknown_group_option), and the start checks before the
-# run directory is claimed (files, data, probe text, the run directory, and the Trainer's arguments, which a
-# bare Trainer built on this machine checks; normgeo/runs/start.py); run through the entry point (starred).
+# run directory is claimed (files, data, probe text, the run directory, the Trainer's argument types) or, for
+# the values Lightning refuses, as train.py builds its Trainer, the start undone (normgeo/runs/start.py); run
+# through the entry point (starred).
 RUNTIME = (
     "norm=batch",
     "logger=[csv,nosuch]",
