@@ -17,7 +17,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,8 @@ from normgeo.runs.run_config import (
     SUMMARY_FILE,
     checkpoint_run_config,
     is_rank_zero,
-    repair_run_config,
+    record_run_config,
     resolved_run_config,
-    save_run_config,
 )
 from normgeo.runs.session import (
     DIVERGED,
@@ -244,11 +243,8 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                 log.warning("%s: %s", kind, line)
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
-        if is_rank_zero():
-            repair_run_config(run_dir, checkpoint_run_config(ckpt_path) or run_config)
-    elif is_rank_zero():
-        # As late as possible, so that a session refused for a bad setting leaves no config behind.
-        save_run_config(run_dir, run_config)  # the first session's; never replaced
+    if is_rank_zero():  # as late as possible: a session refused for a bad setting leaves no config behind
+        record_run_config(run_dir, (ckpt_path and checkpoint_run_config(ckpt_path)) or run_config)
     # Owned here as well as in main(): bench/ calls train() without main().
     fit_phase = FitPhase(start)
     with OWNER.owning(fit_phase):
@@ -262,34 +258,26 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                                   stopped_by=DIVERGED) if trainer.is_global_zero else None
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
-            # The end of the run is part of it: a signal here says what is done, and resume=auto completes it.
-            left = (f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, nothing "
-                    "retrained")
-            end = StopAtOnce("after training, while the summary and figures were written", left)
-            # A signal as fit ended (after its last step's poll, or in its teardown): the summary (the
-            # session's account) is written, the figures are left to resume=auto, the exit says it stopped.
+            # The end is part of the run: its summary first, while fit_phase holds a signal (stopped in the
+            # figures, the run keeps its account); then, under ``end``, a signal held meanwhile (after the
+            # last step's poll, or in fit's teardown) is answered, exit 128 + the signal; else the figures.
             late = stop.late_signal or fit_phase.received
             stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
-            finish(cfg, trainer, timer, keep.session_start_step, stopped_by, module.tokens_per_step, end=end,
-                   pending=lambda: stop.late_signal or fit_phase.received)
+            write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
+                                               tokens_per_step=module.tokens_per_step, stopped_by=stopped_by))
+            end = StopAtOnce("after training, while the summary and figures were written",
+                             f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, "
+                             "nothing retrained")
+            with OWNER.owning(end):
+                if (signum := stop.late_signal or fit_phase.received) is not None:
+                    end(signum, None)
+                if cfg.probe.enabled and stopped_by is None:
+                    figures = draw_figures(run_dir)
+                    log_figures(trainer.loggers, {figure_key(f): f for f in figures},
+                                step=trainer.global_step)
+                log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)),
+                         run_dir / SUMMARY_FILE)
     return trainer
-
-
-def finish(cfg: TrainSchema, trainer: L.Trainer, timer: Timer, start_step: int, stopped_by: str | None,
-           tokens_per_step: int, end: StopAtOnce, pending: Callable[[], int | None]) -> None:
-    """The session's summary first (the caller's phase holds a signal while it is written: interrupted in the
-    figures, the run keeps its account), then under ``end``'s phase a signal held meanwhile (``pending``)
-    answered (one line, exit 128 + the signal), else the figures of a complete run."""
-    run_dir = Path(cfg.run_dir)
-    write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=start_step,
-                                       tokens_per_step=tokens_per_step, stopped_by=stopped_by))
-    with OWNER.owning(end):
-        if (signum := pending()) is not None:
-            end(signum, None)
-        if cfg.probe.enabled and stopped_by is None:
-            figures = draw_figures(run_dir)
-            log_figures(trainer.loggers, {figure_key(f): f for f in figures}, step=trainer.global_step)
-        log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)), run_dir / SUMMARY_FILE)
 
 
 def draw_figures(run_dir: Path) -> list[Path]:

@@ -16,7 +16,7 @@ from normgeo.runs.run_config import RUN_CONFIG_FILE
 from tests.conftest import ROOT
 
 # Findings of the last walk not fixed yet (issue 64 is done when this is empty; the last one, a resume over a
-# garbage run_config.yaml that trained on without a word, is repaired and said: run_config.repair_run_config).
+# garbage run_config.yaml that trained on without a word, is repaired and said: run_config.record_run_config).
 OPEN_FINDINGS: set[str] = set()
 
 

@@ -31,8 +31,8 @@ from normgeo.runs.run_config import (
     checkpoint_run_config,
     config_changes,
     load_run_config,
+    record_run_config,
     resolved_run_config,
-    save_run_config,
     verify_run_config,
 )
 from tests.conftest import FAST, call_entry_point, run_train, step_losses, train_here, train_in_process
@@ -186,20 +186,24 @@ def test_compile_auto_is_off_on_the_cpu_on_for_cuda_and_recorded_as_decided(monk
 # --- saving and reading -------------------------------------------------------------------------------
 
 
-def test_run_config_is_saved_once_and_read_back_exactly(tmp_path: Path) -> None:
+def test_run_config_is_saved_once_and_read_back_exactly(tmp_path: Path, caplog) -> None:
     config = resolved()
-    assert save_run_config(tmp_path, config)
+    assert record_run_config(tmp_path, config)
     assert load_run_config(tmp_path) == config
     written = (tmp_path / RUN_CONFIG_FILE).read_bytes()
-    assert not save_run_config(tmp_path, {**config, "seed": 7})  # never replaced
+    assert not record_run_config(tmp_path, {**config, "seed": 7})  # never replaced
     assert (tmp_path / RUN_CONFIG_FILE).read_bytes() == written
+    (tmp_path / RUN_CONFIG_FILE).write_text("- not a mapping\n")  # damaged (a resume's): rewritten, and said
+    with caplog.at_level(logging.WARNING):
+        assert record_run_config(tmp_path, config)
+    assert load_run_config(tmp_path) == config and "rewritten from the checkpoint's copy" in caplog.text
 
 
 def test_the_checkpoints_config_is_preferred_to_the_file(tmp_path: Path) -> None:
     config = resolved()
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}, "run_config": {**config, "seed": 3}}, ckpt)
-    save_run_config(tmp_path, config)
+    record_run_config(tmp_path, config)
     with pytest.raises(ResumeConfigError, match="seed: 3 → 0") as err:
         verify_run_config(tmp_path, str(ckpt), config)
     assert str(ckpt) in str(err.value)
@@ -213,7 +217,7 @@ def test_an_old_checkpoint_falls_back_to_the_file_then_only_warns(tmp_path: Path
     with caplog.at_level(logging.WARNING):
         verify_run_config(tmp_path, str(ckpt), {**config, "seed": 5})
     assert "holds no run config" in caplog.text
-    save_run_config(tmp_path, config)
+    record_run_config(tmp_path, config)
     with pytest.raises(ResumeConfigError, match="seed: 0 → 5"):
         verify_run_config(tmp_path, str(ckpt), {**config, "seed": 5})
 
@@ -221,7 +225,7 @@ def test_an_old_checkpoint_falls_back_to_the_file_then_only_warns(tmp_path: Path
 def test_a_fresh_start_checks_a_config_left_without_checkpoints(tmp_path: Path) -> None:
     config = resolved()
     verify_run_config(tmp_path, None, config)  # nothing there
-    save_run_config(tmp_path, config)
+    record_run_config(tmp_path, config)
     verify_run_config(tmp_path, None, {**config, "micro_batch": 1})
     with pytest.raises(ResumeConfigError, match="delete"):
         verify_run_config(tmp_path, None, {**config, "global_batch": 128})

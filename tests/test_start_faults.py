@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -21,7 +22,7 @@ import pytest
 import normgeo.runs.start as start_checks
 from corpus.__main__ import main as corpus_main
 from normgeo.paths import FolderError, check_writable_folder
-from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, lock_holder
+from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, check_unlocked
 from normgeo.runs.preflight import PLAN_FILE, PlanRefusal, read_kept_plan
 from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
@@ -127,16 +128,17 @@ def test_a_fresh_start_is_undone_with_the_folders_it_created(tmp_path: Path) -> 
 def test_the_lock_names_its_holder_and_is_released(tmp_path: Path) -> None:
     tmp_path.joinpath("run").mkdir()
     lock = RunLock(tmp_path / "run")
-    assert lock_holder(tmp_path / "run") is None
+    check_unlocked(tmp_path / "run")
     lock.acquire()
     try:
-        holder = lock_holder(tmp_path / "run")  # another open file description: it conflicts like a process
-        assert holder is not None and holder.startswith(f"PID {os.getpid()} on host {socket.gethostname()}")
-        with pytest.raises(RunInUseError, match=rf"is being trained by PID {os.getpid()} on host"):
+        holder = rf"is being trained by PID {os.getpid()} on host {re.escape(socket.gethostname())} \(since"
+        with pytest.raises(RunInUseError, match=holder):  # another open file description: it conflicts
+            check_unlocked(tmp_path / "run")  # like another process's
+        with pytest.raises(RunInUseError, match=holder):
             RunLock(tmp_path / "run").acquire()
     finally:
         lock.release()
-    assert lock_holder(tmp_path / "run") is None
+    check_unlocked(tmp_path / "run")
     assert (tmp_path / "run" / LOCK_FILE).is_file()  # kept: deleting a lock file races with its next taker
 
 

@@ -20,40 +20,36 @@ from filelock import Timeout, UnixFileLock
 
 LOCK_FILE = ".normgeo.lock"
 # A start that finds the lock held tries again for this long: a probe by another starting process
-# (lock_holder) holds it for microseconds, and must not make this start fail.
+# (check_unlocked) holds it for microseconds, and must not make this start fail.
 _PROBE_GRACE_S = 1.0
 log = logging.getLogger(__name__)
 
 
 class RunInUseError(RuntimeError):
-    """Another process trains this run directory; the message names its host and PID."""
+    """Another process trains this run directory; the message names its host and PID (the lock file's)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            holder = json.loads((run_dir / LOCK_FILE).read_text(errors="replace"))
+            who = f"PID {holder['pid']} on host {holder['host']} (since {holder['since']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "another process (the lock file names no holder)"
+        super().__init__(f"{run_dir} is being trained by {who}: one process per run directory. Wait for that "
+                         "run to end (or stop it), or start this one under another run_name=...")
 
 
-def _holder_text(path: Path) -> str:
-    try:
-        holder = json.loads(path.read_text(errors="replace"))
-        return f"PID {holder['pid']} on host {holder['host']} (since {holder['since']})"
-    except (ValueError, KeyError, TypeError):
-        return "another process (the lock file names no holder)"
-
-
-def in_use_message(run_dir: Path, holder: str) -> str:
-    return (f"{run_dir} is being trained by {holder}: one process per run directory. Wait for that run to "
-            "end (or stop it), or start this one under another run_name=...")
-
-
-def lock_holder(run_dir: Path) -> str | None:
-    """Who holds ``run_dir``'s lock ("PID 12 on host n1 (since ...)"), None if nobody; writes nothing."""
+def check_unlocked(run_dir: Path) -> None:
+    """RunInUseError when another process holds ``run_dir``'s lock; writes nothing."""
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file():  # a new run, one from before locks, or no run directory at all
-        return None
+        return
     try:
         with UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False):
-            return None
+            return
     except Timeout:
-        return _holder_text(path)
+        raise RunInUseError(Path(run_dir)) from None
     except OSError:  # a filesystem without locks: nothing to learn here
-        return None
+        return
 
 
 class RunLock:
@@ -70,7 +66,7 @@ class RunLock:
         try:
             self.lock.acquire(timeout=max(wait_s, _PROBE_GRACE_S))
         except Timeout:
-            raise RunInUseError(in_use_message(self.run_dir, _holder_text(self.path))) from None
+            raise RunInUseError(self.run_dir) from None
         except OSError as err:  # e.g. Lustre mounted without -o flock: run, but say it is unguarded
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise

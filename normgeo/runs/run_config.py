@@ -146,16 +146,6 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
     return changes
 
 
-def save_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> bool:
-    """Write run_config.yaml unless it exists (it records the first session); True if written."""
-    path = Path(run_dir) / RUN_CONFIG_FILE
-    if path.exists():
-        return False
-    with atomic_open(path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(dict(config), handle, sort_keys=False, allow_unicode=True)
-    return True
-
-
 class DamagedRunConfig(ValueError):
     """run_config.yaml is there but is not a run's config (not YAML text, or not a mapping)."""
 
@@ -177,15 +167,18 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return config
 
 
-def repair_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> None:
-    """A damaged run_config.yaml rewritten with ``config`` (a resume's: the checkpoint's copy), and said."""
+def record_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> bool:
+    """Write run_config.yaml unless it holds a run's config (the first session's is never replaced); a damaged
+    one, which only a resume gets this far with (verify_run_config), is rewritten from ``config``, the
+    checkpoint's copy, and said. True if written."""
     try:
-        load_run_config(run_dir)
-        return
+        if load_run_config(run_dir) is not None:
+            return False
     except DamagedRunConfig as err:
         log.warning("%s; rewritten from the checkpoint's copy of the run's config", err)
     with atomic_open(Path(run_dir) / RUN_CONFIG_FILE, "w", encoding="utf-8") as handle:
         yaml.safe_dump(dict(config), handle, sort_keys=False, allow_unicode=True)
+    return True
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

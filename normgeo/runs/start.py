@@ -51,7 +51,7 @@ from normgeo.paths import (
     topmost_missing,
 )
 from normgeo.runs.build import make_datamodule, trainer_arguments
-from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, in_use_message, lock_holder
+from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, check_unlocked
 from normgeo.runs.preflight import PLAN_FILE, KeptPlan, PlanRefusal, preflight, write_kept_plan
 from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
 from normgeo.runs.session import (
@@ -76,7 +76,7 @@ START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session): their bytes are kept for an undo.
 REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE,
-             RUN_CONFIG_FILE)  # a resume repairs a damaged one (run_config.repair_run_config)
+             RUN_CONFIG_FILE)  # a resume repairs a damaged one (run_config.record_run_config)
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
@@ -285,8 +285,8 @@ def check_start(composed: DictConfig) -> Start:
     check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE, beside="run")
     # The data folder by the same rule: prepared data is a folder of its own, never inside a run.
     check_own_folder(Path(cfg.data.directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
-    if is_rank_zero() and not slurm_requeued() and (holder := lock_holder(run_dir)):
-        raise RunInUseError(in_use_message(run_dir, holder))  # before the slow checks; claim() decides
+    if is_rank_zero() and not slurm_requeued():
+        check_unlocked(run_dir)  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
     if ckpt_path is not None:
         try:  # a resumed run adds to its records files: a damaged one is named now, before a step trains
