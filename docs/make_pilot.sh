@@ -11,7 +11,7 @@
 #   # defaults: outputs/pilot (deleted first), ../shared/corpora/webtext; PILOT_SEEDS=K (4), PILOT_FP=F (2)
 #   PILOT_OVERRIDES="optim.min_lr_ratio=0 global_batch=16" bash docs/make_pilot.sh   # a candidate design
 #   PILOT_OVERRIDES="max_steps=6 optim.warmup_steps=0 checkpoint.steps=[6] val_every=3" bash docs/make_pilot.sh /tmp/p  # a dry run
-#   PILOT_JOBS=2 bash docs/make_pilot.sh    # the runs on 2 lanes side by side
+#   PILOT_JOBS=2 bash docs/make_pilot.sh    # the sweeps on 2 lanes side by side
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/pilot}
@@ -29,23 +29,27 @@ COMMON=(experiment=study_cpu probe.enabled=false data.source.path="$WEBTEXT" out
         "'run_name=pilot-\${norm.name}-w\${seed}-b\${data.seed}-t\${threads}'" trainer.enable_progress_bar=false
         ${PILOT_OVERRIDES:-})
 PREPARE="python -m corpus data=local data.source.path=$WEBTEXT data_root=$OUT/data"
-run() {  # one run: arm $1, seed $2, data.seed $3, threads $4
-  echo "python train.py seed=$2 data.seed=$3 threads=$4 norm=$1 ${COMMON[*]}"
-}
-RUNS=()  # initial weights, then batch order, then the same runs at another thread count; both arms each
-for ((s = 0; s < K; s++)); do for arm in layer rms; do RUNS+=("$(run $arm $s 0 1)"); done; done
-for ((b = 1; b < K; b++)); do for arm in layer rms; do RUNS+=("$(run $arm 0 $b 1)"); done; done
-for ((s = 0; s < F; s++)); do for arm in layer rms; do RUNS+=("$(run $arm $s 0 2)"); done; done
+# One process per group: a Hydra -m sweep trains both arms of each of its points one after the other, every
+# run seeded as on its own (each job re-seeds and sets its thread count), without paying the start-up again.
+seq_list() { seq -s, "$1" "$2"; }  # "a,a+1,...,b"
+SWEEPS=(  # initial weights, batch order, the same runs at another thread count
+  "python train.py -m seed=$(seq_list 0 $((K - 1))) data.seed=0 threads=1 norm=layer,rms ${COMMON[*]}")
+if [ "$K" -gt 1 ]; then
+  SWEEPS+=("python train.py -m seed=0 data.seed=$(seq_list 1 $((K - 1))) threads=1 norm=layer,rms ${COMMON[*]}")
+fi
+if [ "$F" -gt 0 ]; then
+  SWEEPS+=("python train.py -m seed=$(seq_list 0 $((F - 1))) data.seed=0 threads=2 norm=layer,rms ${COMMON[*]}")
+fi
 PILOT="python -m normgeo.pilot $OUT"
-{ echo "$PREPARE"; printf '%s\n' "${RUNS[@]}"; echo "$PILOT"; } > "$OUT/commands.txt"
+{ echo "$PREPARE"; printf '%s\n' "${SWEEPS[@]}"; echo "$PILOT"; } > "$OUT/commands.txt"
 echo "+ $PREPARE"
 $PREPARE
-# The runs go round-robin onto the lanes. A run's numbers depend on its thread count, not on what else shares
+# The sweeps go round-robin onto the lanes. A run's numbers depend on its thread count, not on what else shares
 # the machine, so the 2-thread runs may share the cores with another lane: only the wall time changes.
 lane() {
   local i
-  for ((i = 0; i < ${#RUNS[@]}; i++)); do
-    if [ $(( i % JOBS )) -eq "$1" ]; then echo "+ [lane $1] ${RUNS[$i]}"; eval "${RUNS[$i]}"; fi
+  for ((i = 0; i < ${#SWEEPS[@]}; i++)); do
+    if [ $(( i % JOBS )) -eq "$1" ]; then echo "+ [lane $1] ${SWEEPS[$i]}"; eval "${SWEEPS[$i]}"; fi
   done
 }
 pids=()
