@@ -25,7 +25,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import LambdaCallback, Timer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig  # Hydra's composed config: run() checks it into the typed one at once
@@ -220,7 +220,8 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.
-    callbacks = [stop.installer, keep, *probe, *extra_callbacks, timer, stop, owner]
+    callbacks = [LambdaCallback(on_train_start=stop.install), keep, *probe, *extra_callbacks,
+                 timer, stop, owner]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
