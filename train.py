@@ -254,9 +254,8 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             with contextlib.suppress(SignalStop):
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                  tokens_per_step=module.tokens_per_step,
-                                  stopped_by=DIVERGED) if trainer.is_global_zero else None
+            summary = (run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by=DIVERGED)
+                       if trainer.is_global_zero else None)
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
             # The end is part of the run: its summary first, while fit_phase holds a signal (stopped in the
@@ -264,8 +263,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             # last step's poll, or in fit's teardown) is answered, exit 128 + the signal; else the figures.
             late = stop.late_signal or fit_phase.received
             stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
-            write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                               tokens_per_step=module.tokens_per_step, stopped_by=stopped_by))
+            write_summary(run_dir, run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by))
             end = StopAtOnce("after training, while the summary and figures were written",
                              f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, "
                              "nothing retrained")
@@ -310,12 +308,11 @@ def run(composed: DictConfig) -> Refused | None:
             lock = RunLock(Path(composed.run_dir))
             try:
                 lock.acquire()
+                draw_figures(Path(composed.run_dir))
             except RunInUseError as err:
                 return refuse(composed.run_dir, err)
-            try:
-                draw_figures(Path(composed.run_dir))
             finally:
-                lock.release()
+                lock.release()  # nothing when the lock was not taken
         return None
     except START_ERRORS as err:
         return refuse(composed.run_dir, err)
