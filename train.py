@@ -103,14 +103,12 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
         folder = os.path.abspath(Path(str(logger_cfg.get("save_dir"))) / name)
         if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(run_dir / CSV_DIR):
             continue  # the CSV every run writes already (older logger configs still name it)
-        if logger_cfg["_target_"].endswith("WandbLogger"):
-            loggers.append(make_wandb_logger(logger_cfg, run_dir))
-        else:
-            loggers.append(instantiate(logger_cfg))
+        wandb = logger_cfg["_target_"].endswith("WandbLogger")
+        loggers.append(instantiate(logger_cfg, **(wandb_arguments(run_dir) if wandb else {})))
     return loggers
 
 
-def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
+def wandb_arguments(run_dir: Path) -> dict[str, Any]:
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
     id_file = run_dir / WANDB_ID_FILE
     if id_file.exists():
@@ -125,7 +123,7 @@ def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
     offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_key
     if offline:
         log.info("wandb: no API key or WANDB_MODE=offline, logging offline; upload later with `wandb sync`")
-    return instantiate(logger_cfg, id=run_id, resume="allow", offline=offline)
+    return {"id": run_id, "resume": "allow", "offline": offline}
 
 
 def build_trainer(cfg: TrainSchema, run_dir: Path, callbacks: list) -> L.Trainer:

@@ -150,7 +150,7 @@ def remove_path(path: Path) -> None:
 
 
 @dataclass
-class Start:
+class Start(contextlib.AbstractContextManager):
     """A checked start: what training needs from the checks, and (launching process) the claim."""
 
     config: TrainSchema  # the run's typed config: what every consumer reads
@@ -198,9 +198,6 @@ class Start:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-    def __enter__(self) -> Start:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
