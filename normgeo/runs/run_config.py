@@ -36,10 +36,8 @@ CHECKPOINT_KEY = "run_config"
 class _Absent:
     """Stands for a key that one of the two configs does not have."""
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # str() too: what a refusal prints for it
         return "<absent>"
-
-    __str__ = __repr__
 
 
 ABSENT: Any = _Absent()

@@ -271,10 +271,8 @@ def check_start(composed: DictConfig) -> Start:
     cfg: TrainSchema = check_config("train", composed)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if refusal := missing_cuda("trainer.accelerator", accelerator,
-                               "trainer=cpu (or trainer=ddp_cpu) on this machine"):
-        raise StartError(refusal)
-    if refusal := compiler_refusal(cfg):
+    instead = "trainer=cpu (or trainer=ddp_cpu) on this machine"
+    if refusal := missing_cuda("trainer.accelerator", accelerator, instead) or compiler_refusal(cfg):
         raise StartError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
