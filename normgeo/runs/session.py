@@ -275,15 +275,14 @@ def this_command(drop: tuple[str, ...], add: list[str]) -> str:
 
 
 def _program() -> list[str]:
-    """How this process was started: ``python train.py`` (the python on PATH when it is this one), or a
-    console script (normgeo-train)."""
-
-    def short(path: str) -> str:
-        found = shutil.which(os.path.basename(path))
-        return os.path.basename(path) if found and os.path.abspath(found) == os.path.abspath(path) else path
-
+    """How this process was started: ``python train.py``, or a console script (normgeo-train); the program by
+    its bare name where that name on PATH is this one."""
     script = sys.argv[0]
-    return [short(sys.executable), script] if script.endswith(".py") else [short(script)]
+    program, *rest = [sys.executable, script] if script.endswith(".py") else [script]
+    found = shutil.which(os.path.basename(program))
+    if found and os.path.abspath(found) == os.path.abspath(program):
+        program = os.path.basename(program)
+    return [program, *rest]
 
 
 class RunDiskFullError(RuntimeError):
