@@ -25,7 +25,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import LambdaCallback, Timer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig  # Hydra's composed config: run() checks it into the typed one at once
@@ -103,14 +103,12 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
         folder = os.path.abspath(Path(str(logger_cfg.get("save_dir"))) / name)
         if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(run_dir / CSV_DIR):
             continue  # the CSV every run writes already (older logger configs still name it)
-        if logger_cfg["_target_"].endswith("WandbLogger"):
-            loggers.append(make_wandb_logger(logger_cfg, run_dir))
-        else:
-            loggers.append(instantiate(logger_cfg))
+        wandb = logger_cfg["_target_"].endswith("WandbLogger")
+        loggers.append(instantiate(logger_cfg, **(wandb_arguments(run_dir) if wandb else {})))
     return loggers
 
 
-def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
+def wandb_arguments(run_dir: Path) -> dict[str, Any]:
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
     id_file = run_dir / WANDB_ID_FILE
     if id_file.exists():
@@ -125,7 +123,7 @@ def make_wandb_logger(logger_cfg: dict[str, Any], run_dir: Path):
     offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_key
     if offline:
         log.info("wandb: no API key or WANDB_MODE=offline, logging offline; upload later with `wandb sync`")
-    return instantiate(logger_cfg, id=run_id, resume="allow", offline=offline)
+    return {"id": run_id, "resume": "allow", "offline": offline}
 
 
 def build_trainer(cfg: TrainSchema, run_dir: Path, callbacks: list) -> L.Trainer:
@@ -220,7 +218,8 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.
-    callbacks = [stop.installer, keep, *probe, *extra_callbacks, timer, stop, owner]
+    callbacks = [LambdaCallback(on_train_start=stop.install), keep, *probe, *extra_callbacks,
+                 timer, stop, owner]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -253,9 +252,8 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             with contextlib.suppress(SignalStop):
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except NonFiniteError as err:  # recorded, so that the corrected command may replace this run
-            summary = run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                  tokens_per_step=module.tokens_per_step,
-                                  stopped_by=DIVERGED) if trainer.is_global_zero else None
+            summary = (run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by=DIVERGED)
+                       if trainer.is_global_zero else None)
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
             # The end is part of the run: its summary first, while fit_phase holds a signal (stopped in the
@@ -263,8 +261,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             # last step's poll, or in fit's teardown) is answered, exit 128 + the signal; else the figures.
             late = stop.late_signal or fit_phase.received
             stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
-            write_summary(run_dir, run_summary(trainer, timer, run_dir, start_step=keep.session_start_step,
-                                               tokens_per_step=module.tokens_per_step, stopped_by=stopped_by))
+            write_summary(run_dir, run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by))
             end = StopAtOnce("after training, while the summary and figures were written",
                              f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, "
                              "nothing retrained")
@@ -309,12 +306,11 @@ def run(composed: DictConfig) -> Refused | None:
             lock = RunLock(Path(composed.run_dir))
             try:
                 lock.acquire()
+                draw_figures(Path(composed.run_dir))
             except RunInUseError as err:
                 return refuse(composed.run_dir, err)
-            try:
-                draw_figures(Path(composed.run_dir))
             finally:
-                lock.release()
+                lock.release()  # nothing when the lock was not taken
         return None
     except START_ERRORS as err:
         return refuse(composed.run_dir, err)

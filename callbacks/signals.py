@@ -150,6 +150,12 @@ class StopOnSignal(L.Callback):
         self.interrupt.announce = trainer.is_global_zero
         self.interrupt.single_process = trainer.world_size == 1
 
+    def install(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Makes :class:`Interrupt` the owner's phase on train start, from the first callback (train.py's
+        LambdaCallback), so that the step-0 probe (another callback's on_train_start) is covered too."""
+        OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
+        OWNER.enter(self.interrupt)
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.training or trainer.state.fn == "fit":
             self.interrupt.enter(f"the validation after step {trainer.global_step}")
@@ -174,10 +180,6 @@ class StopOnSignal(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.interrupt.leave()
         OWNER.leave(self.interrupt)
-
-    @property
-    def installer(self) -> InstallInterrupt:
-        return InstallInterrupt(self.interrupt)
 
     def poll(self, trainer: L.Trainer, step: int) -> None:
         """After optimizer step ``step``: if any rank received a stop signal, every rank stops here."""
@@ -208,18 +210,6 @@ class StopOnSignal(L.Callback):
         else:
             return
         trainer.should_stop = True
-
-
-class InstallInterrupt(L.Callback):
-    """Makes :class:`Interrupt` the signal owner's phase on train start: first in the callback list, so that
-    the step-0 probe (another callback's on_train_start) is covered too."""
-
-    def __init__(self, interrupt: Interrupt) -> None:
-        self.interrupt = interrupt
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
-        OWNER.enter(self.interrupt)
 
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:

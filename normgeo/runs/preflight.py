@@ -100,25 +100,19 @@ def write_kept_plan(run_dir: Path, kept: KeptPlan) -> None:
         json.dump(asdict(kept), handle, indent=1, default=str)
 
 
-def device_memory(cfg: TrainSchema) -> tuple[int, str] | None:
-    """The memory the gate checks and its name: ``plan.device_memory_gib``, else the GPU's, else None."""
-    if cfg.plan.device_memory_gib is not None:
-        gib = float(cfg.plan.device_memory_gib)
-        return int(gib * GIB), f"plan.device_memory_gib={gib:g}"
-    if cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
-        return None
-    device = torch.cuda.get_device_properties(0)
-    return device.total_memory, device.name
-
-
 def preflight(cfg: TrainSchema) -> KeptPlan | None:
-    """The start's last check: PlanRefusal when even the plan's lower bound cannot fit the device, a warning
-    when the planned peak may not; the plan to keep (None: nothing checked: plan.check=false, or the CPU)."""
-    device = device_memory(cfg)
-    if not cfg.plan.check or device is None:
-        return None
-    total_memory, device_name = device
+    """The start's last check: PlanRefusal when even the plan's lower bound cannot fit the device (the memory
+    of ``plan.device_memory_gib``, else the GPU's), a warning when the planned peak may not; the plan to keep
+    (None: nothing checked: plan.check=false, or the CPU without plan.device_memory_gib)."""
     cuda = cfg.trainer.get("accelerator") != "cpu" and torch.cuda.is_available()
+    gib = cfg.plan.device_memory_gib
+    if not cfg.plan.check or (gib is None and not cuda):
+        return None
+    if gib is not None:
+        total_memory, device_name = int(float(gib) * GIB), f"plan.device_memory_gib={float(gib):g}"
+    else:
+        device = torch.cuda.get_device_properties(0)
+        total_memory, device_name = device.total_memory, device.name
     setup = setup_from_config(cfg, visible_gpus=torch.cuda.device_count() if cuda else None)
     if cuda:  # precision=null as this GPU resolves it
         setup = replace(setup, precision=str(cfg.trainer.get("precision") or default_precision()))

@@ -36,10 +36,8 @@ CHECKPOINT_KEY = "run_config"
 class _Absent:
     """Stands for a key that one of the two configs does not have."""
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # str() too: what a refusal prints for it
         return "<absent>"
-
-    __str__ = __repr__
 
 
 ABSENT: Any = _Absent()
@@ -156,8 +154,7 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        with open(path, encoding="utf-8") as handle:
-            config = yaml.safe_load(handle)
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as err:
         raise DamagedRunConfig(f"{path} is damaged ({type(err).__name__}): expected the run's config as "
                                "YAML, as train.py writes it") from None

@@ -161,7 +161,7 @@ def fresh_command(run_dir: Path) -> str:
     number = 2
     while (free := run_dir.with_name(f"{run_dir.name}-{number}")).exists():
         number += 1
-    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(free))}"])
+    return pinned_command(free)
 
 
 def finished_message(ckpt_path: str, cfg: TrainSchema) -> str | None:
@@ -249,16 +249,21 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
     return ckpt_path
 
 
-# Keys a resume command sets itself: the run directory, pinned, and resume=auto.
-PINNED_KEYS = ("run_dir", "resume")
-
-
 def continue_command(cfg: TrainSchema) -> str:
     """The one command printed to go on with this run, from what its folder holds now: this session's
     command line with ``run_dir`` pinned (another day's default paths may differ), and ``resume=auto`` where
     a checkpoint is there to continue from (else the run starts again: resume=auto would be refused)."""
     resume = ["resume=auto"] if newest_resumable(Path(cfg.run_dir))[0] is not None else []
-    return this_command(drop=PINNED_KEYS, add=[f"run_dir={_hydra_value(str(cfg.run_dir))}", *resume])
+    return pinned_command(cfg.run_dir, *resume)
+
+
+def pinned_command(run_dir: str | Path, *add: str) -> str:
+    """This command line with ``run_dir`` pinned (quoted where Hydra's grammar needs it), ``resume`` out (a
+    resume command sets it itself), and ``add``."""
+    value = str(run_dir)
+    if not re.fullmatch(r"[\w/.:@%+-]+", value):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return this_command(drop=("run_dir", "resume"), add=[f"run_dir={value}", *add])
 
 
 def this_command(drop: tuple[str, ...], add: list[str]) -> str:
@@ -269,23 +274,15 @@ def this_command(drop: tuple[str, ...], add: list[str]) -> str:
     return shlex.join([*_program(), *kept, *add])
 
 
-def _hydra_value(path: str) -> str:
-    """``path`` as a Hydra override value: quoted when Hydra's grammar needs it."""
-    if re.fullmatch(r"[\w/.:@%+-]+", path):
-        return path
-    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _program() -> list[str]:
-    """How this process was started: ``python train.py`` (the python on PATH when it is this one), or a
-    console script (normgeo-train)."""
-
-    def short(path: str) -> str:
-        found = shutil.which(os.path.basename(path))
-        return os.path.basename(path) if found and os.path.abspath(found) == os.path.abspath(path) else path
-
+    """How this process was started: ``python train.py``, or a console script (normgeo-train); the program by
+    its bare name where that name on PATH is this one."""
     script = sys.argv[0]
-    return [short(sys.executable), script] if script.endswith(".py") else [short(script)]
+    program, *rest = [sys.executable, script] if script.endswith(".py") else [script]
+    found = shutil.which(os.path.basename(program))
+    if found and os.path.abspath(found) == os.path.abspath(program):
+        program = os.path.basename(program)
+    return [program, *rest]
 
 
 class RunDiskFullError(RuntimeError):

@@ -150,7 +150,7 @@ def remove_path(path: Path) -> None:
 
 
 @dataclass
-class Start:
+class Start(contextlib.AbstractContextManager):
     """A checked start: what training needs from the checks, and (launching process) the claim."""
 
     config: TrainSchema  # the run's typed config: what every consumer reads
@@ -198,9 +198,6 @@ class Start:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-    def __enter__(self) -> Start:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
@@ -274,10 +271,8 @@ def check_start(composed: DictConfig) -> Start:
     cfg: TrainSchema = check_config("train", composed)
     # Not a config check: the same config plans (normgeo.plan) on a machine without the GPUs it will run on.
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if refusal := missing_cuda("trainer.accelerator", accelerator,
-                               "trainer=cpu (or trainer=ddp_cpu) on this machine"):
-        raise StartError(refusal)
-    if refusal := compiler_refusal(cfg):
+    instead = "trainer=cpu (or trainer=ddp_cpu) on this machine"
+    if refusal := missing_cuda("trainer.accelerator", accelerator, instead) or compiler_refusal(cfg):
         raise StartError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
@@ -288,12 +283,9 @@ def check_start(composed: DictConfig) -> Start:
     if is_rank_zero() and not slurm_requeued():
         check_unlocked(run_dir)  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
-    if ckpt_path is not None:
-        try:  # a resumed run adds to its records files: a damaged one is named now, before a step trains
-            read_run_records(run_dir)
-        except DamagedRecords as err:
-            raise StartError(str(err)) from err
     try:
+        if ckpt_path is not None:  # a resumed run adds to its records files: a damaged one is named now
+            read_run_records(run_dir)
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
             probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), cfg.probe_config)
@@ -301,11 +293,9 @@ def check_start(composed: DictConfig) -> Start:
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
         check_val_sequences(cfg, data.num_tokens("val"))  # now that the split's size is known
-    except (TokenizerError, AnalysisError, PreparedDataError, SourceError) as err:
-        raise StartError(str(err)) from err
-    try:  # on a GPU, a config whose least memory cannot fit (normgeo.runs.preflight): dearest, so last
-        plan = preflight(cfg)
-    except PlanRefusal as err:
+        plan = preflight(cfg)  # on a GPU, a config whose least memory cannot fit: dearest, so last
+    except (DamagedRecords, TokenizerError, AnalysisError, PreparedDataError, SourceError,
+            PlanRefusal) as err:
         raise StartError(str(err)) from err
     return Start(cfg, composed, run_dir, ckpt_path, datamodule, probe_ids, plan=plan)
 

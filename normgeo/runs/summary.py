@@ -40,13 +40,13 @@ def _log_dir(logger: Any) -> str | None:
     return getattr(logger, "log_dir", None)
 
 
-def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, *, start_step: int, tokens_per_step: int,
+def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int,
                 stopped_by: str | None = None) -> dict[str, Any]:
     """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions';
     ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"). Its figures are listed
     once drawn (train.py)."""
     previous = read_summary(run_dir) if start_step > 0 else {}
-    step = trainer.global_step
+    step, tokens_per_step = trainer.global_step, trainer.lightning_module.tokens_per_step
     session_tokens = (step - start_step) * tokens_per_step
     session_s = session_wall_s(trainer, timer)
     this_session = {"steps": [start_step, step], "wall_s": round(session_s, 3),
