@@ -41,7 +41,10 @@ Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.plan` calls :func
 
 from __future__ import annotations
 
+import importlib.util
 import operator
+import sys
+import types
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,13 +52,32 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_function
-from torch._inductor.compile_fx import partition_fn
-from torch._inductor.decomposition import select_decomp_table
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.lit import LitGPT
+
+
+def lazy_module(name: str) -> types.ModuleType:
+    """``import name``, run when an attribute is first read (importlib's LazyLoader), bound as an import
+    binds it (``sys.modules`` and the parent package's attribute)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    setattr(sys.modules[parent], child, module)
+    return module
+
+
+# AOT autograd and Inductor's partition and decompositions take a second to import and only a compiled plan
+# uses them: imported when one is traced, not at every start of train.py (which plans only on a GPU).
+aot_autograd = lazy_module("torch._functorch.aot_autograd")
+inductor_compile_fx = lazy_module("torch._inductor.compile_fx")
+inductor_decomposition = lazy_module("torch._inductor.decomposition")
 
 # Kernels Inductor calls rather than generates (cuBLAS, flash attention): they write their own outputs
 # and read materialized inputs. Matched by the overload packet's name.
@@ -295,8 +317,9 @@ def trace_compiled(module: LitGPT, batch: tuple[torch.Tensor, torch.Tensor],
         with autocast():
             return torch.func.functional_call(model, parameters, (inputs, targets))
 
-    compiled = aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            partition_fn=partition_fn, decompositions=select_decomp_table())
+    compiled = aot_autograd.aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                         partition_fn=inductor_compile_fx.partition_fn,
+                                         decompositions=inductor_decomposition.select_decomp_table())
     # The backward graph is made when the backward first runs (AOT autograd compiles it lazily).
     compiled(params, *batch).backward()
     return CompiledGraphs(graphs["forward"], graphs["backward"])
