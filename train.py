@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LambdaCallback, Timer
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig  # Hydra's composed config: run() checks it into the typed one at once
 
@@ -60,6 +60,7 @@ from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     LAST_CHECKPOINT,
     SUMMARY_FILE,
+    TRAIN_LOG,
     checkpoint_run_config,
     is_rank_zero,
     record_run_config,
@@ -80,7 +81,7 @@ from normgeo.runs.start import (
     open_run_files,
     start_session,
 )
-from normgeo.runs.summary import format_summary, read_summary, run_summary, write_summary
+from normgeo.runs.summary import disk_use, format_summary, read_summary, write_summary
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
 log = logging.getLogger("normgeo.train")
@@ -161,6 +162,58 @@ def describe_run(cfg: TrainSchema, trainer: L.Trainer, module: LitGPT) -> str:
             f"optimizer step ({cfg.global_batch} sequences x {cfg.seq_len}) · accumulation "
             f"{trainer.accumulate_grad_batches} x micro_batch {cfg.micro_batch} x world size "
             f"{trainer.world_size} · precision {trainer.precision} · {probe}")
+
+
+# The summary of a session (normgeo.runs.summary's file). The wall time is Lightning's ``Timer``, restored on
+# resume: the training time behind the checkpointed state (a killed session's up to its last checkpoint).
+def session_wall_s(trainer: L.Trainer, timer: Timer) -> float:
+    """This session's training time (validation and probes included): the Timer's, less what it restored.
+    A session ended by a signal or a divergence skips ``on_train_end``: its clock is stopped here, so that
+    this time and the run's (``timer.time_elapsed()``) are read at one instant and a first session's agree."""
+    started = timer.start_time()
+    if started is None:
+        return 0.0
+    if timer.end_time() is None:
+        timer.on_train_end(trainer, trainer.lightning_module)
+    return timer.end_time() - started
+
+
+def _metric(trainer: L.Trainer, name: str) -> float | None:
+    value = trainer.callback_metrics.get(name)
+    return None if value is None else float(value)
+
+
+def _log_dir(logger: Any) -> str | None:
+    if isinstance(logger, WandbLogger):
+        return str(Path(logger.experiment.dir).parent)  # wandb/<offline->run-<time>-<id>
+    return getattr(logger, "log_dir", None)
+
+
+def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int,
+                stopped_by: str | None = None) -> dict[str, Any]:
+    """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions';
+    ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"). Its figures are listed
+    once drawn (train.py)."""
+    previous = read_summary(run_dir) if start_step > 0 else {}
+    step, tokens_per_step = trainer.global_step, trainer.lightning_module.tokens_per_step
+    session_tokens = (step - start_step) * tokens_per_step
+    session_s = session_wall_s(trainer, timer)
+    this_session = {"steps": [start_step, step], "wall_s": round(session_s, 3),
+                    "ended": stopped_by or ("finished" if step >= trainer.max_steps else "stopped")}
+    return {
+        "step": step, "max_steps": trainer.max_steps, "finished": step >= trainer.max_steps,
+        "train_loss": _metric(trainer, "train/loss"), "val_loss": _metric(trainer, "val/loss"),
+        "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
+        "tokens_seen": step * tokens_per_step, "wall_s": round(timer.time_elapsed(), 3),
+        "sessions": int(previous.get("sessions") or 0) + 1, "session_wall_s": round(session_s, 3),
+        # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
+        "session_log": [*previous.get("session_log", []), this_session],
+        "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
+        "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
+        "figures": [], "checkpoints": str(run_dir / "checkpoints"),
+        "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
+        "train_log": str(run_dir / TRAIN_LOG), "disk_bytes": disk_use(run_dir),
+    }
 
 
 class FitPhase(FinishFirst):

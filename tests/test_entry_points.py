@@ -5,6 +5,8 @@ slow tests check each command in depth; these catch a command that no longer sta
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from normgeo.analysis import main as analysis_main
 from normgeo.evaluate import main as evaluate_main
 from normgeo.pilot import main as pilot_main
 from normgeo.plan import main as plan_main
-from tests.conftest import entry_point_here, module_main, train_here
+from tests.conftest import ROOT, entry_point_here, module_main, train_here
 
 ARMS = ("layer", "rms")
 
@@ -69,3 +71,13 @@ def test_the_pilot_reads_the_sweep_and_evaluate_checks_its_options(sweep: Path, 
     assert "| tiny-layer-s0 | layer | 0 |" in page and "| tiny-rms-s0 | rms | 0 |" in page
     assert evaluate_main([str(sweep / "tiny-rms-s0"), "--limit", "0"]) == 2
     assert "give at least 1 example per task" in capsys.readouterr().err
+
+
+def test_the_readers_start_without_lightning() -> None:
+    """The commands that read runs (status, compare, report, export, the pilot) import no Lightning: its
+    import alone is most of train.py's start-up (seconds), and nothing they read needs a Trainer."""
+    readers = "normgeo.status", "normgeo.compare", "normgeo.report", "normgeo.export", "normgeo.pilot"
+    code = f"import sys, {', '.join(readers)}; print(sorted(m for m in sys.modules if 'lightning' in m))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout
