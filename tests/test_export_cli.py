@@ -34,7 +34,7 @@ from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import downstream_mismatches, paired_estimates
 from normgeo.verdict.measures import run_measures
 from normgeo.verdict.words import sentence, verdict_markdown
-from tests.conftest import ROOT, run_sweep
+from tests.conftest import ROOT, module_main, run_sweep
 from tests.test_export_convert import FLOAT32_MAX_ABS, FLOAT64_RELATIVE
 from tests.test_verdict import independent_interval, make_run
 
@@ -271,10 +271,11 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_path: Path, norm: str) -> None:
+def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_path: Path, norm: str,
+                                                         capfd) -> None:
     run = next(trained.glob(f"*-{norm}-s0"))
     out = tmp_path / "hf"
-    result = run_module("normgeo.export", run, "--step", "2", "--to", "hf", "--out", out)
+    result = module_main(capfd, "export", run, "--step", "2", "--to", "hf", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     gpt, step, _ = load_checkpoint(run / "checkpoints" / "step-0000002.ckpt")
     model = load_hf(out)
@@ -295,13 +296,14 @@ def test_the_exported_directory_reproduces_the_checkpoint(trained: Path, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_trained_layer_run_converts_to_rms_with_the_same_logits(trained: Path, tmp_path: Path) -> None:
+def test_a_trained_layer_run_converts_to_rms_with_the_same_logits(trained: Path, tmp_path: Path,
+                                                                  capfd) -> None:
     """``--to hf --as rms`` on a trained LayerNorm run: AutoModelForCausalLM loads an RMSNorm model with the
     checkpoint's logits (float32 from the directory, float64 in memory), a mean-zero residual stream and an
     "add centering" intervention that changes nothing."""
     run = next(trained.glob("*-layer-s0"))
     out = tmp_path / "rms"
-    result = run_module("normgeo.export", run, "--to", "hf", "--as", "rms", "--out", out)
+    result = module_main(capfd, "export", run, "--to", "hf", "--as", "rms", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "converted to RMSNorm: logit parity" in result.stdout
     gpt, step, _ = load_checkpoint(run / "checkpoints" / "step-0000003.ckpt")
@@ -327,12 +329,12 @@ def test_a_trained_layer_run_converts_to_rms_with_the_same_logits(trained: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", ["layer", "rms"])  # GPT2LMHeadModel, and the saved model code
 def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(trained: Path, tmp_path: Path,
-                                                                              norm: str) -> None:
+                                                                              norm: str, capfd) -> None:
     """analyze.py on the exported Hugging Face directory (tokenized by the exported tokenizer) measures the
     angles the training probe recorded at that step, to 1e-4 degrees, at every site and reference."""
     run = next(trained.glob(f"*-{norm}-s0"))
     out = tmp_path / "hf"
-    assert run_module("normgeo.export", run, "--to", "hf", "--out", out).returncode == 0
+    assert module_main(capfd, "export", run, "--to", "hf", "--out", out).returncode == 0
     config = run / "run_config.yaml"
     seq_len = next(
         int(line.split(":")[1]) for line in config.read_text().splitlines() if line.startswith("seq_len:")
@@ -373,11 +375,10 @@ def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(tra
 
 @pytest.mark.slow
 def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(trained: Path, shared: Path,
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path, capfd) -> None:
     task_dir = tmp_path / "tasks"
-    made = run_module(
-        "normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA, "--examples", 40
-    )
+    made = module_main(capfd, "evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA,
+                       "--examples", 40)
     assert made.returncode == 0, made.stderr[-3000:]
     runs = sorted(p for p in trained.iterdir() if (p / "checkpoints").is_dir())
     earlier = {"step": 2, "limit": 5, "tasks": {"an_earlier_task": {"acc": 0.5, "step": 2, "limit": 5}}}
@@ -404,12 +405,12 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
         )
     assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
         "an_earlier_task"]
-    compared = run_module("normgeo.compare", trained, "--out", tmp_path / "compare", "--formats", "png")
+    compared = module_main(capfd, "compare", trained, "--out", tmp_path / "compare", "--formats", "png")
     assert compared.returncode == 0, compared.stderr[-3000:]
     verdict = (tmp_path / "compare" / "verdict.csv").read_text()
     assert f"downstream/{TASK_NAME}/acc" in verdict
     # Unknown task: refused before anything is evaluated.
-    refused = run_module("normgeo.evaluate", runs[0], "--tasks", "no_such_task", "--include-path", task_dir)
+    refused = module_main(capfd, "evaluate", runs[0], "--tasks", "no_such_task", "--include-path", task_dir)
     assert refused.returncode == 2 and "unknown lm-eval task" in refused.stderr
 
 
@@ -462,8 +463,8 @@ def signal_when(args: list, ready, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothing(trained: Path, shared: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothing(
+        trained: Path, shared: Path, tmp_path: Path, capfd) -> None:
     """Issue 34: SIGTERM in the middle of each command ends it with exit 143 and one line, without a
     traceback; the export's .partial folder, the evaluation's temporary export and compare's staging folder
     are removed, and eval.json and --out are as they were."""
@@ -486,8 +487,8 @@ def test_sigterm_during_export_evaluate_or_compare_is_one_line_and_leaves_nothin
     assert not out.exists()
 
     task_dir = tmp_path / "tasks"
-    assert run_module("normgeo.evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA,
-                      "--examples", 40).returncode == 0
+    assert module_main(capfd, "evaluate", "--make-task", task_dir, "--corpus", shared / WIKIPEDIA,
+                       "--examples", 40).returncode == 0
     before = (run / "eval.json").read_bytes() if (run / "eval.json").exists() else None
     check(
         signal_when(
