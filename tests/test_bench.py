@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,27 @@ def run_script(*args: str, timeout: int = 300) -> str:
     done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+@functools.cache
+def bench_module(name: str) -> types.ModuleType:
+    """``bench/<name>.py`` imported by its path (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused_here(capsys, monkeypatch, name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python bench/<name>.py <args>`` through its main in this process, for an option it refuses before
+    any work (a new interpreter would spend seconds importing torch and Lightning): exit code and output."""
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        bench_module(name).main()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([name, *args], done.value.code, out, err)
 
 
 def markdown_rows(output: str, first_cell: str) -> list[list[str]]:
@@ -106,10 +129,7 @@ def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
     forward and backward are norm time; the sum after it and a matmul beside it are not;
     a model without norms has none. Only the classification is asserted: the op times
     of one profiled call on a busy machine are noise."""
-    spec = importlib.util.spec_from_file_location("norm_cost", ROOT / "bench" / "norm_cost.py")
-    profile = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = profile  # its dataclasses look their module up there
-    spec.loader.exec_module(profile)
+    profile = bench_module("norm_cost")
     x = torch.randn(256, 64, requires_grad=True)
     norm, linear = torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)
 
@@ -184,10 +204,8 @@ def test_norm_cost_times_every_arm_stock_and_compiled() -> None:
     check_norm_cost(run_script(str(ROOT / "bench" / "norm_cost.py"), *NORM_COST_TINY), ["stock", "compiled"])
 
 
-@pytest.mark.slow
-def test_norm_cost_refuses_an_unknown_implementation() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "norm_cost.py"), "--impls", "stock,fast"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_norm_cost_refuses_an_unknown_implementation(capsys, monkeypatch) -> None:
+    done = refused_here(capsys, monkeypatch, "norm_cost", "--impls", "stock,fast")
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()  # one line, naming the option and the choices
     assert line.startswith(
@@ -237,10 +255,8 @@ def test_train_throughput_per_arm_rows_with_rms_as_the_reference() -> None:
     assert float(markdown_rows(output, "rms")[0][4]) == 1.0
 
 
-@pytest.mark.slow
-def test_train_throughput_refuses_an_unknown_arm() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--arms", "nope"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_train_throughput_refuses_an_unknown_arm(capsys, monkeypatch) -> None:
+    done = refused_here(capsys, monkeypatch, "train_throughput", "--arms", "nope")
     assert done.returncode == 2 and "unknown arm(s) nope" in done.stderr
 
 
@@ -381,9 +397,8 @@ def test_probe_cost_times_the_mean_sources_interleaved() -> None:
     assert re.search(r"MEAN SOURCES COST \(default probe with / without, best\): \d+\.\d{3}", out), out
 
 
-def test_probe_cost_refuses_cuda_without_a_gpu() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--device", "cuda"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_probe_cost_refuses_cuda_without_a_gpu(capsys, monkeypatch) -> None:
+    done = refused_here(capsys, monkeypatch, "probe_cost", "--device", "cuda")
     assert done.returncode == 2 and done.stdout == "", done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert (
