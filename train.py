@@ -321,7 +321,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             with OWNER.owning(end):
                 if (signum := stop.late_signal or fit_phase.received) is not None:
                     end(signum, None)
-                if cfg.probe.enabled and stopped_by is None:
+                if cfg.probe.enabled and cfg.probe.figures and stopped_by is None:
                     figures = draw_figures(run_dir)
                     log_figures(trainer.loggers, {figure_key(f): f for f in figures},
                                 step=trainer.global_step)

@@ -122,6 +122,8 @@ FAST = [
     "probe.tokens=512",
     # size=tiny warms up for 20 steps: more than these short runs have (an odd config)
     "optim.warmup_steps=0",
+    # The end's figures (seconds of matplotlib per run): drawn where a test reads them (probe.figures=true)
+    "probe.figures=false",
 ]
 
 
@@ -243,7 +245,7 @@ def run_sweep(output_root: Path, *overrides: str, timeout: int = 600) -> subproc
 
 
 # The arms of the compare/state tests: 3 steps, probe at 0, 2 and the final step 3 (not on the schedule).
-ARM_SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0")
+ARM_SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0", "probe.figures=true")
 
 
 @pytest.fixture(scope="session")

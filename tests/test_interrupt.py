@@ -102,8 +102,8 @@ def check_interrupted(
 
 def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    stopped, command = check_interrupted(
-        run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT), signal.SIGINT
+    stopped, command = check_interrupted(  # the end's figures drawn by the resumed session
+        run_dir, signal_after_scheduled_step(run_dir, signal.SIGINT, "probe.figures=true"), signal.SIGINT
     )
 
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -278,7 +278,7 @@ def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_complete
     figures without retraining anything."""
     run_dir = tmp_path / "end"
     summary = run_dir / "summary.json"
-    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]")
+    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]", "probe.figures=true")
     with open(tmp_path / "end.stderr", "w") as err:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 300
@@ -371,7 +371,7 @@ def test_a_signal_as_fit_ends_stops_the_end_and_says_so(tmp_path: Path, signum: 
     without retraining; before: the figures drawn and exit 0 (SIGTERM: after a "finishing this optimizer step"
     line), with nothing in the summary saying the session was interrupted."""
     run_dir = tmp_path / "end"
-    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]")
+    args = train_args(run_dir, "max_steps=2", "checkpoint.steps=[2]", "probe.figures=true")
     err_path = tmp_path / "end.stderr"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)

@@ -38,6 +38,7 @@ DDP = [o for o in FAST if not o.startswith("trainer=")] + [
     f"max_steps={MAX_STEPS}",
     "checkpoint.steps=[2,8]",
     "checkpoint.last_every=1000",  # so a requeue resumes from the last.ckpt written when it stopped
+    "probe.figures=true",  # the end's figures, as a user's job draws them
 ]
 TERMINAL = {
     "COMPLETED",

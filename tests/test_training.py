@@ -22,6 +22,7 @@ from normgeo.runs.session import REPLACED_DIR
 from tests.conftest import (
     entry_point_here,
     metrics_rows,
+    module_main,
     run_train,
     step_losses,
     train_here,
@@ -40,7 +41,7 @@ def accumulated_run(tmp_path_factory) -> Path:
     52-token tail."""
     run_dir = tmp_path_factory.mktemp("acc") / "run"
     train_here(run_dir, "micro_batch=2", "max_steps=6", "checkpoint.steps=[2,5]", "checkpoint.last_every=0",
-              "probe.tokens=500")
+               "probe.tokens=500", "probe.figures=true")
     return run_dir
 
 
@@ -86,9 +87,10 @@ def test_probe_records_at_init_and_each_scheduled_step(accumulated_run: Path) ->
     )
 
 
-def test_mean_sources_at_every_probe_and_none_when_off(accumulated_run: Path, tmp_path: Path) -> None:
+def test_mean_sources_at_every_probe_and_none_when_off(accumulated_run: Path, tmp_path: Path, capfd) -> None:
     """probe.mean_sources (on by default): mean_sources.jsonl at every probe and its figure; off, the same
-    training writes neither."""
+    training writes neither. That run also leaves its figures to later (probe.figures=false): none at its
+    end, and normgeo.report draws them from its records."""
     rows = read_rows(accumulated_run / MEAN_SOURCES_FILE)
     # norm inputs x (dimensions row + a row per bucket + the document starts')
     per_step = (2 * 2 + 1) * (2 + len(BUCKET_STARTS))
@@ -102,7 +104,11 @@ def test_mean_sources_at_every_probe_and_none_when_off(accumulated_run: Path, tm
     train_here(off, "max_steps=1", "checkpoint.steps=[1]", "probe.tokens=500", "probe.intervention=[]",
                "probe.mean_sources=false")
     assert len({r["step"] for r in read_rows(off / "angles.jsonl")}) == 2
-    assert not (off / MEAN_SOURCES_FILE).exists() and not list((off / "figures").glob("mean_sources_*"))
+    assert not (off / MEAN_SOURCES_FILE).exists()
+    assert not (off / "figures").exists() and json.loads((off / "summary.json").read_text())["figures"] == []
+    drawn = module_main(capfd, "report", off)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert list((off / "figures").glob("layers_*.png")) and not list((off / "figures").glob("mean_sources_*"))
 
 
 @pytest.mark.slow

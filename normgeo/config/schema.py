@@ -194,6 +194,8 @@ class TrainProbeSchema(ProbeSchema):
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
     batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass", may_change=True)
+    figures: bool = doc(True, "draw the run's figures from its records when it ends (seconds on a CPU); "
+                              "false: python -m normgeo.report <run_dir> draws them later", may_change=True)
 
 
 @schema

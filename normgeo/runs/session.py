@@ -241,8 +241,8 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
     if ckpt_path and (done := finished_message(ckpt_path, cfg)):
         # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
         summary = read_summary(run_dir)
-        left = (bool(cfg.probe.enabled) and summary.get("finished") is True and not summary.get("figures")
-                and (run_dir / ANGLES_FILE).is_file())
+        left = (cfg.probe.enabled and cfg.probe.figures and summary.get("finished") is True
+                and not summary.get("figures") and (run_dir / ANGLES_FILE).is_file())
         if left:
             done = f"{done}; its end was interrupted before the figures: drawing them (nothing is retrained)"
         raise RunFinished(done, figures_left=left)
