@@ -153,7 +153,9 @@ def gpu_plan_text(sd: float, margin: float) -> str:
     paired SD: a plan, not a measurement (the SD at those sizes is not measured here)."""
     rows = []
     for experiment in ("paper_70m", "paper_160m"):
-        _, report = plan_config(compose([f"experiment={experiment}"]))
+        # GPU-hours need the configured step's FLOPs: the other checkpointing choice and the probe's memory
+        # (half the tracing) would change nothing here.
+        _, report = plan_config(compose([f"experiment={experiment}"]), both_checkpointing=False, probe=False)
         seeds = seeds_report(PRIMARY_METRIC, margin, sd, "this study", report)
         by_gpu = {row["gpu"]: row for row in seeds["gpus"]}
         for gpu in PLAN_GPUS:

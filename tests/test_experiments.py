@@ -10,7 +10,9 @@ written, with overrides only for what this machine lacks:
 - memory and time: the 160m, 410m and 1b presets keep their width, heads and vocabulary but run with
   ``size.n_layer=2`` on one process of their DDP strategy (``trainer.devices=1``): with all layers the 1b
   preset's fp32 weights + gradients + AdamW state are 16 GB per process. ``paper_grid``'s 70m column runs
-  the same way; two processes of DDP run in ``paper``, which differs from these only in the size;
+  the same way; two processes of DDP run in ``paper``, which differs from these only in the size. The
+  one-process runs train in the test's process (:func:`train_in_this_process`: seconds of imports saved per
+  run), as do ``smoke`` and ``study_cpu``, which ask for one device (on this machine) as written;
 - no network: ``data=local`` on the shared OpenWebText sample and ``probe=local`` on the shared
   Wikipedia text stand in for the Hub downloads (``data=openwebtext``, ``probe=wikipedia``).
 ``paper_70m`` (= ``paper``, whose default size is 70m) runs with ``trainer=fsdp`` (FSDP2, bf16 all-gathers as
@@ -20,6 +22,7 @@ runs FSDP2 with every GPU option on (bf16 autocast, activation checkpointing, co
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +39,7 @@ from models.strategies import FSDP2Strategy
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.records import read_rows
-from tests.conftest import ROOT, run_train, step_losses
+from tests.conftest import ROOT, entry_point_here, run_train, step_losses
 
 TRAINERS = sorted(p.stem for p in (Path(CONF_DIR) / "trainer").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
@@ -76,11 +79,15 @@ def test_every_trainer_option_builds_its_trainer(option: str, tmp_path: Path, mo
 ONE_PROCESS = ("paper_160m", "paper_410m", "paper_1b", "paper_grid")
 
 
+# As written, these train on one device of this machine (the default trainer's devices=auto; trainer=cpu).
+ONE_DEVICE = ("smoke", "study_cpu")
+
+
 def experiment_overrides(experiment: str, shared: Path) -> list[str]:
     overrides = [
         f"experiment={experiment}",
         "trainer.accelerator=cpu",
-        "trainer.devices=2",
+        *([] if experiment in ONE_DEVICE else ["trainer.devices=2"]),
         "trainer.enable_progress_bar=false",
         "seq_len=32",
         "global_batch=4",
@@ -118,6 +125,21 @@ def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return done
 
 
+def train_in_this_process(args: list[str]) -> None:
+    """``python train.py <args>`` of a one-process run through train.py's main in this process. A DDP
+    strategy's process group (of one) and its launcher's environment (MASTER_PORT, WORLD_SIZE, LOCAL_RANK,
+    ...) outlive Lightning's teardown: both are undone here, or they would reach this worker's later runs."""
+    environment = dict(os.environ)
+    try:
+        done = entry_point_here("train", args)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+    assert done.returncode == 0, f"{args}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
 def check_trained(run_dir: Path) -> None:
     assert sorted(step_losses(run_dir)) == [1, 2], run_dir
     assert all(0 < loss < 12 for loss in step_losses(run_dir).values())
@@ -148,8 +170,12 @@ def test_every_experiment_trains_two_steps(
 ) -> None:
     root = tmp_path_factory.getbasetemp() / "experiments"  # one prepared corpus for all of them
     run_dir = root / f"{experiment}-{(extra or 'as-configured').replace('=', '-')}"
-    run([sys.executable, "train.py", *experiment_overrides(experiment, shared), *([extra] if extra else []),
-         f"run_dir={run_dir}", f"data_root={root / 'data'}"])
+    args = [*experiment_overrides(experiment, shared), *([extra] if extra else []), f"run_dir={run_dir}",
+            f"data_root={root / 'data'}"]
+    if experiment in ONE_PROCESS or experiment in ONE_DEVICE:
+        train_in_this_process(args)
+    else:
+        run([sys.executable, "train.py", *args])
     check_trained(run_dir)
     shutil.rmtree(run_dir / "checkpoints")  # up to 3.7 GB for the 1b preset
 
@@ -184,8 +210,8 @@ def test_paper_grid_sweeps_both_norms(shared: Path, tmp_path_factory) -> None:
     other."""
     root = tmp_path_factory.getbasetemp() / "experiments"
     outputs = root / "grid"
-    run([sys.executable, "train.py", "-m", *experiment_overrides("paper_grid", shared),
-         "hydra.sweeper.params.size=70m", f"output_root={outputs}", f"data_root={root / 'data'}"])
+    train_in_this_process(["-m", *experiment_overrides("paper_grid", shared), "hydra.sweeper.params.size=70m",
+                           f"output_root={outputs}", f"data_root={root / 'data'}"])
     for norm in ("layer", "rms"):
         check_trained(outputs / f"70m-{norm}-s0")
         shutil.rmtree(outputs / f"70m-{norm}-s0" / "checkpoints")

@@ -34,7 +34,7 @@ from normgeo.config.compose import TRAIN_CONFIG_DIRS
 from normgeo.plan import compose, measured_overrides, measured_peaks
 from normgeo.plan import main as plan_main
 from normgeo.runs.preflight import PlanRefusal, preflight, setup_from_config
-from tests.conftest import FAST, ROOT, train_here
+from tests.conftest import FAST, ROOT, entry_point_here, train_here
 
 SIZES = {  # small contexts and batches: a real CPU step in seconds
     "tiny": dict(n_layer=2, n_head=2, n_embd=128),
@@ -316,17 +316,13 @@ def test_an_unknown_group_option_lists_the_choices_as_train_py_does(override: st
 
 
 @pytest.mark.slow
-def test_train_py_plan_true_prints_the_1b_paper_plan_and_writes_nothing(tmp_path: Path) -> None:
-    """``python train.py experiment=paper_1b plan=true``: the same plan as normgeo-plan, nothing trained or
-    written (its time is printed, not asserted: about 15 s on 2 idle cores)."""
+def test_train_py_plan_true_prints_the_1b_paper_plan_and_writes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """``python train.py experiment=paper_1b plan=true`` (train.py's main, in this process, from an empty
+    folder): the same plan as normgeo-plan, nothing trained or written (its time is printed, not asserted:
+    about 15 s on 2 idle cores). test_the_command_prints_a_plan_and_writes_nothing runs a real process."""
+    monkeypatch.chdir(tmp_path)
     start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "experiment=paper_1b", "plan=true"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = entry_point_here("train", ["experiment=paper_1b", "plan=true"])
     print(f"train.py experiment=paper_1b plan=true: {time.perf_counter() - start:.1f} s")
     assert result.returncode == 0, result.stderr
     assert "FLOPs per token" in result.stdout and "H100" in result.stdout and "disk:" in result.stdout

@@ -1,4 +1,5 @@
-"""FSDP2 (``trainer=fsdp``) on 2 CPU processes over gloo, against DDP on the same tokens.
+"""FSDP2 (``trainer=fsdp``) on 2 CPU processes over gloo, against one process on the same tokens (the
+reference DDP itself equals: tests/test_training.py), and continued by DDP on 2 processes.
 
 The probe here has 17 sequences for 2 ranks with batch 8 (9 + 8 sequences: 2 batches on one rank, 1 on
 the other before padding), which hangs a sharded model unless every rank runs the same forward passes.
@@ -14,7 +15,7 @@ import torch
 
 from models.lit import LitGPT
 from normgeo.measure.records import read_rows
-from tests.conftest import entry_point_here, run_train, step_losses
+from tests.conftest import entry_point_here, run_train, step_losses, train_here
 
 pytestmark = pytest.mark.slow  # trained runs shared by the module (the quick tier skips them)
 
@@ -30,8 +31,9 @@ SPLIT = [*COMMON, "probe.intervention=[all]"]
 TWO_PROCESSES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 FSDP = ["trainer=fsdp", *TWO_PROCESSES, "trainer.strategy.param_dtype=null"]
 DDP = ["trainer=ddp", *TWO_PROCESSES]
-# Same tokens and weights in float32: FSDP2 reduce-scatters gradients where DDP all-reduces them, so only
-# the summation order differs (~1e-7 relative per reduction); 4 AdamW steps keep that far below 1e-5.
+# Same tokens and weights in float32: FSDP2 reduce-scatters gradients over 2 ranks where one process
+# accumulates them, so only the summation order differs (~1e-7 relative per reduction); 4 AdamW steps keep
+# that far below 1e-5.
 LOSS_RTOL = 1e-5
 
 
@@ -42,9 +44,9 @@ def load(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded")
-    dirs = {name: root / name for name in ("fsdp", "ddp", "fsdp_split", "ddp_from_fsdp")}
+    dirs = {name: root / name for name in ("fsdp", "one", "fsdp_split", "ddp_from_fsdp")}
     run_train(dirs["fsdp"], *COMMON, *FSDP)
-    run_train(dirs["ddp"], *COMMON, *DDP)
+    train_here(dirs["one"], *COMMON)  # the reference: one process (FAST's trainer=cpu), in this one
     run_train(dirs["fsdp_split"], *SPLIT, *FSDP, "stop_at_step=2")
     # The same interrupted FSDP run, continued once by FSDP and once by DDP.
     shutil.copytree(dirs["fsdp_split"], dirs["ddp_from_fsdp"])
@@ -53,25 +55,26 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def test_fsdp_loss_curve_equals_ddp(runs: dict[str, Path]) -> None:
-    fsdp, ddp = step_losses(runs["fsdp"]), step_losses(runs["ddp"])
-    assert sorted(fsdp) == [1, 2, 3, 4]
-    for step, loss in ddp.items():
+def test_fsdp_loss_curve_equals_one_process(runs: dict[str, Path]) -> None:
+    fsdp, one = step_losses(runs["fsdp"]), step_losses(runs["one"])
+    assert sorted(fsdp) == sorted(one) == [1, 2, 3, 4]
+    for step, loss in one.items():
         assert fsdp[step] == pytest.approx(loss, rel=LOSS_RTOL), step
 
 
-def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[str, Path]) -> None:
-    fsdp, ddp = read_rows(runs["fsdp"] / "angles.jsonl"), read_rows(runs["ddp"] / "angles.jsonl")
+def test_uneven_probe_measures_every_token_once_under_fsdp(runs: dict[str, Path]) -> None:
+    """17 sequences on 2 ranks: every token measured once, as one process measures them."""
+    fsdp, one = read_rows(runs["fsdp"] / "angles.jsonl"), read_rows(runs["one"] / "angles.jsonl")
     assert sorted({r["step"] for r in fsdp}) == [0, 2, 4]
-    assert len(fsdp) == len(ddp) and all(r["count"] == 17 * 64 for r in fsdp + ddp)
-    for a, b in zip(ddp, fsdp, strict=True):
+    assert len(fsdp) == len(one) and all(r["count"] == 17 * 64 for r in fsdp + one)
+    for a, b in zip(one, fsdp, strict=True):
         assert (a["step"], a["layer"], a["site"], a["ref"]) == (b["step"], b["layer"], b["site"], b["ref"])
         assert b["mean_deg"] == pytest.approx(a["mean_deg"], abs=1e-3)
     # The centering intervention runs its forwards on every rank's share (padded batches too, or the sharded
-    # model would hang) and all-reduces its sums: every probe token is predicted once, as under DDP.
-    fsdp, ddp = read_rows(runs["fsdp"] / "intervention.jsonl"), read_rows(runs["ddp"] / "intervention.jsonl")
-    assert len(fsdp) == len(ddp) == 3 * 4  # steps 0, 2, 4 x (all, blocks 0 and 1, final)
-    for a, b in zip(ddp, fsdp, strict=True):
+    # model would hang) and all-reduces its sums: every probe token is predicted once, as in one process.
+    fsdp, one = read_rows(runs["fsdp"] / "intervention.jsonl"), read_rows(runs["one"] / "intervention.jsonl")
+    assert len(fsdp) == len(one) == 3 * 4  # steps 0, 2, 4 x (all, blocks 0 and 1, final)
+    for a, b in zip(one, fsdp, strict=True):
         assert (a["step"], a["scope_name"], a["tokens"], a["sequences"]) == (
             b["step"],
             b["scope_name"],
@@ -80,19 +83,19 @@ def test_uneven_probe_measures_every_token_once_under_fsdp_and_ddp(runs: dict[st
         )
         assert b["delta_loss"] == pytest.approx(a["delta_loss"], abs=1e-4)
         # A KL near 1e-5 summed in float32 over a 50,304-entry vocabulary carries ~1e-7 of
-        # rounding from the two sharding schemes' orders (DDP 9.957e-06 against FSDP 9.833e-06 on
+        # rounding from the reduction orders (DDP 9.957e-06 against FSDP 9.833e-06 on
         # this machine, with the code of fbdf9ba too): 5e-7 is that floor, and 5% of such a KL.
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=5e-7)
 
 
 def test_scheduled_checkpoints_are_full_state_dicts(runs: dict[str, Path]) -> None:
-    ddp_state = load(runs["ddp"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
+    one_state = load(runs["one"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
     fsdp_state = load(runs["fsdp"] / "checkpoints" / "step-0000002.ckpt")["state_dict"]
-    assert list(fsdp_state) == list(ddp_state)
+    assert list(fsdp_state) == list(one_state)
     for name, tensor in fsdp_state.items():
         # no DTensor shards
-        assert type(tensor) is torch.Tensor and tensor.shape == ddp_state[name].shape, name
-        torch.testing.assert_close(tensor, ddp_state[name], rtol=1e-4, atol=1e-5)
+        assert type(tensor) is torch.Tensor and tensor.shape == one_state[name].shape, name
+        torch.testing.assert_close(tensor, one_state[name], rtol=1e-4, atol=1e-5)
 
 
 def test_analyze_reads_an_fsdp_checkpoint(runs: dict[str, Path], shared: Path, tmp_path: Path) -> None:
