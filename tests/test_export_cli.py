@@ -34,7 +34,7 @@ from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import downstream_mismatches, paired_estimates
 from normgeo.verdict.measures import run_measures
 from normgeo.verdict.words import sentence, verdict_markdown
-from tests.conftest import ROOT, module_main, run_sweep
+from tests.conftest import ROOT, entry_point_here, module_main, run_sweep
 from tests.test_export_convert import FLOAT32_MAX_ABS, FLOAT64_RELATIVE
 from tests.test_verdict import independent_interval, make_run
 
@@ -344,24 +344,16 @@ def test_the_angle_probe_through_the_export_gives_the_training_probe_numbers(tra
         for line in config.read_text().splitlines()
         if line.strip().startswith("tokens:")
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "analyze.py",
-            "model=hub",
-            f"model.path={out}",
-            "model.trust_remote_code=true",
-            f"model.seq_len={seq_len}",
-            "probe=pydoc",
-            f"probe.tokens={tokens}",
-            f"output_root={tmp_path / 'an'}",
-            "progress=false",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = entry_point_here("analyze", [  # analyze.py's main in this process
+        "model=hub",
+        f"model.path={out}",
+        "model.trust_remote_code=true",
+        f"model.seq_len={seq_len}",
+        "probe=pydoc",
+        f"probe.tokens={tokens}",
+        f"output_root={tmp_path / 'an'}",
+        "progress=false",
+    ])
     assert result.returncode == 0, result.stderr[-3000:]
     measured = [
         json.loads(line) for line in next((tmp_path / "an").rglob("angles.jsonl")).read_text().splitlines()
@@ -405,7 +397,8 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
         )
     assert json.loads((runs[0] / "eval.json").read_text())["tasks"]["an_earlier_task"] == earlier["tasks"][
         "an_earlier_task"]
-    compared = module_main(capfd, "compare", trained, "--out", tmp_path / "compare", "--formats", "png")
+    compared = module_main(capfd, "compare", trained, "--out", tmp_path / "compare", "--formats", "png",
+                           "--refs=ones")
     assert compared.returncode == 0, compared.stderr[-3000:]
     verdict = (tmp_path / "compare" / "verdict.csv").read_text()
     assert f"downstream/{TASK_NAME}/acc" in verdict

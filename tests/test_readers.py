@@ -56,7 +56,7 @@ def test_an_unknown_figure_format_is_refused_before_anything_is_written(sweep: P
 def test_a_truncated_summary_json_skips_its_run_and_names_it(sweep: Path, capfd) -> None:
     damaged = sweep / "tiny-rms-s1" / "summary.json"
     damaged.write_text(damaged.read_text()[:40])
-    result = module_main(capfd, "compare", sweep, "--formats=png")
+    result = module_main(capfd, "compare", sweep, "--formats=png", "--refs=ones")
     assert f"skipped {damaged.parent}: {damaged}:" in result.stderr
     one_error_line(result, 1, "1 run(s) skipped for damaged records")
     out = sweep / "compare"
@@ -129,7 +129,7 @@ def test_every_file_of_a_run_is_read_by_one_reader_that_names_it(sweep: Path, ca
     summary.write_text(summary.read_text().replace('"train_loss": ', '"train_loss": "abc", "was": ', 1))
     metrics = sweep / "tiny-layer-s1" / "csv" / "version_0" / "metrics.csv"
     metrics.write_text(metrics.read_text() + '3,"cut\n')
-    result = module_main(capfd, "compare", sweep, "--formats=png")
+    result = module_main(capfd, "compare", sweep, "--formats=png", "--refs=ones")
     said = result.stderr
     assert (f"skipped {summary.parent}: {summary}:" in said and "damaged summary ('train_loss' is 'abc', "
             "expected a number or null); copy it again" in said), said[-3000:]

@@ -108,7 +108,7 @@ def test_the_answer_states_the_margin_the_seeds_reach_and_the_gpu_plan(tmp_path:
 
 def test_the_study_page_renders_the_verdict_with_its_words(twice: tuple[Path, Path], tmp_path: Path) -> None:
     out = twice[0]
-    assert compare_main([str(out), "--formats", "png"]) == 0
+    assert compare_main([str(out), "--formats", "png", "--refs=ones"]) == 0  # the page's figures
     (out / "wall_s.txt").write_text("60\n")
     (out / "disk_bytes.txt").write_text("1000\n")
     (out / "commands.txt").write_text(f"python train.py -m output_root={out}\n")
