@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import json
 import math
 import re
@@ -53,6 +55,18 @@ def refused_here(capsys, monkeypatch, name: str, *args: str) -> subprocess.Compl
         bench_module(name).main()
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess([name, *args], done.value.code, out, err)
+
+
+def script_here(capsys, monkeypatch, name: str, *args: str) -> str:
+    """``python bench/<name>.py <args>`` through its main in this process: its stdout. A new interpreter
+    spent seconds importing torch and Lightning before these tiny runs' own seconds; norm_cost.py (it raises
+    dynamo's recompile limit for the rest of its process) keeps a process of its own."""
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *args])
+    capsys.readouterr()
+    code = bench_module(name).main()
+    out, err = capsys.readouterr()
+    assert code in (None, 0), err[-3000:]
+    return out
 
 
 def markdown_rows(output: str, first_cell: str) -> list[list[str]]:
@@ -158,12 +172,13 @@ def test_kernel_shares_count_the_norms_own_ops_forward_and_backward() -> None:
     assert without["norm_us"] == 0 and without["total_us"] >= times["aten::addmm"] > 0
 
 
-def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Path) -> None:
+def test_efficiency_times_the_arms_interleaved_and_writes_its_page(tmp_path: Path, capsys,
+                                                                   monkeypatch) -> None:
     """bench/efficiency.py on the CPU stand-in, eager: every arm at two sizes with its ratio to rms, its
     interval over the repeats, the norms' share of the kernel time; then the page from the saved results."""
     results = tmp_path / "eff.json"
-    run_script(str(ROOT / "bench" / "efficiency.py"), "--standin", "--device", "cpu", "--sizes", "70m,1b",
-               "--modes", "eager", "--repeats", "3", "--steps", "1", "--warmup", "1", "--json", str(results))
+    script_here(capsys, monkeypatch, "efficiency", "--standin", "--device", "cpu", "--sizes", "70m,1b",
+                "--modes", "eager", "--repeats", "3", "--steps", "1", "--warmup", "1", "--json", str(results))
     report = json.loads(results.read_text())
     assert [(r["size"], r["mode"]) for r in report["results"]] == [("70m", "eager"), ("1b", "eager")]
     for result in report["results"]:
@@ -234,8 +249,8 @@ TINY = [
 
 
 @pytest.mark.slow
-def test_train_throughput_reports_harness_plain_and_minimal() -> None:
-    output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY)
+def test_train_throughput_reports_harness_plain_and_minimal(capsys, monkeypatch) -> None:
+    output = script_here(capsys, monkeypatch, "train_throughput", *TINY)
     for name in ("harness", "plain", "minimal"):
         assert re.search(
             rf"^{name}\s+tokens/s: median\s+[0-9.]+\s+best\s+[0-9.]+\s+all [0-9.]+$", output, re.M
@@ -246,8 +261,8 @@ def test_train_throughput_reports_harness_plain_and_minimal() -> None:
 
 
 @pytest.mark.slow
-def test_train_throughput_per_arm_rows_with_rms_as_the_reference() -> None:
-    output = run_script(str(ROOT / "bench" / "train_throughput.py"), *TINY, "--arms", "layer,rms")
+def test_train_throughput_per_arm_rows_with_rms_as_the_reference(capsys, monkeypatch) -> None:
+    output = script_here(capsys, monkeypatch, "train_throughput", *TINY, "--arms", "layer,rms")
     assert re.search(r"^layer\s+tokens/s: median", output, re.M) and re.search(
         r"^rms\s+tokens/s: median", output, re.M
     )
@@ -265,14 +280,11 @@ def test_train_throughput_refuses_an_unknown_arm(capsys, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes() -> None:
+def test_probe_cost_reports_the_default_probe_and_the_resumed_scopes(capsys, monkeypatch) -> None:
     """bench/probe_cost.py on the tiny model: every variant timed, the default probe's ratio and the scopes'
-    cost resumed and re-run printed."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "1024",
-         "--budget-tokens", "256", "--repeats", "1", "--memory-tokens", "512"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
-    out = result.stdout
+    cost resumed and re-run printed (the peak memory is measured in a child process of its own)."""
+    out = script_here(capsys, monkeypatch, "probe_cost", "--size", "tiny", "--tokens", "1024",
+                      "--budget-tokens", "256", "--repeats", "1", "--memory-tokens", "512")
     for variant in (
         "plain forward",
         "angle probe K=0",
@@ -344,12 +356,14 @@ def test_the_probe_waits_on_the_device_no_more_with_more_norms() -> None:
 
 
 @pytest.mark.slow  # compiles two norms: seconds
-def test_gpu_profile_writes_where_the_time_goes(tmp_path) -> None:
+def test_gpu_profile_writes_where_the_time_goes(tmp_path, capsys, monkeypatch) -> None:
     """bench/gpu_profile.py on the CPU: a section per profiled call with its wall time and top operators; the
     probe's section counts the host reads of tensor values (``aten::item``) that would each wait on a GPU."""
     page = tmp_path / "profile.md"
-    output = run_script(
-        str(ROOT / "bench" / "gpu_profile.py"),
+    output = script_here(
+        capsys,
+        monkeypatch,
+        "gpu_profile",
         "--device",
         "cpu",
         "--size",
@@ -387,13 +401,11 @@ def test_gpu_profile_writes_where_the_time_goes(tmp_path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_probe_cost_times_the_mean_sources_interleaved() -> None:
+def test_probe_cost_times_the_mean_sources_interleaved(capsys, monkeypatch) -> None:
     """bench/probe_cost.py --mean-sources-cost: the default probe with and without mean_sources.jsonl, and
     their ratio (issue 53's cost target)."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "probe_cost.py"), "--size", "tiny", "--tokens", "512",
-         "--repeats", "2", "--mean-sources-cost"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, check=True).stdout
+    out = script_here(capsys, monkeypatch, "probe_cost", "--size", "tiny", "--tokens", "512", "--repeats",
+                      "2", "--mean-sources-cost")
     timed = re.findall(r"^  (.+?) +best +[\d.]+ s +median +[\d.]+ s +all (.+)$", out, flags=re.MULTILINE)
     default = "default probe (+intervention on the first 512)"
     assert [name for name, _ in timed] == ["plain forward", f"{default} without mean sources", default]
@@ -413,9 +425,17 @@ def test_probe_cost_refuses_cuda_without_a_gpu(capsys, monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def harness_overhead() -> str:
-    """bench/harness_overhead.py at its smallest: 6 profiled steps logging every 3, one alternated repeat."""
-    return run_script(str(ROOT / "bench" / "harness_overhead.py"), "--sync-steps", "6", "--log-every", "3",
-                      "--steps", "2", "--warmup", "1", "--repeats", "1")
+    """bench/harness_overhead.py at its smallest: 6 profiled steps logging every 3, one alternated repeat,
+    through its main in this process (its torch thread count put back after)."""
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = bench_module("harness_overhead").main(
+                ["--sync-steps", "6", "--log-every", "3", "--steps", "2", "--warmup", "1", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    return out.getvalue()
 
 
 @pytest.mark.slow  # trains three times: seconds

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from corpus.tokenize import tiktoken_encoding
-from tests.conftest import ROOT, SHARED
+from tests.conftest import ROOT, SHARED, module_main
 from tests.test_export_cli import hand_checkpoint
 
-pytestmark = pytest.mark.slow  # a python -m normgeo.export per case (transformers' import, the BPE merges)
+pytestmark = pytest.mark.slow  # new interpreters: the tokenizer loaders, the exports with their own cache
 
 
 def export(run: Path, out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -59,10 +59,11 @@ TEXT = "The norm of a vector, and its angle with 1."
 
 
 @pytest.mark.parametrize("norm", ["rms", "dyt"])
-def test_the_tokenizer_of_a_custom_code_export_loads_without_custom_code(tmp_path: Path, norm: str) -> None:
+def test_the_tokenizer_of_a_custom_code_export_loads_without_custom_code(tmp_path: Path, norm: str,
+                                                                          capfd) -> None:
     hand_checkpoint(tmp_path / "run" / "checkpoints" / "step-0000005.ckpt", norm)
     out = tmp_path / "out"
-    result = export(tmp_path / "run", out)
+    result = module_main(capfd, "export", tmp_path / "run", "--to", "hf", "--out", out)  # in this process
     assert result.returncode == 0, result.stderr[-3000:]
     card = (out / "README.md").read_text()
     assert (

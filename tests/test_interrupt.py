@@ -226,14 +226,16 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
 
 
 def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tmp_path: Path) -> None:
-    """Issue 27: the probe at a scheduled step (here 16,384 tokens, seconds) is abandoned on SIGTERM within
+    """Issue 27: the probe at a scheduled step (here 8,192 tokens, seconds) is abandoned on SIGTERM within
     seconds; last.ckpt and the scheduled checkpoint are saved at the step, and the resumed session probes that
     step first (the same weights), so that angles.jsonl has every scheduled step."""
     from normgeo.measure.records import recorded_steps
 
     run_dir = tmp_path / "run"
-    # A long probe of the angles alone (the intervention's extra forwards would only make its resume slower).
-    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=16384",
+    # A long probe of the angles alone (the intervention's extra forwards would only make its resume slower):
+    # ~5 s on an idle core, where the signal comes within a second of the probe's start. Each session probes
+    # it twice or more (steps 0 and 5; 5 and 7), so its length is most of the test's time.
+    settings = ("max_steps=7", "checkpoint.steps=[5]", "checkpoint.last_every=1", "probe.tokens=8192",
                 "probe.intervention=[]")
     last = run_dir / "checkpoints" / "last.ckpt"
     err_path = tmp_path / "probe.stderr"

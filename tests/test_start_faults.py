@@ -285,11 +285,10 @@ def test_no_tokenizer_files_offline_is_one_line_before_the_run_directory(workspa
     assert not run_dir.exists() and list(empty.iterdir()) == []
 
 
-@pytest.mark.slow
-def test_a_run_dir_under_a_file_exits_2_and_writes_nothing(workspace: Path) -> None:
+def test_a_run_dir_under_a_file_exits_2_and_writes_nothing(workspace: Path, capsys) -> None:
     blocker = workspace / "a-file"
     blocker.write_text("not a folder\n")
-    done = run_train(blocker / "run", f"data_root={workspace / 'data'}", check=False)
+    done = train_in_process(blocker / "run", f"data_root={workspace / 'data'}", capsys=capsys)
     assert_refused(done, f"run_dir={blocker / 'run'}: {blocker} is a file")
     assert blocker.read_text() == "not a folder\n"  # before: Hydra's mkdir crashed with a traceback (exit 1)
 

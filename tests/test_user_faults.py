@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import ConfigError, launch_cost
 from normgeo.runs.start import check_trainer
-from tests.conftest import FAST, ROOT, entry_point_here, train_in_process
+from tests.conftest import FAST, entry_point_here, run_entry_point, train_in_process
 from train import build_trainer
 
 
@@ -146,23 +144,12 @@ def test_a_strategy_that_fails_by_a_bug_keeps_its_traceback_a_bad_key_is_one_lin
     ("trainer.precision=fp8", "error: trainer: Precision 'fp8' is invalid"),
 ])
 def test_trainer_arguments_exit_2_and_leave_the_run_directory_as_it_was(override: str, message: str,
-                                                                       tmp_path: Path) -> None:
+                                                                       tmp_path: Path, capsys) -> None:
+    """train.py's main in this process (tests/test_bad_input.py runs trainer.devices=0 as a real process)."""
     run_dir = a_finished_run(tmp_path / "run")
     before = tree(run_dir)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "experiment=smoke",
-            override,
-            f"run_dir={run_dir}",
-            f"data_root={tmp_path / 'data'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_entry_point("train", ["experiment=smoke", override, f"run_dir={run_dir}",
+                                     f"data_root={tmp_path / 'data'}"], capsys)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
     assert tree(run_dir) == before  # the data prepared under data_root stays, for the corrected command
