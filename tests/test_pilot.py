@@ -24,7 +24,7 @@ from normgeo.pilot import run_table, validation_windows
 from normgeo.plan import main as plan_main
 from tests.conftest import ROOT, metrics_rows
 
-TINY = "max_steps=6 optim.warmup_steps=0 checkpoint.steps=[6] val_every=3 val_sequences=16 log_every=1"
+TINY = "max_steps=4 optim.warmup_steps=0 checkpoint.steps=[4] val_every=2 val_sequences=16 log_every=1"
 
 
 @pytest.fixture(scope="module")
