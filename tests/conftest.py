@@ -203,6 +203,14 @@ def entry_point_here(script: str, args: list[str]) -> subprocess.CompletedProces
     return subprocess.CompletedProcess([f"{script}.py", *args], code, out.getvalue(), err.getvalue())
 
 
+def command_here(command: list[str]) -> subprocess.CompletedProcess:
+    """A ``python train.py ...`` command line (one a run printed, or :func:`run_train`'s) through train.py's
+    main in this process: for a session no test signals (DDP, signals and other environments need a process
+    of their own)."""
+    assert Path(command[1]).name == "train.py", command
+    return entry_point_here("train", command[2:])
+
+
 def train_here(run_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
     """:func:`run_train` in this process, for a single-process run whose test reads its files and output: the
     same main, without a new interpreter's seconds of imports (DDP, signals and other environments need

@@ -22,7 +22,7 @@ from corpus.atomic import TMP_SUFFIX, DiskFullError, atomic_open, full_disk_caus
 from corpus.next_sentence import TASK_NAME
 from normgeo.evaluate import main as evaluate_main
 from normgeo.export import main as export_main
-from tests.conftest import FAST, entry_point_here, step_losses
+from tests.conftest import FAST, command_here, entry_point_here, step_losses
 from tests.test_export_cli import WIKIPEDIA, hand_checkpoint
 
 MAX_STEPS = 6
@@ -90,8 +90,7 @@ def test_a_full_disk_exits_2_naming_the_file_and_the_run_resumes_after_freeing_s
         # Free space (a bigger disk), then the command the error printed continues the run.
         subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
         command = shlex.split(last.split("with resume=auto: ", 1)[1])
-        assert Path(command[1]).name == "train.py", command
-        resumed = entry_point_here("train", command[2:])
+        resumed = command_here(command)
         assert resumed.returncode == 0, resumed.stderr[-6000:]
         assert f"resuming from {ckpt}" in resumed.stdout
         assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == MAX_STEPS

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from corpus.atomic import TMP_SUFFIX
-from tests.conftest import ROOT, entry_point_here, metrics_rows, step_losses
+from tests.conftest import ROOT, command_here, metrics_rows, step_losses
 from tests.test_resume_kill import ckpt_step, train_args
 
 pytestmark = pytest.mark.slow
@@ -69,14 +69,6 @@ def signal_after_scheduled_step(
     return proc.returncode, err_path.read_text().splitlines(), out_path.read_text().splitlines()
 
 
-def run_here(command: list[str]) -> subprocess.CompletedProcess:
-    """A ``python train.py ...`` command line (one the interrupted session printed, or :func:`train_args`')
-    through train.py's main in this process: a session that no test signals needs no interpreter of its own
-    (seconds of Lightning's imports each)."""
-    assert Path(command[1]).name == "train.py", command
-    return entry_point_here("train", command[2:])
-
-
 def stop_steps(lines: list[str]) -> list[int]:
     """The step each rank logged that it stops after."""
     return [int(m.group(2)) for line in lines if (m := STOPPED.search(line))]
@@ -116,7 +108,7 @@ def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_pa
 
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     trained_s = saved["callbacks"]["Timer"]["time_elapsed"]["train"]  # Lightning's Timer, at the save
-    resumed = run_here(command)
+    resumed = command_here(command)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == MAX_STEPS
@@ -226,7 +218,7 @@ def test_sigterm_during_a_long_validation_is_honoured_within_10_s(tmp_path: Path
     assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
     # The command continues from step 5 to the end (the abandoned validation is not repeated: no validation
     # is due before max_steps, so the resume takes seconds, not the minutes of a validation).
-    resumed = run_here(command)
+    resumed = command_here(command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ckpt_step(last) == 8
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -277,7 +269,7 @@ def test_sigterm_during_a_probe_abandons_it_and_the_resume_measures_that_step(tm
     assert "(abandoned the probe at step 5)" in lines[-2]
     assert ckpt_step(last) == 5 and (run_dir / "checkpoints" / "step-0000005.ckpt").is_file()
     assert 5 not in recorded_steps(run_dir / "angles.jsonl")
-    resumed = run_here(shlex.split(lines[-1]))
+    resumed = command_here(shlex.split(lines[-1]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(recorded_steps(run_dir / "angles.jsonl")) == [0, 5, 7]
 
@@ -308,7 +300,7 @@ def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_complete
     assert written["figures"] == []
     checkpoints = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
     rows = metrics_rows(run_dir)
-    done = run_here([*args, "resume=auto"])
+    done = command_here([*args, "resume=auto"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "its end was interrupted before the figures: drawing them (nothing is retrained)" in done.stdout
     completed = json.loads(summary.read_text())
@@ -317,7 +309,7 @@ def test_sigterm_while_the_end_is_written_leaves_a_run_that_resume_auto_complete
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == checkpoints
     assert metrics_rows(run_dir) == rows
     # Complete now: the same command says so and changes nothing.
-    again = run_here([*args, "resume=auto"])
+    again = command_here([*args, "resume=auto"])
     assert again.returncode == 0 and "drawing them" not in again.stdout and "already finished" in again.stdout
 
 
@@ -368,7 +360,7 @@ def test_the_command_printed_after_two_signals_before_the_first_last_ckpt_is_acc
         command = shlex.split(lines[-1])
         assert command[-1] == f"run_dir={run_dir}" and "resume=auto" not in command, lines[-3:]
     assert "Traceback" not in "\n".join(lines), "\n".join(lines[-30:])
-    done = run_here(command)
+    done = command_here(command)
     assert done.returncode == 0, done.stderr[-4000:]
     assert ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 2
 
@@ -400,6 +392,6 @@ def test_a_signal_as_fit_ends_stops_the_end_and_says_so(tmp_path: Path, signum: 
     assert summary["finished"] is True and summary["figures"] == []
     assert summary["session_log"][-1]["ended"] == f"interrupted by {name}"
     command = lines[-1].split("checkpointed; ", 1)[1].split(" writes the rest", 1)[0]
-    done = run_here(shlex.split(command))
+    done = command_here(shlex.split(command))
     assert done.returncode == 0 and "drawing them (nothing is retrained)" in done.stdout, done.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["figures"]
