@@ -93,8 +93,8 @@ def outside(spec: NumericKey) -> str:
 def cases() -> list:
     """(script, key, value) for every numeric key: a value outside its range, and for every float key NaN and
     inf, which pydantic refuses. An integer key's NaN and inf are refused by Hydra's type check, the same code
-    path for every key: its first integer key and first integer list per script (slow-marked; every key
-    took ~100 cases, 40 s of the full suite)."""
+    path for every key: its first integer key and first integer list per script (slow-marked; every
+    integer key took ~100 cases)."""
     found = []
     for script, schema in SCRIPTS.items():
         hydra_checked: set[bool] = set()  # the integer kinds (list or not) already given their NaN and inf
@@ -267,8 +267,9 @@ def test_costly_values_get_one_line_each_above_their_threshold() -> None:
         "max_steps=1000000: 1,024,000,000 training tokens, 5,000x the 200 steps of size=tiny"]
 
 
-# One real process per kind of refusal (a range, a list element, Hydra's own type error, analyze.py's): the
-# nan and inf of every numeric key are refused in this process above (seconds of imports per process).
+# One real process per kind of refusal (a range, a list element, Hydra's own type error, analyze.py's): every
+# key's out-of-range value and every float key's nan and inf are refused in this process above (a process
+# costs seconds of imports).
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "override", "message"), [
     ("train", "optim.lr=nan", "error: optim.lr=nan: expected a finite float > 0"),
