@@ -96,9 +96,12 @@ def measured_table() -> None:
           "`plan.headroom_gib` exceed the card; between that and the planned peak it warns with the numbers "
           "and the run starts. The refusal names the planned peak (compiled or eager), the card and the "
           "largest micro_batch that fits (`micro_batch=N` starts and resumes; `plan.check=false` too). "
+          "The gate traces the configured micro_batch alone unless its peak and `plan.headroom_gib` exceed "
+          "the card; then half of it too, for the slope that names the micro_batch that fits. "
           "Rank 0 plans once per run and keeps the plan in `<run_dir>/plan.json` with a hash of what it "
-          "planned, written once the start is accepted; other ranks and later sessions read it, and a "
-          "changed config is planned again.")
+          "planned, written once the start is accepted; other ranks and later sessions read it, a "
+          "changed config is planned again, and a kept plan of one trace is traced again on a card it does "
+          "not fit.")
 
 
 if __name__ == "__main__":

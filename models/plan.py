@@ -31,7 +31,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -199,6 +199,12 @@ class Linear:
 
     def at(self, micro_batch: int) -> int:
         return int(round(self.fixed + self.per_sample * micro_batch))
+
+    @classmethod
+    def through(cls, b1: int, peak1: int, b2: int, peak2: int) -> Linear:
+        """The line through the peaks traced at micro_batch ``b1`` and ``b2``."""
+        slope = (peak1 - peak2) / (b1 - b2)
+        return cls(peak1 - slope * b1, slope, (b1, b2))
 
 
 @dataclass(frozen=True)
@@ -467,28 +473,35 @@ def second_batch(micro_batch: int) -> int:
     return micro_batch // 2 if micro_batch >= 2 else 2
 
 
+def trace_memory(setup: TrainSetup, counts: ModelCounts, batch: int,
+                 checkpointing: bool) -> tuple[Memory, float]:
+    """The per-GPU memory of one step at micro_batch ``batch`` and its counted FLOPs per token: FSDP2's
+    compute (its sharded state is analytic), the compiled step, or the eager step."""
+    if setup.strategy == "fsdp2":
+        trace = trace_sharded_compute(setup, batch, checkpointing=checkpointing)
+        memory = per_gpu(setup, counts, trace, trace)
+    elif plans_compiled(setup, checkpointing):
+        trace = trace_compiled_step(setup, batch)
+        memory = per_gpu(setup, counts, trace, None)
+    else:
+        trace = trace_step(setup, batch, checkpointing=checkpointing)
+        memory = per_gpu(setup, counts, trace, None)
+    return memory, trace.flops / (batch * setup.seq_len)
+
+
+def plans_compiled(setup: TrainSetup, checkpointing: bool) -> bool:
+    """Whether the step is planned compiled: activation checkpointing's column stays the eager trace."""
+    return setup.plans_compiled and not checkpointing
+
+
 def plan_strategy(setup: TrainSetup, counts: ModelCounts, checkpointing: bool,
                   batches: tuple[int, ...] | None = None) -> StrategyPlan:
     """Trace at the configured micro_batch and at a second one; peaks are linear in between and beyond."""
-    batches = batches or (setup.micro_batch, second_batch(setup.micro_batch))
-    memories = []
-    flops = 0.0
-    compiled = setup.plans_compiled and not checkpointing
-    for i, batch in enumerate(batches):
-        if setup.strategy == "fsdp2":  # the sharded state is analytic: only the compute is traced
-            trace = trace_sharded_compute(setup, batch, checkpointing=checkpointing)
-            memories.append(per_gpu(setup, counts, trace, trace))
-        elif compiled:
-            trace = trace_compiled_step(setup, batch)
-            memories.append(per_gpu(setup, counts, trace, None))
-        else:
-            trace = trace_step(setup, batch, checkpointing=checkpointing)
-            memories.append(per_gpu(setup, counts, trace, None))
-        if i == 0:
-            flops = trace.flops / (batch * setup.seq_len)
-    (b1, b2), (m1, m2) = batches[:2], memories[:2]
-    slope = (m1.total - m2.total) / (b1 - b2)
-    return StrategyPlan(checkpointing, m1, Linear(m1.total - slope * b1, slope, (b1, b2)), flops, compiled)
+    b1, b2 = (batches or (setup.micro_batch, second_batch(setup.micro_batch)))[:2]
+    m1, flops = trace_memory(setup, counts, b1, checkpointing)
+    m2, _ = trace_memory(setup, counts, b2, checkpointing)
+    return StrategyPlan(checkpointing, m1, Linear.through(b1, m1.total, b2, m2.total), flops,
+                        plans_compiled(setup, checkpointing))
 
 
 @dataclass(frozen=True)
@@ -573,8 +586,8 @@ class GatePlan:
 
     peak: int                   # planned peak per GPU at micro_batch
     lower_bound: int            # what certainly lives at once (:func:`lower_bound`)
-    fixed: float                # the peak against micro_batch: fixed + per_sample * b
-    per_sample: float
+    fixed: float | None         # the peak against micro_batch: fixed + per_sample * b; None: one micro_batch
+    per_sample: float | None    # traced, as the peak fit the card (:func:`traced_gate_plan`)
     compiled: bool              # the compiled step was planned (else the eager trace)
     micro_batch: int
     global_batch: int
@@ -584,7 +597,14 @@ class GatePlan:
 
     @property
     def line(self) -> Linear:
+        if self.fixed is None or self.per_sample is None:
+            raise ValueError("this gate plan traced one micro_batch (its peak fit the card): it has no line")
         return Linear(self.fixed, self.per_sample, (self.micro_batch, self.micro_batch))
+
+    def peak_fits(self, total_memory: int, headroom_gib: float) -> bool:
+        """Whether the planned peak + the CUDA context fits the card: the gate starts the run without a
+        word (fragmentation is not counted: the plan's peak already overstates the allocator's)."""
+        return self.peak + headroom_gib * GIB <= total_memory
 
     @property
     def kind(self) -> str:
@@ -610,10 +630,31 @@ def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
 
 def gate_plan(plan: Plan) -> GatePlan:
     chosen, setup = plan.configured, plan.setup
-    accumulated = plan.counts.parameter_bytes if setup.accumulating and setup.strategy == "single" else 0
     return GatePlan(chosen.memory.total, lower_bound(setup, plan.counts), chosen.peak.fixed,
                     chosen.peak.per_sample, chosen.compiled, setup.micro_batch, setup.global_batch,
-                    setup.world_size, chosen.memory.as_dict(), accumulated)
+                    setup.world_size, chosen.memory.as_dict(), accumulated_gradients(setup, plan.counts))
+
+
+def traced_gate_plan(setup: TrainSetup, total_memory: int, headroom_gib: float) -> GatePlan:
+    """The gate's plan with the fewest traces: the configured step's, and a second micro_batch's (the peak's
+    slope, from which the gate names the largest micro_batch that fits) only when the first peak + the CUDA
+    context does not fit the card. A run that fits, the common start, waits for one trace, not two."""
+    counts, checkpointing = model_counts(setup), setup.activation_checkpointing
+    memory, _ = trace_memory(setup, counts, setup.micro_batch, checkpointing)
+    planned = GatePlan(memory.total, lower_bound(setup, counts), None, None,
+                       plans_compiled(setup, checkpointing), setup.micro_batch, setup.global_batch,
+                       setup.world_size, memory.as_dict(), accumulated_gradients(setup, counts))
+    if planned.peak_fits(total_memory, headroom_gib):
+        return planned
+    second = second_batch(setup.micro_batch)
+    other, _ = trace_memory(setup, counts, second, checkpointing)
+    line = Linear.through(setup.micro_batch, memory.total, second, other.total)
+    return replace(planned, fixed=line.fixed, per_sample=line.per_sample)
+
+
+def accumulated_gradients(setup: TrainSetup, counts: ModelCounts) -> int:
+    """Gradients alive through the micro-steps after the first, one device accumulating (0: none)."""
+    return counts.parameter_bytes if setup.accumulating and setup.strategy == "single" else 0
 
 
 @dataclass(frozen=True)
@@ -631,7 +672,7 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
     holds); else nothing. Fragmentation is not counted in either; the largest micro_batch named does count
     it (what to launch)."""
     context = headroom_gib * GIB
-    if planned.peak + context <= total_memory:
+    if planned.peak_fits(total_memory, headroom_gib):
         return GateDecision(None, None)
     best = largest_micro_batch(planned.line, total_memory, planned.global_batch, planned.world_size,
                                headroom_gib, fragmentation)

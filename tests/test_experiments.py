@@ -8,7 +8,7 @@ written, with overrides only for what this machine lacks:
 - compute: ``seq_len=32``, ``global_batch=4``, ``micro_batch=2`` (the paper's 64 x 1024 tokens per step
   would take minutes per step on 2 cores), ``max_steps=2``, ``probe.tokens=128``;
 - memory and time: the 160m, 410m and 1b presets keep their width, heads and vocabulary but run with
-  ``size.n_layer=2`` on one process of their DDP strategy (``trainer.devices=1``): with all layers the 1b
+  ``size.n_layer=1`` on one process of their DDP strategy (``trainer.devices=1``): with all layers the 1b
   preset's fp32 weights + gradients + AdamW state are 16 GB per process. ``paper_grid``'s 70m column runs
   the same way; two processes of DDP run in ``paper``, which differs from these only in the size. The
   one-process runs train in the test's process (:func:`train_in_this_process`: seconds of imports saved per
@@ -75,7 +75,7 @@ def test_every_trainer_option_builds_its_trainer(option: str, tmp_path: Path, mo
 
 
 # The wider presets and the grid differ from paper only in their sizes: they train on one process of their DDP
-# strategy (the two-process DDP path is paper's), with 2 of their layers.
+# strategy (the two-process DDP path is paper's), with 1 of their layers: their width is what differs.
 ONE_PROCESS = ("paper_160m", "paper_410m", "paper_1b", "paper_grid")
 
 
@@ -115,7 +115,7 @@ def experiment_overrides(experiment: str, shared: Path) -> list[str]:
             "checkpoint.steps=[2]",
         ]
     if experiment in ONE_PROCESS:
-        overrides += ["size.n_layer=2", "trainer.devices=1"]
+        overrides += ["size.n_layer=1", "trainer.devices=1"]
     return overrides
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from models.plan import (
     quiet_plan,
     trace_compiled_step,
     trace_step,
+    traced_gate_plan,
 )
 from normgeo.config.checks import group_options
 from normgeo.config.compose import TRAIN_CONFIG_DIRS
@@ -157,6 +159,27 @@ def test_the_gate_warns_between_its_lower_bound_and_the_plan_and_refuses_below_t
     best = largest_micro_batch(plan.configured.peak, small, 8, 1, 1.5, 0.1)
     assert best == 2 and "micro_batch=2 fits the plan" in message and "Small GPU" in message
     assert f"{peak / GIB:.1f} GiB" in message and "plan.check=false" in message
+
+
+def test_the_gate_traces_a_second_micro_batch_only_for_a_run_that_does_not_fit() -> None:
+    """The launch gate's plan (train.py's start waits for it): one trace where the peak fits the card, the
+    plan's numbers at the configured micro_batch; where it does not, the second trace gives the same line as
+    the full plan, from which the gate names the micro_batch that fits."""
+    setup = setup_of("tiny", seq_len=128, micro_batch=8)
+    with quiet_plan():
+        full = gate_plan(make_plan(setup, both_checkpointing=False, probe=False))
+        roomy = traced_gate_plan(setup, full.peak + 2 * GIB, headroom_gib=1.5)
+        small = int(full.peak / 2 + 1.5 * GIB)
+        tight = traced_gate_plan(setup, small, headroom_gib=1.5)
+    assert roomy.per_sample is None and roomy.fixed is None
+    assert roomy == replace(full, fixed=None, per_sample=None)
+    assert tight == full
+    with pytest.raises(ValueError, match="one micro_batch"):
+        roomy.line  # noqa: B018 (the property is what is tested)
+    decision = gate(tight, small, "Small GPU", headroom_gib=1.5, fragmentation=0.1)
+    line = decision.refusal or decision.warning
+    best = largest_micro_batch(full.line, small, 8, 1, 1.5, 0.1)
+    assert best is not None and f"micro_batch={best} fits the plan" in line, line
 
 
 def test_accumulating_micro_steps_add_the_gradients_to_the_plan() -> None:

@@ -224,6 +224,22 @@ def test_a_run_resumes_with_the_check_turned_off_or_on(workspace: Path, first: l
 
 
 @pytest.mark.slow
+def test_a_kept_plan_of_one_trace_is_traced_again_for_a_card_it_does_not_fit(workspace: Path, capsys) -> None:
+    """The gate traces a second micro_batch only where the first does not fit: a run started on a stated
+    64 GiB card keeps a plan without the peak's slope; its resume on a smaller card traces again and names
+    what fits, and the refused resume changes nothing."""
+    run_dir = workspace / "kept-one-trace"
+    common = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
+    train_here(run_dir, *common, "plan.device_memory_gib=64", "stop_at_step=2")
+    kept = json.loads((run_dir / PLAN_FILE).read_text())["plan"]
+    assert kept["per_sample"] is None and kept["fixed"] is None and kept["peak"] > 0
+    before = sha_tree(run_dir)
+    done = train_in_process(run_dir, *common, "plan.device_memory_gib=0.001", "resume=auto", capsys=capsys)
+    assert_refused(done, "micro_batch=4 cannot fit", "no micro_batch fits the plan")
+    assert sha_tree(run_dir) == before
+
+
+@pytest.mark.slow
 def test_a_resume_whose_probe_text_got_shorter_is_refused_and_changes_nothing(
     workspace: Path, capsys
 ) -> None:

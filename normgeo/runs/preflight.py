@@ -16,7 +16,7 @@ import torch
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
-from models.plan import GIB, GatePlan, TrainSetup, gate, gate_plan, make_plan, quiet_plan
+from models.plan import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
 from normgeo.config.schema import ConfigError, TrainSchema, compiles
 from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import is_rank_zero
@@ -119,12 +119,15 @@ def preflight(cfg: TrainSchema) -> KeptPlan | None:
     inputs = {"setup": asdict(setup), "torch": torch.__version__}  # what the plan depends on
     inputs_hash = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     planned = read_kept_plan(Path(cfg.run_dir), inputs_hash)
-    if planned is None:
+    # A kept plan of one traced micro_batch (it fit the card it was planned for) is traced again where it
+    # does not fit this card: the gate then names the largest micro_batch that does.
+    headroom = cfg.plan.headroom_gib
+    if planned is None or (planned.per_sample is None and not planned.peak_fits(total_memory, headroom)):
         if not is_rank_zero():  # rank 0 plans and decides; its plan is kept for the others
             return None
         with quiet_plan():
-            planned = gate_plan(make_plan(setup, both_checkpointing=False, probe=False))
-    decision = gate(planned, total_memory, device_name, headroom_gib=cfg.plan.headroom_gib,
+            planned = traced_gate_plan(setup, total_memory, headroom)
+    decision = gate(planned, total_memory, device_name, headroom_gib=headroom,
                     fragmentation=cfg.plan.fragmentation)
     if decision.refusal:
         raise PlanRefusal(decision.refusal)
