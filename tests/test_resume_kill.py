@@ -23,7 +23,7 @@ from corpus.atomic import TMP_SUFFIX
 from normgeo.measure.records import read_rows
 from normgeo.readers.status import run_status
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +71,15 @@ def train_args(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def run_to_end(run_dir: Path, *overrides: str) -> None:
-    result = subprocess.run(
-        train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, f"train.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
+    """A session no test kills: train.py's main in this process (:func:`tests.conftest.train_here`), the
+    same command line as the killed sessions' processes; two DDP processes need a process of their own."""
+    if "trainer=ddp_cpu" in overrides:
+        result = subprocess.run(
+            train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, f"train.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
+    else:
+        train_here(run_dir, *overrides)
 
 
 def kill_during(run_dir: Path, step: int, delay: float, *overrides: str) -> int:
@@ -180,9 +185,7 @@ def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(
     kill_when(run_dir, writing_a_checkpoint, "checkpoint write", 0.0, *overrides)
     orphans = list(run_dir.rglob(f"*{TMP_SUFFIX}"))
     assert orphans
-    result = subprocess.run(
-        train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    result = train_here(run_dir, *overrides, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "last.ckpt is unreadable" in output and "falling back to" in output

@@ -34,6 +34,7 @@ SHORT = (
     "probe.tokens=1024",
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
+    "probe.figures=false",  # a run's own figures: seconds each, and what is compared here are its records
 )
 
 
