@@ -42,16 +42,6 @@ WIKIPEDIA = "corpora/wikipedia/enwiki-wikiextractor"
 SETTINGS = ("max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0")
 
 
-def run_module(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def hand_checkpoint(path: Path, norm: str, placement: str = "pre", step: int = 5) -> Path:
     """A checkpoint in the layout train.py saves (gpt_config, model.* state_dict, step, hyper-parameters)."""
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, norm=norm, placement=placement))
@@ -375,8 +365,8 @@ def test_evaluate_runs_lm_evaluation_harness_offline_and_the_verdict_reads_it(tr
     runs = sorted(p for p in trained.iterdir() if (p / "checkpoints").is_dir())
     earlier = {"step": 2, "limit": 5, "tasks": {"an_earlier_task": {"acc": 0.5, "step": 2, "limit": 5}}}
     (runs[0] / "eval.json").write_text(json.dumps(earlier))  # an earlier evaluation's score: kept
-    result = run_module("normgeo.evaluate", *runs, "--tasks", TASK_NAME, "--include-path", task_dir,
-                        "--limit", 8, timeout=900)
+    result = module_main(capfd, "evaluate", *runs, "--tasks", TASK_NAME, "--include-path", task_dir,
+                         "--limit", 8)
     assert result.returncode == 0, result.stderr[-3000:]
     # The examples longer than the runs' 64-token context, counted here from the task's own file.
     encode = tiktoken_encoding().encode_ordinary
