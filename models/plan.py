@@ -603,7 +603,7 @@ class GatePlan:
 
     def peak_fits(self, total_memory: int, headroom_gib: float) -> bool:
         """Whether the planned peak + the CUDA context fits the card: the gate starts the run without a
-        word (fragmentation is not counted: the plan's peak already overstates the allocator's)."""
+        word (fragmentation is not counted, as in :func:`gate`)."""
         return self.peak + headroom_gib * GIB <= total_memory
 
     @property
