@@ -3,6 +3,8 @@
 No SLURM here: a kill -9 is the worst a scheduler or a node failure does. The killed session loses the
 steps after its last.ckpt (written every step here) and its unflushed CSV rows; what it wrote is whole
 (atomic files), and the resumed sessions recompute the lost steps bit for bit on the same process count.
+The sessions no test kills (the uninterrupted reference, the final resumes) run train.py's main in the
+test's process (``train_here``, the same command line); a resume on two DDP processes is a real launch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from corpus.atomic import TMP_SUFFIX
 from normgeo.measure.records import read_rows
 from normgeo.readers.status import run_status
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint
-from tests.conftest import FAST, ROOT, train_here
+from tests.conftest import FAST, ROOT, run_train, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -70,18 +72,6 @@ def train_args(run_dir: Path, *overrides: str) -> list[str]:
             f"data_root={run_dir.parent / 'data'}", *overrides]
 
 
-def run_to_end(run_dir: Path, *overrides: str) -> None:
-    """A session no test kills: train.py's main in this process (:func:`tests.conftest.train_here`), the
-    same command line as the killed sessions' processes; two DDP processes need a process of their own."""
-    if "trainer=ddp_cpu" in overrides:
-        result = subprocess.run(
-            train_args(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, f"train.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
-    else:
-        train_here(run_dir, *overrides)
-
-
 def kill_during(run_dir: Path, step: int, delay: float, *overrides: str) -> int:
     """Start train.py, SIGKILL it ``delay`` s after step ``step``'s checkpoint appears; the resume step."""
     marker = run_dir / "checkpoints" / f"step-{step:07d}.ckpt"
@@ -121,7 +111,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(workdir: Path) -> Path:
     run_dir = workdir / "whole"
-    run_to_end(run_dir, *COMMON)
+    train_here(run_dir, *COMMON)
     return run_dir
 
 
@@ -138,7 +128,7 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
         print(f"killed {delay:.2f} s after step {step}'s checkpoint; last.ckpt at step {resumed_from[-1]}")
         status = run_status(run_dir, workdir, use_slurm=False, active_s=0)
         assert (status.state, status.step) == ("failed", resumed_from[-1])
-    run_to_end(run_dir, *COMMON, "resume=auto")
+    train_here(run_dir, *COMMON, "resume=auto")
     # step-k.ckpt is written just before last.ckpt: a kill in between resumes from step k-1.
     assert resumed_from[0] >= first - 1 and resumed_from[1] >= second - 1
 
@@ -210,7 +200,7 @@ def test_sigkill_then_resume_on_two_ddp_processes_keeps_the_token_stream(
     step = RNG.randrange(2, MAX_STEPS - 3)
     resumed = kill_during(run_dir, step, RNG.uniform(0.0, 0.8), *COMMON, "resume=auto")
     print(f"killed the 1-process run after step {step}; resuming from step {resumed} on 2 processes")
-    run_to_end(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")
+    run_train(run_dir, *COMMON, "resume=auto", "trainer=ddp_cpu", "trainer.devices=2")  # 2 processes
 
     reference, losses = all_step_losses(uninterrupted), all_step_losses(run_dir)
     assert set(range(resumed + 1, MAX_STEPS + 1)) <= set(losses)
@@ -246,7 +236,7 @@ def test_a_killed_sessions_time_up_to_its_last_checkpoint_counts_in_wall_s(tmp_p
     saved = torch.load(last, map_location="cpu", weights_only=True)
     trained_s = saved["callbacks"]["Timer"]["time_elapsed"]["train"]
     assert trained_s > 0
-    run_to_end(run_dir, *settings, "resume=auto")
+    train_here(run_dir, *settings, "resume=auto")
     summary = json.loads((run_dir / "summary.json").read_text())
     [session] = summary["session_log"]
     assert session["steps"] == [saved["global_step"], 6]
