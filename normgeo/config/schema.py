@@ -175,7 +175,8 @@ class ProbeSchema:
                                   "skip documents shorter than this (title-only stubs)")
     max_doc_tokens: Count | None = doc(ProbeConfig.max_doc_tokens,
                                        "cut longer documents to their first this many tokens, so one long "
-                                       "article cannot fill the probe; >= min_doc_tokens; null: no cap")
+                                       "article cannot fill the probe; >= min_doc_tokens; null: no cap",
+                                       before=None)  # before it: whole documents
     bootstrap: BootstrapSchema = doc(BootstrapSchema, "95% intervals over probe sequences")
     intervention: list[str] = doc(list(ProbeConfig.intervention),
                                   "the centering intervention's scopes (intervention.jsonl): "
