@@ -70,12 +70,11 @@ def _device(cfg: DictConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def analyze(cfg: DictConfig) -> Path:
-    """Measure one model and write its outputs; returns the output directory."""
+def analyze(cfg: DictConfig, probe: ProbeConfig) -> Path:
+    """Measure one model with ``probe`` (the validated ``cfg.probe``) and write its outputs; returns the
+    output directory."""
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
-    # analyze batches by the model's key
-    probe = ProbeConfig.from_config(cfg.probe, batch_size=cfg.model.batch_size)
     loaded = load_model(cfg.model, lm_head=bool(probe.intervention))
     model = loaded.model
     if cfg.model.get("device_map"):
@@ -97,12 +96,12 @@ def analyze(cfg: DictConfig) -> Path:
              cfg.model.name, f"{params:,}", len(norms), kind, dim, next(model.parameters()).dtype,
              device or "device_map", seq_len)
 
-    source = instantiate(cfg.probe.source)
+    source = instantiate(probe.source)
     ids = probe_ids(source, loaded.encode_batch, loaded.separator, probe)
     tokenized_at = time.perf_counter()
     references = make_references(dim, probe.seed, probe.null_directions)
     records = measure_records(
-        model, ids, seq_len, references, probe,
+        model, ids, seq_len, references, probe, batch_size=cfg.model.batch_size,
         model_name=cfg.model.name, step=loaded.step, tokens_per_step=loaded.tokens_per_step,
         forward=loaded.forward, norms=norms, device=device, progress=cfg.progress, announce_cost=True,
         separator=loaded.separator,
@@ -145,10 +144,10 @@ def analyze(cfg: DictConfig) -> Path:
         "batch_size": cfg.model.batch_size,
         "tokens": len(ids),
         "probe_source": source.describe(),
-        "probe_sampled": bool(cfg.probe.sample),
-        "probe_min_doc_tokens": cfg.probe.min_doc_tokens,
-        "probe_max_doc_tokens": cfg.probe.max_doc_tokens,
-        "null_directions": cfg.probe.null_directions,
+        "probe_sampled": probe.sample,
+        "probe_min_doc_tokens": probe.min_doc_tokens,
+        "probe_max_doc_tokens": probe.max_doc_tokens,
+        "null_directions": probe.null_directions,
         "load_s": round(loaded_at - started, 2),
         "tokenize_s": round(tokenized_at - loaded_at, 2),
         "probe_s": round(probe_seconds, 2),
@@ -183,7 +182,7 @@ def run(cfg: DictConfig) -> Refused | None:
     the folders this start created and its partial log, so an earlier analysis in
     out_dir stays as it was; a refused job of a ``-m`` sweep lets the others run."""
     try:
-        check_config("analyze", cfg)
+        probe = check_config("analyze", cfg).probe
         check_writable_folder(Path(cfg.out_dir), "out_dir")
         check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
     except (ConfigError, FolderError) as err:
@@ -196,7 +195,7 @@ def run(cfg: DictConfig) -> Refused | None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         attach_log_file(partial_log)
-        analyze(cfg)
+        analyze(cfg, probe)
     except BaseException as err:
         close_file_logs(out_dir)
         partial_log.unlink(missing_ok=True)

@@ -267,7 +267,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     owner = ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule, stop_at_step=cfg.stop_at_step or None,
                                 signal_stop=stop)
     probe = [AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
-                        cfg.probe_config, ids=start.probe_ids)] if cfg.probe.enabled else []
+                        cfg.probe, ids=start.probe_ids)] if cfg.probe.enabled else []
     # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.

@@ -125,7 +125,7 @@ def probe(
     """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid, mean
     sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens; the
     document starts found as the training probe finds them, after GPT-2's end-of-text."""
-    config = ProbeConfig(tokens=len(ids), batch_size=batch_size, null_directions=null, intervention=scopes,
+    config = ProbeConfig(tokens=len(ids), null_directions=null, intervention=list(scopes),
                          intervention_tokens=budget, mean_sources=mean_sources)
     measure_records(
         model,
@@ -133,6 +133,7 @@ def probe(
         model.config.block_size,
         make_references(model.config.n_embd, config.seed, null),
         config,
+        batch_size=batch_size,
         model_name="bench",
         step=0,
         tokens_per_step=None,

@@ -16,11 +16,11 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from callbacks.checkpointing import CheckpointSchedule
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signals import abandonable
+from normgeo.config.schema import TrainProbeSchema
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references
-from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import (
     ANGLES_FILE,
     REFERENCES_FILE,
@@ -64,10 +64,8 @@ class AngleProbe(OptimizerStepCallback):
         schedule: CheckpointSchedule,
         source,
         model_name: str,
-        probe: ProbeConfig,
+        probe: TrainProbeSchema,
         *,
-        tokenizer: str = "gpt2",
-        log_table: bool = True,
         ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -75,8 +73,6 @@ class AngleProbe(OptimizerStepCallback):
         self.source = source
         self.model_name = model_name
         self.config = probe
-        self.tokenizer = tokenizer
-        self.log_table = log_table
         self._announced = False  # the probe's cost is logged before its first run only
         self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
@@ -87,7 +83,7 @@ class AngleProbe(OptimizerStepCallback):
         ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
         """
         if self._ids is None:
-            self._ids = tiktoken_probe_ids(self.source, self.config, tokenizer=self.tokenizer)
+            self._ids = tiktoken_probe_ids(self.source, self.config)
         return self._ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -115,6 +111,7 @@ class AngleProbe(OptimizerStepCallback):
                 config.block_size,
                 references,
                 self.config,
+                batch_size=self.config.batch_size,
                 model_name=self.model_name,
                 step=step,
                 tokens_per_step=pl_module.tokens_per_step,
@@ -124,7 +121,7 @@ class AngleProbe(OptimizerStepCallback):
                 device=pl_module.device,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
-                separator=tiktoken_separator(self.tokenizer),  # the documents' end-of-text in probe_ids
+                separator=tiktoken_separator(),  # the documents' end-of-text in probe_ids
             )
         self._announced = True
         if trainer.is_global_zero:
@@ -158,12 +155,12 @@ class AngleProbe(OptimizerStepCallback):
         plotting = [lg for lg in trainer.loggers if isinstance(lg, (WandbLogger, TensorBoardLogger))]
         for logger in trainer.loggers:
             logger.log_metrics({**metrics, **per_layer} if logger in plotting else metrics, step=step)
-            if self.log_table and isinstance(logger, WandbLogger):
+            if isinstance(logger, WandbLogger):
                 columns = list(rows[0])
                 # wandb tables want one type per column: layer mixes block indices and "final".
                 data = [[str(r[c]) if c == "layer" else r[c] for c in columns] for r in rows]
                 logger.log_table(key="probe/angles", columns=columns, data=data)
-        if self.log_table and plotting:
+        if plotting:
             # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
             figure = plot_layers(rows, self.run_dir / "figures", step=step)
             log_figures(plotting, {"probe/layers": figure}, step=step)

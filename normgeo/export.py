@@ -103,10 +103,9 @@ class ConversionCheck:
 def ones_energy_and_centering(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     """(the largest energy fraction along 1 at any norm input, the Δloss of the centering intervention at
     every norm at once) of ``model`` on ``ids`` (sequences, tokens), from the measurement pipeline."""
-    probe = ProbeConfig(tokens=ids.numel(), batch_size=ids.shape[0], seed=PARITY_SEED, intervention=("all",),
-                        intervention_tokens=None)
+    probe = ProbeConfig(tokens=ids.numel(), seed=PARITY_SEED, intervention=["all"], intervention_tokens=None)
     records = measure_records(model, ids.flatten(), ids.shape[1], make_references(model.config.n_embd), probe,
-                              model_name="export", step=None, tokens_per_step=None)
+                              batch_size=ids.shape[0], model_name="export", step=None, tokens_per_step=None)
     energy = [row["max"] for row in records.energy if row["quantity"] == "ones_fraction"]
     (everywhere,) = records.intervention
     return max(energy), everywhere["delta_loss"]

@@ -20,7 +20,7 @@ from normgeo.measure.intervention import INTERVENTION_POSITIONS_FILE  # noqa: E4
 from normgeo.measure.mean_sources import MEAN_SOURCES_FILE  # noqa: E402
 from normgeo.measure.pipeline import measure_records  # noqa: E402
 from normgeo.measure.probe import make_references  # noqa: E402
-from normgeo.measure.probe_config import ProbeConfig  # noqa: E402
+from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig  # noqa: E402
 
 SEPARATOR = 50256
 # Documents end mid-window, at a window's last token (the next starts the next window, on the other rank)
@@ -37,15 +37,15 @@ def probe_rows(rank: int, world: int) -> dict[str, list[dict]]:
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, norm="layer"), seed=3)
     ids = torch.randint(0, SEPARATOR, (24 * 16 + 7,), generator=torch.Generator().manual_seed(5))
     ids[list(DOCUMENT_ENDS)] = SEPARATOR
-    probe = ProbeConfig(
-        len(ids), batch_size=5, seed=0, bootstrap_replicates=200, intervention=("all", "layers")
-    )
+    probe = ProbeConfig(tokens=len(ids), seed=0, bootstrap=BootstrapConfig(replicates=200),
+                        intervention=["all", "layers"])
     records = measure_records(
         model,
         ids,
         16,
         make_references(32),
         probe,
+        batch_size=5,
         model_name="tiny",
         step=0,
         tokens_per_step=0,

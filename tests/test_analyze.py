@@ -50,7 +50,7 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
     """The sequences analyze.py measures and its records, by (layer, site, ref) and, for null.jsonl's,
     by (layer, site, "null")."""
     encode, separator = hf_encoder(tokenizer)
-    ids = probe_ids(_wiki(shared), encode, separator, ProbeConfig(TOKENS, sample=False))
+    ids = probe_ids(_wiki(shared), encode, separator, ProbeConfig(tokens=TOKENS, sample=False))
     norms = find_norm_sites(model)
     references = make_references(norms[0].dim, 1234)
     records = measure_records(
@@ -58,7 +58,8 @@ def _probe(model, tokenizer, shared: Path) -> tuple[list[torch.Tensor], dict[tup
         ids,
         SEQ_LEN,
         references,
-        ProbeConfig(TOKENS, batch_size=BATCH, intervention=()),
+        ProbeConfig(tokens=TOKENS, intervention=[]),
+        batch_size=BATCH,
         model_name="m",
         step=None,
         tokens_per_step=None,

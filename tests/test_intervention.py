@@ -37,7 +37,7 @@ from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
-from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig
 
 SEQ = 12
 WIDTH = 16
@@ -76,9 +76,10 @@ def token_ids(count: int, seed: int = 0) -> np.ndarray:
 
 def probe_files(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> dict[str, list[dict]]:
     """The records files of one probe, by the pipeline the training probe and analyze.py call."""
-    probe = ProbeConfig(len(ids), batch_size=4, seed=0, bootstrap_replicates=200, intervention=tuple(kinds))
-    return measure_records(model, ids, SEQ, make_references(WIDTH), probe, model_name="t", step=0,
-                           tokens_per_step=None, **kwargs).files
+    probe = ProbeConfig(tokens=len(ids), seed=0, bootstrap=BootstrapConfig(replicates=200),
+                        intervention=list(kinds))
+    return measure_records(model, ids, SEQ, make_references(WIDTH), probe, batch_size=4, model_name="t",
+                           step=0, tokens_per_step=None, **kwargs).files
 
 
 def records(model: GPT, ids, kinds=("all", "layers"), **kwargs) -> list[dict]:

@@ -341,11 +341,11 @@ def test_smollm2_activations_match_the_direct_computation(smollm2_model_and_toke
 def test_the_pipeline_writes_the_file_when_asked_and_the_reader_reads_it(tmp_path: Path) -> None:
     model = tiny_gpt("rms")
     ids = torch.randint(0, 50257, (5 * 32 + 9,), generator=torch.Generator().manual_seed(4))
-    options = {"model_name": "tiny", "step": 3, "tokens_per_step": 10}
+    options = {"batch_size": 8, "model_name": "tiny", "step": 3, "tokens_per_step": 10}
     references = make_references(32)
-    on = measure_records(model, ids, 32, references, ProbeConfig(len(ids), intervention=()), **options)
+    on = measure_records(model, ids, 32, references, ProbeConfig(tokens=len(ids), intervention=[]), **options)
     off = measure_records(model, ids, 32, references,
-                          ProbeConfig(len(ids), intervention=(), mean_sources=False), **options)
+                          ProbeConfig(tokens=len(ids), intervention=[], mean_sources=False), **options)
     assert MEAN_SOURCES_FILE not in off.files
     assert {name: rows for name, rows in on.files.items() if name != MEAN_SOURCES_FILE} == off.files
     rows = on.files[MEAN_SOURCES_FILE]
@@ -367,12 +367,12 @@ def test_windows_too_short_for_a_bucket_get_one_warning_and_the_probe_goes_on(ca
     assert empty_buckets(257) == []
     model = tiny_gpt("rms")
     ids = torch.randint(0, 50257, (2 * 32,), generator=torch.Generator().manual_seed(5))
-    probe = ProbeConfig(len(ids), intervention=())
+    probe = ProbeConfig(tokens=len(ids), intervention=[])
     with caplog.at_level(logging.WARNING, logger="normgeo.measure.pipeline"):
-        records = measure_records(model, ids, 32, make_references(32), probe, model_name="tiny", step=None,
-                                  tokens_per_step=None, announce_cost=True)
-        measure_records(model, ids, 32, make_references(32), probe, model_name="tiny", step=None,
-                        tokens_per_step=None)  # a later probe of the same run: not said again
+        records = measure_records(model, ids, 32, make_references(32), probe, batch_size=8, model_name="tiny",
+                                  step=None, tokens_per_step=None, announce_cost=True)
+        measure_records(model, ids, 32, make_references(32), probe, batch_size=8, model_name="tiny",
+                        step=None, tokens_per_step=None)  # a later probe of the same run: not said again
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert said == ["probe windows of 32 tokens: mean_sources.jsonl's position bucket(s) 64-255, 256+ hold "
                     "no tokens (count 0); a longer seq_len (analyze.py: model.seq_len) reaches them"]
@@ -400,7 +400,7 @@ def test_probe_ids_open_with_a_document_and_close_each_with_the_separator(tmp_pa
     encode, eot, _ = tiktoken_batch_encoder("gpt2")
     lengths = [len(ids) for ids in encode(texts)]
     total = sum(lengths) + len(texts)
-    ids = probe_ids(LocalFilesSource(str(tmp_path)), encode, eot, ProbeConfig(total, sample=False))
+    ids = probe_ids(LocalFilesSource(str(tmp_path)), encode, eot, ProbeConfig(tokens=total, sample=False))
     assert eot == tiktoken_separator() == SEPARATOR and ids[-1] == eot and ids[0] != eot
     expected = np.zeros(total, dtype=bool)
     expected[np.cumsum([0, *(n + 1 for n in lengths[:-1])])] = True
@@ -422,17 +422,17 @@ def test_a_long_document_cannot_fill_the_probe_past_max_doc_tokens(tmp_path: Pat
     tokens = cap + 1 + sum(n + 1 for n in lengths[2:])  # the cut article and every short one, separators too
     assert lengths[0] > 10 * tokens and lengths[1] < 8 <= min(lengths[2:]) and max(lengths[2:]) < cap
     source = LocalFilesSource(str(tmp_path))
-    uncapped = probe_ids(source, encode, eot, ProbeConfig(tokens, sample=False, min_doc_tokens=8))
+    uncapped = probe_ids(source, encode, eot, ProbeConfig(tokens=tokens, sample=False, min_doc_tokens=8))
     assert document_starts(uncapped, eot).sum() == 1  # the long article is the whole probe
-    capped = ProbeConfig(tokens, sample=False, min_doc_tokens=8, max_doc_tokens=cap)
+    capped = ProbeConfig(tokens=tokens, sample=False, min_doc_tokens=8, max_doc_tokens=cap)
     ids = probe_ids(source, encode, eot, capped)
     starts = np.flatnonzero(document_starts(ids, eot))
     assert len(starts) == 1 + len(short)  # the long one cut, the stub skipped, every short one whole
     assert ids[:cap].tolist() == encode([long_text])[0][:cap] and ids[cap] == eot
     assert ids[cap + 1 : cap + 1 + lengths[2]].tolist() == encode([short[0]])[0]
-    assert ProbeConfig(tokens, min_doc_tokens=8, max_doc_tokens=7).size_refusal(16).startswith(
+    assert ProbeConfig(tokens=tokens, min_doc_tokens=8, max_doc_tokens=7).size_refusal(16).startswith(
         "probe.max_doc_tokens=7: below probe.min_doc_tokens=8")
-    assert ProbeConfig(tokens, min_doc_tokens=8, max_doc_tokens=8).size_refusal(16) is None
+    assert ProbeConfig(tokens=tokens, min_doc_tokens=8, max_doc_tokens=8).size_refusal(16) is None
 
 
 def test_the_document_start_row_is_a_direct_recomputation_over_the_tokens_after_a_separator() -> None:
@@ -452,8 +452,8 @@ def test_the_document_start_row_is_a_direct_recomputation_over_the_tokens_after_
     handles = [norm.module.register_forward_hook(
         lambda module, inputs, output, i=i: captured[i].append(inputs[0].detach().clone()))
         for i, norm in enumerate(norms)]
-    probe = ProbeConfig(len(ids), batch_size=2, intervention=())
-    options = {"model_name": "tiny", "step": None, "tokens_per_step": None}
+    probe = ProbeConfig(tokens=len(ids), intervention=[])
+    options = {"batch_size": 2, "model_name": "tiny", "step": None, "tokens_per_step": None}
     try:
         files = measure_records(model, ids, length, make_references(32), probe, separator=SEPARATOR,
                                 **options).files
@@ -521,11 +521,6 @@ def test_the_document_starts_add_no_host_sync() -> None:
         return probe_cost.op_counts(prof.events())["syncs"], doc["count"]
 
     assert syncs(None)[0] == 0 and syncs([starts]) == (0, int(starts.sum()))
-
-
-def test_probe_config_reads_the_switch() -> None:
-    assert ProbeConfig.from_config({"tokens": 8}).mean_sources is True
-    assert ProbeConfig.from_config({"tokens": 8, "mean_sources": False}).mean_sources is False
 
 
 def test_record_problem_accepts_the_rows_and_refuses_a_numeric_bucket() -> None:

@@ -18,10 +18,10 @@ import typing
 from typing import Annotated, Any
 
 import torch
-from annotated_types import Ge, Gt, Interval, Len
+from annotated_types import Interval, Len
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from corpus.sources import LocalFilesSource, SourceError
 from corpus.stream import accumulation_steps
@@ -29,6 +29,17 @@ from corpus.tokenize import unknown_tokenizer
 from models.gpt import PLACEMENTS, ArchitectureError, GPTConfig
 from models.hardware import missing_cuda
 from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal
+from normgeo.config.fields import (
+    SOURCE_BEFORE,
+    Count,
+    Fraction,
+    Natural,
+    NonNegative,
+    Positive,
+    Seed,
+    doc,
+    schema,
+)
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
 
@@ -48,37 +59,8 @@ def format_value(value: Any) -> str:
     return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
-# The ranges the keys share; a float is also finite (schema(): allow_inf_nan=False).
-Count = Annotated[int, Ge(1)]
-Natural = Annotated[int, Ge(0)]
-Seed = Annotated[int, Interval(ge=0, le=2**32 - 1)]  # numpy's and Lightning's largest seed
-Positive = Annotated[float, Gt(0)]
-NonNegative = Annotated[float, Ge(0)]
-Fraction = Annotated[float, Interval(ge=0, le=1)]
-
-
-def schema(cls: type) -> type:
-    """A config node: a dataclass (Hydra's structured config) that pydantic validates strictly."""
-    cls.__pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False)  # type: ignore[attr-defined]
-    return dataclasses.dataclass(cls)
-
-
-def doc(default: Any, text: str, *, may_change: bool | tuple[str, ...] = False,
-        before: Any = dataclasses.MISSING) -> Any:
-    """A field's default (or node class), ``--help`` line and resume rules (run_config.resume_rules):
-    ``may_change`` between sessions (how the run runs and reports, not what it computes); ``before``, for a
-    key added later, the value earlier runs had ({key: value} and a tuple of keys for an ``Any`` node)."""
-    metadata = {"doc": text, "may_change": may_change, "before": before}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
-    if dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=default, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-# The resume rules of the Any nodes' keys (doc()): a source's keys added later, and the Trainer's arguments
-# that may change (the global batch is fixed, so the devices only change the accumulation; how it reports).
-SOURCE_BEFORE = {"plain_text_extensions": [], "encoding": "utf-8"}
+# The Trainer's arguments that may change on resume (the global batch is fixed, so the devices only change the
+# accumulation; how it reports).
 TRAINER_MAY_CHANGE = ("devices", "num_nodes", "accelerator", "strategy", "enable_progress_bar",
                       "enable_model_summary", "log_every_n_steps")
 
@@ -145,56 +127,11 @@ class CheckpointSchema:
 
 
 @schema
-class BootstrapSchema:
-    replicates: Count = doc(ProbeConfig.bootstrap_replicates,
-                            "bootstrap replicates for the 95% intervals of null.jsonl")
-    block: Count = doc(ProbeConfig.bootstrap_block,
-                       "consecutive probe sequences per resampled block; the probe needs >= 2 whole blocks")
-
-
-@schema
-class ProbeSchema:
-    """The probe keys train.py and analyze.py share (conf/shared/probe/ presets)."""
-
-    # config_node: which node a local source's refusals name
-    source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)",
-                      may_change=("config_node",), before=SOURCE_BEFORE)
-    path: str | None = doc(None, "local files for probe=local")
-    plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]",
-                                           before=[])
-    encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 "
-                                 "(bytes that do not decode are refused)", before="utf-8")
-    tokens: Count = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len")
-    seed: Seed = doc(ProbeConfig.seed, "reference vectors, null directions, document sampling and bootstrap")
-    include_standardized: bool = doc(ProbeConfig.include_standardized,
-                                     "also measure LayerNorm's standardization (.std sites)")
-    null_directions: Natural = doc(ProbeConfig.null_directions,
-                                   "random unit directions that 1 is compared with; 0: none")
-    sample: bool = doc(ProbeConfig.sample, "documents in a seeded order over the whole source")
-    min_doc_tokens: Natural = doc(ProbeConfig.min_doc_tokens,
-                                  "skip documents shorter than this (title-only stubs)")
-    max_doc_tokens: Count | None = doc(ProbeConfig.max_doc_tokens,
-                                       "cut longer documents to their first this many tokens, so one long "
-                                       "article cannot fill the probe; >= min_doc_tokens; null: no cap",
-                                       before=None)  # before it: whole documents
-    bootstrap: BootstrapSchema = doc(BootstrapSchema, "95% intervals over probe sequences")
-    intervention: list[str] = doc(list(ProbeConfig.intervention),
-                                  "the centering intervention's scopes (intervention.jsonl): "
-                                  f"{' | '.join(SCOPE_KINDS)}; [] turns it off")
-    intervention_tokens: Count | None = doc(  # before: every probe token was intervened on
-        ProbeConfig.intervention_tokens, "the intervention runs on the first this many probe tokens "
-        "(whole windows; the angles keep probe.tokens); null: all of them", before=None)
-    # Its own file: the other records are the same with it or without, so a run from before it resumes.
-    mean_sources: bool = doc(ProbeConfig.mean_sources, "mean_sources.jsonl: the energy along 1 by position "
-                             "and the dimensions that carry the mean", may_change=True)
-
-
-@schema
-class TrainProbeSchema(ProbeSchema):
+class TrainProbeSchema(ProbeConfig):
     """train.py's probe: the shared keys and two that analyze.py (which always measures) would ignore."""
 
     enabled: bool = doc(True, "measure the angles at every scheduled step")
-    batch_size: Count = doc(ProbeConfig.batch_size, "probe sequences per forward pass", may_change=True)
+    batch_size: Count = doc(8, "probe sequences per forward pass", may_change=True)
     figures: bool = doc(True, "draw the run's figures from its records when it ends (seconds on a CPU); "
                               "false: python -m normgeo.report <run_dir> draws them later", may_change=True)
 
@@ -294,10 +231,6 @@ class TrainSchema:
         except ValueError as err:
             raise ConfigError(f"micro_batch={self.micro_batch}: {err}") from None
 
-    @property
-    def probe_config(self) -> ProbeConfig:
-        return ProbeConfig.from_config(dataclasses.asdict(self.probe))
-
 
 @schema
 class AnalyzeModelSchema:
@@ -322,7 +255,7 @@ class AnalyzeSchema:
     device: str = doc("auto", "auto | cpu | cuda | cuda:N")
     progress: bool = doc(True, "a progress bar over the probe batches")
     model: AnalyzeModelSchema = doc(AnalyzeModelSchema, "group model: the model to measure")
-    probe: ProbeSchema = doc(ProbeSchema, "group probe: the probe text and statistics")
+    probe: ProbeConfig = doc(ProbeConfig, "group probe: the probe text and statistics")
 
 
 class ConfigError(ValueError):
@@ -499,7 +432,7 @@ def compiler_refusal(cfg: TrainSchema) -> str | None:
 LOCAL_SOURCE = "corpus.sources.LocalFilesSource"
 
 
-def check_intervention(probe: ProbeSchema) -> None:
+def check_intervention(probe: ProbeConfig) -> None:
     """probe.intervention: known scope kinds, each once."""
     kinds = probe.intervention
     _expect(all(kind in SCOPE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
@@ -508,7 +441,7 @@ def check_intervention(probe: ProbeSchema) -> None:
             "e.g. probe.intervention=[all,layers]")
 
 
-def check_probe_source(probe: ProbeSchema) -> None:
+def check_probe_source(probe: ProbeConfig) -> None:
     """probe=local's files, checked before anything is written: the probe reads them only mid-training."""
     source = probe.source
     if source.get("_target_") != LOCAL_SOURCE:
@@ -572,7 +505,7 @@ def check_train(composed: DictConfig) -> TrainSchema:
     if steps is not None and (beyond := [s for s in steps if s > cfg.max_steps]):
         raise ConfigError(f"checkpoint.steps={format_value(steps)}: step {beyond[0]} is beyond "
                           f"max_steps={cfg.max_steps}; expected checkpoint steps <= max_steps")
-    if cfg.probe.enabled and (refusal := cfg.probe_config.size_refusal(cfg.seq_len)):
+    if cfg.probe.enabled and (refusal := cfg.probe.size_refusal(cfg.seq_len)):
         raise ConfigError(refusal)
     check_intervention(cfg.probe)
     check_probe_source(cfg.probe)

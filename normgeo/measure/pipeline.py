@@ -351,6 +351,7 @@ def measure_records(
     references: dict[str, np.ndarray],
     probe: ProbeConfig,
     *,
+    batch_size: int,
     model_name: str,
     step: int | None,
     tokens_per_step: int | None,
@@ -366,7 +367,8 @@ def measure_records(
     resume_mid_stack: bool = True,
     separator: int | None = None,
 ) -> Records:
-    """Every measurement ``probe`` asks for on ``ids`` cut by :func:`windows`, merged over ranks, as records.
+    """Every measurement ``probe`` asks for on ``ids`` cut by :func:`windows` (forwards of ``batch_size``
+    sequences), merged over ranks, as records.
 
     The records carry ``model_name``, the model's norm (:func:`record_norm_label`), ``step`` and
     :func:`tokens_seen`. ``with_null=False`` skips the rows whose bootstrap costs (``null.jsonl``,
@@ -396,8 +398,8 @@ def measure_records(
         device=where,
         include_standardized=probe.include_standardized,
         with_null=with_null,
-        bootstrap_replicates=probe.bootstrap_replicates,
-        bootstrap_block=probe.bootstrap_block,
+        bootstrap_replicates=probe.bootstrap.replicates,
+        bootstrap_block=probe.bootstrap.block,
         seed=probe.seed,
     )
     measurements: list[Measurement] = [
@@ -408,7 +410,7 @@ def measure_records(
     if probe.mean_sources:
         measurements.append(MeanSourcesMeasurement(
             norms, device=where, documents=int(index[-1]) + 1 if index is not None else 0,
-            bootstrap_replicates=probe.bootstrap_replicates, seed=probe.seed))
+            bootstrap_replicates=probe.bootstrap.replicates, seed=probe.seed))
         longest = max(part.shape[1] for part in parts)
         if announce_cost and (empty := empty_buckets(longest)):  # valid, and the run goes on: said once
             log.warning("probe windows of %d tokens: %s's position bucket(s) %s hold no tokens (count 0); "
@@ -420,11 +422,11 @@ def measure_records(
         budget, budget_tokens = budget_windows(parts, probe.intervention_tokens)
         intervention = CenteringIntervention(
             model, norms, scopes, budget, token_budget=budget_tokens, device=where, with_rows=with_null,
-            resume=resume_mid_stack, bootstrap_replicates=probe.bootstrap_replicates,
-            bootstrap_block=probe.bootstrap_block, seed=probe.seed)
+            resume=resume_mid_stack, bootstrap_replicates=probe.bootstrap.replicates,
+            bootstrap_block=probe.bootstrap.block, seed=probe.seed)
         measurements.append(intervention)
     if announce_cost:
-        announce(parts, probe.batch_size, world_size, intervention)
+        announce(parts, batch_size, world_size, intervention)
     run_probe(
         model,
         parts,
@@ -433,7 +435,7 @@ def measure_records(
         document_starts=start_parts,
         documents=document_parts,
         forward=forward,
-        batch_size=probe.batch_size,
+        batch_size=batch_size,
         autocast=autocast,
         device=device,
         progress=progress,

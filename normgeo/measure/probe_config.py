@@ -1,64 +1,59 @@
-"""The probe's options in one frozen object, written once.
-
-What the angle probe, the energy and the centering intervention measure, and on which tokens. train.py's
-probe callback, ``analyze.py`` and the export's parity check build one from their config
-(:meth:`ProbeConfig.from_config`, conf/shared/probe/*.yaml) and hand it down unchanged to
-:func:`normgeo.measure.pipeline.measure_records`; the schema's defaults for these keys
-(``normgeo.config.schema.ProbeSchema``) are this class's.
-"""
+"""The probe's options, declared once: the config keys ``probe.*`` that train.py and analyze.py share, with
+their ranges, defaults, ``--help`` lines and resume rules (normgeo.config.fields.doc). The validated config
+is the runtime object: train.py's probe callback, ``analyze.py`` and the export's parity check hand it down
+unchanged to :func:`normgeo.measure.pipeline.measure_records`; normgeo.config.schema puts it in the run's
+config (train.py's probe adds the keys analyze.py would ignore)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
-from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
+from omegaconf import MISSING
+
+from normgeo.config.fields import SOURCE_BEFORE, Count, Natural, Seed, doc, schema
+from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES, SCOPE_KINDS
 from normgeo.measure.probe import DEFAULT_NULL_DIRECTIONS, DEFAULT_SEED, INCLUDE_STANDARDIZED
 
 
-@dataclass(frozen=True)
+@schema
+class BootstrapConfig:
+    replicates: Count = doc(1000, "bootstrap replicates for the 95% intervals of null.jsonl")
+    block: Count = doc(1, "consecutive probe sequences per resampled block; "
+                          "the probe needs >= 2 whole blocks")
+
+
+@schema
 class ProbeConfig:
-    """One probe's options (the config keys ``probe.*``; ``bootstrap_*`` are ``probe.bootstrap.*``)."""
+    """What the probe measures and on which tokens (conf/shared/probe/ presets)."""
 
-    tokens: int  # probe tokens per measurement
-    batch_size: int = 8  # probe sequences per forward
-    seed: int = DEFAULT_SEED  # reference vectors, null directions, document sampling and bootstrap
-    include_standardized: bool = INCLUDE_STANDARDIZED  # the .std sites too
-    null_directions: int = DEFAULT_NULL_DIRECTIONS  # random unit directions 1 is compared with
-    sample: bool = True  # documents in a seeded order over the whole source
-    min_doc_tokens: int = 0  # documents shorter than this are skipped
-    max_doc_tokens: int | None = None  # longer ones are cut to their first this many tokens (None: whole)
-    bootstrap_replicates: int = 1000  # for the 95% intervals
-    bootstrap_block: int = 1  # consecutive probe sequences per resampled block
-    intervention: tuple[str, ...] = DEFAULT_SCOPES  # the centering intervention's scopes; () turns it off
-    # its token budget (None: every probe token)
-    intervention_tokens: int | None = DEFAULT_INTERVENTION_TOKENS
-    mean_sources: bool = True  # mean_sources.jsonl: where the component along 1 lives
-
-    @classmethod
-    def from_config(cls, probe: Mapping[str, Any], **overrides: Any) -> ProbeConfig:
-        """From a composed ``probe`` node; ``overrides`` replace fields (analyze.py's ``batch_size`` is the
-        model's). Keys the node lacks keep this class's defaults."""
-        bootstrap = probe.get("bootstrap") or {}
-        values = {
-            "tokens": probe["tokens"],
-            "batch_size": probe.get("batch_size"),
-            "seed": probe.get("seed"),
-            "include_standardized": probe.get("include_standardized"),
-            "null_directions": probe.get("null_directions"),
-            "sample": probe.get("sample"),
-            "min_doc_tokens": probe.get("min_doc_tokens"),
-            "max_doc_tokens": probe.get("max_doc_tokens"),
-            "bootstrap_replicates": bootstrap.get("replicates"),
-            "bootstrap_block": bootstrap.get("block"),
-            "intervention": tuple(probe["intervention"]) if probe.get("intervention") is not None else None,
-            "mean_sources": probe.get("mean_sources"),
-        }
-        config = cls(**{key: value for key, value in values.items() if value is not None})
-        if "intervention_tokens" in probe:  # null is a value here: every probe token
-            config = replace(config, intervention_tokens=probe["intervention_tokens"])
-        return replace(config, **overrides)
+    # config_node: which node a local source's refusals name
+    source: Any = doc(MISSING, "_target_ node of the probe text (corpus.sources)",
+                      may_change=("config_node",), before=SOURCE_BEFORE)
+    path: str | None = doc(None, "local files for probe=local")
+    plain_text_extensions: list[str] = doc([], "probe=local: other extensions read as plain text, e.g. [.md]",
+                                           before=[])
+    encoding: str = doc("utf-8", "probe=local: the text files' encoding, e.g. latin-1 "
+                                 "(bytes that do not decode are refused)", before="utf-8")
+    tokens: Count = doc(MISSING, "probe tokens per measurement; at least 2 sequences of seq_len")
+    seed: Seed = doc(DEFAULT_SEED, "reference vectors, null directions, document sampling and bootstrap")
+    include_standardized: bool = doc(INCLUDE_STANDARDIZED,
+                                     "also measure LayerNorm's standardization (.std sites)")
+    null_directions: Natural = doc(DEFAULT_NULL_DIRECTIONS, "random unit directions that 1 is compared with; "
+                                                            "0: none")
+    sample: bool = doc(True, "documents in a seeded order over the whole source")
+    min_doc_tokens: Natural = doc(0, "skip documents shorter than this (title-only stubs)")
+    max_doc_tokens: Count | None = doc(None, "cut longer documents to their first this many tokens, so one "
+                                       "long article cannot fill the probe; >= min_doc_tokens; null: no cap",
+                                       before=None)  # before it: whole documents
+    bootstrap: BootstrapConfig = doc(BootstrapConfig, "95% intervals over probe sequences")
+    intervention: list[str] = doc(list(DEFAULT_SCOPES), "the centering intervention's scopes "
+                                  f"(intervention.jsonl): {' | '.join(SCOPE_KINDS)}; [] turns it off")
+    intervention_tokens: Count | None = doc(  # before: every probe token was intervened on
+        DEFAULT_INTERVENTION_TOKENS, "the intervention runs on the first this many probe tokens "
+        "(whole windows; the angles keep probe.tokens); null: all of them", before=None)
+    # Its own file: the other records are the same with it or without, so a run from before it resumes.
+    mean_sources: bool = doc(True, "mean_sources.jsonl: the energy along 1 by position "
+                             "and the dimensions that carry the mean", may_change=True)
 
     def size_refusal(self, seq_len: int, seq_len_key: str = "seq_len") -> str | None:
         """Why this probe, in sequences of ``seq_len`` (the config key ``seq_len_key``),
@@ -66,7 +61,7 @@ class ProbeConfig:
         whole bootstrap blocks (one block resamples to itself: zero-width intervals that
         look like certainty); and a ``max_doc_tokens`` under ``min_doc_tokens`` would keep no document.
         The one rule of train.py and analyze.py."""
-        tokens, block = self.tokens, self.bootstrap_block
+        tokens, block = self.tokens, self.bootstrap.block
         if self.max_doc_tokens is not None and self.max_doc_tokens < max(self.min_doc_tokens, 1):
             return (f"probe.max_doc_tokens={self.max_doc_tokens}: below probe.min_doc_tokens="
                     f"{self.min_doc_tokens}, so every document would be skipped or cut to nothing; "

@@ -288,7 +288,7 @@ def check_start(composed: DictConfig) -> Start:
             read_run_records(run_dir)
         probe_ids = None
         if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
-            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), cfg.probe_config)
+            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), cfg.probe)
         datamodule = make_datamodule(cfg)
         datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
         data = datamodule.load()  # long enough for seq_len
