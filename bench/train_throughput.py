@@ -43,13 +43,13 @@ from omegaconf import DictConfig
 
 from corpus.prepare import load_prepared
 from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 from models.hardware import default_precision
 from models.lit import compute_dtype
 from models.norms import NORM_ARMS
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
-from normgeo.config.schema import TrainSchema, model_config
+from normgeo.config.schema import TrainSchema
 from normgeo.runs.build import make_datamodule, make_module
 from normgeo.runs.start import start_session
 from train import train
@@ -146,7 +146,7 @@ def minimal_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> f
     step."""
     data = load_prepared(cfg.data.directory)
     tokens = torch.from_numpy(np.asarray(data.tokens("train"), dtype=np.int64))
-    model = GPT(GPTConfig(**model_config(cfg)), seed=cfg.seed).to(device)
+    model = GPT(cfg.gpt, seed=cfg.seed).to(device)
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],

@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
 from models.divergence import Divergence, NonFiniteError
@@ -18,7 +19,6 @@ from models.lit import LitGPT, warmup_cosine
 from models.norms import NORM_ARMS, NORM_IMPLS
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
-from normgeo.config.schema import model_config
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.runs.build import make_module
 
@@ -152,7 +152,7 @@ def test_paper_sizes_compose_to_table_2(size: str) -> None:
     assert (cfg.size.n_layer, cfg.size.n_embd, cfg.size.n_head, cfg.size.lr) == table2[size]
     assert cfg.seq_len == 1024 and cfg.global_batch == 64 and cfg.tie_embeddings is False
     assert cfg.max_steps == (100_000 if size in ("70m", "160m") else 50_000)
-    config = GPTConfig(**model_config(cfg))
+    config = OmegaConf.to_object(cfg).gpt  # the validated schema's model
     assert (_count(config, tied=False), _count(config, tied=True)) == PARAMETERS[size]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import operator
 import re
 import types
 import typing
@@ -42,16 +41,6 @@ from normgeo.config.fields import (
 )
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
 from normgeo.measure.probe_config import ProbeConfig
-
-# models.gpt.GPTConfig's fields and their keys; check_train names the key of a field the model refuses.
-MODEL_KEYS = {
-    "n_layer": "size.n_layer", "n_head": "size.n_head", "n_embd": "size.n_embd", "block_size": "seq_len",
-    "norm": "norm.name", "norm_eps": "norm.eps", "norm_impl": "norm.impl", "placement": "placement.name",
-    "tie_embeddings": "tie_embeddings"}
-
-
-def model_config(run: TrainSchema) -> dict[str, Any]:
-    return {field: operator.attrgetter(key)(run) for field, key in MODEL_KEYS.items()}
 
 
 def format_value(value: Any) -> str:
@@ -197,6 +186,15 @@ class TrainSchema:
                               "CUDA, off on the CPU, where compiling costs more than it saves in short runs)",
                               may_change=True)  # the same math: another kernel, floating-point order
     tie_embeddings: bool = doc(False, "tie the input and output embeddings")
+    # The model's other choices, fixed before they were keys (before=: what every earlier run had).
+    dropout: Annotated[float, Interval(ge=0, lt=1)] = doc(
+        0.0, "dropout on the embeddings, attention and residual writes (GPT-2: 0.1); the probe measures "
+        "in eval mode", before=0.0)
+    bias: bool = doc(True, "biases in the attention and MLP linear layers", before=True)
+    init_std: Positive = doc(0.02, "std of the initial weights (the residual projections': divided by "
+                             "sqrt(2 n_layer))", before=0.02)
+    vocab_multiple: Count = doc(64, "the embedding table padded to a multiple of this for fast matmuls "
+                                "(padded rows are never targets)", before=64)
     val_every: Count = doc(1000, "optimizer steps between validations")
     val_sequences: Count = doc(64, "validation sequences; at most the validation split's distinct windows")
     val_seed: Seed | None = doc(None, "the validation windows' draw; null: seed (each seed its own windows); "
@@ -219,6 +217,17 @@ class TrainSchema:
                                        "pre-flight check", may_change=True)
 
     # What the keys imply, computed here once: every consumer asks the run's config, none recomputes it.
+    @property
+    def gpt(self) -> GPTConfig:
+        """The model's architecture (its own check: check_train)."""
+        size = self.size
+        return GPTConfig(n_layer=size.n_layer, n_head=size.n_head, n_embd=size.n_embd,
+                         block_size=self.seq_len, vocab_multiple=self.vocab_multiple, norm=self.norm.name,
+                         norm_eps=self.norm.eps,
+                         norm_impl=self.norm.impl, placement=self.placement.name,
+                         tie_embeddings=self.tie_embeddings, dropout=self.dropout, bias=self.bias,
+                         init_std=self.init_std)
+
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
@@ -480,15 +489,20 @@ def check_data_path(cfg: DictConfig) -> None:
                           "data.source.path=..., e.g. data.source.path=../shared/corpora/webtext")
 
 
+# The keys of the fields models.gpt.GPTConfig's own check refuses (TrainSchema.gpt), for its refusals.
+ARCHITECTURE_KEYS = {"norm": "norm.name", "norm_impl": "norm.impl", "placement": "placement.name",
+                     "n_head": "size.n_head"}
+
+
 def check_train(composed: DictConfig) -> TrainSchema:
     """The composed config as the run's typed config, validated once; ConfigError for what cannot run."""
     check_data_path(composed)
     cfg: TrainSchema = check_types(composed, TrainSchema, "train.py")
     check_output_root(cfg)
     try:  # the model's own check, reported under the config's keys
-        GPTConfig(**model_config(cfg))
+        cfg.gpt  # noqa: B018 (built for its check)
     except ArchitectureError as err:
-        key = MODEL_KEYS[err.field]
+        key = ARCHITECTURE_KEYS[err.field]
         group = f" ({key.removesuffix('.name')}=...)" if key.endswith(".name") else ""  # norm=...
         raise ConfigError(f"{key}={format_value(err.value)}: expected {err.expected}{group}") from None
     _expect(isinstance(cfg.compile, bool) or cfg.compile == "auto", "compile", cfg.compile,

@@ -7,6 +7,7 @@ aliases to compare). train.py, bench/, normgeo.plan and the tests build from her
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from hydra.utils import instantiate
@@ -14,13 +15,13 @@ from hydra.utils import instantiate
 from corpus.datamodule import TokenDataModule
 from models.hardware import default_precision
 from models.lit import LitGPT
-from normgeo.config.schema import TrainSchema, compiles, model_config
+from normgeo.config.schema import TrainSchema, compiles
 
 
 def module_arguments(cfg: TrainSchema) -> dict[str, Any]:
     """models.lit.LitGPT's arguments, as plain values (they are its saved hyperparameters)."""
     optim = cfg.optim
-    return {"model": model_config(cfg), "seed": cfg.seed, "max_steps": cfg.max_steps,
+    return {"model": asdict(cfg.gpt), "seed": cfg.seed, "max_steps": cfg.max_steps,
             "global_batch": cfg.global_batch, "lr": optim.lr, "min_lr_ratio": optim.min_lr_ratio,
             "warmup_steps": optim.warmup_steps, "weight_decay": optim.weight_decay,
             "betas": list(optim.betas), "fused": optim.fused, "compile": compiles(cfg)}
