@@ -7,6 +7,8 @@ import logging
 import math
 import random
 import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import lightning as L
 import numpy as np
@@ -19,6 +21,9 @@ from corpus.stream import tokens_per_step
 from models.divergence import Divergence
 from models.gpt import GPT, GPTConfig
 from models.strategies import FSDP2Strategy, compile_blocks
+
+if TYPE_CHECKING:  # the run's optim.* keys; the module reads them, the schema (above models/) declares them
+    from normgeo.config.schema import OptimSchema
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +59,16 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 
 
 class LitGPT(L.LightningModule):
-    def __init__(
-        self,
-        model: dict,
-        *,
-        seed: int,
-        max_steps: int,
-        global_batch: int,
-        lr: float,
-        min_lr_ratio: float = 0.1,
-        warmup_steps: int = 1000,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        adam_eps: float = 1e-8,
-        compile: bool = False,
-        fused: bool | None = None,
-    ) -> None:
+    def __init__(self, model: GPTConfig, optim: OptimSchema, *, seed: int, max_steps: int, global_batch: int,
+                 compile: bool = False) -> None:
         super().__init__()
-        # logger=False: train.py logs the whole run config once; the module's subset would repeat it.
-        self.save_hyperparameters(logger=False)
-        self.model = GPT(GPTConfig(**model), seed=seed)
+        # Plain values: Lightning loads a checkpoint's hyper_parameters with weights_only=True. logger=False:
+        # train.py logs the whole run config once; the module's subset would repeat it.
+        self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "seed": seed,
+                                   "max_steps": max_steps, "global_batch": global_batch, "compile": compile},
+                                  logger=False)
+        self.optim = optim
+        self.model = GPT(model, seed=seed)
         # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding
         # scheme that flattens parameters (FSDP1) would show
         # every one as 1-D by the time the optimizer is made.
@@ -86,7 +81,7 @@ class LitGPT(L.LightningModule):
         # The latest report's loss and rate as host values, for the console (callbacks.progress): logged with
         # prog_bar=True instead, Lightning would read them back from the device after every batch.
         self.console_metrics: dict[str, float] = {}
-        self.divergence = Divergence(lr)  # the first non-finite loss, on the device
+        self.divergence = Divergence(optim.lr)  # the first non-finite loss, on the device
         self.validated_at: int | None = None  # the step of the latest validation (its val/loss)
         # The resolved run config (normgeo.runs.run_config), set by train.py and saved in every checkpoint;
         # not an hparam, so that save_hyperparameters() and the hparams stay the model's arguments.
@@ -225,19 +220,20 @@ class LitGPT(L.LightningModule):
             self.validated_at = self.trainer.global_step  # the console says which validation a val/loss is
 
     def configure_optimizers(self):
-        hp = self.hparams
+        optim = self.optim
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # Weight decay on matrices only (embeddings included), never on gains and biases.
         groups = [
-            {"params": [p for n, p in named if n in self._matrix_names], "weight_decay": hp.weight_decay},
+            {"params": [p for n, p in named if n in self._matrix_names], "weight_decay": optim.weight_decay},
             {"params": [p for n, p in named if n not in self._matrix_names], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps,
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas),
                                       fused=self._fused_adamw())
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(
-                step, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps, min_lr_ratio=hp.min_lr_ratio
+                step, warmup_steps=optim.warmup_steps, max_steps=self.hparams.max_steps,
+                min_lr_ratio=optim.min_lr_ratio
             ),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -246,14 +242,14 @@ class LitGPT(L.LightningModule):
         """AdamW's fused kernel: as asked (optim.fused), by default on CUDA only (CPU runs keep foreach's
         floating-point order). Not under an fp16 GradScaler with clipping: the fused step unscales the
         gradients itself, so they could not be clipped unscaled before it (Lightning refuses that pairing)."""
-        fused = self.device.type == "cuda" if self.hparams.fused is None else bool(self.hparams.fused)
+        fused = self.device.type == "cuda" if self.optim.fused is None else bool(self.optim.fused)
         try:
             trainer = self.trainer
         except RuntimeError:  # a module on its own: its optimizer built outside a Trainer
             trainer = None
         scaled = trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
         if fused and scaled and trainer.gradient_clip_val:
-            if self.hparams.fused:
+            if self.optim.fused:
                 log.warning(
                     "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales "
                     "the gradients itself); AdamW runs unfused"

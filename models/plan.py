@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -40,8 +41,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from models.compiled_plan import compiled_peak, graph_flops, trace_compiled
+from models.gpt import GPTConfig
 from models.hardware import DTYPES
 from models.lit import LitGPT
+
+if TYPE_CHECKING:  # the run's optim.* node (normgeo.config.schema, above models/)
+    from normgeo.config.schema import OptimSchema
 
 GIB = 2**30
 
@@ -107,7 +112,8 @@ class PeakMemTracker(MemTracker):
 class TrainSetup:
     """What the plan of a training config needs (normgeo/plan.py fills it from the config)."""
 
-    model: dict                     # LitGPT's arguments: the config's ``model`` node without ``_target_``
+    model: GPTConfig                # the run's model and its AdamW (TrainSchema.gpt, TrainSchema.optim)
+    optim: OptimSchema
     micro_batch: int
     global_batch: int
     precision: str = "bf16-mixed"
@@ -134,7 +140,7 @@ class TrainSetup:
 
     @property
     def seq_len(self) -> int:
-        return int(self.model["model"]["block_size"])
+        return self.model.block_size
 
     @property
     def accumulating(self) -> bool:
@@ -274,7 +280,8 @@ def build_module(setup: TrainSetup, dtype: torch.dtype | None = None) -> LitGPT:
     """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's
     storage)."""
     with default_dtype(dtype or PRECISIONS[setup.precision][0]):
-        return LitGPT(**setup.model)
+        return LitGPT(setup.model, setup.optim, seed=0, max_steps=1, global_batch=setup.global_batch,
+                      compile=setup.compiled)
 
 
 def build_optimizer(module: LitGPT, fused: bool) -> torch.optim.Optimizer:
@@ -299,7 +306,7 @@ def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:
 
 def random_batch(setup: TrainSetup, batch: int, device: torch.device | str = "cpu"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    vocab = int(setup.model["model"].get("vocab_size", 50257))
+    vocab = setup.model.vocab_size
     shape = (batch, setup.seq_len)
     return torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device)
 
@@ -546,8 +553,8 @@ def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> 
 
 def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
     """6 N + 12 L T d (PaLM, appendix B) with N the matmul weights: an embedding lookup does no FLOPs."""
-    m = setup.model["model"]
-    return 6 * counts.matmul_parameters + 12 * m["n_layer"] * m["n_embd"] * setup.seq_len
+    m = setup.model
+    return 6 * counts.matmul_parameters + 12 * m.n_layer * m.n_embd * setup.seq_len
 
 
 def make_plan(setup: TrainSetup, *, both_checkpointing: bool = True, probe: bool = True) -> Plan:
@@ -617,9 +624,7 @@ def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
     under FSDP2 their shards) plus the logits of one micro-batch in the autocast dtype (the head's
     matmul writes them whole while that state lives)."""
     low = PRECISIONS[setup.precision][1] or PRECISIONS[setup.precision][0]
-    vocab = int(setup.model["model"].get("vocab_size", 50257))
-    multiple = int(setup.model["model"].get("vocab_multiple", 64))
-    logits = setup.micro_batch * setup.seq_len * math.ceil(vocab / multiple) * multiple * low.itemsize
+    logits = setup.micro_batch * setup.seq_len * setup.model.padded_vocab_size * low.itemsize
     persistent_gradients = setup.strategy == "ddp" or setup.accumulating or setup.strategy == "fsdp2"
     state = counts.parameter_bytes + counts.optimizer_bytes
     state += counts.parameter_bytes if persistent_gradients else 0

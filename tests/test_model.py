@@ -19,10 +19,13 @@ from models.lit import LitGPT, warmup_cosine
 from models.norms import NORM_ARMS, NORM_IMPLS
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
+from normgeo.config.schema import OptimSchema
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.runs.build import make_module
 
 SIZES = ("tiny", "70m", "160m", "410m", "1b")
+
+TINY = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)  # a module built in milliseconds
 
 
 def build_from_config(*overrides: str) -> GPT:
@@ -203,13 +206,7 @@ def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_r
     """perf/tokens_per_s and perf/mfu through Lightning's Throughput: nothing at a session's first report,
     then the global tokens of the steps since the previous report over their seconds, and per device their
     model FLOPs against the peak (2 devices, a declared peak standing in for a GPU's)."""
-    module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
-        seed=0,
-        max_steps=10,
-        global_batch=4,
-        lr=1e-3,
-    )
+    module = LitGPT(TINY, OptimSchema(lr=1e-3, warmup_steps=1000), seed=0, max_steps=10, global_batch=4)
     peak = 1e9
     module.start_throughput(peak, world_size=2)
     assert module.step_rates(5, now=10.0) == {}
@@ -229,13 +226,7 @@ def test_step_rates_are_the_tokens_and_model_flops_of_the_steps_since_the_last_r
 
 
 def test_weight_decay_only_on_matrices() -> None:
-    module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
-        seed=0,
-        max_steps=10,
-        global_batch=2,
-        lr=1e-3,
-    )
+    module = LitGPT(TINY, OptimSchema(lr=1e-3, warmup_steps=1000), seed=0, max_steps=10, global_batch=2)
     optimizer = module.configure_optimizers()["optimizer"]
     decayed, plain = optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
@@ -249,8 +240,8 @@ def test_bf16_mixed_clips_the_gradients_before_fused_adamw(fused: bool) -> None:
     clipping. Lightning refuses to clip before a fused step under any mixed
     precision (for fp16's scaler); bf16 has none, and the clip must act."""
     def one_step(clip: float | None) -> tuple[float, torch.optim.Optimizer]:
-        module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}, seed=0, max_steps=1,
-                        global_batch=2, lr=1e-2, warmup_steps=0, weight_decay=0.0, fused=fused)
+        module = LitGPT(TINY, OptimSchema(lr=1e-2, warmup_steps=0, weight_decay=0.0, fused=fused), seed=0,
+                        max_steps=1, global_batch=2)
         before = torch.cat([p.detach().flatten().clone() for p in module.parameters()])
         tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
         batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
@@ -282,15 +273,8 @@ def test_fp16_with_a_grad_scaler_and_clipping_runs_adamw_unfused_with_one_warnin
     """16-mixed's scaler: a fused step unscales inside, so clipping could not
     come first (Lightning raises). Asked for anyway, AdamW runs unfused, says
     so in one line, and the step is taken (CPU's GradScaler stands in)."""
-    module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
-        seed=0,
-        max_steps=1,
-        global_batch=2,
-        lr=1e-2,
-        warmup_steps=0,
-        fused=True,
-    )
+    module = LitGPT(TINY, OptimSchema(lr=1e-2, warmup_steps=0, fused=True), seed=0, max_steps=1,
+                    global_batch=2)
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     batches = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2
@@ -320,13 +304,7 @@ def test_fp16_with_a_grad_scaler_and_clipping_runs_adamw_unfused_with_one_warnin
 def test_weight_decay_groups_are_decided_by_name_not_by_shape_at_optimizer_time() -> None:
     """A sharding scheme that flattens parameters still gets matrices-only decay (FSDP2:
     tests/test_sharded.py)."""
-    module = LitGPT(
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
-        seed=0,
-        max_steps=10,
-        global_batch=2,
-        lr=1e-3,
-    )
+    module = LitGPT(TINY, OptimSchema(lr=1e-3, warmup_steps=1000), seed=0, max_steps=10, global_batch=2)
     matrices = {id(p) for p in module.model.parameters() if p.dim() >= 2}
     for param in module.model.parameters():
         param.data = param.data.reshape(-1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from models.gpt import GPTConfig
 from models.lit import LitGPT
 from models.plan import (
     GIB,
@@ -33,11 +34,13 @@ from models.plan import (
 )
 from normgeo.config.checks import group_options
 from normgeo.config.compose import TRAIN_CONFIG_DIRS
+from normgeo.config.schema import OptimSchema
 from normgeo.plan import compose, measured_overrides, measured_peaks
 from normgeo.plan import main as plan_main
 from normgeo.runs.preflight import PlanRefusal, preflight, setup_from_config
 from tests.conftest import FAST, ROOT, entry_point_here, train_here
 
+OPTIM = OptimSchema(lr=1e-3, warmup_steps=1000)
 SIZES = {  # small contexts and batches: a real CPU step in seconds
     "tiny": dict(n_layer=2, n_head=2, n_embd=128),
     "70m": dict(n_layer=6, n_head=8, n_embd=512),
@@ -46,17 +49,16 @@ SIZES = {  # small contexts and batches: a real CPU step in seconds
 
 def setup_of(size: str, seq_len: int = 64, micro_batch: int = 2, global_batch: int = 8,
              **kwargs) -> TrainSetup:
-    model = {"model": {**SIZES[size], "block_size": seq_len, "norm": "layer", "tie_embeddings": False},
-             "seed": 0, "max_steps": 10, "global_batch": 8, "lr": 1e-3}
+    model = GPTConfig(**SIZES[size], block_size=seq_len, norm="layer", tie_embeddings=False)
     # What train.py runs on the CPU: fp32, one device, LitGPT's unfused AdamW.
-    return TrainSetup(model=model, micro_batch=micro_batch, global_batch=global_batch, precision="32-true",
-                      strategy="single", fused_adamw=False, **kwargs)
+    return TrainSetup(model=model, optim=OPTIM, micro_batch=micro_batch, global_batch=global_batch,
+                      precision="32-true", strategy="single", fused_adamw=False, **kwargs)
 
 
 def real_step_peak(setup: TrainSetup) -> int:
     """MemTracker's peak over a real steady-state step on real CPU tensors (not the planner's code)."""
     torch.manual_seed(0)
-    module = LitGPT(**setup.model)
+    module = LitGPT(setup.model, setup.optim, seed=0, max_steps=10, global_batch=8)
     optimizer = module.configure_optimizers()["optimizer"]
     batch = torch.randint(0, 50257, (setup.micro_batch, setup.seq_len + 1))
     for _ in range(2):  # the first step creates the optimizer state; the second is the steady state
@@ -127,10 +129,11 @@ def test_activation_checkpointing_lowers_the_peak_and_the_peak_grows_with_micro_
 
 
 def test_fsdp2_shards_the_state_over_ranks() -> None:
-    base = dict(precision="bf16-mixed", fused_adamw=True)
+    base = dict(optim=OPTIM, micro_batch=2, global_batch=8, world_size=4, precision="bf16-mixed",
+                fused_adamw=True)
     model = setup_of("tiny").model
-    ddp = TrainSetup(model=model, micro_batch=2, global_batch=8, strategy="ddp", world_size=4, **base)
-    fsdp = TrainSetup(model=model, micro_batch=2, global_batch=8, strategy="fsdp2", world_size=4, **base)
+    ddp = TrainSetup(model=model, strategy="ddp", **base)
+    fsdp = TrainSetup(model=model, strategy="fsdp2", **base)
     with quiet_plan():
         d = make_plan(ddp, both_checkpointing=False, probe=False).configured.memory
         f = make_plan(fsdp, both_checkpointing=False, probe=False).configured.memory
@@ -307,7 +310,7 @@ def test_a_plan_says_which_step_it_planned_and_measure_says_where_it_can_run(cap
     assert report["compile"] is True and report["planned"] == "compiled"
     assert report["measured"] is None  # not asked: nothing run
     assert plan_main([*tiny, "--record"]) == 2  # --record records a measured step: with --measure
-    setup = TrainSetup(model={"model": {"block_size": 64}}, micro_batch=1, global_batch=1)
+    setup = TrainSetup(model=GPTConfig(block_size=64), optim=OPTIM, micro_batch=1, global_batch=1)
     with pytest.raises(ValueError, match="measuring a step needs a CUDA device"):
         measure_step(setup, torch.device("cpu"))
 

@@ -22,7 +22,7 @@ from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import CHECKPOINT_SCHEDULE, compiles
 from normgeo.runs import run_config
-from normgeo.runs.build import module_arguments
+from normgeo.runs.build import make_module
 from normgeo.runs.run_config import (
     ABSENT,
     ALLOWED_CHANGES,
@@ -172,7 +172,7 @@ def test_compile_auto_is_off_on_the_cpu_on_for_cuda_and_recorded_as_decided(monk
                 ["trainer=default"],  # accelerator=auto: a GPU when there is one
                 ["trainer=cpu", "compile=true"]))
     assert cpu.compile == "auto" and resolved_run_config(cpu)["compile"] is False
-    assert module_arguments(cpu)["compile"] is False
+    assert make_module(cpu).hparams.compile is False
     assert compiles(forced) is True and compiles(cpu, "cuda") == (compile_refusal("cuda") is None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert compiles(auto) is False

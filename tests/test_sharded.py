@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.gpt import GPTConfig
 from models.lit import LitGPT
+from normgeo.config.schema import OptimSchema
 from normgeo.measure.records import read_rows
 from tests.conftest import entry_point_here, run_train, step_losses, train_here
 
@@ -130,9 +132,9 @@ def test_fsdp_weight_decay_lands_on_matrices_only(runs: dict[str, Path]) -> None
     checkpoint = load(runs["fsdp"] / "checkpoints" / "last.ckpt")
     decayed, plain = checkpoint["optimizer_states"][0]["param_groups"]
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
-    module = LitGPT(checkpoint["hyper_parameters"]["model"], **{
-        k: v for k, v in checkpoint["hyper_parameters"].items() if k != "model"
-    })
+    saved = checkpoint["hyper_parameters"]
+    module = LitGPT(GPTConfig(**saved["model"]), OptimSchema(**saved["optim"]),
+                    **{k: v for k, v in saved.items() if k not in ("model", "optim")})
     names = [name for name, _ in module.named_parameters()]
     shapes = dict(module.named_parameters())
     decayed_names = {names[i] for i in decayed["params"]}

@@ -14,8 +14,10 @@ import torch
 import yaml
 
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
+from models.gpt import GPTConfig
 from models.lit import LitGPT, warmup_cosine
 from models.pretrained import load_checkpoint
+from normgeo.config.schema import OptimSchema
 from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, MEAN_SOURCES_FILE
 from normgeo.measure.records import read_rows
 from normgeo.runs.session import REPLACED_DIR
@@ -470,8 +472,8 @@ def test_last_ckpt_is_also_refreshed_every_n_minutes(tmp_path: Path) -> None:
     time_ = SessionTime()
     schedule = CheckpointSchedule(max_steps=6, steps=[6], last_every=0, every_minutes=1.0)
     owner = ScheduledCheckpoint(str(tmp_path / "checkpoints"), schedule, clock=lambda: time_.now)
-    module = LitGPT({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 64}, seed=0,
-                    max_steps=6, global_batch=2, lr=1e-3, warmup_steps=0)
+    module = LitGPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
+                    OptimSchema(lr=1e-3, warmup_steps=0), seed=0, max_steps=6, global_batch=2)
     window = (torch.arange(8), torch.arange(1, 9))
     data = torch.utils.data.DataLoader([window] * 12, batch_size=2)
     trainer = L.Trainer(max_steps=6, callbacks=[time_, owner], logger=False, enable_progress_bar=False,

@@ -7,7 +7,6 @@ aliases to compare). train.py, bench/, normgeo.plan and the tests build from her
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from hydra.utils import instantiate
@@ -18,18 +17,11 @@ from models.lit import LitGPT
 from normgeo.config.schema import TrainSchema, compiles
 
 
-def module_arguments(cfg: TrainSchema) -> dict[str, Any]:
-    """models.lit.LitGPT's arguments, as plain values (they are its saved hyperparameters)."""
-    optim = cfg.optim
-    return {"model": asdict(cfg.gpt), "seed": cfg.seed, "max_steps": cfg.max_steps,
-            "global_batch": cfg.global_batch, "lr": optim.lr, "min_lr_ratio": optim.min_lr_ratio,
-            "warmup_steps": optim.warmup_steps, "weight_decay": optim.weight_decay,
-            "betas": list(optim.betas), "fused": optim.fused, "compile": compiles(cfg)}
-
-
 def make_module(cfg: TrainSchema, **changes: Any) -> LitGPT:
     """The LightningModule of ``cfg`` (``changes``: arguments that differ, e.g. bench/'s ``seed=0``)."""
-    return LitGPT(**{**module_arguments(cfg), **changes})
+    arguments = {"seed": cfg.seed, "max_steps": cfg.max_steps, "global_batch": cfg.global_batch,
+                 "compile": compiles(cfg)}
+    return LitGPT(cfg.gpt, cfg.optim, **{**arguments, **changes})
 
 
 def make_datamodule(cfg: TrainSchema) -> TokenDataModule:

@@ -18,7 +18,6 @@ from corpus.atomic import atomic_open
 from models.hardware import default_precision
 from models.plan import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
 from normgeo.config.schema import ConfigError, TrainSchema, compiles
-from normgeo.runs.build import module_arguments
 from normgeo.runs.run_config import is_rank_zero
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def planned_world_size(cfg: TrainSchema, visible_gpus: int | None = None) -> int
 
 
 def setup_from_config(cfg: TrainSchema, visible_gpus: int | None = None) -> TrainSetup:
-    """The planner's view of a run's config (the model: LitGPT's arguments, as train.py builds it)."""
+    """The planner's view of a run's config (its model and AdamW as train.py builds them)."""
     world = planned_world_size(cfg, visible_gpus)
     strategy, fsdp = strategy_of(cfg, world)
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
@@ -67,9 +66,8 @@ def setup_from_config(cfg: TrainSchema, visible_gpus: int | None = None) -> Trai
     cfg.accumulation(world)
     # compile=auto as on the device planned for: a login node without Triton plans a GPU run compiled.
     compiled = compiles(cfg, "cpu" if on_cpu else "cuda", planned=True)
-    model = {**module_arguments(cfg), "compile": compiled}
-    return TrainSetup(model=model, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
-                      precision=precision, strategy=strategy, world_size=world,
+    return TrainSetup(model=cfg.gpt, optim=cfg.optim, micro_batch=cfg.micro_batch,
+                      global_batch=cfg.global_batch, precision=precision, strategy=strategy, world_size=world,
                       gradient_clip=cfg.trainer.get("gradient_clip_val"), fused_adamw=not on_cpu,
                       probe_batch=cfg.probe.batch_size, compiled=compiled, **fsdp)
 
