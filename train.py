@@ -40,6 +40,7 @@ from omegaconf import DictConfig  # Hydra's composed config: run() checks it int
 
 from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
+from callbacks.lightning_loops import ResumedAccumulation
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
@@ -280,7 +281,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.
     callbacks = [LambdaCallback(on_train_start=stop.install), keep, *probe, *extra_callbacks,
-                 timer, stop, owner]
+                 ResumedAccumulation(), timer, stop, owner]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
