@@ -135,7 +135,11 @@ def prepare(
     if check is not None and (existing is None or existing.get("source") != source.describe()):
         check()
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # innermost first
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # /proc, a read-only mount, a file in the way: the user's path, said in one line
+        raise PreparedDataError(f"cannot create the data folder {directory} ({err.strerror}): set data_root "
+                                "(or data.directory) to a folder that can be written") from None
     lock = FileLock(directory / ".prepare.lock")
     try:
         with lock:
