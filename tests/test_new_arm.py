@@ -1,7 +1,8 @@
 """A norm arm defined in this test only, as a researcher adds one: its class, its registration and its YAML
 (in a folder of the test's, on Hydra's search path), and nothing else. It trains, the probe measures it,
 normgeo.compare judges it against RMSNorm, and it exports to Hugging Face with the harness's logits, the
-saved model code holding a copy of its class; TransformerLens refuses it, naming what it lacks."""
+saved model code holding a copy of its class (nnsight wraps that export); TransformerLens refuses it,
+naming what it lacks."""
 
 from __future__ import annotations
 
@@ -96,6 +97,9 @@ def test_an_arm_defined_in_a_test_trains_probes_compares_and_exports(tmp_path: P
     ids = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(ids).logits - gpt(ids)).abs().max().item() <= 1e-5
+
+    wrapped = module_main(capfd, "export", run, "--to", "nnsight", "--out", tmp_path / "nnsight")
+    assert wrapped.returncode == 0 and (tmp_path / "nnsight" / "modeling_normgeo.py").read_text() == code
 
     refused = module_main(capfd, "export", run, "--to", "transformer-lens", "--out", tmp_path / "tl")
     assert refused.returncode == 2 and not (tmp_path / "tl").exists()
