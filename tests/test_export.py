@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from models.export.hf import hf_class_name, load_hf, save_hf, to_hf
+from models.export.hf import class_source, hf_class_name, load_hf, model_code, save_hf, to_hf
 from models.export.lens import to_nnsight, to_transformer_lens, transformer_lens_refusal
 from models.gpt import GPT, GPTConfig
-from models.norms import NORM_ARMS
+from models.norms import NORM_ARMS, make_norm
 
 CASES = list(itertools.product(NORM_ARMS, ("pre", "post"), (True, False)))
 TOLERANCE = 1e-5  # fp32 max abs logit difference
@@ -66,6 +66,35 @@ def test_gpt2_holds_exactly_the_pre_ln_layernorm_arms() -> None:
     }
     assert {("layer", "pre"), ("layer_nobias", "pre")} <= held
     assert all(p == "pre" and NORM_ARMS[n].module_type is nn.LayerNorm for n, p in held)
+
+
+def test_the_model_code_defines_each_arm_from_its_registration() -> None:
+    """The saved file, run on its own, builds every arm's norm as the harness does: the same class name,
+    parameters and outputs (its own copy of the class where the arm's is not torch's)."""
+    x = torch.randn(3, 8)
+    for norm, arm in NORM_ARMS.items():
+        namespace: dict = {"__name__": "saved_model_code"}
+        exec(compile(model_code(norm), "modeling_normgeo.py", "exec"), namespace)
+        copy = namespace["NORM_CLASSES"][arm.module_type.__name__](**arm.arguments(8, 1e-5, "ln2"))
+        ours = make_norm(norm, 8, 1e-5, "ln2")
+        copy.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert torch.equal(copy(x), ours(x)), norm
+        assert (type(copy) is arm.module_type) == (arm.module_type.__module__.startswith("torch.")), norm
+
+
+def helper(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class ReadsAHelper(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return helper(x)
+
+
+def test_the_model_code_refuses_a_class_that_reads_a_function_of_its_module() -> None:
+    with pytest.raises(TypeError, match="ReadsAHelper reads helper of its module"):
+        class_source(ReadsAHelper)
 
 
 def test_a_wrong_weight_breaks_parity() -> None:

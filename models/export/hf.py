@@ -62,7 +62,7 @@ from models.gpt import GPT, GPTConfig
 from models.norms import NORM_ARMS, ROLES
 
 CONVERTED_NORM = "rms"
-MODEL_CODE_FILE = f"{modeling_normgeo.__name__.rpartition('.')[2]}.py"
+MODEL_CODE_FILE = Path(modeling_normgeo.__file__).name
 # Each residual norm, and the linear layer (in models.gpt's names) its output feeds.
 FOLDS = {"ln1": "attn.c_attn", "ln2": "mlp.c_fc"}
 
