@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -297,7 +298,9 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                              train_tokens=datamodule.data.num_tokens("train"),
                              device=training_device_type(cfg.trainer), precision=str(trainer.precision))
         for kind, lines in (("costly launch", launch),
-                            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
+                            ("costly", costly_values(cfg, probes=len(schedule) + 1, checkpoints=len(schedule),
+                                                     parameters=module.model.num_parameters(),
+                                                     free_bytes=shutil.disk_usage(run_dir).free)),
                             ("odd", odd_values(cfg)),
                             ("nothing measured", unmeasured_values(cfg))):
             for line in lines:
