@@ -7,7 +7,15 @@ same batch stream, same probe tokens and reference vectors.
 from __future__ import annotations
 
 # ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
-from normgeo.signals import OWNER, FinishFirst, StopAtOnce, ignore_at_exit
+from normgeo.signals import (
+    OWNER,
+    STOP_SIGNALS,
+    AbandonAtOnce,
+    Abandoned,
+    FinishFirst,
+    StopAtOnce,
+    ignore_at_exit,
+)
 
 OWNER.take_requeue()
 
@@ -15,6 +23,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -32,6 +41,7 @@ from omegaconf import DictConfig  # Hydra's composed config: run() checks it int
 
 from callbacks.angle_probe import AngleProbe
 from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
+from callbacks.lightning_loops import ResumedAccumulation
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
@@ -272,7 +282,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.
     callbacks = [LambdaCallback(on_train_start=stop.install), keep, *probe, *extra_callbacks,
-                 timer, stop, owner]
+                 ResumedAccumulation(), timer, stop, owner]
     module = make_module(cfg)
     datamodule = start.datamodule  # prepared and long enough for seq_len (checked)
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -288,7 +298,9 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                              train_tokens=datamodule.data.num_tokens("train"),
                              device=training_device_type(cfg.trainer), precision=str(trainer.precision))
         for kind, lines in (("costly launch", launch),
-                            ("costly", costly_values(cfg, probes=len(schedule) + 1)),
+                            ("costly", costly_values(cfg, probes=len(schedule) + 1, checkpoints=len(schedule),
+                                                     parameters=module.model.num_parameters(),
+                                                     free_bytes=shutil.disk_usage(run_dir).free)),
                             ("odd", odd_values(cfg)),
                             ("nothing measured", unmeasured_values(cfg))):
             for line in lines:
@@ -315,19 +327,35 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             late = stop.late_signal or fit_phase.received
             stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
             write_summary(run_dir, run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by))
-            end = StopAtOnce("after training, while the summary and figures were written",
-                             f"the trained steps are checkpointed; {continue_command(cfg)} writes the rest, "
-                             "nothing retrained")
-            with OWNER.owning(end):
-                if (signum := stop.late_signal or fit_phase.received) is not None:
-                    end(signum, None)
-                if cfg.probe.enabled and cfg.probe.figures and stopped_by is None:
-                    figures = draw_figures(run_dir)
-                    log_figures(trainer.loggers, {figure_key(f): f for f in figures},
-                                step=trainer.global_step)
-                log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)),
-                         run_dir / SUMMARY_FILE)
+            try:
+                # From here a signal abandons the end; fit_phase saw the last one it will see, so the check
+                # below and the handler together cover every moment after the summary.
+                with OWNER.owning(AbandonAtOnce()):
+                    if (signum := stop.late_signal or fit_phase.received) is not None:
+                        raise Abandoned(signum)
+                    if cfg.probe.enabled and cfg.probe.figures and stopped_by is None:
+                        figures = draw_figures(run_dir)
+                        log_figures(trainer.loggers, {figure_key(f): f for f in figures},
+                                    step=trainer.global_step)
+                    log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)),
+                             run_dir / SUMMARY_FILE)
+            except Abandoned as abandoned:
+                end_interrupted(run_dir, abandoned.signum, continue_command(cfg))
     return trainer
+
+
+def end_interrupted(run_dir: Path, signum: int, command: str) -> None:
+    """A signal at the end, after the summary: the summary says the session was interrupted (where it did not
+    yet), one line says what is left, exit 128 + the signal."""
+    end = StopAtOnce("after training, while the summary and figures were written",
+                     f"the trained steps are checkpointed; {command} writes the rest, nothing retrained")
+    with OWNER.owning(end):  # a second signal stops at once; the atomic write keeps the summary whole
+        summary = read_summary(run_dir)
+        ended = f"interrupted by {signal.Signals(signum).name}"
+        if summary["session_log"][-1]["ended"] != ended:
+            summary["session_log"][-1]["ended"] = ended
+            write_summary(run_dir, summary)
+        end(signum, None)
 
 
 def draw_figures(run_dir: Path) -> list[Path]:
@@ -375,7 +403,7 @@ def run(composed: DictConfig) -> Refused | None:
         if not start.kept:  # stopped before its first optimizer step (a signal in the first probe): it
             start.undo()  # trained and saved nothing, and the folder goes back to how the start found it
     except BaseException as err:
-        stopped = isinstance(err, SystemExit) and err.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+        stopped = isinstance(err, SystemExit) and err.code in {128 + s for s in STOP_SIGNALS}
         if not start.kept:  # before its first optimizer step
             if isinstance(err, (NonFiniteError, SystemExit)) and not stopped:
                 start.keep()  # a divergence is a result, a requeue a pause: the start stays

@@ -22,3 +22,27 @@ def settle_abandoned_validation(trainer: L.Trainer) -> None:
     progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
     for tracker in (progress.total, progress.current):
         tracker.started = tracker.processed = tracker.completed = tracker.ready
+
+
+class ResumedAccumulation(L.Callback):
+    """A resume whose accumulation differs from the checkpoint's (``micro_batch`` or the device count
+    changed; the global batch is fixed): the training loop's batch counters are restated in this session's
+    micro-batches before Lightning restores them. Left in the old unit, the next optimizer step would close
+    after the wrong number of micro-batches, mixing two steps' windows, and validations would move."""
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict) -> None:
+        step = checkpoint.get("global_step", 0)
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loop.get("epoch_loop.batch_progress")
+        if not step or progress is None:
+            return
+        saved, rest = divmod(progress["total"]["ready"], step)  # the checkpoint's micro-batches per step
+        now = trainer.accumulate_grad_batches
+        if rest or saved == now:  # saved between optimizer steps (none is), or the same unit
+            return
+        # The whole run is one epoch (corpus.stream.StepSampler), so the epoch's counters are the run's.
+        shift = step * (now - saved)
+        for tracker in (progress["total"], progress["current"]):
+            for key in ("ready", "started", "processed", "completed"):
+                tracker[key] += shift

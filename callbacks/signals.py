@@ -20,7 +20,7 @@ import lightning as L
 import torch
 
 from callbacks.lightning_loops import settle_abandoned_validation
-from normgeo.signals import OWNER
+from normgeo.signals import OWNER, STOP_SIGNALS
 from slurm.requeue import SlurmRequeue
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class SignalStop(Exception):
 
 
 class Interrupt:
-    """Training's phase of the signal owner: SIGINT (Ctrl-C) or SIGTERM (``kill``, ``scancel``) is recorded,
+    """Training's phase of the signal owner: a stop signal (normgeo.signals.STOP_SIGNALS: Ctrl-C's SIGINT,
+    SIGTERM from ``kill`` or ``scancel``, a closed terminal's SIGHUP, SIGUSR1 outside SLURM) is recorded,
     so that :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved
     there; the exit is 128 + the signal number (130, 143). In place of Python's KeyboardInterrupt (Lightning
     turns it into exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without
@@ -188,23 +189,23 @@ class StopOnSignal(L.Callback):
             return  # the session ends here anyway: last.ckpt is written, nothing left to stop for
         # Ranks receive signals at slightly different times, possibly steps apart (a terminal's Ctrl-C
         # reaches every rank, a kill only one): any rank's signal stops all of them at this same step.
-        # One all-reduce of [requeue, SIGINT, SIGTERM] summed over the ranks, at the steps the training loop
+        # One all-reduce of [requeue, *STOP_SIGNALS] summed over the ranks, at the steps the training loop
         # reports (log_every_n_steps: it waits for the device there anyway), not at every step.
         if trainer.world_size > 1 and step % max(trainer.log_every_n_steps, 1):
             return
         interrupt = self.interrupt
-        flags = [bool(self.requeue and self.requeue.received), interrupt.signum == signal.SIGINT,
-                 interrupt.signum == signal.SIGTERM]
+        flags = [bool(self.requeue and self.requeue.received),
+                 *(interrupt.signum == signum for signum in STOP_SIGNALS)]
         if trainer.world_size > 1:
             total = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
             flags = [n > 0 for n in trainer.strategy.reduce(total, reduce_op="sum").tolist()]
-        requeue, sigint, sigterm = flags  # one process: no collective, and no GPU sync per step
+        requeue, *received = flags  # one process: no collective, and no GPU sync per step
         if requeue and self.requeue is not None:
             log.warning("requeue signal: stopping after step %d to save last.ckpt and requeue the job", step)
             self.requeue.stopped_at = step
-        elif sigint or sigterm:
+        elif any(received):
             # Every rank exits with the signal the user sent, whichever rank received it.
-            interrupt.signum = signal.SIGINT if sigint else signal.SIGTERM
+            interrupt.signum = STOP_SIGNALS[received.index(True)]
             log.warning("interrupt (%s): stopping after step %d to save last.ckpt", interrupt.name, step)
             interrupt.stopped_at = step
         else:

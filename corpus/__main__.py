@@ -21,7 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
 from corpus.sources import SourceError
-from normgeo.config.checks import group_options, unknown_group_option
+from corpus.tokenize import TokenizerError
+from normgeo.config.checks import group_options, override_refusal, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import ConfigError, check_data_path
 from normgeo.paths import FolderError, check_own_folder
@@ -39,12 +40,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(group_options('data', groups) or [])}; every other key as train.py takes it "
               "(python train.py --help)")
         return 0
-    if refusal := unknown_group_option(overrides, groups):
+    verify_only = bool(overrides) and overrides[0] == "verify"
+    overrides = overrides[verify_only:]
+    if refusal := override_refusal(overrides, "python -m corpus") or unknown_group_option(overrides, groups):
         print(f"{USAGE}\nerror: {refusal}", file=sys.stderr)
         return 2
     stop_on_signals("while preparing the data", "run the same command again to prepare it")
-    verify_only = bool(overrides) and overrides[0] == "verify"
-    overrides = overrides[verify_only:]
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="corpus"):
             cfg = compose(config_name="train", overrides=overrides)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
                 verify="full", repair=True,
             )
-    except (SourceError, PreparedDataError) as err:
+    except (SourceError, PreparedDataError, TokenizerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     splits = data.meta["splits"]

@@ -6,7 +6,7 @@ import contextlib
 import errno
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -52,19 +52,17 @@ def full_disk_cause(err: BaseException | None) -> OSError | None:
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     path = Path(path)
+    # Named before it exists, so that a signal landing as the file is created (a second Ctrl-C) still finds
+    # the name to remove; mkstemp returns it only once the file is there.
+    tmp_name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
-    except OSError as err:
-        if err.errno in FULL_DISK:
-            raise DiskFullError(path, err) from err
-        raise
-    try:
+        fd = os.open(tmp_name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, mode, **kwargs) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp_name, usual_file_mode())  # mkstemp makes 0600 files; give them the usual mode
+        os.chmod(tmp_name, usual_file_mode())  # private while written; then the usual mode
         os.replace(tmp_name, path)
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -10,6 +11,8 @@ from torch.utils.data import DataLoader
 
 from corpus.prepare import PreparedData, PreparedDataError, load_prepared, prepare
 from corpus.stream import ShardSampler, StepSampler, TokenWindows
+
+log = logging.getLogger(__name__)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -62,9 +65,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def load(self) -> PreparedData:
         if self.data is None:
-            self.data = load_prepared(
-                self.directory, tokenizer=self.tokenizer, prepare_hint=self.prepare_command
-            )
+            self.data = load_prepared(self.directory, tokenizer=self.tokenizer,
+                                      val_fraction=self.val_fraction, prepare_hint=self.prepare_command)
             # val_fraction moves tokens from train.bin to val.bin: the advice depends on which one is short,
             # and a new fraction applies only to a corpus prepared again (meta.json keeps the old split).
             direction = {"train": "smaller", "val": "larger"}
@@ -110,11 +112,13 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         data = self.load()
         world = self.trainer.world_size
-        # Equal shards on every rank, or synchronized logging would wait on a rank with fewer batches.
-        count = max(
-            world * self.micro_batch,
-            self.val_sequences // (world * self.micro_batch) * world * self.micro_batch,
-        )
+        # Equal shards on every rank, or synchronized logging would wait on a rank with fewer batches; the
+        # last micro-batch may be smaller, so the windows (and the loss, a mean over them) are the same at
+        # any micro_batch.
+        count = max(world, self.val_sequences // world * world)
+        if count != self.val_sequences and self.trainer.is_global_zero:
+            log.warning("val_sequences=%d: %d validation windows, a multiple of the %d devices",
+                        self.val_sequences, count, world)
         dataset = TokenWindows(
             str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed
         )

@@ -135,7 +135,11 @@ def prepare(
     if check is not None and (existing is None or existing.get("source") != source.describe()):
         check()
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # innermost first
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # /proc, a read-only mount, a file in the way: the user's path, said in one line
+        raise PreparedDataError(f"cannot create the data folder {directory} ({err.strerror}): set data_root "
+                                "(or data.directory) to a folder that can be written") from None
     lock = FileLock(directory / ".prepare.lock")
     try:
         with lock:
@@ -163,7 +167,8 @@ def _prepare_locked(
         log.warning("preparing %s again: %s", directory, damaged)
     if existing is not None and existing.get("source") == source.describe():
         try:
-            return load_prepared(directory, tokenizer=tokenizer, verify=verify, prepare_hint=prepare_hint)
+            return load_prepared(directory, tokenizer=tokenizer, verify=verify, prepare_hint=prepare_hint,
+                                 val_fraction=val_fraction)
         except OutdatedPreparedData as err:
             log.warning("preparing %s again: %s", directory, err)
         except PreparedDataError as err:
@@ -238,9 +243,11 @@ def _read_meta(directory: Path) -> dict | None:
 
 
 def load_prepared(
-    directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "", verify: str = "fast"
+    directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "", verify: str = "fast",
+    val_fraction: float | None = None,
 ) -> PreparedData:
-    """Open prepared data after checking it is complete and ours; ``verify='full'`` re-hashes every byte."""
+    """Open prepared data after checking it is complete and ours; ``verify='full'`` re-hashes every byte;
+    ``val_fraction``, where given, is the split the caller will record as its own."""
     directory = Path(directory)
     hint = f" Prepare (or repair) it with: {prepare_hint}" if prepare_hint else ""
     meta = _read_meta(directory)
@@ -254,6 +261,12 @@ def load_prepared(
     if meta.get("tokenizer") != tokenizer:
         raise PreparedDataError(
             f"{directory} was tokenized with {meta.get('tokenizer')!r}, not {tokenizer!r}.{hint}"
+        )
+    if val_fraction is not None and meta.get("val_fraction") != val_fraction:
+        raise PreparedDataError(
+            f"{directory} was split with data.val_fraction={meta.get('val_fraction')}, not {val_fraction}: "
+            f"set data.val_fraction={meta.get('val_fraction')}, or prepare it again with "
+            f"data.val_fraction={val_fraction}.{hint}"
         )
     for split in SPLITS:
         path = directory / f"{split}.bin"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from models.export.hf import CONVERTIBLE_ARMS, hf_class_name, load_hf, save_hf
+from models.export.hf import convertible_arms, hf_class_name, load_hf, save_hf
 from models.export.lens import to_transformer_lens, transformer_lens_refusal
 from models.gpt import GPT, GPTConfig
 from models.norms import NORM_ARMS
@@ -65,7 +65,7 @@ def conversion_table(runs: list[Path], ids: torch.Tensor) -> None:
         "| energy along 1 (float64) | add-centering Δloss (float64) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for norm, tie, bias in itertools.product(CONVERTIBLE_ARMS, (True, False), (True, False)):
+    for norm, tie, bias in itertools.product(convertible_arms(), (True, False), (True, False)):
         gpt = perturbed(norm, "pre", tie, bias, along_ones=0.1)
         name = f"`{norm}`, {'tied' if tie else 'untied'} head, linear biases {'on' if bias else 'off'}"
         print(conversion_row(name, gpt, ids))

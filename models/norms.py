@@ -1,8 +1,12 @@
 """The one registry of norm arms: what each arm builds, how figures name and colour it, what it isolates.
 
-An arm is one :class:`NormArm` entry here plus its YAML in ``conf/train/norm/``. The model
-(:func:`make_norm`), the config check, the probe (which modules are norms, of which kind), the figures
-and the verdict all read the arms from :data:`NORM_ARMS`; a new arm needs nothing else.
+An arm is its class, one :class:`NormArm` entry and its YAML in ``conf/train/norm/``. The model
+(:func:`make_norm`), the config check, the probe (which modules are norms, of which kind), the figures,
+the verdict and the exports all read the arms from :data:`NORM_ARMS`; a new arm needs nothing else. The
+entry states what other code asks about an arm: whether it centres (:attr:`NormArm.centres`) and has a bias
+(:attr:`NormArm.has_bias`), and which module of GPT-2 or TransformerLens computes it exactly, or what
+TransformerLens lacks for it; the Hugging Face export copies the class's own source into its saved model
+code (:mod:`models.export.hf`).
 
 The arms, by what they change:
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,15 +79,24 @@ class DynamicTanh(nn.Module):
         return f"{self.normalized_shape[0]}, alpha_init={self.alpha.item():.3g}"
 
 
-# build(dim, eps, role) -> module; role is "ln1" (before attention in pre-LN), "ln2" or "final".
-NormBuilder = Callable[[int, float, str], nn.Module]
+# arguments(dim, eps, role) -> the module_type's keyword arguments (JSON values: the Hugging Face export
+# writes them into its config); role is "ln1" (before attention in pre-LN), "ln2" or "final".
+NormArguments = Callable[[int, float, str], dict[str, Any]]
+ROLES = ("ln1", "ln2", "final")
+# The norms of the libraries an arm is exported to that can compute an arm exactly: GPT-2's
+# (transformers' GPT2LMHeadModel: LayerNorm with a bias, zero where the arm has none) and TransformerLens'
+# (HookedTransformer's normalization_type).
+GPT2_NORMS = ("LayerNorm",)
+TRANSFORMER_LENS_NORMS = ("LN", "RMS")
 
 
 @dataclass(frozen=True)
 class NormArm:
     name: str  # the config string: norm=<name>
-    build: NormBuilder
-    module_type: type[nn.Module]  # how the probe recognises this arm's modules in a model
+    # The arm's module is module_type(**arguments(dim, eps, role)); module_type is also how the probe
+    # recognises this arm's modules in a model, and the class whose source the Hugging Face export copies.
+    module_type: type[nn.Module]
+    arguments: NormArguments
     site_kind: str  # one of SITE_KINDS
     label: str  # in figures and tables
     color: str  # matplotlib colour, the same in every figure
@@ -90,10 +104,36 @@ class NormArm:
     # The arms this one is contrasted with in the verdict, as (other arm, what the contrast isolates);
     # each difference is this arm minus the other.
     contrasts: tuple[tuple[str, str], ...] = ()
+    gpt2: str | None = None  # the GPT2_NORMS module that computes this norm exactly, or None
+    transformer_lens: str | None = None  # the TRANSFORMER_LENS_NORMS type that computes it exactly, or None
+    # Where transformer_lens is None: what TransformerLens' norms lack for this arm, as its refusal says it
+    # ("TransformerLens cannot hold the arm exactly: <this>").
+    transformer_lens_lacks: str = ""
 
     def __post_init__(self) -> None:
         if self.site_kind not in SITE_KINDS:
             raise ValueError(f"arm {self.name!r}: site_kind {self.site_kind!r} is not one of {SITE_KINDS}")
+        if self.gpt2 not in (None, *GPT2_NORMS):
+            raise ValueError(f"arm {self.name!r}: gpt2 {self.gpt2!r} is not one of {GPT2_NORMS} or None")
+        if self.transformer_lens not in (None, *TRANSFORMER_LENS_NORMS):
+            raise ValueError(f"arm {self.name!r}: transformer_lens {self.transformer_lens!r} is not one of "
+                             f"{TRANSFORMER_LENS_NORMS} or None")
+        if (self.transformer_lens is None) == (not self.transformer_lens_lacks):
+            raise ValueError(f"arm {self.name!r}: give transformer_lens_lacks exactly when no "
+                             "transformer_lens norm holds it")
+
+    def build(self, dim: int, eps: float, role: str) -> nn.Module:
+        return self.module_type(**self.arguments(dim, eps, role))
+
+    @property
+    def centres(self) -> bool:
+        """Whether the arm removes the component along 1 (the "layer" site kind: centre, then scale)."""
+        return self.site_kind == "layer"
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the arm's module has a learned bias, as its class builds it."""
+        return "bias" in dict(self.build(2, 1e-5, "ln1").named_parameters())
 
 
 NORM_ARMS: dict[str, NormArm] = {}
@@ -109,10 +149,6 @@ def register_arm(arm: NormArm) -> NormArm:
 
 def unregister_arm(name: str) -> None:
     NORM_ARMS.pop(name)
-
-
-def norm_names() -> tuple[str, ...]:
-    return tuple(NORM_ARMS)
 
 
 def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "stock") -> nn.Module:
@@ -182,30 +218,34 @@ def contrasts() -> list[tuple[str, str, str]]:
 _DYT_CONTRAST = "normalization vs none (DyT)"
 
 register_arm(NormArm(
-    "layer", lambda dim, eps, role: nn.LayerNorm(dim, eps=eps, bias=True), nn.LayerNorm, "layer",
-    "LayerNorm", "tab:blue", "centring + scaling, with bias (the paper's LN arm)",
+    "layer", nn.LayerNorm, lambda dim, eps, role: {"normalized_shape": dim, "eps": eps, "bias": True},
+    "layer", "LayerNorm", "tab:blue", "centring + scaling, with bias (the paper's LN arm)",
     contrasts=(("rms", "mean subtraction, as the paper compares it (LN's bias included)"),
                ("rms_bias", "mean subtraction, bias in both"),
                ("layer_nobias", "the bias alone (both centre)"),
                ("dyt", _DYT_CONTRAST)),
+    gpt2="LayerNorm", transformer_lens="LN",
 ))
 register_arm(NormArm(
-    "rms", lambda dim, eps, role: nn.RMSNorm(dim, eps=eps), nn.RMSNorm, "rms",
-    "RMSNorm", "tab:red", "scaling only, no bias (the paper's RMS arm)",
-    contrasts=(("dyt", _DYT_CONTRAST),),
+    "rms", nn.RMSNorm, lambda dim, eps, role: {"normalized_shape": dim, "eps": eps},
+    "rms", "RMSNorm", "tab:red", "scaling only, no bias (the paper's RMS arm)",
+    contrasts=(("dyt", _DYT_CONTRAST),), transformer_lens="RMS",
 ))
 register_arm(NormArm(
-    "layer_nobias", lambda dim, eps, role: nn.LayerNorm(dim, eps=eps, bias=False), nn.LayerNorm, "layer",
-    "LayerNorm w/o bias", "tab:cyan", "centring + scaling, no bias",
+    "layer_nobias", nn.LayerNorm, lambda dim, eps, role: {"normalized_shape": dim, "eps": eps, "bias": False},
+    "layer", "LayerNorm w/o bias", "tab:cyan", "centring + scaling, no bias",
     contrasts=(("rms", "mean subtraction, no bias in either"), ("dyt", _DYT_CONTRAST)),
+    gpt2="LayerNorm", transformer_lens="LN",
 ))
 register_arm(NormArm(
-    "rms_bias", lambda dim, eps, role: RMSNormWithBias(dim, eps=eps), RMSNormWithBias, "rms",
-    "RMSNorm + bias", "tab:orange", "scaling only, with bias",
-    contrasts=(("dyt", _DYT_CONTRAST),),
+    "rms_bias", RMSNormWithBias, lambda dim, eps, role: {"dim": dim, "eps": eps},
+    "rms", "RMSNorm + bias", "tab:orange", "scaling only, with bias",
+    contrasts=(("dyt", _DYT_CONTRAST),), transformer_lens_lacks="its RMSNorm has no bias",
 ))
 register_arm(NormArm(
-    "dyt",
-    lambda dim, eps, role: DynamicTanh(dim, DYT_ALPHA_ATTENTION if role == "ln1" else DYT_ALPHA_OTHER),
-    DynamicTanh, "tanh", "DyT (no norm)", "tab:green", "no normalization: tanh(alpha x) with gain and bias",
+    "dyt", DynamicTanh,
+    lambda dim, eps, role: {"dim": dim,
+                            "alpha_init": DYT_ALPHA_ATTENTION if role == "ln1" else DYT_ALPHA_OTHER},
+    "tanh", "DyT (no norm)", "tab:green", "no normalization: tanh(alpha x) with gain and bias",
+    transformer_lens_lacks="it has no tanh norm (DyT)",
 ))

@@ -8,7 +8,8 @@ PATH``: any of them; default: the run's highest saved step) and writes, into a n
   ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads offline; nnsight wraps it
   (``NNsight(model)``); see :mod:`models.export.hf` for which class holds which arm;
 - ``--to transformer-lens``: ``tl_config.json`` and ``model.safetensors`` for TransformerLens 3.9's
-  ``HookedTransformer`` (pre-LN LayerNorm, LayerNorm without bias and RMSNorm only; other arms are refused);
+  ``HookedTransformer`` (the Pre-LN arms whose registration names a TransformerLens norm: LayerNorm,
+  LayerNorm without bias and RMSNorm; other arms are refused);
 
 each with the tokenizer and a model card (``README.md``: arm, size, step, tokens, validation loss, the run's
 config, how to load it) and ``normgeo_export.json`` (where it came from). The directory is assembled

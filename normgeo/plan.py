@@ -67,7 +67,7 @@ from models.plan import (
     measure_step,
     quiet_plan,
 )
-from normgeo.config.checks import check_config, unknown_group_option
+from normgeo.config.checks import check_config, override_refusal, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import ConfigError, TrainSchema
 from normgeo.figures.style import norm_label
@@ -117,7 +117,8 @@ def record_measurement(report: dict, path: Path = MEASURED_PEAKS) -> dict:
 def compose(overrides: Sequence[str]) -> TrainSchema:
     """train.py's typed config for ``overrides``, checked by the schema, without running Hydra's job (no
     files)."""
-    if refusal := unknown_group_option(overrides, TRAIN_CONFIG_DIRS):  # the options listed, as train.py does
+    if refusal := (override_refusal(overrides, "normgeo.plan")  # the options listed, as train.py does
+                   or unknown_group_option(overrides, TRAIN_CONFIG_DIRS)):
         raise ConfigError(refusal)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="train", overrides=list(overrides))

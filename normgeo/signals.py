@@ -1,5 +1,5 @@
-"""The process's one owner of its stop signals: SIGINT (Ctrl-C), SIGTERM (``kill``, ``scancel``) and, in a
-SLURM job, SIGUSR1 (the requeue signal).
+"""The process's one owner of its stop signals: SIGINT (Ctrl-C), SIGTERM (``kill``, ``scancel``), SIGHUP
+(a closed terminal or SSH session) and SIGUSR1 (in a SLURM job the requeue signal, elsewhere a stop).
 
 An entry point takes them (:meth:`SignalOwner.owning`) and, when it returns, puts back the handlers that were
 there (a caller's: a notebook's, a test's, the next job of a ``-m`` sweep). While it owns them, what a stop
@@ -24,12 +24,13 @@ from typing import Any
 
 from slurm.requeue import SlurmRequeue, under_slurm
 
-Phase = Callable[[int, Any], None]  # a signal handler: what SIGINT or SIGTERM does in this phase
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+Phase = Callable[[int, Any], None]  # a signal handler: what a stop signal does in this phase
+# Every signal whose default action would kill the run where it stands, without a word or a last.ckpt.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 class StopAtOnce:
-    """A phase in which SIGINT or SIGTERM ends the process at once with one line and exit 128 + the signal:
+    """A phase in which a stop signal ends the process at once with one line and exit 128 + the signal:
     the SystemExit unwinds through ``atomic_open``, which removes its temporary, so nothing half-written
     stays. ``doing``: when it came (``before training started``); ``again``: what to do next."""
 
@@ -45,7 +46,7 @@ class StopAtOnce:
 
 class FinishFirst:
     """A phase whose work must not be cut in half (a start being undone, the run's folder put back as it was
-    found; the session's summary, its account of what it trained): SIGINT or SIGTERM is said and kept in
+    found; the session's summary, its account of what it trained): a stop signal is said and kept in
     ``received`` for the caller to act on once that work is done."""
 
     def __init__(self, doing: str) -> None:
@@ -55,6 +56,22 @@ class FinishFirst:
     def __call__(self, signum: int, frame: Any) -> None:
         self.received = self.received or signum
         os.write(2, f"{signal.Signals(signum).name} {self.doing}: finishing that first\n".encode())
+
+
+class Abandoned(Exception):
+    """A stop signal in an :class:`AbandonAtOnce` phase; ``signum`` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class AbandonAtOnce:
+    """A phase whose work may be dropped but whose caller must first record that it was (the end's figures,
+    after the summary): a stop signal raises :class:`Abandoned` where the work stands."""
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        raise Abandoned(signum)
 
 
 class SignalOwner:
@@ -93,7 +110,7 @@ class SignalOwner:
 
     @contextlib.contextmanager
     def owning(self, phase: Phase) -> Iterator[SignalOwner]:
-        """Within the block SIGINT and SIGTERM go to the owner, ``phase`` saying what they do (a phase entered
+        """Within the block the stop signals go to the owner, ``phase`` saying what they do (a phase entered
         inside the block ends with it); after it, the handlers that were there are back."""
         replaced = self.take(STOP_SIGNALS)
         depth = len(self.phases)
@@ -138,15 +155,15 @@ OWNER = SignalOwner()
 
 
 def stop_on_signals(doing: str, again: str) -> None:
-    """For a command's whole process (compare, report, export, evaluate, analyze, corpus): SIGINT or SIGTERM
-    stops it at once (:class:`StopAtOnce`), through the owner."""
+    """For a command's whole process (compare, report, export, evaluate, analyze, corpus): a stop
+    signal ends it at once (:class:`StopAtOnce`), through the owner."""
     OWNER.take(STOP_SIGNALS)
     OWNER.enter(StopAtOnce(doing, again))
 
 
 def ignore_at_exit() -> None:
-    """An entry point's main has returned or raised: its exit code and last line are decided. SIGINT and
-    SIGTERM are ignored from here on, so that a second Ctrl-C while the interpreter exits (an atexit callback)
+    """An entry point's main has returned or raised: its exit code and last line are decided. The stop
+    signals are ignored from here on, so that a second Ctrl-C while the interpreter exits (an atexit callback)
     adds no traceback below the last line and a SIGTERM does not turn the exit code into a kill's."""
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:

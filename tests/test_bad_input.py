@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from corpus.__main__ import main as corpus_main
 from normgeo.config.checks import check_config, unquoted_non_ascii
 from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.config.schema import ConfigError
+from normgeo.plan import main as plan_main
 from tests.conftest import ROOT, call_entry_point, entry_point_here
 
 ROW = re.compile(
@@ -186,3 +188,29 @@ def test_hydras_own_errors_end_with_one_line_naming_the_override(script: str, ov
     code, stderr = call_entry_point(script, [override], capsys)
     last = stderr.strip().splitlines()[-1]
     assert code == 2 and last.startswith("error: ") and named in last, stderr
+
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "named"),
+    [("plan", ["norm=layer,rms"], "norm=layer,rms: several values; normgeo.plan takes one per key"),
+     ("plan", ["nosuch"], "nosuch: not an override; normgeo.plan takes key=value overrides"),
+     ("corpus", ["nosuch"], "nosuch: not an override; python -m corpus takes key=value overrides"),
+     ("corpus", ["verify", "data=pydoc,local"], "data=pydoc,local: several values; python -m corpus"),
+     ("corpus", ["data=pydoc", "data_root=/proc/normgeo"], "cannot create the data folder /proc/normgeo"),
+     ("corpus", ["data=pydoc", "data.tokenizer=nosuch", "data_root={tmp}"],
+      "data.tokenizer=nosuch: no such tiktoken encoding")],
+)
+def test_the_commands_that_compose_one_config_say_what_is_wrong_in_one_line(
+        command: str, args: list[str], named: str, tmp_path: Path, capfd) -> None:
+    """Issue 75, class 9: Hydra's own words (plan's sweep: "Ambiguous value for argument"; a word that is not
+    key=value: "missing EQUAL at '<EOF>'" and a link), and python -m corpus's tracebacks for a data folder
+    that cannot be created and for its own tokenizer error, are one line of ours with exit 2."""
+    main = plan_main if command == "plan" else corpus_main
+    capfd.readouterr()
+    code = main([arg.format(tmp=tmp_path) for arg in args])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"error: {named}"), err
+    assert "Traceback" not in err and "hydra.cc" not in err
+    assert not list(tmp_path.iterdir())  # nothing prepared, nothing left

@@ -190,3 +190,19 @@ def test_a_damaged_meta_json_is_refused_by_a_run_and_prepared_again_by_the_prepa
     assert (folder / "train.bin").read_bytes() == train
     repaired = prepare(PydocSource(), folder, val_fraction=0.05, progress=False, repair=True)
     assert repaired.meta["splits"]["train"]["tokens"] > 0 and (folder / "train.bin").read_bytes() == train
+
+
+def test_data_prepared_with_another_val_fraction_is_refused_by_a_run_and_split_again_by_the_prepare(
+        tmp_path: Path) -> None:
+    """Issue 75, class 1: a run whose data.val_fraction is not the prepared folder's is refused naming both
+    values (before: it recorded 0.5 and trained on the 0.05 split); ``python -m corpus``'s repair splits the
+    folder again at the asked fraction (before: it kept the old split and exited 0)."""
+    folder = tmp_path / "pydoc"
+    prepared = prepare(PydocSource(), folder, val_fraction=0.05, progress=False)
+    with pytest.raises(PreparedDataError, match=r"val_fraction=0.05, not 0.5: set data.val_fraction=0.05"):
+        prepare(PydocSource(), folder, val_fraction=0.5, progress=False)
+    with pytest.raises(PreparedDataError, match=r"data.val_fraction=0.05, not 0.5"):
+        load_prepared(folder, val_fraction=0.5)
+    split_again = prepare(PydocSource(), folder, val_fraction=0.5, progress=False, repair=True)
+    assert split_again.meta["val_fraction"] == 0.5
+    assert split_again.num_tokens("val") > 5 * prepared.num_tokens("val")

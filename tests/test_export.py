@@ -6,16 +6,16 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
 
-from models.export.hf import hf_class_name, load_hf, save_hf, to_hf
+from models.export.hf import class_source, hf_class_name, load_hf, model_code, save_hf, to_hf
 from models.export.lens import to_nnsight, to_transformer_lens, transformer_lens_refusal
 from models.gpt import GPT, GPTConfig
-from models.norms import NORM_ARMS
+from models.norms import NORM_ARMS, make_norm
 
-ARMS = ("layer", "layer_nobias", "rms", "rms_bias", "dyt")
-CASES = list(itertools.product(ARMS, ("pre", "post"), (True, False)))
+CASES = list(itertools.product(NORM_ARMS, ("pre", "post"), (True, False)))
 TOLERANCE = 1e-5  # fp32 max abs logit difference
-TL_ARMS = ("layer", "layer_nobias", "rms")
+TL_ARMS = [name for name, arm in NORM_ARMS.items() if arm.transformer_lens is not None]
 
 
 def perturbed_gpt(norm: str, placement: str = "pre", tie: bool = True, seed: int = 0) -> GPT:
@@ -32,10 +32,6 @@ def perturbed_gpt(norm: str, placement: str = "pre", tie: bool = True, seed: int
 
 def token_ids() -> torch.Tensor:
     return torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(7))
-
-
-def test_the_arms_tested_are_the_registry() -> None:
-    assert set(ARMS) == set(NORM_ARMS)
 
 
 @pytest.mark.parametrize(("norm", "placement", "tie"), CASES)
@@ -68,7 +64,37 @@ def test_gpt2_holds_exactly_the_pre_ln_layernorm_arms() -> None:
         for n, p, _ in CASES
         if hf_class_name(GPT(GPTConfig(n_layer=1, n_embd=8, norm=n, placement=p))) == "GPT2LMHeadModel"
     }
-    assert held == {("layer", "pre"), ("layer_nobias", "pre")}
+    assert {("layer", "pre"), ("layer_nobias", "pre")} <= held
+    assert all(p == "pre" and NORM_ARMS[n].module_type is nn.LayerNorm for n, p in held)
+
+
+def test_the_model_code_defines_each_arm_from_its_registration() -> None:
+    """The saved file, run on its own, builds every arm's norm as the harness does: the same class name,
+    parameters and outputs (its own copy of the class where the arm's is not torch's)."""
+    x = torch.randn(3, 8)
+    for norm, arm in NORM_ARMS.items():
+        namespace: dict = {"__name__": "saved_model_code"}
+        exec(compile(model_code(norm), "modeling_normgeo.py", "exec"), namespace)
+        copy = namespace["NORM_CLASSES"][arm.module_type.__name__](**arm.arguments(8, 1e-5, "ln2"))
+        ours = make_norm(norm, 8, 1e-5, "ln2")
+        copy.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert torch.equal(copy(x), ours(x)), norm
+        assert (type(copy) is arm.module_type) == (arm.module_type.__module__.startswith("torch.")), norm
+
+
+def helper(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class ReadsAHelper(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return helper(x)
+
+
+def test_the_model_code_refuses_a_class_that_reads_a_function_of_its_module() -> None:
+    with pytest.raises(TypeError, match="ReadsAHelper reads helper of its module"):
+        class_source(ReadsAHelper)
 
 
 def test_a_wrong_weight_breaks_parity() -> None:
@@ -140,7 +166,7 @@ def test_nnsight_traces_the_exported_model(norm: str, placement: str) -> None:
     ids = token_ids()
     hf_model = to_hf(gpt)
     wrapped = to_nnsight(hf_model)
-    norm_module = (wrapped.transformer.h[0].ln_1 if placement == "pre" and norm == "layer"
+    norm_module = (wrapped.transformer.h[0].ln_1 if type(hf_model).__name__ == "GPT2LMHeadModel"
                    else wrapped.transformer.blocks[0].ln1)
     with torch.no_grad(), wrapped.trace(ids):
         hidden = norm_module.output.save()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from models.export.hf import (
-    CONVERTIBLE_ARMS,
+    convertible_arms,
     hf_class_name,
     load_hf,
     rms_conversion_refusal,
@@ -28,7 +28,7 @@ from tests.test_export import token_ids
 FLOAT64_RELATIVE = 1e-10  # max |converted - original| / max |original|, float64
 FLOAT32_MAX_ABS = 1e-5  # max |converted - original|, float32
 # arm x tied head x linear biases
-CASES = list(itertools.product(CONVERTIBLE_ARMS, (True, False), (True, False)))
+CASES = list(itertools.product(convertible_arms(), (True, False), (True, False)))
 
 
 def off_init_gpt(
@@ -101,7 +101,7 @@ def test_convert_parity_can_fail_without_the_centring() -> None:
         assert (model(token_ids()).logits - gpt(token_ids())).abs().max().item() > 1000 * FLOAT32_MAX_ABS
 
 
-@pytest.mark.parametrize("norm", CONVERTIBLE_ARMS)
+@pytest.mark.parametrize("norm", convertible_arms())
 def test_convert_leaves_nothing_along_1_and_add_centering_changes_nothing(norm: str) -> None:
     """The probe on the converted model: energy along 1 at every norm input <= 1e-12 and the intervention
     "add centering" (all norms) Δloss = 0 within float64 error; on the original both are far from 0."""

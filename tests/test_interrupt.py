@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import train
 from corpus.atomic import TMP_SUFFIX
-from tests.conftest import ROOT, command_here, metrics_rows, step_losses
+from tests.conftest import FAST, ROOT, command_here, main_exit_code, metrics_rows, step_losses
 from tests.test_resume_kill import ckpt_step, train_args
 
 pytestmark = pytest.mark.slow
@@ -128,9 +129,13 @@ def test_ctrl_c_saves_the_current_step_and_the_printed_command_resumes_it(tmp_pa
     assert summary["figures"] and not list(run_dir.rglob(f"*{TMP_SUFFIX}"))
 
 
-def test_sigterm_saves_the_current_step_and_exits_143(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1])
+def test_sigterm_sighup_and_sigusr1_save_the_current_step_and_exit_128_plus_the_signal(
+        tmp_path: Path, signum: int) -> None:
+    """Issue 75, class 8: a closed terminal's SIGHUP and a SIGUSR1 outside SLURM are stop signals,
+    like SIGTERM; before: the run died where it stood (exit 129, 138), with no word and no last.ckpt."""
     run_dir = tmp_path / "run"
-    check_interrupted(run_dir, signal_after_scheduled_step(run_dir, signal.SIGTERM), signal.SIGTERM)
+    check_interrupted(run_dir, signal_after_scheduled_step(run_dir, signum), signum)
 
 
 def test_a_second_ctrl_c_during_the_save_stops_at_once_and_corrupts_nothing(tmp_path: Path) -> None:
@@ -395,3 +400,45 @@ def test_a_signal_as_fit_ends_stops_the_end_and_says_so(tmp_path: Path, signum: 
     done = command_here(shlex.split(command))
     assert done.returncode == 0 and "drawing them (nothing is retrained)" in done.stdout, done.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["figures"]
+
+
+@pytest.mark.parametrize("moment", ["the summary write", "after the summary", "the figures"])
+def test_a_signal_at_any_moment_of_the_end_is_recorded_in_the_summary(
+        tmp_path: Path, capfd, monkeypatch, moment: str) -> None:
+    """Issue 75, class 8: the end records what it did whenever a signal lands in it, delivered here at each
+    moment on purpose (in the test's process, so the timing is the code's, not the machine's load): the
+    summary's session says "interrupted by SIGTERM", the figures are left to the printed command, exit 143.
+    Before: a signal after the summary was written exited 143 while the summary said "finished"."""
+    def signal_around(function, before: bool):
+        def wrapped(*args, **kwargs):
+            if before:
+                os.kill(os.getpid(), signal.SIGTERM)
+            result = function(*args, **kwargs)
+            if not before:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return result
+        return wrapped
+
+    calls = {"write_summary": 0}
+    real_write = train.write_summary
+
+    def first_write(*args, **kwargs):  # only the end's first summary (end_interrupted writes one too)
+        calls["write_summary"] += 1
+        if calls["write_summary"] > 1:
+            return real_write(*args, **kwargs)
+        return signal_around(real_write, before=moment == "the summary write")(*args, **kwargs)
+
+    if moment == "the figures":
+        monkeypatch.setattr(train, "draw_figures", signal_around(train.draw_figures, before=True))
+    else:
+        monkeypatch.setattr(train, "write_summary", first_write)
+    run_dir = tmp_path / "end"
+    capfd.readouterr()
+    code = main_exit_code("train", [*FAST, f"run_dir={run_dir}", f"data_root={tmp_path / 'data'}",
+                                    "max_steps=2", "checkpoint.steps=[2]", "probe.figures=true"])
+    lines = capfd.readouterr().err.splitlines()
+    assert code == 128 + signal.SIGTERM, lines[-20:]
+    assert lines[-1].startswith("SIGTERM after training, while the summary and figures were written: stopped")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] is True and summary["figures"] == []
+    assert summary["session_log"][-1]["ended"] == "interrupted by SIGTERM"

@@ -1,9 +1,11 @@
-"""Each folder means one thing and imports run one way, down the floors; the README lists every module."""
+"""Each folder means one thing and imports run one way, down the floors; docs/architecture.md names every
+module, and every module and definition it names exists."""
 
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from tests.conftest import ROOT, SHARED_FIXTURE_FILES, SHARED_FIXTURE_OF_GROUP
 
@@ -36,11 +38,20 @@ def test_no_import_runs_back_up_a_floor() -> None:
     assert upward == []
 
 
-def layout_rows() -> dict[str, str]:
-    """The README's ``## Layout`` table: the first cell (a folder like ``normgeo/runs/`` or a file) -> the
-    row."""
-    readme = ROOT.joinpath("README.md").read_text()
-    layout = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# The tree's modules and scripts, each named in its folder's row of the layout table.
+NAMED_FOLDERS = (*FLOORS, "slurm", "bench", "docs")
+SCRIPT_SUFFIXES = (".py", ".sh", ".sbatch")
+FILE_NAME = re.compile(r"`([\w./-]+(?:\.py|\.sh|\.sbatch))`")
+# ``path.py:Name`` or ``path.py:Class.method``: a definition the page walks through.
+DEFINITION = re.compile(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`")
+
+
+def layout_rows(text: str | None = None) -> dict[str, str]:
+    """docs/architecture.md's ``## Layout`` table: the first cell (a folder like ``normgeo/runs/`` or a file)
+    -> the row."""
+    text = ARCHITECTURE.read_text() if text is None else text
+    layout = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in layout.splitlines():
         if line.startswith("| `"):
@@ -49,25 +60,138 @@ def layout_rows() -> dict[str, str]:
     return rows
 
 
-def test_the_readme_layout_table_names_every_module() -> None:
-    """Every module, subpackages included, is named in the row of its own
-    folder (``normgeo/figures/compare.py`` in the ``normgeo/figures/``
-    row, ``normgeo/compare.py`` in the ``normgeo/`` row)."""
-    rows = layout_rows()
-    missing = [
-        str(path.relative_to(ROOT))
-        for package in (*FLOORS, "slurm", "bench")
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if path.name != "__init__.py"
-        and f"`{path.name}`" not in rows.get(f"{path.parent.relative_to(ROOT).as_posix()}/", "")
+def tree_modules() -> list[Path]:
+    """Every module and script the layout must name: the top-level entry points, and the files (subpackages
+    included) of the named folders; a package's ``__init__.py`` is named by its folder."""
+    found = [*sorted(ROOT.glob("*.py"))]
+    for package in NAMED_FOLDERS:
+        found += [path for path in sorted((ROOT / package).rglob("*"))
+                  if path.suffix in SCRIPT_SUFFIXES and path.name != "__init__.py"]
+    return found
+
+
+def unnamed_modules(rows: dict[str, str]) -> list[str]:
+    """The modules not named in the row of their folder (``normgeo/figures/compare.py`` in the
+    ``normgeo/figures/`` row, ``normgeo/compare.py`` in the ``normgeo/`` row, ``train.py`` its own row); the
+    subpackages of ``hydra_plugins/`` by their folder."""
+    missing = []
+    for path in tree_modules():
+        relative = path.relative_to(ROOT)
+        folder = relative.parent.as_posix()
+        if folder == ".":
+            if relative.name not in rows:
+                missing.append(relative.name)
+        elif f"`{path.name}`" not in rows.get(f"{folder}/", ""):
+            missing.append(relative.as_posix())
+    missing += [
+        f"hydra_plugins/{plugin.name}/"
+        for plugin in sorted((ROOT / "hydra_plugins").iterdir())
+        if (plugin / "__init__.py").is_file() and f"`{plugin.name}/`" not in rows.get("hydra_plugins/", "")
     ]
-    assert missing == []
+    return missing
 
 
-def test_the_layout_check_sees_a_missing_module() -> None:
+def named_but_missing(rows: dict[str, str]) -> list[str]:
+    """The files a row names that do not exist: a bare name in the row's folder (or at the top, like
+    ``train.py``), a name with a slash from the repository's root."""
+    missing = []
+    for first, row in rows.items():
+        folder = ROOT / first if first.endswith("/") else ROOT
+        if not first.endswith("/") and not (ROOT / first).exists():
+            missing.append(first)
+        for name in FILE_NAME.findall(row):
+            if "/" in name:
+                found = (ROOT / name).exists()
+            else:
+                found = (folder / name).exists() or (ROOT / name).exists()
+            if not found:
+                missing.append(f"{first}: {name}")
+    return missing
+
+
+def defined_names(path: Path) -> dict[str, set[str]]:
+    """A module's top-level names -> the names defined in each (a class's methods and attributes)."""
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            inner = set()
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        inner.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        inner.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        inner.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            names[node.name] = inner
+        elif isinstance(node, ast.Assign):
+            names.update({t.id: set() for t in node.targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = set()
+    return names
+
+
+def missing_definitions(text: str) -> list[str]:
+    """The ``path.py:Name`` and ``path.py:Class.method`` references of ``text`` whose file or name is gone."""
+    missing = []
+    for file, qualname in DEFINITION.findall(text):
+        path = ROOT / file
+        if not path.is_file():
+            missing.append(f"{file}:{qualname}: no such file")
+            continue
+        names = defined_names(path)
+        top, _, inner = qualname.partition(".")
+        if top not in names or (inner and inner not in names[top]):
+            missing.append(f"{file}:{qualname}: not defined there")
+    return missing
+
+
+def missing_paths(text: str) -> list[str]:
+    """The repository files ``text`` names by path (``normgeo/runs/start.py``, ``conf/train/train.yaml``) that
+    do not exist."""
+    named = re.findall(r"`([\w-]+(?:/[\w.-]+)+\.(?:py|sh|sbatch|yaml|md))(?::[\w.]+)?`", text)
+    return sorted({path for path in named if not (ROOT / path).exists()})
+
+
+def test_the_layout_names_every_module() -> None:
+    assert unnamed_modules(layout_rows()) == []
+
+
+def test_every_module_the_layout_names_exists() -> None:
+    assert named_but_missing(layout_rows()) == []
+
+
+def test_every_definition_and_path_the_architecture_page_names_exists() -> None:
+    text = ARCHITECTURE.read_text()
+    assert len(DEFINITION.findall(text)) >= 40, "the walks through the code lost their references"
+    assert missing_definitions(text) == []
+    assert missing_paths(text) == []
+
+
+def test_every_path_the_readme_names_exists() -> None:
+    assert missing_paths(ROOT.joinpath("README.md").read_text()) == []
+
+
+def test_the_layout_checks_see_a_missing_module_both_ways() -> None:
     rows = layout_rows()
     assert "normgeo/measure/" in rows and "normgeo/runs/" in rows and "normgeo/figures/" in rows
     assert "`stats.py`" in rows["normgeo/measure/"] and "`stats.py`" not in rows["normgeo/runs/"]
+    # a module left out of its row is found; a row naming a module that moved is found
+    dropped = {**rows, "normgeo/measure/": rows["normgeo/measure/"].replace("`stats.py`", "`st.py`")}
+    assert "normgeo/measure/stats.py" in unnamed_modules(dropped)
+    assert "normgeo/measure/: st.py" in named_but_missing(dropped)
+    moved = {**rows, "normgeo/readers/": rows["normgeo/readers/"] + " `records.py`"}
+    assert named_but_missing(moved) == ["normgeo/readers/: records.py"]
+    assert unnamed_modules({k: v for k, v in rows.items() if k != "train.py"}) == ["train.py"]
+
+
+def test_the_definition_check_sees_a_renamed_function() -> None:
+    assert missing_definitions("`models/lit.py:LitGPT.training_step` `corpus/stream.py:window_offsets`") == []
+    assert missing_definitions("`models/lit.py:LitGPT.train_step` `models/lit.py:warmup`") == [
+        "models/lit.py:LitGPT.train_step: not defined there", "models/lit.py:warmup: not defined there"]
+    assert missing_definitions("`models/gone.py:GPT`") == ["models/gone.py:GPT: no such file"]
+    moved = "`normgeo/readers/records.py` `conf/train/train.yaml`"
+    assert missing_paths(moved) == ["normgeo/readers/records.py"]
 
 
 # Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top,

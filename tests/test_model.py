@@ -40,7 +40,7 @@ def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
     layer = dict(build_from_config("norm=layer", f"tie_embeddings={tie}").named_parameters())
     shared = [name for name in layer if not is_norm_parameter(name)]
     assert len(shared) > 10
-    biases = {n for n in layer if is_norm_parameter(n) and n.endswith(".bias")}
+    norm_modules = {n.rpartition(".")[0] for n in layer if is_norm_parameter(n)}  # blocks.0.ln1, ..., ln_f
     for norm in NORM_ARMS:
         for placement in PLACEMENTS:
             model = build_from_config(f"norm={norm}", f"placement={placement}", f"tie_embeddings={tie}")
@@ -48,16 +48,10 @@ def test_arms_share_every_non_norm_parameter_bitwise(tie: bool) -> None:
             assert shared == [name for name in arm if not is_norm_parameter(name)], (norm, placement)
             for name in shared:
                 assert torch.equal(layer[name], arm[name]), (norm, placement, name)
-            # The norm parameters are exactly the ones that differ: the gains everywhere,
-            # biases in the biased cells. ... and DyT's scalar alpha per norm.
-            has_bias = norm in ("layer", "rms_bias", "dyt")
-            alphas = {
-                n.removesuffix(".weight") + ".alpha"
-                for n in layer
-                if is_norm_parameter(n) and n.endswith(".weight")
-            }
-            expected = {n for n in layer if is_norm_parameter(n)} - (set() if has_bias else biases)
-            expected |= alphas if norm == "dyt" else set()
+            # The norm parameters are exactly the ones that differ: at every norm of the LayerNorm arm,
+            # the parameters of the arm's own module (gains; biases in the biased cells; DyT's alpha).
+            own = dict(NORM_ARMS[norm].build(8, 1e-5, "ln1").named_parameters())
+            expected = {f"{site}.{name}" for site in norm_modules for name in own}
             assert {n for n in arm if is_norm_parameter(n)} == expected, (norm, placement)
             # norm.impl=compiled: the same modules, forwards compiled; the same checkpoint
             if placement == "pre":

@@ -31,15 +31,15 @@ def test_the_factorial_cells_are_centering_times_bias() -> None:
     cells = {kind: make_norm(kind, 8, 1e-5) for kind in NORM_ARMS}
     assert isinstance(cells["layer_nobias"], nn.LayerNorm) and cells["layer_nobias"].bias is None
     assert isinstance(cells["rms_bias"], RMSNormWithBias) and cells["rms_bias"].bias.shape == (8,)
-    kinds = {kind: find_norm_sites(tiny(kind))[0].kind for kind in NORM_ARMS}
-    assert kinds == {
-        "layer": "layer",
-        "layer_nobias": "layer",
-        "rms": "rms",
-        "rms_bias": "rms",
-        "dyt": "tanh",
-    }
+    factorial = {(NORM_ARMS[kind].centres, NORM_ARMS[kind].has_bias): kind
+                 for kind in ("layer", "layer_nobias", "rms", "rms_bias")}
+    assert factorial == {(True, True): "layer", (True, False): "layer_nobias", (False, False): "rms",
+                         (False, True): "rms_bias"}
+    for kind, arm in NORM_ARMS.items():  # the probe finds every arm's norms as the kind it registers
+        assert {site.kind for site in find_norm_sites(tiny(kind))} == {arm.site_kind}, kind
+        assert arm.has_bias == (getattr(cells[kind], "bias", None) is not None), kind
     assert isinstance(cells["dyt"], DynamicTanh) and cells["dyt"].alpha.shape == (1,)
+    assert NORM_ARMS["dyt"].site_kind == "tanh" and not NORM_ARMS["dyt"].centres
     x = torch.randn(5, 8)
     with torch.no_grad():
         cells["rms_bias"].bias.fill_(0.5)  # the bias is added after the RMS scaling

@@ -250,21 +250,40 @@ def test_analyze_applies_the_probe_rule_with_the_models_own_seq_len(tmp_path: Pa
 
 
 def test_costly_values_get_one_line_each_above_their_threshold() -> None:
+    def composed(*overrides: str) -> TrainSchema:
+        return check_config("train", compose("train", overrides=["experiment=smoke", *overrides]))
+
+    tiny = 1_000_000  # parameters: 12 MB a full checkpoint
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        smoke = check_config("train", compose("train", overrides=["experiment=smoke"]))
-        costly = check_config("train", compose(
-            "train", overrides=["experiment=smoke", "val_sequences=100000", "probe.tokens=1000000"]))
-        long = check_config("train", compose("train", overrides=["experiment=smoke", "max_steps=1000000"]))
-    assert costly_values(smoke, probes=5) == []
-    lines = costly_values(costly, probes=5)
+        smoke = composed()
+        costly = composed("val_sequences=100000", "probe.tokens=1000000")
+        long = composed("max_steps=1000000")
+        dense = composed("checkpoint.dense_every=1", "probe.tokens=1024")
+        knobs = composed("probe.null_directions=50000", "probe.bootstrap.replicates=200000")
+    assert costly_values(smoke, probes=5, checkpoints=4, parameters=tiny) == []
+    lines = costly_values(costly, probes=5, checkpoints=4, parameters=tiny)
     assert [line.split("=")[0] for line in lines] == ["val_sequences", "probe.tokens"]
     assert lines[0] == (
         "val_sequences=100000: each of the 2 validation(s) forwards 12,800,000 tokens, the compute of "
         "about 4,167 training steps (8333% of the training's)"
     )
-    assert lines[1].startswith("probe.tokens=1000000: each of the 5 probes forwards 1,000,000 tokens")
-    assert costly_values(long, probes=44) == [
+    assert lines[1].startswith("probe.tokens=1000000: each of the 5 probes (one at every scheduled step: "
+                               "checkpoint.dense_every=25 to dense_until=100, sparse_every=100) forwards")
+    assert costly_values(long, probes=44, checkpoints=43, parameters=tiny) == [
         "max_steps=1000000: 1,024,000,000 training tokens, 5,000x the 200 steps of size=tiny"]
+    # Issue 75, class 7: the probe's own knobs and the disk are counted, and a schedule's many probes name
+    # the schedule (before: dense_every=1 warned about probe.tokens alone).
+    dense_lines = costly_values(dense, probes=101, checkpoints=100, parameters=tiny)
+    assert len(dense_lines) == 1 and "checkpoint.dense_every=1 to dense_until=100" in dense_lines[0]
+    knob_lines = costly_values(knobs, probes=5, checkpoints=4, parameters=tiny)
+    assert [line.split(":")[0] for line in knob_lines] == [
+        "probe.null_directions=50000", "probe.bootstrap.replicates=200000"]
+    assert costly_values(long, probes=44, checkpoints=1_003, parameters=13_000_000)[-1] == (
+        "checkpoint: the schedule keeps 1,003 checkpoints of 0.05 GB and last.ckpt, about 52.3 GB; a larger "
+        "checkpoint.sparse_every or dense_every keeps fewer")
+    assert costly_values(smoke, probes=5, checkpoints=4, parameters=tiny, free_bytes=10**6) == [
+        "checkpoint: the schedule keeps 4 checkpoints of 0.00 GB and last.ckpt, about 0.0 GB, more than the "
+        "0.0 GB free there; a larger checkpoint.sparse_every or dense_every keeps fewer"]
 
 
 # One real process per kind of refusal (a range, a list element, Hydra's own type error, analyze.py's): every

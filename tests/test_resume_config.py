@@ -35,7 +35,15 @@ from normgeo.runs.run_config import (
     resolved_run_config,
     verify_run_config,
 )
-from tests.conftest import FAST, call_entry_point, run_train, step_losses, train_here, train_in_process
+from tests.conftest import (
+    FAST,
+    call_entry_point,
+    metrics_rows,
+    run_train,
+    step_losses,
+    train_here,
+    train_in_process,
+)
 
 # 4 steps, no probe (it is not what is tested here, and each session is a subprocess on 2 CPU cores).
 COMMON = ["max_steps=4", "probe.enabled=false", "checkpoint.last_every=1"]
@@ -405,3 +413,38 @@ def test_runs_recorded_before_a_key_existed_resume_and_plan_may_change(
         train_here(run_dir, *COMMON, "resume=auto", "shown=b")
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 4 and last["run_config"]["knob"] == 3
+
+
+CHANGED = ["max_steps=6", "val_every=3", "val_sequences=2", "probe.enabled=false", "checkpoint.last_every=1"]
+
+
+@pytest.fixture(scope="module")
+def validated_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """The uninterrupted run at micro_batch 4 (2 micro-batches a step), and a copy stopped after step 3."""
+    root = tmp_path_factory.mktemp("micro-batch")
+    train_here(root / "whole", *CHANGED)
+    train_here(root / "stopped", *CHANGED, "stop_at_step=3")
+    return root / "whole", root / "stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batch", [2, 8])
+def test_a_resume_with_another_micro_batch_trains_and_validates_as_the_uninterrupted_run(
+    validated_runs: tuple[Path, Path], tmp_path: Path, micro_batch: int
+) -> None:
+    """Issue 75, class 1: micro_batch may change on resume, and changes nothing but the summation order.
+    Before: the loop's batch counter kept the old accumulation's unit, so the next optimizer steps closed
+    after the wrong micro-batches (other batches: loss 10.652 against 10.702 at step 4) and the validation
+    moved from step 6 to 5; and val_sequences=2 validated max(2, micro_batch) windows, another loss for the
+    same weights."""
+    whole, stopped = validated_runs
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(stopped, run_dir)
+    train_here(run_dir, *CHANGED, "resume=auto", f"micro_batch={micro_batch}")
+    losses, reference = step_losses(run_dir), step_losses(whole)
+    assert sorted(losses) == sorted(reference) == list(range(1, 7))
+    assert all(losses[step] == pytest.approx(reference[step], rel=1e-5) for step in reference)
+    validations = {int(r["step"]): float(r["val/loss"]) for r in metrics_rows(run_dir) if r.get("val/loss")}
+    expected = {int(r["step"]): float(r["val/loss"]) for r in metrics_rows(whole) if r.get("val/loss")}
+    assert sorted(validations) == sorted(expected) == [3, 6]
+    assert all(validations[step] == pytest.approx(expected[step], rel=1e-5) for step in expected)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from callbacks.signals import Interrupt
-from normgeo.signals import OWNER, StopAtOnce
+from normgeo.signals import OWNER, STOP_SIGNALS, StopAtOnce
 from tests.conftest import train_here
 
 
@@ -23,14 +23,12 @@ def test_a_training_run_with_data_preparation_and_a_probe_leaves_the_callers_han
     def caller(signum: int, frame: object) -> None:  # never called: the identity is what is checked
         seen.append(signum)
 
-    before = {signum: signal.signal(signum, caller) for signum in (signal.SIGINT, signal.SIGTERM)}
+    before = {signum: signal.signal(signum, caller) for signum in STOP_SIGNALS}
     try:
         run_dir = tmp_path / "run"
         train_here(run_dir, "max_steps=2", "checkpoint.steps=[2]")  # prepares tmp_path/data, probes
         assert (tmp_path / "data").is_dir() and (run_dir / "angles.jsonl").stat().st_size > 0
-        assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == {
-            signal.SIGINT: caller, signal.SIGTERM: caller
-        }
+        assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS, caller)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)

@@ -376,7 +376,8 @@ class Buggy(nn.Module):
     def forward(self, x):
         raise ValueError("a bug inside the model's forward")
 
-register_arm(NormArm("buggy", lambda dim, eps, role: Buggy(dim), Buggy, "rms", "buggy", "tab:red", "a bug"))
+register_arm(NormArm("buggy", Buggy, lambda dim, eps, role: {{"dim": dim}}, "rms", "buggy", "tab:red",
+                     "a bug", transformer_lens_lacks="a bug"))
 ConfigStore.instance().store(group="norm", name="buggy", node={{"name": "buggy", "eps": 1e-5}})
 import train
 sys.argv = ["train.py", *sys.argv[1:]]

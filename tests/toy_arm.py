@@ -37,13 +37,14 @@ def register() -> None:
         register_arm(
             NormArm(
                 TOY,
-                lambda dim, eps, role: ScaledL2Norm(dim),
                 ScaledL2Norm,
+                lambda dim, eps, role: {"dim": dim},
                 "rms",
                 "toy L2 norm",
                 "tab:purple",
                 "scaling by the L2 norm, no eps (a test's toy arm)",
                 contrasts=(("layer", "the toy vs LayerNorm"),),
+                transformer_lens_lacks="its RMSNorm has an eps",
             )
         )
 

@@ -1,19 +1,21 @@
 """normgeo's GPT -> a Hugging Face ``transformers`` model, with the same logits.
 
-Which class holds which arm exactly:
+Which class holds which arm exactly (from each arm's registration in :mod:`models.norms`):
 
-- Pre-LN ``layer`` and ``layer_nobias`` -> ``GPT2LMHeadModel``: the same block (LN -> attention, residual;
+- A Pre-LN arm whose registration names GPT-2's ``LayerNorm`` (``layer``, ``layer_nobias``) ->
+  ``GPT2LMHeadModel``: the same block (LN -> attention, residual;
   LN -> GELU-tanh MLP, residual), learned positions, a final LN. A LayerNorm without bias is GPT-2's with a
   zero bias; GPT-2's ``Conv1D`` stores ``nn.Linear``'s weight transposed; ``activation_function`` is
   ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``, the harness's GELU); an untied head is
   ``tie_word_embeddings=False``.
 - Everything else (RMSNorm, RMSNorm + bias, DyT, and every Post-LN arm) ->
-  :mod:`models.export.modeling_normgeo`, saved beside the weights and loaded with ``trust_remote_code=True``.
+  :mod:`models.export.modeling_normgeo`, saved beside the weights and loaded with ``trust_remote_code=True``,
+  with the source of the arm's own class appended (:func:`model_code`), so a new arm exports unchanged.
   No built-in class has RMSNorm or DyT with learned absolute positions; ``OPTForCausalLM``
   (``do_layer_norm_before=False``) is post-LN but builds no final LayerNorm in that mode, while the harness's
   Post-LN model applies ``ln_f`` before the head (and OPT's positions are offset by 2), so OPT cannot hold it
   exactly.
-- A Pre-LN ``layer`` / ``layer_nobias`` arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, below) -> the
+- A Pre-LN LayerNorm arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, below) -> the
   saved model code as the ``rms`` arm, with an untied head and, where the final LayerNorm had a bias, an
   LM-head bias.
 
@@ -43,6 +45,10 @@ over the real 50257 tokens are the harness's to the last bit; a tokenizer never 
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
+import textwrap
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,25 +56,33 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from models.export.modeling_normgeo import NormGeoConfig, NormGeoForCausalLM, NormGeoModel
+from models.export import modeling_normgeo
+from models.export.modeling_normgeo import NORM_CLASSES, NormGeoConfig, NormGeoForCausalLM, NormGeoModel
 from models.gpt import GPT, GPTConfig
+from models.norms import NORM_ARMS, ROLES
 
-GPT2_ARMS = ("layer", "layer_nobias")  # pre-LN only
-CONVERTIBLE_ARMS = ("layer", "layer_nobias")
 CONVERTED_NORM = "rms"
+MODEL_CODE_FILE = Path(modeling_normgeo.__file__).name
 # Each residual norm, and the linear layer (in models.gpt's names) its output feeds.
 FOLDS = {"ln1": "attn.c_attn", "ln2": "mlp.c_fc"}
+
+
+def convertible_arms() -> tuple[str, ...]:
+    """The arms whose norm is a LayerNorm (GPT-2's): the conversion's algebra is LayerNorm's."""
+    return tuple(name for name, arm in NORM_ARMS.items() if arm.gpt2 == "LayerNorm")
 
 
 def rms_conversion_refusal(gpt: GPT) -> str | None:
     """Why ``gpt`` cannot be converted to an RMSNorm model with the same logits, or None if it can."""
     cfg = gpt.config
-    if cfg.norm in ("rms", "rms_bias"):
+    arm = NORM_ARMS[cfg.norm]
+    if not arm.centres and arm.site_kind == "rms":
         return (f"the {cfg.norm!r} arm is an RMSNorm model already: nothing to convert "
                 "(export it without --as rms)")
-    if cfg.norm not in CONVERTIBLE_ARMS:
-        return (f"the {cfg.norm!r} arm has no mean subtraction to take out: only the Pre-LN LayerNorm arms "
-                f"({', '.join(CONVERTIBLE_ARMS)}) convert to RMSNorm")
+    if cfg.norm not in convertible_arms():
+        what = "centres, but not as a LayerNorm" if arm.centres else "has no mean subtraction to take out"
+        return (f"the {cfg.norm!r} arm {what}: only the Pre-LN LayerNorm arms "
+                f"({', '.join(convertible_arms())}) convert to RMSNorm")
     if cfg.placement != "pre":
         return (
             f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
@@ -106,7 +120,7 @@ def rms_config(config: GPTConfig) -> GPTConfig:
 
 def lm_head_bias(config: GPTConfig) -> bool:
     """Whether the converted model's LM head has a bias: the final LayerNorm's bias folded into it."""
-    return config.norm == "layer"
+    return NORM_ARMS[config.norm].has_bias
 
 
 def rms_weights(gpt: GPT, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -150,8 +164,8 @@ def rms_weights(gpt: GPT, dtype: torch.dtype = torch.float32) -> dict[str, torch
 
 
 def holds_as_gpt2(gpt: GPT) -> bool:
-    """True if ``GPT2LMHeadModel`` holds this model exactly (pre-LN LayerNorm, with or without bias)."""
-    return gpt.config.placement == "pre" and gpt.config.norm in GPT2_ARMS
+    """True if ``GPT2LMHeadModel`` holds this model exactly (pre-LN, an arm GPT-2's LayerNorm computes)."""
+    return gpt.config.placement == "pre" and NORM_ARMS[gpt.config.norm].gpt2 is not None
 
 
 def hf_class_name(gpt: GPT, as_rms: bool = False) -> str:
@@ -215,10 +229,15 @@ def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: boo
     dtype)."""
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    arm = NORM_ARMS[cfg.norm]
+    # In this process the model code builds the arm's own class; the saved copy defines it (model_code).
+    NORM_CLASSES[arm.module_type.__name__] = arm.module_type
     config = NormGeoConfig(
         vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, norm=cfg.norm, norm_eps=cfg.norm_eps, placement=cfg.placement, bias=cfg.bias,
-        lm_head_bias=lm_head_bias, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
+        n_head=cfg.n_head, norm=cfg.norm, norm_class=arm.module_type.__name__,
+        norm_arguments={role: arm.arguments(cfg.n_embd, cfg.norm_eps, role) for role in ROLES},
+        placement=cfg.placement, bias=cfg.bias, lm_head_bias=lm_head_bias,
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
         eos_token_id=cfg.vocab_size - 1,
     )
     model = NormGeoForCausalLM(config).to(next(iter(weights.values())).dtype)
@@ -255,10 +274,56 @@ def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
     return model.to(dtype).eval()
 
 
+def own_classes(cls: type) -> list[type]:
+    """``cls`` and its bases that are not torch's (nor Python's), base first: what the saved model code
+    defines."""
+    return [c for c in reversed(cls.__mro__) if c.__module__.partition(".")[0] not in ("torch", "builtins")]
+
+
+def global_names(code: types.CodeType) -> set[str]:
+    """The names a function's code (and the code nested in it) reads, globals among them."""
+    nested = [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return set(code.co_names).union(*map(global_names, nested))
+
+
+def class_source(cls: type) -> str:
+    """``cls``'s source with the imports and constants of its module that its methods read."""
+    namespace = vars(sys.modules[cls.__module__])
+    read = set().union(*(global_names(f.__code__) for f in vars(cls).values() if inspect.isfunction(f)))
+    lines = []
+    for name in sorted(read & namespace.keys()):
+        value = namespace[name]
+        if isinstance(value, types.ModuleType):
+            lines.append(f"import {value.__name__}" + ("" if value.__name__ == name else f" as {name}"))
+        elif isinstance(value, (bool, int, float, str)):
+            lines.append(f"{name} = {value!r}")
+        elif not isinstance(value, type) or value not in own_classes(cls):
+            raise TypeError(f"{cls.__qualname__} reads {name} of its module, which the saved model code "
+                            "cannot copy: import it in a method, or make it a constant")
+    return "\n".join([*lines, "", textwrap.dedent(inspect.getsource(cls))])
+
+
+def model_code(norm: str) -> str:
+    """The saved model code of arm ``norm``: :mod:`models.export.modeling_normgeo` and, appended, the arm's
+    class (its source and its own bases', or torch's import) added to ``NORM_CLASSES``."""
+    cls = NORM_ARMS[norm].module_type
+    own = own_classes(cls)
+    parts = [Path(modeling_normgeo.__file__).read_text(),
+             f"# The norm of arm {norm!r}, written from its registration (normgeo's models.norms.NORM_ARMS).",
+             *map(class_source, own)]
+    if not own:
+        parts.append(f"from {cls.__module__} import {cls.__name__}")
+    parts.append(f"NORM_CLASSES[{cls.__name__!r}] = {cls.__name__}\n")
+    return "\n\n".join(parts)
+
+
 def save_hf(gpt: GPT, out_dir: Path, as_rms: bool = False) -> None:
-    """``model.safetensors`` and ``config.json`` (plus the model code where no built-in class holds the arm);
-    ``as_rms``: the arm converted to RMSNorm (the module docstring's algebra)."""
-    to_hf(gpt, as_rms=as_rms).save_pretrained(out_dir, safe_serialization=True)
+    """``model.safetensors`` and ``config.json`` (plus the model code, :func:`model_code`, where no built-in
+    class holds the arm); ``as_rms``: the arm converted to RMSNorm (the module docstring's algebra)."""
+    model = to_hf(gpt, as_rms=as_rms)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if isinstance(model, NormGeoForCausalLM):  # transformers copied the file as it is; the arm's class added
+        (out_dir / MODEL_CODE_FILE).write_text(model_code(model.config.norm))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """normgeo's GPT in the interpretability tools: TransformerLens and nnsight.
 
 TransformerLens (targets 3.9, ``HookedTransformer``; 4.x dropped it for ``TransformerBridge``) holds the
-Pre-LN arms whose norm it has: ``layer`` (``normalization_type="LN"``), ``layer_nobias`` (LN with a zero
-bias) and ``rms`` (``"RMS"``: the same ``x / sqrt(mean(x^2) + eps) * w``). It cannot hold ``rms_bias``
-(its RMSNorm has no bias), ``dyt`` (no tanh norm) or any Post-LN arm (``HookedTransformer`` blocks are
-pre-norm only): :func:`transformer_lens_refusal` says so and the export refuses.
+Pre-LN arms whose registration (:mod:`models.norms`) names its norm: ``layer`` (``normalization_type="LN"``),
+``layer_nobias`` (LN with a zero bias) and ``rms`` (``"RMS"``: the same ``x / sqrt(mean(x^2) + eps) * w``).
+It cannot hold the others (``rms_bias``: its RMSNorm has no bias; ``dyt``: no tanh norm; the registration
+says what it lacks) or any Post-LN arm (``HookedTransformer`` blocks are pre-norm only):
+:func:`transformer_lens_refusal` says so and the export refuses.
 
 The weights are loaded with TransformerLens' processing OFF (``fold_ln``, ``center_writing_weights``,
 ``center_unembed``, ``fold_value_biases`` all False). Its defaults keep the log-probs but rewrite the
@@ -28,9 +29,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.gpt import GPT, GPTConfig
+from models.norms import NORM_ARMS
 
 TRANSFORMER_LENS_TARGET = "transformer-lens 3.9 (HookedTransformer)"
-TL_NORMS = {"layer": "LN", "layer_nobias": "LN", "rms": "RMS"}
 TL_CONFIG_FILE = "tl_config.json"
 TL_WEIGHTS_FILE = "model.safetensors"
 # Every processing step off: see the module docstring (the angle with 1 must stay as trained).
@@ -46,11 +47,9 @@ def transformer_lens_refusal(config: GPTConfig) -> str | None:
             f"{config.placement}-LN "
             f"arm {config.norm!r} (export it with --to hf or --to nnsight)"
         )
-    if config.norm not in TL_NORMS:
-        why = {"rms_bias": "its RMSNorm has no bias", "dyt": "it has no tanh norm (DyT)"}.get(
-            config.norm, "no such norm"
-        )
-        return (f"TransformerLens cannot hold the {config.norm!r} arm exactly: {why} "
+    arm = NORM_ARMS[config.norm]
+    if arm.transformer_lens is None:
+        return (f"TransformerLens cannot hold the {config.norm!r} arm exactly: {arm.transformer_lens_lacks} "
                 "(export it with --to hf or --to nnsight)")
     return None
 
@@ -61,7 +60,8 @@ def transformer_lens_config(config: GPTConfig) -> dict:
         "n_layers": config.n_layer, "d_model": config.n_embd, "n_ctx": config.block_size,
         "n_heads": config.n_head, "d_head": config.n_embd // config.n_head, "d_mlp": 4 * config.n_embd,
         "d_vocab": config.padded_vocab_size, "d_vocab_out": config.padded_vocab_size,
-        "act_fn": "gelu_pytorch_tanh", "normalization_type": TL_NORMS[config.norm], "eps": config.norm_eps,
+        "act_fn": "gelu_pytorch_tanh", "normalization_type": NORM_ARMS[config.norm].transformer_lens,
+        "eps": config.norm_eps,
         "positional_embedding_type": "standard", "default_prepend_bos": False,
         "model_name": f"normgeo-{config.norm}",
     }
@@ -77,7 +77,7 @@ def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
 
     def norm(ours: str, theirs: str) -> None:
         state[f"{theirs}.w"] = source[f"{ours}.weight"]
-        if TL_NORMS[cfg.norm] == "LN":
+        if NORM_ARMS[cfg.norm].transformer_lens == "LN":
             state[f"{theirs}.b"] = source.get(f"{ours}.bias", zeros(width))
 
     for i in range(cfg.n_layer):

@@ -4,9 +4,10 @@ Self-contained (torch and transformers only): :mod:`models.export.hf` saves this
 weights, and ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` runs it without normgeo
 installed. It mirrors ``models/gpt.py`` operation for operation (same module names under ``transformer.``,
 the same norm modules, GELU with the tanh approximation, SDPA causal attention), so the logits are the
-harness model's. Norms: ``layer`` / ``layer_nobias`` (torch LayerNorm with / without bias), ``rms``
-(torch RMSNorm with the eps the arm trained with, not torch's machine-epsilon default), ``rms_bias``
-(RMSNorm plus a bias), ``dyt`` (``weight * tanh(alpha * x) + bias``); placement ``pre`` or ``post``.
+harness model's. Norms: every norm is ``NORM_CLASSES[norm_class](**norm_arguments[role])``, the class and
+the keyword arguments of the arm's registration in ``models/norms.py`` (its eps included); the export
+appends the arm's class to the saved copy of this file (its source, or torch's import); placement ``pre``
+or ``post``.
 ``lm_head_bias``: the LM head has a bias, which a LayerNorm arm converted to RMSNorm needs (its final
 LayerNorm's bias, folded into the head: ``python -m normgeo.export RUN --to hf --as rms``).
 """
@@ -31,7 +32,8 @@ class NormGeoConfig(PretrainedConfig):
         n_layer: int = 2,
         n_head: int = 2,
         norm: str = "layer",
-        norm_eps: float = 1e-5,
+        norm_class: str = "LayerNorm",
+        norm_arguments: dict[str, dict] | None = None,
         placement: str = "pre",
         bias: bool = True,
         lm_head_bias: bool = False,
@@ -47,51 +49,25 @@ class NormGeoConfig(PretrainedConfig):
         self.num_hidden_layers = n_layer
         self.n_head = n_head
         self.num_attention_heads = n_head
-        self.norm = norm
-        self.norm_eps = norm_eps
+        self.norm = norm  # the arm's name, for the reader
+        self.norm_class = norm_class
+        self.norm_arguments = norm_arguments or {}  # the class's keyword arguments, per role
         self.placement = placement
         self.bias = bias
         self.lm_head_bias = lm_head_bias
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
-class RMSNormWithBias(nn.RMSNorm):
-    """RMSNorm plus a learned bias (the ``rms_bias`` arm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps=eps)
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.bias
+# The norm classes by name: the saved copy of this file ends with the arm's class, added here
+# (models.export.hf.model_code); in normgeo's own process models.export.hf adds it.
+NORM_CLASSES: dict[str, type[nn.Module]] = {}
 
 
-class DynamicTanh(nn.Module):
-    """DyT (the ``dyt`` arm): ``weight * tanh(alpha * x) + bias``, alpha a learned scalar."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.normalized_shape = (dim,)
-        self.alpha = nn.Parameter(torch.ones(1))
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * torch.tanh(self.alpha * x) + self.bias
-
-
-def make_norm(config: NormGeoConfig) -> nn.Module:
-    dim, eps = config.n_embd, config.norm_eps
-    builders = {
-        "layer": lambda: nn.LayerNorm(dim, eps=eps, bias=True),
-        "layer_nobias": lambda: nn.LayerNorm(dim, eps=eps, bias=False),
-        "rms": lambda: nn.RMSNorm(dim, eps=eps),
-        "rms_bias": lambda: RMSNormWithBias(dim, eps),
-        "dyt": lambda: DynamicTanh(dim),
-    }
-    if config.norm not in builders:
-        raise ValueError(f"unknown norm {config.norm!r}: one of {', '.join(builders)}")
-    return builders[config.norm]()
+def make_norm(config: NormGeoConfig, role: str) -> nn.Module:
+    """The norm of ``role`` ("ln1", "ln2" or "final"), as the arm's registration builds it."""
+    if config.norm_class not in NORM_CLASSES:
+        raise ValueError(f"unknown norm class {config.norm_class!r}: one of {', '.join(NORM_CLASSES)}")
+    return NORM_CLASSES[config.norm_class](**config.norm_arguments[role])
 
 
 class CausalSelfAttention(nn.Module):
@@ -122,9 +98,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: NormGeoConfig) -> None:
         super().__init__()
-        self.ln1 = make_norm(config)
+        self.ln1 = make_norm(config, "ln1")
         self.attn = CausalSelfAttention(config)
-        self.ln2 = make_norm(config)
+        self.ln2 = make_norm(config, "ln2")
         self.mlp = MLP(config)
         self.post_norm = config.placement == "post"
 
@@ -162,7 +138,7 @@ class NormGeoModel(NormGeoPreTrainedModel):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = make_norm(config)
+        self.ln_f = make_norm(config, "final")
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -52,6 +52,19 @@ def group_options(group: str, config_dirs: Sequence[Path]) -> list[str] | None:
     return sorted(options)
 
 
+def override_refusal(args: Sequence[str], command: str) -> str | None:
+    """Why ``args`` are not the overrides of one configuration, in our words (Hydra's parser judges): a word
+    that is not key=value, or several values (``norm=layer,rms``), which only train.py -m sweeps."""
+    try:
+        overrides = OverridesParser.create().parse_overrides(list(args))
+    except OverrideParseException as err:
+        return f"{err.override}: not an override; {command} takes key=value overrides, e.g. norm=rms"
+    swept = [override.input_line for override in overrides if override.is_sweep_override()]
+    if swept:
+        return f"{swept[0]}: several values; {command} takes one per key (python train.py -m sweeps several)"
+    return None
+
+
 def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> str | None:
     """The line listing a group's options for the first override naming none (Hydra's: its search path)."""
     try:

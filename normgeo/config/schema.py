@@ -40,7 +40,7 @@ from normgeo.config.fields import (
     schema,
 )
 from normgeo.measure.intervention import INTERVENABLE_KINDS, SCOPE_KINDS
-from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig
 
 
 def format_value(value: Any) -> str:
@@ -338,10 +338,18 @@ def check_val_sequences(cfg: TrainSchema, val_tokens: int) -> None:
 
 COSTLY_FRACTION = 0.25  # of the training's compute added by validation or the probe (costly_values)
 COSTLY_STEPS_FACTOR = 10  # max_steps against the size's preset
+COSTLY_PROBE_FACTOR = 1.0  # the null's products against the probe's own forward
+COSTLY_REPLICATES_FACTOR = 10  # bootstrap replicates against the default
+COSTLY_DISK_BYTES = 10 * 2**30  # the schedule's checkpoints
+# Bytes per parameter of a checkpoint (float32): the weights, and AdamW's two moments besides.
+WEIGHT_BYTES, OPTIMIZER_BYTES = 4, 8
 
 
-def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
-    """One line per legal but costly value with its estimated cost; ``probes``: how often the probe runs."""
+def costly_values(cfg: TrainSchema, *, probes: int, checkpoints: int, parameters: int,
+                  free_bytes: int | None = None) -> list[str]:
+    """One line per legal but costly value with its estimated cost: ``probes``, how often the probe runs;
+    ``checkpoints``, how many the schedule writes, of a model of ``parameters``, on a disk with
+    ``free_bytes`` free."""
     step_tokens = cfg.tokens_per_step
     train_tokens = cfg.max_steps * step_tokens
     # A forward pass is about a third of a training step (forward + backward) per token.
@@ -352,15 +360,41 @@ def costly_values(cfg: TrainSchema, *, probes: int) -> list[str]:
         lines.append(f"val_sequences={cfg.val_sequences}: each of the {validations:,} validation(s) forwards "
                      f"{val_tokens:,} tokens, the compute of about {val_tokens / 3 / step_tokens:,.0f} "
                      f"training steps ({validations * val_tokens / 3 / train_tokens:.0%} of the training's)")
-    if cfg.probe.enabled and probes * cfg.probe.tokens / 3 > COSTLY_FRACTION * train_tokens:
-        lines.append(f"probe.tokens={cfg.probe.tokens}: each of the {probes:,} probes forwards "
-                     f"{cfg.probe.tokens:,} tokens with hooks, at least the compute of "
-                     f"{cfg.probe.tokens / 3 / step_tokens:,.0f} training steps "
-                     f"({probes * cfg.probe.tokens / 3 / train_tokens:.0%} of the training's)")
+    probe, ckpt = cfg.probe, cfg.checkpoint
+    if probe.enabled and probes * probe.tokens / 3 > COSTLY_FRACTION * train_tokens:
+        schedule = (f"checkpoint.steps={ckpt.steps}" if ckpt.steps is not None else
+                    f"checkpoint.dense_every={ckpt.dense_every} to dense_until={ckpt.dense_until}, "
+                    f"sparse_every={ckpt.sparse_every}")
+        lines.append(f"probe.tokens={probe.tokens}: each of the {probes:,} probes (one at every scheduled "
+                     f"step: {schedule}) forwards {probe.tokens:,} tokens with hooks, at least the compute "
+                     f"of {probe.tokens / 3 / step_tokens:,.0f} training steps "
+                     f"({probes * probe.tokens / 3 / train_tokens:.0%} of the training's)")
+    # At every norm input and output (about 4 a block), the angle with K null directions is a d x K product
+    # per token; the probe's forward is about 12 d^2 multiply-adds a block per token.
+    null_cost = 4 * probe.null_directions / (12 * cfg.size.n_embd)
+    if probe.enabled and null_cost > COSTLY_PROBE_FACTOR:
+        lines.append(f"probe.null_directions={probe.null_directions}: the null's products cost about "
+                     f"{null_cost:,.1f}x the probe's forward at d={cfg.size.n_embd}, at each of the "
+                     f"{probes:,} probes")
+    default_replicates = BootstrapConfig.replicates  # the dataclass field's default
+    if probe.enabled and probe.bootstrap.replicates > COSTLY_REPLICATES_FACTOR * default_replicates:
+        lines.append(f"probe.bootstrap.replicates={probe.bootstrap.replicates}: "
+                     f"{probe.bootstrap.replicates / default_replicates:,.0f}x the default "
+                     f"{default_replicates:,}; every interval of each of the {probes:,} probes resamples "
+                     "that many times")
     preset = cfg.size.max_steps
     if cfg.max_steps > COSTLY_STEPS_FACTOR * preset:
         lines.append(f"max_steps={cfg.max_steps}: {train_tokens:,} training tokens, "
                      f"{cfg.max_steps / preset:,.0f}x the {preset:,} steps of size={cfg.size.name}")
+    full = parameters * (WEIGHT_BYTES + OPTIMIZER_BYTES)  # last.ckpt
+    each = full if ckpt.keep_optimizer else parameters * WEIGHT_BYTES
+    disk = checkpoints * each + full
+    if disk > COSTLY_DISK_BYTES or (free_bytes is not None and disk > free_bytes):
+        short = free_bytes is not None and disk > free_bytes
+        free = f", more than the {free_bytes / 1e9:,.1f} GB free there" if short else ""
+        lines.append(f"checkpoint: the schedule keeps {checkpoints:,} checkpoints of {each / 1e9:,.2f} GB "
+                     f"and last.ckpt, about {disk / 1e9:,.1f} GB{free}; a larger checkpoint.sparse_every or "
+                     "dense_every keeps fewer")
     return lines
 
 
