@@ -163,13 +163,13 @@ ARRIVES: dict[str, Check] = {
 }
 # Keys read before or around what is built here, each with the test that follows its value there.
 ELSEWHERE = {
-    "threads": "tests/test_training.py (torch.set_num_threads in train.train)",
+    "threads": "tests/test_recorded_runs.py (train.train sets torch's CPU threads)",
     "resume": "tests/test_resume_rules.py, tests/test_resume_config.py (normgeo.runs.session)",
     "stop_at_step": "tests/test_training.py (ScheduledCheckpoint in train.train)",
     "size.minutes": "tests/test_slurm.py (the SLURM launcher's time limit)",
     "probe.enabled": "tests/test_training.py (train.train adds the probe callback or not)",
     "probe.figures": "tests/test_training.py (the figures drawn at the run's end)",
-    "plan.check": "tests/test_gpu_check.py (normgeo.runs.preflight)",
+    "plan.check": "tests/test_plan.py, tests/test_start_faults.py (normgeo.runs.preflight)",
     "plan.device_memory_gib": "tests/test_plan.py (normgeo.runs.preflight's gate)",
     "plan.mfu": "tests/test_plan.py (normgeo.plan's planned time)",
     "plan.headroom_gib": "tests/test_plan.py (normgeo.runs.preflight's gate)",

@@ -62,3 +62,4 @@ def test_a_run_recorded_by_earlier_code_resumes(path: Path, tmp_path: Path) -> N
     torch.save(last, last_path)
     train(run_dir, "resume=auto")
     assert torch.load(last_path, weights_only=False)["global_step"] == 2
+    assert torch.get_num_threads() == 1  # threads=1 reached torch (train.train, this process)
