@@ -47,7 +47,8 @@ def shared() -> Path:
 SHARED_FIXTURE_FILES = {
     "arms_sweep": ("test_compare.py", "test_loggers.py", "test_readers.py", "test_run_state.py",
                    "test_sweep_readers.py"),
-    "pretrained": ("test_analyze.py", "test_mean_sources.py", "test_norm_sites.py", "test_pretrained.py"),
+    "pretrained": ("test_analyze.py", "test_api.py", "test_mean_sources.py", "test_norm_sites.py",
+                   "test_pretrained.py"),
 }
 SHARED_FIXTURE_OF_GROUP = {"arms_sweep": ("arms_sweep",),
                            "pretrained": ("smollm2_model_and_tokenizer", "minilm_model_and_tokenizer")}
