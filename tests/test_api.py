@@ -28,22 +28,14 @@ from normgeo.measure.pipeline import AnalysisError, probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import read_rows
 from normgeo.measure.run_records import RECORD_FILES
-from tests.conftest import ROOT, entry_point_here, module_main
+from tests.conftest import ROOT, entry_point_here, module_main, save_our_checkpoint
 
 CHECKPOINT_TOKENS = 300  # pydoc's text: a few windows of the checkpoint's 64 positions
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A train.py-style checkpoint (as tests/test_analyze.py's): step 7, global_batch 4."""
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, norm="rms")
-    model = GPT(config, seed=3)
-    path = tmp_path_factory.mktemp("run") / "checkpoints" / "step-0000007.ckpt"
-    path.parent.mkdir()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "gpt_config": config.to_dict(), "global_step": 7, "hyper_parameters": {"global_batch": 4},
-                "rng": {"numpy": np.random.get_state()}}, path)
-    return path
+    return save_our_checkpoint(tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(scope="module")
