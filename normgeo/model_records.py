@@ -29,8 +29,9 @@ from normgeo.measure.pipeline import AnalysisError, Records, measure_records, no
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
+from normgeo.paths import check_own_folder
 from normgeo.readers.frames import RecordFrames
-from normgeo.runs.run_config import RUN_INFO_FILE
+from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,11 @@ class ModelRecords(RecordFrames):
     def save(self, folder: str | Path) -> list[Path]:
         """Write exactly the files ``analyze.py`` writes into ``folder`` (records, references, figures,
         summary, run_info.json); an earlier analysis's intervention or mean sources, which this one did not
-        measure, are removed with their figures. Returns the figures written."""
+        measure, are removed with their figures. Returns the figures written. FolderError, writing nothing,
+        for a folder analyze.py's out_dir may not be: one holding (or inside) a run or another command's
+        outputs."""
         out_dir = Path(folder)
+        check_own_folder(out_dir, "folder", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
         out_dir.mkdir(parents=True, exist_ok=True)
         save_references(out_dir / REFERENCES_FILE, self.references)
         for name, file_rows in self.records.files.items():

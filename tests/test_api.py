@@ -28,6 +28,7 @@ from normgeo.measure.pipeline import AnalysisError, probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import read_rows
 from normgeo.measure.run_records import RECORD_FILES
+from normgeo.paths import FolderError
 from tests.conftest import ROOT, entry_point_here, module_main, save_our_checkpoint
 
 CHECKPOINT_TOKENS = 300  # pydoc's text: a few windows of the checkpoint's 64 positions
@@ -121,6 +122,12 @@ def test_measure_on_analyze_tokens_gives_analyze_records_and_save_writes_its_fil
     # The cross-model summary reads the saved folder as an analysis of analyze.py's.
     done = module_main(capfd, "analysis", "summary", tmp_path / "saved")
     assert done.returncode == 0 and "ours" in done.stdout, done.stderr[-2000:]
+    # Like analyze.py's out_dir: never into a run's folder (nor another command's).
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    (tmp_path / "run" / "run_config.yaml").write_text("max_steps: 4\n")
+    with pytest.raises(FolderError, match="nothing of this command goes there"):
+        records.save(tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "run_config.yaml"]
     figure = records.plot()
     assert len(figure.axes) == 3 and "ours" in figure._suptitle.get_text()
 
