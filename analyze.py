@@ -16,7 +16,6 @@ standardization (``.std``) and after it (``.out``). Writes to ``outputs/analyze/
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from pathlib import Path
 
@@ -26,9 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from corpus.atomic import atomic_write_json
 from corpus.sources import SourceError
-from models.pretrained import ModelLoadError, load_model, max_positions
+from models.pretrained import ModelLoadError, load_model
 from normgeo.config.checks import Refused, check_config, config_errors_exit_2, refuse
 from normgeo.config.compose import (
     ANALYZE_CONF_DIR,
@@ -38,16 +36,13 @@ from normgeo.config.compose import (
     write_hydra_files,
 )
 from normgeo.config.schema import ConfigError
-from normgeo.figures.analysis import print_summary, summarize, write_summary
-from normgeo.figures.angles import write_run_figures
+from normgeo.figures.analysis import print_summary
 from normgeo.figures.intervention import print_intervention
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
-from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
-from normgeo.measure.probe import make_references, residual_norms
+from normgeo.measure.norm_sites import NoNormFoundError
+from normgeo.measure.pipeline import AnalysisError, probe_ids
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
+from normgeo.measure.records import REFERENCES_FILE
+from normgeo.model_records import measure_model, probe_setup
 from normgeo.paths import (
     FolderError,
     check_own_folder,
@@ -83,90 +78,35 @@ def analyze(cfg: DictConfig, probe: ProbeConfig) -> Path:
         device = _device(cfg)
         model.to(device)
     loaded_at = time.perf_counter()
-    norms = find_norm_sites(model)
-    kind = norm_kind(norms)
-    dim = residual_norms(norms)[0].dim
-    limit = max_positions(model)
-    seq_len = min(cfg.model.seq_len, limit) if limit else cfg.model.seq_len
     # The probe's size rule, now that the model's seq_len is known (before anything is tokenized).
-    if refusal := probe.size_refusal(seq_len, "model.seq_len"):
-        raise AnalysisError(refusal)
-    params = sum(p.numel() for p in model.parameters())
+    setup = probe_setup(model, probe, cfg.model.seq_len, "model.seq_len")
+    parameter = next(model.parameters())
     log.info("%s: %s params, %s norms (%s), d=%d, %s on %s, seq_len %d",
-             cfg.model.name, f"{params:,}", len(norms), kind, dim, next(model.parameters()).dtype,
-             device or "device_map", seq_len)
+             cfg.model.name, f"{sum(p.numel() for p in model.parameters()):,}", len(setup.norms), setup.kind,
+             setup.dim, parameter.dtype, device or "device_map", setup.seq_len)
 
     source = instantiate(probe.source)
     ids = probe_ids(source, loaded.encode_batch, loaded.separator, probe)
     tokenized_at = time.perf_counter()
-    references = make_references(dim, probe.seed, probe.null_directions)
-    records = measure_records(
-        model, ids, seq_len, references, probe, batch_size=cfg.model.batch_size,
-        model_name=cfg.model.name, step=loaded.step, tokens_per_step=loaded.tokens_per_step,
-        forward=loaded.forward, norms=norms, device=device, progress=cfg.progress, announce_cost=True,
-        separator=loaded.separator,
+    measured = measure_model(
+        model, ids, setup, probe, batch_size=cfg.model.batch_size, name=cfg.model.name, source=loaded.source,
+        probe_source=source.describe(),
+        step=loaded.step,
+        tokens_per_step=loaded.tokens_per_step, forward=loaded.forward, device=device, progress=cfg.progress,
+        announce_cost=True, separator=loaded.separator,
     )
-    measured_at = time.perf_counter()
-    rows, null = records.rows, records.null
-
-    save_references(out_dir / REFERENCES_FILE, references)
-    for name, file_rows in records.files.items():
-        write_step(out_dir / name, file_rows)
-    stale = [out_dir / INTERVENTION_FILE, out_dir / INTERVENTION_POSITIONS_FILE,
-             *(out_dir / "figures").glob("intervention_*")]
-    if not records.intervention and any(path.exists() for path in stale):
-        # An earlier analysis's intervention (its records and
-        # figures) would read as this one's: it measured none.
-        for path in stale:
-            path.unlink(missing_ok=True)
-        log.warning("removed %s and its figures from an earlier analysis: this run measured no intervention "
-                    "(probe.intervention=[])", INTERVENTION_FILE)
-    unmeasured = [out_dir / MEAN_SOURCES_FILE, *(out_dir / "figures").glob("mean_sources_*")]
-    if MEAN_SOURCES_FILE not in records.files and any(path.exists() for path in unmeasured):
-        # The same for an earlier analysis's mean sources: this run measured none.
-        for path in unmeasured:
-            path.unlink(missing_ok=True)
-        log.warning("removed %s and its figures from an earlier analysis: this run measured no mean sources "
-                    "(probe.mean_sources=false)", MEAN_SOURCES_FILE)
-    figures = write_run_figures(out_dir)
-    summary = summarize(rows, null)
-    write_summary(out_dir, summary)
-    probe_seconds = measured_at - tokenized_at
-    info = {
-        "model": cfg.model.name,
-        "source": loaded.source,
-        "norm": kind,
-        "params": params,
-        "dim": dim,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": str(device or next(model.parameters()).device),
-        "seq_len": seq_len,
-        "batch_size": cfg.model.batch_size,
-        "tokens": len(ids),
-        "probe_source": source.describe(),
-        "probe_sampled": probe.sample,
-        "probe_min_doc_tokens": probe.min_doc_tokens,
-        "probe_max_doc_tokens": probe.max_doc_tokens,
-        "null_directions": probe.null_directions,
-        "load_s": round(loaded_at - started, 2),
-        "tokenize_s": round(tokenized_at - loaded_at, 2),
-        "probe_s": round(probe_seconds, 2),
-        "tokens_per_s": round(len(ids) / probe_seconds, 1),
-        # ru_maxrss is in KiB on Linux.
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "cuda_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        if torch.cuda.is_available()
-        else None,
-        "torch": torch.__version__,
-    }
-    atomic_write_json(out_dir / RUN_INFO_FILE, info)
+    records = measured.records
+    measured.info.update(load_s=round(loaded_at - started, 2), tokenize_s=round(tokenized_at - loaded_at, 2))
+    figures = measured.save(out_dir)
+    summary = measured.summary
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
     if records.intervention:
         budget = records.intervention[0]["intervention_tokens"]
         print_intervention(records.intervention, title=f"{cfg.model.name}: the centering intervention "
                            f"(the first {budget:,} tokens, 95% block-bootstrap intervals)")
+    info = measured.info
     log.info("probe: %s tokens in %.1f s (%.0f tokens/s); peak RSS %.0f MiB",
-             f"{len(ids):,}", probe_seconds, info["tokens_per_s"], info["peak_rss_mib"])
+             f"{len(ids):,}", info["probe_s"], info["tokens_per_s"], info["peak_rss_mib"])
     written = [*records.files, REFERENCES_FILE]
     log.info("wrote %s, summary.csv/md and %d figure(s) to %s", ", ".join(written), len(figures), out_dir)
     return out_dir

@@ -361,6 +361,22 @@ class PydocSource:
         yield from _permuted(list(self.documents()), seed)
 
 
+@dataclass
+class TextsSource:
+    """Documents handed over in Python (normgeo.measure(model, texts)): each text one document."""
+
+    texts: Sequence[str]
+
+    def describe(self) -> str:
+        return f"{len(self.texts)} text(s) given in Python"
+
+    def documents(self) -> Iterator[str]:
+        yield from self.texts
+
+    def sampled_documents(self, seed: int) -> Iterator[str]:
+        yield from _permuted(list(self.texts), seed)
+
+
 def _permuted(documents: list[str], seed: int) -> Iterator[str]:
     order = np.random.default_rng([seed, 0x5A4D]).permutation(len(documents))
     return (documents[i] for i in order)

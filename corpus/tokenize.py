@@ -77,10 +77,11 @@ def iter_document_tokens(
 
 
 def first_tokens(
-    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int, min_tokens: int = 0,
-    max_tokens: int | None = None,
+    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int | None,
+    min_tokens: int = 0, max_tokens: int | None = None,
 ) -> np.ndarray:
-    """The first ``count`` tokens of the concatenated documents; raises if the corpus is shorter.
+    """The first ``count`` tokens of the concatenated documents (None: all of them); raises if the corpus
+    is shorter.
 
     Documents with fewer than ``min_tokens`` tokens (separator not counted) are skipped: title-only
     stubs and headings are not the article text a probe means. The rest are cut to their first
@@ -99,9 +100,12 @@ def first_tokens(
             ids = np.concatenate([ids[:max_tokens], ids[len(ids) - separator :]])  # cut, then its separator
         chunks.append(ids)
         total += len(ids)
-        if total >= count:
+        if count is not None and total >= count:
             break
-    if total < count:
+    if count is not None and total < count:
         kept = f" in documents of at least {min_tokens} tokens" if min_tokens else ""
         raise ValueError(f"the probe corpus has only {total:,} tokens{kept} but {count:,} were asked for")
+    if not chunks:
+        raise ValueError("the probe corpus has no tokens" + (f" in documents of at least {min_tokens} tokens"
+                                                            if min_tokens else ""))
     return np.concatenate(chunks)[:count]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates every figure in docs/figures and every number the README and the docs/ pages quote (docs/numbers.md), on the
 # current code, offline, on CPU: the two smoke arms (per-run figures, normgeo.report, normgeo.compare), SmolLM2-135M-Instruct (Q4_1) and MiniLM on 100k
-# tokens of ../shared/corpora/wikipedia. About 20 minutes on 2 CPU cores.
+# tokens of ../shared/corpora/wikipedia, the quickstart notebook. About 20 minutes on 2 CPU cores.
 #
 #   bash docs/make_figures.sh [output_root]      # default: outputs/readme (deleted first)
 set -euo pipefail
@@ -19,6 +19,20 @@ python -m normgeo.compare "$OUT" --formats png,pdf   # before analyze.py writes 
 for model in smollm2-135m minilm; do  # the angles only; the intervention: docs/make_intervention_figures.sh
   python analyze.py model=$model probe=local probe.path="$WIKI" probe.tokens=100000 "probe.intervention=[]" output_root="$OUT" progress=false
 done
+
+# The quickstart notebook (docs/notebooks/quickstart.ipynb, committed without outputs) on the smoke rms run
+# above, executed into a copy; its figures: docs/figures/notebook-*.png.
+cp docs/notebooks/quickstart.ipynb "$OUT/quickstart.ipynb"
+NORMGEO_NOTEBOOK_RUN="$(cd "$OUT" && pwd)/smoke-rms-s0" jupyter execute --inplace --timeout=1800 "$OUT/quickstart.ipynb"
+python - "$OUT/quickstart.ipynb" docs/figures <<'PY'
+import base64, sys, nbformat
+cells = nbformat.read(sys.argv[1], as_version=4).cells
+images = [o["data"]["image/png"] for c in cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+assert len(images) == 4, len(images)  # records.plot(), the saved null band and mean sources, the run's steps
+for name, data in (("layers", images[0]), ("steps", images[3])):  # the two docs/pretrained.md shows
+    with open(f"{sys.argv[2]}/notebook-{name}.png", "wb") as handle:
+        handle.write(base64.b64decode(data))
+PY
 
 fig=docs/figures
 cp "$OUT/smoke-layer-s0/figures/layers_normgeo-tiny_layer_step0000100.png" $fig/smoke-layer-layers.png

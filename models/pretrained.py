@@ -290,8 +290,8 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
 
 def max_positions(model: nn.Module) -> int | None:
     """The longest sequence the model's position embeddings allow (None: no limit known)."""
-    config = getattr(model, "config", None)
-    for attr in ("max_position_embeddings", "block_size"):
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)  # cfg: TransformerLens'
+    for attr in ("max_position_embeddings", "block_size", "n_ctx"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
             return value

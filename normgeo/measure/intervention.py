@@ -132,7 +132,9 @@ def norm_affine(site: NormSite) -> tuple[torch.Tensor | None, torch.Tensor | Non
     """(gain, bias) of a LayerNorm site's module, either possibly None; a module that keeps them under
     other names cannot be intervened on exactly, so it is refused with what to do."""
     module = site.module
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    # TransformerLens' LayerNorm keeps them as .w and .b
+    weight = getattr(module, "weight", getattr(module, "w", None))
+    bias = getattr(module, "bias", getattr(module, "b", None))
     for name, value in (("weight", weight), ("bias", bias)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(

@@ -52,7 +52,8 @@ _BLOCK_ROLES = {
 # In blocks that also have this norm (Gemma 2/3, OLMo 2), post_attention_layernorm normalizes the attention
 # output before the residual add; it is not the pre-MLP norm, so it keeps its own name.
 _POST_SUBLAYER_MARKER = "post_feedforward_layernorm"
-_FINAL_NAMES = frozenset({"ln_f", "norm_f", "norm", "final_layer_norm", "final_layernorm", "final_norm"})
+_FINAL_NAMES = frozenset({"ln_f", "norm_f", "norm", "final_layer_norm", "final_layernorm", "final_norm",
+                          "ln_final"})  # ln_final: TransformerLens
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,13 @@ def _is_norm_module(module: nn.Module) -> bool:
     ``*LayerNorm``/``*RMSNorm``/``*RmsNorm`` made only of norms.
 
     The second condition keeps out whole layers that transformers names after their norm placement
-    (``Wav2Vec2EncoderLayerStableLayerNorm`` holds attention and MLP).
+    (``Wav2Vec2EncoderLayerStableLayerNorm`` holds attention and MLP); hook points (TransformerLens'
+    ``HookPoint``, an identity module in each of its norms) are no layer.
     """
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or site_kind_of(module) is not None:
         return True
     return type(module).__name__.endswith(_NORM_SUFFIXES) and all(
-        _is_norm_module(c) for c in module.children()
+        _is_norm_module(c) or type(c).__name__ == "HookPoint" for c in module.children()
     )
 
 
@@ -131,6 +133,8 @@ def _norm_dim(name: str, module: nn.Module) -> int:
             return weight.numel()
         if isinstance(getattr(sub, "hidden_size", None), int):
             return sub.hidden_size
+        if isinstance(getattr(sub, "w", None), torch.Tensor):  # TransformerLens' LayerNorm and RMSNorm
+            return sub.w.numel()
     raise _unreadable(name, module, "normalized size")
 
 

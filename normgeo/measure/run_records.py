@@ -24,15 +24,24 @@ FILLED_BY_EVERY_PROBE = (ENERGY_FILE,)
 
 
 def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
-    """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line),
-    also for an ``angles.jsonl`` without a record: every probe writes angles (a measurement with nothing to
-    measure, such as DyT's ellipsoid, leaves its own file empty)."""
-    records = {name: read_rows(Path(run_dir) / name) for name in RECORD_FILES}
-    angles = Path(run_dir) / ANGLES_FILE
-    if angles.is_file() and not records[ANGLES_FILE]:
-        raise DamagedRecords(angles, 1, "no record in the file", "copy it again from where the run wrote it")
-    for name in FILLED_BY_EVERY_PROBE:  # written with angles.jsonl at every probe, never empty beside it
-        if records[ANGLES_FILE] and (Path(run_dir) / name).is_file() and not records[name]:
-            raise DamagedRecords(Path(run_dir) / name, 1, f"no record in the file, while {ANGLES_FILE} has "
-                                 f"{len(records[ANGLES_FILE])}", "copy it again from where the run wrote it")
-    return records
+    """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line)
+    for the first damaged one (:func:`read_record_file`)."""
+    angles = read_record_file(run_dir, ANGLES_FILE)
+    return {name: angles if name == ANGLES_FILE else read_record_file(run_dir, name, angles)
+            for name in RECORD_FILES}
+
+
+def read_record_file(run_dir: Path, name: str, angles: list[dict] | None = None) -> list[dict]:
+    """One records file of ``run_dir`` ([] when absent); raises DamagedRecords (file:line), also for an
+    ``angles.jsonl`` without a record (every probe writes angles; a measurement with nothing to measure, such
+    as DyT's ellipsoid, leaves its own file empty) and for an empty file that every probe fills beside the
+    run's ``angles`` records."""
+    path = Path(run_dir) / name
+    rows = read_rows(path)
+    if name == ANGLES_FILE and path.is_file() and not rows:
+        raise DamagedRecords(path, 1, "no record in the file", "copy it again from where the run wrote it")
+    if name in FILLED_BY_EVERY_PROBE and angles and path.is_file() and not rows:
+        # written with angles.jsonl at every probe, never empty beside it
+        raise DamagedRecords(path, 1, f"no record in the file, while {ANGLES_FILE} has {len(angles)}",
+                             "copy it again from where the run wrote it")
+    return rows
