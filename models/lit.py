@@ -7,8 +7,9 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import lightning as L
 import numpy as np
@@ -22,10 +23,19 @@ from models.divergence import Divergence
 from models.gpt import GPT, GPTConfig
 from models.strategies import FSDP2Strategy, compile_blocks
 
-if TYPE_CHECKING:  # the run's optim.* keys; the module reads them, the schema (above models/) declares them
-    from normgeo.config.schema import OptimSchema
-
 log = logging.getLogger(__name__)
+
+
+class AdamWSettings(Protocol):
+    """What the module reads of the run's ``optim`` node (normgeo.config.schema.OptimSchema, a floor above
+    models/, declares the keys, their ranges and defaults)."""
+
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    betas: Sequence[float]
+    fused: bool | None
 
 
 # Lightning's table finds no H200 named as CUDA reports it ("NVIDIA H200": its rows need "sxm1" or "nvl1"),
@@ -59,8 +69,8 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, model: GPTConfig, optim: OptimSchema, *, seed: int, max_steps: int, global_batch: int,
-                 compile: bool = False) -> None:
+    def __init__(self, model: GPTConfig, optim: AdamWSettings, *, seed: int, max_steps: int,
+                 global_batch: int, compile: bool = False) -> None:
         super().__init__()
         # Plain values: Lightning loads a checkpoint's hyper_parameters with weights_only=True. logger=False:
         # train.py logs the whole run config once; the module's subset would repeat it.

@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -43,10 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from models.compiled_plan import compiled_peak, graph_flops, trace_compiled
 from models.gpt import GPTConfig
 from models.hardware import DTYPES
-from models.lit import LitGPT
-
-if TYPE_CHECKING:  # the run's optim.* node (normgeo.config.schema, above models/)
-    from normgeo.config.schema import OptimSchema
+from models.lit import AdamWSettings, LitGPT
 
 GIB = 2**30
 
@@ -113,7 +109,7 @@ class TrainSetup:
     """What the plan of a training config needs (normgeo/plan.py fills it from the config)."""
 
     model: GPTConfig                # the run's model and its AdamW (TrainSchema.gpt, TrainSchema.optim)
-    optim: OptimSchema
+    optim: AdamWSettings
     micro_batch: int
     global_batch: int
     precision: str = "bf16-mixed"

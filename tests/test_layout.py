@@ -198,6 +198,7 @@ def test_the_definition_check_sees_a_renamed_function() -> None:
 # normgeo/paths.py (names and folders; the standard library only) at the bottom.
 NORMGEO_FLOORS = (
     "normgeo.paths",
+    "normgeo.config.fields",  # how a key is declared (no normgeo imports): for every part that declares keys
     "normgeo.signals",
     "normgeo.measure",
     "normgeo.config",
