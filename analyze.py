@@ -41,13 +41,11 @@ from normgeo.config.schema import ConfigError
 from normgeo.figures.analysis import print_summary, summarize, write_summary
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.intervention import print_intervention
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.norm_sites import NoNormFoundError, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, measure_records, norm_kind, probe_ids
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
+from normgeo.measure.records import save_references, write_step
 from normgeo.paths import (
     FolderError,
     check_own_folder,
@@ -55,7 +53,15 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
-from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
+from normgeo.run_folder import (
+    INTERVENTION_FILE,
+    INTERVENTION_POSITIONS_FILE,
+    MEAN_SOURCES_FILE,
+    REFERENCES_FILE,
+    RUN_INFO_FILE,
+    RunFolder,
+)
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import ignore_at_exit, stop_on_signals
 
 log = logging.getLogger("normgeo.analyze")
@@ -110,11 +116,12 @@ def analyze(cfg: DictConfig) -> Path:
     measured_at = time.perf_counter()
     rows, null = records.rows, records.null
 
-    save_references(out_dir / REFERENCES_FILE, references)
+    folder = RunFolder(out_dir)
+    save_references(folder.references, references)
     for name, file_rows in records.files.items():
-        write_step(out_dir / name, file_rows)
-    stale = [out_dir / INTERVENTION_FILE, out_dir / INTERVENTION_POSITIONS_FILE,
-             *(out_dir / "figures").glob("intervention_*")]
+        write_step(folder.record(name), file_rows)
+    stale = [folder.record(INTERVENTION_FILE), folder.record(INTERVENTION_POSITIONS_FILE),
+             *folder.figures.glob("intervention_*")]
     if not records.intervention and any(path.exists() for path in stale):
         # An earlier analysis's intervention (its records and
         # figures) would read as this one's: it measured none.
@@ -122,7 +129,7 @@ def analyze(cfg: DictConfig) -> Path:
             path.unlink(missing_ok=True)
         log.warning("removed %s and its figures from an earlier analysis: this run measured no intervention "
                     "(probe.intervention=[])", INTERVENTION_FILE)
-    unmeasured = [out_dir / MEAN_SOURCES_FILE, *(out_dir / "figures").glob("mean_sources_*")]
+    unmeasured = [folder.record(MEAN_SOURCES_FILE), *folder.figures.glob("mean_sources_*")]
     if MEAN_SOURCES_FILE not in records.files and any(path.exists() for path in unmeasured):
         # The same for an earlier analysis's mean sources: this run measured none.
         for path in unmeasured:
@@ -160,7 +167,7 @@ def analyze(cfg: DictConfig) -> Path:
         else None,
         "torch": torch.__version__,
     }
-    atomic_write_json(out_dir / RUN_INFO_FILE, info)
+    atomic_write_json(RunFolder(out_dir).run_info, info)
     print_summary(summary, title=f"{cfg.model.name}: angles before/after its norms ({len(ids):,} tokens)")
     if records.intervention:
         budget = records.intervention[0]["intervention_tokens"]

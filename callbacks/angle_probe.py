@@ -21,13 +21,8 @@ from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import (
-    ANGLES_FILE,
-    REFERENCES_FILE,
-    recorded_steps,
-    save_references,
-    write_step,
-)
+from normgeo.measure.records import recorded_steps, save_references, write_step
+from normgeo.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +61,13 @@ class AngleProbe(OptimizerStepCallback):
         model_name: str,
         probe: ProbeConfig,
         *,
-        tokenizer: str = "gpt2",
-        log_table: bool = True,
         ids: np.ndarray | None = None,
     ) -> None:
-        self.run_dir = Path(run_dir)
+        self.folder = RunFolder(run_dir)
         self.schedule = schedule
         self.source = source
         self.model_name = model_name
         self.config = probe
-        self.tokenizer = tokenizer
-        self.log_table = log_table
         self._announced = False  # the probe's cost is logged before its first run only
         self._ids = ids  # train.py's start check tokenized them already (normgeo.runs.start)
 
@@ -87,7 +78,7 @@ class AngleProbe(OptimizerStepCallback):
         ``probe.seed``), those shorter than ``min_doc_tokens`` skipped.
         """
         if self._ids is None:
-            self._ids = tiktoken_probe_ids(self.source, self.config, tokenizer=self.tokenizer)
+            self._ids = tiktoken_probe_ids(self.source, self.config)
         return self._ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -95,7 +86,7 @@ class AngleProbe(OptimizerStepCallback):
         step = trainer.global_step
         if step == 0:
             self.probe(trainer, pl_module, step=0)
-        elif step in self.schedule and step not in recorded_steps(self.run_dir / ANGLES_FILE):
+        elif step in self.schedule and step not in recorded_steps(self.folder.angles):
             # A stop signal abandoned this step's probe and saved last.ckpt at the step: measure it now.
             self.probe(trainer, pl_module, step=step)
 
@@ -124,13 +115,13 @@ class AngleProbe(OptimizerStepCallback):
                 device=pl_module.device,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
-                separator=tiktoken_separator(self.tokenizer),  # the documents' end-of-text in probe_ids
+                separator=tiktoken_separator(),  # the documents' end-of-text in probe_ids
             )
         self._announced = True
         if trainer.is_global_zero:
-            save_references(self.run_dir / REFERENCES_FILE, references)
+            save_references(self.folder.references, references)
             for name, rows in records.files.items():
-                write_step(self.run_dir / name, rows)
+                write_step(self.folder.record(name), rows)
             self._log(trainer, records.rows, step, records.intervention)
         return records.rows
 
@@ -158,13 +149,13 @@ class AngleProbe(OptimizerStepCallback):
         plotting = [lg for lg in trainer.loggers if isinstance(lg, (WandbLogger, TensorBoardLogger))]
         for logger in trainer.loggers:
             logger.log_metrics({**metrics, **per_layer} if logger in plotting else metrics, step=step)
-            if self.log_table and isinstance(logger, WandbLogger):
+            if isinstance(logger, WandbLogger):
                 columns = list(rows[0])
                 # wandb tables want one type per column: layer mixes block indices and "final".
                 data = [[str(r[c]) if c == "layer" else r[c] for c in columns] for r in rows]
                 logger.log_table(key="probe/angles", columns=columns, data=data)
-        if self.log_table and plotting:
+        if plotting:
             # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
-            figure = plot_layers(rows, self.run_dir / "figures", step=step)
+            figure = plot_layers(rows, self.folder.figures, step=step)
             log_figures(plotting, {"probe/layers": figure}, step=step)
-        log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)
+        log.info("probe at step %d: %d records written to %s", step, len(rows), self.folder.angles)

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.analysis import print_summary, summarize, write_summary
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.paths import FolderError, check_own_folder
+from normgeo.run_folder import ANGLES_FILE, NULL_FILE
 from normgeo.runs.run_config import OUTPUT_MARKERS
 
 

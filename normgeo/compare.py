@@ -48,9 +48,9 @@ from pathlib import Path
 from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
-from normgeo.measure.records import ANGLES_FILE
 from normgeo.paths import check_own_folder, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.run_folder import ANGLES_FILE
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 from normgeo.verdict.declared import load_verdict_config

@@ -30,7 +30,8 @@ from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
-from normgeo.readers.downstream import EVAL_FILE, merged_eval, read_eval
+from normgeo.readers.downstream import merged_eval, read_eval
+from normgeo.run_folder import EVAL_FILE
 from normgeo.signals import stop_on_signals
 
 DEFAULT_CORPUS = (

@@ -25,11 +25,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.angles import FIGURES_DIR, plot_compare, write_run_figures
+from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.records import DamagedRecords
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs, read_run_files
+from normgeo.run_folder import ANGLES_FILE, FIGURES_DIR
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 

@@ -12,12 +12,9 @@ from matplotlib.ticker import MaxNLocator
 from normgeo.figures.intervention import plot_intervention_layers
 from normgeo.figures.mean_sources import plot_mean_sources_layers
 from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.paths import slug
-
-FIGURES_DIR = "figures"  # a run's own figures: train.py's at the end, normgeo.report's by default
+from normgeo.run_folder import ANGLES_FILE, FIGURES_DIR, INTERVENTION_FILE, MEAN_SOURCES_FILE, NULL_FILE
 
 
 def _layer_position(layer, n_layers: int) -> float:

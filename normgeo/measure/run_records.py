@@ -8,16 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
+from normgeo.run_folder import ANGLES_FILE, ENERGY_FILE, RECORD_FILES, RunFolder
 
-# Read whole before any figure or table is made, so that one damaged file leaves its run out instead of
-# stopping a figure or the verdict half-way.
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE,
-                INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE)
 # Every probe of every arm measures these (the norms' inputs): empty beside a filled angles.jsonl is damage,
 # unlike a measurement that may find nothing to measure (DyT's ellipsoid, an arm without centering).
 FILLED_BY_EVERY_PROBE = (ENERGY_FILE,)
@@ -26,13 +19,15 @@ FILLED_BY_EVERY_PROBE = (ENERGY_FILE,)
 def read_run_records(run_dir: Path) -> dict[str, list[dict]]:
     """Every records file of ``run_dir`` by name ([] for an absent one); raises DamagedRecords (file:line),
     also for an ``angles.jsonl`` without a record: every probe writes angles (a measurement with nothing to
-    measure, such as DyT's ellipsoid, leaves its own file empty)."""
-    records = {name: read_rows(Path(run_dir) / name) for name in RECORD_FILES}
-    angles = Path(run_dir) / ANGLES_FILE
+    measure, such as DyT's ellipsoid, leaves its own file empty). Read whole before any figure or table is
+    made, so that one damaged file leaves its run out instead of stopping a figure or the verdict half-way."""
+    folder = RunFolder(run_dir)
+    records = {name: read_rows(folder.record(name)) for name in RECORD_FILES}
+    angles = folder.angles
     if angles.is_file() and not records[ANGLES_FILE]:
         raise DamagedRecords(angles, 1, "no record in the file", "copy it again from where the run wrote it")
     for name in FILLED_BY_EVERY_PROBE:  # written with angles.jsonl at every probe, never empty beside it
-        if records[ANGLES_FILE] and (Path(run_dir) / name).is_file() and not records[name]:
-            raise DamagedRecords(Path(run_dir) / name, 1, f"no record in the file, while {ANGLES_FILE} has "
+        if records[ANGLES_FILE] and folder.record(name).is_file() and not records[name]:
+            raise DamagedRecords(folder.record(name), 1, f"no record in the file, while {ANGLES_FILE} has "
                                  f"{len(records[ANGLES_FILE])}", "copy it again from where the run wrote it")
     return records

@@ -14,12 +14,10 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import NULL_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.readers.downstream import downstream_scores
 from normgeo.readers.metrics import last_value
+from normgeo.run_folder import ENERGY_FILE, INTERVENTION_FILE, MEAN_SOURCES_FILE, NULL_FILE
 from normgeo.verdict.metrics import (
     GEOMETRY,
     INTERVENTION,
