@@ -106,7 +106,7 @@ def groups(null: list[dict]) -> list[str]:
 
 def pretrained(out: Path, model: str) -> list[str]:
     run = out / "analyze" / model
-    rows, null = read_rows(run / ANGLES_FILE), read_rows(run / NULL_FILE)
+    rows, null = read_rows(RunFolder(run).angles), read_rows(RunFolder(run).record(NULL_FILE))
     info = json.loads(RunFolder(run).run_info.read_text())
     lines = [f"## {model} ({info['tokens']:,} tokens of {info['probe_source']}, {info['dtype']}, "
              f"min_doc_tokens {info['probe_min_doc_tokens']}, sampled {info['probe_sampled']})", ""]

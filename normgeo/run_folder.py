@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 RUN_CONFIG_FILE = "run_config.yaml"  # train.py's record of the run's config, checked on resume
@@ -60,57 +59,40 @@ def checkpoint_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-@dataclass(frozen=True)
+class Entry:
+    """A file or folder of a run: ``RunFolder(run_dir).summary`` is ``run_dir / SUMMARY_FILE``."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def __get__(self, folder: RunFolder, owner: type) -> Path:
+        return folder.path.joinpath(*self.names)
+
+
 class RunFolder:
     """A run folder's files and folders by what they hold (``RunFolder(run_dir).summary``)."""
 
-    path: Path
+    run_config = Entry(RUN_CONFIG_FILE)
+    run_info = Entry(RUN_INFO_FILE)
+    summary = Entry(SUMMARY_FILE)
+    plan = Entry(PLAN_FILE)
+    lock = Entry(LOCK_FILE)
+    train_log = Entry(TRAIN_LOG)
+    hydra = Entry(HYDRA_DIR)
+    hydra_config = Entry(HYDRA_CONFIG)
+    checkpoints = Entry(CHECKPOINTS_DIR)
+    last_checkpoint = Entry(CHECKPOINTS_DIR, LAST_CHECKPOINT)
+    csv = Entry(CSV_DIR)
+    figures = Entry(FIGURES_DIR)
+    wandb_id = Entry(WANDB_ID_FILE)
+    slurm_jobs = Entry(SLURM_JOBS_FILE)
+    replaced = Entry(REPLACED_DIR)
+    eval = Entry(EVAL_FILE)
+    references = Entry(REFERENCES_FILE)
+    angles = Entry(ANGLES_FILE)
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "path", Path(path))
-
-    def __truediv__(self, name: str) -> Path:
-        return self.path / name
-
-    @property
-    def run_config(self) -> Path:
-        return self.path / RUN_CONFIG_FILE
-
-    @property
-    def run_info(self) -> Path:
-        return self.path / RUN_INFO_FILE
-
-    @property
-    def summary(self) -> Path:
-        return self.path / SUMMARY_FILE
-
-    @property
-    def plan(self) -> Path:
-        return self.path / PLAN_FILE
-
-    @property
-    def lock(self) -> Path:
-        return self.path / LOCK_FILE
-
-    @property
-    def train_log(self) -> Path:
-        return self.path / TRAIN_LOG
-
-    @property
-    def hydra(self) -> Path:
-        return self.path / HYDRA_DIR
-
-    @property
-    def hydra_config(self) -> Path:
-        return self.path / HYDRA_CONFIG
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS_DIR
-
-    @property
-    def last_checkpoint(self) -> Path:
-        return self.checkpoints / LAST_CHECKPOINT
+        self.path = Path(path)
 
     def checkpoint(self, step: int) -> Path:
         """The scheduled checkpoint of ``step`` (there or not)."""
@@ -124,44 +106,8 @@ class RunFolder:
                  if (step := checkpoint_step(path.name)) is not None}
         return dict(sorted(found.items()))
 
-    @property
-    def csv(self) -> Path:
-        return self.path / CSV_DIR
-
-    @property
-    def figures(self) -> Path:
-        return self.path / FIGURES_DIR
-
-    @property
-    def wandb_id(self) -> Path:
-        return self.path / WANDB_ID_FILE
-
-    @property
-    def slurm_jobs(self) -> Path:
-        return self.path / SLURM_JOBS_FILE
-
-    @property
-    def replaced(self) -> Path:
-        return self.path / REPLACED_DIR
-
-    @property
-    def eval(self) -> Path:
-        return self.path / EVAL_FILE
-
-    @property
-    def references(self) -> Path:
-        return self.path / REFERENCES_FILE
-
     def record(self, name: str) -> Path:
         """One of the probe's records (:data:`RECORD_FILES`)."""
         if name not in RECORD_FILES:
             raise ValueError(f"{name} is not one of the probe's records {RECORD_FILES}")
         return self.path / name
-
-    @property
-    def angles(self) -> Path:
-        return self.path / ANGLES_FILE
-
-    @property
-    def null(self) -> Path:
-        return self.path / NULL_FILE
