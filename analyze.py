@@ -41,7 +41,6 @@ from normgeo.figures.intervention import print_intervention
 from normgeo.measure.norm_sites import NoNormFoundError
 from normgeo.measure.pipeline import AnalysisError, probe_ids
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import REFERENCES_FILE
 from normgeo.model_records import measure_model, probe_setup
 from normgeo.paths import (
     FolderError,
@@ -50,7 +49,11 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
-from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
+from normgeo.run_folder import (
+    REFERENCES_FILE,
+    RUN_INFO_FILE,
+)
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import ignore_at_exit, stop_on_signals
 
 log = logging.getLogger("normgeo.analyze")

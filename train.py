@@ -64,13 +64,10 @@ from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
 from normgeo.plan import main as plan_main
-from normgeo.readers.metrics import CSV_DIR
+from normgeo.run_folder import CSV_DIR, RunFolder
 from normgeo.runs.build import make_module, make_schedule
 from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
-    LAST_CHECKPOINT,
-    SUMMARY_FILE,
-    TRAIN_LOG,
     checkpoint_run_config,
     is_rank_zero,
     record_run_config,
@@ -95,7 +92,6 @@ from normgeo.runs.summary import disk_use, format_summary, read_summary, write_s
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
 log = logging.getLogger("normgeo.train")
-WANDB_ID_FILE = "wandb_run_id.txt"
 # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory is
 # put back as it was); from training on, callbacks.signals.Interrupt saves last.ckpt instead.
 BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)",
@@ -112,7 +108,7 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
             continue
         name = str(logger_cfg.get("name") or "lightning_logs")
         folder = os.path.abspath(Path(str(logger_cfg.get("save_dir"))) / name)
-        if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(run_dir / CSV_DIR):
+        if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(RunFolder(run_dir).csv):
             continue  # the CSV every run writes already (older logger configs still name it)
         wandb = logger_cfg["_target_"].endswith("WandbLogger")
         loggers.append(instantiate(logger_cfg, **(wandb_arguments(run_dir) if wandb else {})))
@@ -121,7 +117,7 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
 
 def wandb_arguments(run_dir: Path) -> dict[str, Any]:
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
-    id_file = run_dir / WANDB_ID_FILE
+    id_file = RunFolder(run_dir).wandb_id
     if id_file.exists():
         run_id = id_file.read_text().strip()
     else:
@@ -204,6 +200,7 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
     """The run's summary after this session (begun at ``start_step``), merged with the earlier sessions';
     ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"). Its figures are listed
     once drawn (train.py)."""
+    folder = RunFolder(run_dir)
     previous = read_summary(run_dir) if start_step > 0 else {}
     step, tokens_per_step = trainer.global_step, trainer.lightning_module.tokens_per_step
     session_tokens = (step - start_step) * tokens_per_step
@@ -219,10 +216,10 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
         # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
         "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
-        "records": str(run_dir / "angles.jsonl") if (run_dir / "angles.jsonl").is_file() else None,
-        "figures": [], "checkpoints": str(run_dir / "checkpoints"),
+        "records": str(folder.angles) if folder.angles.is_file() else None,
+        "figures": [], "checkpoints": str(folder.checkpoints),
         "logs": {type(logger).__name__: _log_dir(logger) for logger in trainer.loggers},
-        "train_log": str(run_dir / TRAIN_LOG), "disk_bytes": disk_use(run_dir),
+        "train_log": str(folder.train_log), "disk_bytes": disk_use(run_dir),
     }
 
 
@@ -269,13 +266,13 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     schedule: CheckpointSchedule = make_schedule(cfg)
     # SLURM's USR1 requeues; the user's Ctrl-C or SIGTERM saves and exits (at once during a validation or a
     # probe). Its handler is installed first; the checkpoint owner asks it after each step's probe.
-    stop = StopOnSignal(requeue, lambda: continue_command(cfg), run_dir / "checkpoints" / LAST_CHECKPOINT)
+    stop = StopOnSignal(requeue, lambda: continue_command(cfg), RunFolder(run_dir).last_checkpoint)
     timer = Timer(verbose=False)  # the run's training time, kept in its checkpoints (summary.json's wall_s)
     keep = KeepStart(start)
     # The checkpoint owner (the schedule, stop_at_step, the signal stop) and the probe at the same steps (its
     # tokens as the start tokenized them).
-    owner = ScheduledCheckpoint(str(run_dir / "checkpoints"), schedule, stop_at_step=cfg.stop_at_step or None,
-                                signal_stop=stop)
+    owner = ScheduledCheckpoint(str(RunFolder(run_dir).checkpoints), schedule,
+                                stop_at_step=cfg.stop_at_step or None, signal_stop=stop)
     probe = [AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
                         cfg.probe, ids=start.probe_ids)] if cfg.probe.enabled else []
     # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
@@ -338,7 +335,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                         log_figures(trainer.loggers, {figure_key(f): f for f in figures},
                                     step=trainer.global_step)
                     log.info("%s\n  summary:     %s", format_summary(read_summary(run_dir)),
-                             run_dir / SUMMARY_FILE)
+                             RunFolder(run_dir).summary)
             except Abandoned as abandoned:
                 end_interrupted(run_dir, abandoned.signum, continue_command(cfg))
     return trainer

@@ -75,8 +75,9 @@ from models.hardware import missing_cuda
 from models.lit import peak_flops
 from models.norms import compile_refusal
 from normgeo.config.compose import CONF_DIR
-from normgeo.measure.records import ANGLES_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.readers.metrics import read_metrics
+from normgeo.run_folder import ANGLES_FILE, RunFolder
 from normgeo.runs.start import start_session
 from train import train
 
@@ -630,7 +631,7 @@ def resume(ctx: Context, strategy: str) -> Outcome:
         "train.py",
     ]
     details, seconds = [], 0.0
-    for run_dir, extra in ((full, []), (resumed, [f"resume={full / 'checkpoints' / 'step-0000002.ckpt'}"])):
+    for run_dir, extra in ((full, []), (resumed, [f"resume={RunFolder(full).checkpoint(2)}"])):
         done, shown, took = ctx.run([*torchrun, *common, f"run_dir={run_dir}", *extra], ctx.mode.budget(150))
         seconds += took
         details.append(f"- `{shown}` ({took:.0f} s)")
@@ -647,7 +648,7 @@ def resume(ctx: Context, strategy: str) -> Outcome:
     steps = sorted(by_step[1])
     loss_equal = steps == [3, 4] and all(by_step[0].get(s) == by_step[1][s] for s in steps)
     weights = [
-        torch.load(d / "checkpoints" / "step-0000004.ckpt", map_location="cpu", weights_only=False)[
+        torch.load(RunFolder(d).checkpoint(4), map_location="cpu", weights_only=False)[
             "state_dict"
         ]
         for d in (full, resumed)
@@ -726,7 +727,7 @@ def probe_reference(ctx: Context) -> Outcome:
     reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("probe reference", False, reason, seconds, details)
-    checkpoint = run_dir / "checkpoints" / "step-0000001.ckpt"
+    checkpoint = RunFolder(run_dir).checkpoint(1)
     outcome = analyze_checkpoint(ctx, checkpoint, "cpu", "reference")
     outcome.details[:0] = details
     outcome.seconds += seconds

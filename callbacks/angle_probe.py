@@ -21,13 +21,8 @@ from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references
-from normgeo.measure.records import (
-    ANGLES_FILE,
-    REFERENCES_FILE,
-    recorded_steps,
-    save_references,
-    write_step,
-)
+from normgeo.measure.records import recorded_steps, save_references, write_step
+from normgeo.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +63,7 @@ class AngleProbe(OptimizerStepCallback):
         *,
         ids: np.ndarray | None = None,
     ) -> None:
-        self.run_dir = Path(run_dir)
+        self.folder = RunFolder(run_dir)
         self.schedule = schedule
         self.source = source
         self.model_name = model_name
@@ -91,7 +86,7 @@ class AngleProbe(OptimizerStepCallback):
         step = trainer.global_step
         if step == 0:
             self.probe(trainer, pl_module, step=0)
-        elif step in self.schedule and step not in recorded_steps(self.run_dir / ANGLES_FILE):
+        elif step in self.schedule and step not in recorded_steps(self.folder.angles):
             # A stop signal abandoned this step's probe and saved last.ckpt at the step: measure it now.
             self.probe(trainer, pl_module, step=step)
 
@@ -125,9 +120,9 @@ class AngleProbe(OptimizerStepCallback):
             )
         self._announced = True
         if trainer.is_global_zero:
-            save_references(self.run_dir / REFERENCES_FILE, references)
+            save_references(self.folder.references, references)
             for name, rows in records.files.items():
-                write_step(self.run_dir / name, rows)
+                write_step(self.folder.record(name), rows)
             self._log(trainer, records.rows, step, records.intervention)
         return records.rows
 
@@ -162,6 +157,6 @@ class AngleProbe(OptimizerStepCallback):
                 logger.log_table(key="probe/angles", columns=columns, data=data)
         if plotting:
             # The paper-style figure of this step (also kept in <run_dir>/figures): one key, one size.
-            figure = plot_layers(rows, self.run_dir / "figures", step=step)
+            figure = plot_layers(rows, self.folder.figures, step=step)
             log_figures(plotting, {"probe/layers": figure}, step=step)
-        log.info("probe at step %d: %d records written to %s", step, len(rows), self.run_dir / ANGLES_FILE)
+        log.info("probe at step %d: %d records written to %s", step, len(rows), self.folder.angles)

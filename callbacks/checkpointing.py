@@ -27,7 +27,7 @@ from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signals import SignalStop, StopOnSignal, training_interrupt
 from corpus.atomic import atomic_open
 from normgeo.config.schema import CheckpointSchema
-from normgeo.runs.run_config import LAST_CHECKPOINT
+from normgeo.run_folder import LAST_CHECKPOINT, checkpoint_name
 
 log = logging.getLogger(__name__)
 # The checkpoint keys' defaults, written once: in the config's schema (``python train.py --help``).
@@ -162,7 +162,7 @@ class ScheduledCheckpoint(OptimizerStepCallback, Checkpoint):
         self._check_finite(trainer, pl_module, step)
         if step in self.schedule:
             # Every rank calls save_checkpoint (it is collective under FSDP); rank 0 writes the file.
-            trainer.save_checkpoint(self.dirpath / f"step-{step:07d}.ckpt",
+            trainer.save_checkpoint(self.dirpath / checkpoint_name(step),
                                     weights_only=not self.schedule.keep_optimizer)
             self.saved_steps.append(step)
         self._save_last(trainer)

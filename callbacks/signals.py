@@ -21,7 +21,7 @@ import torch
 
 from callbacks.lightning_loops import settle_abandoned_validation
 from normgeo.signals import OWNER, STOP_SIGNALS
-from slurm.requeue import SlurmRequeue
+from slurm.requeue import REQUEUED, SlurmRequeue
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class StopOnSignal(L.Callback):
     def stopped_by(self) -> str | None:
         """Why this session stopped before its end: "requeue" or "interrupted by SIGINT"; None otherwise."""
         if self.requeue is not None and self.requeue.stopped_at is not None:
-            return "requeue"
+            return REQUEUED
         if self.interrupt.stopped_at is not None:
             return f"interrupted by {self.interrupt.name}"
         return None

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from normgeo.run_folder import ELLIPSOID_FILE, ENERGY_FILE, RunFolder
+
 RUNS = ("layer", "layer_nobias", "rms", "rms_bias", "layer-post", "rms-post")
 
 
@@ -23,15 +25,15 @@ def main(root: Path) -> None:
           " max condition | max normal-vs-1 deg | val_loss |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in RUNS:
-        run = root / f"smoke-{name}-s0"
-        energy = [r for r in rows(run / "energy.jsonl") if r["layer"] == 1 and r["site"] == "ln1.in"]
+        run = RunFolder(root / f"smoke-{name}-s0")
+        energy = [r for r in rows(run.record(ENERGY_FILE)) if r["layer"] == 1 and r["site"] == "ln1.in"]
         last = max(r["step"] for r in energy)
         at = {(r["step"], r["quantity"]): r for r in energy}
         ones, jac0, jac = at[last, "ones_fraction"], at[0, "jacobian_proxy"], at[last, "jacobian_proxy"]
-        ellipsoid = rows(run / "ellipsoid.jsonl")
+        ellipsoid = rows(run.record(ELLIPSOID_FILE))
         condition = max(r["condition"] for r in ellipsoid)
         normal = max((r["normal_ones_deg"] or 0.0) for r in ellipsoid)
-        val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
+        val_loss = json.loads(run.summary.read_text())["val_loss"]
         print(f"| {name} | {ones['mean']:.3g} ({ones['p50']:.3g}) | {jac0['mean']:.3g} -> {jac['mean']:.3g} |"
               f" {condition:.4f} | {normal:.2f} | {val_loss:.3f} |")
 

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from normgeo.figures.intervention import interval_text
-from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
+from normgeo.run_folder import INTERVENTION_FILE, RunFolder
 
 
 def model_section(folder: Path) -> list[str]:
     rows = read_rows(folder / INTERVENTION_FILE)
-    info = json.loads((folder / "run_info.json").read_text())
+    info = json.loads(RunFolder(folder).run_info.read_text())
     embedding = rows[0]["output"] == "embedding"
     lines = [
         f"## {info['model']} ({info['norm']}; {info['tokens']:,} tokens of {info['probe_source']}, "

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 from normgeo.figures.intervention import interval_text
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import DOC_START, MASSIVE_RATIO, MEAN_SOURCES_FILE
+from normgeo.measure.mean_sources import DOC_START, MASSIVE_RATIO
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
+from normgeo.run_folder import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE, RunFolder
 
 FIRST = "0"  # the bucket of each probe window's first position
-DOCS_FIGURES = Path(__file__).resolve().parent / "figures"  # where make_mean_sources.sh copies the figures
+DOCS_FIGURES = Path(__file__).resolve().parents[1] / "docs/figures"  # where make_mean_sources.sh copies them
 
 
 def last_step(rows: list[dict]) -> list[dict]:
@@ -67,7 +67,7 @@ class Folder:
         self.positions = [r for r in rows if r["kind"] == "position" and r["bucket"] != DOC_START]
         self.doc_starts = {(r["layer"], r["site"]): r for r in rows
                            if r["kind"] == "position" and r["bucket"] == DOC_START and r["count"]}
-        info_file = folder / "run_info.json"
+        info_file = RunFolder(folder).run_info
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
         self.model, self.norm = rows[0]["model"], rows[0]["norm"]
         self.step = rows[0]["step"]
@@ -188,7 +188,7 @@ class Folder:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         # The run's figure (normgeo/figures/mean_sources.py), where docs/make_mean_sources.sh copied it.
-        figures = sorted(p.name for p in (self.folder / "figures").glob("mean_sources_*.png")
+        figures = sorted(p.name for p in RunFolder(self.folder).figures.glob("mean_sources_*.png")
                          if (DOCS_FIGURES / p.name).is_file())
         lines[2:2] = [*(f"![where the mean lives in {self.model}](figures/{name})" for name in figures),
                       *([""] if figures else [])]

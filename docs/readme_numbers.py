@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 from normgeo.figures.analysis import summarize, summary_markdown
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
+from normgeo.run_folder import ANGLES_FILE, NULL_FILE, RunFolder
 
 GROUPS = (("early", 0, 9), ("middle", 10, 19), ("late", 20, 29))
 
@@ -105,8 +106,8 @@ def groups(null: list[dict]) -> list[str]:
 
 def pretrained(out: Path, model: str) -> list[str]:
     run = out / "analyze" / model
-    rows, null = read_rows(run / ANGLES_FILE), read_rows(run / NULL_FILE)
-    info = json.loads((run / "run_info.json").read_text())
+    rows, null = read_rows(RunFolder(run).angles), read_rows(RunFolder(run).record(NULL_FILE))
+    info = json.loads(RunFolder(run).run_info.read_text())
     lines = [f"## {model} ({info['tokens']:,} tokens of {info['probe_source']}, {info['dtype']}, "
              f"min_doc_tokens {info['probe_min_doc_tokens']}, sampled {info['probe_sampled']})", ""]
     lines += [

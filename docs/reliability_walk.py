@@ -40,6 +40,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from normgeo.run_folder import (
+    ANGLES_FILE,
+    CHECKPOINTS_DIR,
+    CSV_DIR,
+    EVAL_FILE,
+    FIGURES_DIR,
+    LAST_CHECKPOINT,
+    METRICS_FILE,
+    RUN_CONFIG_FILE,
+    SUMMARY_FILE,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reliability.md"
 START, END = "<!-- walk:start -->", "<!-- walk:end -->"
@@ -56,7 +68,7 @@ REF_RUN = ["max_steps=3", "checkpoint.steps=[2]", "checkpoint.last_every=0", "st
 RESUME = " ".join(REF_RUN).replace("stop_at_step=2", "stop_at_step=3")  # a resume with a step left
 REF_SWEEP = ["max_steps=2", "checkpoint.steps=[1]", "checkpoint.last_every=0", "norm=layer,rms"]
 # analyze.py on the reference run's checkpoint, cheap settings.
-ANALYZE = ["model=checkpoint", "model.checkpoint={run}/checkpoints/last.ckpt", "probe=pydoc",
+ANALYZE = ["model=checkpoint", f"model.checkpoint={{run}}/{CHECKPOINTS_DIR}/{LAST_CHECKPOINT}", "probe=pydoc",
            "probe.tokens=512", "device=cpu", "progress=false"]
 # A line that says something is wrong (a silent command prints none).
 SAYS = re.compile(r"error|warn|skipped|damaged|odd:|costly|refus|not |no such|already", re.I)
@@ -86,7 +98,7 @@ def c(id: str, entry: str, args: str, wrong: str, exit: int, names: str, **more)
     return Case(id, entry, tuple(args.split()), wrong, exit, names, **more)
 
 
-SUMMARY = "copy/tiny-layer-s0/summary.json"
+SUMMARY = f"copy/tiny-layer-s0/{SUMMARY_FILE}"
 CASES: tuple[Case, ...] = (
     # train.py: values, keys, options
     c("t-lr-text", "train.py", "optim.lr=abc", "text for a float", 2, "optim.lr"),
@@ -118,7 +130,7 @@ CASES: tuple[Case, ...] = (
     c("t-under-file", "train.py", "run_dir={case}/afile/run", "a folder under a file", 2, "afile",
       damage=(("write", "afile", "x"),)),
     c("t-in-sweep", "train.py", "run_dir={sweep}", "another command's sweep folder", 2, "holds a sweep"),
-    c("t-below-run", "train.py", "run_dir={run}/checkpoints", "a folder inside a run", 2, "inside"),
+    c("t-below-run", "train.py", f"run_dir={{run}}/{CHECKPOINTS_DIR}", "a folder inside a run", 2, "inside"),
     c("t-in-data", "train.py", "run_dir={data}/pydoc/run", "a folder inside prepared data", 2,
       "prepared data"),
     c("t-data-in-run", "train.py", "data_root={run}", "data prepared inside a run", 2, "inside"),
@@ -131,16 +143,17 @@ CASES: tuple[Case, ...] = (
       "checkpoint.steps=[1] "
       "checkpoint.last_every=0", "resume of a finished run", 0, "already finished", copy="sweep"),
     c("t-resume-nockpt", "train.py", "run_dir={copy} resume=auto " + RESUME,
-      "no checkpoint to resume from", 2, "no checkpoint", copy="run", damage=(("rm", "copy/checkpoints"),)),
+      "no checkpoint to resume from", 2, "no checkpoint", copy="run",
+      damage=(("rm", f"copy/{CHECKPOINTS_DIR}"),)),
     c("t-fresh-over-run", "train.py", "run_dir={copy} " + " ".join(REF_RUN), "a new start over a run", 2,
       "resume", copy="run"),
     c("t-resume-config", "train.py", "run_dir={copy} resume=auto " + RESUME,
-      "run_config.yaml garbage (the checkpoint holds the config: repaired, said)", 0, "run_config.yaml",
-      copy="run", damage=(("garbage", "copy/run_config.yaml"),), owns=("copy",)),
+      "run_config.yaml garbage (the checkpoint holds the config: repaired, said)", 0, RUN_CONFIG_FILE,
+      copy="run", damage=(("garbage", f"copy/{RUN_CONFIG_FILE}"),), owns=("copy",)),
     c("t-resume-angles", "train.py", "run_dir={copy} resume=auto " + RESUME,
-      "angles.jsonl cut mid-line", 2, "angles.jsonl", copy="run", damage=(("trunc", "copy/angles.jsonl"),)),
+      "angles.jsonl cut mid-line", 2, ANGLES_FILE, copy="run", damage=(("trunc", f"copy/{ANGLES_FILE}"),)),
     c("t-resume-last", "train.py", "run_dir={copy} resume=auto " + RESUME, "last.ckpt truncated", 2,
-      "last.ckpt", copy="run", damage=(("trunc", "copy/checkpoints/last.ckpt"),)),
+      LAST_CHECKPOINT, copy="run", damage=(("trunc", f"copy/{CHECKPOINTS_DIR}/{LAST_CHECKPOINT}"),)),
     c("t-data-meta", "train.py", "data_root={copy}", "meta.json garbage", 2, "meta.json", copy="data",
       damage=(("garbage", "copy/pydoc/meta.json"),)),
     c("t-data-bin", "train.py", "data_root={copy}", "train.bin truncated", 2, "train.bin", copy="data",
@@ -151,7 +164,7 @@ CASES: tuple[Case, ...] = (
       "costly launch", interrupt="costly launch"),
     # analyze.py
     c("a-out-run", "analyze.py", "out_dir={run}", "a training run's folder", 2, "holds a training run"),
-    c("a-out-below", "analyze.py", "out_dir={run}/checkpoints", "inside a run", 2, "inside"),
+    c("a-out-below", "analyze.py", f"out_dir={{run}}/{CHECKPOINTS_DIR}", "inside a run", 2, "inside"),
     c("a-out-empty", "analyze.py", "out_dir=", "empty name", 2, "out_dir"),
     c("a-model-opt", "analyze.py", "model=nosuch", "unknown group option", 2, "model=nosuch"),
     c("a-ckpt-text", "analyze.py", "model.checkpoint={root}/README.md", "not a checkpoint", 2,
@@ -164,16 +177,16 @@ CASES: tuple[Case, ...] = (
     # compare
     c("c-formats", "compare", "{copy} --formats=png,xyz", "unknown figure format", 2, "xyz", copy="sweep"),
     c("c-refs", "compare", "{copy} --refs=nosuch", "unknown reference", 2, "nosuch", copy="sweep"),
-    c("c-summary-cut", "compare", "{copy} --formats=png", "summary.json truncated", 1, "summary.json",
+    c("c-summary-cut", "compare", "{copy} --formats=png", "summary.json truncated", 1, SUMMARY_FILE,
       copy="sweep", damage=(("trunc", SUMMARY),), owns=("copy/compare",)),
-    c("c-summary-empty", "compare", "{copy} --formats=png", "summary.json empty", 1, "summary.json",
+    c("c-summary-empty", "compare", "{copy} --formats=png", "summary.json empty", 1, SUMMARY_FILE,
       copy="sweep", damage=(("empty", SUMMARY),), owns=("copy/compare",)),
-    c("c-angles-empty", "compare", "{copy} --formats=png", "angles.jsonl empty", 1, "angles.jsonl",
-      copy="sweep", damage=(("empty", "copy/tiny-rms-s0/angles.jsonl"),), owns=("copy/compare",)),
-    c("c-metrics", "compare", "{copy} --formats=png", "metrics.csv garbage", 1, "metrics.csv", copy="sweep",
-      damage=(("garbage", "copy/tiny-rms-s0/csv/version_0/metrics.csv"),), owns=("copy/compare",)),
-    c("c-config", "compare", "{copy} --formats=png", "run_config.yaml garbage", 1, "run_config.yaml",
-      copy="sweep", damage=(("garbage", "copy/tiny-rms-s0/run_config.yaml"),), owns=("copy/compare",)),
+    c("c-angles-empty", "compare", "{copy} --formats=png", "angles.jsonl empty", 1, ANGLES_FILE,
+      copy="sweep", damage=(("empty", f"copy/tiny-rms-s0/{ANGLES_FILE}"),), owns=("copy/compare",)),
+    c("c-metrics", "compare", "{copy} --formats=png", "metrics.csv garbage", 1, METRICS_FILE, copy="sweep",
+      damage=(("garbage", f"copy/tiny-rms-s0/{CSV_DIR}/version_0/{METRICS_FILE}"),), owns=("copy/compare",)),
+    c("c-config", "compare", "{copy} --formats=png", "run_config.yaml garbage", 1, RUN_CONFIG_FILE,
+      copy="sweep", damage=(("garbage", f"copy/tiny-rms-s0/{RUN_CONFIG_FILE}"),), owns=("copy/compare",)),
     c("c-out-run", "compare", "{sweep} --out {run}", "a run's folder", 2, "--out"),
     c("c-out-data", "compare", "{sweep} --out {data}/pydoc", "prepared data's folder", 2, "prepared data"),
     c("c-missing", "compare", "/no/such", "missing folder", 2, "/no/such"),
@@ -186,24 +199,25 @@ CASES: tuple[Case, ...] = (
       "val_loss", copy="sweep"),
     # report
     c("r-layer", "report", "{run} --layer=99 --out {case}/figs", "no such layer", 2, "--layer=99"),
-    c("r-angles-cut", "report", "{copy}", "angles.jsonl cut mid-line", 2, "angles.jsonl", copy="run",
-      damage=(("trunc", "copy/angles.jsonl"),), owns=("copy/figures",)),
+    c("r-angles-cut", "report", "{copy}", "angles.jsonl cut mid-line", 2, ANGLES_FILE, copy="run",
+      damage=(("trunc", f"copy/{ANGLES_FILE}"),), owns=(f"copy/{FIGURES_DIR}",)),
     c("r-out-below", "report", "{run} --out {run}/checkpoints", "inside a run", 2, "inside"),
-    c("r-data", "report", "{data}/pydoc --out {case}/figs", "a data folder, not a run", 2, "angles.jsonl"),
+    c("r-data", "report", "{data}/pydoc --out {case}/figs", "a data folder, not a run", 2, ANGLES_FILE),
     c("r-noargs", "report", "", "no run given", 2, "run_dirs"),
     # status
     c("s-minutes", "status", "--active-minutes=-1 --no-slurm", "negative minutes", 2, "--active-minutes"),
     c("s-missing", "status", "/no/such --no-slurm", "missing folder", 2, "/no/such"),
-    c("s-summary", "status", "{copy} --no-slurm", "summary.json truncated", 1, "summary.json", copy="sweep",
+    c("s-summary", "status", "{copy} --no-slurm", "summary.json truncated", 1, SUMMARY_FILE, copy="sweep",
       damage=(("trunc", SUMMARY),)),
-    c("s-config", "status", "{copy} --no-slurm", "run_config.yaml empty", 1, "run_config.yaml",
-      copy="sweep", damage=(("empty", "copy/tiny-rms-s0/run_config.yaml"),)),
+    c("s-config", "status", "{copy} --no-slurm", "run_config.yaml empty", 1, RUN_CONFIG_FILE,
+      copy="sweep", damage=(("empty", f"copy/tiny-rms-s0/{RUN_CONFIG_FILE}"),)),
     # export
     c("e-into-run", "export", "{run} --to hf --out {run}/exported", "an export inside its run", 2, "--out"),
     c("e-to", "export", "{run} --to onnx --out {case}/x", "unknown target", 2, "--to"),
     c("e-step", "export", "{run} --to hf --step 99 --out {case}/x", "a step not saved", 2, "99"),
     c("e-ckpt-cut", "export", "{copy} --to hf --checkpoint {copy}/checkpoints/last.ckpt --out {case}/x",
-      "last.ckpt truncated", 2, "last.ckpt", copy="run", damage=(("trunc", "copy/checkpoints/last.ckpt"),)),
+      "last.ckpt truncated", 2, LAST_CHECKPOINT, copy="run",
+      damage=(("trunc", f"copy/{CHECKPOINTS_DIR}/{LAST_CHECKPOINT}"),)),
     c("e-as-rms", "export", "{sweep}/tiny-rms-s0 --to hf --as rms --out {case}/x", "--as rms of an RMS arm",
       2, "--as"),
     c("e-not-run", "export", "{data}/pydoc --to hf --out {case}/x", "a data folder, not a run", 2, "pydoc"),
@@ -211,8 +225,8 @@ CASES: tuple[Case, ...] = (
     c("v-limit", "evaluate", "{run} --limit 0", "out of range", 2, "--limit"),
     c("v-tasks", "evaluate", "{run} --tasks ,", "no task", 2, "--tasks"),
     c("v-batch", "evaluate", "{run} --batch-size 0", "out of range", 2, "--batch-size"),
-    c("v-eval-json", "evaluate", "{copy} --limit 2", "eval.json garbage", 2, "eval.json", copy="run",
-      damage=(("garbage", "copy/eval.json"),)),
+    c("v-eval-json", "evaluate", "{copy} --limit 2", "eval.json garbage", 2, EVAL_FILE, copy="run",
+      damage=(("garbage", f"copy/{EVAL_FILE}"),)),
     # plan
     c("p-size", "plan", "size=70M", "unknown group option", 2, "size=70M"),
     c("p-key", "plan", "max_stpes=3", "misspelled key", 2, "max_stpes"),
@@ -226,8 +240,8 @@ CASES: tuple[Case, ...] = (
     c("an-noargs", "analysis", "", "no subcommand", 2, "summary"),
     c("an-empty", "analysis", "summary {case}/empty", "an empty folder", 2, "empty",
       damage=(("mkdir", "empty"),)),
-    c("an-angles", "analysis", "summary {copy}", "angles.jsonl garbage", 2, "angles.jsonl", copy="run",
-      damage=(("garbage", "copy/angles.jsonl"),)),
+    c("an-angles", "analysis", "summary {copy}", "angles.jsonl garbage", 2, ANGLES_FILE, copy="run",
+      damage=(("garbage", f"copy/{ANGLES_FILE}"),)),
     c("an-out-run", "analysis", "summary {run} --out {sweep}/tiny-layer-s0", "a run's folder", 2, "--out"),
     # corpus
     c("d-opt", "corpus", "data=nosuch", "unknown group option", 2, "data=nosuch"),

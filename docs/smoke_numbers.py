@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from normgeo.run_folder import RunFolder
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("NORMGEO_SHARED", ROOT.parent / "shared"))
 ARMS = ("layer", "rms")
@@ -39,10 +41,11 @@ def du_bytes(*paths: Path) -> int:
 
 
 def run_disk(run_dir: Path) -> dict[str, int]:
+    folder = RunFolder(run_dir)
     parts = {
-        "checkpoints": du_bytes(run_dir / "checkpoints"),
-        "records": du_bytes(*run_dir.glob("*.jsonl"), run_dir / "probe_references.npz"),
-        "figures": du_bytes(run_dir / "figures"),
+        "checkpoints": du_bytes(folder.checkpoints),
+        "records": du_bytes(*run_dir.glob("*.jsonl"), folder.references),
+        "figures": du_bytes(folder.figures),
     }
     total = du_bytes(run_dir)
     parts["logs"] = total - sum(parts.values())  # the rest: csv/, train.log, .hydra/, summary, run config
@@ -78,7 +81,7 @@ def main() -> None:
             rows.append((norm, " ".join(command[:4]), wall, run_disk(output_root / f"smoke-{norm}-s0")))
         data = du_bytes(data_root)
         load_after = os.getloadavg()[0]
-        checkpoints = sorted(p.name for p in (output_root / "smoke-layer-s0" / "checkpoints").iterdir())
+        checkpoints = sorted(p.name for p in RunFolder(output_root / "smoke-layer-s0").checkpoints.iterdir())
     finally:
         if args.keep is None:
             shutil.rmtree(folder, ignore_errors=True)

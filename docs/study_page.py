@@ -31,6 +31,7 @@ from normgeo.paths import repo_relative
 from normgeo.pilot import unigram_baseline
 from normgeo.plan import compose, plan_config, seeds_report
 from normgeo.readers.downstream import read_eval
+from normgeo.run_folder import SUMMARY_FILE, RunFolder
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import Estimate, paired_estimates
 from normgeo.verdict.measures import run_measures
@@ -214,7 +215,7 @@ def most_concurrent(runs: list[Path]) -> int:
     its summary.json (written at its end)."""
     events = []
     for run in runs:
-        start, end = run / "run_config.yaml", run / "summary.json"
+        start, end = RunFolder(run).run_config, RunFolder(run).summary
         if start.is_file() and end.is_file():
             events += [(start.stat().st_mtime, 1), (end.stat().st_mtime, -1)]
     running = most = 0
@@ -233,7 +234,7 @@ def verdict_sections(verdict: str) -> tuple[str, str]:
     return "\n\n".join(kept), "\n\n".join(rest)
 
 
-def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path | None = None,
+def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | None = None,
          details_dir: Path = ROOT / "docs", threads: Path | None = None) -> str:
     """The page's markdown (at most 150 lines); the study's figures are copied into ``figures_dir``, the rest
     (the described rows, per arm, every run, memory) goes to ``study_details.md`` and ``study_verdict.csv`` in
@@ -247,8 +248,8 @@ def main(out: Path, figures_dir: Path = ROOT / "docs" / "figures", pilot: Path |
     wall_s = int((out / "wall_s.txt").read_text())
     disk = int((out / "disk_bytes.txt").read_text())
     commands = repo_relative((out / "commands.txt").read_text().strip())
-    runs = sorted(p.parent for p in out.glob("*/summary.json"))
-    run_disk = [json.loads((run / "summary.json").read_text()).get("disk_bytes") or {} for run in runs]
+    runs = sorted(p.parent for p in out.glob(f"*/{SUMMARY_FILE}"))
+    run_disk = [json.loads(RunFolder(run).summary.read_text()).get("disk_bytes") or {} for run in runs]
     checkpoint_mb = sum(d.get("checkpoints", 0) for d in run_disk) / 1e6
     records_mb = sum(d.get("records", 0) for d in run_disk) / 1e6
     for name, target in FIGURES.items():

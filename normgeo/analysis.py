@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from normgeo.figures.analysis import print_summary, summarize, write_summary
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.paths import FolderError, check_own_folder
+from normgeo.run_folder import NULL_FILE, RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 
 
@@ -30,12 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is not None:
             check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="summary")
         for run_dir in args.run_dirs:
-            if not (run_dir / ANGLES_FILE).is_file():
-                print(f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} an analyze.py output "
+            if not RunFolder(run_dir).angles.is_file():
+                print(f"error: {RunFolder(run_dir).angles} not found (is {run_dir} an analyze.py output "
                       "directory?)", file=sys.stderr)
                 return 2
-            rows += read_rows(run_dir / ANGLES_FILE)
-            null += read_rows(run_dir / NULL_FILE)
+            rows += read_rows(RunFolder(run_dir).angles)
+            null += read_rows(RunFolder(run_dir).record(NULL_FILE))
     except (FolderError, DamagedRecords) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

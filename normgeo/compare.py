@@ -48,9 +48,9 @@ from pathlib import Path
 from normgeo.figures.compare import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
-from normgeo.measure.records import ANGLES_FILE
 from normgeo.paths import check_own_folder, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.run_folder import RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 from normgeo.verdict.declared import load_verdict_config
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     first = args.paths[0]
     out_dir = args.out or (
-        first if len(args.paths) == 1 and not (first / ANGLES_FILE).exists() else first.parent
+        first if len(args.paths) == 1 and not RunFolder(first).angles.exists() else first.parent
     )
     out_dir = out_dir / "compare" if args.out is None else out_dir
     try:  # every option checked before anything is written

@@ -30,7 +30,8 @@ from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
-from normgeo.readers.downstream import EVAL_FILE, merged_eval, read_eval
+from normgeo.readers.downstream import merged_eval, read_eval
+from normgeo.run_folder import RunFolder
 from normgeo.signals import stop_on_signals
 
 DEFAULT_CORPUS = (
@@ -129,7 +130,7 @@ def evaluate_run(
                     file=sys.stderr,
                 )
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
-    atomic_write_json(run_dir / EVAL_FILE, record)
+    atomic_write_json(RunFolder(run_dir).eval, record)
     return record
 
 
@@ -234,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scores = "; ".join(
             f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items()
         )
-        print(f"{run_dir} (step {record['step']}): {scores} -> {run_dir / EVAL_FILE}")
+        print(f"{run_dir} (step {record['step']}): {scores} -> {RunFolder(run_dir).eval}")
     return 0
 
 

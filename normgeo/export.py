@@ -64,7 +64,8 @@ from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.run_config import EXPORT_INFO, LAST_CHECKPOINT, OUTPUT_MARKERS, RUN_CONFIG_FILE
+from normgeo.run_folder import CHECKPOINT_GLOB, LAST_CHECKPOINT, RunFolder
+from normgeo.runs.run_config import EXPORT_INFO, OUTPUT_MARKERS
 from normgeo.runs.session import divergence
 from normgeo.signals import stop_on_signals
 
@@ -74,7 +75,6 @@ CONVERTING_TARGETS = ("hf", "nnsight")  # the targets that save the Hugging Face
 # The token ids the model card's parity is measured on: (sequences, tokens), seeded, capped at the context.
 PARITY_SHAPE = (4, 64)
 PARITY_SEED = 0
-CHECKPOINT_NAME = "step-{step:07d}.ckpt"
 
 
 class ExportError(ValueError):
@@ -118,16 +118,6 @@ def check_conversion(gpt: GPT, ids: torch.Tensor) -> ConversionCheck:
     return ConversionCheck(rms_parity(gpt, ids), energy, delta_loss)
 
 
-def saved_steps(run_dir: Path) -> dict[int, Path]:
-    """The run's scheduled checkpoints by optimizer step."""
-    steps = {}
-    for path in (run_dir / "checkpoints").glob("step-*.ckpt"):
-        number = path.stem.removeprefix("step-")
-        if number.isdigit():
-            steps[int(number)] = path
-    return dict(sorted(steps.items()))
-
-
 def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path | None = None) -> Path:
     """The checkpoint to export: ``checkpoint``, the one of ``step``, or the run's highest saved step."""
     if checkpoint is not None:
@@ -138,7 +128,7 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path |
         # The model card and normgeo_export.json describe run_dir:
         # a checkpoint of another run would be mislabelled.
         owner = checkpoint.resolve().parent.parent
-        if (owner / RUN_CONFIG_FILE).is_file() and owner != run_dir.resolve():
+        if RunFolder(owner).run_config.is_file() and owner != run_dir.resolve():
             raise ExportError(
                 f"--checkpoint {checkpoint} belongs to the run {owner}, not {run_dir}: give {owner} "
                 "as the run directory"
@@ -149,11 +139,12 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, checkpoint: Path |
             f"run directory {run_dir} does not exist (give a train.py run directory, e.g. "
             "outputs/smoke-rms-s0)"
         )
-    steps = saved_steps(run_dir)
-    last = run_dir / "checkpoints" / LAST_CHECKPOINT
+    folder = RunFolder(run_dir)
+    steps = folder.scheduled_checkpoints()
+    last = folder.last_checkpoint
     if not steps and not last.is_file():
         raise ExportError(
-            f"{run_dir} has no checkpoints (no {run_dir / 'checkpoints'}/step-*.ckpt or last.ckpt): "
+            f"{run_dir} has no checkpoints (no {folder.checkpoints}/{CHECKPOINT_GLOB} or {LAST_CHECKPOINT}): "
             "give a train.py run directory that has saved one"
         )
     if step is None:
@@ -288,7 +279,7 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
         else None
     )
     val = _validation_loss(run_dir, step)
-    run_config = run_dir / "run_config.yaml"
+    run_config = RunFolder(run_dir).run_config
     lines = [
         f"# normgeo {arm_label(cfg.norm)} ({cfg.placement}-norm), step {step}",
         "",

@@ -22,16 +22,21 @@ from corpus.atomic import atomic_write_json
 from models.pretrained import max_positions
 from normgeo.figures.analysis import summarize, write_summary
 from normgeo.figures.angles import layers_figure, write_run_figures
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, Records, measure_records, norm_kind
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import REFERENCES_FILE, save_references, write_step
+from normgeo.measure.records import save_references, write_step
 from normgeo.paths import check_own_folder
 from normgeo.readers.frames import RecordFrames
-from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_INFO_FILE
+from normgeo.run_folder import (
+    INTERVENTION_FILE,
+    INTERVENTION_POSITIONS_FILE,
+    MEAN_SOURCES_FILE,
+    RUN_INFO_FILE,
+    RunFolder,
+)
+from normgeo.runs.run_config import OUTPUT_MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +97,12 @@ class ModelRecords(RecordFrames):
         out_dir = Path(folder)
         check_own_folder(out_dir, "folder", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_references(out_dir / REFERENCES_FILE, self.references)
+        run = RunFolder(out_dir)
+        save_references(run.references, self.references)
         for name, file_rows in self.records.files.items():
-            write_step(out_dir / name, file_rows)
-        stale = [out_dir / INTERVENTION_FILE, out_dir / INTERVENTION_POSITIONS_FILE,
-                 *(out_dir / "figures").glob("intervention_*")]
+            write_step(run.record(name), file_rows)
+        stale = [run.record(INTERVENTION_FILE), run.record(INTERVENTION_POSITIONS_FILE),
+                 *run.figures.glob("intervention_*")]
         if not self.records.intervention and any(path.exists() for path in stale):
             # An earlier analysis's intervention (its records and
             # figures) would read as this one's: it measured none.
@@ -104,7 +110,7 @@ class ModelRecords(RecordFrames):
                 path.unlink(missing_ok=True)
             log.warning("removed %s and its figures from an earlier analysis: this run measured no "
                         "intervention (probe.intervention=[])", INTERVENTION_FILE)
-        unmeasured = [out_dir / MEAN_SOURCES_FILE, *(out_dir / "figures").glob("mean_sources_*")]
+        unmeasured = [run.record(MEAN_SOURCES_FILE), *run.figures.glob("mean_sources_*")]
         if MEAN_SOURCES_FILE not in self.records.files and any(path.exists() for path in unmeasured):
             # The same for an earlier analysis's mean sources: this run measured none.
             for path in unmeasured:
@@ -113,7 +119,7 @@ class ModelRecords(RecordFrames):
                         "sources (probe.mean_sources=false)", MEAN_SOURCES_FILE)
         figures = write_run_figures(out_dir)
         write_summary(out_dir, self.summary)
-        atomic_write_json(out_dir / RUN_INFO_FILE, self.info)
+        atomic_write_json(run.run_info, self.info)
         return figures
 
 

@@ -46,7 +46,8 @@ from models.pretrained import load_checkpoint
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.paths import check_own_folder
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.run_config import LAST_CHECKPOINT, OUTPUT_MARKERS, load_run_config
+from normgeo.run_folder import RUN_CONFIG_FILE, RunFolder
+from normgeo.runs.run_config import OUTPUT_MARKERS, load_run_config
 from normgeo.runs.summary import read_summary
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.measures import VAL_TAIL, tail_mean, validation_curve
@@ -93,7 +94,7 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
     threads, run_dir, the metric and the final validation loss. A run stopped
     before its end (no summary.json saying finished) is not a pilot point."""
     rows = []
-    for config_path in sorted(root.glob("*/run_config.yaml")):
+    for config_path in sorted(root.glob(f"*/{RUN_CONFIG_FILE}")):
         run_dir = config_path.parent
         config = load_run_config(run_dir) or {}
         try:
@@ -190,9 +191,9 @@ def unigram_baseline(run_dir: Path) -> float:
 
 def window_losses(run_dir: Path) -> np.ndarray:
     """The run's last checkpoint, scored window by window on the validation windows it was validated on."""
-    checkpoints = run_dir / "checkpoints"
-    last = checkpoints / LAST_CHECKPOINT
-    found = last if last.is_file() else max(checkpoints.glob("step-*.ckpt"), default=None)
+    folder = RunFolder(run_dir)
+    newest = [*folder.scheduled_checkpoints().values()][-1:]  # the highest step's, or none
+    found = folder.last_checkpoint if folder.last_checkpoint.is_file() else next(iter(newest), None)
     if found is None:
         raise PilotError(f"{run_dir}: no checkpoint to score the validation windows with")
     model, _, _ = load_checkpoint(found)

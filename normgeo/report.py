@@ -25,11 +25,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.angles import FIGURES_DIR, plot_compare, write_run_figures
+from normgeo.figures.angles import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.records import DamagedRecords
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs, read_run_files
+from normgeo.run_folder import ANGLES_FILE, FIGURES_DIR, RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
@@ -59,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {}
     skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:
-        if not (run_dir / ANGLES_FILE).exists():
+        if not RunFolder(run_dir).angles.exists():
             print(
-                f"error: {run_dir / ANGLES_FILE} not found (is {run_dir} a normgeo run directory?)",
+                f"error: {RunFolder(run_dir).angles} not found (is {run_dir} a normgeo run directory?)",
                 file=sys.stderr,
             )
             return 2
@@ -91,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    run_out = {run: (args.out / Path(run).name if args.out else Path(run) / FIGURES_DIR) for run in runs}
-    out_dir = args.out or Path(next(iter(runs))) / FIGURES_DIR
+    run_out = {run: (args.out / Path(run).name if args.out else RunFolder(run).figures) for run in runs}
+    out_dir = args.out or RunFolder(next(iter(runs))).figures
     try:
         for folder in dict.fromkeys([out_dir, *run_out.values()]):  # --out first: the folder named
             check_writable_folder(folder, "--out")

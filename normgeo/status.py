@@ -5,8 +5,8 @@ resumable checkpoint, the last logged training loss, the last probed step and a 
 
 * finished:  the checkpoint reached ``max_steps``;
 * running:   SLURM says the job runs, or (no SLURM information) a file changed in the last minutes;
-* preempted: asked to requeue (SLURM pending/requeued, PREEMPTED, or the run's own log says it stopped
-  to requeue) and not running now;
+* preempted: asked to requeue (SLURM pending/requeued, PREEMPTED, or its summary says the latest session
+  stopped to requeue) and not running now;
 * stopped:   ended cleanly at ``stop_at_step`` (continue with ``resume=auto``);
 * failed:    none of these: it ended before ``max_steps`` (see the job log or ``train.log``);
 * diverged:  its training loss became inf/NaN (``summary.json`` says at which step); the same command

@@ -1,6 +1,7 @@
-"""SLURM's requeue signal and session bookkeeping for train.py; standard library only, so that train.py can
-have the USR1 handler before its slow imports (Python dies of a USR1 it has no handler for): the process's
-signal owner (normgeo.signals) hands USR1 to :class:`SlurmRequeue`.
+"""SLURM's requeue signal and session bookkeeping for train.py; the standard library only (and the run
+folder's names, normgeo.run_folder, which is too), so that train.py can have the USR1 handler before its
+slow imports (Python dies of a USR1 it has no handler for): the process's signal owner (normgeo.signals)
+hands USR1 to :class:`SlurmRequeue`.
 
 :class:`callbacks.signals.StopOnSignal` is the training side: it stops every rank at the next
 optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
@@ -14,7 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-SLURM_JOBS_FILE = "slurm_jobs.tsv"
+from normgeo.run_folder import RunFolder
+
+# How summary.json's session_log says a session ended to requeue (normgeo.readers.status reads it).
+REQUEUED = "requeue"
 
 
 class SlurmRequeue:
@@ -80,5 +84,5 @@ def record_slurm_job(run_dir: Path) -> None:
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     line = f"{job}\t{os.environ.get('SLURM_RESTART_COUNT', '0')}\t{started}\t{os.uname().nodename}\n"
-    with open(run_dir / SLURM_JOBS_FILE, "a") as handle:
+    with open(RunFolder(run_dir).slurm_jobs, "a") as handle:
         handle.write(line)

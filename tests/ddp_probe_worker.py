@@ -16,11 +16,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
-from normgeo.measure.intervention import INTERVENTION_POSITIONS_FILE  # noqa: E402
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE  # noqa: E402
 from normgeo.measure.pipeline import measure_records  # noqa: E402
 from normgeo.measure.probe import make_references  # noqa: E402
 from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig  # noqa: E402
+from normgeo.run_folder import INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE  # noqa: E402
 
 SEPARATOR = 50256
 # Documents end mid-window, at a window's last token (the next starts the next window, on the other rank)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from normgeo.readers.downstream import EVAL_FILE, downstream_scores, merged_eval, read_eval
+from normgeo.readers.downstream import downstream_scores, merged_eval, read_eval
+from normgeo.run_folder import EVAL_FILE
 
 FIRST = {"step": 100, "checkpoint": "a/step-100.ckpt", "limit": None, "lm_eval_version": "0.4.13"}
 SECOND = {"step": 200, "checkpoint": "a/step-200.ckpt", "limit": 50, "lm_eval_version": "0.4.13"}

@@ -23,8 +23,6 @@ from models.pretrained import hf_forward
 from normgeo.measure.intervention import (
     ENERGY_EDGES,
     INTERVENTION_FIELDS,
-    INTERVENTION_FILE,
-    INTERVENTION_POSITIONS_FILE,
     POSITION_FIELDS,
     CenteringIntervention,
     IntactPrediction,
@@ -38,6 +36,7 @@ from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import budget_windows, measure_records, run_probe, windows
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig
+from normgeo.run_folder import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
 
 SEQ = 12
 WIDTH = 16

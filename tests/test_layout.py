@@ -195,9 +195,11 @@ def test_the_definition_check_sees_a_renamed_function() -> None:
 
 
 # Inside normgeo, the same rule between its subpackages; the command modules (normgeo/<name>.py) sit on top,
-# normgeo/paths.py (names and folders; the standard library only) at the bottom.
+# normgeo/paths.py (names and folders) and normgeo/run_folder.py (a run folder's names), the standard library
+# only, at the bottom.
 NORMGEO_FLOORS = (
     "normgeo.paths",
+    "normgeo.run_folder",
     "normgeo.config.fields",  # how a key is declared (no normgeo imports): for every part that declares keys
     "normgeo.signals",
     "normgeo.measure",

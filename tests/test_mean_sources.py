@@ -22,7 +22,6 @@ from normgeo.measure.energy import EnergyStatistics
 from normgeo.measure.mean_sources import (
     BUCKET_STARTS,
     DOC_START,
-    MEAN_SOURCES_FILE,
     SHARES,
     MeanSourcesMeasurement,
     MeanSourcesStatistics,
@@ -43,6 +42,7 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import read_rows, record_problem, write_step
 from normgeo.measure.run_records import read_run_records
 from normgeo.measure.stats import QUANTILE_FIELDS, block_bootstrap_means
+from normgeo.run_folder import MEAN_SOURCES_FILE
 from tests.conftest import ROOT
 
 KEYS = {"model": "m", "norm": "layer", "step": None, "tokens_seen": None}

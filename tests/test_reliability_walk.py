@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from normgeo.analysis import main as analysis_main
-from normgeo.readers.downstream import EVAL_FILE, read_eval
-from normgeo.runs.run_config import RUN_CONFIG_FILE
+from normgeo.readers.downstream import read_eval
+from normgeo.run_folder import EVAL_FILE, RUN_CONFIG_FILE
 from tests.conftest import ROOT
 
 # Findings of the last walk not fixed yet (issue 64 is done when this is empty; the last one, a resume over a

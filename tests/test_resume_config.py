@@ -21,12 +21,12 @@ from normgeo.config import schema
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import CHECKPOINT_SCHEDULE, compiles
+from normgeo.run_folder import RUN_CONFIG_FILE
 from normgeo.runs import run_config
 from normgeo.runs.build import make_module
 from normgeo.runs.run_config import (
     ABSENT,
     ALLOWED_CHANGES,
-    RUN_CONFIG_FILE,
     ResumeConfigError,
     checkpoint_run_config,
     config_changes,

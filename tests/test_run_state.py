@@ -108,6 +108,24 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_still_finished(
     assert (row["state"], row["step"], row["max_steps"]) == ("finished", 3, 3)
 
 
+@pytest.mark.parametrize(("ended", "state"), [("requeue", "preempted"), ("stopped", "failed")])
+def test_a_requeue_is_read_from_the_summary_not_from_the_log(
+    arms_sweep, tmp_path: Path, capsys, ended: str, state: str
+) -> None:
+    """A run whose summary says its latest session stopped to requeue is preempted (waiting for SLURM to
+    start it again); one that stopped otherwise before max_steps failed. Its train.log says neither."""
+    copy = tmp_path / "tiny-rms-s1"
+    shutil.copytree(arms_sweep[0] / "tiny-rms-s1", copy)
+    shutil.rmtree(copy / "checkpoints")
+    summary = json.loads((copy / "summary.json").read_text())
+    session = {"steps": [0, 2], "wall_s": 1.0, "ended": ended}
+    summary.update(step=2, finished=False, session_log=[session])
+    (copy / "summary.json").write_text(json.dumps(summary))
+    assert "requeue" not in (copy / "train.log").read_text()
+    assert status_main([str(copy), "--no-slurm", "--active-minutes=0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == state
+
+
 def test_end_of_run_summary_on_the_console_and_in_summary_json(arms_sweep) -> None:
     root, sweep, _ = arms_sweep
     rms = root / "tiny-rms-s0"

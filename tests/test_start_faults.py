@@ -22,9 +22,10 @@ import pytest
 import normgeo.runs.start as start_checks
 from corpus.__main__ import main as corpus_main
 from normgeo.paths import FolderError, check_writable_folder
-from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, check_unlocked
-from normgeo.runs.preflight import PLAN_FILE, PlanRefusal, read_kept_plan
-from normgeo.runs.session import REPLACED_DIR, replace_diverged_run
+from normgeo.run_folder import LOCK_FILE, PLAN_FILE, REPLACED_DIR
+from normgeo.runs.lock import RunInUseError, RunLock, check_unlocked
+from normgeo.runs.preflight import PlanRefusal, read_kept_plan
+from normgeo.runs.session import replace_diverged_run
 from normgeo.runs.start import Start, put_back, survey
 from tests.conftest import (
     FAST,

@@ -19,10 +19,8 @@ import pandas as pd
 import pytest
 
 from normgeo.figures.sweep import load
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.records import ANGLES_FILE
-from normgeo.measure.run_records import RECORD_FILES
 from normgeo.readers.identity import DuplicateRuns
+from normgeo.run_folder import ANGLES_FILE, INTERVENTION_FILE, RECORD_FILES
 from normgeo.verdict.families import pairings
 from normgeo.verdict.measures import run_measures
 from tests.conftest import ROOT, module_main

@@ -18,9 +18,9 @@ from models.gpt import GPTConfig
 from models.lit import LitGPT, warmup_cosine
 from models.pretrained import load_checkpoint
 from normgeo.config.schema import OptimSchema
-from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, MEAN_SOURCES_FILE
+from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START
 from normgeo.measure.records import read_rows
-from normgeo.runs.session import REPLACED_DIR
+from normgeo.run_folder import MEAN_SOURCES_FILE, REPLACED_DIR
 from tests.conftest import (
     entry_point_here,
     metrics_rows,

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from normgeo.config.schema import SCHEMAS, key_docs
 from normgeo.config.schema import register as register_schemas
 from normgeo.paths import REPO_ROOT, path_slug, slug
+from normgeo.run_folder import HYDRA_FILES, RunFolder
 
 # conf/shared: the probe presets train.py and analyze.py share (added by hydra_plugins/normgeo_searchpath).
 CONF_ROOT = REPO_ROOT / "conf"
@@ -26,11 +27,11 @@ TRAIN_CONFIG_DIRS = (Path(CONF_DIR), CONF_ROOT / "shared")
 def write_hydra_files(folder: Path, config: DictConfig) -> None:
     """``<folder>/.hydra/``: the composed config, Hydra's config and the overrides, as Hydra would."""
     hydra_cfg = HydraConfig.get()
-    target = folder / ".hydra"
-    target.mkdir(parents=True, exist_ok=True)
-    for name, node in (("config.yaml", config), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
-                       ("overrides.yaml", OmegaConf.select(hydra_cfg, "overrides.task", default=[]))):
-        OmegaConf.save(node, target / name)
+    RunFolder(folder).hydra.mkdir(parents=True, exist_ok=True)
+    nodes = (config, OmegaConf.create({"hydra": hydra_cfg}),
+             OmegaConf.select(hydra_cfg, "overrides.task", default=[]))
+    for name, node in zip(HYDRA_FILES, nodes, strict=True):
+        OmegaConf.save(node, folder / name)
 
 
 def attach_log_file(path: Path) -> None:

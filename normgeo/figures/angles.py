@@ -13,12 +13,14 @@ from matplotlib.ticker import MaxNLocator
 from normgeo.figures.intervention import plot_intervention_layers
 from normgeo.figures.mean_sources import plot_mean_sources_layers
 from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.paths import slug
-
-FIGURES_DIR = "figures"  # a run's own figures: train.py's at the end, normgeo.report's by default
+from normgeo.run_folder import (
+    INTERVENTION_FILE,
+    MEAN_SOURCES_FILE,
+    NULL_FILE,
+    RunFolder,
+)
 
 
 def _layer_position(layer, n_layers: int) -> float:
@@ -227,10 +229,10 @@ def write_run_figures(
 ) -> list[Path]:
     """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
     run_dir = Path(run_dir)
-    rows = read_rows(run_dir / ANGLES_FILE)
+    rows = read_rows(RunFolder(run_dir).angles)
     if not rows:
         return []
-    out_dir = out_dir or run_dir / FIGURES_DIR
+    out_dir = out_dir or RunFolder(run_dir).figures
     figures = []
     by_model = defaultdict(list)
     for row in rows:
@@ -245,7 +247,7 @@ def write_run_figures(
             chosen = layer if layer is not None else layers[len(layers) // 2]
             figures.append(plot_steps(model_rows, out_dir, chosen))
     null_by_model = defaultdict(list)
-    for row in read_rows(run_dir / NULL_FILE):
+    for row in read_rows(RunFolder(run_dir).record(NULL_FILE)):
         null_by_model[(row["model"], row["norm"])].append(row)
     for null_rows in null_by_model.values():
         steps = sorted({r["step"] for r in null_rows}, key=lambda s: -1 if s is None else s)
@@ -255,12 +257,12 @@ def write_run_figures(
             layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
             chosen = layer if layer is not None else layers[len(layers) // 2]
             figures.append(plot_null_steps(null_rows, out_dir, chosen))
-    changes = read_rows(run_dir / INTERVENTION_FILE)
+    changes = read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
     for step in sorted({r["step"] for r in changes}, key=lambda s: -1 if s is None else s)[-1:]:
         figure = plot_intervention_layers(changes, out_dir, step=step)
         if figure is not None:
             figures.append(figure)
-    sources = read_rows(run_dir / MEAN_SOURCES_FILE)
+    sources = read_rows(RunFolder(run_dir).record(MEAN_SOURCES_FILE))
     for step in sorted({r["step"] for r in sources}, key=lambda s: -1 if s is None else s)[-1:]:
         figure = plot_mean_sources_layers(sources, out_dir, step=step)
         if figure is not None:

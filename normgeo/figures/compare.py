@@ -16,8 +16,8 @@ from normgeo.figures.norm_figures import NORM_FIGURES
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure
 from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table
 from normgeo.figures.verdict import write_verdict
-from normgeo.measure.intervention import INTERVENTION_FILE
 from normgeo.measure.records import DamagedRecords
+from normgeo.run_folder import INTERVENTION_FILE
 from normgeo.verdict.declared import VerdictConfig
 
 FigureMaker = Callable[[Comparison, Path, Sequence[str]], list[Path]]

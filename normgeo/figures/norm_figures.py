@@ -21,9 +21,8 @@ import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure
 from normgeo.figures.sweep import Comparison, load, records_frame
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
 from normgeo.readers.metrics import last_value
+from normgeo.run_folder import ELLIPSOID_FILE, ENERGY_FILE
 
 ENERGY_LABELS = {
     "ones_fraction": "energy along 1, cos²(x, 1)\n(removed by centering)",

@@ -10,10 +10,11 @@ from pathlib import Path
 import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.readers.identity import check_unique_runs, identity_from_config, read_run_files
 from normgeo.readers.metrics import last_value
 from normgeo.readers.status import find_runs, is_analysis
+from normgeo.run_folder import ANGLES_FILE, RunFolder
 
 
 @dataclass
@@ -35,10 +36,10 @@ def run_directories(paths: Sequence[Path]) -> list[Path]:
     """Training run directories at or below ``paths`` (analyze.py folders left out)."""
     found: list[Path] = []
     for path in paths:
-        if (path / ANGLES_FILE).is_file() and not (path / ".hydra").is_dir():
+        if RunFolder(path).angles.is_file() and not RunFolder(path).hydra.is_dir():
             found.append(path)  # a copied run without Hydra's files
             continue
-        found += [run for run in find_runs(path) if not is_analysis(run) and (run / ANGLES_FILE).is_file()]
+        found += [run for run in find_runs(path) if not is_analysis(run) and RunFolder(run).angles.is_file()]
     return sorted(dict.fromkeys(p.resolve() for p in found))
 
 

@@ -13,8 +13,9 @@ from normgeo.measure.geometry import STANDARDIZABLE_KINDS, standardize
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, NULL_KEY, REFERENCE_NAMES, ProbeSite, probe_sites
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, null_rows, statistics_rows
+from normgeo.measure.records import null_rows, statistics_rows
 from normgeo.measure.stats import AngleStatistics
+from normgeo.run_folder import ANGLES_FILE, NULL_FILE
 
 
 class AngleMeasurement(Measurement):

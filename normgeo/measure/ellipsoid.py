@@ -22,8 +22,8 @@ from normgeo.measure.geometry import STANDARDIZABLE_KINDS
 from normgeo.measure.measurement import Measurement, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import json_number, one_cpu_thread
+from normgeo.run_folder import ELLIPSOID_FILE
 
-ELLIPSOID_FILE = "ellipsoid.jsonl"
 ELLIPSOID_FIELDS = (
     "model", "norm", "step", "tokens_seen", "layer", "site", "kind", "dim", "axes_dim",
     "semi_axis_max", "semi_axis_min", "condition", "normal_ones_deg", "bias_ones_deg", "bias_norm",

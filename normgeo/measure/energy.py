@@ -22,8 +22,8 @@ from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import input_sites
 from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge, json_number, one_cpu_thread
+from normgeo.run_folder import ENERGY_FILE
 
-ENERGY_FILE = "energy.jsonl"
 QUANTITIES = ("ones_fraction", "jacobian_proxy")
 # log10 ranges of the histograms, 100 bins per decade (quantiles within a factor 10^0.01 = 2.3%).
 LOG10_RANGE = {"ones_fraction": (-12.0, 0.0), "jacobian_proxy": (-6.0, 6.0)}

@@ -55,11 +55,10 @@ from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.stats import block_bootstrap_means, json_number
+from normgeo.run_folder import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
 
 log = logging.getLogger(__name__)
 
-INTERVENTION_FILE = "intervention.jsonl"
-INTERVENTION_POSITIONS_FILE = "intervention_positions.jsonl"
 # Probe tokens the intervention runs on (probe.intervention_tokens): its 95% interval of the loss change on
 # SmolLM2-135M is already +-0.017 nats at 4,096 tokens (docs/intervention_numbers.md).
 DEFAULT_INTERVENTION_TOKENS = 8192

@@ -40,10 +40,10 @@ from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import ProbeSite, input_sites
 from normgeo.measure.stats import QUANTILE_FIELDS, block_bootstrap_means, json_number, one_cpu_thread
+from normgeo.run_folder import MEAN_SOURCES_FILE
 
 log = logging.getLogger(__name__)
 
-MEAN_SOURCES_FILE = "mean_sources.jsonl"
 # First position of each bucket; a bucket runs to the next one's start (the last one is open).
 BUCKET_STARTS = (0, 1, 4, 16, 64, 256)
 # The bucket of the tokens that begin a document (any window position): after the position buckets, which

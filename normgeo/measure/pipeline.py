@@ -28,21 +28,23 @@ from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
 from normgeo.measure.angles import AngleMeasurement
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE, EllipsoidMeasurement
-from normgeo.measure.energy import ENERGY_FILE, EnergyMeasurement, EnergyStatistics
-from normgeo.measure.intervention import (
-    INTERVENTION_FILE,
-    CenteringIntervention,
-    eager,
-    intervention_scopes,
-)
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE, MeanSourcesMeasurement, empty_buckets
+from normgeo.measure.ellipsoid import EllipsoidMeasurement
+from normgeo.measure.energy import EnergyMeasurement, EnergyStatistics
+from normgeo.measure.intervention import CenteringIntervention, eager, intervention_scopes
+from normgeo.measure.mean_sources import MeanSourcesMeasurement, empty_buckets
 from normgeo.measure.measurement import Measurement, ProbeBatch
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.probe import INCLUDE_STANDARDIZED, ProbeSite, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE
 from normgeo.measure.stats import AngleStatistics
+from normgeo.run_folder import (
+    ANGLES_FILE,
+    ELLIPSOID_FILE,
+    ENERGY_FILE,
+    INTERVENTION_FILE,
+    MEAN_SOURCES_FILE,
+    NULL_FILE,
+)
 
 log = logging.getLogger(__name__)
 # The profiler label around run_probe's batches (bench/gpu_profile.py counts the host syncs under it).

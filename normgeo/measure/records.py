@@ -25,9 +25,6 @@ from normgeo.measure.stats import (
     null_comparison,
 )
 
-ANGLES_FILE = "angles.jsonl"
-NULL_FILE = "null.jsonl"
-REFERENCES_FILE = "probe_references.npz"
 FIELDS = (
     "model", "norm", "step", "tokens_seen", "layer", "site", "ref", "count", "zero_count",
     "mean_deg", "std_deg", "min_deg", "max_deg", *QUANTILE_FIELDS,
@@ -271,8 +268,3 @@ def recorded_steps(path: str | Path) -> set[int | None]:
 def save_references(path: str | Path, references: dict[str, np.ndarray]) -> None:
     with atomic_open(path, "wb") as handle:
         np.savez(handle, **references)
-
-
-def load_references(path: str | Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
-        return {name: data[name] for name in data.files}

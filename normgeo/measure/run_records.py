@@ -8,16 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords, read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
+from normgeo.run_folder import ANGLES_FILE, ENERGY_FILE, RECORD_FILES, RunFolder
 
-# Read whole before any figure or table is made, so that one damaged file leaves its run out instead of
-# stopping a figure or the verdict half-way.
-RECORD_FILES = (ANGLES_FILE, NULL_FILE, ENERGY_FILE, ELLIPSOID_FILE, INTERVENTION_FILE,
-                INTERVENTION_POSITIONS_FILE, MEAN_SOURCES_FILE)
 # Every probe of every arm measures these (the norms' inputs): empty beside a filled angles.jsonl is damage,
 # unlike a measurement that may find nothing to measure (DyT's ellipsoid, an arm without centering).
 FILLED_BY_EVERY_PROBE = (ENERGY_FILE,)
@@ -36,7 +29,7 @@ def read_record_file(run_dir: Path, name: str, angles: list[dict] | None = None)
     ``angles.jsonl`` without a record (every probe writes angles; a measurement with nothing to measure, such
     as DyT's ellipsoid, leaves its own file empty) and for an empty file that every probe fills beside the
     run's ``angles`` records."""
-    path = Path(run_dir) / name
+    path = RunFolder(run_dir).record(name)
     rows = read_rows(path)
     if name == ANGLES_FILE and path.is_file() and not rows:
         raise DamagedRecords(path, 1, "no record in the file", "copy it again from where the run wrote it")

@@ -14,7 +14,8 @@ import json
 import math
 from pathlib import Path
 
-EVAL_FILE = "eval.json"
+from normgeo.run_folder import RunFolder
+
 DOWNSTREAM_PREFIX = "downstream/"
 MEASURED_AT_PREFIX = "measured_at/"  # the measures' column of what a task's scores were measured at
 SCORES = ("acc", "acc_norm")  # the scores compared; their standard errors stay in eval.json
@@ -22,7 +23,7 @@ SCORES = ("acc", "acc_norm")  # the scores compared; their standard errors stay 
 
 def read_eval(run_dir: Path) -> dict:
     """The run's eval.json ({} without one); a damaged one is a ValueError naming the file and the fix."""
-    path = Path(run_dir) / EVAL_FILE
+    path = RunFolder(run_dir).eval
     if not path.is_file():
         return {}
     try:

@@ -18,15 +18,21 @@ from typing import Any, TypeVar
 
 import pandas as pd
 
-from normgeo.measure.ellipsoid import ELLIPSOID_FILE
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import ANGLES_FILE, NULL_FILE, DamagedRecords
-from normgeo.measure.run_records import RECORD_FILES, read_record_file
+from normgeo.measure.records import DamagedRecords
+from normgeo.measure.run_records import read_record_file
 from normgeo.readers.identity import identity_from_config, read_run_config, read_summary_file
 from normgeo.readers.metrics import COLUMNS, read_metrics
 from normgeo.readers.status import find_runs
+from normgeo.run_folder import (
+    ANGLES_FILE,
+    ELLIPSOID_FILE,
+    ENERGY_FILE,
+    INTERVENTION_FILE,
+    INTERVENTION_POSITIONS_FILE,
+    MEAN_SOURCES_FILE,
+    NULL_FILE,
+    RECORD_FILES,
+)
 
 # The records files as DataFrames: the name a frame is asked for by (the file's name without .jsonl).
 FRAMES = {"angles": ANGLES_FILE, "null": NULL_FILE, "energy": ENERGY_FILE, "mean_sources": MEAN_SOURCES_FILE,

@@ -19,12 +19,13 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.metrics import read_metrics
-from normgeo.runs.run_config import ALLOWED_CHANGES, SUMMARY_FILE, config_changes
+from normgeo.run_folder import HYDRA_CONFIG, RUN_CONFIG_FILE, RunFolder
+from normgeo.runs.run_config import ALLOWED_CHANGES, config_changes
 
-CONFIG_FILES = ("run_config.yaml", ".hydra/config.yaml")  # train.py's record first, else Hydra's
+CONFIG_FILES = (RUN_CONFIG_FILE, HYDRA_CONFIG)  # train.py's record first, else Hydra's
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def read_summary_file(run_dir: Path) -> dict:
     """The run's summary.json ({} when absent), every field of :data:`SUMMARY_FIELDS` of its type; raises
     :class:`DamagedRecords` naming the file, the key's line and what it expected (the one summary reader of
     ``status``, ``compare`` and ``report``)."""
-    path = Path(run_dir) / SUMMARY_FILE
+    path = RunFolder(run_dir).summary
     if not path.is_file():
         return {}
     text = path.read_text(errors="replace")
@@ -156,7 +157,7 @@ def design_difference(run_dir: str | None, other_dir: str | None) -> tuple[str, 
 def recorded_norm(run_dir: Path) -> str | None:
     """The norm of the run's first angles record: what a copied run without its config still says."""
     try:
-        with open(run_dir / ANGLES_FILE, encoding="utf-8", errors="replace") as handle:
+        with open(RunFolder(run_dir).angles, encoding="utf-8", errors="replace") as handle:
             row = json.loads(handle.readline())
     except (OSError, json.JSONDecodeError):
         return None

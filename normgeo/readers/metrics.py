@@ -15,9 +15,9 @@ from pathlib import Path
 import pandas as pd
 
 from normgeo.measure.records import DamagedRecords
+from normgeo.run_folder import METRICS_FILE, RunFolder
 
 COLUMNS = ["step", "metric", "value"]
-CSV_DIR = "csv"  # Lightning's CSVLogger(save_dir=run_dir, name=CSV_DIR)
 
 
 def session_number(version_dir: Path) -> int:
@@ -60,8 +60,8 @@ def read_metrics(run_dir: str | Path) -> pd.DataFrame:
     """Logged metrics (step, metric, value) of every session, the later session's value winning for a step;
     raises :class:`DamagedRecords` naming a damaged file (:func:`read_metrics_file`)."""
     frames = []
-    for version in sorted((Path(run_dir) / CSV_DIR).glob("version_*"), key=session_number):
-        path = version / "metrics.csv"
+    for version in sorted(RunFolder(run_dir).csv.glob("version_*"), key=session_number):
+        path = version / METRICS_FILE
         if not path.is_file() or path.stat().st_size == 0:  # a killed session never flushed its metrics
             continue
         wide = read_metrics_file(path).drop(columns="epoch", errors="ignore").dropna(subset=["step"])

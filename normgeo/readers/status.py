@@ -13,18 +13,19 @@ from typing import Any
 from omegaconf import OmegaConf
 
 import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
-from normgeo.measure.records import ANGLES_FILE, DamagedRecords
+from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import read_run_config, read_summary_file
 from normgeo.readers.metrics import last_value, read_metrics
-from normgeo.runs.run_config import TRAIN_LOG
+from normgeo.run_folder import ANGLES_FILE, CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, RunFolder
 from normgeo.runs.session import divergence, newest_resumable
+from slurm.requeue import REQUEUED
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "PREEMPTED"}
-REQUEUE_MARKERS = ("requeue signal: stopping",)  # logged by callbacks.signals.StopOnSignal
-SESSION_MARKER = "run directory:"  # logged by train.py at the start of every session
-SKIP_DIRS = {".submitit", "checkpoints", "csv", "figures", "wandb", "tensorboard", ".hydra", "lightning_logs"}
+# A run's own folders, and the loggers' (wandb's, TensorBoard's, Lightning's default), are not searched.
+SKIP_DIRS = {CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, ".submitit", "wandb", "tensorboard",
+             "lightning_logs"}
 
 
 @dataclass
@@ -44,12 +45,12 @@ class RunStatus:
 
 def find_runs(root: Path) -> Iterator[Path]:
     """Run directories at or below ``root`` (a run's own subfolders are not searched)."""
-    if (root / ".hydra" / "config.yaml").is_file():
+    if RunFolder(root).hydra_config.is_file():
         yield root
         return
     for path, dirs, _ in os.walk(root):
         here = Path(path)
-        if here != root and (here / ".hydra" / "config.yaml").is_file():
+        if here != root and RunFolder(here).hydra_config.is_file():
             dirs.clear()
             yield here
             continue
@@ -59,7 +60,7 @@ def find_runs(root: Path) -> Iterator[Path]:
 def is_analysis(run_dir: Path) -> bool:
     """An analyze.py output folder (its config has ``out_dir`` and no ``max_steps``), not a training run."""
     try:
-        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        cfg = OmegaConf.load(RunFolder(run_dir).hydra_config)
     except Exception:
         return False
     return "out_dir" in cfg and "max_steps" not in cfg
@@ -82,8 +83,7 @@ def checkpoint_step(run_dir: Path) -> int | None:
     path, step, _ = newest_resumable(run_dir)
     if path is not None:
         return step
-    scheduled = sorted(run_dir.glob("checkpoints/step-*.ckpt"))
-    return int(scheduled[-1].stem.split("-")[1]) if scheduled else None
+    return max(RunFolder(run_dir).scheduled_checkpoints(), default=None)
 
 
 def last_loss(run_dir: Path) -> float | None:
@@ -102,7 +102,7 @@ def last_probe_step(run_dir: Path) -> int | str | None:
 
 def slurm_job(run_dir: Path) -> str | None:
     """The job id of the run's latest SLURM session."""
-    path = run_dir / "slurm_jobs.tsv"
+    path = RunFolder(run_dir).slurm_jobs
     if not path.is_file():
         return None
     lines = [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
@@ -125,18 +125,12 @@ def slurm_state(job: str) -> str | None:
     return None
 
 
-def asked_to_requeue(run_dir: Path) -> bool:
-    """True when the latest session logged that it stopped to requeue (train.log, all sessions appended)."""
-    log = run_dir / TRAIN_LOG
-    if not log.is_file():
-        return False
-    last_session = last_requeue = -1
-    for number, line in enumerate(log.read_text(errors="replace").splitlines()):
-        if SESSION_MARKER in line:
-            last_session = number
-        elif any(marker in line for marker in REQUEUE_MARKERS):
-            last_requeue = number
-    return last_requeue > last_session >= 0
+def asked_to_requeue(summary: dict) -> bool:
+    """True when the run's summary says its latest session stopped to requeue (the last entry of its
+    ``session_log``, which train.py writes before it requeues the job)."""
+    sessions = summary.get("session_log")
+    latest = sessions[-1] if isinstance(sessions, list) and sessions else None
+    return isinstance(latest, dict) and latest.get("ended") == REQUEUED
 
 
 def newest_mtime(run_dir: Path) -> float | None:
@@ -176,11 +170,8 @@ def infer_state(
     return "failed"
 
 
-def finished_by_summary(run_dir: Path) -> int | None:
-    """The last step of a run whose summary.json says it finished, else None (the one summary reader,
-    normgeo.readers.identity, not normgeo.runs.summary, which imports Lightning: status stays quick); raises
-    DamagedRecords naming a damaged summary.json."""
-    summary = read_summary_file(run_dir)
+def finished_by_summary(summary: dict) -> int | None:
+    """The last step of a run whose summary says it finished, else None."""
     return summary["step"] if summary.get("finished") is True and "step" in summary else None
 
 
@@ -204,8 +195,11 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
                          "; ".join(problems) or None)
     max_steps, stop_at_step = read(run_config, (None, None))
     known = len(problems)
-    finished_step = read(finished_by_summary, None)
+    # the one summary reader, normgeo.readers.identity, not normgeo.runs.summary, which imports Lightning:
+    # status stays quick; a damaged summary.json is named in ``problems``
+    summary = read(read_summary_file, {})
     summary_damaged = len(problems) > known
+    finished_step = finished_by_summary(summary)
     loss = read(last_loss, None)
     step = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
@@ -217,7 +211,7 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         max_steps=max_steps,
         stop_at_step=stop_at_step,
         slurm=state_from_slurm,
-        requeue_logged=asked_to_requeue(run_dir),
+        requeue_logged=asked_to_requeue(summary),
         updated_s_ago=updated,
         active_s=active_s,
     )

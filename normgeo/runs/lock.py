@@ -18,7 +18,8 @@ from pathlib import Path
 
 from filelock import Timeout, UnixFileLock
 
-LOCK_FILE = ".normgeo.lock"
+from normgeo.run_folder import RunFolder
+
 # A start that finds the lock held tries again for this long: a probe by another starting process
 # (check_unlocked) holds it for microseconds, and must not make this start fail.
 _PROBE_GRACE_S = 1.0
@@ -30,7 +31,7 @@ class RunInUseError(RuntimeError):
 
     def __init__(self, run_dir: Path) -> None:
         try:
-            holder = json.loads((run_dir / LOCK_FILE).read_text(errors="replace"))
+            holder = json.loads(RunFolder(run_dir).lock.read_text(errors="replace"))
             who = f"PID {holder['pid']} on host {holder['host']} (since {holder['since']})"
         except (OSError, ValueError, KeyError, TypeError):
             who = "another process (the lock file names no holder)"
@@ -40,7 +41,7 @@ class RunInUseError(RuntimeError):
 
 def check_unlocked(run_dir: Path) -> None:
     """RunInUseError when another process holds ``run_dir``'s lock; writes nothing."""
-    path = Path(run_dir) / LOCK_FILE
+    path = RunFolder(run_dir).lock
     if not path.is_file():  # a new run, one from before locks, or no run directory at all
         return
     try:
@@ -57,7 +58,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = RunFolder(run_dir).lock
         # one holder per process (not per thread); no soft lock where flock is missing (acquire warns)
         self.lock = UnixFileLock(self.path, thread_local=False, fallback_to_soft=False)
 

@@ -18,11 +18,10 @@ from corpus.atomic import atomic_open
 from models.hardware import default_precision
 from models.plan import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
 from normgeo.config.schema import ConfigError, TrainSchema, compiles
+from normgeo.run_folder import RunFolder
 from normgeo.runs.run_config import is_rank_zero
 
 log = logging.getLogger(__name__)
-
-PLAN_FILE = "plan.json"
 
 
 class PlanRefusal(ValueError):
@@ -84,7 +83,7 @@ class KeptPlan:
 def read_kept_plan(run_dir: Path, inputs_hash: str) -> GatePlan | None:
     """The plan kept in ``run_dir`` for these inputs; None when there is none, unreadable or another's."""
     try:
-        data = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+        data = json.loads(RunFolder(run_dir).plan.read_text(encoding="utf-8"))
         if data.get("inputs_hash") != inputs_hash:
             return None
         return GatePlan(**data["plan"])
@@ -94,7 +93,7 @@ def read_kept_plan(run_dir: Path, inputs_hash: str) -> GatePlan | None:
 
 def write_kept_plan(run_dir: Path, kept: KeptPlan) -> None:
     """Rank 0, once the start is accepted (normgeo.runs.start.open_run_files)."""
-    with atomic_open(run_dir / PLAN_FILE, "w", encoding="utf-8") as handle:
+    with atomic_open(RunFolder(run_dir).plan, "w", encoding="utf-8") as handle:
         json.dump(asdict(kept), handle, indent=1, default=str)
 
 

@@ -19,18 +19,14 @@ from corpus.atomic import atomic_open
 from corpus.prepare import META_FILE
 from models.hardware import default_precision
 from normgeo.config.schema import TrainSchema, compiles, format_value
+from normgeo.run_folder import RUN_CONFIG_FILE, RUN_INFO_FILE, RunFolder
 
 log = logging.getLogger(__name__)
 
-RUN_CONFIG_FILE = "run_config.yaml"
-LAST_CHECKPOINT = "last.ckpt"  # in <run>/checkpoints/: the full state to resume from
-RUN_INFO_FILE = "run_info.json"  # analyze.py's record of what it measured, written last
 EXPORT_INFO = "normgeo_export.json"  # normgeo.export's record of where an export came from
 # The file that says which command's outputs a folder holds (normgeo.paths.check_own_folder).
 OUTPUT_MARKERS = {RUN_CONFIG_FILE: "a training run (train.py)", RUN_INFO_FILE: "an analysis (analyze.py)",
                   META_FILE: "prepared data (python -m corpus)", EXPORT_INFO: "an export (normgeo.export)"}
-TRAIN_LOG = "train.log"  # the run's log (Hydra's job log, train.py's job name): every rank appends to it
-SUMMARY_FILE = "summary.json"  # the run's summary, written by train.py at the end of each session
 CHECKPOINT_KEY = "run_config"
 
 class _Absent:
@@ -150,7 +146,7 @@ class DamagedRunConfig(ValueError):
 
 def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The run's recorded config; None when there is none, DamagedRunConfig when it cannot be read."""
-    path = Path(run_dir) / RUN_CONFIG_FILE
+    path = RunFolder(run_dir).run_config
     if not path.exists():
         return None
     try:
@@ -173,7 +169,7 @@ def record_run_config(run_dir: str | os.PathLike, config: Mapping[str, Any]) -> 
             return False
     except DamagedRunConfig as err:
         log.warning("%s; rewritten from the checkpoint's copy of the run's config", err)
-    with atomic_open(Path(run_dir) / RUN_CONFIG_FILE, "w", encoding="utf-8") as handle:
+    with atomic_open(RunFolder(run_dir).run_config, "w", encoding="utf-8") as handle:
         yaml.safe_dump(dict(config), handle, sort_keys=False, allow_unicode=True)
     return True
 
@@ -201,7 +197,7 @@ def verify_run_config(run_dir: str | os.PathLike, ckpt_path: str | None, current
     checkpoint's config, else run_config.yaml (neither: a warning); a fresh start against a run_config.yaml
     an earlier session left without a checkpoint, since that file is never replaced."""
     run_dir = Path(run_dir)
-    saved_file = run_dir / RUN_CONFIG_FILE
+    saved_file = RunFolder(run_dir).run_config
     if ckpt_path is None:
         try:
             saved = load_run_config(run_dir)

@@ -21,12 +21,16 @@ from hydra.core.hydra_config import HydraConfig
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
 from models.divergence import NonFiniteError
 from normgeo.config.schema import TrainSchema
-from normgeo.measure.records import ANGLES_FILE
-from normgeo.runs.lock import LOCK_FILE
-from normgeo.runs.run_config import (
+from normgeo.run_folder import (
+    HYDRA_DIR,
     LAST_CHECKPOINT,
+    LOCK_FILE,
+    REPLACED_DIR,
     SUMMARY_FILE,
     TRAIN_LOG,
+    RunFolder,
+)
+from normgeo.runs.run_config import (
     DamagedRunConfig,
     ResumeConfigError,
     config_changes,
@@ -76,9 +80,10 @@ def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]
     """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.readers.status): the first
     readable full-state candidate (last.ckpt, then the scheduled step-*.ckpt newest first, full state with
     keep_optimizer), its step, and why each newer candidate was passed over."""
-    last = run_dir / "checkpoints" / LAST_CHECKPOINT
+    folder = RunFolder(run_dir)
+    last = folder.last_checkpoint
     passed_over: list[str] = []
-    scheduled = sorted((run_dir / "checkpoints").glob("step-*.ckpt"), reverse=True)
+    scheduled = list(reversed(folder.scheduled_checkpoints().values()))
     for path in ([last] if last.exists() else []) + scheduled:
         info = checkpoint_info(path)
         if isinstance(info, CheckpointInfo) and info.full_state:
@@ -91,7 +96,7 @@ def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]
 def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     """The checkpoint to continue from: the newest readable full-state one (:func:`newest_resumable`)."""
     if resume is None:
-        if (run_dir / "checkpoints" / LAST_CHECKPOINT).exists():
+        if RunFolder(run_dir).last_checkpoint.exists():
             raise RunDirectoryError(
                 f"{run_dir} already holds a run ({LAST_CHECKPOINT}). Continue it with resume=auto, "
                 "or start another with a different run_name=... or seed=...")
@@ -133,7 +138,7 @@ def replace_diverged_run(run_dir: Path) -> bool:
     record = divergence(run_dir)
     if record is None:
         return False
-    aside = run_dir / REPLACED_DIR
+    aside = RunFolder(run_dir).replaced
     shutil.rmtree(aside, ignore_errors=True)  # left by a start that was killed while it replaced a run
     aside.mkdir()
     for path in run_dir.iterdir():
@@ -183,16 +188,14 @@ def slurm_requeued() -> bool:
 
 # summary.json's record of a run whose training loss became inf/NaN (train.py writes it)
 DIVERGED = "diverged"
-# a diverged run's files while the start that replaces it has not trained a step
-REPLACED_DIR = ".replaced-run"
 # What a start that replaces a diverged run keeps: this session's own lock and Hydra files.
-KEPT_ON_REPLACE = (LOCK_FILE, ".hydra", TRAIN_LOG, REPLACED_DIR)
+KEPT_ON_REPLACE = (LOCK_FILE, HYDRA_DIR, TRAIN_LOG, REPLACED_DIR)
 
 
 def divergence(run_dir: Path) -> dict[str, Any] | None:
     """The divergence record of the run in ``run_dir`` (step, loss, optim.lr), None if it did not diverge."""
     try:
-        summary = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+        summary = json.loads(RunFolder(run_dir).summary.read_text())
     except (OSError, ValueError):  # none, or unreadable: not a record of a divergence
         return None
     record = summary.get(DIVERGED) if isinstance(summary, dict) else None
@@ -242,7 +245,7 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
         # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
         summary = read_summary(run_dir)
         left = (cfg.probe.enabled and cfg.probe.figures and summary.get("finished") is True
-                and not summary.get("figures") and (run_dir / ANGLES_FILE).is_file())
+                and not summary.get("figures") and RunFolder(run_dir).angles.is_file())
         if left:
             done = f"{done}; its end was interrupted before the figures: drawing them (nothing is retrained)"
         raise RunFinished(done, figures_left=left)

@@ -50,14 +50,14 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
+from normgeo.run_folder import HYDRA_FILES, LOCK_FILE, PLAN_FILE, RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.build import make_datamodule, trainer_arguments
-from normgeo.runs.lock import LOCK_FILE, RunInUseError, RunLock, check_unlocked
-from normgeo.runs.preflight import PLAN_FILE, KeptPlan, PlanRefusal, preflight, write_kept_plan
-from normgeo.runs.run_config import OUTPUT_MARKERS, RUN_CONFIG_FILE, is_rank_zero
+from normgeo.runs.lock import RunInUseError, RunLock, check_unlocked
+from normgeo.runs.preflight import KeptPlan, PlanRefusal, preflight, write_kept_plan
+from normgeo.runs.run_config import OUTPUT_MARKERS, is_rank_zero
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
     REFUSALS,
-    REPLACED_DIR,
     replace_diverged_run,
     session_checkpoint,
     slurm_requeued,
@@ -74,9 +74,9 @@ class StartError(ConfigError):
 # Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
 START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
-# session): their bytes are kept for an undo.
-REWRITTEN = (LOCK_FILE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", PLAN_FILE,
-             RUN_CONFIG_FILE)  # a resume repairs a damaged one (run_config.record_run_config)
+# session; a resume repairs a damaged run config, run_config.record_run_config): their bytes are kept for an
+# undo.
+REWRITTEN = (LOCK_FILE, *HYDRA_FILES, PLAN_FILE, RUN_CONFIG_FILE)
 # A requeued SLURM job waits this long for its lock: the old job's process may still be exiting, and
 # NFS releases a dead client's locks only when its lease expires.
 REQUEUE_LOCK_WAIT_S = 120.0
@@ -114,7 +114,7 @@ def put_back(run_dir: Path, found: Found, *, replaced: bool = False) -> None:
         return
     if not run_dir.is_dir():
         return
-    aside = run_dir / REPLACED_DIR
+    aside = RunFolder(run_dir).replaced
     if replaced and aside.is_dir():  # beside the names a replacement keeps, everything is this start's
         for path in run_dir.iterdir():
             if path.name not in KEPT_ON_REPLACE:
@@ -162,7 +162,7 @@ class Start(contextlib.AbstractContextManager):
     plan: KeptPlan | None = None  # the launch gate's plan, kept in the run folder once the start is accepted
     lock: RunLock | None = None
     found: Found | None = None
-    replaced: bool = False  # a diverged run was moved aside for this start (session.REPLACED_DIR)
+    replaced: bool = False  # a diverged run was moved aside for this start (RunFolder.replaced)
     kept: bool = False  # past this session's first optimizer step (or diverged): a failure keeps its files
 
     def replace_diverged_run(self) -> None:
@@ -181,7 +181,7 @@ class Start(contextlib.AbstractContextManager):
             if count:
                 log.warning("removed %d stale temporary file(s), %s bytes, left in %s by a killed session",
                             count, f"{size:,}", self.run_dir)
-            shutil.rmtree(self.run_dir / REPLACED_DIR, ignore_errors=True)
+            shutil.rmtree(RunFolder(self.run_dir).replaced, ignore_errors=True)
 
     def undo(self) -> None:
         """The run directory as this start found it (a fresh one removed); then the lock is released. A stop

@@ -9,23 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from corpus.atomic import atomic_open
-from normgeo.runs.run_config import SUMMARY_FILE
+from normgeo.run_folder import RunFolder
 
 
 def disk_use(run_dir: Path) -> dict[str, int]:
     """Bytes on disk of the run: its checkpoints, its records (*.jsonl), and everything in the directory."""
-    parts = {"checkpoints": (run_dir / "checkpoints").rglob("*"), "records": run_dir.glob("*.jsonl"),
+    parts = {"checkpoints": RunFolder(run_dir).checkpoints.rglob("*"), "records": run_dir.glob("*.jsonl"),
              "total": run_dir.rglob("*")}
     return {part: sum(p.stat().st_size for p in paths if p.is_file()) for part, paths in parts.items()}
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / SUMMARY_FILE
+    path = RunFolder(run_dir).summary
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    with atomic_open(Path(run_dir) / SUMMARY_FILE, "w", encoding="utf-8") as handle:
+    with atomic_open(RunFolder(run_dir).summary, "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
 
 

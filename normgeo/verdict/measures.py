@@ -14,12 +14,10 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-from normgeo.measure.energy import ENERGY_FILE
-from normgeo.measure.intervention import INTERVENTION_FILE
-from normgeo.measure.mean_sources import MEAN_SOURCES_FILE
-from normgeo.measure.records import NULL_FILE, read_rows
+from normgeo.measure.records import read_rows
 from normgeo.readers.downstream import downstream_scores
 from normgeo.readers.metrics import last_value
+from normgeo.run_folder import ENERGY_FILE, INTERVENTION_FILE, MEAN_SOURCES_FILE, NULL_FILE, RunFolder
 from normgeo.verdict.metrics import (
     GEOMETRY,
     INTERVENTION,
@@ -60,7 +58,8 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
     """A run's pooled geometry: per probe step the mean over layers and site classes of 1's rank percentile,
     of its distance to the nearer band edge, and of the energy fraction along 1 at the norm inputs; at the
     last probe and over the last 30% of probe steps. Also the in-band share at the first and last step."""
-    null = pd.DataFrame([r for r in read_rows(run_dir / NULL_FILE) if r.get("step") is not None])
+    null_rows = read_rows(RunFolder(run_dir).record(NULL_FILE))
+    null = pd.DataFrame([r for r in null_rows if r.get("step") is not None])
     out: dict[str, float | None] = {f"{kind}/{at}": None for kind in GEOMETRY for at in ("window", "last")}
     out.update({"first_step": None, "in_band_first": None, "in_band_last": None})
     per_step: dict[str, pd.Series] = {}
@@ -77,7 +76,7 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
                         "in_band_last": float(share.iloc[-1])})
     energy = [
         r
-        for r in read_rows(run_dir / ENERGY_FILE)
+        for r in read_rows(RunFolder(run_dir).record(ENERGY_FILE))
         if r.get("step") is not None and r.get("quantity") == "ones_fraction" and r.get("mean") is not None
     ]
     if energy:
@@ -94,7 +93,7 @@ def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
     rows = sorted(
         (
             r
-            for r in read_rows(run_dir / INTERVENTION_FILE)
+            for r in read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
             if r.get("scope") == "all" and r.get("step") is not None and r.get("delta_loss") is not None
         ),
         key=lambda r: r["step"],
@@ -111,7 +110,7 @@ def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
 def mean_sources_measures(run_dir: Path) -> dict[str, float | None]:
     """Where a run's mean lives at its last probe: the share of E[μ²] at the probe windows' first position
     and the share of its 8 largest dimensions, each the mean over the norm inputs (None without the file)."""
-    rows = [r for r in read_rows(run_dir / MEAN_SOURCES_FILE) if r.get("step") is not None]
+    rows = [r for r in read_rows(RunFolder(run_dir).record(MEAN_SOURCES_FILE)) if r.get("step") is not None]
     out: dict[str, float | None] = {MEAN_FIRST: None, MEAN_TOP8: None}
     if not rows:
         return out
