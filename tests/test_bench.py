@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity
 
 from models.gpt import GPT, GPTConfig
 from models.norms import NORM_ARMS
 from normgeo.measure.angles import AngleMeasurement
 from normgeo.measure.energy import EnergyMeasurement
+from normgeo.measure.geometry import gpu_code_path
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import run_probe
 from normgeo.measure.probe import make_references, residual_norms
@@ -346,7 +348,7 @@ def test_the_probe_waits_on_the_device_no_more_with_more_norms() -> None:
         measurements = [
             AngleMeasurement(norms, make_references(32), num_sequences=4), EnergyMeasurement(norms)
         ]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with gpu_code_path(), torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
             run_probe(model, [tokens], measurements, norms=norms, batch_size=2)
         return probe_cost.op_counts(prof.events())
 
