@@ -415,6 +415,27 @@ def test_probe_cost_times_the_mean_sources_interleaved(capsys, monkeypatch) -> N
     assert re.search(r"MEAN SOURCES COST \(default probe with / without, best\): \d+\.\d{3}", out), out
 
 
+@pytest.mark.slow  # five variants of the tiny model, then SmolLM2-135M loaded (~14 s) and probed
+@pytest.mark.parametrize("subject", [("--size", "tiny"), ("--model", "smollm2-135m")], ids=["gpt", "preset"])
+def test_probe_cost_table_gives_issue_73s_variants(capsys, monkeypatch, subject: tuple[str, str]) -> None:
+    """bench/probe_cost.py --table, for a GPT size and an analyze.py preset: every variant of issue 73 as a
+    markdown row, its median and its ratio to the plain forward (the ratio of the medians), with the load."""
+    out = script_here(capsys, monkeypatch, "probe_cost", *subject, "--table", "--tokens", "512",
+                      "--batch-size", "2", "--repeats", "2")
+    assert re.search(r"512 probe tokens, batches of 2 x \d+, 2 interleaved repeat\(s\), load average before "
+                     r"[\d.]+, after [\d.]+", out), out
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and not line.startswith(("| variant", "| ---"))]
+    rows = {row[0]: row[1:] for row in cells}
+    assert list(rows) == ["plain forward", *(name for name, _ in bench_module("probe_cost").TABLE)]
+    plain = float(rows["plain forward"][0].removesuffix(" s"))
+    for name, (median, ratio, values) in rows.items():
+        seconds = [float(v) for v in values.split(", ")]
+        median_s = float(median.removesuffix(" s"))
+        assert len(seconds) == 2 and median_s == pytest.approx(sum(seconds) / 2, abs=0.01), name
+        assert float(ratio) == pytest.approx(median_s / plain, rel=0.03, abs=0.01), name  # of rounded seconds
+
+
 def test_probe_cost_refuses_cuda_without_a_gpu(capsys, monkeypatch) -> None:
     done = refused_here(capsys, monkeypatch, "probe_cost", "--device", "cuda")
     assert done.returncode == 2 and done.stdout == "", done.stderr
