@@ -53,7 +53,7 @@ from normgeo.config.checks import check_config
 from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
-from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator
+from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator, windows
 from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_module
@@ -166,8 +166,9 @@ def token_ids(count: int, subject: Subject | None = None) -> torch.Tensor:
 def plain_forward(subject: Subject, ids: torch.Tensor, batch_size: int) -> None:
     device = next(subject.model.parameters()).device  # the probe moves its batches there too
     with torch.no_grad():
-        for batch in ids.view(-1, subject.seq_len).split(batch_size):
-            subject.base(batch.to(device))
+        for part in windows(ids, subject.seq_len):  # the probe's windows: a shorter last one too
+            for batch in part.split(batch_size):
+                subject.base(batch.to(device))
 
 
 def probe(
