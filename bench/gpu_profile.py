@@ -34,11 +34,12 @@ import torch
 # The sibling scripts' own pieces (the script's folder is
 # on sys.path): the same probe and norm calls they time.
 from norm_cost import EPS, forward_backward
-from probe_cost import build, op_counts, plain_forward, probe, token_ids
+from probe_cost import gpt_subject, op_counts, plain_forward, probe, token_ids
 from torch.profiler import ProfilerActivity, profile
 
 from models.hardware import missing_cuda
 from models.norms import make_norm
+from normgeo.measure.geometry import gpu_code_path
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
                "aten::item", "aten::_local_scalar_dense")
@@ -62,7 +63,8 @@ def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: in
     fn()
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    # On the CPU too the GPU's code path: the host syncs counted are those a GPU would wait for.
+    with gpu_code_path(), profile(activities=activities) as prof:
         start = time.perf_counter()
         fn()
         synchronize(device)
@@ -126,18 +128,18 @@ def main() -> None:
         print(f"bench/gpu_profile.py: {reason}", file=sys.stderr)
         raise SystemExit(2)
 
-    model = build(args.size).to(device)
+    subject = gpt_subject(args.size, device)
     ids = token_ids(args.tokens)
     sections = [
         profiled(
             f"plain forward, {args.size}, {args.tokens} tokens",
-            lambda: plain_forward(model, ids, args.batch_size),
+            lambda: plain_forward(subject, ids, args.batch_size),
             device,
             args.rows,
         ),
         profiled(
             f"angle probe K=0, {args.size}, {args.tokens} tokens",
-            lambda: probe(model, ids, args.batch_size, null=0, energy_and_rows=False),
+            lambda: probe(subject, ids, args.batch_size, null=0, energy_and_rows=False),
             device,
             args.rows,
             probe_scope=True,
@@ -147,7 +149,7 @@ def main() -> None:
         sections.append(
             profiled(
                 f"angle probe K=64 +energy, {args.size}, {args.tokens} tokens",
-                lambda: probe(model, ids, args.batch_size),
+                lambda: probe(subject, ids, args.batch_size),
                 device,
                 args.rows,
                 probe_scope=True,

@@ -51,6 +51,7 @@ from train_throughput import scratch
 
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
+from normgeo.measure.geometry import gpu_code_path
 from normgeo.runs.build import make_datamodule
 from normgeo.runs.start import start_session
 from train import train
@@ -108,7 +109,8 @@ def sync_counts(overrides: Sequence[str]) -> tuple[dict[int, dict[str, int]], se
     (:func:`probe_cost.op_counts`), and the logging steps."""
     cfg = compose_run(overrides)
     scopes = StepScopes()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
+    # The probe's GPU code path on the CPU: the syncs counted are those a GPU would wait for.
+    with gpu_code_path(), profile(activities=[ProfilerActivity.CPU]) as prof, start_session(cfg) as start:
         train(start, extra_callbacks=[scopes])
     events = prof.events()
     return {step: op_counts(events, scope=f"{SCOPE}{step}") for step in scopes.steps}, scopes.logging

@@ -16,9 +16,17 @@ Variants are interleaved within each repeat so that machine noise hits them alik
 printed with the numbers. Peak memory is measured in a fresh process per token count (ru_maxrss, the default
 probe), to show it does not grow with N.
 
+``--table``: the variants of issue 73 over ``--tokens`` (the intervention on every one of them), each against
+the plain forward of the same model over the same tokens, medians of the interleaved repeats: the angle probe
+alone (K = 0, no intervention, no mean sources), + 64 null directions, energy and mean sources, the default
+probe, and the default probe without ``mean_sources.jsonl``. ``--model`` takes any ``analyze.py`` preset
+(conf/analyze/model/) in place of a GPT size: the probe is then analyze.py's (the model's own forward, the LM
+head loaded only for the intervention, seeded random token ids with the model's separator every 97 tokens).
+
     python bench/probe_cost.py                       # 70m, 32768 + 4096 tokens, memory at 4096 and 16384
     python bench/probe_cost.py --size 160m --tokens 65536 --memory-tokens 8192 65536
     python bench/probe_cost.py --device cuda --batch-size 8 --memory-tokens      # on a GPU
+    python bench/probe_cost.py --table --model smollm2-135m --tokens 8192 --batch-size 8 --repeats 3
 """
 
 from __future__ import annotations
@@ -27,21 +35,26 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from hydra import compose, initialize_config_dir
+from torch import nn
 from torch.autograd.profiler_util import FunctionEvent
 
-from models.gpt import GPT
 from models.hardware import missing_cuda
+from models.pretrained import hf_forward, load_model, max_positions
 from normgeo.config.checks import check_config
-from normgeo.config.compose import CONF_DIR
+from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.measure.intervention import DEFAULT_INTERVENTION_TOKENS, DEFAULT_SCOPES
-from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator
-from normgeo.measure.probe import make_references
+from normgeo.measure.norm_sites import NormSite, find_norm_sites
+from normgeo.measure.pipeline import PROBE_SCOPE, measure_records, tiktoken_separator, windows
+from normgeo.measure.probe import make_references, residual_norms
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_module
 
@@ -93,25 +106,73 @@ def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> d
     return counts
 
 
-def build(size: str) -> GPT:
+class Subject(NamedTuple):
+    """The model a probe is timed on: a GPT of ours or an analyze.py preset, with what the probe needs.
+
+    ``model`` is what the probe measures (with the LM head where the intervention needs one), ``forward``
+    runs it on token ids (None: ``model(batch)``); ``base`` is the plain forward the probe is compared with
+    and that the probe without the intervention measures, as analyze.py loads no head then."""
+
+    name: str
+    model: nn.Module
+    forward: Callable[[torch.Tensor], object] | None
+    base: Callable[[torch.Tensor], object]
+    seq_len: int
+    dim: int
+    norms: list[NormSite]
+    separator: int | None
+    vocab: int
+
+
+def build(size: str) -> nn.Module:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = check_config("train", compose("train", overrides=[f"size={size}"]))
     return make_module(cfg, seed=0).model.eval()  # as train.py builds it: norm included
 
 
-def token_ids(count: int) -> torch.Tensor:
-    return torch.randint(0, 50257, (count,), generator=torch.Generator().manual_seed(0))
+def gpt_subject(size: str, device: torch.device) -> Subject:
+    model = build(size).to(device)
+    return Subject(name=size, model=model, forward=None, base=model, seq_len=model.config.block_size,
+                   dim=model.config.n_embd, norms=find_norm_sites(model), separator=tiktoken_separator(),
+                   vocab=model.config.vocab_size)
 
 
-def plain_forward(model: GPT, ids: torch.Tensor, batch_size: int) -> None:
-    device = next(model.parameters()).device  # the probe moves its batches there too
+def preset_subject(preset: str, device: torch.device) -> Subject:
+    """An analyze.py preset (``model=<preset>``), loaded as analyze.py loads it, with its LM head."""
+    with initialize_config_dir(config_dir=ANALYZE_CONF_DIR, version_base="1.3"):
+        cfg = compose("analyze", overrides=[f"model={preset}"])
+    loaded = load_model(cfg.model, lm_head=True)
+    model = loaded.model.to(device).eval()
+    base = getattr(model, "base_model", model)  # analyze.py's model without the intervention: no LM head
+    limit = max_positions(model)
+    norms = find_norm_sites(model)
+    return Subject(name=cfg.model.name, model=model, forward=loaded.forward,
+                   base=hf_forward(base) if base is not model else loaded.forward,
+                   seq_len=min(cfg.model.seq_len, limit) if limit else cfg.model.seq_len,
+                   dim=residual_norms(norms)[0].dim, norms=norms, separator=loaded.separator,
+                   vocab=model.config.vocab_size)
+
+
+def token_ids(count: int, subject: Subject | None = None) -> torch.Tensor:
+    """Seeded random token ids; for a preset, below its vocabulary with its separator every 97 tokens."""
+    if subject is None or subject.forward is None:
+        return torch.randint(0, 50257, (count,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, subject.vocab, (count,), generator=torch.Generator().manual_seed(0))
+    if subject.separator is not None:
+        ids[96::97] = subject.separator
+    return ids
+
+
+def plain_forward(subject: Subject, ids: torch.Tensor, batch_size: int) -> None:
+    device = next(subject.model.parameters()).device  # the probe moves its batches there too
     with torch.no_grad():
-        for batch in ids.view(-1, model.config.block_size).split(batch_size):
-            model(batch.to(device))
+        for part in windows(ids, subject.seq_len):  # the probe's windows: a shorter last one too
+            for batch in part.split(batch_size):
+                subject.base(batch.to(device))
 
 
 def probe(
-    model: GPT,
+    subject: Subject,
     ids: torch.Tensor,
     batch_size: int,
     *,
@@ -127,25 +188,27 @@ def probe(
     document starts found as the training probe finds them, after GPT-2's end-of-text."""
     config = ProbeConfig(tokens=len(ids), null_directions=null, intervention=list(scopes),
                          intervention_tokens=budget, mean_sources=mean_sources)
+    headless = subject.forward is not None and not scopes  # analyze.py loads no LM head without them
     measure_records(
-        model,
+        subject.model,
         ids,
-        model.config.block_size,
-        make_references(model.config.n_embd, config.seed, null),
+        subject.seq_len,
+        make_references(subject.dim, config.seed, null),
         config,
         batch_size=batch_size,
         model_name="bench",
         step=0,
         tokens_per_step=None,
         with_null=energy_and_rows,
+        norms=subject.norms,
+        forward=subject.base if headless else subject.forward,
         resume_mid_stack=resume,
-        separator=tiktoken_separator(),
+        separator=subject.separator,
     )
 
 
-def peak_rss_child(size: str, tokens: int, batch_size: int, device: torch.device) -> None:
-    model = build(size).to(device)
-    probe(model, token_ids(tokens), batch_size, scopes=DEFAULT_SCOPES)
+def peak_rss_child(subject: Subject, tokens: int, batch_size: int, device: torch.device) -> None:
+    probe(subject, token_ids(tokens, subject), batch_size, scopes=DEFAULT_SCOPES)
     peak_gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     print(
         json.dumps(
@@ -158,15 +221,15 @@ def peak_rss_child(size: str, tokens: int, batch_size: int, device: torch.device
     )
 
 
-def timed(variants: dict, model: GPT, batch_size: int, repeats: int) -> dict[str, list[float]]:
-    cuda = next(model.parameters()).device.type == "cuda"
+def timed(variants: dict, subject: Subject, batch_size: int, repeats: int) -> dict[str, list[float]]:
+    cuda = next(subject.model.parameters()).device.type == "cuda"
     timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
         for name, fn in variants.items():
             if cuda:  # queued kernels are counted in the variant that queued them
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            fn(model, batch_size)
+            fn(subject, batch_size)
             if cuda:
                 torch.cuda.synchronize()
             timings[name].append(time.perf_counter() - start)
@@ -176,7 +239,7 @@ def timed(variants: dict, model: GPT, batch_size: int, repeats: int) -> dict[str
 def report(title: str, timings: dict[str, list[float]]) -> dict[str, float]:
     print(title)
     for name, values in timings.items():
-        print(f"  {name:52s} best {min(values):7.3f} s  median {sorted(values)[len(values) // 2]:7.3f} s  "
+        print(f"  {name:52s} best {min(values):7.3f} s  median {statistics.median(values):7.3f} s  "
               f"all {', '.join(f'{v:.3f}' for v in values)}")
     best = {name: min(values) for name, values in timings.items()}
     for name in best:
@@ -185,11 +248,42 @@ def report(title: str, timings: dict[str, list[float]]) -> dict[str, float]:
     return best
 
 
+TABLE = (  # issue 73's variants: (name, probe options)
+    ("angles only (K=0, no intervention, no mean sources)",
+     {"null": 0, "energy_and_rows": False, "mean_sources": False}),
+    ("+64 null directions, energy, mean sources (no intervention)", {}),
+    ("default (+the intervention on every token)", {"scopes": DEFAULT_SCOPES, "budget": None}),
+    ("default without mean_sources.jsonl", {"scopes": DEFAULT_SCOPES, "budget": None, "mean_sources": False}),
+)
+
+
+def table(subject: Subject, tokens: int, batch_size: int, repeats: int) -> None:
+    """The variants of :data:`TABLE` against the plain forward, interleaved: a markdown table of medians."""
+    ids = token_ids(tokens, subject)
+
+    def variant(options: dict) -> Callable[[Subject, int], None]:
+        return lambda s, b: probe(s, ids, b, **options)
+
+    before = os.getloadavg()
+    timings = timed({"plain forward": lambda s, b: plain_forward(s, ids, b),
+                     **{name: variant(options) for name, options in TABLE}}, subject, batch_size, repeats)
+    medians = {name: statistics.median(values) for name, values in timings.items()}
+    print(f"{subject.name}: {tokens} probe tokens, batches of {batch_size} x {subject.seq_len}, {repeats} "
+          f"interleaved repeat(s), load average before {before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    print("| variant | probe (median) | / plain forward | all |")
+    print("| --- | --- | --- | --- |")
+    for name, values in timings.items():
+        print(f"| {name} | {medians[name]:.2f} s | {medians[name] / medians['plain forward']:.2f} | "
+              f"{', '.join(f'{v:.2f}' for v in values)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", default="70m")
+    parser.add_argument("--model", default=None,
+                        help="an analyze.py preset (conf/analyze/model/: smollm2-135m, ...) for --size")
     parser.add_argument(
         "--tokens", type=int, default=32768, help="probe tokens of the default-probe comparison"
     )
@@ -201,22 +295,26 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model and the probe run: cpu or cuda")
     parser.add_argument("--mean-sources-cost", action="store_true",
                         help="only the default probe with and without mean_sources.jsonl, interleaved")
+    parser.add_argument("--table", action="store_true",
+                        help="only issue 73's variants over --tokens, every token intervened on, medians")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if reason := missing_cuda("--device", args.device, "--device cpu"):
         print(f"bench/probe_cost.py: {reason}", file=sys.stderr)
         raise SystemExit(2)
     device = torch.device(args.device)
+    subject = preset_subject(args.model, device) if args.model else gpt_subject(args.size, device)
     if args.child:
-        return peak_rss_child(args.size, args.tokens, args.batch_size, device)
+        return peak_rss_child(subject, args.tokens, args.batch_size, device)
 
-    model = build(args.size).to(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"size={args.size} device={where} batch={args.batch_size} threads={torch.get_num_threads()} "
+    print(f"model={subject.name} device={where} batch={args.batch_size} threads={torch.get_num_threads()} "
           f"repeats={args.repeats} load average before={os.getloadavg()[0]:.2f} "
           f"intervention budget={DEFAULT_INTERVENTION_TOKENS} scopes={','.join(DEFAULT_SCOPES)}")
-    probe(model, token_ids(model.config.block_size), 1)  # warm-up: allocator, kernels
-    large, small = token_ids(args.tokens), token_ids(args.budget_tokens)
+    probe(subject, token_ids(subject.seq_len, subject), 1)  # warm-up: allocator, kernels
+    if args.table:
+        return table(subject, args.tokens, args.batch_size, args.repeats)
+    large, small = token_ids(args.tokens, subject), token_ids(args.budget_tokens, subject)
     default = f"default probe (+intervention on the first {min(DEFAULT_INTERVENTION_TOKENS, args.tokens)})"
     if args.mean_sources_cost:
         best = report(f"probe tokens={args.tokens}", timed({
@@ -224,7 +322,7 @@ def main() -> None:
             f"{default} without mean sources": lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES,
                                                                  mean_sources=False),
             default: lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES),
-        }, model, args.batch_size, args.repeats))
+        }, subject, args.batch_size, args.repeats))
         print(f"MEAN SOURCES COST (default probe with / without, best): "
               f"{best[default] / best[f'{default} without mean sources']:.3f}")
         return None
@@ -234,7 +332,7 @@ def main() -> None:
         "angle probe K=64 +energy": lambda m, b: probe(m, large, b),
         default: lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES),
         f"{default} +layers": lambda m, b: probe(m, large, b, scopes=BREAKDOWN),
-    }, model, args.batch_size, args.repeats))
+    }, subject, args.batch_size, args.repeats))
     print(
         f"DEFAULT PROBE / PLAIN FORWARD at {args.tokens} probe tokens: "
         f"{best[default] / best['plain forward']:.3f}"
@@ -246,12 +344,13 @@ def main() -> None:
         "+intervention all,layers resumed mid-stack": lambda m, b: probe(m, small, b, scopes=BREAKDOWN),
         "+intervention all,layers re-run from the embeddings": lambda m, b: probe(
             m, small, b, scopes=BREAKDOWN, resume=False),
-    }, model, args.batch_size, args.repeats))
+    }, subject, args.batch_size, args.repeats))
     angles = every["angle probe K=64 +energy"]
+    blocks = len({norm.layer for norm in residual_norms(subject.norms) if isinstance(norm.layer, int)})
     for name, scopes in (("+intervention all", 1),
                          # all, blocks, final
-                         ("+intervention all,layers resumed mid-stack", model.config.n_layer + 2),
-                         ("+intervention all,layers re-run from the embeddings", model.config.n_layer + 2)):
+                         ("+intervention all,layers resumed mid-stack", blocks + 2),
+                         ("+intervention all,layers re-run from the embeddings", blocks + 2)):
         extra = (every[name] - angles) / every["plain forward"]
         print(
             f"  {name}: the {scopes} scope(s) cost {extra:.2f} plain forwards ({extra / scopes:.2f} "
@@ -264,8 +363,7 @@ def main() -> None:
                 sys.executable,
                 __file__,
                 "--child",
-                "--size",
-                args.size,
+                *(["--model", args.model] if args.model else ["--size", args.size]),
                 "--tokens",
                 str(tokens),
                 "--batch-size",

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity
 
 from models.gpt import GPT, GPTConfig
 from models.norms import NORM_ARMS
 from normgeo.measure.angles import AngleMeasurement
 from normgeo.measure.energy import EnergyMeasurement
+from normgeo.measure.geometry import gpu_code_path
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import run_probe
 from normgeo.measure.probe import make_references, residual_norms
@@ -346,7 +348,7 @@ def test_the_probe_waits_on_the_device_no_more_with_more_norms() -> None:
         measurements = [
             AngleMeasurement(norms, make_references(32), num_sequences=4), EnergyMeasurement(norms)
         ]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with gpu_code_path(), torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
             run_probe(model, [tokens], measurements, norms=norms, batch_size=2)
         return probe_cost.op_counts(prof.events())
 
@@ -411,6 +413,29 @@ def test_probe_cost_times_the_mean_sources_interleaved(capsys, monkeypatch) -> N
     assert [name for name, _ in timed] == ["plain forward", f"{default} without mean sources", default]
     assert all(len(values.split(", ")) == 2 for _, values in timed)
     assert re.search(r"MEAN SOURCES COST \(default probe with / without, best\): \d+\.\d{3}", out), out
+
+
+@pytest.mark.slow  # five variants of the tiny model, then SmolLM2-135M loaded (~14 s) and probed
+@pytest.mark.parametrize("subject", [("--size", "tiny"), ("--model", "smollm2-135m")], ids=["gpt", "preset"])
+def test_probe_cost_table_gives_issue_73s_variants(capsys, monkeypatch, subject: tuple[str, str]) -> None:
+    """bench/probe_cost.py --table, for a GPT size and an analyze.py preset: every variant of issue 73 as a
+    markdown row, its median and its ratio to the plain forward (the ratio of the medians), with the load."""
+    out = script_here(capsys, monkeypatch, "probe_cost", *subject, "--table", "--tokens", "512",
+                      "--batch-size", "2", "--repeats", "2")
+    assert re.search(r"512 probe tokens, batches of 2 x \d+, 2 interleaved repeat\(s\), load average before "
+                     r"[\d.]+, after [\d.]+", out), out
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and not line.startswith(("| variant", "| ---"))]
+    rows = {row[0]: row[1:] for row in cells}
+    assert list(rows) == ["plain forward", *(name for name, _ in bench_module("probe_cost").TABLE)]
+    plain = float(rows["plain forward"][0].removesuffix(" s"))
+    for name, (median, ratio, values) in rows.items():
+        seconds = [float(v) for v in values.split(", ")]
+        median_s = float(median.removesuffix(" s"))
+        assert len(seconds) == 2 and median_s == pytest.approx(sum(seconds) / 2, abs=0.01), name
+        # The seconds are printed to 0.01 s, the ratio of the unrounded medians to 0.01.
+        low, high = (median_s - 0.005) / (plain + 0.005), (median_s + 0.005) / max(plain - 0.005, 1e-9)
+        assert low - 0.005 <= float(ratio) <= high + 0.005, name
 
 
 def test_probe_cost_refuses_cuda_without_a_gpu(capsys, monkeypatch) -> None:

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity
 
 from corpus.sources import LocalFilesSource
 from corpus.tokenize import tiktoken_batch_encoder
 from models.gpt import GPT, GPTConfig
 from normgeo.measure.energy import EnergyStatistics
+from normgeo.measure.geometry import gpu_code_path
 from normgeo.measure.mean_sources import (
     BUCKET_STARTS,
     DOC_START,
@@ -514,7 +516,7 @@ def test_the_document_starts_add_no_host_sync() -> None:
 
     def syncs(document_starts: list[torch.Tensor] | None) -> tuple[int, int]:
         measurement = MeanSourcesMeasurement(norms)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with gpu_code_path(), torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
             run_probe(model, [tokens], [measurement], norms=norms, batch_size=2,
                       document_starts=document_starts)
         doc = measurement.records(KEYS)[MEAN_SOURCES_FILE][-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -106,6 +107,18 @@ def test_padding_runs_forward_passes_but_measures_only_the_real_sequences(window
         _, plain = probe_angles(model, real, make_references(32), batch_size=4)
         torch.testing.assert_close(padded.mean, plain.mean)
         assert torch.equal(padded.hist, plain.hist)
+
+
+def test_the_progress_bar_shows_tokens_per_second_and_the_time_left(capsys) -> None:
+    """analyze.py's bar (progress=true): forwards done of all the probe's (the intervention's counted), the
+    time left, and the probe tokens measured per second."""
+    model = tiny_gpt("layer")
+    norms = residual_norms(find_norm_sites(model))
+    part = torch.randint(0, 50257, (6, 16), generator=torch.Generator().manual_seed(2))
+    angles = AngleMeasurement(norms, make_references(32), num_sequences=6)
+    run_probe(model, [part], [angles], norms=norms, batch_size=2, progress=True)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.search(r"3\.0/3\.0 forwards \[\d\d:\d\d<\d\d:\d\d, [\d,]+ tokens/s\]", bar), bar
 
 
 def test_references_are_model_independent_and_have_the_promised_norms() -> None:

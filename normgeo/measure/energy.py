@@ -21,7 +21,14 @@ import torch.distributed as dist
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import input_sites
-from normgeo.measure.stats import QUANTILE_FIELDS, QUANTILES, chan_merge, json_number, one_cpu_thread
+from normgeo.measure.stats import (
+    QUANTILE_FIELDS,
+    QUANTILES,
+    add_counts,
+    chan_merge,
+    json_number,
+    one_cpu_thread,
+)
 from normgeo.run_folder import ENERGY_FILE
 
 QUANTITIES = ("ones_fraction", "jacobian_proxy")
@@ -97,9 +104,7 @@ class EnergyStatistics:
         # log10(0) = -inf lands in the first bin, like every value below the range.
         logs = torch.log10(values).nan_to_num(neginf=-1e9)
         bins = ((logs - self.low) * BINS_PER_DECADE).floor().clamp_(0, self.num_bins - 1).long()
-        flat = bins + self.bin_offsets
-        # index_add_, not bincount: on a GPU bincount reads its input's maximum back to size its output.
-        self.hist[site].view(-1).index_add_(0, flat.reshape(-1), directed.expand_as(flat).reshape(-1).long())
+        add_counts(self.hist[site].view(-1), bins + self.bin_offsets, directed)
 
     def merge(self, other: EnergyStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank)."""

@@ -11,7 +11,9 @@ are computed in float32 and cast back, as PyTorch's own norm kernels do.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -101,6 +103,30 @@ def standardize(x: torch.Tensor, kind: NormKind | str, eps: float) -> torch.Tens
     raise ValueError(f"unknown norm kind {kind!r}: choose one of {', '.join(STANDARDIZABLE_KINDS)}")
 
 
+# The devices where the probe's statistics may read a size back to the host (on the CPU nothing is queued
+# to wait for): they count exactly the entries they need rather than work around the read as on a GPU.
+HOST_READ_DEVICES = {"cpu"}
+
+
+def reads_back(device: torch.device) -> bool:
+    """Whether the statistics on ``device`` take the code path that reads sizes back (see
+    :data:`HOST_READ_DEVICES`)."""
+    return device.type in HOST_READ_DEVICES
+
+
+@contextlib.contextmanager
+def gpu_code_path() -> Iterator[None]:
+    """The statistics on the CPU by the GPU's code path (no size read back), so that the CPU profiler counts
+    the host syncs a GPU would make (``bench/probe_cost.py``'s ``op_counts`` and the scripts and tests that
+    use it). The values are the same either way."""
+    saved = set(HOST_READ_DEVICES)
+    HOST_READ_DEVICES.clear()
+    try:
+        yield
+    finally:
+        HOST_READ_DEVICES.update(saved)
+
+
 # Where |cos| exceeds this (angles under 60 or over 120 degrees), the sine comes from the explicit
 # perpendicular component; below it sqrt(1 - cos^2) loses no digits (error <= 1.2x that of cos).
 NEAR_AXIS_COS = 0.5
@@ -167,12 +193,17 @@ def _angle_deg(
     buffer = cos.new_empty(cos.numel() // refs_count + 1, refs_count) if refs_count else cos.new_empty(1, 0)
     sin = torch.sqrt((1.0 - cos.square()).clamp_(min=0.0), out=buffer[:-1].view_as(cos))
     near_axis = cos.abs() > NEAR_AXIS_COS
-    if near_axis_capacity is None:
+    if reads_back(x.device):
+        # The CPU waits on nothing to count the near-axis pairs: only theirs are computed, not every pair's
+        # (a float64 (vectors x D x d) temporary costs more than the rest of the statistics).
+        sin = _refine_near_axis(buffer, near_axis, cos, a, b, near_axis_capacity)
+    elif near_axis_capacity is None:
         # a and cos b broadcast to (..., D, d): each pair's perpendicular by the same operations as alone
         perpendicular = torch.linalg.vector_norm(a.unsqueeze(-2) - cos.unsqueeze(-1) * b, dim=-1)
         sin = torch.where(near_axis, perpendicular, sin)
     elif min(cos.numel(), near_axis_capacity) > 0:
-        sin = _refine_near_axis(buffer, near_axis, cos, a, b, min(cos.numel(), near_axis_capacity))
+        capacity = min(cos.numel(), near_axis_capacity)
+        sin = _refine_near_axis(buffer, near_axis, cos, a, b, capacity, static=True)
     degrees = torch.rad2deg(torch.atan2(sin, cos))
     valid = (x_norm > 0) & refs.valid  # (..., D)
     degrees = torch.where(valid, degrees, math.nan)
@@ -180,17 +211,22 @@ def _angle_deg(
 
 
 def _refine_near_axis(buffer: torch.Tensor, near_axis: torch.Tensor, cos: torch.Tensor, a: torch.Tensor,
-                      b: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The sines, ``buffer[:-1]``, with ``||a - cos b||`` at the first ``capacity`` pairs where ``near_axis``.
+                      b: torch.Tensor, capacity: int | None, static: bool = False) -> torch.Tensor:
+    """The sines, ``buffer[:-1]``, with ``||a - cos b||`` at the first ``capacity`` pairs where ``near_axis``
+    (None: every one).
 
-    ``nonzero_static`` fills a buffer of fixed size with the (vector, reference) pairs, where ``nonzero`` and
-    a branch on ``any()`` would each wait on a GPU for their number. The pairs come in ``nonzero``'s order and
-    each is computed by the same operations as alone, so the values are the same bits. Unused slots hold
-    (-1, -1): they compute the last pair again and are written to the spare last row of ``buffer``.
+    ``static``: ``nonzero_static`` fills a buffer of fixed size with the (vector, reference) pairs, where
+    ``nonzero`` and a branch on ``any()`` would each wait on a GPU for their number. Unused slots hold
+    (-1, -1): they compute the last pair again and are written to the spare last row of ``buffer``. Else
+    (the CPU, where nothing waits) ``nonzero`` gives exactly the near-axis pairs. Either way the pairs come in
+    ``nonzero``'s order and each is computed by the same operations as alone, so the values are the same bits.
     """
     refs = b.shape[0]
     cos_pairs = cos.reshape(-1, refs)
-    picked = torch.nonzero_static(near_axis.reshape(-1, refs), size=capacity, fill_value=-1)
+    if static:
+        picked = torch.nonzero_static(near_axis.reshape(-1, refs), size=capacity, fill_value=-1)
+    else:
+        picked = torch.nonzero(near_axis.reshape(-1, refs))[:capacity]
     row, col = picked.unbind(1)
     perpendicular = a.reshape(-1, a.shape[-1])[row] - cos_pairs[row, col].unsqueeze(-1) * b[col]
     buffer.index_put_((row, col), torch.linalg.vector_norm(perpendicular, dim=-1))

@@ -39,7 +39,13 @@ from normgeo.measure.energy import QUANTITIES, EnergyStatistics
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import ProbeSite, input_sites
-from normgeo.measure.stats import QUANTILE_FIELDS, block_bootstrap_means, json_number, one_cpu_thread
+from normgeo.measure.stats import (
+    QUANTILE_FIELDS,
+    add_counts,
+    block_bootstrap_means,
+    json_number,
+    one_cpu_thread,
+)
 from normgeo.run_folder import MEAN_SOURCES_FILE
 
 log = logging.getLogger(__name__)
@@ -174,11 +180,9 @@ class MeanSourcesStatistics:
         bits = flat.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
         magnitude = bits.view(torch.float32).amax(dim=0).to(torch.float64)
         self.max_abs[site] = torch.maximum(self.max_abs[site], magnitude)
-        fine = bits.bitwise_and(FINE_BINS - 1).reshape(-1).long()
-        bins = bits.bitwise_right_shift_(ABS_SHIFT).reshape(-1).long()
-        # index_add_, not bincount: on a GPU bincount reads its input's maximum back to size its output.
-        ones = torch.ones(1, dtype=torch.int64, device=self.device).expand(bins.numel())
-        self.abs_hist[site].index_add_(0, bins, ones)
+        fine = bits.bitwise_and(FINE_BINS - 1).reshape(-1)
+        bins = bits.bitwise_right_shift_(ABS_SHIFT).reshape(-1)
+        add_counts(self.abs_hist[site], bins)
         if not self.band_started[site]:  # centred on this first batch's median bin, on the device (no sync)
             middle = self.histogram_median_bin(self.abs_hist[site : site + 1])[0]
             self.band_start[site] = (middle - MEDIAN_BAND // 2).clamp(0, ABS_BINS - MEDIAN_BAND)
@@ -188,8 +192,7 @@ class MeanSourcesStatistics:
         offset = bins - self.band_start[site]
         inside = (offset >= 0) & (offset < MEDIAN_BAND)
         slot = torch.where(inside, offset * FINE_BINS + fine, MEDIAN_BAND * FINE_BINS)
-        self.band_hist[site].index_add_(0, slot, torch.ones(1, dtype=torch.int32, device=self.device)
-                                        .expand(slot.numel()))
+        add_counts(self.band_hist[site], slot)
 
     def merge(self, other: MeanSourcesStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank). The median bands add

@@ -197,7 +197,8 @@ def run_probe(
     Rank ``rank`` of ``world_size`` runs windows ``rank, rank + world_size, ...`` of each part, padded to as
     many forwards as the largest share (a sharded model's all-gathers are collective); padding rows are never
     measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``autocast`` gives the
-    precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch.
+    precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch,
+    with the time left over the whole probe and the probe tokens measured per second.
     ``document_starts``: bool windows of the shapes of ``parts`` (:func:`document_starts` cut by
     :func:`windows`), handed to every batch as :attr:`ProbeBatch.document_starts`; ``documents`` likewise
     (:func:`document_index` cut by :func:`windows`) as :attr:`ProbeBatch.documents`.
@@ -236,9 +237,11 @@ def run_probe(
         disable=not progress,
         mininterval=0,
         miniters=1,
-        bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}]",
+        # The time left is in forwards, the intervention's counted: it holds over the whole probe.
+        bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}{postfix}]",
     )
     started = time.perf_counter()
+    measured = 0  # this rank's probe tokens whose batches (intervention included) are done
     try:
         with contextlib.ExitStack() as stack:
             for measurement in measurements:
@@ -266,6 +269,9 @@ def run_probe(
                 for measurement in measurements:
                     measurement.observe_batch(batch)
                 batch.output = None  # the logits of a batch can be GBs: gone before the next forward
+                measured += rows * tokens.shape[1]
+                rate = measured / (time.perf_counter() - started)
+                bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
                 if number == 0 and progress and len(batches) > 1:
                     done = 1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements)
                     log.info("probe: the first batch took %.1f s; the probe will take about %s",

@@ -33,7 +33,7 @@ from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import DescrStatsW
 from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
-from normgeo.measure.geometry import UnitReferences, angle_deg, unit_references
+from normgeo.measure.geometry import UnitReferences, angle_deg, reads_back, unit_references
 
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
@@ -237,6 +237,23 @@ def chan_merge(
     return total, mean, m2
 
 
+def add_counts(hist: torch.Tensor, bins: torch.Tensor, counted: torch.Tensor | None = None) -> None:
+    """Add to the integer histogram ``hist`` (1-d) one count at each entry of ``bins`` (where ``counted``, a
+    bool of the same shape, is true).
+
+    On the CPU one ``bincount`` of the counted entries (an ``index_add_`` of int64 ones costs several times
+    more there); on a GPU an ``index_add_``: ``bincount`` and a selection read a size back to the host.
+    The counts are the same either way.
+    """
+    if reads_back(hist.device):
+        flat = bins.reshape(-1) if counted is None else bins[counted.expand_as(bins)]
+        hist += torch.bincount(flat, minlength=hist.numel())
+        return
+    ones = (torch.ones(1, dtype=hist.dtype, device=hist.device).expand(bins.numel()) if counted is None
+            else counted.expand_as(bins).reshape(-1).to(hist.dtype))
+    hist.index_add_(0, bins.reshape(-1).long(), ones)
+
+
 @contextlib.contextmanager
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """Run the engine's many small CPU ops on one thread.
@@ -330,7 +347,7 @@ class AngleStatistics:
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
         would, and the host never waits on the GPU: counts stay tensors, the histogram is an ``index_add_``
-        (``bincount`` reads its maximum back), zero vectors are masked rather than branched on, ``angle_deg``
+        (:func:`add_counts`), zero vectors are masked rather than branched on, ``angle_deg``
         picks its near-axis pairs into a buffer of fixed size, and ``sequence_ids`` should already be on the
         device (a copy from the host waits for the GPU; :class:`AngleMeasurement` copies them once a batch).
         On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
@@ -382,8 +399,7 @@ class AngleStatistics:
             self.max[sites], torch.where(directed, ref_degrees, -math.inf).amax(dim=1)
         )
         bins = (ref_degrees * self.bins_per_degree).long().clamp_(0, self.num_bins - 1)
-        flat = bins + self.bin_offsets[:S]
-        self.hist[sites].view(-1).index_add_(0, flat.view(-1), directed.expand_as(flat).reshape(-1).long())
+        add_counts(self.hist[sites].view(-1), bins + self.bin_offsets[:S], directed)
 
         # Null directions: sums in float64 of (angle - 90): random directions in high dimension stay
         # within a few degrees of 90, so the sums of squares lose no digits to cancellation.
