@@ -23,7 +23,7 @@ from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import measure_records, tiktoken_separator
 from normgeo.measure.probe import make_references, residual_norms
-from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.probe_config import BootstrapConfig, ProbeConfig
 from normgeo.runs.build import make_module
 
 DATA = Path(__file__).parent / "data"
@@ -47,11 +47,11 @@ def tiny_records() -> dict[str, list[dict]]:
     model = make_module(cfg, seed=0).model.eval()
     separator = tiktoken_separator()
     ids = probe_tokens(3 * 256 + 100, separator, model.config.vocab_size)
-    probe = ProbeConfig(tokens=len(ids), batch_size=2, bootstrap_replicates=50,
-                        intervention=("all", "layers"), intervention_tokens=512)
+    probe = ProbeConfig(tokens=len(ids), bootstrap=BootstrapConfig(replicates=50),
+                        intervention=["all", "layers"], intervention_tokens=512)
     references = make_references(model.config.n_embd, probe.seed)
-    return measure_records(model, ids, model.config.block_size, references, probe, model_name="tiny", step=3,
-                           tokens_per_step=1024, separator=separator).files
+    return measure_records(model, ids, model.config.block_size, references, probe, batch_size=2,
+                           model_name="tiny", step=3, tokens_per_step=1024, separator=separator).files
 
 
 def smollm2_records() -> dict[str, list[dict]]:
@@ -61,8 +61,8 @@ def smollm2_records() -> dict[str, list[dict]]:
     norms = find_norm_sites(loaded.model)
     dim = residual_norms(norms)[0].dim
     ids = probe_tokens(2 * 128 + 60, loaded.separator, loaded.model.config.vocab_size)
-    probe = ProbeConfig(tokens=len(ids), batch_size=2, bootstrap_replicates=50, intervention_tokens=None)
-    return measure_records(loaded.model, ids, 128, make_references(dim, probe.seed), probe,
+    probe = ProbeConfig(tokens=len(ids), bootstrap=BootstrapConfig(replicates=50), intervention_tokens=None)
+    return measure_records(loaded.model, ids, 128, make_references(dim, probe.seed), probe, batch_size=2,
                            model_name=cfg.model.name, step=loaded.step,
                            tokens_per_step=loaded.tokens_per_step, forward=loaded.forward, norms=norms,
                            separator=loaded.separator).files
