@@ -22,6 +22,7 @@ OWNER.take_requeue()
 import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -45,6 +46,7 @@ from callbacks.lightning_loops import ResumedAccumulation
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
+from corpus.atomic import atomic_write_text
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
 from corpus.tokenize import TokenizerError
@@ -63,6 +65,7 @@ from normgeo.config.schema import (
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.pipeline import AnalysisError
+from normgeo.measure.records import DamagedRecords
 from normgeo.plan import main as plan_main
 from normgeo.run_folder import CSV_DIR, RunFolder
 from normgeo.runs.build import make_module, make_schedule
@@ -115,15 +118,21 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
     return loggers
 
 
+WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what wandb accepts as a run id, and what train.py writes
+
+
 def wandb_arguments(run_dir: Path) -> dict[str, Any]:
     """Same wandb run across resumes (id kept in the run directory); offline when no key is set up."""
     id_file = RunFolder(run_dir).wandb_id
-    if id_file.exists():
-        run_id = id_file.read_text().strip()
-    else:
+    run_id = id_file.read_text(errors="replace").strip() if id_file.exists() else None
+    if run_id is not None and not WANDB_RUN_ID.fullmatch(run_id):  # named, and the run goes on
+        log.warning("%s is damaged (%r is no wandb run id): this session logs to a new wandb run", id_file,
+                    run_id[:40])
+        run_id = None
+    if run_id is None:
         run_id = secrets.token_hex(4)  # OS entropy, not the seeded RNGs (wandb 0.31 has no util.generate_id)
         if is_rank_zero():
-            id_file.write_text(run_id + "\n")
+            atomic_write_text(id_file, run_id + "\n")
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (
         netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
@@ -201,7 +210,11 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
     ``stopped_by``: why the session ended early ("interrupted by SIGINT", "requeue"). Its figures are listed
     once drawn (train.py)."""
     folder = RunFolder(run_dir)
-    previous = read_summary(run_dir) if start_step > 0 else {}
+    try:
+        previous = read_summary(run_dir) if start_step > 0 else {}
+    except DamagedRecords as err:  # rewritten from this session's state: the earlier sessions' log is lost
+        log.warning("%s; rewriting it from the run's state", err)
+        previous = {}
     step, tokens_per_step = trainer.global_step, trainer.lightning_module.tokens_per_step
     session_tokens = (step - start_step) * tokens_per_step
     session_s = session_wall_s(trainer, timer)

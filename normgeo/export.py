@@ -62,7 +62,9 @@ from models.pretrained import ModelLoadError, load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.measure.records import DamagedRecords
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
+from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics import read_metrics
 from normgeo.run_folder import CHECKPOINT_GLOB, LAST_CHECKPOINT, RunFolder
 from normgeo.runs.run_config import EXPORT_INFO, OUTPUT_MARKERS
@@ -315,8 +317,13 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
         lines += [CUSTOM_CODE.format(cls=model_class), ""]
     if conversion is not None:
         lines += conversion_section(gpt, conversion)
-    if run_config.is_file():
-        lines += ["## The run's config", "", "```yaml", run_config.read_text().rstrip(), "```", ""]
+    try:  # the one reader of a run's config: a damaged file is named in the card, not copied into it
+        read_run_config(Path(run_dir))
+    except DamagedRecords as err:
+        lines += ["## The run's config", "", f"Not included: {err}.", ""]
+    else:
+        if run_config.is_file():
+            lines += ["## The run's config", "", "```yaml", run_config.read_text().rstrip(), "```", ""]
     return "\n".join(lines)
 
 

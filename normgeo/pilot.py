@@ -43,6 +43,7 @@ from corpus.stream import TokenWindows
 from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
 from models.pretrained import load_checkpoint
+from normgeo.measure.records import DamagedRecords
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.paths import check_own_folder
 from normgeo.readers.metrics import read_metrics
@@ -99,7 +100,8 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
         config = load_run_config(run_dir) or {}
         try:
             finished = bool(read_summary(run_dir).get("finished"))
-        except json.JSONDecodeError:  # a summary cut short: not a finished run
+        except DamagedRecords as err:  # its own account unreadable: not a pilot point, and said so
+            print(f"skipped: {err}", file=sys.stderr)
             finished = False
         metrics = read_metrics(run_dir)
         curve = validation_curve(metrics)

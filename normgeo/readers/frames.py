@@ -20,7 +20,7 @@ import pandas as pd
 
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_record_file
-from normgeo.readers.identity import identity_from_config, read_run_config, read_summary_file
+from normgeo.readers.identity import identity_from_config, read_run_config
 from normgeo.readers.metrics import COLUMNS, read_metrics
 from normgeo.readers.status import find_runs
 from normgeo.run_folder import (
@@ -33,6 +33,7 @@ from normgeo.run_folder import (
     NULL_FILE,
     RECORD_FILES,
 )
+from normgeo.runs.summary import read_summary
 
 # The records files as DataFrames: the name a frame is asked for by (the file's name without .jsonl).
 FRAMES = {"angles": ANGLES_FILE, "null": NULL_FILE, "energy": ENERGY_FILE, "mean_sources": MEAN_SOURCES_FILE,
@@ -111,7 +112,7 @@ def load_run(folder: str | Path) -> Run:
     return Run(folder=folder, files=files,
                metrics=read_or_name(lambda: read_metrics(folder), pd.DataFrame(columns=COLUMNS), damaged),
                config=read_or_name(lambda: read_run_config(folder), {}, damaged),
-               summary=read_or_name(lambda: read_summary_file(folder), {}, damaged), damaged=damaged)
+               summary=read_or_name(lambda: read_summary(folder), {}, damaged), damaged=damaged)
 
 
 @dataclass

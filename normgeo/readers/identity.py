@@ -24,6 +24,7 @@ from normgeo.measure.run_records import read_run_records
 from normgeo.readers.metrics import read_metrics
 from normgeo.run_folder import HYDRA_CONFIG, RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.run_config import ALLOWED_CHANGES, config_changes
+from normgeo.runs.summary import read_summary
 
 CONFIG_FILES = (RUN_CONFIG_FILE, HYDRA_CONFIG)  # train.py's record first, else Hydra's
 
@@ -63,55 +64,6 @@ def read_run_config(run_dir: Path) -> dict:
     return {}
 
 
-# summary.json's fields (normgeo.runs.summary.run_summary writes them) and what each holds; a key not listed
-# (a divergence record, a field of a later version) is not checked, and a missing one reads as unknown.
-WHOLE, NUMBER, FLAG, TEXT = "a whole number", "a number", "true or false", "text"
-SUMMARY_FIELDS: dict[str, tuple[str, bool]] = {  # key -> (what it holds, whether null is allowed)
-    "step": (WHOLE, False), "max_steps": (WHOLE, False), "finished": (FLAG, False),
-    "train_loss": (NUMBER, True), "val_loss": (NUMBER, True), "val_step": (WHOLE, True),
-    "tokens_seen": (WHOLE, False), "wall_s": (NUMBER, False), "sessions": (WHOLE, False),
-    "session_wall_s": (NUMBER, False), "tokens_per_s": (NUMBER, True), "records": (TEXT, True),
-    "checkpoints": (TEXT, False), "train_log": (TEXT, False),
-}
-SUMMARY_FIX = ("copy it again from where the run wrote it (one JSON object: train.py writes it whole at the "
-               "end of each session)")
-
-
-def holds(value: object, kind: str) -> bool:
-    """Whether ``value`` (parsed JSON) is ``kind``: true/false is not a number here."""
-    if isinstance(value, bool):
-        return kind == FLAG
-    return {WHOLE: isinstance(value, int), NUMBER: isinstance(value, (int, float)),
-            TEXT: isinstance(value, str)}.get(kind, False)
-
-
-def read_summary_file(run_dir: Path) -> dict:
-    """The run's summary.json ({} when absent), every field of :data:`SUMMARY_FIELDS` of its type; raises
-    :class:`DamagedRecords` naming the file, the key's line and what it expected (the one summary reader of
-    ``status``, ``compare`` and ``report``)."""
-    path = RunFolder(run_dir).summary
-    if not path.is_file():
-        return {}
-    text = path.read_text(errors="replace")
-    if not text.strip():
-        raise DamagedRecords(path, 1, "empty: no summary in it", SUMMARY_FIX, what="summary")
-    try:
-        summary = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DamagedRecords(path, err.lineno, f"{err.msg} at column {err.colno}", SUMMARY_FIX,
-                             what="summary") from None
-    if not isinstance(summary, dict):
-        raise DamagedRecords(path, 1, f"a JSON {type(summary).__name__}, not an object", SUMMARY_FIX,
-                             what="summary")
-    for key, (kind, nullable) in SUMMARY_FIELDS.items():
-        value = summary.get(key)
-        if key in summary and not (value is None and nullable) and not holds(value, kind):
-            line = next((number for number, row in enumerate(text.splitlines(), 1) if f'"{key}"' in row), 1)
-            raise DamagedRecords(path, line, f"{key!r} is {value!r}, expected {kind}"
-                                 f"{' or null' if nullable else ''}", SUMMARY_FIX, what="summary")
-    return summary
-
-
 @dataclass
 class RunFiles:
     """Every file of a run a reader needs, each read whole and checked by its one reader."""
@@ -127,7 +79,7 @@ def read_run_files(run_dir: Path) -> RunFiles:
     raises :class:`DamagedRecords` for the first damaged one (the reader skips the run and names it)."""
     try:
         return RunFiles(records=read_run_records(run_dir), config=read_run_config(run_dir),
-                        summary=read_summary_file(run_dir), metrics=read_metrics(run_dir))
+                        summary=read_summary(run_dir), metrics=read_metrics(run_dir))
     except DamagedRecords as err:  # a metrics.csv lies two folders down: the skipped run is named, not them
         err.run_dir = Path(run_dir)
         raise

@@ -15,10 +15,11 @@ from omegaconf import OmegaConf
 import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
-from normgeo.readers.identity import read_run_config, read_summary_file
+from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics import last_value, read_metrics
 from normgeo.run_folder import ANGLES_FILE, CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, RunFolder
 from normgeo.runs.session import divergence, newest_resumable
+from normgeo.runs.summary import read_summary
 from slurm.requeue import REQUEUED
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -197,7 +198,7 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
     known = len(problems)
     # the one summary reader, normgeo.readers.identity, not normgeo.runs.summary, which imports Lightning:
     # status stays quick; a damaged summary.json is named in ``problems``
-    summary = read(read_summary_file, {})
+    summary = read(read_summary, {})
     summary_damaged = len(problems) > known
     finished_step = finished_by_summary(summary)
     loss = read(last_loss, None)

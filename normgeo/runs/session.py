@@ -5,7 +5,6 @@ before anything is written (normgeo.runs.start runs them before the run writes `
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
 from models.divergence import NonFiniteError
 from normgeo.config.schema import TrainSchema
+from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import (
     HYDRA_DIR,
     LAST_CHECKPOINT,
@@ -195,10 +195,10 @@ KEPT_ON_REPLACE = (LOCK_FILE, HYDRA_DIR, TRAIN_LOG, REPLACED_DIR)
 def divergence(run_dir: Path) -> dict[str, Any] | None:
     """The divergence record of the run in ``run_dir`` (step, loss, optim.lr), None if it did not diverge."""
     try:
-        summary = json.loads(RunFolder(run_dir).summary.read_text())
-    except (OSError, ValueError):  # none, or unreadable: not a record of a divergence
+        summary = read_summary(run_dir)
+    except DamagedRecords:  # unreadable: no record of a divergence (its readers name the damage)
         return None
-    record = summary.get(DIVERGED) if isinstance(summary, dict) else None
+    record = summary.get(DIVERGED)
     return record if isinstance(record, dict) else None
 
 
@@ -243,7 +243,11 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     if ckpt_path and (done := finished_message(ckpt_path, cfg)):
         # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
-        summary = read_summary(run_dir)
+        try:
+            summary = read_summary(run_dir)
+        except DamagedRecords as err:  # the run is finished whatever its summary says; its figures stay
+            log.warning("%s; the run is finished (its checkpoint says so)", err)
+            summary = {}
         left = (cfg.probe.enabled and cfg.probe.figures and summary.get("finished") is True
                 and not summary.get("figures") and RunFolder(run_dir).angles.is_file())
         if left:

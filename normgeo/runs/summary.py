@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from corpus.atomic import atomic_open
+from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import RunFolder
 
 
@@ -19,9 +20,53 @@ def disk_use(run_dir: Path) -> dict[str, int]:
     return {part: sum(p.stat().st_size for p in paths if p.is_file()) for part, paths in parts.items()}
 
 
+# summary.json's fields (train.py's run_summary writes them) and what each holds; a key not listed
+# (a divergence record, a field of a later version) is not checked, and a missing one reads as unknown.
+WHOLE, NUMBER, FLAG, TEXT = "a whole number", "a number", "true or false", "text"
+SUMMARY_FIELDS: dict[str, tuple[str, bool]] = {  # key -> (what it holds, whether null is allowed)
+    "step": (WHOLE, False), "max_steps": (WHOLE, False), "finished": (FLAG, False),
+    "train_loss": (NUMBER, True), "val_loss": (NUMBER, True), "val_step": (WHOLE, True),
+    "tokens_seen": (WHOLE, False), "wall_s": (NUMBER, False), "sessions": (WHOLE, False),
+    "session_wall_s": (NUMBER, False), "tokens_per_s": (NUMBER, True), "records": (TEXT, True),
+    "checkpoints": (TEXT, False), "train_log": (TEXT, False),
+}
+SUMMARY_FIX = ("copy it again from where the run wrote it (one JSON object: train.py writes it whole at the "
+               "end of each session)")
+
+
+def holds(value: object, kind: str) -> bool:
+    """Whether ``value`` (parsed JSON) is ``kind``: true/false is not a number here."""
+    if isinstance(value, bool):
+        return kind == FLAG
+    return {WHOLE: isinstance(value, int), NUMBER: isinstance(value, (int, float)),
+            TEXT: isinstance(value, str)}.get(kind, False)
+
+
 def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The run's summary.json ({} when absent), every field of :data:`SUMMARY_FIELDS` of its type; raises
+    :class:`DamagedRecords` naming the file, the key's line and what it expected. The one summary reader:
+    train.py's resume and end, ``status``, ``compare``, ``report``, the pilot."""
     path = RunFolder(run_dir).summary
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise DamagedRecords(path, 1, "empty: no summary in it", SUMMARY_FIX, what="summary")
+    try:
+        summary = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DamagedRecords(path, err.lineno, f"{err.msg} at column {err.colno}", SUMMARY_FIX,
+                             what="summary") from None
+    if not isinstance(summary, dict):
+        raise DamagedRecords(path, 1, f"a JSON {type(summary).__name__}, not an object", SUMMARY_FIX,
+                             what="summary")
+    for key, (kind, nullable) in SUMMARY_FIELDS.items():
+        value = summary.get(key)
+        if key in summary and not (value is None and nullable) and not holds(value, kind):
+            line = next((number for number, row in enumerate(text.splitlines(), 1) if f'"{key}"' in row), 1)
+            raise DamagedRecords(path, line, f"{key!r} is {value!r}, expected {kind}"
+                                 f"{' or null' if nullable else ''}", SUMMARY_FIX, what="summary")
+    return summary
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
