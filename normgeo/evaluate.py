@@ -30,8 +30,10 @@ from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
 from normgeo.export import ExportError, choose_checkpoint, export_run
+from normgeo.paths import FolderError, check_own_folder
 from normgeo.readers.downstream import merged_eval, read_eval
 from normgeo.run_folder import RunFolder
+from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
 DEFAULT_CORPUS = (
@@ -167,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals("during the evaluation", "run the same command again")
 
     if args.make_task is not None:
+        try:  # a folder of its own: never inside a run or another command's outputs
+            check_own_folder(args.make_task, "--make-task", OUTPUT_MARKERS, own=None, beside="tasks")
+        except FolderError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         try:
             config = write_task(args.make_task, args.corpus, args.examples)
         except (SourceError, ValueError) as exc:

@@ -82,13 +82,15 @@ def folder_owner(folder: Path, markers: Mapping[str, str]) -> tuple[Path, str] |
 
 
 def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: str | None,
-                     own_subfolders: Collection[str] = (), beside: str = "out") -> None:
+                     own_subfolders: Collection[str] = (), beside: str = "out",
+                     owners: Collection[Path] = ()) -> None:
     """``folder`` may take this command's outputs: FolderError when it is the filesystem's root; is, or lies
     at any depth below, a folder holding another command's outputs (one of ``markers``, file name -> what it
     marks; a folder marked by this command's ``own`` is its own, to write again, but nothing goes below it);
     or holds a sweep (a visible folder one level down holding a marker): a command writes only where it owns.
-    ``own_subfolders`` are the folders this command keeps inside another's (report's ``figures``, the
-    figures of the run it draws); ``beside`` names the folder the refusal suggests beside the owner's."""
+    ``own_subfolders`` are the folders this command keeps inside the folders ``owners`` (report's ``figures``
+    inside the runs it draws, not another run's); ``beside`` names the folder the refusal suggests beside the
+    owner's."""
     resolved = folder.resolve()
     if resolved == Path(resolved.anchor):
         raise FolderError(f"{key}={folder}: the filesystem's root (an unset variable in the path?); choose a "
@@ -99,7 +101,8 @@ def check_own_folder(folder: Path, key: str, markers: Mapping[str, str], own: st
         if owner == resolved and name != own:
             raise FolderError(f"{key}={folder} holds {markers[name]}: nothing of this command goes there; "
                               f"choose another {key}=...")
-        if owner != resolved and inside[0] not in own_subfolders:
+        kept = bool(inside) and inside[0] in own_subfolders and owner in {Path(o).resolve() for o in owners}
+        if owner != resolved and not kept:
             raise FolderError(f"{key}={folder} is inside {owner}, which holds {markers[name]}: nothing of "
                               f"this command goes there; write it beside that folder, e.g. "
                               f"{key}={owner.parent / f'{owner.name}-{beside}'}")

@@ -97,10 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for folder in dict.fromkeys([out_dir, *run_out.values()]):  # --out first: the folder named
             check_writable_folder(folder, "--out")
-            # Not into a run's other folders (checkpoints/, csv/) nor another command's: a run's own figures/
-            # (report's default) is the one folder it keeps inside a run.
+            # Not into a run's other folders (checkpoints/, csv/), another run, nor another command's: the
+            # drawn run's own figures/ (report's default) is the one folder it keeps inside a run.
             check_own_folder(folder, "--out", OUTPUT_MARKERS, own=None, own_subfolders=(FIGURES_DIR,),
-                             beside="figures")
+                             beside="figures", owners=[Path(run) for run in runs])
     except FolderError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

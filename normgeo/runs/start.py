@@ -280,6 +280,11 @@ def check_start(composed: DictConfig) -> Start:
     check_own_folder(run_dir, "run_dir", OUTPUT_MARKERS, own=RUN_CONFIG_FILE, beside="run")
     # The data folder by the same rule: prepared data is a folder of its own, never inside a run.
     check_own_folder(Path(cfg.data.directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
+    data_dir, run = Path(cfg.data.directory).resolve(), run_dir.resolve()
+    if data_dir.is_relative_to(run) or run.is_relative_to(data_dir):  # a fresh folder has no marker yet
+        raise StartError(f"run_dir={run_dir} and data.directory={cfg.data.directory} would share a folder: "
+                         "a run and its prepared data are folders of their own; choose another run_name=... "
+                         "(or data_root=...)")
     if is_rank_zero() and not slurm_requeued():
         check_unlocked(run_dir)  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
