@@ -94,6 +94,12 @@ class RunFolder:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
+    @property
+    def holds_run(self) -> bool:
+        """Whether this is a run's folder: train.py's record of its config, or the config Hydra composed (an
+        analysis's, or a run that has not recorded its own yet); how the readers find runs."""
+        return self.run_config.is_file() or self.hydra_config.is_file()
+
     def checkpoint(self, step: int) -> Path:
         """The scheduled checkpoint of ``step`` (there or not)."""
         return self.checkpoints / checkpoint_name(step)

@@ -81,3 +81,13 @@ def test_the_export_of_a_run_whose_config_is_garbage_names_it_in_the_card(
     assert done.returncode == 0, done.stderr[-3000:]
     card = (tmp_path / "exported" / "README.md").read_text()
     assert "## The run's config" in card and f"Not included: {RunFolder(run_dir).run_config}" in card
+
+
+def test_a_run_without_its_hydra_folder_is_still_listed_by_status(stopped_and_finished: tuple[Path, Path],
+                                                                   tmp_path: Path, capfd) -> None:
+    """Issue 75, class 5: status found runs by .hydra/config.yaml, train.py by run_config.yaml, so a deleted
+    .hydra/ hid a run from status and compare that train.py still resumed."""
+    run_dir = copied(stopped_and_finished[1], tmp_path)
+    shutil.rmtree(RunFolder(run_dir).hydra)
+    done = module_main(capfd, "status", tmp_path)
+    assert done.returncode == 0 and run_dir.name in done.stdout and "finished" in done.stdout, done.stdout

@@ -46,12 +46,12 @@ class RunStatus:
 
 def find_runs(root: Path) -> Iterator[Path]:
     """Run directories at or below ``root`` (a run's own subfolders are not searched)."""
-    if RunFolder(root).hydra_config.is_file():
+    if RunFolder(root).holds_run:
         yield root
         return
     for path, dirs, _ in os.walk(root):
         here = Path(path)
-        if here != root and RunFolder(here).hydra_config.is_file():
+        if here != root and RunFolder(here).holds_run:
             dirs.clear()
             yield here
             continue
