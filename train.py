@@ -331,9 +331,9 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
                        if trainer.is_global_zero else None)
             raise mark_diverged(run_dir, summary, err) from None
         if trainer.is_global_zero and start.kept:  # one that trained nothing writes nothing: run() undoes it
-            # The end is part of the run: its summary first, while fit_phase holds a signal (stopped in the
-            # figures, the run keeps its account); then, under ``end``, a signal held meanwhile (after the
-            # last step's poll, or in fit's teardown) is answered, exit 128 + the signal; else the figures.
+            # The end is part of the run: its summary first, while fit_phase holds a signal; from then on a
+            # signal, held meanwhile (after the last step's poll, in fit's teardown) or arriving in the
+            # figures, abandons the end and end_interrupted records it in the summary, exit 128 + the signal.
             late = stop.late_signal or fit_phase.received
             stopped_by = stop.stopped_by or (f"interrupted by {signal.Signals(late).name}" if late else None)
             write_summary(run_dir, run_summary(trainer, timer, run_dir, keep.session_start_step, stopped_by))

@@ -1,7 +1,6 @@
 """Issue 75, class 6: no command writes into another's folder. Each slipped through before: report's figures
 into another run, evaluate's task inside a run, a run named like its data folder (the run folder and
-data_root one folder), a resume from another run's checkpoint into a new folder (a "finished" run whose
-records began at step 4, without a word). Each is now one line, exit 2, nothing written."""
+data_root one folder). Each is now one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -51,14 +50,3 @@ def test_a_run_named_like_its_data_folder_is_refused(tmp_path: Path, capfd) -> N
     assert code == 2 and "would share a folder" in err.strip().splitlines()[-1], err
     assert not (tmp_path / "data").exists()
 
-
-def test_a_resume_from_another_runs_checkpoint_is_refused(two_runs: tuple[Path, Path], tmp_path: Path,
-                                                          capfd) -> None:
-    last = RunFolder(two_runs[0]).last_checkpoint
-    new = tmp_path / "new"
-    capfd.readouterr()
-    code = main_exit_code("train", [*FAST, *COMMON, f"run_dir={new}", f"data_root={tmp_path / 'data'}",
-                                    f"resume={last}"])
-    err = capfd.readouterr().err
-    assert code == 2 and f"resume={last} belongs to the run {two_runs[0].resolve()}" in err, err
-    assert not new.exists()

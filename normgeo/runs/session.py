@@ -121,11 +121,6 @@ def resume_checkpoint(run_dir: Path, resume: str | None) -> str | None:
     if not Path(resume).is_file():
         raise RunDirectoryError(f"resume={resume!r}: no such checkpoint file "
                                 "(use resume=auto or a .ckpt path)")
-    owner = Path(resume).resolve().parent.parent  # <run>/checkpoints/<file>
-    if RunFolder(owner).run_config.is_file() and owner != Path(run_dir).resolve():
-        raise RunDirectoryError(
-            f"resume={resume} belongs to the run {owner}, not run_dir={run_dir}: a resume continues its own "
-            f"run; continue that one with run_dir={owner} resume=auto (or copy its folder, resume the copy)")
     info = checkpoint_info(Path(resume))
     if isinstance(info, str):
         raise RunDirectoryError(f"resume={resume!r}: unreadable checkpoint ({info}); use resume=auto")
