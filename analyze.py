@@ -36,8 +36,8 @@ from normgeo.config.compose import (
     write_hydra_files,
 )
 from normgeo.config.schema import ConfigError
-from normgeo.figures.analysis import print_summary
 from normgeo.figures.intervention import print_intervention
+from normgeo.figures.model_summary import print_summary
 from normgeo.measure.norm_sites import NoNormFoundError
 from normgeo.measure.pipeline import AnalysisError, probe_ids
 from normgeo.measure.probe_config import ProbeConfig

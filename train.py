@@ -45,7 +45,7 @@ from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, Sche
 from callbacks.lightning_loops import ResumedAccumulation
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
-from callbacks.signals import SignalStop, StopOnSignal, exit_if_interrupted
+from callbacks.signal_stop import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.atomic import atomic_write_text
 from corpus.prepare import PreparedDataError
 from corpus.sources import SourceError
@@ -96,7 +96,7 @@ from slurm.requeue import record_slurm_job, requeue_slurm_job
 
 log = logging.getLogger("normgeo.train")
 # Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory is
-# put back as it was); from training on, callbacks.signals.Interrupt saves last.ckpt instead.
+# put back as it was); from training on, callbacks.signal_stop.Interrupt saves last.ckpt instead.
 BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)",
                              "nothing was trained; run the same command again")
 

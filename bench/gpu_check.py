@@ -76,7 +76,7 @@ from models.lit import peak_flops
 from models.norms import compile_refusal
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.records import read_rows
-from normgeo.readers.metrics import read_metrics
+from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import ANGLES_FILE, RunFolder
 from normgeo.runs.start import start_session
 from train import train
@@ -598,7 +598,8 @@ def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) ->
     details = [
         f"- plan: {planned.details[0]}",
         "- measured: `torch.cuda.max_memory_allocated()` over each arm's training (the train rows); the "
-        "plan's own measurement is `models.plan.measure_step` (the layer arm's step, as training runs it)",
+        "plan's own measurement is `models.step_cost.measure_step` (the layer arm's step, as training runs "
+        "it)",
     ]
     return Outcome(path, ok, summary, planned.seconds, details, missed=missed)
 

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import abandonable
+from callbacks.signal_stop import abandonable
 from normgeo.config.schema import TrainProbeSchema
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signals import SignalStop, StopOnSignal, training_interrupt
+from callbacks.signal_stop import SignalStop, StopOnSignal, training_interrupt
 from corpus.atomic import atomic_open
 from normgeo.config.schema import CheckpointSchema
 from normgeo.run_folder import LAST_CHECKPOINT, checkpoint_name

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from models.plan import GIB, GPUS
+from models.step_cost import GIB, GPUS
 from normgeo.plan import MEASURED_PEAKS, compose, measured_overrides, measured_peaks, plan_config
 
 SIZES = ("70m", "160m", "410m", "1b")
@@ -22,7 +22,7 @@ NORMS = ("layer", "rms")
 def main() -> None:
     names = ", ".join(g.name for g in GPUS.values())
     print("# Planned cost of the paper grid\n")
-    print("Planned, not measured: `python -m normgeo.plan` on fake tensors (models/plan.py), written by "
+    print("Planned, not measured: `python -m normgeo.plan` on fake tensors (models/step_cost.py), written by "
           "`python docs/plan_table.py > docs/plan.md`. *planned*: the compiled step where the config "
           "compiles (`compile=true`, or `auto` on a GPU), else the eager trace. DDP over the size's GPU "
           "count (`size.gpus`), "
@@ -89,7 +89,7 @@ def measured_table() -> None:
               f"{report['planned']} | {peak:.2f} | {row['peak_gib']:.2f} | {peak / row['peak_gib']:.3f} | "
               f"{row['device']}, {row['date']}, torch {row['torch']} | {seconds:.0f} |")
         sys.stdout.flush()
-    print("\ntrain.py's launch gate (`models.plan.gate`, run by `normgeo/runs/preflight.py` before the "
+    print("\ntrain.py's launch gate (`models.step_cost.gate`, run by `normgeo/runs/preflight.py` before the "
           "run folder is claimed) holds this plan against the GPU (or `plan.device_memory_gib`): it refuses "
           "only when the plan's lower bound, the exact static state (parameters, AdamW state, DDP's buckets "
           "or the gradients accumulated over micro-steps, FSDP2's shards) plus one micro-batch's logits, and "

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from normgeo.figures.analysis import summarize, summary_markdown
+from normgeo.figures.model_summary import summarize, summary_markdown
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
 from normgeo.run_folder import ANGLES_FILE, NULL_FILE, RunFolder

@@ -2,7 +2,7 @@
 
 ``torch.compile`` keeps for the backward only what Inductor's partition of the joint forward-backward graph
 saves, and Inductor fuses chains of pointwise operations into kernels that never write their intermediate
-tensors: the eager trace of :mod:`models.plan` (MemTracker over eager autograd) overstates both. Here the
+tensors: the eager trace of :mod:`models.step_cost` (MemTracker over eager autograd) overstates both. Here the
 model's forward and loss (what ``LitGPT`` compiles: ``GPT.forward`` with the targets) is traced on fake
 tensors with AOT autograd (``aot_function``: ``make_fx``, no Dynamo), with Inductor's decomposition table
 (``torch._inductor.decomposition.select_decomp_table``) and partitioned by Inductor's own partition
@@ -34,9 +34,9 @@ accumulation) the gradients accumulated so far. Not modelled: the caching alloca
 rounding, cuBLAS and attention workspaces, Inductor's other heuristics that write out a fused chain (too
 large an inner function, accumulated reads), its reordering of kernels, the optimizer step's and clipping's
 small temporaries, and the CUDA context. One graph is planned: under DDP, Dynamo's DDPOptimizer splits it at
-the gradient buckets' boundaries (the buckets are counted beside it, :func:`models.plan.per_gpu`).
+the gradient buckets' boundaries (the buckets are counted beside it, :func:`models.step_cost.per_gpu`).
 
-Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.plan` calls :func:`compiled_peak`.
+Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.step_cost` calls :func:`compiled_peak`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.analysis import print_summary, summarize, write_summary
+from normgeo.figures.model_summary import print_summary, summarize, write_summary
 from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.paths import FolderError, check_own_folder
 from normgeo.run_folder import NULL_FILE, RunFolder

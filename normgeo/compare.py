@@ -45,7 +45,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.compare import write_comparison
+from normgeo.figures.arm_overlay import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
 from normgeo.paths import check_own_folder, check_writable_folder

@@ -65,7 +65,7 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder
 from normgeo.readers.identity import read_run_config
-from normgeo.readers.metrics import read_metrics
+from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import CHECKPOINT_GLOB, LAST_CHECKPOINT, RunFolder
 from normgeo.runs.run_config import EXPORT_INFO, OUTPUT_MARKERS
 from normgeo.runs.session import divergence

@@ -20,8 +20,8 @@ from torch import nn
 
 from corpus.atomic import atomic_write_json
 from models.pretrained import max_positions
-from normgeo.figures.analysis import summarize, write_summary
 from normgeo.figures.angles import layers_figure, write_run_figures
+from normgeo.figures.model_summary import summarize, write_summary
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, Records, measure_records, norm_kind
 from normgeo.measure.probe import make_references, residual_norms
@@ -78,7 +78,7 @@ class ModelRecords(RecordFrames):
 
     @property
     def summary(self) -> list[dict]:
-        """Pooled over tokens and layers, as ``summary.csv`` (normgeo.figures.analysis.summarize)."""
+        """Pooled over tokens and layers, as ``summary.csv`` (normgeo.figures.model_summary.summarize)."""
         return summarize(self.records.rows, self.records.null)
 
     def plot(self, roles: Sequence[str] | None = None) -> Figure:

@@ -46,7 +46,7 @@ from models.pretrained import load_checkpoint
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.stats import seeds_for_difference, seeds_for_equivalence
 from normgeo.paths import check_own_folder
-from normgeo.readers.metrics import read_metrics
+from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS, load_run_config
 from normgeo.runs.summary import read_summary

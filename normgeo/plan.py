@@ -6,7 +6,7 @@ API, so nothing is written: no run directory, no ``.hydra``. Prints the paramete
 and per optimizer step, the peak memory per GPU by category (with and without activation checkpointing,
 and at a probe), whether it fits each GPU of ``plan.gpus`` and the largest micro_batch that does, the
 time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. The planning itself is
-``models/plan.py`` (fake tensors); the config's plan and train.py's pre-flight check with it (a start
+``models/step_cost.py`` (fake tensors); the config's plan and train.py's pre-flight check with it (a start
 check, before the claim) are ``normgeo/runs/preflight.py``.
 
     python -m normgeo.plan experiment=paper_1b norm=rms
@@ -18,7 +18,7 @@ would partition, what it saves and the buffers it writes (``models/compiled_plan
 which it planned. Activation checkpointing's column and FSDP2's compute stay the eager trace.
 ``--measure`` (a CUDA machine, one device) runs three real optimizer steps of the configuration as it will
 train (its micro-steps accumulating), compiled where it compiles, and reports their allocator peak beside
-the plan (``models.plan.measure_step``); ``--record`` adds it to ``docs/measured_peaks.json``, the
+the plan (``models.step_cost.measure_step``); ``--record`` adds it to ``docs/measured_peaks.json``, the
 measurements ``docs/plan.md`` and tests/test_plan.py hold the plan against:
 
     for spec in 70m:16 410m:32 1b:8; do size=${spec%:*}; mb=${spec#*:}
@@ -56,7 +56,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.atomic import atomic_open
-from models.plan import (
+from models.step_cost import (
     GIB,
     GPUS,
     Plan,
@@ -80,7 +80,7 @@ from normgeo.runs.preflight import setup_from_config
 from normgeo.verdict.declared import load_verdict_config
 from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import run_measures
-from normgeo.verdict.metrics import METRICS, metric
+from normgeo.verdict.metric_table import METRICS, metric
 
 CONFIG_ERROR_EXIT = 2
 # The peaks measured on GPUs, one place: docs/plan.md's table and tests/test_plan.py read them, --record adds.
@@ -158,8 +158,8 @@ def gpu_rows(cfg: TrainSchema, plan: Plan, gpus: Sequence[str]) -> list[dict]:
 
 
 def measured_step(setup: TrainSetup) -> dict:
-    """:func:`models.plan.measure_step` on this machine's GPU, as a JSON-able dict; ``{"reason": ...}`` where
-    it cannot run (no CUDA device, or a strategy over several devices, whose buckets and shards only the
+    """:func:`models.step_cost.measure_step` on this machine's GPU, as a JSON-able dict; ``{"reason": ...}``
+    where it cannot run (no CUDA device, or a strategy over several devices, whose buckets and shards only the
     trace models)."""
     if not torch.cuda.is_available():
         return {"reason": "no CUDA device here: the step is measured on the GPU it will train on"}
@@ -285,7 +285,7 @@ def print_report(report: dict) -> None:
         "<= the card; largest micro_batch: peaks traced at micro_batch "
         f"{report['measured_at_micro_batch']} and "
         f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
-        "dense bf16 peak (models/plan.py GPUS), probes and validation not included"
+        "dense bf16 peak (models/step_cost.py GPUS), probes and validation not included"
     )
     d = report["disk"]
     print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "

@@ -5,7 +5,7 @@ An entry point takes them (:meth:`SignalOwner.owning`) and, when it returns, put
 there (a caller's: a notebook's, a test's, the next job of a ``-m`` sweep). While it owns them, what a stop
 signal does is the current phase's to say, the innermost of a stack: :class:`StopAtOnce` before and after
 training (one line, exit 128 + the signal; what :func:`corpus.atomic.atomic_open` was writing is dropped
-whole), and during training ``callbacks.signals.Interrupt`` (stop at the next optimizer step, abandon a
+whole), and during training ``callbacks.signal_stop.Interrupt`` (stop at the next optimizer step, abandon a
 validation or a probe). Lightning's fit puts its own SIGTERM handler over the owner's and back at its
 teardown; the training phase takes the signal back for the fit (:meth:`SignalOwner.reclaim`). SLURM's USR1
 goes to :class:`slurm.requeue.SlurmRequeue`: it is taken before train.py's slow imports (Python dies of a USR1

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from normgeo.figures.tables import print_table
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs
-from normgeo.readers.status import RunStatus, find_runs, is_analysis, run_status
+from normgeo.readers.run_states import RunStatus, find_runs, is_analysis, run_status
 
 
 def _age(seconds: float | None) -> str:

@@ -3,7 +3,7 @@ folder's names, normgeo.run_folder, which is too), so that train.py can have the
 slow imports (Python dies of a USR1 it has no handler for): the process's signal owner (normgeo.signals)
 hands USR1 to :class:`SlurmRequeue`.
 
-:class:`callbacks.signals.StopOnSignal` is the training side: it stops every rank at the next
+:class:`callbacks.signal_stop.StopOnSignal` is the training side: it stops every rank at the next
 optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from normgeo.run_folder import RunFolder
 
-# How summary.json's session_log says a session ended to requeue (normgeo.readers.status reads it).
+# How summary.json's session_log says a session ended to requeue (normgeo.readers.run_states reads it).
 REQUEUED = "requeue"
 
 
@@ -26,8 +26,8 @@ class SlurmRequeue:
     save the run, requeue the job, exit.
 
     Python dies of a USR1 it has no handler for, so this handler goes in before the slow imports. Once
-    training runs it only records the signal: :class:`callbacks.signals.StopOnSignal` stops all ranks at the
-    next optimizer-step boundary, ``last.ckpt`` is written and train.py requeues the job. Before training
+    training runs it only records the signal: :class:`callbacks.signal_stop.StopOnSignal` stops all ranks at
+    the next optimizer-step boundary, ``last.ckpt`` is written and train.py requeues the job. Before training
     starts there is nothing new to save, so the job is requeued at once.
     """
 
@@ -76,7 +76,7 @@ def under_slurm() -> bool:
 
 def record_slurm_job(run_dir: Path) -> None:
     """One line per SLURM session of the run (job id, restart count, start, node) for
-    normgeo.readers.status."""
+    normgeo.readers.run_states."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job or os.environ.get("SLURM_PROCID", "0") != "0":
         return

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from corpus.sources import LocalFilesSource
 from models.pretrained import hf_encoder, hf_forward, load_checkpoint
 from normgeo.analysis import main as summary_main
-from normgeo.figures.analysis import pool
+from normgeo.figures.model_summary import pool
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import measure_records, probe_ids
 from normgeo.measure.probe import make_references

@@ -71,7 +71,7 @@ def tree_modules() -> list[Path]:
 
 
 def unnamed_modules(rows: dict[str, str]) -> list[str]:
-    """The modules not named in the row of their folder (``normgeo/figures/compare.py`` in the
+    """The modules not named in the row of their folder (``normgeo/figures/arm_overlay.py`` in the
     ``normgeo/figures/`` row, ``normgeo/compare.py`` in the ``normgeo/`` row, ``train.py`` its own row); the
     subpackages of ``hydra_plugins/`` by their folder."""
     missing = []

@@ -1,7 +1,7 @@
 """Loggers combine (``logger=[wandb,tensorboard]``, the jobs of the conftest sweep): every job logs to both,
 to its own wandb run (a local sweep runs its jobs in one process) and to the CSV every run writes though
 no CSV logger was asked for; the offline wandb run holds per-layer probe scalars, one key per figure and
-the config once; TensorBoard gets the figures; normgeo.readers.status reads the losses from the CSV."""
+the config once; TensorBoard gets the figures; normgeo.readers.run_states reads the losses from the CSV."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from normgeo.measure.records import read_rows
-from normgeo.readers.status import last_loss
+from normgeo.readers.run_states import last_loss
 from tests.conftest import step_losses
 from tests.wandb_log import wandb_media, wandb_records, wandb_runs, wandb_scalars
 

@@ -1,4 +1,4 @@
-"""The memory and compute plan (models/plan.py, python -m normgeo.plan) against real steps and real files."""
+"""The memory and compute plan (models/step_cost.py, python -m normgeo.plan) against real steps and files."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from models.gpt import GPTConfig
 from models.lit import LitGPT
-from models.plan import (
+from models.step_cost import (
     GIB,
     TrainSetup,
     gate,

@@ -23,7 +23,7 @@ import torch
 
 from corpus.atomic import TMP_SUFFIX
 from normgeo.measure.records import read_rows
-from normgeo.readers.status import run_status
+from normgeo.readers.run_states import run_status
 from normgeo.runs.session import RunDirectoryError, resume_checkpoint
 from tests.conftest import FAST, ROOT, run_train, train_here
 

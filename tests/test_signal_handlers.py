@@ -1,5 +1,5 @@
 """One owner handles a run's stop signals (normgeo.signals): the start's phase (checks, data preparation), the
-training's (callbacks.signals.Interrupt, taken back from Lightning's own handler), the end's (the summary,
+training's (callbacks.signal_stop.Interrupt, taken back from Lightning's own handler), the end's (the summary,
 figures). A caller's handlers (a notebook's, a test's, a sweep's next job's) are there again when
 train.py's main returns. Before: four handlers replaced each other, and the training's stop put back
 Python's defaults."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from callbacks.signals import Interrupt
+from callbacks.signal_stop import Interrupt
 from normgeo.signals import OWNER, STOP_SIGNALS, StopAtOnce
 from tests.conftest import train_here
 

@@ -10,7 +10,7 @@ import io
 
 import pytest
 
-from normgeo.figures.analysis import print_summary, summarize
+from normgeo.figures.model_summary import print_summary, summarize
 from normgeo.figures.tables import print_table
 
 REFS = ("ones", "rand_a", "rand_b")

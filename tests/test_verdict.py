@@ -26,7 +26,7 @@ from normgeo.measure.stats import difference_power, seeds_for_difference, seeds_
 from normgeo.verdict.declared import MARGINS_FILE, Endpoint, load_verdict_config
 from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import geometry_measures, run_measures
-from normgeo.verdict.metrics import MARGIN_KEYS, METRICS, SITE_CLASSES, metric
+from normgeo.verdict.metric_table import MARGIN_KEYS, METRICS, SITE_CLASSES, metric
 from normgeo.verdict.words import ONE_SEED, sentence
 from tests import toy_arm
 from tests.conftest import ARM_SETTINGS, FAST, ROOT

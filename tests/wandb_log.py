@@ -1,7 +1,7 @@
 """What a run sent to wandb, read back from its offline transaction log (``wandb/offline-run-*/run-*.wandb``).
 
-The harness itself never reads these files (it reads the CSV every run writes, normgeo.readers.metrics); the
-tests do, to check what wandb received without a server. wandb >= 0.19 (wandb-core) has no Python reader.
+The harness itself never reads these files (it reads the CSV every run writes, normgeo.readers.metrics_csv);
+the tests do, to check what wandb received without a server. wandb >= 0.19 (wandb-core) has no Python reader.
 The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks,
 each with a 7-byte header (crc32, length, type: full / first / middle / last) and a piece of one serialized
 wandb Record protobuf.

@@ -156,7 +156,7 @@ class PlanSchema:
     fragmentation: NonNegative = doc(0.1, "allocator fragmentation margin on the planned peak")
     devices: Count | None = doc(None, "GPUs per node planned for when trainer.devices=auto (null: size.gpus)")
     gpus: list[str] = doc(["a6000", "a100-40gb", "a100-80gb", "h100-80gb"],
-                          "GPU types to plan for (models/plan.py)")
+                          "GPU types to plan for (models/step_cost.py)")
 
 
 @schema

@@ -21,7 +21,7 @@ import pandas as pd
 
 from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure
 from normgeo.figures.sweep import Comparison, load, records_frame
-from normgeo.readers.metrics import last_value
+from normgeo.readers.metrics_csv import last_value
 from normgeo.run_folder import ELLIPSOID_FILE, ENERGY_FILE
 
 ENERGY_LABELS = {

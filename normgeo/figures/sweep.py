@@ -12,8 +12,8 @@ import pandas as pd
 from normgeo.figures.style import POST_SUFFIX
 from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.readers.identity import check_unique_runs, identity_from_config, read_run_files
-from normgeo.readers.metrics import last_value
-from normgeo.readers.status import find_runs, is_analysis
+from normgeo.readers.metrics_csv import last_value
+from normgeo.readers.run_states import find_runs, is_analysis
 from normgeo.run_folder import ANGLES_FILE, RunFolder
 
 

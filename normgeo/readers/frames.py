@@ -21,8 +21,8 @@ import pandas as pd
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_record_file
 from normgeo.readers.identity import identity_from_config, read_run_config
-from normgeo.readers.metrics import COLUMNS, read_metrics
-from normgeo.readers.status import find_runs
+from normgeo.readers.metrics_csv import COLUMNS, read_metrics
+from normgeo.readers.run_states import find_runs
 from normgeo.run_folder import (
     ANGLES_FILE,
     ELLIPSOID_FILE,
@@ -130,7 +130,7 @@ class Sweep(RecordFrames):
 
 
 def load_sweep(folder: str | Path) -> Sweep:
-    """Every run at or below ``folder`` (:func:`normgeo.readers.status.find_runs`) by :func:`load_run`; a
+    """Every run at or below ``folder`` (:func:`normgeo.readers.run_states.find_runs`) by :func:`load_run`; a
     damaged file is named and left out. FileNotFoundError when no run is found."""
     folder = Path(folder)
     found = list(find_runs(folder)) if folder.is_dir() else []

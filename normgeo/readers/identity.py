@@ -21,7 +21,7 @@ import yaml
 
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
-from normgeo.readers.metrics import read_metrics
+from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import HYDRA_CONFIG, RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.run_config import ALLOWED_CHANGES, config_changes
 from normgeo.runs.summary import read_summary

@@ -1,8 +1,9 @@
-"""The plan of a run's config (the planner: ``models/plan.py``, on fake tensors) and train.py's pre-flight
-check with it, the launch gate (:func:`models.plan.gate`): on a GPU (or against ``plan.device_memory_gib``)
-a config whose least memory cannot fit is refused before the claim; one whose planned peak may not is warned
-about and starts. Rank 0 plans once per run; the plan is kept in ``<run_dir>/plan.json`` with a hash of
-what it planned, which other ranks and later sessions read while the hash matches."""
+"""The plan of a run's config (the planner: ``models/step_cost.py``, on fake tensors) and train.py's
+pre-flight check with it, the launch gate (:func:`models.step_cost.gate`): on a GPU (or against
+``plan.device_memory_gib``) a config whose least memory cannot fit is refused before the claim; one whose
+planned peak may not is warned about and starts. Rank 0 plans once per run; the plan is kept in
+``<run_dir>/plan.json`` with a hash of what it planned, which other ranks and later sessions read while
+the hash matches."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from corpus.atomic import atomic_open
 from models.hardware import default_precision
-from models.plan import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
+from models.step_cost import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
 from normgeo.config.schema import ConfigError, TrainSchema, compiles
 from normgeo.run_folder import RunFolder
 from normgeo.runs.run_config import is_rank_zero

@@ -77,7 +77,7 @@ def checkpoint_info(path: Path) -> CheckpointInfo | str:
 
 
 def newest_resumable(run_dir: Path) -> tuple[Path | None, int | None, list[str]]:
-    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.readers.status): the first
+    """The one rule for "the newest resumable checkpoint" (resume=auto, normgeo.readers.run_states): the first
     readable full-state candidate (last.ckpt, then the scheduled step-*.ckpt newest first, full state with
     keep_optimizer), its step, and why each newer candidate was passed over."""
     folder = RunFolder(run_dir)

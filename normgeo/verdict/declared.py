@@ -14,7 +14,7 @@ import yaml
 from models.norms import NORM_ARMS
 from normgeo.config.compose import CONF_ROOT
 from normgeo.paths import repo_relative
-from normgeo.verdict.metrics import INTACT, INTERVENTION, MARGIN_KEYS, METRICS, metric
+from normgeo.verdict.metric_table import INTACT, INTERVENTION, MARGIN_KEYS, METRICS, metric
 
 MARGINS_FILE = CONF_ROOT / "compare" / "margins.yaml"
 MOST_SECONDARY = 6  # a Holm family of 6 at 5 seeds needs |t| > 4.9; the 143 tests of issue 32 needed 11.3

@@ -3,7 +3,7 @@
 Runs of the same size, placement and seed are paired across arms: they share the initial non-norm weights
 and every batch, so the per-seed difference removes most of the seed's own noise. For each contrast of the
 norm registry (:func:`models.norms.contrasts`) whose two arms are both present, per (size, placement), every
-metric of :mod:`normgeo.verdict.metrics` gives the per-seed differences (arm minus other), their mean and
+metric of :mod:`normgeo.verdict.metric_table` gives the per-seed differences (arm minus other), their mean and
 95%/90% Student-t intervals (:func:`normgeo.measure.stats.paired_test`). Per arm, the centering intervention's
 loss change is also taken against the intact model (``other`` = ``intact``).
 
@@ -31,7 +31,7 @@ from normgeo.measure.stats import PairedTest, difference_power, holm, paired_tes
 from normgeo.readers.downstream import SCORES, is_downstream, measured_at_key
 from normgeo.readers.identity import RunIdentity, check_unique, design_difference
 from normgeo.verdict.declared import Endpoint, VerdictConfig, load_verdict_config
-from normgeo.verdict.metrics import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
+from normgeo.verdict.metric_table import INTACT, INTERVENTION_METRICS, METRICS, Metric, metric
 
 TESTED = ("primary", "secondary")
 ACTION_WORDS = {"remove": "taking the mean subtraction out of", "add": "putting the mean subtraction into"}

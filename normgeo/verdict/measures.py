@@ -16,9 +16,9 @@ import pandas as pd
 
 from normgeo.measure.records import read_rows
 from normgeo.readers.downstream import downstream_scores
-from normgeo.readers.metrics import last_value
+from normgeo.readers.metrics_csv import last_value
 from normgeo.run_folder import ENERGY_FILE, INTERVENTION_FILE, MEAN_SOURCES_FILE, NULL_FILE, RunFolder
-from normgeo.verdict.metrics import (
+from normgeo.verdict.metric_table import (
     GEOMETRY,
     INTERVENTION,
     INTERVENTION_METRICS,

@@ -13,7 +13,7 @@ from models.norms import arm_label
 from normgeo.measure.stats import mean_t_interval
 from normgeo.verdict.declared import Endpoint, VerdictConfig
 from normgeo.verdict.families import Estimate
-from normgeo.verdict.metrics import INTACT
+from normgeo.verdict.metric_table import INTACT
 
 FAMILY_TITLES = {"primary": "The primary question", "secondary": "Declared secondary questions",
                  "described": "Described, not tested"}

@@ -16,7 +16,7 @@ import normgeo.config.compose  # noqa: F401  (registers the resolvers the config
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.identity import read_run_config
-from normgeo.readers.metrics import last_value, read_metrics
+from normgeo.readers.metrics_csv import last_value, read_metrics
 from normgeo.run_folder import ANGLES_FILE, CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, RunFolder
 from normgeo.runs.session import divergence, newest_resumable
 from normgeo.runs.summary import read_summary
@@ -88,7 +88,7 @@ def checkpoint_step(run_dir: Path) -> int | None:
 
 
 def last_loss(run_dir: Path) -> float | None:
-    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.readers.metrics);
+    """The train/loss of the highest logged step, from the CSV every run writes (normgeo.readers.metrics_csv);
     raises DamagedRecords naming a damaged metrics.csv."""
     return last_value(read_metrics(run_dir), "train/loss")
 

@@ -25,7 +25,7 @@ FIGURES: dict[str, FigureMaker] = {}
 
 
 def register_figure(name: str) -> Callable[[FigureMaker], FigureMaker]:
-    """Add a figure kind to ``normgeo.figures.compare`` (called with the comparison, the out dir and
+    """Add a figure kind to ``normgeo.figures.arm_overlay`` (called with the comparison, the out dir and
     formats)."""
 
     def add(maker: FigureMaker) -> FigureMaker:
