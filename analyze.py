@@ -22,12 +22,11 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from corpus.sources import SourceError
-from models.pretrained import ModelLoadError, load_model
-from normgeo.config.checks import Refused, check_config, config_errors_exit_2, refuse
+from corpus.refusal import Refusal
+from models.pretrained import load_model
+from normgeo.config.checks import Refused, build, check_config, config_errors_exit_2, refuse
 from normgeo.config.compose import (
     ANALYZE_CONF_DIR,
     CONF_ROOT,
@@ -35,15 +34,12 @@ from normgeo.config.compose import (
     close_file_logs,
     write_hydra_files,
 )
-from normgeo.config.schema import ConfigError
 from normgeo.figures.intervention import print_intervention
 from normgeo.figures.model_summary import print_summary
-from normgeo.measure.norm_sites import NoNormFoundError
-from normgeo.measure.pipeline import AnalysisError, probe_ids
+from normgeo.measure.pipeline import probe_ids
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.model_records import measure_model, probe_setup
 from normgeo.paths import (
-    FolderError,
     check_own_folder,
     check_writable_folder,
     remove_created,
@@ -88,7 +84,7 @@ def analyze(cfg: DictConfig, probe: ProbeConfig) -> Path:
              cfg.model.name, f"{sum(p.numel() for p in model.parameters()):,}", len(setup.norms), setup.kind,
              setup.dim, parameter.dtype, device or "device_map", setup.seq_len)
 
-    source = instantiate(probe.source)
+    source = build(probe.source, "probe.source")
     ids = probe_ids(source, loaded.encode_batch, loaded.separator, probe)
     tokenized_at = time.perf_counter()
     measured = measure_model(
@@ -115,9 +111,6 @@ def analyze(cfg: DictConfig, probe: ProbeConfig) -> Path:
     return out_dir
 
 
-USER_ERRORS = (AnalysisError, ModelLoadError, NoNormFoundError, SourceError)
-
-
 @hydra.main(config_path=ANALYZE_CONF_DIR, config_name="analyze", version_base="1.3")
 def run(cfg: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate -> create out_dir, log into it -> measure and write
@@ -128,7 +121,7 @@ def run(cfg: DictConfig) -> Refused | None:
         probe = check_config("analyze", cfg).probe
         check_writable_folder(Path(cfg.out_dir), "out_dir")
         check_own_folder(Path(cfg.out_dir), "out_dir", OUTPUT_MARKERS, own=RUN_INFO_FILE, beside="analysis")
-    except (ConfigError, FolderError) as err:
+    except Refusal as err:
         return refuse(cfg.out_dir, err)
     stop_on_signals("during the analysis", "a folder this run created is removed; run the same command again")
     out_dir = Path(cfg.out_dir)
@@ -143,7 +136,7 @@ def run(cfg: DictConfig) -> Refused | None:
         close_file_logs(out_dir)
         partial_log.unlink(missing_ok=True)
         remove_created(out_dir, created)
-        if isinstance(err, USER_ERRORS):
+        if isinstance(err, Refusal):  # a user's mistake: one line (any other exception keeps its traceback)
             return refuse(out_dir, err)
         raise
     close_file_logs(out_dir)

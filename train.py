@@ -34,7 +34,6 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LambdaCallback, Timer
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -47,12 +46,10 @@ from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
 from callbacks.signal_stop import SignalStop, StopOnSignal, exit_if_interrupted
 from corpus.atomic import atomic_write_text
-from corpus.prepare import PreparedDataError
-from corpus.sources import SourceError
-from corpus.tokenize import TokenizerError
+from corpus.refusal import Refusal
 from models.divergence import NonFiniteError
 from models.lit import LitGPT
-from normgeo.config.checks import Refused, config_errors_exit_2, refuse
+from normgeo.config.checks import Refused, build, config_errors_exit_2, refuse
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS, close_file_logs
 from normgeo.config.schema import (
     TrainSchema,
@@ -64,7 +61,6 @@ from normgeo.config.schema import (
 )
 from normgeo.figures.angles import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
-from normgeo.measure.pipeline import AnalysisError
 from normgeo.measure.records import DamagedRecords
 from normgeo.plan import main as plan_main
 from normgeo.run_folder import CSV_DIR, RunFolder
@@ -84,7 +80,6 @@ from normgeo.runs.session import (
     mark_diverged,
 )
 from normgeo.runs.start import (
-    START_ERRORS,
     Start,
     finish_wandb_run,
     instantiate_trainer,
@@ -114,7 +109,7 @@ def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
         if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(RunFolder(run_dir).csv):
             continue  # the CSV every run writes already (older logger configs still name it)
         wandb = logger_cfg["_target_"].endswith("WandbLogger")
-        loggers.append(instantiate(logger_cfg, **(wandb_arguments(run_dir) if wandb else {})))
+        loggers.append(build(logger_cfg, "logger", **(wandb_arguments(run_dir) if wandb else {})))
     return loggers
 
 
@@ -286,8 +281,9 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     # tokens as the start tokenized them).
     owner = ScheduledCheckpoint(str(RunFolder(run_dir).checkpoints), schedule,
                                 stop_at_step=cfg.stop_at_step or None, signal_stop=stop)
-    probe = [AngleProbe(str(run_dir), schedule, instantiate(cfg.probe.source), f"normgeo-{cfg.size.name}",
-                        cfg.probe, ids=start.probe_ids)] if cfg.probe.enabled else []
+    source = build(cfg.probe.source, "probe.source") if cfg.probe.enabled else None
+    probe = [AngleProbe(str(run_dir), schedule, source, f"normgeo-{cfg.size.name}", cfg.probe,
+                        ids=start.probe_ids)] if cfg.probe.enabled else []
     # In the order the run relies on, which Lightning keeps (it sorts Checkpoint callbacks last): the signal
     # handler installed before another callback's on_train_start (the step-0 probe), the checkpoint owner
     # deciding after the step's probe measured.
@@ -377,12 +373,6 @@ def draw_figures(run_dir: Path) -> list[Path]:
     return figures
 
 
-# The project's refusal types, a user's error: one line on stderr and exit 2. Any other exception (a bare
-# ValueError included) is a bug and keeps its traceback. Before this session's first optimizer step the start
-# is undone either way (the run directory as it was found); a divergence is a result, and keeps its files.
-USER_ERRORS = (*START_ERRORS, PreparedDataError, SourceError, TokenizerError, AnalysisError, NonFiniteError)
-
-
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def run(composed: DictConfig) -> Refused | None:
     """compose (Hydra) -> validate into the typed config and claim (normgeo.runs.start) -> build and fit
@@ -403,7 +393,7 @@ def run(composed: DictConfig) -> Refused | None:
             finally:
                 lock.release()  # nothing when the lock was not taken
         return None
-    except START_ERRORS as err:
+    except Refusal as err:
         return refuse(composed.run_dir, err)
     cfg = start.config
     try:
@@ -419,7 +409,9 @@ def run(composed: DictConfig) -> Refused | None:
                 start.keep()  # a divergence is a result, a requeue a pause: the start stays
             else:
                 start.undo()  # a failure or a stop: the directory as it was found
-        if isinstance(err, USER_ERRORS):
+        # A user's mistake (a divergence included) is one line, exit 2; any other exception is a bug and keeps
+        # its traceback. Before the first optimizer step the start is undone either way (above).
+        if isinstance(err, Refusal):
             return refuse(cfg.run_dir, err)
         full = disk_full_refusal(err, cfg) if isinstance(err, Exception) else None
         if full is not None:  # a full disk, however torch or Lightning wrapped it: one line, exit 2

@@ -24,6 +24,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from corpus.atomic import atomic_write_json, remove_stale_temporaries, temporary_path
+from corpus.refusal import Refusal
 from corpus.tokenize import iter_document_tokens, tiktoken_batch_encoder
 
 META_FILE = "meta.json"
@@ -35,7 +36,7 @@ _FINGERPRINT_BLOCK_BYTES = 1 << 16
 log = logging.getLogger(__name__)
 
 
-class PreparedDataError(RuntimeError):
+class PreparedDataError(Refusal, RuntimeError):
     """Prepared data is missing, truncated or foreign; the message says which command fixes it."""
 
 

@@ -23,6 +23,8 @@ from pydoc_data.topics import topics
 import numpy as np
 from fsspec.core import url_to_fs
 
+from corpus.refusal import Refusal
+
 # What LocalFilesSource reads (docs/data.md): records with a text field, and plain text. "" is a file with
 # no extension (WikiExtractor's wiki_00), .raw WikiText's files. Anything else is refused unless named in
 # plain_text_extensions: a .csv or .py read as prose trains on its commas and code without a word.
@@ -38,7 +40,7 @@ _WIKIEXTRACTOR_DOC = re.compile(r"<doc [^>]*>\n(.*?)</doc>", re.S)
 _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $", re.M)
 
 
-class SourceError(ValueError):
+class SourceError(Refusal, ValueError):
     """A document source that cannot be read; the message says what to fix."""
 
 

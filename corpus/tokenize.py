@@ -9,10 +9,12 @@ from functools import lru_cache
 import numpy as np
 import tiktoken
 
+from corpus.refusal import Refusal
+
 EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(Refusal, RuntimeError):
     """The tokenizer's files cannot be loaded (offline without a cache); the message says what to set."""
 
 

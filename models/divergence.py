@@ -12,8 +12,10 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from corpus.refusal import Refusal
 
-class NonFiniteError(RuntimeError):
+
+class NonFiniteError(Refusal, RuntimeError):
     """Training diverged (loss or parameters inf/NaN): ``what`` went non-finite, the likely fix, and
     ``then``: what became of the run (normgeo.runs.session.mark_diverged)."""
 

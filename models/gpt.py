@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corpus.refusal import Refusal
 from models.norms import NORM_ARMS, NORM_IMPLS, make_norm
 
 # pre: the norm before each sublayer, a final norm before the head (GPT-2). post: the norm after each
@@ -26,7 +27,7 @@ PLACEMENTS = ("pre", "post")
 GPT2_VOCAB_SIZE = 50257
 
 
-class ArchitectureError(ValueError):
+class ArchitectureError(Refusal, ValueError):
     """A GPTConfig field the model cannot be built with: the field, its value and what it expects."""
 
     def __init__(self, field: str, value: object, expected: str) -> None:

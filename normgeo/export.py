@@ -43,6 +43,7 @@ from corpus.atomic import (
     full_disk_cause,
     give_usual_file_modes,
 )
+from corpus.refusal import Refusal
 from corpus.stream import tokens_per_step
 from corpus.tokenize import TokenizerError
 from models.export.hf import (
@@ -79,7 +80,7 @@ PARITY_SHAPE = (4, 64)
 PARITY_SEED = 0
 
 
-class ExportError(ValueError):
+class ExportError(Refusal, ValueError):
     """Bad input: the message is the one line the user reads."""
 
 

@@ -15,13 +15,15 @@ import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
+from corpus.refusal import Refusal
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # An absolute path in a generated page: a "/" not inside
 # a word, a number or a URL ("https://"), then no space.
 ABSOLUTE_PATH = re.compile(r"(?<![\w./])/(?!/)[^\s,;)'\"`]+")
 
 
-class FolderError(ValueError):
+class FolderError(Refusal, ValueError):
     """A folder an entry point must write into cannot be created or written there; one line, with the key."""
 
 

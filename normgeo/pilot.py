@@ -39,6 +39,7 @@ import torch
 
 from corpus.atomic import atomic_write_text
 from corpus.prepare import PreparedData, load_prepared
+from corpus.refusal import Refusal
 from corpus.stream import TokenWindows
 from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
@@ -57,7 +58,7 @@ BOOTSTRAP = 2000
 PILOT_MD, PILOT_CSV, PILOT_JSON = "pilot.md", "pilot_runs.csv", "pilot.json"
 
 
-class PilotError(ValueError):
+class PilotError(Refusal, ValueError):
     """The folder holds no pilot the split can be read from; the message says what is missing."""
 
 

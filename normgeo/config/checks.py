@@ -1,9 +1,11 @@
-"""How a refused job ends: one line naming the key and exit 2, Hydra's own config errors too; in a ``-m``
+"""How a refused job ends: one line naming the key and exit 2 (a :class:`corpus.refusal.Refusal`, Hydra's own
+config errors, a ``_target_`` the config cannot build: :func:`build`); in a ``-m``
 sweep the refused job returns :class:`Refused`, the others run, and :class:`RefusalReport` lists the refused
 ones at the end. The checks themselves are the schema's (:mod:`normgeo.config.schema`)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -15,12 +17,14 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobStatus, run_job
-from hydra.errors import OverrideParseException
+from hydra.errors import InstantiationException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from normgeo.config.schema import SCHEMAS
+from corpus.refusal import Refusal
+from normgeo.config.schema import SCHEMAS, ConfigError
 
 CONFIG_ERROR_EXIT = 2
 
@@ -128,6 +132,41 @@ def raised_by_task(error: BaseException | None) -> bool:
     (the same exit 1): the task's traceback passes through Hydra's ``run_job``, as Hydra's printer sees."""
     trace = getattr(error, "__traceback__", None)
     return any(frame.f_code is run_job.__code__ for frame, _ in traceback.walk_tb(trace))
+
+
+# Python's words for a call whose arguments the signature does not take: a config's fault, not a bug.
+SIGNATURE_ERROR = re.compile(r"\S+\(\) (got an unexpected keyword|got multiple values|missing \d+ required)")
+PROJECT_PACKAGES = ("corpus", "models", "normgeo", "callbacks", "slurm")  # what refuses with a Refusal
+# What a library raises for a value it refuses (by name: no Lightning import for the commands that read runs).
+LIBRARY_REFUSALS = ("ValueError", "MisconfigurationException")
+
+
+def config_fault(cause: BaseException | None) -> bool:
+    """Whether Hydra could not build a ``_target_`` because of the config: no such target, arguments its
+    signature does not take, or a library's refusal of a value (Lightning's ValueError); the project's own
+    code refuses with a :class:`Refusal`, so any other exception of it is a bug."""
+    if cause is None or isinstance(cause, ImportError):
+        return True
+    if isinstance(cause, TypeError):
+        return SIGNATURE_ERROR.match(str(cause)) is not None
+    frames = list(traceback.walk_tb(cause.__traceback__))
+    raiser = str(frames[-1][0].f_globals.get("__name__", "")) if frames else ""
+    refusal = any(kind.__name__ in LIBRARY_REFUSALS for kind in type(cause).__mro__)
+    return refusal and raiser.split(".")[0] not in PROJECT_PACKAGES
+
+
+def build(node: Any, key: str, **arguments: Any) -> Any:
+    """Hydra's ``instantiate`` of config ``key``'s ``node``. Hydra turns whatever the target raises into one
+    line without a traceback: here a :class:`Refusal` stays itself, the config's fault (:func:`config_fault`)
+    is one line (ConfigError), and anything else is raised as the bug it is, with its traceback."""
+    try:
+        return instantiate(node, **arguments)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, Refusal) or not config_fault(cause):
+            raise cause from None  # a Refusal's one line, or a bug's traceback from where it was raised
+        said = str(err if cause is None or isinstance(cause, ImportError) else cause).splitlines()[0]
+        raise ConfigError(f"{key}: {said.split(', set env var HYDRA_FULL_ERROR')[0]}") from err
 
 
 @dataclass

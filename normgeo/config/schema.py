@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from pydantic import TypeAdapter, ValidationError
 
+from corpus.refusal import Refusal
 from corpus.sources import LocalFilesSource, SourceError
 from corpus.stream import accumulation_steps
 from corpus.tokenize import unknown_tokenizer
@@ -267,7 +268,7 @@ class AnalyzeSchema:
     probe: ProbeConfig = doc(ProbeConfig, "group probe: the probe text and statistics")
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A config value the schema's types allow but the run cannot use."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from corpus.refusal import Refusal
 from models.norms import site_kind_of
 from normgeo.measure.geometry import STANDARDIZABLE_KINDS
 
@@ -69,7 +70,7 @@ class NormSite:
     block: str | None = None
 
 
-class NoNormFoundError(ValueError):
+class NoNormFoundError(Refusal, ValueError):
     """The model has no module that :func:`find_norm_sites` recognizes as a normalization."""
 
 

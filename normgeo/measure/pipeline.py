@@ -24,6 +24,7 @@ from torch import nn
 from torch.profiler import record_function
 from tqdm import tqdm
 
+from corpus.refusal import Refusal
 from corpus.sources import SourceError, probe_documents
 from corpus.tokenize import EncodeBatch, first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 PROBE_SCOPE = "normgeo.run_probe"
 
 
-class AnalysisError(RuntimeError):
+class AnalysisError(Refusal, RuntimeError):
     """A user error in a measurement (bad config, too small a corpus); the message says what to fix."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from corpus.atomic import atomic_open
+from corpus.refusal import Refusal
 from normgeo.measure.probe import REFERENCE_NAMES, ProbeSite
 from normgeo.measure.stats import (
     QUANTILE_FIELDS,
@@ -170,7 +171,7 @@ def null_rows(
     return rows
 
 
-class DamagedRecords(ValueError):
+class DamagedRecords(Refusal, ValueError):
     """A file of a run (a records file such as ``angles.jsonl``, ``summary.json``, ``metrics.csv``, the
     config) with a line that is not what it should hold, or nothing at all: a copy cut short, a disk that
     filled up, a hand edit. Names the file, the line (or key) and what it expected, ``what`` the file holds

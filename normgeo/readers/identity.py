@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from corpus.refusal import Refusal
 from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.metrics_csv import read_metrics
@@ -135,7 +136,7 @@ def run_identity(run_dir: Path) -> RunIdentity:
     )
 
 
-class DuplicateRuns(ValueError):
+class DuplicateRuns(Refusal, ValueError):
     """Two or more folders hold the same run (arm keys and seed). The message names each folder on a line of
     its own and ends with the fix on the last line."""
 

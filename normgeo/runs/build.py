@@ -3,17 +3,17 @@ the LightningModule, the data module and the checkpoint schedule.
 
 Each value lives under one key of the config (``seq_len``, ``norm.name``, ``optim.lr``); these functions hand
 it to every object that needs it, so no node of conf/ copies another's keys (and a resumed run's config has no
-aliases to compare). train.py, bench/, normgeo.plan and the tests build from here. """
+aliases to compare). train.py, bench/, normgeo.plan and the tests build from here, every ``_target_`` node
+through :func:`build`. """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hydra.utils import instantiate
-
 from corpus.datamodule import TokenDataModule
 from models.hardware import default_precision
 from models.lit import LitGPT
+from normgeo.config.checks import build
 from normgeo.config.schema import TrainSchema, compiles
 
 
@@ -27,7 +27,7 @@ def make_module(cfg: TrainSchema, **changes: Any) -> LitGPT:
 def make_datamodule(cfg: TrainSchema) -> TokenDataModule:
     """``cfg.data`` (its own keys: the source, the prepared folder, the tokenizer, the batch order's seed)
     with the run's batch geometry, steps, validation and workers."""
-    return instantiate(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+    return build(cfg.data, "data", seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                        micro_batch=cfg.micro_batch, max_steps=cfg.max_steps, val_sequences=cfg.val_sequences,
                        val_seed=cfg.val_seed, num_workers=cfg.num_workers)
 
@@ -42,4 +42,4 @@ def trainer_arguments(cfg: TrainSchema) -> dict[str, Any]:
 
 def make_schedule(cfg: TrainSchema) -> Any:
     """``cfg.checkpoint``'s schedule (callbacks.checkpointing.CheckpointSchedule), ending with max_steps."""
-    return instantiate(cfg.checkpoint, max_steps=cfg.max_steps)
+    return build(cfg.checkpoint, "checkpoint", max_steps=cfg.max_steps)

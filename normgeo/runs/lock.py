@@ -18,6 +18,7 @@ from pathlib import Path
 
 from filelock import Timeout, UnixFileLock
 
+from corpus.refusal import Refusal
 from normgeo.run_folder import RunFolder
 
 # A start that finds the lock held tries again for this long: a probe by another starting process
@@ -26,7 +27,7 @@ _PROBE_GRACE_S = 1.0
 log = logging.getLogger(__name__)
 
 
-class RunInUseError(RuntimeError):
+class RunInUseError(Refusal, RuntimeError):
     """Another process trains this run directory; the message names its host and PID (the lock file's)."""
 
     def __init__(self, run_dir: Path) -> None:

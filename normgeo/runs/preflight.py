@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from corpus.atomic import atomic_open
+from corpus.refusal import Refusal
 from models.hardware import default_precision
 from models.step_cost import GIB, GatePlan, TrainSetup, gate, quiet_plan, traced_gate_plan
 from normgeo.config.schema import ConfigError, TrainSchema, compiles
@@ -25,7 +26,7 @@ from normgeo.runs.run_config import is_rank_zero
 log = logging.getLogger(__name__)
 
 
-class PlanRefusal(ValueError):
+class PlanRefusal(Refusal, ValueError):
     """The planned peak cannot fit the GPU (train.py refuses the launch, exit 2)."""
 
 

@@ -17,6 +17,7 @@ import yaml
 
 from corpus.atomic import atomic_open
 from corpus.prepare import META_FILE
+from corpus.refusal import Refusal
 from models.hardware import default_precision
 from normgeo.config.schema import TrainSchema, compiles, format_value
 from normgeo.run_folder import RUN_CONFIG_FILE, RUN_INFO_FILE, RunFolder
@@ -41,7 +42,7 @@ ABSENT: Any = _Absent()
 Changes = dict[str, tuple[Any, Any]]
 
 
-class ResumeConfigError(ValueError):
+class ResumeConfigError(Refusal, ValueError):
     """This session's config differs from the run's in a setting that changes the experiment."""
 
     def __init__(self, changes: Changes, source: str, hint: str | None = None) -> None:
@@ -140,7 +141,7 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
     return changes
 
 
-class DamagedRunConfig(ValueError):
+class DamagedRunConfig(Refusal, ValueError):
     """run_config.yaml is there but is not a run's config (not YAML text, or not a mapping)."""
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 
 from corpus.atomic import TMP_SUFFIX, DiskFullError, full_disk_cause
+from corpus.refusal import Refusal
 from models.divergence import NonFiniteError
 from normgeo.config.schema import TrainSchema
 from normgeo.measure.records import DamagedRecords
@@ -31,8 +32,6 @@ from normgeo.run_folder import (
     RunFolder,
 )
 from normgeo.runs.run_config import (
-    DamagedRunConfig,
-    ResumeConfigError,
     config_changes,
     is_rank_zero,
     load_run_config,
@@ -45,7 +44,7 @@ from normgeo.runs.summary import read_summary, write_summary
 log = logging.getLogger(__name__)
 
 
-class RunDirectoryError(RuntimeError):
+class RunDirectoryError(Refusal, RuntimeError):
     """The run directory holds an earlier run and no resume was asked for."""
 
 
@@ -56,9 +55,6 @@ class RunFinished(Exception):
     def __init__(self, message: str, figures_left: bool = False) -> None:
         super().__init__(message)
         self.figures_left = figures_left
-
-
-REFUSALS = (RunDirectoryError, ResumeConfigError, DamagedRunConfig)
 
 
 @dataclass(frozen=True)
@@ -229,7 +225,7 @@ def check_diverged_start(cfg: TrainSchema, run_dir: Path, record: dict[str, Any]
 
 
 def session_checkpoint(cfg: TrainSchema) -> str | None:
-    """The checkpoint this session continues from, or a refusal (REFUSALS); reads, never writes. A folder
+    """The checkpoint this session continues from, or a Refusal; reads, never writes. A folder
     whose run diverged is replaced by a fresh start with a changed config (check_diverged_start)."""
     resume = cfg.resume
     if resume is None and slurm_requeued():
@@ -292,7 +288,7 @@ def _program() -> list[str]:
     return [program, *rest]
 
 
-class RunDiskFullError(RuntimeError):
+class RunDiskFullError(Refusal, RuntimeError):
     """The run's disk filled up while it trained: the file, the space left and how to continue."""
 
 

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import shutil
 import stat
 import sys
@@ -23,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
-from hydra.utils import instantiate
 from lightning import Trainer
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig  # Hydra's composed config: checked into the typed one here, and saved
@@ -33,15 +30,12 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
 from corpus.atomic import remove_stale_temporaries
-from corpus.prepare import META_FILE, PreparedDataError
-from corpus.sources import SourceError
-from corpus.tokenize import TokenizerError
+from corpus.prepare import META_FILE
 from models.hardware import missing_cuda
-from normgeo.config.checks import CONFIG_ERROR_EXIT, check_config
+from normgeo.config.checks import CONFIG_ERROR_EXIT, build, check_config
 from normgeo.config.compose import attach_log_file, close_file_logs, write_hydra_files
 from normgeo.config.schema import ConfigError, TrainSchema, check_val_sequences, compiler_refusal
-from normgeo.measure.pipeline import AnalysisError, tiktoken_probe_ids
-from normgeo.measure.records import DamagedRecords
+from normgeo.measure.pipeline import tiktoken_probe_ids
 from normgeo.measure.run_records import read_run_records
 from normgeo.paths import (
     FolderError,
@@ -52,12 +46,11 @@ from normgeo.paths import (
 )
 from normgeo.run_folder import HYDRA_FILES, LOCK_FILE, PLAN_FILE, RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.build import make_datamodule, trainer_arguments
-from normgeo.runs.lock import RunInUseError, RunLock, check_unlocked
-from normgeo.runs.preflight import KeptPlan, PlanRefusal, preflight, write_kept_plan
+from normgeo.runs.lock import RunLock, check_unlocked
+from normgeo.runs.preflight import KeptPlan, preflight, write_kept_plan
 from normgeo.runs.run_config import OUTPUT_MARKERS, is_rank_zero
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
-    REFUSALS,
     replace_diverged_run,
     session_checkpoint,
     slurm_requeued,
@@ -71,8 +64,6 @@ class StartError(ConfigError):
     """A user error found before training (run directory, probe text, tokenizer, data); one line."""
 
 
-# Refused starts: one line on stderr and exit 2 (a -m sweep's job is listed at the sweep's end).
-START_ERRORS = (ConfigError, StartError, FolderError, RunInUseError, *REFUSALS)
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session; a resume repairs a damaged run config, run_config.record_run_config): their bytes are kept for an
 # undo.
@@ -208,29 +199,11 @@ class Start(contextlib.AbstractContextManager):
 TRAINER_ARGUMENTS = TypeAdapter(with_config(ConfigDict(arbitrary_types_allowed=True, extra="forbid"))(
     TypedDict("TrainerArguments", {key: hint for key, hint in typing.get_type_hints(Trainer.__init__).items()
                                    if key != "return"}, total=False)))
-# Python's words for a call whose arguments the signature does not take: a config's fault, not a bug.
-SIGNATURE_ERROR = re.compile(r"\S+\(\) (got an unexpected keyword|got multiple values|missing \d+ required)")
-
-
-def config_fault(err: InstantiationException) -> bool:
-    """Whether Hydra could not build a ``_target_`` because of the config (no such target, arguments its
-    signature does not take, a value its constructor refuses); anything else is a bug, with its traceback."""
-    cause = err.__cause__
-    return (cause is None or isinstance(cause, ImportError | ValueError | MisconfigurationException)
-            or (isinstance(cause, TypeError) and SIGNATURE_ERROR.match(str(cause)) is not None))
 
 
 def trainer_factory(cfg: TrainSchema, **arguments: Any) -> functools.partial:
-    """``cfg.trainer``'s Trainer class with its arguments and ``arguments`` (its strategy node built); the
-    config's fault (:func:`config_fault`) is one line (StartError), anything else a bug with its traceback."""
-    try:
-        return instantiate(cfg.trainer, **arguments, _partial_=True, _convert_="all")
-    except InstantiationException as err:
-        if not config_fault(err):
-            raise err.__cause__ from None  # a bug: with its traceback (Hydra prints none of Instantiation...)
-        cause = err if isinstance(err.__cause__, ImportError) or err.__cause__ is None else err.__cause__
-        raise StartError(
-            f"trainer: {str(cause).splitlines()[0].split(', set env var HYDRA_FULL_ERROR')[0]}") from err
+    """``cfg.trainer``'s Trainer class with its arguments and ``arguments`` (its strategy node built)."""
+    return build(cfg.trainer, "trainer", **arguments, _partial_=True, _convert_="all")
 
 
 def check_trainer(cfg: TrainSchema) -> None:
@@ -265,7 +238,7 @@ def type_refusal(errors: list) -> str:
 
 
 def check_start(composed: DictConfig) -> Start:
-    """Everything a user can get wrong that is known before training, cheapest first (one of START_ERRORS),
+    """Everything a user can get wrong that is known before training, cheapest first (each a Refusal),
     the first being Hydra's ``composed`` config checked into the typed one; writes nothing in the run
     directory (data is prepared under data_root, as training would)."""
     cfg: TrainSchema = check_config("train", composed)
@@ -288,20 +261,16 @@ def check_start(composed: DictConfig) -> Start:
     if is_rank_zero() and not slurm_requeued():
         check_unlocked(run_dir)  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
-    try:
-        if ckpt_path is not None:  # a resumed run adds to its records files: a damaged one is named now
-            read_run_records(run_dir)
-        probe_ids = None
-        if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
-            probe_ids = tiktoken_probe_ids(instantiate(cfg.probe.source), cfg.probe)
-        datamodule = make_datamodule(cfg)
-        datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
-        data = datamodule.load()  # long enough for seq_len
-        check_val_sequences(cfg, data.num_tokens("val"))  # now that the split's size is known
-        plan = preflight(cfg)  # on a GPU, a config whose least memory cannot fit: dearest, so last
-    except (DamagedRecords, TokenizerError, AnalysisError, PreparedDataError, SourceError,
-            PlanRefusal) as err:
-        raise StartError(str(err)) from err
+    if ckpt_path is not None:  # a resumed run adds to its records files: a damaged one is named now
+        read_run_records(run_dir)
+    probe_ids = None
+    if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
+        probe_ids = tiktoken_probe_ids(build(cfg.probe.source, "probe.source"), cfg.probe)
+    datamodule = make_datamodule(cfg)
+    datamodule.prepare_data()  # prepares once (a file lock serializes ranks), else checks what is there
+    data = datamodule.load()  # long enough for seq_len
+    check_val_sequences(cfg, data.num_tokens("val"))  # now that the split's size is known
+    plan = preflight(cfg)  # on a GPU, a config whose least memory cannot fit: dearest, so last
     return Start(cfg, composed, run_dir, ckpt_path, datamodule, probe_ids, plan=plan)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from corpus.refusal import Refusal
 from models.norms import NORM_ARMS
 from normgeo.config.compose import CONF_ROOT
 from normgeo.paths import repo_relative
@@ -44,7 +45,7 @@ class VerdictConfig:
         return self.margins[metric(name).margin_key]
 
 
-class MarginsError(ValueError):
+class MarginsError(Refusal, ValueError):
     """A margins file (or a --margin) the verdict cannot use: the file, the key and what is expected."""
 
 
