@@ -8,11 +8,14 @@ from __future__ import annotations
 
 # ruff: noqa: E402  (SLURM's USR1 is handled before the slow imports, on purpose)
 from normgeo.signals import (
+    BEFORE_TRAINING,
+    INTERRUPTED_END,
     OWNER,
     STOP_SIGNALS,
     AbandonAtOnce,
     Abandoned,
-    FinishFirst,
+    FitPhase,
+    SignalStop,
     StopAtOnce,
     ignore_at_exit,
 )
@@ -44,7 +47,7 @@ from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, Sche
 from callbacks.lightning_loops import ResumedAccumulation
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.progress import StepProgressBar, quiet_lightning
-from callbacks.signal_stop import SignalStop, StopOnSignal, exit_if_interrupted
+from callbacks.signal_stop import StopOnSignal, exit_if_interrupted
 from corpus.atomic import atomic_write_text
 from corpus.refusal import Refusal
 from models.divergence import NonFiniteError
@@ -90,10 +93,6 @@ from normgeo.runs.summary import disk_use, format_summary, read_summary, write_s
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
 log = logging.getLogger("normgeo.train")
-# Checks and data preparation: Ctrl-C/SIGTERM stop at once (nothing to save yet; a claimed run directory is
-# put back as it was); from training on, callbacks.signal_stop.Interrupt saves last.ckpt instead.
-BEFORE_TRAINING = StopAtOnce("before training started (checks, data preparation)",
-                             "nothing was trained; run the same command again")
 
 
 def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
@@ -231,21 +230,6 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
     }
 
 
-class FitPhase(FinishFirst):
-    """SIGINT or SIGTERM where training's Interrupt does not decide (fit's setup, its teardown, the end's
-    summary): before the session's first optimizer step it stops at once (nothing was trained); after it, it
-    is held (``received``) for the end to answer once the summary is written."""
-
-    def __init__(self, start: Start) -> None:
-        super().__init__("as training ended")
-        self.start = start
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if not self.start.kept:
-            BEFORE_TRAINING(signum, frame)
-        super().__call__(signum, frame)
-
-
 class KeepStart(OptimizerStepCallback):
     """Keeps the start at this session's first optimizer step: a failure from then on keeps its files."""
 
@@ -316,7 +300,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
     if is_rank_zero():  # as late as possible: a session refused for a bad setting leaves no config behind
         record_run_config(run_dir, (ckpt_path and checkpoint_run_config(ckpt_path)) or run_config)
     # Owned here as well as in main(): bench/ calls train() without main().
-    fit_phase = FitPhase(start)
+    fit_phase = FitPhase(lambda: start.kept)
     with OWNER.owning(fit_phase):
         try:
             # A validation or a probe abandoned on a signal ends fit with SignalStop, last.ckpt saved.
@@ -353,7 +337,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
 def end_interrupted(run_dir: Path, signum: int, command: str) -> None:
     """A signal at the end, after the summary: the summary says the session was interrupted (where it did not
     yet), one line says what is left, exit 128 + the signal."""
-    end = StopAtOnce("after training, while the summary and figures were written",
+    end = StopAtOnce(INTERRUPTED_END, "after training, while the summary and figures were written",
                      f"the trained steps are checkpointed; {command} writes the rest, nothing retrained")
     with OWNER.owning(end):  # a second signal stops at once; the atomic write keeps the summary whole
         summary = read_summary(run_dir)

@@ -15,7 +15,6 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from callbacks.checkpointing import CheckpointSchedule
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signal_stop import abandonable
 from normgeo.config.schema import TrainProbeSchema
 from normgeo.figures.angles import plot_layers
 from normgeo.figures.logged_figures import log_figures
@@ -23,6 +22,7 @@ from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktok
 from normgeo.measure.probe import make_references
 from normgeo.measure.records import recorded_steps, save_references, write_step
 from normgeo.run_folder import RunFolder
+from normgeo.signals import abandonable
 
 log = logging.getLogger(__name__)
 

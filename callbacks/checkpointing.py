@@ -24,10 +24,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
-from callbacks.signal_stop import SignalStop, StopOnSignal, training_interrupt
+from callbacks.signal_stop import StopOnSignal
 from corpus.atomic import atomic_open
 from normgeo.config.schema import CheckpointSchema
 from normgeo.run_folder import LAST_CHECKPOINT, checkpoint_name
+from normgeo.signals import SignalStop, training_interrupt
 
 log = logging.getLogger(__name__)
 # The checkpoint keys' defaults, written once: in the config's schema (``python train.py --help``).

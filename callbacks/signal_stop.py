@@ -1,120 +1,31 @@
-"""Stopping a run on a signal: the user's Ctrl-C or SIGTERM, and SLURM's requeue signal (USR1).
-
-:class:`Interrupt` is training's phase of the process's signal owner (normgeo.signals); :class:`StopOnSignal`
-stops every rank after the same optimizer step, and :func:`exit_if_interrupted` prints the resume command.
+"""Stopping a run on a signal at a step boundary, as normgeo.signals' table says: :class:`StopOnSignal` stops
+every rank after the same optimizer step, and :func:`exit_if_interrupted` prints the resume command.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
 
 from callbacks.lightning_loops import settle_abandoned_validation
-from normgeo.signals import OWNER, STOP_SIGNALS
-from slurm.requeue import REQUEUED, SlurmRequeue
+from normgeo.signals import OWNER, STOP_SIGNALS, Interrupt, SignalStop, SlurmRequeue
+from slurm.requeue import REQUEUED
 
 log = logging.getLogger(__name__)
 
 
-class SignalStop(Exception):
-    """A stop signal abandoned a validation or a probe: ``last.ckpt`` is saved at the current optimizer step
-    (:meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
-
-
-class Interrupt:
-    """Training's phase of the signal owner: a stop signal (normgeo.signals.STOP_SIGNALS: Ctrl-C's SIGINT,
-    SIGTERM from ``kill`` or ``scancel``, a closed terminal's SIGHUP, SIGUSR1 outside SLURM) is recorded,
-    so that :class:`StopOnSignal` stops every rank after the current optimizer step and ``last.ckpt`` is saved
-    there; the exit is 128 + the signal number (130, 143). In place of Python's KeyboardInterrupt (Lightning
-    turns it into exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without
-    saving). A second signal stops at once (atomic writes keep the previous file)."""
-
-    def __init__(self, continue_command: Callable[[], str] = str) -> None:
-        self.received = False
-        self.signum: int | None = None  # the signal this rank received first
-        self.stopped_at: int | None = None  # the step at which training stopped, on every rank
-        self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
-        # The command that goes on with the run, asked when printed: the run's folder then decides it.
-        self.continue_command = continue_command
-        # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
-        # one process only: ranks that did not receive the signal would wait in a collective.
-        self.abandonable: str | None = None
-        self.single_process = True
-        self.abandoned: str | None = None  # what a signal abandoned
-        # A second interrupt's signal: its SystemExit may surface as another exception (AtomicCheckpointIO)
-        self.abandoning: int | None = None
-        self.trained = False  # whether this session made an optimizer step: else a stop has nothing to save
-
-    def enter(self, what: str) -> None:
-        """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
-        if not self.single_process:
-            return
-        if self.received:  # e.g. the validation Lightning runs when training stops: skipped, not abandoned
-            if self.stopped_at is None:
-                self.abandoned = what
-            raise SignalStop(what)
-        self.abandonable = what
-
-    def leave(self) -> None:
-        self.abandonable = None
-
-    def __call__(self, signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if self.received:
-            self.say(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
-                     f"continue with:\n{self.continue_command()}")
-            self.abandoning = signum
-            raise SystemExit(128 + signum)
-        self.received, self.signum = True, signum
-        if self.abandonable is not None:  # a validation or a probe: nothing written yet, nothing to finish
-            what, self.abandonable = self.abandonable, None
-            self.abandoned = what
-            saving = "saving last.ckpt" if self.trained else "nothing trained this session, nothing to save"
-            self.say(f"{name}: abandoning {what}, {saving} ({name} again: stop now)")
-            raise SignalStop(what)
-        self.say(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum or signal.SIGTERM).name
-
-    def say(self, text: str) -> None:
-        if self.announce:
-            # os.write, not print: a signal can land while the main thread is inside a print to stderr.
-            os.write(2, (text + "\n").encode())
-
-
-def training_interrupt() -> Interrupt | None:
-    """The :class:`Interrupt` that decides what a stop signal does now, if training is the owner's phase."""
-    phase = OWNER.phase
-    return phase if isinstance(phase, Interrupt) else None
-
-
-@contextlib.contextmanager
-def abandonable(what: str) -> Iterator[None]:
-    """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop),
-    under training's phase (:class:`Interrupt`) only."""
-    interrupt = training_interrupt() or Interrupt()  # outside training: one that no signal reaches
-    interrupt.enter(what)
-    try:
-        yield
-    finally:
-        interrupt.leave()
-
-
 class StopOnSignal(L.Callback):
     """Stops training at the first optimizer-step boundary after a stop signal, on every rank at once: SLURM's
-    requeue signal (USR1, ``slurm.requeue.SlurmRequeue``) or the user's interrupt (:class:`Interrupt`).
+    requeue signal (USR1, ``normgeo.signals.SlurmRequeue``) or the user's interrupt (``Interrupt``).
 
     Stopping there (rather than saving from inside the signal handler, as Lightning's SLURM handler does)
     makes the resume point a whole optimizer step: no half-accumulated gradients, no half-applied update, and
@@ -146,13 +57,11 @@ class StopOnSignal(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.session_start_step = trainer.global_step
-        if self.requeue is not None:
-            self.requeue.training = True
         self.interrupt.announce = trainer.is_global_zero
         self.interrupt.single_process = trainer.world_size == 1
 
     def install(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Makes :class:`Interrupt` the owner's phase on train start, from the first callback (train.py's
+        """Makes ``Interrupt`` the owner's phase on train start, from the first callback (train.py's
         LambdaCallback), so that the step-0 probe (another callback's on_train_start) is covered too."""
         OWNER.reclaim()  # Lightning's fit put its SIGTERM handler over the owner's
         OWNER.enter(self.interrupt)
@@ -214,7 +123,7 @@ class StopOnSignal(L.Callback):
 
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:
-    """After fit: when an :class:`Interrupt` stopped training, tell the user where it stopped and how to
+    """After fit: when an ``Interrupt`` stopped training, tell the user where it stopped and how to
     continue (the resume command is the last line on stderr), then exit 128 + the signal number."""
     stop = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     if stop is None or stop.interrupt.stopped_at is None:

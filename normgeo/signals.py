@@ -1,16 +1,14 @@
-"""The process's one owner of its stop signals: SIGINT (Ctrl-C), SIGTERM (``kill``, ``scancel``), SIGHUP
-(a closed terminal or SSH session) and SIGUSR1 (in a SLURM job the requeue signal, elsewhere a stop).
+"""What a stop signal does, in one table: :data:`TABLE` gives, for every phase of a run (a row) and every stop
+signal (a column: Ctrl-C's SIGINT, SIGTERM from ``kill`` or ``scancel``, a closed terminal's SIGHUP, SIGUSR1,
+and SIGUSR1 in a SLURM job, its requeue signal), the action. The process's one handler, :data:`OWNER`, looks
+up the row of the phase that decides now (the innermost of a stack) and has it carried out.
 
-An entry point takes them (:meth:`SignalOwner.owning`) and, when it returns, puts back the handlers that were
-there (a caller's: a notebook's, a test's, the next job of a ``-m`` sweep). While it owns them, what a stop
-signal does is the current phase's to say, the innermost of a stack: :class:`StopAtOnce` before and after
-training (one line, exit 128 + the signal; what :func:`corpus.atomic.atomic_open` was writing is dropped
-whole), and during training ``callbacks.signal_stop.Interrupt`` (stop at the next optimizer step, abandon a
-validation or a probe). Lightning's fit puts its own SIGTERM handler over the owner's and back at its
-teardown; the training phase takes the signal back for the fit (:meth:`SignalOwner.reclaim`). SLURM's USR1
-goes to :class:`slurm.requeue.SlurmRequeue`: it is taken before train.py's slow imports (Python dies of a USR1
-it has no handler for) and kept for the job's life. Standard library only (slurm.requeue is too), so that
-train.py can import it first.
+An entry point takes the signals (:meth:`SignalOwner.owning`) and, when it returns, puts back the handlers
+that were there (a notebook's, a test's, the next job of a ``-m`` sweep). Lightning's fit puts its own SIGTERM
+handler over the owner's; training takes it back (:meth:`SignalOwner.reclaim`). In a SLURM job USR1 is taken
+before train.py's slow imports (Python dies of a USR1 it has no handler for) and kept for the job's life.
+Standard library only (slurm.requeue is too), so that train.py can import it first.
+tests/test_signal_handlers.py sends each row's signals.
 """
 
 from __future__ import annotations
@@ -18,60 +16,228 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from slurm.requeue import SlurmRequeue, under_slurm
+from slurm.requeue import requeue_slurm_job, under_slurm
 
-Phase = Callable[[int, Any], None]  # a signal handler: what a stop signal does in this phase
 # Every signal whose default action would kill the run where it stands, without a word or a last.ckpt.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+SLURM_USR1 = "SIGUSR1 in a SLURM job"  # the requeue signal (--signal=USR1@lead, preemption)
+COLUMNS = (*(s.name for s in STOP_SIGNALS), SLURM_USR1)
+
+# The actions.
+STOP = "stop at once"  # one line, exit 128 + the signal; atomic_open drops what it was writing, whole
+HOLD = "hold"  # said, and kept (``received``) for the phase's owner to act on once its work is done
+FINISH_STEP = "finish the step"  # every rank stops after this optimizer step and saves last.ckpt there
+ABANDON = "abandon"  # the work (a validation, a probe: it writes nothing) is dropped at once: SignalStop
+ABANDON_END = "abandon the end"  # the end's figures are dropped, and the summary says so: Abandoned
+REQUEUE = "requeue now"  # scontrol requeue, exit 0: nothing new to save
+REQUEUE_AFTER_STEP = "requeue after the step"  # every rank stops after this step, saves last.ckpt, requeues
+IGNORE = "ignore"  # the session ends anyway, its last.ckpt written
+
+# The phases, in the order of a run.
+BEFORE = "before training (the checks, data preparation, fit's setup)"
+UNDO = "a failed start being undone (its folder put back as it was found)"
+FIRST_PROBE = "the probe before the session's first optimizer step"
+TRAINING = "training"
+AGAIN = "training, after a first signal"
+VALIDATION = "a validation or a later probe"
+ENDING = "fit's teardown and the summary, after the first optimizer step"
+FIGURES = "the end's figures, after the summary"
+INTERRUPTED_END = "an end interrupted after its summary"
+COMMAND = "another command's work (compare, report, export, evaluate, analyze, corpus)"
 
 
-class StopAtOnce:
-    """A phase in which a stop signal ends the process at once with one line and exit 128 + the signal:
-    the SystemExit unwinds through ``atomic_open``, which removes its temporary, so nothing half-written
-    stays. ``doing``: when it came (``before training started``); ``again``: what to do next."""
+def row(user: str, slurm: str) -> dict[str, str]:
+    """One phase's actions: ``user`` for SIGINT, SIGTERM, SIGHUP and SIGUSR1, ``slurm`` for SLURM's USR1."""
+    return {**dict.fromkeys(COLUMNS[:-1], user), SLURM_USR1: slurm}
 
-    def __init__(self, doing: str, again: str) -> None:
-        self.doing, self.again = doing, again
 
-    def __call__(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        # os.write, not print: the signal may land inside a print to stderr.
-        os.write(2, f"{name} {self.doing}: stopped, nothing half-written left; {self.again}\n".encode())
+TABLE: dict[str, dict[str, str]] = {
+    BEFORE: row(STOP, REQUEUE),
+    UNDO: row(HOLD, HOLD),  # half an undo would leave neither folder
+    FIRST_PROBE: row(ABANDON, REQUEUE),
+    TRAINING: row(FINISH_STEP, REQUEUE_AFTER_STEP),  # a step boundary: a whole step to resume from
+    AGAIN: row(STOP, REQUEUE_AFTER_STEP),
+    VALIDATION: row(ABANDON, REQUEUE_AFTER_STEP),
+    ENDING: row(HOLD, IGNORE),  # the summary is the session's account of what it trained
+    FIGURES: row(ABANDON_END, IGNORE),
+    INTERRUPTED_END: row(STOP, IGNORE),
+    COMMAND: row(STOP, STOP),
+}
+
+
+def say(text: str) -> None:
+    os.write(2, (text + "\n").encode())  # not print: the signal may land inside a print to stderr
+
+
+class Phase:
+    """A phase of the run: its row of :data:`TABLE` and the actions of that row it carries out."""
+
+    row = BEFORE
+
+    def act(self, action: str, signum: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot {action}")
+
+
+class StopAtOnce(Phase):
+    """A phase in which a stop signal ends the process at once with one line and exit 128 + the signal: the
+    SystemExit unwinds through ``atomic_open``, which removes its temporary, so nothing half-written stays.
+    ``doing``: when it came (``before training started``); ``again``: what to do next."""
+
+    def __init__(self, row: str, doing: str, again: str) -> None:
+        self.row, self.doing, self.again = row, doing, again
+
+    def act(self, action: str, signum: int) -> None:
+        say(f"{signal.Signals(signum).name} {self.doing}: stopped, nothing half-written left; {self.again}")
         raise SystemExit(128 + signum)
 
 
-class FinishFirst:
-    """A phase whose work must not be cut in half (a start being undone, the run's folder put back as it was
-    found; the session's summary, its account of what it trained): a stop signal is said and kept in
-    ``received`` for the caller to act on once that work is done."""
+BEFORE_TRAINING = StopAtOnce(BEFORE, "before training started (checks, data preparation)",
+                             "nothing was trained; run the same command again")
 
-    def __init__(self, doing: str) -> None:
-        self.doing = doing
+
+class FinishFirst(Phase):
+    """A phase whose work must not be cut in half (a start being undone; the session's summary): a stop
+    signal is said and kept in ``received`` for the caller to act on once that work is done."""
+
+    def __init__(self, row: str, doing: str) -> None:
+        self.row, self.doing = row, doing
         self.received: int | None = None  # the first signal that came, for the caller to act on after
 
-    def __call__(self, signum: int, frame: Any) -> None:
+    def act(self, action: str, signum: int) -> None:
         self.received = self.received or signum
-        os.write(2, f"{signal.Signals(signum).name} {self.doing}: finishing that first\n".encode())
+        say(f"{signal.Signals(signum).name} {self.doing}: finishing that first")
+
+
+class FitPhase(FinishFirst):
+    """Where training's :class:`Interrupt` does not decide (fit's setup, its teardown, the end's summary):
+    before the session's first optimizer step (``kept()`` false) as before training, after it held."""
+
+    def __init__(self, kept: Callable[[], bool]) -> None:  # its row is kept()'s, not a fixed one
+        self.doing, self.received, self.kept = "as training ended", None, kept
+
+    @property
+    def row(self) -> str:  # type: ignore[override]
+        return ENDING if self.kept() else BEFORE
+
+    def act(self, action: str, signum: int) -> None:
+        (super() if action == HOLD else BEFORE_TRAINING).act(action, signum)
 
 
 class Abandoned(Exception):
-    """A stop signal in an :class:`AbandonAtOnce` phase; ``signum`` is the signal."""
+    """A stop signal in the end's figures (:class:`AbandonAtOnce`); ``signum`` is the signal."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-class AbandonAtOnce:
-    """A phase whose work may be dropped but whose caller must first record that it was (the end's figures,
-    after the summary): a stop signal raises :class:`Abandoned` where the work stands."""
+class AbandonAtOnce(Phase):
+    """The end's figures: dropped where they stand (:class:`Abandoned`), the caller records that they were."""
 
-    def __call__(self, signum: int, frame: Any) -> None:
+    row = FIGURES
+
+    def act(self, action: str, signum: int) -> None:
         raise Abandoned(signum)
+
+
+class SignalStop(Exception):
+    """A stop signal abandoned a validation or a probe: ``last.ckpt`` is saved at the current optimizer step
+    (:meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
+
+
+class Interrupt(Phase):
+    """Training's phase: a stop signal is recorded, so that ``callbacks.signal_stop.StopOnSignal`` stops every
+    rank after the current optimizer step and ``last.ckpt`` is saved there (exit 128 + the signal); during a
+    validation or a probe (:meth:`enter`) it abandons that work at once; a second signal stops at once
+    (atomic writes keep the previous file). In place of Python's KeyboardInterrupt (Lightning turns it into
+    exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without saving)."""
+
+    def __init__(self, continue_command: Callable[[], str] = str) -> None:
+        self.received = False
+        self.signum: int | None = None  # the signal this rank received first
+        self.stopped_at: int | None = None  # the step at which training stopped, on every rank
+        self.announce = True  # rank 0 tells the user; the other ranks of a terminal's Ctrl-C stay quiet
+        # The command that goes on with the run, asked when printed: the run's folder then decides it.
+        self.continue_command = continue_command
+        # What runs now that writes nothing and may be dropped at once (a validation, a probe), else None;
+        # one process only: ranks that did not receive the signal would wait in a collective.
+        self.abandonable: str | None = None
+        self.single_process = True
+        self.abandoned: str | None = None  # what a signal abandoned
+        # A second interrupt's signal: its SystemExit may surface as another exception (AtomicCheckpointIO)
+        self.abandoning: int | None = None
+        self.trained = False  # whether this session made an optimizer step: else a stop has nothing to save
+
+    @property
+    def row(self) -> str:  # type: ignore[override]
+        if self.received:
+            return AGAIN
+        if self.abandonable is not None:
+            return VALIDATION if self.trained else FIRST_PROBE
+        return TRAINING
+
+    def enter(self, what: str) -> None:
+        """From now on a signal abandons ``what`` at once (SignalStop); one already received does it now."""
+        if not self.single_process:
+            return
+        if self.received:  # e.g. the validation Lightning runs when training stops: skipped, not abandoned
+            if self.stopped_at is None:
+                self.abandoned = what
+            raise SignalStop(what)
+        self.abandonable = what
+
+    def leave(self) -> None:
+        self.abandonable = None
+
+    def act(self, action: str, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if action == STOP:
+            self.tell(f"{name} again: stopping now, without saving the steps since the last last.ckpt; "
+                      f"continue with:\n{self.continue_command()}")
+            self.abandoning = signum
+            raise SystemExit(128 + signum)
+        self.received, self.signum = True, signum
+        if action == ABANDON:  # a validation or a probe: nothing written yet, nothing to finish
+            what, self.abandonable = self.abandonable, None
+            self.abandoned = what
+            saving = "saving last.ckpt" if self.trained else "nothing trained this session, nothing to save"
+            self.tell(f"{name}: abandoning {what}, {saving} ({name} again: stop now)")
+            raise SignalStop(what)
+        self.tell(f"{name}: finishing this optimizer step, then saving last.ckpt ({name} again: stop now)")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
+    def tell(self, text: str) -> None:
+        if self.announce:
+            say(text)
+
+
+class SlurmRequeue:
+    """SLURM's USR1 (``--signal=USR1@lead`` before the time limit, preemption, ``scancel --signal=USR1``):
+    its actions of :data:`TABLE`. ``received``: to requeue after this step (StopOnSignal polls it)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.stopped_at: int | None = None  # the step training stopped at to requeue
+
+    def act(self, action: str) -> None:
+        if action == REQUEUE_AFTER_STEP:
+            self.received = True
+        elif action == REQUEUE:
+            print("USR1 before training started: requeueing the job", file=sys.stderr, flush=True)
+            # Every rank requeues (a duplicate request fails harmlessly): a rank that exits without it
+            # could leave the others waiting in a collective for the rest of the time limit.
+            if requeue_slurm_job():
+                raise SystemExit(0)
+        elif action != IGNORE:  # a row's own action (HOLD, STOP) for the requeue signal
+            raise NotImplementedError(action)
 
 
 class SignalOwner:
@@ -83,14 +249,15 @@ class SignalOwner:
         self.requeue: SlurmRequeue | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGUSR1 and self.requeue is not None:
-            self.requeue(signum, frame)
-        elif self.phases:
-            self.phases[-1](signum, frame)
-        elif signum == signal.SIGINT:  # held, no phase: as Python would
-            raise KeyboardInterrupt
+        slurm = signum == signal.SIGUSR1 and self.requeue is not None
+        if not self.phases and not slurm:  # held, no phase: as Python would
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        phase = self.phases[-1] if self.phases else BEFORE_TRAINING
+        action = TABLE[phase.row][SLURM_USR1 if slurm else signal.Signals(signum).name]
+        if slurm and action in (REQUEUE, REQUEUE_AFTER_STEP, IGNORE):
+            self.requeue.act(action)  # type: ignore[union-attr]
         else:
-            raise SystemExit(128 + signum)
+            phase.act(action, signum)
 
     def take(self, signums: tuple[int, ...]) -> dict[int, Any]:
         """Handle ``signums`` from now on; the handlers it replaced (none where it handled the signal
@@ -143,8 +310,8 @@ class SignalOwner:
                     signal.signal(signum, self)
 
     def take_requeue(self) -> SlurmRequeue | None:
-        """In a SLURM job: SIGUSR1 to :class:`~slurm.requeue.SlurmRequeue` for the job's life (once); None
-        outside SLURM or off the main thread."""
+        """In a SLURM job: SIGUSR1 to :class:`SlurmRequeue` for the job's life (once); None outside SLURM or
+        off the main thread."""
         if self.requeue is None and under_slurm() and threading.current_thread() is threading.main_thread():
             self.requeue = SlurmRequeue()  # first: a USR1 may come as soon as the owner takes it
             self.take((signal.SIGUSR1,))
@@ -154,11 +321,29 @@ class SignalOwner:
 OWNER = SignalOwner()
 
 
+def training_interrupt() -> Interrupt | None:
+    """The :class:`Interrupt` that decides what a stop signal does now, if training is the owner's phase."""
+    phase = OWNER.phase
+    return phase if isinstance(phase, Interrupt) else None
+
+
+@contextlib.contextmanager
+def abandonable(what: str) -> Iterator[None]:
+    """``with abandonable("the probe at step 5"):`` a stop signal inside abandons it at once (SignalStop),
+    under training's phase (:class:`Interrupt`) only."""
+    interrupt = training_interrupt() or Interrupt()  # outside training: one that no signal reaches
+    interrupt.enter(what)
+    try:
+        yield
+    finally:
+        interrupt.leave()
+
+
 def stop_on_signals(doing: str, again: str) -> None:
-    """For a command's whole process (compare, report, export, evaluate, analyze, corpus): a stop
-    signal ends it at once (:class:`StopAtOnce`), through the owner."""
+    """For a command's whole process (compare, report, export, evaluate, analyze, corpus): a stop signal ends
+    it at once, through the owner."""
     OWNER.take(STOP_SIGNALS)
-    OWNER.enter(StopAtOnce(doing, again))
+    OWNER.enter(StopAtOnce(COMMAND, doing, again))
 
 
 def ignore_at_exit() -> None:

@@ -1,10 +1,6 @@
-"""SLURM's requeue signal and session bookkeeping for train.py; the standard library only (and the run
-folder's names, normgeo.run_folder, which is too), so that train.py can have the USR1 handler before its
-slow imports (Python dies of a USR1 it has no handler for): the process's signal owner (normgeo.signals)
-hands USR1 to :class:`SlurmRequeue`.
-
-:class:`callbacks.signal_stop.StopOnSignal` is the training side: it stops every rank at the next
-optimizer-step boundary once :class:`SlurmRequeue` has recorded the signal.
+"""SLURM for train.py: requeue this job, whether this process is a SLURM task, and the session bookkeeping;
+the standard library only (and the run folder's names, normgeo.run_folder, which is too), so that
+normgeo.signals, whose table says what SLURM's USR1 does, can be imported before train.py's slow imports.
 """
 
 from __future__ import annotations
@@ -19,33 +15,6 @@ from normgeo.run_folder import RunFolder
 
 # How summary.json's session_log says a session ended to requeue (normgeo.readers.run_states reads it).
 REQUEUED = "requeue"
-
-
-class SlurmRequeue:
-    """SLURM's USR1 (``--signal=USR1@lead`` before the time limit, preemption, ``scancel --signal=USR1``):
-    save the run, requeue the job, exit.
-
-    Python dies of a USR1 it has no handler for, so this handler goes in before the slow imports. Once
-    training runs it only records the signal: :class:`callbacks.signal_stop.StopOnSignal` stops all ranks at
-    the next optimizer-step boundary, ``last.ckpt`` is written and train.py requeues the job. Before training
-    starts there is nothing new to save, so the job is requeued at once.
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self.training = False
-        self.stopped_at: int | None = None
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.received = True
-        if self.training:
-            return
-        print("USR1 before training started: requeueing the job", file=sys.stderr, flush=True)
-        # Every rank requeues (a duplicate request fails harmlessly): a rank that exits without it
-        # could leave the others waiting in a collective for the rest of the time limit.
-        if requeue_slurm_job():
-            raise SystemExit(0)
-        self.received = False  # SLURM refused (e.g. --no-requeue): carry on
 
 
 def requeue_slurm_job() -> bool:

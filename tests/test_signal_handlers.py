@@ -1,8 +1,8 @@
-"""One owner handles a run's stop signals (normgeo.signals): the start's phase (checks, data preparation), the
-training's (callbacks.signal_stop.Interrupt, taken back from Lightning's own handler), the end's (the summary,
-figures). A caller's handlers (a notebook's, a test's, a sweep's next job's) are there again when
-train.py's main returns. Before: four handlers replaced each other, and the training's stop put back
-Python's defaults."""
+"""One owner handles a run's stop signals (normgeo.signals), each phase as its table says (one test per row):
+the start's (checks, data preparation), training's (Interrupt, taken back from Lightning's own handler), the
+end's (the summary, figures). A caller's handlers (a notebook's, a test's, a sweep's next job's) are there
+again when train.py's main returns. Before: four handlers replaced each other, and the training's stop put
+back Python's defaults."""
 
 from __future__ import annotations
 
@@ -12,8 +12,39 @@ from pathlib import Path
 
 import pytest
 
-from callbacks.signal_stop import Interrupt
-from normgeo.signals import OWNER, STOP_SIGNALS, StopAtOnce
+import normgeo.signals
+from normgeo.signals import (
+    ABANDON,
+    ABANDON_END,
+    AGAIN,
+    BEFORE,
+    COMMAND,
+    ENDING,
+    FIGURES,
+    FINISH_STEP,
+    FIRST_PROBE,
+    HOLD,
+    INTERRUPTED_END,
+    OWNER,
+    REQUEUE,
+    REQUEUE_AFTER_STEP,
+    SLURM_USR1,
+    STOP,
+    STOP_SIGNALS,
+    TABLE,
+    TRAINING,
+    UNDO,
+    VALIDATION,
+    AbandonAtOnce,
+    Abandoned,
+    FinishFirst,
+    FitPhase,
+    Interrupt,
+    Phase,
+    SignalStop,
+    SlurmRequeue,
+    StopAtOnce,
+)
 from tests.conftest import train_here
 
 
@@ -45,9 +76,10 @@ def test_the_owner_puts_back_what_it_replaced_and_takes_back_what_a_library_set(
     previous = signal.signal(signal.SIGTERM, outer)
     try:
         interrupt = Interrupt()
-        with OWNER.owning(StopAtOnce("in the test", "nothing to do")):
+        with OWNER.owning(StopAtOnce(BEFORE, "in the test", "nothing to do")):
             assert signal.getsignal(signal.SIGTERM) is OWNER
-            with OWNER.owning(StopAtOnce("nested", "nothing to do")):  # train() inside main(): no new take
+            # train() inside main(): no new take
+            with OWNER.owning(StopAtOnce(BEFORE, "nested", "nothing to do")):
                 OWNER.enter(interrupt)
                 signal.signal(signal.SIGTERM, library)
                 OWNER.reclaim()
@@ -58,19 +90,48 @@ def test_the_owner_puts_back_what_it_replaced_and_takes_back_what_a_library_set(
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_what_a_stop_signal_does_is_the_current_phases(capfd) -> None:
-    """Before training: exit 128 + the signal with one line; in training's phase: recorded, the run goes on to
-    the step boundary; a second signal: exit at once."""
+def phase_in(row: str) -> Phase:
+    """A phase in the state of ``row`` of the table."""
     interrupt = Interrupt()
-    with OWNER.owning(StopAtOnce("before training started", "run it again")):
-        with pytest.raises(SystemExit) as stopped:
-            os.kill(os.getpid(), signal.SIGTERM)
-        assert stopped.value.code == 143
-        assert "SIGTERM before training started: stopped" in capfd.readouterr().err
-        OWNER.enter(interrupt)
-        os.kill(os.getpid(), signal.SIGINT)
-        assert interrupt.received and interrupt.signum == signal.SIGINT
-        with pytest.raises(SystemExit) as again:
-            os.kill(os.getpid(), signal.SIGINT)
-        assert again.value.code == 130
-    assert OWNER.phase is not interrupt
+    if row in (FIRST_PROBE, VALIDATION):
+        interrupt.trained = row == VALIDATION
+        interrupt.abandonable = "the validation after step 3" if interrupt.trained else "the probe at step 0"
+    elif row == AGAIN:
+        interrupt.received, interrupt.signum = True, signal.SIGINT
+    return {BEFORE: FitPhase(lambda: False), UNDO: FinishFirst(UNDO, "while this start is undone"),
+            FIRST_PROBE: interrupt, TRAINING: interrupt, AGAIN: interrupt, VALIDATION: interrupt,
+            ENDING: FitPhase(lambda: True), FIGURES: AbandonAtOnce(),
+            INTERRUPTED_END: StopAtOnce(INTERRUPTED_END, "after training", "resume it"),
+            COMMAND: StopAtOnce(COMMAND, "during the comparison", "run it again")}[row]
+
+
+@pytest.mark.parametrize("row", list(TABLE))
+def test_each_phase_does_what_the_table_says_for_each_signal(row: str, monkeypatch, capfd) -> None:
+    """One row of normgeo.signals.TABLE: each stop signal sent to this process, in that phase (SLURM's USR1
+    with the job's requeue taken), does the row's action."""
+    requeued: list[bool] = []
+    monkeypatch.setattr(normgeo.signals, "requeue_slurm_job", lambda: requeued.append(True) or True)
+    for column, action in TABLE[row].items():
+        phase, requeue = phase_in(row), SlurmRequeue()
+        assert phase.row == row
+        slurm = column == SLURM_USR1
+        signum = signal.SIGUSR1 if slurm else signal.Signals[column]
+        monkeypatch.setattr(OWNER, "requeue", requeue if slurm else None)
+        raised: BaseException | None = None
+        with OWNER.owning(phase):
+            try:
+                os.kill(os.getpid(), signum)
+            except (SystemExit, SignalStop, Abandoned) as err:
+                raised = err
+        expected = {STOP: (SystemExit, 128 + signum), REQUEUE: (SystemExit, 0), ABANDON: (SignalStop, None),
+                    ABANDON_END: (Abandoned, None)}.get(action)
+        said = f"{row} / {column}: {action}, raised {raised!r}"
+        assert (type(raised), getattr(raised, "code", None)) == (expected or (type(None), None)), said
+        assert requeued == ([True] if action == REQUEUE else []), said
+        assert requeue.received == (action == REQUEUE_AFTER_STEP), said
+        if action == HOLD:
+            assert phase.received == signum, said
+        if action in (FINISH_STEP, ABANDON):
+            assert phase.received and phase.signum == signum, said
+        requeued.clear()
+    capfd.readouterr()
