@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from callbacks.run import train
 from models.hardware import missing_cuda
 from models.lit import peak_flops
 from models.norms import compile_refusal
@@ -79,7 +80,6 @@ from normgeo.measure.records import read_rows
 from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import ANGLES_FILE, RunFolder
 from normgeo.runs.start import start_session
-from train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 

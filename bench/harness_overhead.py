@@ -49,12 +49,12 @@ from probe_cost import op_counts
 from torch.profiler import ProfilerActivity, profile, record_function
 from train_throughput import scratch
 
+from callbacks.run import train
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.measure.geometry import gpu_code_path
 from normgeo.runs.build import make_datamodule
 from normgeo.runs.start import start_session
-from train import train
 
 # One micro-batch per optimizer step (no accumulation), so that a harness step and a bare step do the same
 # work; fused AdamW as a GPU steps it (on the CPU too: torch's fused CPU kernel).

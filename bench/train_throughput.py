@@ -41,6 +41,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from callbacks.run import train
 from corpus.prepare import load_prepared
 from corpus.stream import StepSampler, TokenWindows, tokens_per_step, window_offsets
 from models.gpt import GPT
@@ -52,7 +53,6 @@ from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import TrainSchema
 from normgeo.runs.build import make_datamodule, make_module
 from normgeo.runs.start import start_session
-from train import train
 
 VARIANTS = ("harness", "plain", "minimal")
 REFERENCE_ARM = "rms"

@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from omegaconf import OmegaConf
 
-import train
+import callbacks.run
 from models.strategies import FSDP2Strategy
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
@@ -66,7 +66,7 @@ def test_every_trainer_option_builds_its_trainer(option: str, tmp_path: Path, mo
         overrides.append("trainer.devices=2")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = check_config("train", compose("train", overrides=overrides))
-    trainer = train.build_trainer(cfg, tmp_path, callbacks=[])
+    trainer = callbacks.run.build_trainer(cfg, tmp_path, callbacks=[])
     assert isinstance(trainer.strategy, STRATEGY_OF[option]), type(trainer.strategy)
     assert trainer.num_nodes == 1 and isinstance(trainer.num_nodes, int)
     assert trainer.num_devices == (2 if option in ("ddp", "ddp_cpu", "fsdp") else 1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
+import callbacks.run
 from corpus.atomic import TMP_SUFFIX
 from tests.conftest import FAST, ROOT, command_here, main_exit_code, metrics_rows, step_losses
 from tests.test_resume_kill import ckpt_step, train_args
@@ -420,7 +420,7 @@ def test_a_signal_at_any_moment_of_the_end_is_recorded_in_the_summary(
         return wrapped
 
     calls = {"write_summary": 0}
-    real_write = train.write_summary
+    real_write = callbacks.run.write_summary
 
     def first_write(*args, **kwargs):  # only the end's first summary (end_interrupted writes one too)
         calls["write_summary"] += 1
@@ -429,9 +429,10 @@ def test_a_signal_at_any_moment_of_the_end_is_recorded_in_the_summary(
         return signal_around(real_write, before=moment == "the summary write")(*args, **kwargs)
 
     if moment == "the figures":
-        monkeypatch.setattr(train, "draw_figures", signal_around(train.draw_figures, before=True))
+        drawn = signal_around(callbacks.run.draw_figures, before=True)
+        monkeypatch.setattr(callbacks.run, "draw_figures", drawn)
     else:
-        monkeypatch.setattr(train, "write_summary", first_write)
+        monkeypatch.setattr(callbacks.run, "write_summary", first_write)
     run_dir = tmp_path / "end"
     capfd.readouterr()
     code = main_exit_code("train", [*FAST, f"run_dir={run_dir}", f"data_root={tmp_path / 'data'}",

@@ -22,13 +22,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from callbacks.angle_probe import AngleProbe
+from callbacks.run import build_trainer
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import TrainSchema
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.runs.build import make_datamodule, make_module, make_schedule
 from normgeo.runs.preflight import setup_from_config
-from train import build_trainer
 
 BASE = ("size=tiny", "logger=csv", "trainer=cpu", "data=pydoc", "probe=pydoc", "probe.tokens=1024")
 
@@ -40,7 +40,8 @@ def composed(tmp_path: Path, *overrides: str) -> TrainSchema:
 
 
 class Built:
-    """What train.py builds from a config (normgeo.runs.build, train.build_trainer, its probe callback)."""
+    """What train.py builds from a config (normgeo.runs.build, callbacks.run.build_trainer, its probe
+    callback)."""
 
     def __init__(self, cfg: TrainSchema) -> None:
         self.cfg = cfg

@@ -11,13 +11,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import normgeo.report as report
+from callbacks.run import build_trainer
 from corpus.prepare import PreparedDataError
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import ConfigError, launch_cost
 from normgeo.runs.start import check_trainer
 from tests.conftest import FAST, entry_point_here, run_entry_point, train_in_process
-from train import build_trainer
 
 
 def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
