@@ -66,14 +66,14 @@ from normgeo.runs.session import (
 from normgeo.runs.start import Start, finish_wandb_run, instantiate_trainer, open_run_files
 from normgeo.runs.summary import disk_use, format_summary, read_summary, write_summary
 from normgeo.signals import (
+    FIGURES,
     INTERRUPTED_END,
     OWNER,
     STOP_SIGNALS,
-    AbandonAtOnce,
     Abandoned,
     FitPhase,
+    Phase,
     SignalStop,
-    StopAtOnce,
 )
 from slurm.requeue import record_slurm_job, requeue_slurm_job
 
@@ -374,7 +374,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
             try:
                 # From here a signal abandons the end; fit_phase saw the last one it will see, so the check
                 # below and the handler together cover every moment after the summary.
-                with OWNER.owning(AbandonAtOnce()):
+                with OWNER.owning(Phase(FIGURES)):
                     if (signum := stop.late_signal or fit_phase.received) is not None:
                         raise Abandoned(signum)
                     if cfg.probe.enabled and cfg.probe.figures and stopped_by is None:
@@ -391,7 +391,7 @@ def train(start: Start, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer
 def end_interrupted(run_dir: Path, signum: int, command: str) -> None:
     """A signal at the end, after the summary: the summary says the session was interrupted (where it did not
     yet), one line says what is left, exit 128 + the signal."""
-    end = StopAtOnce(INTERRUPTED_END, "after training, while the summary and figures were written",
+    end = Phase(INTERRUPTED_END, "after training, while the summary and figures were written",
                      f"the trained steps are checkpointed; {command} writes the rest, nothing retrained")
     with OWNER.owning(end):  # a second signal stops at once; the atomic write keeps the summary whole
         summary = read_summary(run_dir)

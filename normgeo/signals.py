@@ -74,75 +74,53 @@ def say(text: str) -> None:
     os.write(2, (text + "\n").encode())  # not print: the signal may land inside a print to stderr
 
 
-class Phase:
-    """A phase of the run: its row of :data:`TABLE` and the actions of that row it carries out."""
-
-    row = BEFORE
-
-    def act(self, action: str, signum: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} cannot {action}")
-
-
-class StopAtOnce(Phase):
-    """A phase in which a stop signal ends the process at once with one line and exit 128 + the signal: the
-    SystemExit unwinds through ``atomic_open``, which removes its temporary, so nothing half-written stays.
-    ``doing``: when it came (``before training started``); ``again``: what to do next."""
-
-    def __init__(self, row: str, doing: str, again: str) -> None:
-        self.row, self.doing, self.again = row, doing, again
-
-    def act(self, action: str, signum: int) -> None:
-        say(f"{signal.Signals(signum).name} {self.doing}: stopped, nothing half-written left; {self.again}")
-        raise SystemExit(128 + signum)
-
-
-BEFORE_TRAINING = StopAtOnce(BEFORE, "before training started (checks, data preparation)",
-                             "nothing was trained; run the same command again")
-
-
-class FinishFirst(Phase):
-    """A phase whose work must not be cut in half (a start being undone; the session's summary): a stop
-    signal is said and kept in ``received`` for the caller to act on once that work is done."""
-
-    def __init__(self, row: str, doing: str) -> None:
-        self.row, self.doing = row, doing
-        self.received: int | None = None  # the first signal that came, for the caller to act on after
-
-    def act(self, action: str, signum: int) -> None:
-        self.received = self.received or signum
-        say(f"{signal.Signals(signum).name} {self.doing}: finishing that first")
-
-
-class FitPhase(FinishFirst):
-    """Where training's :class:`Interrupt` does not decide (fit's setup, its teardown, the end's summary):
-    before the session's first optimizer step (``kept()`` false) as before training, after it held."""
-
-    def __init__(self, kept: Callable[[], bool]) -> None:  # its row is kept()'s, not a fixed one
-        self.doing, self.received, self.kept = "as training ended", None, kept
-
-    @property
-    def row(self) -> str:  # type: ignore[override]
-        return ENDING if self.kept() else BEFORE
-
-    def act(self, action: str, signum: int) -> None:
-        (super() if action == HOLD else BEFORE_TRAINING).act(action, signum)
-
-
 class Abandoned(Exception):
-    """A stop signal in the end's figures (:class:`AbandonAtOnce`); ``signum`` is the signal."""
+    """A stop signal in the end's figures (ABANDON_END); ``signum`` is the signal."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-class AbandonAtOnce(Phase):
-    """The end's figures: dropped where they stand (:class:`Abandoned`), the caller records that they were."""
+class Phase:
+    """A phase of the run, its ``row`` of :data:`TABLE`: ``doing`` says when a signal came (``before training
+    started``), ``again`` what to do next. STOP ends the process with one line and exit 128 + the signal (the
+    SystemExit unwinds through ``atomic_open``, which removes its temporary); HOLD says it and keeps it in
+    ``received`` for the caller to act on once its work is done; ABANDON_END raises :class:`Abandoned`."""
 
-    row = FIGURES
+    def __init__(self, row: str, doing: str = "", again: str = "") -> None:
+        self.row, self.doing, self.again = row, doing, again
+        self.received: int | None = None  # the first signal held, for the caller to act on after
 
     def act(self, action: str, signum: int) -> None:
-        raise Abandoned(signum)
+        name = signal.Signals(signum).name
+        if action == HOLD:
+            self.received = self.received or signum
+            say(f"{name} {self.doing}: finishing that first")
+        elif action == ABANDON_END:
+            raise Abandoned(signum)
+        else:
+            say(f"{name} {self.doing}: stopped, nothing half-written left; {self.again}")
+            raise SystemExit(128 + signum)
+
+
+BEFORE_TRAINING = Phase(BEFORE, "before training started (checks, data preparation)",
+                        "nothing was trained; run the same command again")
+
+
+class FitPhase(Phase):
+    """Where training's :class:`Interrupt` does not decide (fit's setup, its teardown, the end's summary):
+    before the session's first optimizer step (``kept()`` false) as before training, after it held."""
+
+    def __init__(self, kept: Callable[[], bool]) -> None:  # its row is kept()'s, not a fixed one
+        self.doing, self.again, self.received, self.kept = "as training ended", "", None, kept
+
+    @property
+    def row(self) -> str:  # type: ignore[override]
+        return ENDING if self.kept() else BEFORE
+
+    def act(self, action: str, signum: int) -> None:
+        (BEFORE_TRAINING if action == STOP else super()).act(action, signum)
 
 
 class SignalStop(Exception):
@@ -343,7 +321,7 @@ def stop_on_signals(doing: str, again: str) -> None:
     """For a command's whole process (compare, report, export, evaluate, analyze, corpus): a stop signal ends
     it at once, through the owner."""
     OWNER.take(STOP_SIGNALS)
-    OWNER.enter(StopAtOnce(COMMAND, doing, again))
+    OWNER.enter(Phase(COMMAND, doing, again))
 
 
 def ignore_at_exit() -> None:

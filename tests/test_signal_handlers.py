@@ -35,15 +35,12 @@ from normgeo.signals import (
     TRAINING,
     UNDO,
     VALIDATION,
-    AbandonAtOnce,
     Abandoned,
-    FinishFirst,
     FitPhase,
     Interrupt,
     Phase,
     SignalStop,
     SlurmRequeue,
-    StopAtOnce,
 )
 from tests.conftest import train_here
 
@@ -76,15 +73,15 @@ def test_the_owner_puts_back_what_it_replaced_and_takes_back_what_a_library_set(
     previous = signal.signal(signal.SIGTERM, outer)
     try:
         interrupt = Interrupt()
-        with OWNER.owning(StopAtOnce(BEFORE, "in the test", "nothing to do")):
+        with OWNER.owning(Phase(BEFORE, "in the test", "nothing to do")):
             assert signal.getsignal(signal.SIGTERM) is OWNER
             # train() inside main(): no new take
-            with OWNER.owning(StopAtOnce(BEFORE, "nested", "nothing to do")):
+            with OWNER.owning(Phase(BEFORE, "nested", "nothing to do")):
                 OWNER.enter(interrupt)
                 signal.signal(signal.SIGTERM, library)
                 OWNER.reclaim()
                 assert signal.getsignal(signal.SIGTERM) is OWNER and OWNER.phase is interrupt
-            assert signal.getsignal(signal.SIGTERM) is OWNER and isinstance(OWNER.phase, StopAtOnce)
+            assert signal.getsignal(signal.SIGTERM) is OWNER and OWNER.phase.row == BEFORE
         assert signal.getsignal(signal.SIGTERM) is outer
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -98,11 +95,11 @@ def phase_in(row: str) -> Phase:
         interrupt.abandonable = "the validation after step 3" if interrupt.trained else "the probe at step 0"
     elif row == AGAIN:
         interrupt.received, interrupt.signum = True, signal.SIGINT
-    return {BEFORE: FitPhase(lambda: False), UNDO: FinishFirst(UNDO, "while this start is undone"),
+    return {BEFORE: FitPhase(lambda: False), UNDO: Phase(UNDO, "while this start is undone"),
             FIRST_PROBE: interrupt, TRAINING: interrupt, AGAIN: interrupt, VALIDATION: interrupt,
-            ENDING: FitPhase(lambda: True), FIGURES: AbandonAtOnce(),
-            INTERRUPTED_END: StopAtOnce(INTERRUPTED_END, "after training", "resume it"),
-            COMMAND: StopAtOnce(COMMAND, "during the comparison", "run it again")}[row]
+            ENDING: FitPhase(lambda: True), FIGURES: Phase(FIGURES),
+            INTERRUPTED_END: Phase(INTERRUPTED_END, "after training", "resume it"),
+            COMMAND: Phase(COMMAND, "during the comparison", "run it again")}[row]
 
 
 @pytest.mark.parametrize("row", list(TABLE))

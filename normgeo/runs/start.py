@@ -55,7 +55,7 @@ from normgeo.runs.session import (
     session_checkpoint,
     slurm_requeued,
 )
-from normgeo.signals import OWNER, UNDO, FinishFirst
+from normgeo.signals import OWNER, UNDO, Phase
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class Start(contextlib.AbstractContextManager):
     def undo(self) -> None:
         """The run directory as this start found it (a fresh one removed); then the lock is released. A stop
         signal meanwhile (a second Ctrl-C) waits: a half-done undo would leave neither folder."""
-        with OWNER.owning(FinishFirst(UNDO, "while this start is undone")):
+        with OWNER.owning(Phase(UNDO, "while this start is undone")):
             if self.found is not None:
                 finish_wandb_run()  # its files are in the run directory too: closed before they go
                 close_file_logs(self.run_dir)
