@@ -1,8 +1,6 @@
-"""A train.py session, from its accepted start (normgeo.runs.start) to its exit: :class:`Run` fits it
-(:func:`train`: the Trainer assembled with its callbacks and loggers by :func:`build_trainer`, the fit, the
-end's summary and figures) and finishes it (a stop signal's resume command, a requeue). A user's mistake is
-one line (exit 2), any other exception a bug with its traceback; a start that trained nothing is undone.
-bench/ calls :func:`train` with its own callbacks."""
+"""A train.py session from its accepted start (normgeo.runs.start) to its exit: :class:`Run` fits it
+(:func:`train`: the Trainer with its callbacks and loggers, the fit, the end's summary and figures) and
+finishes it. bench/ calls :func:`train` with its own callbacks."""
 
 from __future__ import annotations
 
@@ -69,6 +67,7 @@ from normgeo.signals import (
     FIGURES,
     INTERRUPTED_END,
     OWNER,
+    STOP,
     STOP_SIGNALS,
     Abandoned,
     FitPhase,
@@ -88,9 +87,8 @@ class Run:
         self.trainer: L.Trainer | None = None
 
     def fit(self) -> Refused | None:
-        """Open the run's files and :func:`train`; a start that trained nothing is undone (the folder as it
-        was found). A user's mistake (a divergence, a full disk included) is one line (exit 2, or Refused in
-        a ``-m`` sweep); any other exception is a bug and keeps its traceback."""
+        """Open the run's files and :func:`train`; a start that trained nothing is undone. A user's mistake (a
+        divergence, a full disk) is one line (exit 2; Refused in a sweep), anything else has its traceback."""
         start, cfg = self.start, self.start.config
         try:
             open_run_files(start)  # .hydra/ and train.log, now that this start is accepted
@@ -105,8 +103,7 @@ class Run:
                     start.keep()  # a divergence is a result, a requeue a pause: the start stays
                 else:
                     start.undo()  # a failure or a stop: the directory as it was found
-            # A full disk, however torch or Lightning wrapped it, is one line too.
-            refusal = err if isinstance(err, Refusal) else (
+            refusal = err if isinstance(err, Refusal) else (  # a full disk, however torch wrapped it, too
                 disk_full_refusal(err, cfg) if isinstance(err, Exception) else None)
             if refusal is not None:
                 return refuse(cfg.run_dir, refusal)
@@ -118,8 +115,7 @@ class Run:
         return None
 
     def finish(self) -> None:
-        """Exit as the session stopped: a stop signal's resume command (exit 130/143), a requeue (exit 0, or
-        3 where SLURM refused it); a session that ran to its end returns."""
+        """Exit as the session stopped: a signal's resume command (130/143), a requeue (0; 3 if refused)."""
         trainer = self.trainer
         assert trainer is not None, "Run.fit first"
         exit_if_interrupted(trainer)  # Ctrl-C/SIGTERM: last.ckpt saved; the resume command, exit 130/143
@@ -392,14 +388,14 @@ def end_interrupted(run_dir: Path, signum: int, command: str) -> None:
     """A signal at the end, after the summary: the summary says the session was interrupted (where it did not
     yet), one line says what is left, exit 128 + the signal."""
     end = Phase(INTERRUPTED_END, "after training, while the summary and figures were written",
-                     f"the trained steps are checkpointed; {command} writes the rest, nothing retrained")
+                f"the trained steps are checkpointed; {command} writes the rest, nothing retrained")
     with OWNER.owning(end):  # a second signal stops at once; the atomic write keeps the summary whole
         summary = read_summary(run_dir)
         ended = f"interrupted by {signal.Signals(signum).name}"
         if summary["session_log"][-1]["ended"] != ended:
             summary["session_log"][-1]["ended"] = ended
             write_summary(run_dir, summary)
-        end(signum, None)
+        end.act(STOP, signum)
 
 
 def draw_figures(run_dir: Path) -> list[Path]:

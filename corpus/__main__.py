@@ -19,13 +19,12 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
-from corpus.prepare import META_FILE, PreparedDataError, load_prepared, prepare
-from corpus.sources import SourceError
-from corpus.tokenize import TokenizerError
+from corpus.prepare import META_FILE, load_prepared, prepare
+from corpus.refusal import Refusal
 from normgeo.config.checks import group_options, override_refusal, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import ConfigError, check_data_path
-from normgeo.paths import FolderError, check_own_folder
+from normgeo.paths import check_own_folder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
@@ -60,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
         check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
-    except FolderError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
         if verify_only:
             data = load_prepared(directory, tokenizer=data_cfg.tokenizer, prepare_hint=repair, verify="full")
         else:
@@ -71,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
                 verify="full", repair=True,
             )
-    except (SourceError, PreparedDataError, TokenizerError) as err:
+    except Refusal as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     splits = data.meta["splits"]

@@ -1,14 +1,9 @@
 """What a stop signal does, in one table: :data:`TABLE` gives, for every phase of a run (a row) and every stop
-signal (a column: Ctrl-C's SIGINT, SIGTERM from ``kill`` or ``scancel``, a closed terminal's SIGHUP, SIGUSR1,
-and SIGUSR1 in a SLURM job, its requeue signal), the action. The process's one handler, :data:`OWNER`, looks
-up the row of the phase that decides now (the innermost of a stack) and has it carried out.
-
-An entry point takes the signals (:meth:`SignalOwner.owning`) and, when it returns, puts back the handlers
-that were there (a notebook's, a test's, the next job of a ``-m`` sweep). Lightning's fit puts its own SIGTERM
-handler over the owner's; training takes it back (:meth:`SignalOwner.reclaim`). In a SLURM job USR1 is taken
-before train.py's slow imports (Python dies of a USR1 it has no handler for) and kept for the job's life.
-Standard library only (slurm.requeue is too), so that train.py can import it first.
-tests/test_signal_handlers.py sends each row's signals.
+signal (a column: SIGINT, SIGTERM, SIGHUP, SIGUSR1, and SLURM's requeue USR1), the action; :data:`OWNER`, the
+process's one handler, carries out the row of the phase that decides now (the innermost of a stack). An entry
+point takes the signals (:meth:`SignalOwner.owning`) and puts back a caller's handlers when it returns. In a
+SLURM job USR1 is taken before train.py's slow imports (Python dies of a USR1 it has no handler for): the
+standard library only. tests/test_signal_handlers.py sends each row's signals.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ INTERRUPTED_END = "an end interrupted after its summary"
 COMMAND = "another command's work (compare, report, export, evaluate, analyze, corpus)"
 
 
-def row(user: str, slurm: str) -> dict[str, str]:
-    """One phase's actions: ``user`` for SIGINT, SIGTERM, SIGHUP and SIGUSR1, ``slurm`` for SLURM's USR1."""
+def row(user: str, slurm: str) -> dict[str, str]:  # user: SIGINT, SIGTERM, SIGHUP, SIGUSR1; slurm: its USR1
     return {**dict.fromkeys(COLUMNS[:-1], user), SLURM_USR1: slurm}
 
 
@@ -124,8 +118,7 @@ class FitPhase(Phase):
 
 
 class SignalStop(Exception):
-    """A stop signal abandoned a validation or a probe: ``last.ckpt`` is saved at the current optimizer step
-    (:meth:`callbacks.checkpointing.ScheduledCheckpoint.on_exception`); train.py catches it after fit."""
+    """A stop signal abandoned a validation or a probe (ABANDON): ``last.ckpt`` is saved at this step."""
 
 
 class Interrupt(Phase):
@@ -198,8 +191,7 @@ class Interrupt(Phase):
 
 
 class SlurmRequeue:
-    """SLURM's USR1 (``--signal=USR1@lead`` before the time limit, preemption, ``scancel --signal=USR1``):
-    its actions of :data:`TABLE`. ``received``: to requeue after this step (StopOnSignal polls it)."""
+    """SLURM's USR1 (``--signal=USR1@lead``, preemption): its actions; ``received``: StopOnSignal polls it."""
 
     def __init__(self) -> None:
         self.received = False
