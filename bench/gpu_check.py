@@ -423,7 +423,7 @@ def steady(values: list[float]) -> list[float]:
 
 
 def train_child(size: str, work: Path, standin: bool) -> dict:
-    """Both arms at ``size`` with train.py's train(), one after the other in this process."""
+    """Both arms at ``size`` with callbacks.run.train(), one after the other in this process."""
     mode = Mode(standin)
     results: dict = {}
     for arm in ARMS:

@@ -51,7 +51,7 @@ class StopOnSignal(L.Callback):
     @property
     def late_signal(self) -> int | None:
         """A stop signal this session received after its last step's poll (as fit ended: nothing left to
-        stop), which train.py's end honours; None when there was none or the poll acted on it."""
+        stop), which the end (callbacks.run) honours; None when there was none or the poll acted on it."""
         interrupt = self.interrupt
         return interrupt.signum if interrupt.received and interrupt.stopped_at is None else None
 

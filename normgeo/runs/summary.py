@@ -1,6 +1,7 @@
 """The end-of-run summary file (losses, steps, tokens, wall time, where the outputs are): ``<run_dir>/
-summary.json``, written by train.py's end (``run_summary`` reads the Trainer) and printed. No Lightning here:
-the readers (normgeo.status, normgeo.compare, normgeo.export) import this and stay quick to start."""
+summary.json``, written by a session's end (``callbacks.run.run_summary`` reads the Trainer) and printed.
+No Lightning here: the readers (normgeo.status, normgeo.compare, normgeo.export) import this and stay quick
+to start."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def disk_use(run_dir: Path) -> dict[str, int]:
     return {part: sum(p.stat().st_size for p in paths if p.is_file()) for part, paths in parts.items()}
 
 
-# summary.json's fields (train.py's run_summary writes them) and what each holds; a key not listed
+# summary.json's fields (callbacks.run.run_summary writes them) and what each holds; a key not listed
 # (a divergence record, a field of a later version) is not checked, and a missing one reads as unknown.
 WHOLE, NUMBER, FLAG, TEXT = "a whole number", "a number", "true or false", "text"
 SUMMARY_FIELDS: dict[str, tuple[str, bool]] = {  # key -> (what it holds, whether null is allowed)
