@@ -26,6 +26,7 @@ from pathlib import Path
 
 from corpus.atomic import atomic_write_json, full_disk_cause
 from corpus.next_sentence import TASK_NAME, write_task
+from corpus.refusal import Refusal
 from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"run directory {run_dir} is not writable: its eval.json could not be saved after "
                     "the evaluation (chmod u+w it, or evaluate a copy)"
                 )
-    except (ExportError, ValueError) as exc:
+    except (Refusal, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.include_path is not None and not args.include_path.is_dir():
@@ -226,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = evaluate_run(
                 run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device
             )
-        except ExportError as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
+        except Refusal as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
             print(f"error: {run_dir}: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:

@@ -45,7 +45,6 @@ from corpus.atomic import (
 )
 from corpus.refusal import Refusal
 from corpus.stream import tokens_per_step
-from corpus.tokenize import TokenizerError
 from models.export.hf import (
     RmsParity,
     hf_class_name,
@@ -59,12 +58,12 @@ from models.export.lens import TRANSFORMER_LENS_TARGET, save_transformer_lens, t
 from models.export.tokenizer import gpt2_tokenizer
 from models.gpt import GPT
 from models.norms import arm_label
-from models.pretrained import ModelLoadError, load_checkpoint
+from models.pretrained import load_checkpoint
 from normgeo.measure.pipeline import measure_records
 from normgeo.measure.probe import make_references
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.records import DamagedRecords
-from normgeo.paths import FolderError, check_own_folder, check_writable_folder
+from normgeo.paths import check_own_folder, check_writable_folder
 from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import CHECKPOINT_GLOB, LAST_CHECKPOINT, RunFolder
@@ -331,7 +330,7 @@ def model_card(gpt: GPT, run_dir: Path, checkpoint: Path, step: int | None, hpar
 def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = None,
                checkpoint: Path | None = None, as_norm: str | None = None) -> Exported:
     """Write the export of one checkpoint to ``out_dir`` (which must not exist,
-    or be empty); ExportError on bad input. ``as_norm="rms"``: the Pre-LN
+    or be empty); a Refusal (ExportError, FolderError, ...) on bad input. ``as_norm="rms"``: the Pre-LN
     LayerNorm arm converted to RMSNorm (:func:`models.export.hf.to_hf`)."""
     if target not in TARGETS:
         raise ExportError(f"--to {target}: choose one of {', '.join(TARGETS)}")
@@ -342,25 +341,16 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
                           f"{' or --to '.join(CONVERTING_TARGETS)}, not --to {target}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"--out {out_dir} exists and is not empty: choose a new directory or remove it")
-    try:  # a read-only or file-shaped parent: one line now, not an OSError after the conversion
-        check_writable_folder(out_dir, "--out")
-        # Not inside a run (where resume, status and the sweep readers look), nor any other command's folder.
-        check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside=target)
-    except FolderError as err:
-        raise ExportError(str(err)) from None
+    check_writable_folder(out_dir, "--out")  # a read-only or file-shaped parent: one line, before the work
+    # Not inside a run (where resume, status and the sweep readers look), nor any other command's folder.
+    check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside=target)
     path = choose_checkpoint(run_dir, step, checkpoint)
-    try:
-        gpt, saved_step, hparams = load_checkpoint(path)
-    except ModelLoadError as exc:
-        raise ExportError(str(exc)) from exc
+    gpt, saved_step, hparams = load_checkpoint(path)
     if target == "transformer-lens" and (refusal := transformer_lens_refusal(gpt.config)):
         raise ExportError(refusal)
     if as_norm is not None and (refusal := rms_conversion_refusal(gpt)):
         raise ExportError(f"--as {as_norm}: {refusal}")
-    try:
-        tokenizer = gpt2_tokenizer(gpt.config.block_size)
-    except TokenizerError as exc:
-        raise ExportError(str(exc)) from exc
+    tokenizer = gpt2_tokenizer(gpt.config.block_size)
     model_class = (
         "HookedTransformer"
         if target == "transformer-lens"
@@ -445,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals("during the export", "--out was not written; run the same command again")
     try:
         exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint, args.as_norm)
-    except ExportError as exc:
+    except Refusal as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if (diverged := divergence(args.run_dir)) is not None:
