@@ -1,8 +1,9 @@
 """Older runs through one door: what changed between the formats of a run's files, translated into today's
 here only, for the resume (normgeo.runs.run_config) and every reader (normgeo.readers, normgeo.figures).
 
-A run records its format: ``format`` in its run config (run_config.yaml and every checkpoint's copy); a run
-without one is format 1. What format 2 (today's) changed, each translated by one function below:
+A run records its format: ``format`` in its run config (run_config.yaml: the first session's; a checkpoint's
+copy: the session's that wrote it); a config without one is format 1. What format 2 (today's) changed, each
+translated by one function below:
 
 - the config: keys added since hold the value every earlier run had (the schema's ``before=``: ``placement``
   was pre-norm); keys retired since (the LightningModule's ``model`` node, ``data.seq_len``) copied another
