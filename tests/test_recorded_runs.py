@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.readers.downstream import downstream_scores
+from normgeo.readers.identity import PAIRING_MAY_DIFFER
 from normgeo.run_folder import RunFolder
 from normgeo.runs.formats import FORMAT, FORMAT_KEY
 from normgeo.runs.run_config import RUN_CONFIG_FILE, config_changes, resolved_run_config
@@ -40,12 +41,25 @@ def test_the_recorded_runs_are_todays_main_and_one_from_before_max_doc_tokens() 
     assert all(FORMAT_KEY not in config for config in configs.values())  # format 1, all of them
 
 
-@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
-def test_every_key_has_a_resume_rule_for_runs_recorded_by_earlier_code(path: Path, tmp_path: Path) -> None:
+def todays(tmp_path: Path) -> dict:
+    """The run config this code records for the recorded sessions' command."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         composed = compose("train", overrides=[*SESSION, f"output_root={tmp_path}", "run_name=now"])
-    now = resolved_run_config(check_config("train", composed))
-    assert config_changes(recorded(path), now) == {}
+    return resolved_run_config(check_config("train", composed))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
+def test_every_key_has_a_resume_rule_for_runs_recorded_by_earlier_code(path: Path, tmp_path: Path) -> None:
+    assert config_changes(recorded(path), todays(tmp_path)) == {}
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
+def test_a_run_of_today_pairs_with_one_of_earlier_code_either_way(path: Path, tmp_path: Path) -> None:
+    """compare pairs two arms only when their configs differ in nothing but the arm (design_difference): a
+    key added since, absent from the earlier run's, is its ``before`` on whichever side it is read."""
+    now, earlier = todays(tmp_path), recorded(path)
+    assert config_changes(now, earlier, allowed=PAIRING_MAY_DIFFER) == {}
+    assert config_changes(earlier, now, allowed=PAIRING_MAY_DIFFER) == {}
 
 
 def recorded_by(run_dir: Path, config: dict) -> Path:
