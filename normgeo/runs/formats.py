@@ -45,8 +45,7 @@ def added_keys(kind: type) -> dict[str, Any]:
 
 
 def declared(key: str, kind: type) -> bool:
-    """Whether the dotted ``key`` is the schema ``kind``'s (anything under a node typed Any is); a recorded
-    key that is not is a retired copy of another (normgeo/runs/build.py passes those values now)."""
+    """Whether the dotted ``key`` is the schema ``kind``'s (anything under a node typed Any is)."""
     for part in key.split("."):
         fields = {f.name: f.default_factory for f in dataclasses.fields(kind)}
         if part not in fields:
@@ -57,15 +56,13 @@ def declared(key: str, kind: type) -> bool:
 
 
 def config_as_today(old: Mapping[str, Any], new: Mapping[str, Any], kind: type) -> tuple[dict, dict]:
-    """A run's recorded flat config ``old`` and ``new`` (this session's, or another run's) in today's keys, to
-    compare: ``old``'s retired keys that ``new`` lacks dropped, a key one side lacks given its ``before``; the
-    format no setting."""
+    """A run's recorded flat config ``old`` and ``new`` (this session's, another run's) in today's keys: a key
+    one side lacks given its ``before``, ``old``'s retired copies dropped, the format no setting."""
     before = added_keys(kind)
+    old, new = ({key: value for key, value in flat.items() if key != FORMAT_KEY} for flat in (old, new))
     new = {**{key: before[key] for key in old if key not in new and key in before}, **new}
     kept = {key: value for key, value in old.items() if key in new or declared(key, kind)}
-    old = {**{key: before[key] for key in new if key not in old and key in before}, **kept}
-    return ({key: value for key, value in old.items() if key != FORMAT_KEY},
-            {key: value for key, value in new.items() if key != FORMAT_KEY})
+    return {**{key: before[key] for key in new if key not in old and key in before}, **kept}, new
 
 
 def recorded_value(config: Mapping[str, Any], key: str) -> Any:
@@ -87,8 +84,7 @@ def summary_as_today(summary: dict[str, Any]) -> dict[str, Any]:
 
 def metrics_as_today(metrics: pd.DataFrame, config: Mapping[str, Any], tokens_per_step: int | None
                      ) -> pd.DataFrame:
-    """train/* and perf/* at the optimizer step they describe (tokens_seen / tokens per step), where the probe
-    records the weights that update made."""
+    """train/* and perf/* at the optimizer step whose update they describe (tokens_seen / tokens per step)."""
     tokens = metrics[metrics["metric"] == "train/tokens_seen"].set_index("step")["value"]
     if int(config.get(FORMAT_KEY) or 1) >= 2 or tokens.empty or not tokens_per_step:
         return metrics

@@ -74,11 +74,8 @@ def resume_rules(kind: type) -> tuple[str, ...]:
     schema ``kind``'s fields say it (schema.doc's ``may_change``)."""
     allowed: list[str] = []
     for f in dataclasses.fields(kind):
-        may_change = f.metadata.get("may_change", False)
-        if may_change is True:
-            allowed.append(f.name)
-        elif may_change:  # the keys of a node conf/ writes
-            allowed += [f"{f.name}.{key}" for key in may_change]
+        may_change = f.metadata.get("may_change", False)  # True, or the keys of a node conf/ writes
+        allowed += [f.name] if may_change is True else [f"{f.name}.{key}" for key in may_change or ()]
         if dataclasses.is_dataclass(f.default_factory) and may_change is not True:
             allowed += [f"{f.name}.{key}" for key in resume_rules(f.default_factory)]
     return tuple(allowed)
