@@ -1,10 +1,10 @@
 """Older runs through one door: what changed between the formats of a run's files, translated into today's
 here only, for the resume (normgeo.runs.run_config) and every reader. The run config's ``format`` says the
-format (run_config.yaml: the first session's; a checkpoint's copy: its session's); none is format 1, whose
-config lacks keys added since (the schema's ``before=``) or holds retired copies of others (``model``,
-``data.seq_len``), whose summary.json lacks ``session_log``, metrics.csv logs the k-th update at step k-1,
-eval.json holds what a task was measured at on its top level, logger config names the CSV every run writes
-now, and folder lacks ``.normgeo.lock`` (read as unheld: normgeo.runs.lock.check_unlocked)."""
+format (run_config.yaml: the first session's; a checkpoint's copy: its session's); none is format 1, written
+by code whose config may lack keys added since (the schema's ``before=``) or hold retired copies of others
+(``model``, ``data.seq_len``), whose summary.json may lack ``session_log``, metrics.csv log the k-th update
+at step k-1, eval.json hold what a task was measured at on its top level, logger config name the CSV every
+run writes now, and folder lack ``.normgeo.lock`` (read as unheld: normgeo.runs.lock.check_unlocked)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def logger_nodes(logger: Any, csv_dir: Path) -> list[Mapping[str, Any]]:
 
 
 def summary_as_today(summary: dict[str, Any]) -> dict[str, Any]:
+    """A read summary.json; one without ``session_log`` listed none of its sessions."""
     return {"session_log": [], **summary} if summary else summary
 
 
@@ -96,6 +97,7 @@ def metrics_as_today(metrics: pd.DataFrame, config: Mapping[str, Any], tokens_pe
 
 
 def eval_as_today(record: dict[str, Any]) -> dict[str, Any]:
+    """A read eval.json, each task with what it was measured at (older files: on the top level only)."""
     top = {key: record[key] for key in EVAL_MEASURED_AT if key in record}
     tasks = {task: {**top, **values} for task, values in record.get("tasks", {}).items()}
     return {**record, "tasks": tasks} if tasks else record
