@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
@@ -33,26 +34,24 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def schema_fields(kind: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every field of the schema ``kind`` by its dotted key, a node's own fields after it."""
+    for f in dataclasses.fields(kind):
+        yield f"{prefix}{f.name}", f
+        if dataclasses.is_dataclass(f.default_factory):
+            yield from schema_fields(f.default_factory, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+
+
 def added_keys(kind: type) -> dict[str, Any]:
     """{dotted key: the value every run recorded before it existed} (the schema ``kind``'s ``before=``)."""
-    before: dict[str, Any] = {}
-    for f in dataclasses.fields(kind):
-        if (old := f.metadata.get("before", dataclasses.MISSING)) is not dataclasses.MISSING:
-            before.update(flatten({f.name: old}))
-        if dataclasses.is_dataclass(f.default_factory):
-            before.update({f"{f.name}.{key}": value for key, value in added_keys(f.default_factory).items()})
-    return before
+    return {key: value for name, f in schema_fields(kind) if (old := f.metadata.get("before", MISSING)) is not
+            MISSING for key, value in flatten({name: old}).items()}
 
 
 def declared(key: str, kind: type) -> bool:
     """Whether the dotted ``key`` is the schema ``kind``'s (anything under a node typed Any is)."""
-    for part in key.split("."):
-        fields = {f.name: f.default_factory for f in dataclasses.fields(kind)}
-        if part not in fields:
-            return False
-        if not dataclasses.is_dataclass(kind := fields[part]):  # type: ignore[assignment]
-            return True
-    return True
+    return any(key == name or key.startswith(f"{name}.") and not dataclasses.is_dataclass(f.default_factory)
+               for name, f in schema_fields(kind))
 
 
 def config_as_today(old: Mapping[str, Any], new: Mapping[str, Any], kind: type) -> tuple[dict, dict]:

@@ -20,7 +20,7 @@ from corpus.prepare import META_FILE
 from models.hardware import default_precision
 from normgeo.config.schema import TrainSchema, compiles, format_value
 from normgeo.run_folder import RUN_CONFIG_FILE, RUN_INFO_FILE, RunFolder
-from normgeo.runs.formats import FORMAT, FORMAT_KEY, config_as_today, flatten
+from normgeo.runs.formats import FORMAT, FORMAT_KEY, config_as_today, flatten, schema_fields
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,9 @@ def resume_rules(kind: type) -> tuple[str, ...]:
     """The dotted keys (and everything under them) that may differ between sessions of one run, as the
     schema ``kind``'s fields say it (schema.doc's ``may_change``)."""
     allowed: list[str] = []
-    for f in dataclasses.fields(kind):
+    for name, f in schema_fields(kind):
         may_change = f.metadata.get("may_change", False)  # True, or the keys of a node conf/ writes
-        allowed += [f.name] if may_change is True else [f"{f.name}.{key}" for key in may_change or ()]
-        if dataclasses.is_dataclass(f.default_factory) and may_change is not True:
-            allowed += [f"{f.name}.{key}" for key in resume_rules(f.default_factory)]
+        allowed += [name] if may_change is True else [f"{name}.{key}" for key in may_change or ()]
     return tuple(allowed)
 
 
