@@ -47,6 +47,7 @@ from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import CSV_DIR, RunFolder
 from normgeo.runs.build import make_module, make_schedule
+from normgeo.runs.formats import logger_nodes
 from normgeo.runs.lock import RunInUseError, RunLock
 from normgeo.runs.run_config import (
     checkpoint_run_config,
@@ -148,15 +149,8 @@ def finished(run_dir: Path, done: RunFinished) -> Refused | None:
 def make_loggers(cfg: TrainSchema, run_dir: Path) -> list:
     """The loggers of ``cfg.logger`` (a dict name -> node, so that conf/train/logger/*.yaml combine; a null
     entry is skipped), and always a CSVLogger: its metrics.csv is what the readers read."""
-    configs = cfg.logger.values() if isinstance(cfg.logger, dict) else (cfg.logger or [])
     loggers: list = [CSVLogger(save_dir=run_dir, name=CSV_DIR)]
-    for logger_cfg in configs:
-        if not logger_cfg:
-            continue
-        name = str(logger_cfg.get("name") or "lightning_logs")
-        folder = os.path.abspath(Path(str(logger_cfg.get("save_dir"))) / name)
-        if logger_cfg["_target_"].endswith("CSVLogger") and folder == os.path.abspath(RunFolder(run_dir).csv):
-            continue  # the CSV every run writes already (older logger configs still name it)
+    for logger_cfg in logger_nodes(cfg.logger, RunFolder(run_dir).csv):
         wandb = logger_cfg["_target_"].endswith("WandbLogger")
         loggers.append(build(logger_cfg, "logger", **(wandb_arguments(run_dir) if wandb else {})))
     return loggers
@@ -270,7 +264,7 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
         "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
         "tokens_seen": step * tokens_per_step, "wall_s": round(timer.time_elapsed(), 3),
         "sessions": int(previous.get("sessions") or 0) + 1, "session_wall_s": round(session_s, 3),
-        # One entry per session that wrote a summary (a summary from before this list: none for its sessions).
+        # One entry per session that wrote a summary (read_summary gives an older summary an empty list).
         "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,
         "records": str(folder.angles) if folder.angles.is_file() else None,

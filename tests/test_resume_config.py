@@ -24,6 +24,7 @@ from normgeo.config.schema import CHECKPOINT_SCHEDULE, compiles
 from normgeo.run_folder import RUN_CONFIG_FILE
 from normgeo.runs import run_config
 from normgeo.runs.build import make_module
+from normgeo.runs.formats import added_keys
 from normgeo.runs.run_config import (
     ABSENT,
     ALLOWED_CHANGES,
@@ -364,7 +365,7 @@ def later_schema(monkeypatch) -> Iterator[None]:
 
 
 def test_the_resume_rules_are_the_schemas_and_cover_plan_and_mean_sources() -> None:
-    allowed, before = run_config.resume_rules(schema.TrainSchema)
+    allowed, before = run_config.resume_rules(schema.TrainSchema), added_keys(schema.TrainSchema)
     assert allowed == ALLOWED_CHANGES
     assert {"plan", "probe.mean_sources", "trainer.devices", "compile"} <= set(allowed)
     assert before["probe.intervention_tokens"] is None and before["data.source.encoding"] == "utf-8"

@@ -28,7 +28,8 @@ def schema(cls: type) -> type:
 
 def doc(default: Any, text: str, *, may_change: bool | tuple[str, ...] = False,
         before: Any = dataclasses.MISSING) -> Any:
-    """A field's default (or node class), ``--help`` line and resume rules (run_config.resume_rules):
+    """A field's default (or node class), ``--help`` line and resume rules (run_config.resume_rules and
+    formats.added_keys read them):
     ``may_change`` between sessions (how the run runs and reports, not what it computes); ``before``, for a
     key added later, the value earlier runs had ({key: value} and a tuple of keys for an ``Any`` node)."""
     metadata = {"doc": text, "may_change": may_change, "before": before}

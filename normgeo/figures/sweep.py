@@ -15,6 +15,7 @@ from normgeo.readers.identity import check_unique_runs, identity_from_config, re
 from normgeo.readers.metrics_csv import last_value
 from normgeo.readers.run_states import find_runs, is_analysis
 from normgeo.run_folder import ANGLES_FILE, RunFolder
+from normgeo.runs.formats import metrics_as_today
 
 
 @dataclass
@@ -97,7 +98,7 @@ def load(paths: Sequence[Path]) -> Comparison:
         angle_frames.append(angles.assign(**info))
         metrics = files.metrics
         if not metrics.empty:
-            metric_frames.append(align_train_steps(metrics, tokens_per_step).assign(**info))
+            metric_frames.append(metrics_as_today(metrics, config, tokens_per_step).assign(**info))
     if not runs:
         unread = f" ({len(damaged)} with damaged records: {'; '.join(map(str, damaged))})" if damaged else ""
         raise FileNotFoundError(
@@ -117,22 +118,6 @@ def load(paths: Sequence[Path]) -> Comparison:
     )
     return Comparison(angles=angles, metrics=metrics[order + ["step", "metric", "value"]], runs=runs_frame,
                       damaged=damaged, summaries=summaries)
-
-
-def align_train_steps(metrics: pd.DataFrame, tokens_per_step: int | None) -> pd.DataFrame:
-    """train/* metrics at the optimizer step they describe (tokens_seen / tokens per step).
-
-    Lightning logs a step's loss before its optimizer step counter advances, so older runs hold the k-th
-    update's loss at step k-1; the probe of the weights after that update is recorded at step k.
-    """
-    tokens = metrics[metrics["metric"] == "train/tokens_seen"].set_index("step")["value"]
-    if tokens.empty or not tokens_per_step:
-        return metrics
-    shift = {int(step): int(round(value / tokens_per_step)) for step, value in tokens.items()}
-    train = metrics["metric"].str.startswith("train/") | metrics["metric"].str.startswith("perf/")
-    metrics = metrics.copy()
-    metrics.loc[train, "step"] = [shift.get(int(s), int(s)) for s in metrics.loc[train, "step"]]
-    return metrics
 
 
 # --- summary ----------------------------------------------------------------------------------------------

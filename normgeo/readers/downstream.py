@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from normgeo.run_folder import RunFolder
+from normgeo.runs.formats import EVAL_MEASURED_AT, eval_as_today
 
 DOWNSTREAM_PREFIX = "downstream/"
 MEASURED_AT_PREFIX = "measured_at/"  # the measures' column of what a task's scores were measured at
@@ -43,7 +44,7 @@ def read_eval(run_dir: Path) -> dict:
                 f"{path}: task {task!r} holds {values!r}, not a mapping of its scores; move it away and "
                 "evaluate again"
             )
-    return record
+    return eval_as_today(record)
 
 
 def merged_eval(earlier: dict, measured: dict, scores: dict[str, dict]) -> dict:
@@ -65,8 +66,7 @@ def downstream_scores(run_dir: Path) -> dict[str, float | str]:
         found = {f"{DOWNSTREAM_PREFIX}{task}/{score}": float(values[score]) for score in SCORES
                  if isinstance(values.get(score), (int, float)) and math.isfinite(values[score])}
         if found:
-            # Older eval.json files hold these at the top level only.
-            step, limit, context = (values.get(key, record.get(key)) for key in ("step", "limit", "context"))
+            step, limit, context = (values.get(key) for key in EVAL_MEASURED_AT)
             scores.update(found)
             scores[f"{MEASURED_AT_PREFIX}{task}"] = (
                 f"step {step}, limit {limit if limit is not None else 'none'}"

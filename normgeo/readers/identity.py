@@ -24,6 +24,7 @@ from normgeo.measure.records import DamagedRecords
 from normgeo.measure.run_records import read_run_records
 from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import HYDRA_CONFIG, RUN_CONFIG_FILE, RunFolder
+from normgeo.runs.formats import recorded_value
 from normgeo.runs.run_config import ALLOWED_CHANGES, config_changes
 from normgeo.runs.summary import read_summary
 
@@ -122,7 +123,7 @@ def identity_from_config(config: Mapping, norm: str | None = None) -> RunIdentit
     seed = config.get("seed")
     return RunIdentity(
         norm=(config.get("norm") or {}).get("name") or norm,
-        placement=(config.get("placement") or {}).get("name") or "pre",  # runs older than the key: pre
+        placement=recorded_value(config, "placement.name"),
         size=(config.get("size") or {}).get("name"),
         seed=int(seed) if seed is not None else None,
     )

@@ -43,7 +43,7 @@ class RunInUseError(Refusal, RuntimeError):
 def check_unlocked(run_dir: Path) -> None:
     """RunInUseError when another process holds ``run_dir``'s lock; writes nothing."""
     path = RunFolder(run_dir).lock
-    if not path.is_file():  # a new run, one from before locks, or no run directory at all
+    if not path.is_file():  # a new run, no run directory, or one from before locks (normgeo.runs.formats)
         return
     try:
         with UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False):

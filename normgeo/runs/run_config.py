@@ -21,6 +21,7 @@ from corpus.refusal import Refusal
 from models.hardware import default_precision
 from normgeo.config.schema import TrainSchema, compiles, format_value
 from normgeo.run_folder import RUN_CONFIG_FILE, RUN_INFO_FILE, RunFolder
+from normgeo.runs.formats import FORMAT, FORMAT_KEY, config_as_today, flatten, schema_fields
 
 log = logging.getLogger(__name__)
 
@@ -65,76 +66,37 @@ def resolved_run_config(cfg: TrainSchema) -> dict[str, Any]:
     if isinstance(trainer, dict) and "precision" in trainer and trainer["precision"] is None:
         trainer["precision"] = default_precision()
     config["compile"] = compiles(cfg)  # compile=auto: recorded as what this session decided
+    config[FORMAT_KEY] = FORMAT  # the run's format (normgeo.runs.formats)
     return config
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; lists and empty mappings stay whole values."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
-def resume_rules(kind: type) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """What a resume may do with each key, as the schema ``kind``'s fields say it (schema.doc's ``may_change``
-    and ``before``): the dotted keys (and everything under them) that may differ between sessions of one run,
-    and {dotted key: the value every run recorded before the key existed}."""
+def resume_rules(kind: type) -> tuple[str, ...]:
+    """The dotted keys (and everything under them) that may differ between sessions of one run, as the
+    schema ``kind``'s fields say it (schema.doc's ``may_change``)."""
     allowed: list[str] = []
-    before: dict[str, Any] = {}
-    for f in dataclasses.fields(kind):
-        may_change, old = f.metadata.get("may_change", False), f.metadata.get("before", dataclasses.MISSING)
-        if may_change is True:
-            allowed.append(f.name)
-        elif may_change:  # the keys of a node conf/ writes
-            allowed += [f"{f.name}.{key}" for key in may_change]
-        if old is not dataclasses.MISSING:
-            before.update(flatten({f.name: old}))
-        if dataclasses.is_dataclass(f.default_factory) and may_change is not True:
-            inner_allowed, inner_before = resume_rules(f.default_factory)
-            allowed += [f"{f.name}.{key}" for key in inner_allowed]
-            before.update({f"{f.name}.{key}": value for key, value in inner_before.items()})
-    return tuple(allowed), before
+    for name, f in schema_fields(kind):
+        may_change = f.metadata.get("may_change", False)  # True, or the keys of a node conf/ writes
+        allowed += [name] if may_change is True else [f"{name}.{key}" for key in may_change or ()]
+    return tuple(allowed)
 
 
 # What two sessions of one run may differ in: where the run runs and how it reports, not what it computes
 # (tests/test_training.py, tests/test_norm_factorial.py); declared on the keys (normgeo/config/schema.py).
-ALLOWED_CHANGES: tuple[str, ...] = resume_rules(TrainSchema)[0]
-
-def declared(key: str, kind: type) -> bool:
-    """Whether the dotted ``key`` is one of the schema ``kind``'s (anything under a node conf/ writes, typed
-    Any, is). A recorded key that is not is a retired copy of another key (the LightningModule's ``model``
-    node, ``data.seq_len``: normgeo/runs/build.py passes those values now), compared through the key it
-    copied."""
-    for part in key.split("."):
-        fields = {f.name: f for f in dataclasses.fields(kind)}
-        if part not in fields:
-            return False
-        kind = fields[part].default_factory  # type: ignore[assignment]
-        if not dataclasses.is_dataclass(kind):
-            return True
-    return True
+ALLOWED_CHANGES: tuple[str, ...] = resume_rules(TrainSchema)
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
                    allowed: Iterable[str] | None = None) -> Changes:
     """Every dotted key whose value differs (old, new), keys on one side only included as ABSENT, but for
-    the keys that may change (``allowed``, default: the schema's), a key added later, absent in ``old``,
-    whose value there is the one every run recorded before it had, and a retired key (:func:`declared`)."""
-    may_change, legacy = resume_rules(TrainSchema)  # read at each call: a test may give another schema
-    allowed = tuple(may_change if allowed is None else allowed)
-    flat_old, flat_new = flatten(old), flatten(new)
+    the keys that may change (``allowed``, default: the schema's); ``old`` read in today's format
+    (normgeo.runs.formats.config_as_today)."""
+    allowed = tuple(resume_rules(TrainSchema) if allowed is None else allowed)  # a test may give a schema
+    flat_old, flat_new = config_as_today(flatten(old), flatten(new), TrainSchema)
     changes: Changes = {}
     for key in [*flat_old, *(k for k in flat_new if k not in flat_old)]:
         if any(key == a or key.startswith(f"{a}.") for a in allowed):
             continue
-        before, after = flat_old.get(key, legacy.get(key, ABSENT)), flat_new.get(key, ABSENT)
-        if after is ABSENT and not declared(key, TrainSchema):
-            continue
+        before, after = flat_old.get(key, ABSENT), flat_new.get(key, ABSENT)
         # True == 1 in Python, but a flag that became a number is a change (1 vs 1.0 is not).
         if before != after or (isinstance(before, bool) != isinstance(after, bool)):
             changes[key] = (before, after)

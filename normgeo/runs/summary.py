@@ -12,6 +12,7 @@ from typing import Any
 from corpus.atomic import atomic_open
 from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import RunFolder
+from normgeo.runs.formats import summary_as_today
 
 
 def disk_use(run_dir: Path) -> dict[str, int]:
@@ -67,7 +68,7 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
             line = next((number for number, row in enumerate(text.splitlines(), 1) if f'"{key}"' in row), 1)
             raise DamagedRecords(path, line, f"{key!r} is {value!r}, expected {kind}"
                                  f"{' or null' if nullable else ''}", SUMMARY_FIX, what="summary")
-    return summary
+    return summary_as_today(summary)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
