@@ -1,10 +1,9 @@
 """Where the time goes in the two GPU paths that `bench/gpu_check.py` found slow: the probe against a plain
 forward, and a `norm.impl=compiled` norm's forward + backward against the stock module.
 
-`torch.profiler` over one warmed-up call of each: the top operators by self device time and by self CPU
-time, the host-device synchronizations and copies, and the wall time of the call against its summed device
-(kernel) time. Where the wall time is far above the device time, the GPU waits on the host (Python, launches,
-synchronizations), not on kernels.
+`torch.profiler` over one warmed-up call of each: the top operators by self device and CPU time, the
+host-device synchronizations (``probe_cost.HOST_SYNC_OPS``, which the CPU's profile counts as a GPU would wait
+for them) and the wall time against the summed kernel time: far above it, the GPU waits on the host.
 
     python bench/gpu_profile.py --out docs/gpu_profile.md
         # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
@@ -12,11 +11,6 @@ synchronizations), not on kernels.
         # the same on the CPU, printed
     python bench/gpu_profile.py --device cpu --size 70m --tokens 8192 --batch-size 4 --probe-only
         # the probe's ops on the CPU: the host syncs it would make on a GPU, and its aten ops
-
-Every section also counts the aten ops of the call, and the ones among them that hand a value to the host
-(``probe_cost.HOST_SYNC_OPS``: ``nonzero``, ``item``, ...): on the CPU these cost nothing, but each is a wait
-for the GPU when run there, so the CPU's profile counts the syncs a GPU's would have. The probe's are also
-counted inside its batches alone (``run_probe``), without the records made from them at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import torch
 
 # The sibling scripts' own pieces (the script's folder is
 # on sys.path): the same probe and norm calls they time.
-from norm_cost import EPS, forward_backward
+from norm_cost import EPS, forward_backward, synchronize
 from probe_cost import gpt_subject, op_counts, plain_forward, probe, token_ids
 from torch.profiler import ProfilerActivity, profile
 
@@ -43,11 +37,6 @@ from normgeo.measure.geometry import gpu_code_path
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
                "aten::item", "aten::_local_scalar_dense")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def sync_summary(counts: dict[str, int]) -> str:
