@@ -37,6 +37,7 @@ from norm_cost import TOP_KERNELS, kernel_shares, synchronize
 from torch.profiler import ProfilerActivity, profile
 from train_throughput import autocast
 
+from corpus.atomic import atomic_write_text
 from models.hardware import default_precision, missing_cuda
 from models.lit import compute_dtype, peak_flops
 from models.norms import compile_refusal
@@ -468,9 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
     }
     if args.json is not None:
-        partial = args.json.with_name(f".{args.json.name}.partial")
-        partial.write_text(json.dumps(report))
-        partial.replace(args.json)
+        atomic_write_text(args.json, json.dumps(report))
     return 0
 
 
@@ -512,9 +511,7 @@ def write_page(out: Path, files: Sequence[Path]) -> int:
         stamps[0] if len(stamps) == 1 else f"{stamps[0]} to {stamps[-1]}",
         replaced,
     )
-    partial = out.with_name(f".{out.name}.partial")
-    partial.write_text(text)
-    partial.replace(out)
+    atomic_write_text(out, text)
     print(f"written {out}")
     return 0
 

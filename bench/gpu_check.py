@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from corpus.atomic import atomic_write_text
 from models.hardware import missing_cuda
 from models.lit import peak_flops
 from models.norms import compile_refusal
@@ -1054,9 +1055,7 @@ def check(
         efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
     kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
     text = page(outcomes, ctx, info, started, time.monotonic() - clock, parts=parts, kept=kept)
-    partial = out / f".{PAGE}.partial"  # a page is replaced whole or not at all
-    partial.write_text(text)
-    partial.replace(out / PAGE)
+    atomic_write_text(out / PAGE, text)  # a page is replaced whole or not at all
     failed = [o.path for o in outcomes if not o.passed]
     missed = sum(o.status == "missed" for o in outcomes)
     print(
