@@ -93,6 +93,14 @@ class Arm:
         self.tokens = self.cfg.micro_batch * self.cfg.seq_len
         self.flops_per_token = module.model.flops_per_token(self.cfg.seq_len)
 
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Two fixed batches of the arm's shape from its seed: the same for every arm of a size."""
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        shape = (self.cfg.micro_batch, self.cfg.seq_len + 1)
+        vocab = self.model.config.vocab_size
+        windows = [torch.randint(0, vocab, shape, generator=generator).to(self.device) for _ in range(2)]
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with autocast(self.cfg, self.device):
             loss = self.model(inputs, targets)
@@ -144,11 +152,7 @@ def measure(
         torch.cuda.empty_cache()
     built = {arm: Arm(size, arm, mode, device, standin) for arm in arms}
     first = next(iter(built.values()))
-    generator = torch.Generator().manual_seed(first.cfg.seed)
-    vocab = first.model.config.vocab_size
-    shape = (first.cfg.micro_batch, first.cfg.seq_len + 1)
-    windows = [torch.randint(0, vocab, shape, generator=generator).to(device) for _ in range(2)]
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]  # the same for every arm
+    batches = first.batches()  # the same for every arm
     result: dict = {
         "size": size,
         "mode": mode,

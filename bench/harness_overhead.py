@@ -143,10 +143,7 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
 def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
     arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
-    generator = torch.Generator().manual_seed(arm.cfg.seed)
-    windows = [torch.randint(0, arm.model.config.vocab_size, (arm.cfg.micro_batch, arm.cfg.seq_len + 1),
-                             generator=generator) for _ in range(2)]
-    return arm, [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+    return arm, arm.batches()
 
 
 def listing(values: Sequence[float], scale: float = 1e3) -> str:

@@ -130,13 +130,11 @@ def forward_backward(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor):
 
 def per_call_seconds(fn: Callable[[], object], number: int, device: torch.device) -> float:
     """Mean seconds per call over ``number`` back-to-back calls (CUDA: synchronized before and after)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(number):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return (time.perf_counter() - start) / number
 
 

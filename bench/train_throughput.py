@@ -29,6 +29,7 @@ import lightning as L
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
+from norm_cost import synchronize
 from omegaconf import DictConfig
 
 from corpus.prepare import load_prepared
@@ -87,12 +88,10 @@ def timed_steps(cfg: TrainSchema, skip: int, device: torch.device, step: Callabl
     start = 0.0
     for index in range(cfg.max_steps):
         if index == skip:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
         step(index)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return (
         (cfg.max_steps - skip)
         * tokens_per_step(cfg.global_batch, cfg.seq_len)
