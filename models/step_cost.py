@@ -689,13 +689,6 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
         f"{planned.lower_bound / GIB:.1f} GiB does not: starting; should it run out of memory, {advice}"))
 
 
-def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom_gib: float,
-                    fragmentation: float) -> str | None:
-    """The gate's refusal for ``plan`` (None: the launch goes on; :func:`gate` for the warning)."""
-    return gate(gate_plan(plan), total_memory, device_name, headroom_gib=headroom_gib,
-                fragmentation=fragmentation).refusal
-
-
 @contextmanager
 def quiet_plan() -> Iterator[None]:
     """Fake-tensor tracing warns about nothing the user can act on (e.g. autocast on CPU)."""
