@@ -119,31 +119,19 @@ def main() -> None:
 
     subject = gpt_subject(args.size, device)
     ids = token_ids(args.tokens)
+
+    def section(name: str, fn: Callable[[], object], probe_scope: bool = False) -> str:
+        return profiled(name, fn, device, args.rows, probe_scope=probe_scope)
+
+    where = f"{args.size}, {args.tokens} tokens"
     sections = [
-        profiled(
-            f"plain forward, {args.size}, {args.tokens} tokens",
-            lambda: plain_forward(subject, ids, args.batch_size),
-            device,
-            args.rows,
-        ),
-        profiled(
-            f"angle probe K=0, {args.size}, {args.tokens} tokens",
-            lambda: probe(subject, ids, args.batch_size, null=0, energy_and_rows=False),
-            device,
-            args.rows,
-            probe_scope=True,
-        ),
+        section(f"plain forward, {where}", lambda: plain_forward(subject, ids, args.batch_size)),
+        section(f"angle probe K=0, {where}", lambda: probe(subject, ids, args.batch_size, null=0,
+                                                           energy_and_rows=False), probe_scope=True),
     ]
     if args.probe_only:
-        sections.append(
-            profiled(
-                f"angle probe K=64 +energy, {args.size}, {args.tokens} tokens",
-                lambda: probe(subject, ids, args.batch_size),
-                device,
-                args.rows,
-                probe_scope=True,
-            )
-        )
+        sections.append(section(f"angle probe K=64 +energy, {where}",
+                                lambda: probe(subject, ids, args.batch_size), probe_scope=True))
     x = torch.randn(args.norm_tokens, args.dim, device=device).requires_grad_()
     dy = torch.randn(args.norm_tokens, args.dim, device=device)
     for impl in () if args.probe_only else ("stock", "compiled"):
@@ -151,14 +139,8 @@ def main() -> None:
             norm = make_norm(kind, args.dim, EPS, impl=impl).to(device)
             run = forward_backward(norm, x, dy)
             run()  # compilation outside the profile
-            sections.append(
-                profiled(
-                    f"{impl} {kind} forward + backward, {args.norm_tokens} × {args.dim}",
-                    run,
-                    device,
-                    args.rows,
-                )
-            )
+            name = f"{impl} {kind} forward + backward, {args.norm_tokens} × {args.dim}"
+            sections.append(section(name, run))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = shlex.join(["python", "bench/gpu_profile.py", *sys.argv[1:]])
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
