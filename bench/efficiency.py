@@ -1,29 +1,10 @@
 """Is RMSNorm cheaper than LayerNorm? The optimizer-step time of the norm arms, interleaved, with an interval.
 
-For each size (``conf/train/size``: 70m, 160m, 410m, 1b) and mode (``eager``, ``compiled``) the arms
-``layer``, ``rms`` and ``layer_nobias`` (mean subtraction alone: LayerNorm without its bias) are built as
-train.py builds them (``normgeo.runs.build.make_module`` of the composed config: one seed, so bitwise-
-identical non-norm weights), with the harness's own optimizer and schedule (``LitGPT.configure_optimizers``:
-AdamW, fused on CUDA), and ``model.compile()`` as ``compile=true`` trains. Every arm steps on the same fixed
-batches of the size's micro-batch and sequence length: forward in the harness's precision (bf16-mixed on a
-GPU: float32 weights, bf16 autocast), cross-entropy, backward, gradient clipping at
-``trainer.gradient_clip_val``, AdamW step, schedule step; what Lightning's loop does per optimizer step with
-one micro-batch. The harness's own overhead on top of that (``bench/train_throughput.py``) is the same for
-every arm.
-
-After warm-up (the compiled arms' first step holds their compilation), each repeat times ``--steps``
-steps of every arm, the arms' order rotated from repeat to repeat; the device is synchronized around each
-arm's timing. Per arm: the median step time, tokens/s and MFU (``GPT.flops_per_token`` against
-``models.lit.peak_flops``); per other arm against ``rms``: the ratio of step times, the geometric mean of the
-per-repeat ratios with its 95% Student-t interval over repeats (on the log ratios). Compiled arms also report
-the graphs Dynamo compiled and the graph breaks, before and during the timing (a recompilation there would
-time the compiler).
-
-One more step of each arm runs under ``torch.profiler``: its kernels' device time (on the CPU, the aten ops'
-self time), and the norm's share of it. A kernel is the norm's when its name or the op that launched it
-names a norm (``layer_norm``, ``rms_norm`` and their backward). Eager kernels are the norms' own; Inductor
-fuses a norm with the element-wise work around it (the residual add, the bias), so the compiled share
-counts those fused kernels whole: an upper bound on the norm's own work.
+Per size and mode (eager, compiled) the arms ``layer``, ``rms`` and ``layer_nobias`` are built as train.py
+builds them (:class:`Arm`: one seed, the harness's AdamW and schedule) and step on the same fixed batches,
+their order rotated from repeat to repeat. Per arm: the median step, tokens/s and MFU; against ``rms``: the
+geometric mean of the per-repeat step-time ratios with its 95% t interval; one profiled step gives the
+norm's share of the kernel time. docs/benchmarks.md explains the method.
 
     python bench/efficiency.py                                     # on a GPU: every size and mode, printed
     python bench/efficiency.py --sizes 70m --modes eager --json /tmp/eff-70m.json
@@ -52,10 +33,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
-from norm_cost import TOP_KERNELS, kernel_shares
+from norm_cost import TOP_KERNELS, kernel_shares, synchronize
 from torch.profiler import ProfilerActivity, profile
 from train_throughput import autocast
 
+from corpus.atomic import atomic_write_text
 from models.hardware import default_precision, missing_cuda
 from models.lit import compute_dtype, peak_flops
 from models.norms import compile_refusal
@@ -69,11 +51,6 @@ ARMS = ("layer", "rms", "layer_nobias")
 MODES = ("eager", "compiled")
 REFERENCE = "rms"
 STANDIN = ["size=tiny", "size.n_layer=1", "size.n_embd=32", "size.n_head=2", "seq_len=32", "micro_batch=2"]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def compile_counts() -> dict[str, int]:
@@ -115,6 +92,14 @@ class Arm:
         self.fused = bool(self.optimizer.defaults.get("fused"))
         self.tokens = self.cfg.micro_batch * self.cfg.seq_len
         self.flops_per_token = module.model.flops_per_token(self.cfg.seq_len)
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Two fixed batches of the arm's shape from its seed: the same for every arm of a size."""
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        shape = (self.cfg.micro_batch, self.cfg.seq_len + 1)
+        vocab = self.model.config.vocab_size
+        windows = [torch.randint(0, vocab, shape, generator=generator).to(self.device) for _ in range(2)]
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with autocast(self.cfg, self.device):
@@ -167,11 +152,7 @@ def measure(
         torch.cuda.empty_cache()
     built = {arm: Arm(size, arm, mode, device, standin) for arm in arms}
     first = next(iter(built.values()))
-    generator = torch.Generator().manual_seed(first.cfg.seed)
-    vocab = first.model.config.vocab_size
-    shape = (first.cfg.micro_batch, first.cfg.seq_len + 1)
-    windows = [torch.randint(0, vocab, shape, generator=generator).to(device) for _ in range(2)]
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]  # the same for every arm
+    batches = first.batches()  # the same for every arm
     result: dict = {
         "size": size,
         "mode": mode,
@@ -492,9 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
     }
     if args.json is not None:
-        partial = args.json.with_name(f".{args.json.name}.partial")
-        partial.write_text(json.dumps(report))
-        partial.replace(args.json)
+        atomic_write_text(args.json, json.dumps(report))
     return 0
 
 
@@ -536,9 +515,7 @@ def write_page(out: Path, files: Sequence[Path]) -> int:
         stamps[0] if len(stamps) == 1 else f"{stamps[0]} to {stamps[-1]}",
         replaced,
     )
-    partial = out.with_name(f".{out.name}.partial")
-    partial.write_text(text)
-    partial.replace(out)
+    atomic_write_text(out, text)
     print(f"written {out}")
     return 0
 

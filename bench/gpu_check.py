@@ -1,44 +1,19 @@
 """Every GPU path of the harness in one command, each in its own subprocess and time budget, on one page.
 
-On a CUDA machine it runs, and writes ``docs/gpu_numbers.md``. The whole check no longer fits one command of
-10 minutes, nor one loan of 15 (the efficiency parts alone take about 10 minutes on an H200): a loan runs the
-parts most needed with ``--parts``, the page keeping the other rows (docs/benchmarks.md, "On a lent GPU"):
-
-- ``environment``: GPU, driver, torch / CUDA / Lightning versions, bf16, a flash-attention SDPA call, fused
-  AdamW, NCCL, Lightning's bf16 peak FLOP/s (the MFU denominator) and which optional packages import;
-- ``train 70m`` / ``train 410m``, both norm arms: ``train.py``'s own ``train()`` with ``trainer=gpu``
-  (bf16-mixed, ``compile=true``, fused AdamW) for a few hundred steps: tokens/s and MFU as the harness logs
-  them (``perf/tokens_per_s``, ``perf/mfu``: ``models/lit.py``, ``models.lit.peak_flops``), the
-  first step's time (the compilation) against the median step, and ``torch.cuda.max_memory_allocated``;
-- ``memory 70m`` / ``memory 410m``: that measured peak against ``python -m normgeo.plan --measure``'s for
-  the same overrides (the compiled step measured on the device after the timed parts), as a ratio;
-- ``efficiency 70m`` ... ``efficiency 1b``: ``bench/efficiency.py`` per size (each its own part): the
-  optimizer step of ``layer``, ``rms`` and ``layer_nobias``, eager and compiled, interleaved over repeats:
-  the LayerNorm/RMSNorm step-time ratio with its 95% interval, tokens/s, MFU and the norms' share of the
-  kernel time; the sizes run write ``efficiency.md`` beside this page;
-- ``ddp resume`` / ``fsdp resume``: ``torchrun --nproc-per-node 1 train.py trainer=ddp`` (NCCL) and
-  ``trainer=fsdp`` (FSDP2), 4 steps with the probe, against a second run resumed from the first one's
-  step-2 checkpoint: the losses, the probe's angles and the final weights must be equal;
-- ``probe cost``: ``bench/probe_cost.py --device cuda`` (angles, K = 64 null directions, energy, and the
-  intervention's default scope on its token budget) against a plain forward;
-- ``probe agreement``: ``analyze.py`` in float32 on the GPU and on the CPU over the same checkpoint: every
-  angle statistic within 1e-3 degrees;
-- ``norm cost``: ``bench/norm_cost.py`` on the GPU (stock, compiled, Liger where installed), float32 and bf16:
-  the kernels' device time (torch.profiler) as a fraction of the copy-bandwidth floor;
-- ``analyze smollm2``: ``analyze.py model=smollm2-135m`` (the packaged GGUF weights) on the GPU.
-
-The CPU side of the agreement runs beside the GPU parts, in a second lane; so do the plans, after the timed
-parts (each measures its step on the GPU). Exit status 1 names each path that failed; 2: bad input (one line).
+On a CUDA machine it runs the parts of ``ORDER`` (the environment, training at 70m and 410m and its memory
+against the plan, bench/efficiency.py per size, DDP and FSDP2 resume, bench/probe_cost.py, the probe's
+GPU/CPU agreement, bench/norm_cost.py, analyze.py on SmolLM2) and writes ``docs/gpu_numbers.md``;
+``--parts`` runs some again, the page keeping the other rows. docs/benchmarks.md ("On a lent GPU") says what
+each part measures. Exit status 1 names each path that failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
     python bench/gpu_check.py --parts 'train 410m'         # that part again; the page keeps the other rows
     python bench/gpu_check.py --parts 'efficiency 410m,efficiency 1b' --seconds 540
 
-``--cpu-standin`` runs the same parts on the CPU (gloo, float32, compile off: it would take minutes here),
-so that the check itself does not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``. It times
-nothing, so its parts, plans and CPU reference run side by side, two at a time, each child on one thread, and
-one process measures every efficiency size (the same tiny model for each).
+``--cpu-standin`` runs the same parts on the CPU (gloo, float32, compile off), so that the check itself does
+not rot between GPU loans; its page goes to ``DIR/gpu_numbers.md``. It times nothing, so its parts run side
+by side, two at a time, each child on one thread.
 """
 
 from __future__ import annotations
@@ -72,6 +47,7 @@ from hydra import compose, initialize_config_dir
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from callbacks.run import train
+from corpus.atomic import atomic_write_text
 from models.hardware import missing_cuda
 from models.lit import peak_flops
 from models.norms import compile_refusal
@@ -1079,9 +1055,7 @@ def check(
         efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
     kept = earlier_rows(out / PAGE, {o.path for o in outcomes}) if set(parts) != set(ORDER) else []
     text = page(outcomes, ctx, info, started, time.monotonic() - clock, parts=parts, kept=kept)
-    partial = out / f".{PAGE}.partial"  # a page is replaced whole or not at all
-    partial.write_text(text)
-    partial.replace(out / PAGE)
+    atomic_write_text(out / PAGE, text)  # a page is replaced whole or not at all
     failed = [o.path for o in outcomes if not o.passed]
     missed = sum(o.status == "missed" for o in outcomes)
     print(

@@ -1,10 +1,9 @@
 """Where the time goes in the two GPU paths that `bench/gpu_check.py` found slow: the probe against a plain
 forward, and a `norm.impl=compiled` norm's forward + backward against the stock module.
 
-`torch.profiler` over one warmed-up call of each: the top operators by self device time and by self CPU
-time, the host-device synchronizations and copies, and the wall time of the call against its summed device
-(kernel) time. Where the wall time is far above the device time, the GPU waits on the host (Python, launches,
-synchronizations), not on kernels.
+`torch.profiler` over one warmed-up call of each: the top operators by self device and CPU time, the
+host-device synchronizations (``probe_cost.HOST_SYNC_OPS``, which the CPU's profile counts as a GPU would wait
+for them) and the wall time against the summed kernel time: far above it, the GPU waits on the host.
 
     python bench/gpu_profile.py --out docs/gpu_profile.md
         # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
@@ -12,11 +11,6 @@ synchronizations), not on kernels.
         # the same on the CPU, printed
     python bench/gpu_profile.py --device cpu --size 70m --tokens 8192 --batch-size 4 --probe-only
         # the probe's ops on the CPU: the host syncs it would make on a GPU, and its aten ops
-
-Every section also counts the aten ops of the call, and the ones among them that hand a value to the host
-(``probe_cost.HOST_SYNC_OPS``: ``nonzero``, ``item``, ...): on the CPU these cost nothing, but each is a wait
-for the GPU when run there, so the CPU's profile counts the syncs a GPU's would have. The probe's are also
-counted inside its batches alone (``run_probe``), without the records made from them at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import torch
 
 # The sibling scripts' own pieces (the script's folder is
 # on sys.path): the same probe and norm calls they time.
-from norm_cost import EPS, forward_backward
+from norm_cost import EPS, forward_backward, synchronize
 from probe_cost import gpt_subject, op_counts, plain_forward, probe, token_ids
 from torch.profiler import ProfilerActivity, profile
 
@@ -43,11 +37,6 @@ from normgeo.measure.geometry import gpu_code_path
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
                "aten::item", "aten::_local_scalar_dense")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def sync_summary(counts: dict[str, int]) -> str:
@@ -130,31 +119,19 @@ def main() -> None:
 
     subject = gpt_subject(args.size, device)
     ids = token_ids(args.tokens)
+
+    def section(name: str, fn: Callable[[], object], probe_scope: bool = False) -> str:
+        return profiled(name, fn, device, args.rows, probe_scope=probe_scope)
+
+    where = f"{args.size}, {args.tokens} tokens"
     sections = [
-        profiled(
-            f"plain forward, {args.size}, {args.tokens} tokens",
-            lambda: plain_forward(subject, ids, args.batch_size),
-            device,
-            args.rows,
-        ),
-        profiled(
-            f"angle probe K=0, {args.size}, {args.tokens} tokens",
-            lambda: probe(subject, ids, args.batch_size, null=0, energy_and_rows=False),
-            device,
-            args.rows,
-            probe_scope=True,
-        ),
+        section(f"plain forward, {where}", lambda: plain_forward(subject, ids, args.batch_size)),
+        section(f"angle probe K=0, {where}", lambda: probe(subject, ids, args.batch_size, null=0,
+                                                           energy_and_rows=False), probe_scope=True),
     ]
     if args.probe_only:
-        sections.append(
-            profiled(
-                f"angle probe K=64 +energy, {args.size}, {args.tokens} tokens",
-                lambda: probe(subject, ids, args.batch_size),
-                device,
-                args.rows,
-                probe_scope=True,
-            )
-        )
+        sections.append(section(f"angle probe K=64 +energy, {where}",
+                                lambda: probe(subject, ids, args.batch_size), probe_scope=True))
     x = torch.randn(args.norm_tokens, args.dim, device=device).requires_grad_()
     dy = torch.randn(args.norm_tokens, args.dim, device=device)
     for impl in () if args.probe_only else ("stock", "compiled"):
@@ -162,14 +139,8 @@ def main() -> None:
             norm = make_norm(kind, args.dim, EPS, impl=impl).to(device)
             run = forward_backward(norm, x, dy)
             run()  # compilation outside the profile
-            sections.append(
-                profiled(
-                    f"{impl} {kind} forward + backward, {args.norm_tokens} × {args.dim}",
-                    run,
-                    device,
-                    args.rows,
-                )
-            )
+            name = f"{impl} {kind} forward + backward, {args.norm_tokens} × {args.dim}"
+            sections.append(section(name, run))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = shlex.join(["python", "bench/gpu_profile.py", *sys.argv[1:]])
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

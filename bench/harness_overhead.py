@@ -1,28 +1,13 @@
 """What the harness adds to an optimizer step: its host syncs, and its host time against the bare step.
 
-On a GPU, train.py's step at 70m is slower than ``bench/efficiency.py``'s bare optimizer step of the same
-model (20 ms against 14 ms, docs/gpu_numbers.md and docs/efficiency.md). Two things make a harness slower
-than its model, and both show on the CPU:
+- **host syncs**: counted per optimizer step over a real ``train()`` run under torch.profiler, with
+  ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`); the logging steps
+  (``LitGPT.reports_at``) read the loss back on purpose, the others should read nothing.
+- **host time**: on the smallest model, the harness's time per optimizer step against the bare step of
+  ``bench/efficiency.py`` (``efficiency.Arm``) of the same config, the two alternating step by step
+  (:class:`PairedBare`); over ``--repeats`` runs their medians and ratio, wall and CPU time.
 
-- **host syncs**: every read of a device tensor's value on the host (``.item()``, ``bool(tensor)``,
-  ``nonzero``, ...) waits for every queued kernel; the host then cannot queue the next step's kernels while
-  the GPU runs this one's. They are counted per optimizer step over a real ``train()`` run under
-  torch.profiler, with ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`, its host-sync ops;
-  the run steps a fused AdamW, as on a GPU), each step a profiler scope from its first micro-batch's start
-  to the next step's. A copy of a device tensor to the host (``.tolist()``, ``.cpu()``) is a sync too that
-  the CPU's profiler cannot see (on the CPU it is no op): the module's one read of its loss and divergence
-  flag at each report is such a copy, so a logging step counts one fewer than a GPU waits. The logging
-  steps (``LitGPT.reports_at``: every ``log_every``, the session's first, the last, which also writes the
-  final checkpoint) read the loss and the rates back on purpose; the others should read nothing.
-- **host time**: on the smallest model (``size=tiny`` with one block of width 32, 32-token windows, one
-  micro-batch of 2 sequences a step, one thread; GPT-2's 50,257-token vocabulary still makes the output layer
-  and AdamW most of a CPU step), the harness's time per optimizer step (``train()``: Lightning's loop, the
-  data module, logging, callbacks; progress bar, probe, validation and intermediate checkpoints off, as
-  gpu_check's training rows) against the bare step of ``bench/efficiency.py`` (``efficiency.Arm``: forward,
-  loss, backward, clipping, AdamW, schedule) of the same config: the difference is the harness's own host
-  work. The two alternate step by step within each training run (:class:`PairedBare`), so that a shared
-  machine's load hits both alike; warm-up steps are not timed; per run the mean step of each, over
-  ``--repeats`` runs their medians and ratio, of the wall time and of the process's CPU time.
+docs/benchmarks.md ("The harness's own cost per optimizer step") explains the method.
 
     python bench/harness_overhead.py                        # 24 profiled steps; 5 runs of 60 timed steps
     python bench/harness_overhead.py --steps 4 --warmup 1 --repeats 1 --sync-steps 4 --log-every 2   # seconds
@@ -158,10 +143,7 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
 def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
     arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
-    generator = torch.Generator().manual_seed(arm.cfg.seed)
-    windows = [torch.randint(0, arm.model.config.vocab_size, (arm.cfg.micro_batch, arm.cfg.seq_len + 1),
-                             generator=generator) for _ in range(2)]
-    return arm, [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+    return arm, arm.batches()
 
 
 def listing(values: Sequence[float], scale: float = 1e3) -> str:

@@ -1,20 +1,10 @@
 """Training tokens/s of the harness (train.py's real Lightning Trainer) next to two plain PyTorch loops.
 
-All three train the same GPT, from the same initial weights, on the same token windows, with the same
-micro-batch, gradient accumulation, clipping and AdamW step:
-
-- harness: train.py itself (Lightning loop, sampler/DataLoader, logging, checkpoint callbacks);
-- plain:   the textbook loop over the harness's own dataset, sampler, model and optimizer + schedule
-           (``LitGPT.configure_optimizers``: same param groups, hyper-parameters and AdamW implementation);
-- minimal: a loop written from scratch: windows gathered from one token tensor, ``model(x, y)``, AdamW,
-           clip, step. It checks the plain loop: the two should agree within a few percent.
-
-Variants run in one process, interleaved, their order rotated from repeat to repeat (drift of a shared
-machine hits all alike), with a garbage collection before each (the previous variant's trainer, model
-and optimizer are freed first). Every repeat is printed, and the ratios of medians and of bests.
-
-With ``--arms`` the harness trains each norm arm instead (``--arms`` alone: every kind of NORM_ARMS),
-interleaved the same way, with each arm's ratio to ``rms``.
+All three train the same GPT from the same weights on the same windows, with the same accumulation, clipping
+and AdamW step: ``harness`` (train.py itself), ``plain`` (the textbook loop over the harness's own dataset,
+sampler, model, optimizer and schedule) and ``minimal`` (a loop from scratch; it checks the plain one). They
+run interleaved, their order rotated per repeat; every repeat is printed, and the ratios of medians and of
+bests. With ``--arms`` the harness trains each norm arm instead, with each arm's ratio to ``rms``.
 
     python bench/train_throughput.py                      # size=tiny on this machine
     python bench/train_throughput.py size=70m seq_len=256 micro_batch=4 global_batch=8 --steps 8
@@ -39,6 +29,7 @@ import lightning as L
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
+from norm_cost import synchronize
 from omegaconf import DictConfig
 
 from callbacks.run import train
@@ -97,12 +88,10 @@ def timed_steps(cfg: TrainSchema, skip: int, device: torch.device, step: Callabl
     start = 0.0
     for index in range(cfg.max_steps):
         if index == skip:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
         step(index)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return (
         (cfg.max_steps - skip)
         * tokens_per_step(cfg.global_batch, cfg.seq_len)

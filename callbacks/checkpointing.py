@@ -26,13 +26,10 @@ from callbacks.lightning_loops import validation_follows
 from callbacks.optimizer_step import OptimizerStepCallback
 from callbacks.signal_stop import StopOnSignal
 from corpus.atomic import atomic_open
-from normgeo.config.schema import CheckpointSchema
 from normgeo.run_folder import LAST_CHECKPOINT, checkpoint_name
 from normgeo.signals import SignalStop, training_interrupt
 
 log = logging.getLogger(__name__)
-# The checkpoint keys' defaults, written once: in the config's schema (``python train.py --help``).
-DEFAULTS = CheckpointSchema(_target_=f"{__name__}.CheckpointSchedule")
 
 
 class CheckpointSchedule:
@@ -42,11 +39,9 @@ class CheckpointSchedule:
     every run must keep. The rule is never expanded into a list (membership, :meth:`next_step_after` and
     ``len`` are arithmetic), so ``max_steps=10**12`` is instant."""
 
-    def __init__(self, max_steps: int, steps: Iterable[int] | None = DEFAULTS.steps,
-                 dense_every: int = DEFAULTS.dense_every, dense_until: int = DEFAULTS.dense_until,
-                 sparse_every: int = DEFAULTS.sparse_every, last_every: int = DEFAULTS.last_every,
-                 keep_optimizer: bool = DEFAULTS.keep_optimizer,
-                 every_minutes: float | None = DEFAULTS.every_minutes) -> None:
+    def __init__(self, max_steps: int, *, steps: Iterable[int] | None, dense_every: int, dense_until: int,
+                 sparse_every: int, last_every: int, keep_optimizer: bool,
+                 every_minutes: float | None) -> None:
         # How often last.ckpt is refreshed and what scheduled checkpoints keep (ScheduledCheckpoint).
         self.last_every, self.every_minutes, self.keep_optimizer = last_every, every_minutes, keep_optimizer
         self.max_steps = max_steps

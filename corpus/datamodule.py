@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 
 class TokenDataModule(L.LightningDataModule):
+    """The data keys (normgeo.config.schema.DataSchema, their defaults there) with the run's batch geometry
+    (normgeo.runs.build.make_datamodule)."""
+
     def __init__(
         self,
         *,
@@ -27,13 +30,13 @@ class TokenDataModule(L.LightningDataModule):
         micro_batch: int,
         max_steps: int,
         seed: int,
-        tokenizer: str = "gpt2",
-        val_fraction: float = 0.005,
-        val_sequences: int = 64,
-        val_seed: int | None = None,
-        auto_prepare: bool = True,
-        num_workers: int = 0,
-        prepare_command: str = "",
+        tokenizer: str,
+        val_fraction: float,
+        val_sequences: int,
+        val_seed: int | None,
+        auto_prepare: bool,
+        num_workers: int,
+        prepare_command: str,
     ) -> None:
         super().__init__()
         self.name = name

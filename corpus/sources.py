@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import Any
 
 import numpy as np
 from fsspec.core import url_to_fs
@@ -267,6 +268,22 @@ class HubParquetSource:
     def describe(self) -> str:
         return "hub:" + " | ".join(self.candidates)
 
+    def matched(self, hint: str) -> tuple[Any, str, list[str]]:
+        """The filesystem, pattern and files of the first candidate that matches any file."""
+        for pattern in self.candidates:
+            try:
+                filesystem, path = url_to_fs(pattern)
+                files = sorted(filesystem.glob(path))
+            except FileNotFoundError:  # no such repository or revision: try the next alternative
+                files = []
+            except Exception as err:  # the Hub raises many types; all mean "could not reach it"
+                raise SourceError(f"could not list {pattern}: {err}. {hint}") from err
+            if files:
+                return filesystem, pattern, files
+        raise SourceError(
+            f"no parquet files match any of {self.candidates}; check the repository's file list"
+        )
+
     def documents(self) -> Iterator[str]:
         # HF datasets takes seconds to import: only for hub sources.
         import datasets
@@ -276,32 +293,19 @@ class HubParquetSource:
             "data=...) "
             "and copy the prepared folder."
         )
-        for pattern in self.candidates:
-            try:
-                filesystem, path = url_to_fs(pattern)
-                matched = filesystem.glob(path)
-            except FileNotFoundError:  # no such repository or revision: try the next alternative
-                matched = []
-            except Exception as err:  # the Hub raises many types; all mean "could not reach it"
-                raise SourceError(f"could not list {pattern}: {err}. {offline_hint}") from err
-            if not matched:
-                continue
-            try:
-                dataset = datasets.load_dataset(
-                    "parquet", data_files=pattern, split="train", num_proc=self.num_proc
-                )
-            except Exception as err:
-                raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
-            if self.text_field not in dataset.column_names:
-                raise SourceError(
-                    f"{pattern} has no {self.text_field!r} column (columns: {dataset.column_names})"
-                )
-            for record in dataset.select_columns([self.text_field]):
-                yield record[self.text_field]
-            return
-        raise SourceError(
-            f"no parquet files match any of {self.candidates}; check the repository's file list"
-        )
+        _, pattern, _ = self.matched(offline_hint)
+        try:
+            dataset = datasets.load_dataset(
+                "parquet", data_files=pattern, split="train", num_proc=self.num_proc
+            )
+        except Exception as err:
+            raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
+        if self.text_field not in dataset.column_names:
+            raise SourceError(
+                f"{pattern} has no {self.text_field!r} column (columns: {dataset.column_names})"
+            )
+        for record in dataset.select_columns([self.text_field]):
+            yield record[self.text_field]
 
     def sampled_documents(self, seed: int) -> Iterator[str]:
         """Documents spread over the whole dataset, without reading all of it.
@@ -314,38 +318,24 @@ class HubParquetSource:
         # Only for parquet sources (pyarrow is heavy to import).
         import pyarrow.parquet as pq
 
-        for pattern in self.candidates:
-            try:
-                filesystem, path = url_to_fs(pattern)
-                files = sorted(filesystem.glob(path))
-            except FileNotFoundError:
-                files = []
-            except Exception as err:  # the Hub raises many types; all mean "could not reach it"
-                raise SourceError(f"could not list {pattern}: {err}. Offline, use probe=local") from err
-            if not files:
-                continue
-            groups: list[tuple[str, int]] = []
-            for file in files:
-                with filesystem.open(file, "rb") as handle:
-                    parquet = pq.ParquetFile(handle)
-                    if self.text_field not in parquet.schema_arrow.names:
-                        raise SourceError(
-                            f"{file} has no {self.text_field!r} column (columns: "
-                            f"{parquet.schema_arrow.names})"
-                        )
-                    groups += [(file, g) for g in range(parquet.metadata.num_row_groups)]
-            rng = np.random.default_rng([seed, 0x5A4D])
-            for index in rng.permutation(len(groups)):
-                file, group = groups[index]
-                with filesystem.open(file, "rb") as handle:
-                    texts = pq.ParquetFile(handle).read_row_group(group, columns=[self.text_field])
-                texts = texts.column(self.text_field).to_pylist()
-                for row in rng.permutation(len(texts))[: self.docs_per_group]:
-                    yield texts[row]
-            return
-        raise SourceError(
-            f"no parquet files match any of {self.candidates}; check the repository's file list"
-        )
+        filesystem, _, files = self.matched("Offline, use probe=local")
+        groups: list[tuple[str, int]] = []
+        for file in files:
+            with filesystem.open(file, "rb") as handle:
+                parquet = pq.ParquetFile(handle)
+                if self.text_field not in parquet.schema_arrow.names:
+                    raise SourceError(
+                        f"{file} has no {self.text_field!r} column (columns: {parquet.schema_arrow.names})"
+                    )
+                groups += [(file, g) for g in range(parquet.metadata.num_row_groups)]
+        rng = np.random.default_rng([seed, 0x5A4D])
+        for index in rng.permutation(len(groups)):
+            file, group = groups[index]
+            with filesystem.open(file, "rb") as handle:
+                texts = pq.ParquetFile(handle).read_row_group(group, columns=[self.text_field])
+            texts = texts.column(self.text_field).to_pylist()
+            for row in rng.permutation(len(texts))[: self.docs_per_group]:
+                yield texts[row]
 
 
 @dataclass

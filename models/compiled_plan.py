@@ -1,40 +1,13 @@
 """The memory of a compiled training step (``compile=true``), planned on the CPU without a GPU.
 
 ``torch.compile`` keeps for the backward only what Inductor's partition of the joint forward-backward graph
-saves, and Inductor fuses chains of pointwise operations into kernels that never write their intermediate
-tensors: the eager trace of :mod:`models.step_cost` (MemTracker over eager autograd) overstates both. Here the
-model's forward and loss (what ``LitGPT`` compiles: ``GPT.forward`` with the targets) is traced on fake
-tensors with AOT autograd (``aot_function``: ``make_fx``, no Dynamo), with Inductor's decomposition table
-(``torch._inductor.decomposition.select_decomp_table``) and partitioned by Inductor's own partition
-function (``torch._inductor.compile_fx.partition_fn``: its joint-graph passes, then
-``min_cut_rematerialization_partition``). Autocast is the CPU's (the same casts as CUDA's for this model,
-as in the eager trace); attention is the CPU flash kernel, whose outputs and saved tensors have the shapes
-of CUDA's flash kernel (output, float32 log-sum-exp).
-
-The peak is a liveness sweep over the two graphs, node by node, in their order, over the buffers Inductor
-materializes. The model:
-
-* materialized: outputs of extern kernels (matmuls, attention and its backward), of reductions, of scatters
-  (the embedding's backward), every graph output (the forward's saved tensors, the gradients), and every
-  tensor an extern kernel reads (a fused producer writes it out);
-* fused, never materialized: chains of pointwise operations between those (they are read where the
-  materialized node that consumes them runs), unless a chain read by more than one kernel reads more than
-  ``realize_reads_threshold`` (4) buffers, which Inductor writes out; views alias their base;
-* in place: a fused kernel writes its output into a buffer of the same size and dtype that it reads for the
-  last time (Inductor's in-place update; the backward's saved tensors are donated buffers), e.g. the
-  logits' gradient into the saved logits;
-* a buffer lives from its node to the last node that reads it (directly, through views or through fused
-  chains); the forward's saved tensors live until their last use in the backward (Inductor's backward
-  frees its inputs as it goes); the gradients the backward returns live to its end, as autograd then
-  accumulates them.
-
-Static state beside the graphs: the parameters, the optimizer state (fused AdamW's ``exp_avg``,
-``exp_avg_sq``, ``step``), and when a micro-step is not the first of its optimizer step (gradient
-accumulation) the gradients accumulated so far. Not modelled: the caching allocator's fragmentation and
-rounding, cuBLAS and attention workspaces, Inductor's other heuristics that write out a fused chain (too
-large an inner function, accumulated reads), its reordering of kernels, the optimizer step's and clipping's
-small temporaries, and the CUDA context. One graph is planned: under DDP, Dynamo's DDPOptimizer splits it at
-the gradient buckets' boundaries (the buckets are counted beside it, :func:`models.step_cost.per_gpu`).
+saves, and fuses pointwise chains into kernels that never write their intermediates: the eager trace of
+:mod:`models.step_cost` overstates both. Here the model's forward and loss (what ``LitGPT`` compiles) is
+traced on fake tensors with AOT autograd and Inductor's decompositions, partitioned by Inductor's own
+partition function, and the peak is a liveness sweep over the buffers Inductor materializes (extern
+kernels' outputs and inputs, reductions, scatters, graph outputs; pointwise chains fused; in-place writes
+into buffers read for the last time), plus the static state (parameters, AdamW state, the gradients of
+earlier micro-steps when accumulating). docs/plan.md lists what is modelled and what is not.
 
 Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.step_cost` calls :func:`compiled_peak`.
 """

@@ -6,22 +6,11 @@ the verdict and the exports all read the arms from :data:`NORM_ARMS`; a new arm 
 entry states what other code asks about an arm: whether it centres (:attr:`NormArm.centres`) and has a bias
 (:attr:`NormArm.has_bias`), and which module of GPT-2 or TransformerLens computes it exactly, or what
 TransformerLens lacks for it; the Hugging Face export copies the class's own source into its saved model
-code (:mod:`models.export.hf`).
+code (:mod:`models.export.hf`). docs/probe.md tabulates the arms (the norm factorial).
 
-The arms, by what they change:
-
-- ``layer``: LayerNorm, the paper's first arm: centre (remove the component along 1), scale, gain, bias.
-- ``rms``: RMSNorm, the paper's second arm: scale, gain; no centring, no bias.
-- ``layer_nobias`` / ``rms_bias``: the other two cells of centring x bias, so that mean subtraction can be
-  compared with the bias held equal (``layer_nobias`` vs ``rms``, ``layer`` vs ``rms_bias``).
-- ``dyt``: Dynamic Tanh (Zhu et al., "Transformers without Normalization", CVPR 2025): no statistics of
-  the hidden vector at all, ``gamma * tanh(alpha * x) + beta`` with a learned scalar alpha.
-
-Every arm runs in one of :data:`NORM_IMPLS` (``norm.impl``): ``stock``, the module as built (torch's kernels:
-a fused LayerNorm on CPU and CUDA, an RMSNorm composed of element-wise ops on CPU); or ``compiled``, the
-same module with its forward compiled by ``torch.compile`` (the norm alone), so that every arm's kernels
-are generated the same way and a cost comparison compares the norms, not torch's kernel coverage
-(bench/norm_cost.py, docs/benchmarks.md).
+Every arm runs in one of :data:`NORM_IMPLS` (``norm.impl``): ``stock``, the module as built, or
+``compiled``, the same module with its forward compiled by ``torch.compile``, so that a cost comparison
+compares the norms, not torch's kernel coverage (bench/norm_cost.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 """What a training step costs on a GPU, planned on any machine without running it.
 
 The model (:class:`models.lit.LitGPT`, exactly as training builds it) and its AdamW are built under
-``FakeTensorMode`` (shapes and dtypes, no memory); one training step (forward, backward, clipping, AdamW
-step) runs on those fake tensors inside ``MemTracker``, which attributes the peak to parameters,
-gradients, optimizer state, activations and temporaries, and ``FlopCounterMode`` counts its FLOPs.
-The single-device trace is exact for one GPU; DDP adds its persistent gradient buckets; FSDP2 is derived
-from it analytically (parameters, gradients and optimizer state divided over the ranks, plus the
-all-gathered root and two blocks in the FSDP2 ``param_dtype``), with the activations of a trace of the
-model in that dtype. The fake step runs on the CPU with CPU autocast: the same casts as CUDA autocast for
-this model (matmuls and attention in the low dtype; norms, residual stream and loss in float32).
+``FakeTensorMode``; one training step (forward, backward, clipping, AdamW step) runs on those fake tensors
+inside ``MemTracker``, which attributes the peak to parameters, gradients, optimizer state, activations and
+temporaries, and ``FlopCounterMode`` counts its FLOPs, with CPU autocast (the same casts as CUDA's for this
+model). DDP adds its gradient buckets; FSDP2 is derived from the trace analytically. A compiled run is
+planned as it runs (:mod:`models.compiled_plan`); the eager trace stays for ``compile=false``, activation
+checkpointing and FSDP2's compute. Accumulated gradients of earlier micro-steps are counted by both.
 
-A compiled run (``TrainSetup.compiled``) is planned as it runs: what Inductor's partition saves for the
-backward and the buffers its kernels write (:mod:`models.compiled_plan`), plus the static state; the eager
-trace stays for ``compile=false``, for the activation-checkpointing column and for FSDP2's compute (its
-blocks compiled one by one are not planned). When a micro-step is not the first of its optimizer step
-(gradient accumulation), the gradients of the earlier ones are alive through it: both traces count them.
+The launch gate (:func:`gate`) refuses only what cannot fit even its lower bound (:func:`lower_bound`: the
+exact static state and the logits); between that and the planned peak it warns and the run starts.
 
-The launch gate (:func:`gate`) refuses only what cannot fit: when even the lower bound (:func:`lower_bound`:
-the exact static state and the logits) exceeds the card; between that and the planned peak it warns and the
-run starts.
-
-Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). The command that composes a config
-and prints its plan is ``normgeo/plan.py``; ``train.py``'s pre-flight check (``normgeo/runs/preflight.py``)
-calls :func:`gate`.
+Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). ``normgeo/plan.py`` prints the plan;
+``train.py``'s pre-flight check (``normgeo/runs/preflight.py``) calls :func:`gate`.
 """
 
 from __future__ import annotations
@@ -697,13 +687,6 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
     return GateDecision(None, (
         f"{planned_text} + {headroom_gib:g} GiB CUDA context exceeds {card}, its lower bound "
         f"{planned.lower_bound / GIB:.1f} GiB does not: starting; should it run out of memory, {advice}"))
-
-
-def preflight_error(plan: Plan, total_memory: int, device_name: str, *, headroom_gib: float,
-                    fragmentation: float) -> str | None:
-    """The gate's refusal for ``plan`` (None: the launch goes on; :func:`gate` for the warning)."""
-    return gate(gate_plan(plan), total_memory, device_name, headroom_gib=headroom_gib,
-                fragmentation=fragmentation).refusal
 
 
 @contextmanager

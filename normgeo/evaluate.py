@@ -4,14 +4,10 @@ lm-evaluation-harness: ``python -m normgeo.evaluate RUN_DIR...``.
 Each run's checkpoint (``--step N``, default its highest saved step) is exported as a Hugging Face directory
 (:mod:`normgeo.export`, into a temporary folder) and evaluated with lm-evaluation-harness' own
 ``simple_evaluate`` on ``HFLM`` (float32, the run's context length). The scores go to ``<run>/eval.json``
-(written atomically; a second evaluation with other tasks keeps the first one's scores), where
-``normgeo.compare``'s verdict reads them as paired contrasts over seeds, like the validation loss.
-
-Offline, the project's own task: ``python -m normgeo.evaluate --make-task data/tasks`` builds
-``wiki_next_sentence`` (choose a Wikipedia paragraph's true next sentence among 4) from
-``../shared/corpora/wikipedia``, then ``python -m normgeo.evaluate outputs/study/* --tasks wiki_next_sentence
---include-path data/tasks``. On a networked node the bundled tasks download their data:
-``--tasks lambada_openai,hellaswag,piqa,arc_easy``.
+(atomically, keeping other tasks' scores), where ``normgeo.compare``'s verdict reads them as paired
+contrasts over seeds. Offline, ``--make-task data/tasks`` builds the project's own task
+``wiki_next_sentence`` (docs/export.md, "Downstream evaluation"); online, the bundled tasks download their
+data: ``--tasks lambada_openai,hellaswag,piqa,arc_easy``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Export a trained arm: ``python -m normgeo.export RUN_DIR --to hf|transformer-lens|nnsight --out DIR``.
 
-Reads one checkpoint of a train.py run (``--step N``: ``checkpoints/step-000000N.ckpt``; ``--checkpoint
-PATH``: any of them; default: the run's highest saved step) and writes, into a new directory ``--out``:
-
-- ``--to hf`` and ``--to nnsight``: a Hugging Face directory (``model.safetensors``, ``config.json``, the
-  model code where no built-in class holds the arm, the GPT-2 tokenizer) that
-  ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads offline; nnsight wraps it
-  (``NNsight(model)``); see :mod:`models.export.hf` for which class holds which arm;
-- ``--to transformer-lens``: ``tl_config.json`` and ``model.safetensors`` for TransformerLens 3.9's
-  ``HookedTransformer`` (the Pre-LN arms whose registration names a TransformerLens norm: LayerNorm,
-  LayerNorm without bias and RMSNorm; other arms are refused);
-
-each with the tokenizer and a model card (``README.md``: arm, size, step, tokens, validation loss, the run's
-config, how to load it) and ``normgeo_export.json`` (where it came from). The directory is assembled
-beside ``--out`` and renamed into place: a failed export leaves nothing. Bad input (no checkpoint, a step
-not saved, an arm the target cannot hold, an existing ``--out``) is one line on stderr and exit code 2.
-
-``--as rms`` (with ``--to hf`` or ``--to nnsight``) converts a Pre-LN ``layer`` or ``layer_nobias`` arm into
-an RMSNorm model with the same logits (:func:`models.export.hf.to_hf`: writing weights centred, every
-LayerNorm's gain and bias folded into the linear layer it feeds), saved in the RMS arm's format; the model
-card gives the parity measured at export. Post-LN, DyT and RMSNorm arms are refused (one line, exit code 2).
+Reads one checkpoint of a train.py run (``--step N``, ``--checkpoint PATH``; default: the run's highest saved
+step) and writes a new directory ``--out``: a Hugging Face directory that
+``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads offline (``--to hf``; nnsight
+wraps it: ``--to nnsight``; :mod:`models.export.hf` says which class holds which arm), or TransformerLens
+3.9's ``tl_config.json`` and weights (``--to transformer-lens``: the arms a TransformerLens norm holds), each
+with the GPT-2 tokenizer, a model card and ``normgeo_export.json``. The directory is assembled beside
+``--out`` and renamed into place: a failed export leaves nothing. ``--as rms`` converts a Pre-LN ``layer`` or
+``layer_nobias`` arm into an RMSNorm model with the same logits (:func:`models.export.hf.to_hf`), the model
+card giving the parity measured at export. Bad input (no checkpoint, a step not saved, an arm the target
+cannot hold or convert, an existing ``--out``) is one line on stderr and exit code 2. docs/export.md has more.
 """
 
 from __future__ import annotations

@@ -1,38 +1,29 @@
 """What a GPU run will cost, before it runs: ``python -m
 normgeo.plan <train.py overrides>`` (``normgeo-plan``).
 
-Composes the config exactly as ``train.py`` would (same overrides, same schema check) with Hydra's compose
-API, so nothing is written: no run directory, no ``.hydra``. Prints the parameter counts, FLOPs per token
-and per optimizer step, the peak memory per GPU by category (with and without activation checkpointing,
-and at a probe), whether it fits each GPU of ``plan.gpus`` and the largest micro_batch that does, the
-time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. The planning itself is
-``models/step_cost.py`` (fake tensors); the config's plan and train.py's pre-flight check with it (a start
-check, before the claim) are ``normgeo/runs/preflight.py``.
+Composes the config exactly as ``train.py`` would (same overrides, same schema check), writing nothing, and
+prints the parameter counts, FLOPs, the peak memory per GPU by category (with and without activation
+checkpointing, and at a probe), whether it fits each GPU of ``plan.gpus`` and the largest micro_batch that
+does, the time and GPU-hours at ``plan.mfu``, and the disk the checkpoint schedule fills. The planning is
+``models/step_cost.py`` (fake tensors; a compiled run as Inductor would run it: ``models/compiled_plan.py``);
+train.py's pre-flight check is ``normgeo/runs/preflight.py``.
 
     python -m normgeo.plan experiment=paper_1b norm=rms
     python -m normgeo.plan experiment=paper_1b trainer=fsdp plan.devices=4 plan.mfu=0.35
     python -m normgeo.plan size=410m compile=true --measure   # on a GPU: the compiled step, measured
 
-A run that compiles (``compile=true``, or ``auto`` on a GPU) is planned as it runs: the joint graph Inductor
-would partition, what it saves and the buffers it writes (``models/compiled_plan.py``); the table says
-which it planned. Activation checkpointing's column and FSDP2's compute stay the eager trace.
-``--measure`` (a CUDA machine, one device) runs three real optimizer steps of the configuration as it will
-train (its micro-steps accumulating), compiled where it compiles, and reports their allocator peak beside
-the plan (``models.step_cost.measure_step``); ``--record`` adds it to ``docs/measured_peaks.json``, the
-measurements ``docs/plan.md`` and tests/test_plan.py hold the plan against:
+``--measure`` (one CUDA device) runs three real optimizer steps as the run will train and reports their
+allocator peak beside the plan; ``--record`` adds it to ``docs/measured_peaks.json``, the measurements
+``docs/plan.md`` and tests/test_plan.py hold the plan against:
 
     for spec in 70m:16 410m:32 1b:8; do size=${spec%:*}; mb=${spec#*:}
       for gb in $mb $((4 * mb)); do python -m normgeo.plan size=$size micro_batch=$mb global_batch=$gb \
         trainer=gpu compile=true --measure --record; done; done
 
-Seeds a question needs: ``--seeds-for METRIC=MARGIN`` (a metric of the verdict, e.g.
-``val_loss`` (the final point) or ``val_loss/tail`` (the primary statistic)) with
-the standard deviation of the paired differences, given (``--sd``) or measured on a
-sweep's primary contrast (``--sweep outputs/study``: LayerNorm vs RMSNorm unless
-``conf/compare/margins.yaml`` declares another). It prints the seeds per arm with which the equivalence test
-(TOST at 5%) shows equivalence within ±MARGIN with 80% power when the true difference is 0, the seeds with
-which the paired t-test detects a true difference of MARGIN with 80% power, and their GPU-hours (both arms,
-every seed, at this plan's GPU-hours per run):
+``--seeds-for METRIC=MARGIN`` (a verdict metric, e.g. ``val_loss/tail``) prints the seeds per arm with which
+TOST at 5% shows equivalence within ±MARGIN with 80% power, and the paired t-test detects a difference of
+MARGIN, with their GPU-hours; the SD of the paired differences is given (``--sd``) or measured on a sweep's
+primary contrast (``--sweep``):
 
     python -m normgeo.plan experiment=paper_70m --seeds-for val_loss=0.01 --sweep outputs/study
 """

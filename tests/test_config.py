@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import shutil
@@ -54,17 +53,14 @@ def test_every_option_of_every_train_group_composes_and_resolves(group: str) -> 
         assert resolved["data"]["_target_"] == "corpus.datamodule.TokenDataModule", override
 
 
-def test_every_checkpoint_default_is_written_once_in_the_schema() -> None:
-    """The checkpoint keys' defaults live in CheckpointSchema alone: train.yaml's node names only the class,
-    and CheckpointSchedule's parameters default to the schema's values by name, not by a second literal."""
+def test_every_checkpoint_and_data_default_is_written_once_in_the_schema() -> None:
+    """The checkpoint and data keys' defaults live in the schema alone: train.yaml's checkpoint node names
+    only the class, and CheckpointSchedule's and TokenDataModule's parameters have no defaults."""
     assert list(OmegaConf.load(Path(CONF_DIR) / "train.yaml").checkpoint) == ["_target_"]
+    for built in (CheckpointSchedule, TokenDataModule):
+        parameters = inspect.signature(built).parameters.values()
+        assert [p.name for p in parameters if p.default is not inspect.Parameter.empty] == [], built
     keys = [f.name for f in dataclasses.fields(CheckpointSchema) if f.name != "_target_"]
-    init = next(node for node in ast.walk(ast.parse(inspect.getsource(CheckpointSchedule)))
-                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
-    defaults = init.args.defaults
-    written = {arg.arg: ast.unparse(value)
-               for arg, value in zip(init.args.args[-len(defaults):], defaults, strict=True)}
-    assert written == {key: f"DEFAULTS.{key}" for key in keys}
     composed = compose_train().checkpoint  # the composed config still holds every key, at its default
     assert {key: composed[key] for key in keys} == {
         key: getattr(CheckpointSchema(_target_="x"), key) for key in keys}

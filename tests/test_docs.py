@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from models.norms import NORM_ARMS
 from tests.conftest import ROOT
 
 README_MAX_WORDS = 1200
@@ -194,3 +195,22 @@ def test_the_number_check_sees_a_number_no_page_gives() -> None:
     page = "changes the loss by 0.0755 [0.0618, 0.0896] nats (95%); 7.2e-06 max; 83.8% of E[μ²] on an H200"
     assert unsourced_numbers("| 0.076 nats, 95%: 0.062 to 0.090; 7.2e-6; 83.8%, 84% | H200 |", page) == []
     assert unsourced_numbers("| 0.077 nats, 7.3e-6, 85%, 200 |", page) == ["0.077", "7.3e-6", "85", "200"]
+
+
+def norm_arm_table() -> list[str]:
+    """docs/probe.md's table of the norm arms, as the registry (models/norms.py) states them."""
+    rows = ["| `norm=` | centering | bias | module | what it varies |", "| --- | --- | --- | --- | --- |"]
+    for arm in NORM_ARMS.values():
+        module = arm.module_type
+        name = f"nn.{module.__name__}" if module.__module__.startswith("torch.nn") else module.__name__
+        centres, bias = ("yes" if arm.centres else "no"), ("yes" if arm.has_bias else "no")
+        rows.append(f"| `{arm.name}` | {centres} | {bias} | `{name}` | {arm.isolates} |")
+    return rows
+
+
+def test_the_probe_pages_norm_arm_table_is_the_registrys() -> None:
+    lines = (ROOT / "docs" / "probe.md").read_text().splitlines()
+    expected = norm_arm_table()
+    start = lines.index(expected[0])
+    assert lines[start:start + len(expected)] == expected, (
+        "docs/probe.md's norm table, from the registry:\n" + "\n".join(expected))

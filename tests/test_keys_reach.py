@@ -8,6 +8,7 @@ probe's options are also read by a real probe: one nobody reads there fails by n
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import typing
 from collections.abc import Callable
@@ -27,8 +28,10 @@ from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import TrainSchema
 from normgeo.measure.probe_config import ProbeConfig
+from normgeo.run_folder import RunFolder
 from normgeo.runs.build import make_datamodule, make_module, make_schedule
 from normgeo.runs.preflight import setup_from_config
+from tests.conftest import step_losses, train_here
 
 BASE = ("size=tiny", "logger=csv", "trainer=cpu", "data=pydoc", "probe=pydoc", "probe.tokens=1024")
 
@@ -297,3 +300,16 @@ def test_the_local_probes_keys_reach_its_source(tmp_path: Path) -> None:
     source = instantiate(cfg.probe.source)
     assert (str(source.path), source.encoding, tuple(source.plain_text_extensions)) == (
         str(tmp_path / "text"), "latin-1", (".md",))
+
+
+@pytest.mark.slow
+def test_a_run_trains_with_the_models_other_keys_changed(tmp_path: Path) -> None:
+    """dropout, bias, init_std and vocab_multiple away from their defaults: two optimizer steps train, and
+    the checkpoint holds the model they describe."""
+    run_dir = tmp_path / "run"
+    train_here(run_dir, "max_steps=2", "dropout=0.1", "bias=false", "init_std=0.05", "vocab_multiple=100")
+    losses = step_losses(run_dir)
+    assert sorted(losses) == [1, 2] and all(math.isfinite(loss) for loss in losses.values())
+    weights = torch.load(RunFolder(run_dir).last_checkpoint, weights_only=False)["state_dict"]
+    assert weights["model.wte.weight"].shape[0] == 50300  # 50,257 padded to a multiple of 100, not 64
+    assert not [name for name in weights if name.endswith(("c_attn.bias", "c_fc.bias", "c_proj.bias"))]

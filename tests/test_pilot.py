@@ -4,6 +4,7 @@ the thread count varied one at a time, and the split reads them back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,11 +20,17 @@ import pytest
 
 from corpus.datamodule import TokenDataModule
 from corpus.stream import TokenWindows
+from normgeo.config.schema import DataSchema, TrainSchema
 from normgeo.pilot import main as pilot_main
 from normgeo.pilot import run_table, validation_windows
 from normgeo.plan import main as plan_main
 from tests.conftest import ROOT, metrics_rows
 
+# TokenDataModule's other arguments at the schema's defaults (the data keys', and the run's).
+DATA_DEFAULTS = {field.name: field.default for kind, names in (
+    (DataSchema, ("tokenizer", "val_fraction", "auto_prepare", "prepare_command")),
+    (TrainSchema, ("val_sequences", "num_workers")))
+    for field in dataclasses.fields(kind) if field.name in names}
 TINY = "max_steps=4 optim.warmup_steps=0 checkpoint.steps=[4] val_every=2 val_sequences=16 log_every=1"
 
 
@@ -120,6 +127,7 @@ def test_val_seed_gives_every_seed_the_same_validation_windows(pilot: Path) -> N
             max_steps=10,
             seed=seed,
             val_seed=val_seed,
+            **DATA_DEFAULTS,
         )
         data = module.load()
         windows = TokenWindows(str(data.path("val")), data.num_tokens("val"), 8, 8, module.val_seed)

@@ -26,7 +26,6 @@ from models.step_cost import (
     measure_step,
     model_counts,
     per_gpu,
-    preflight_error,
     quiet_plan,
     trace_compiled_step,
     trace_step,
@@ -157,7 +156,7 @@ def test_the_gate_warns_between_its_lower_bound_and_the_plan_and_refuses_below_t
     # Below the bound: refused, one line naming the plan, the card and the micro_batch that fits.
     small = int(plan.configured.peak.at(2) * 1.1 + 1.5 * GIB) + 1
     assert least + 1.5 * GIB > small  # the tiny model's state is small beside its logits
-    message = preflight_error(plan, small, "Small GPU", headroom_gib=1.5, fragmentation=0.1)
+    message = gate(gate_plan(plan), small, "Small GPU", headroom_gib=1.5, fragmentation=0.1).refusal
     assert message is not None and "\n" not in message
     best = largest_micro_batch(plan.configured.peak, small, 8, 1, 1.5, 0.1)
     assert best == 2 and "micro_batch=2 fits the plan" in message and "Small GPU" in message

@@ -9,21 +9,28 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hydra.utils import instantiate
 
 from callbacks.checkpointing import CheckpointSchedule
+from normgeo.config.schema import CHECKPOINT_SCHEDULE, CheckpointSchema
 from normgeo.measure.records import read_rows
 from normgeo.status import main as status_main
 from tests.conftest import ARM_SETTINGS, entry_point_here, metrics_rows, step_losses, train_in_process
 
 
+def schedule_of(max_steps: int, **rule) -> CheckpointSchedule:
+    """The schedule of ``rule`` and the schema's other defaults, built as a run builds it."""
+    return instantiate(CheckpointSchema(_target_=CHECKPOINT_SCHEDULE, **rule), max_steps=max_steps)
+
+
 def test_schedule_always_ends_with_the_final_step() -> None:
-    assert list(CheckpointSchedule(6, steps=[2, 5])) == [2, 5, 6]
-    assert list(CheckpointSchedule(250, dense_every=100, dense_until=1000, sparse_every=1000)) == [
+    assert list(schedule_of(6, steps=[2, 5])) == [2, 5, 6]
+    assert list(schedule_of(250, dense_every=100, dense_until=1000, sparse_every=1000)) == [
         100,
         200,
         250,
     ]
-    assert list(CheckpointSchedule(200, dense_every=100)) == [100, 200]
+    assert list(schedule_of(200, dense_every=100)) == [100, 200]
 
 
 def test_the_final_step_off_the_schedule_is_checkpointed_probed_and_figured(arms_sweep) -> None:

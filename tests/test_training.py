@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from callbacks.checkpointing import AtomicCheckpointIO, CheckpointSchedule, ScheduledCheckpoint
+from callbacks.checkpointing import AtomicCheckpointIO, ScheduledCheckpoint
 from models.gpt import GPTConfig
 from models.lit import LitGPT, warmup_cosine
 from models.pretrained import load_checkpoint
@@ -30,6 +30,7 @@ from tests.conftest import (
     train_here,
     train_in_process,
 )
+from tests.test_run_state import schedule_of
 
 
 def load(path: Path) -> dict:
@@ -470,7 +471,7 @@ def test_last_ckpt_is_also_refreshed_every_n_minutes(tmp_path: Path) -> None:
     """checkpoint.every_minutes, the time trigger of the one checkpoint owner: last.ckpt again once that many
     minutes have passed since the last one (rank 0's clock, broadcast), on a real Trainer and LitGPT."""
     time_ = SessionTime()
-    schedule = CheckpointSchedule(max_steps=6, steps=[6], last_every=0, every_minutes=1.0)
+    schedule = schedule_of(6, steps=[6], last_every=0, every_minutes=1.0)
     owner = ScheduledCheckpoint(str(tmp_path / "checkpoints"), schedule, clock=lambda: time_.now)
     module = LitGPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
                     OptimSchema(lr=1e-3, warmup_steps=0), seed=0, max_steps=6, global_batch=2)
@@ -482,7 +483,7 @@ def test_last_ckpt_is_also_refreshed_every_n_minutes(tmp_path: Path) -> None:
     # 45 s a step: 60 s have passed at steps 2 (90 s) and 4 (180 - 90 s); step 6 is scheduled. (The scheduled
     # weights-only file calls no callback hook: one entry for step 6, its last.ckpt.)
     assert time_.saved == [2, 4, 6]
-    off = CheckpointSchedule(max_steps=6, steps=[6], last_every=0)
+    off = schedule_of(6, steps=[6], last_every=0)
     assert off.every_minutes is None
 
 

@@ -179,10 +179,10 @@ def listed_schedule(
     {"steps": []},
 ])
 def test_the_arithmetic_schedule_is_the_listed_one(rule: dict) -> None:
-    from callbacks.checkpointing import CheckpointSchedule
+    from tests.test_run_state import schedule_of
 
     for max_steps in range(0, 45):
-        schedule, listed = CheckpointSchedule(max_steps, **rule), listed_schedule(max_steps, **rule)
+        schedule, listed = schedule_of(max_steps, **rule), listed_schedule(max_steps, **rule)
         assert list(schedule) == listed and len(schedule) == len(listed), (max_steps, rule)
         assert [s for s in range(-2, max_steps + 3) if s in schedule] == listed
         assert [schedule.next_step_after(s) for s in range(-1, max_steps + 2)] == [
@@ -193,11 +193,11 @@ def test_a_schedule_of_10_to_the_12_steps_takes_no_time_or_memory() -> None:
     import time
     import tracemalloc
 
-    from callbacks.checkpointing import CheckpointSchedule
+    from tests.test_run_state import schedule_of
 
     tracemalloc.start()
     started = time.perf_counter()
-    schedule = CheckpointSchedule(10**12)  # the paper's rule: 1K .. 10K, then every 10K
+    schedule = schedule_of(10**12)  # the paper's rule: 1K .. 10K, then every 10K
     first = list(itertools.islice(schedule, 12))
     assert first == [*range(1000, 10001, 1000), 20000, 30000]
     assert (
@@ -208,7 +208,7 @@ def test_a_schedule_of_10_to_the_12_steps_takes_no_time_or_memory() -> None:
     )
     assert schedule.next_step_after(10**12 - 10000) == 10**12 and schedule.next_step_after(10**12) is None
     assert len(schedule) == 10 + 10**8 - 1  # dense + sparse - the 10K on both
-    odd = CheckpointSchedule(10**12 + 1, steps=[5, 10**12])
+    odd = schedule_of(10**12 + 1, steps=[5, 10**12])
     assert list(odd) == [5, 10**12, 10**12 + 1] and 10**12 + 1 in odd and len(odd) == 3
     assert time.perf_counter() - started < 1
     assert tracemalloc.get_traced_memory()[1] < 1_000_000
@@ -338,6 +338,7 @@ def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(
     from corpus.datamodule import TokenDataModule
     from corpus.prepare import prepare
     from corpus.sources import LocalFilesSource
+    from tests.test_pilot import DATA_DEFAULTS
 
     # 0.5: two documents, every second one (a.txt, ~600 tokens) held out, b.txt (~20 tokens) left to train;
     # 0.02: one document, split by tokens: 2% of ~600 to validation.
@@ -347,7 +348,8 @@ def test_a_split_too_small_for_seq_len_advises_the_val_fraction_that_helps(
         (tmp_path / "text" / "b.txt").write_text("The quick brown fox jumps over the lazy dog. " * 2)
     data = TokenDataModule(name="local", source=LocalFilesSource(str(tmp_path / "text")),
                            directory=str(tmp_path / "data"), seq_len=64, global_batch=2, micro_batch=2,
-                           max_steps=1, seed=0, val_fraction=val_fraction)
+                           max_steps=1, seed=0, val_seed=None,
+                           **{**DATA_DEFAULTS, "val_fraction": val_fraction})
     prepare(data.source, data.directory, val_fraction=val_fraction, progress=False)
     with pytest.raises(PreparedDataError,
                        match=rf"{short}.bin has \d+ tokens: too few for sequences of 64; use more data "

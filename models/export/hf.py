@@ -1,45 +1,16 @@
 """normgeo's GPT -> a Hugging Face ``transformers`` model, with the same logits.
 
-Which class holds which arm exactly (from each arm's registration in :mod:`models.norms`):
+Which class holds which arm exactly follows each arm's registration in :mod:`models.norms`: a Pre-LN arm
+whose registration names GPT-2's ``LayerNorm`` -> ``GPT2LMHeadModel`` (a LayerNorm without bias is GPT-2's
+with a zero bias; ``Conv1D`` holds ``nn.Linear``'s weight transposed); every other arm and every Post-LN arm
+-> :mod:`models.export.modeling_normgeo`, saved beside the weights with the source of the arm's own class
+appended (:func:`model_code`), loaded with ``trust_remote_code=True``.
 
-- A Pre-LN arm whose registration names GPT-2's ``LayerNorm`` (``layer``, ``layer_nobias``) ->
-  ``GPT2LMHeadModel``: the same block (LN -> attention, residual;
-  LN -> GELU-tanh MLP, residual), learned positions, a final LN. A LayerNorm without bias is GPT-2's with a
-  zero bias; GPT-2's ``Conv1D`` stores ``nn.Linear``'s weight transposed; ``activation_function`` is
-  ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``, the harness's GELU); an untied head is
-  ``tie_word_embeddings=False``.
-- Everything else (RMSNorm, RMSNorm + bias, DyT, and every Post-LN arm) ->
-  :mod:`models.export.modeling_normgeo`, saved beside the weights and loaded with ``trust_remote_code=True``,
-  with the source of the arm's own class appended (:func:`model_code`), so a new arm exports unchanged.
-  No built-in class has RMSNorm or DyT with learned absolute positions; ``OPTForCausalLM``
-  (``do_layer_norm_before=False``) is post-LN but builds no final LayerNorm in that mode, while the harness's
-  Post-LN model applies ``ln_f`` before the head (and OPT's positions are offset by 2), so OPT cannot hold it
-  exactly.
-- A Pre-LN LayerNorm arm converted to RMSNorm (``to_hf(gpt, as_rms=True)``, below) -> the
-  saved model code as the ``rms`` arm, with an untied head and, where the final LayerNorm had a bias, an
-  LM-head bias.
-
-**A Pre-LN LayerNorm arm as an RMSNorm model with the same logits** (``to_hf(gpt, as_rms=True)``). The algebra
-(Jiang et al. 2023, "Pre-RMSNorm and Pre-CRMSNorm Transformers", arXiv 2305.14858; the same steps as
-TransformerLens' ``center_writing_weights`` + ``fold_ln``):
-
-1. Centre every weight that writes into the residual stream: each row of the token and position embeddings,
-   each output column of every attention and MLP output projection (``W - 1 mean_out(W)``) and their biases,
-   made mean-zero across the d channels. The residual stream is then the original one minus its mean at every
-   position: mean-zero, and a LayerNorm reads it exactly as before (it subtracts the mean anyway).
-2. On a mean-zero x, ``LayerNorm(x) = g * x / sqrt(mean(x^2) + eps) + b = g * RMSNorm(x) + b`` (same eps).
-3. Fold ``g`` and ``b`` forward into the linear layer each norm feeds: ``W (g * n + b) + c = (W diag g) n +
-   (W b + c)``: ln1 into the attention's qkv, ln2 into the MLP's first layer, ln_f into the LM head. The final
-   norm's gain makes a tied head untied (the head is ``W_U diag g``, the embedding is centred), and its bias
-   becomes a bias of the LM head (``W_U b``). The RMSNorms keep gain 1.
-
-Post-LN does not convert: there the residual stream *is* the norm's output, which is not mean-zero after its
-bias, and the sublayers read the stream un-normalized. Dropout in training mode zeroes single channels of the
-residual writes, so they would no longer be mean-zero.
-
-The vocabulary keeps the harness's padded size (50257 rounded up to a multiple of 64 = 50304): the padded
-rows are part of the softmax the model was trained and validated with, so the exported log-probabilities
-over the real 50257 tokens are the harness's to the last bit; a tokenizer never emits the padded ids.
+``to_hf(gpt, as_rms=True)`` converts a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (Jiang
+et al. 2023, arXiv 2305.14858): centre every weight that writes into the residual stream, so that LayerNorm
+becomes RMSNorm on the mean-zero stream, then fold each norm's gain and bias into the linear layer it feeds
+(the final norm's into an untied LM head and its bias). Post-LN does not convert. The vocabulary keeps the
+harness's padded size (50304). docs/export.md gives the algebra and why each class holds its arms.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """normgeo's GPT in the interpretability tools: TransformerLens and nnsight.
 
-TransformerLens (targets 3.9, ``HookedTransformer``; 4.x dropped it for ``TransformerBridge``) holds the
-Pre-LN arms whose registration (:mod:`models.norms`) names its norm: ``layer`` (``normalization_type="LN"``),
-``layer_nobias`` (LN with a zero bias) and ``rms`` (``"RMS"``: the same ``x / sqrt(mean(x^2) + eps) * w``).
-It cannot hold the others (``rms_bias``: its RMSNorm has no bias; ``dyt``: no tanh norm; the registration
-says what it lacks) or any Post-LN arm (``HookedTransformer`` blocks are pre-norm only):
-:func:`transformer_lens_refusal` says so and the export refuses.
-
-The weights are loaded with TransformerLens' processing OFF (``fold_ln``, ``center_writing_weights``,
-``center_unembed``, ``fold_value_biases`` all False). Its defaults keep the log-probs but rewrite the
-geometry this project measures: centring the writing weights removes the component along 1 from everything
-written to the residual stream, so the stream becomes exactly orthogonal to 1 (the angle with 1 reads 90°
-whatever the model learned), and folding the LN gains moves them into the next layer's weights.
+TransformerLens 3.9's ``HookedTransformer`` holds the Pre-LN arms whose registration (:mod:`models.norms`)
+names its norm (``LN``, ``RMS``); :func:`transformer_lens_refusal` says what it lacks for the others and for
+Post-LN (its blocks are pre-norm only), and the export refuses. The weights are loaded with its processing
+OFF (``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``): its defaults keep
+the log-probs but rewrite the geometry this project measures (docs/export.md, "The TransformerLens trap").
 
 nnsight wraps any ``nn.Module``: :func:`to_nnsight` wraps the exported Hugging Face model, so every arm and
 placement traces with the module names of :mod:`models.export.hf`.

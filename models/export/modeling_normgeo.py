@@ -1,15 +1,11 @@
 """normgeo's GPT as a Hugging Face model, for the arms no built-in transformers class holds exactly.
 
 Self-contained (torch and transformers only): :mod:`models.export.hf` saves this file beside the exported
-weights, and ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` runs it without normgeo
-installed. It mirrors ``models/gpt.py`` operation for operation (same module names under ``transformer.``,
-the same norm modules, GELU with the tanh approximation, SDPA causal attention), so the logits are the
-harness model's. Norms: every norm is ``NORM_CLASSES[norm_class](**norm_arguments[role])``, the class and
-the keyword arguments of the arm's registration in ``models/norms.py`` (its eps included); the export
-appends the arm's class to the saved copy of this file (its source, or torch's import); placement ``pre``
-or ``post``.
-``lm_head_bias``: the LM head has a bias, which a LayerNorm arm converted to RMSNorm needs (its final
-LayerNorm's bias, folded into the head: ``python -m normgeo.export RUN --to hf --as rms``).
+weights, with the arm's norm class appended, and ``AutoModelForCausalLM.from_pretrained(DIR,
+trust_remote_code=True)`` runs it without normgeo installed. It mirrors ``models/gpt.py`` operation for
+operation, so the logits are the harness model's; every norm is ``NORM_CLASSES[norm_class](**norm_arguments
+[role])``, as the arm's registration builds it. ``lm_head_bias``: the LM head bias of a LayerNorm arm
+converted to RMSNorm (``--as rms``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,15 @@ def _title_step(step) -> str:
     return "pretrained" if step is None else f"step {step:,}"
 
 
+def _dress_layer_axes(ax, title: str, xlabel: str) -> None:
+    """A per-layer panel: its title and x label, integer layers, the 90-degree line and a light grid."""
+    ax.axhline(90, color="gray", lw=0.8, ls="--")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
 def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
     """:func:`layers_figure` written to ``out_dir``."""
     model, norm = rows[0]["model"], rows[0]["norm"]
@@ -67,11 +76,7 @@ def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = Non
                     yerr=[r["std_deg"] for r in series],
                     fmt=marker, ms=4, capsize=2, lw=1, label=f"{role} {label}",
                 )
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"angle with {REF_LABELS.get(ref, ref)}")
-        ax.set_xlabel(f"layer (final norm at {n_layers})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        _dress_layer_axes(ax, f"angle with {REF_LABELS.get(ref, ref)}", f"layer (final norm at {n_layers})")
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
     # Below the panels: inside one, "best" still covered the points of a model with many layers (SmolLM2).
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -130,11 +135,8 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
                     mfc="none" if suffix != "in" else None,
                 )
         norm = chosen[0]["norm"] if chosen else "?"
-        ax.set_title(f"{chosen[0]['model'] if chosen else name} · {norm_label(norm)} · {_title_step(step)}")
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel("layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        model = chosen[0]["model"] if chosen else name
+        _dress_layer_axes(ax, f"{model} · {norm_label(norm)} · {_title_step(step)}", "layer")
         names.append(norm)
     axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
     axes[0][-1].legend(fontsize=8)
@@ -175,11 +177,7 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
             ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{index}", ms=3.5, capsize=2, lw=1,
                         label=f"{role}: 1 (95% CI)" if has_ci else f"{role}: 1")
             band.set_label(f"{role}: {k} random directions, 5–95% (tick: median)")
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{SITE_STYLE[suffix][1]}")
-        ax.set_xlabel(f"layer (final norm at {n_layers})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        _dress_layer_axes(ax, SITE_STYLE[suffix][1], f"layer (final norm at {n_layers})")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(
         handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0)

@@ -1,20 +1,13 @@
 """The verdict's contrasts, their tests and families.
 
-Runs of the same size, placement and seed are paired across arms: they share the initial non-norm weights
-and every batch, so the per-seed difference removes most of the seed's own noise. For each contrast of the
-norm registry (:func:`models.norms.contrasts`) whose two arms are both present, per (size, placement), every
-metric of :mod:`normgeo.verdict.metric_table` gives the per-seed differences (arm minus other), their mean and
-95%/90% Student-t intervals (:func:`normgeo.measure.stats.paired_test`). Per arm, the centering intervention's
-loss change is also taken against the intact model (``other`` = ``intact``).
-
-Three families, from ``conf/compare/margins.yaml`` (declared before the runs):
-
-- **primary**: the one declared question, tested alone: the paired t-test against 0 and TOST within ±margin;
-- **secondary**: at most 6 declared endpoints, both tests Holm-adjusted within these only;
-- **described**: every other row: mean, intervals and per-seed values, no test.
-
-A tested row gets its power at the observed SD (a true difference of the margin for the t-test, none for
-TOST), at Holm's first-step level alpha / (family size): a lower bound on the power Holm gives it.
+Runs of the same size, placement and seed are paired across arms (they share the initial non-norm weights and
+every batch). For each contrast of the norm registry (:func:`models.norms.contrasts`) whose two arms are both
+present, every metric of :mod:`normgeo.verdict.metric_table` gives the per-seed differences, their mean and
+95%/90% Student-t intervals (:func:`normgeo.measure.stats.paired_test`); the centering intervention's loss
+change is taken against the intact model (``other`` = ``intact``). The families of
+``conf/compare/margins.yaml``: **primary** (tested alone: t-test and TOST), **secondary** (Holm-adjusted
+within these) and **described** (no test); a tested row gets its power at the observed SD. docs/compare.md
+says how to read them.
 """
 
 from __future__ import annotations
