@@ -122,11 +122,9 @@ class SignalStop(Exception):
 
 
 class Interrupt(Phase):
-    """Training's phase: a stop signal is recorded, so that ``callbacks.signal_stop.StopOnSignal`` stops every
-    rank after the current optimizer step and ``last.ckpt`` is saved there (exit 128 + the signal); during a
-    validation or a probe (:meth:`enter`) it abandons that work at once; a second signal stops at once
-    (atomic writes keep the previous file). In place of Python's KeyboardInterrupt (Lightning turns it into
-    exit 1 without saving) and Lightning's SIGTERM handler (it stops at the next batch without saving)."""
+    """Training's phase (rows TRAINING, AGAIN, FIRST_PROBE, VALIDATION): ``StopOnSignal`` polls what it
+    recorded. In place of Python's KeyboardInterrupt (Lightning turns it into exit 1 without saving) and
+    Lightning's SIGTERM handler (it stops at the next batch without saving)."""
 
     def __init__(self, continue_command: Callable[[], str] = str) -> None:
         self.received = False

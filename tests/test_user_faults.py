@@ -85,7 +85,7 @@ def test_trainer_arguments_lightning_refuses_are_refused_at_the_start(
     overrides: list[str], message: str, tmp_path: Path
 ) -> None:
     cfg = composed_train(*overrides)  # the config's own keys are fine: Lightning, on this machine, says no
-    with pytest.raises(ConfigError) as refused:  # a StartError, or the config's own (the accumulation)
+    with pytest.raises(ConfigError) as refused:  # the start's, or the config's own (the accumulation)
         check_trainer(cfg)
         build_trainer(cfg, tmp_path, callbacks=[])
     assert str(refused.value).startswith(message), refused.value

@@ -60,10 +60,6 @@ from normgeo.signals import OWNER, UNDO, Phase
 log = logging.getLogger(__name__)
 
 
-class StartError(ConfigError):
-    """A user error found before training (run directory, probe text, tokenizer, data); one line."""
-
-
 # The files a start rewrites before its first optimizer step (the lock's holder, Hydra's record of the
 # session; a resume repairs a damaged run config, run_config.record_run_config): their bytes are kept for an
 # undo.
@@ -214,17 +210,17 @@ def check_trainer(cfg: TrainSchema) -> None:
     except ValidationError as err:
         # a value outside a Literal (trainer.precision=fp8): Lightning's error names the allowed ones
         if errors := [e for e in err.errors(include_url=False) if e["type"] != "literal_error"]:
-            raise StartError(type_refusal(errors)) from None
+            raise ConfigError(type_refusal(errors)) from None
 
 
 def instantiate_trainer(cfg: TrainSchema, **attached: Any) -> Trainer:
     """The run's Trainer with ``attached`` (callbacks, loggers, plugins); what Lightning refuses on this
-    machine (``trainer.devices=0`` on the CPU, an unknown precision) is one line (StartError)."""
+    machine (``trainer.devices=0`` on the CPU, an unknown precision) is one line (ConfigError)."""
     factory = trainer_factory(cfg, **trainer_arguments(cfg))  # the run's arguments win
     try:
         return factory(**attached)
     except (ValueError, TypeError, MisconfigurationException) as err:  # Lightning's refusals
-        raise StartError(f"trainer: {str(err).splitlines()[0]}") from err
+        raise ConfigError(f"trainer: {str(err).splitlines()[0]}") from err
 
 
 def type_refusal(errors: list) -> str:
@@ -246,7 +242,7 @@ def check_start(composed: DictConfig) -> Start:
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     instead = "trainer=cpu (or trainer=ddp_cpu) on this machine"
     if refusal := missing_cuda("trainer.accelerator", accelerator, instead) or compiler_refusal(cfg):
-        raise StartError(refusal)
+        raise ConfigError(refusal)
     check_trainer(cfg)
     run_dir = Path(cfg.run_dir)
     check_writable_folder(run_dir, "run_dir")
@@ -255,7 +251,7 @@ def check_start(composed: DictConfig) -> Start:
     check_own_folder(Path(cfg.data.directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
     data_dir, run = Path(cfg.data.directory).resolve(), run_dir.resolve()
     if data_dir.is_relative_to(run) or run.is_relative_to(data_dir):  # a fresh folder has no marker yet
-        raise StartError(f"run_dir={run_dir} and data.directory={cfg.data.directory} would share a folder: "
+        raise ConfigError(f"run_dir={run_dir} and data.directory={cfg.data.directory} would share a folder: "
                          "a run and its prepared data are folders of their own; choose another run_name=... "
                          "(or data_root=...)")
     if is_rank_zero() and not slurm_requeued():
@@ -285,7 +281,7 @@ def claim(start: Start) -> None:
     except BaseException as err:
         put_back(run_dir, found)
         if isinstance(err, OSError):
-            raise StartError(f"run_dir={run_dir}: cannot create or lock it ({err})") from err
+            raise ConfigError(f"run_dir={run_dir}: cannot create or lock it ({err})") from err
         raise
     start.lock, start.found = lock, found
 
