@@ -95,8 +95,11 @@ def last_loss(run_dir: Path) -> float | None:
 
 def last_probe_step(run_dir: Path) -> int | str | None:
     """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
-    # every file; raises DamagedRecords
-    steps = {row.get("step") for row in read_run_records(run_dir)[ANGLES_FILE]}
+    try:
+        config = read_run_config(run_dir)
+    except DamagedRecords:  # named by run_config's read; the records are still checked for their shape
+        config = {}
+    steps = {row.get("step") for row in read_run_records(run_dir, config)[ANGLES_FILE]}  # raises Damaged...
     trained = [s for s in steps if s is not None]
     return max(trained) if trained else ("pretrained" if steps else None)
 
