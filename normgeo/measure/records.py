@@ -208,8 +208,10 @@ def record_problem(row: dict) -> str | None:
     if missing:
         return f"no {', '.join(map(repr, missing))}: every record has {', '.join(map(repr, KEY_FIELDS))}"
     step = row["step"]
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        return f"'step' is {step!r}, expected a whole number from 0, or null"
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return f"'step' is {step!r}, expected a whole number or null"
+    if step is not None and step < 0:
+        return f"'step' is {step}, expected 0 or more"
     for key, value in row.items():
         if key in TEXT_FIELDS:
             if value is not None and not isinstance(value, str):
