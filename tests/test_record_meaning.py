@@ -51,16 +51,21 @@ def empty(path: Path) -> None:
     path.write_text("")
 
 
-def add_line(path: Path, change: Callable[[dict], dict] = dict, line: int = -1) -> None:
-    """Append a copy of ``path``'s line ``line``, changed by ``change``."""
+def add_line(path: Path, change: Callable[[dict], dict] = dict) -> None:
+    """Append a copy of ``path``'s last line, changed by ``change``."""
     rows = path.read_text().splitlines()
-    path.write_text("\n".join([*rows, json.dumps(change(json.loads(rows[line])))]) + "\n")
+    path.write_text("\n".join([*rows, json.dumps(change(json.loads(rows[-1])))]) + "\n")
 
 
 def a_nan(path: Path) -> None:
     rows = path.read_text().splitlines()
     rows[4] = rows[4].replace('"mean_deg": ', '"mean_deg": NaN, "was": ', 1)
     path.write_text("\n".join(rows) + "\n")
+
+
+def without_step_0(path: Path) -> None:
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                            if json.loads(line)["step"] != 0))
 
 
 def a_metrics_row(path: Path, step: int) -> None:
@@ -92,10 +97,9 @@ DAMAGES = {
     # variants the issue does not name: a step logged again, a step the other files lack
     "a metrics row again": (metrics_csv, lambda p: a_metrics_row(p, 6),
                             "damaged metrics row ('train/loss' at step 6 after step 6)"),
-    "energy.jsonl of other steps": (lambda run: RunFolder(run).record(ENERGY_FILE),
-                                    lambda p: add_line(p, lambda r: {**r, "step": 5}, line=0),
-                                    ":41: damaged record (records of steps 0, 2, 4, 5, 6, while angles.jsonl "
-                                    "has steps 0, 2, 4, 6"),
+    "energy.jsonl without a step": (lambda run: RunFolder(run).record(ENERGY_FILE), without_step_0,
+                                    ":1: damaged record (records of steps 2, 4, 6, while angles.jsonl has "
+                                    "steps 0, 2, 4, 6"),
 }
 
 DRAWN = ("empty metrics.csv", "deleted run_config.yaml", "empty null.jsonl", "probe step 99")

@@ -85,20 +85,15 @@ def read_record_file(run_dir: Path, name: str, angles: list[dict] | None = None,
     if not rows and (name in expected.written and trained if absent else name in expected.filled):
         raise DamagedRecords(path, 1, f"{'absent' if absent else 'no record in the file'}, while "
                              f"{ANGLES_FILE} has {len(angles)} (every probe writes both)", COPY_AGAIN)
-    held, top = {row["step"] for row in rows}, max(map(order, steps))
-    # angles.jsonl is written last: an interrupted probe leaves the others a newer step, which it re-measures
-    missing, extra = steps - held, {step for step in held - steps if order(step) < top}
-    if rows and (missing or extra):
-        line = next((number for number, row in enumerate(rows, 1) if row["step"] in extra), 1)
-        raise DamagedRecords(path, line, f"records of steps {listed(held)}, while {ANGLES_FILE} has steps "
+    held = {row["step"] for row in rows}
+    # angles.jsonl is written last (an interrupted probe may leave the others a newer step, re-measured)
+    if rows and steps - held:
+        raise DamagedRecords(path, 1, f"records of steps {listed(held)}, while {ANGLES_FILE} has steps "
                              f"{listed(steps)} (every probe writes both)", "copy both again from where "
                              "the run wrote them")
     return rows
 
 
-def order(step: int | None) -> int:
-    return -1 if step is None else step
-
-
 def listed(steps: set[int | None]) -> str:
-    return ", ".join("pretrained" if step is None else str(step) for step in sorted(steps, key=order))
+    return ", ".join("pretrained" if step is None else str(step)
+                     for step in sorted(steps, key=lambda step: -1 if step is None else step))
