@@ -31,6 +31,7 @@ COPY_AGAIN = "copy it again from where the run wrote it"
 
 
 def whole(value: object) -> int | None:
+    """``value`` where it is a whole number (true/false is not), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import DamagedRecords
-from normgeo.measure.run_records import read_run_records
+from normgeo.measure.run_records import read_run_records, whole
 from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics_csv import last_value, read_metrics
 from normgeo.run_folder import ANGLES_FILE, CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, RunFolder
@@ -71,10 +71,6 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
     """(max_steps, stop_at_step) from the run's config (the one reader: raises DamagedRecords naming a damaged
     file); None where it holds no whole number."""
     config = read_run_config(run_dir)
-
-    def whole(value: object) -> int | None:
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
     return whole(config.get("max_steps")), whole(config.get("stop_at_step")) or None
 
 
