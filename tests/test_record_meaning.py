@@ -137,7 +137,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("damage", ["deleted ellipsoid.jsonl", "empty null.jsonl", "duplicated records",
-                                    "probe step 99", "a NaN value", "an extra metrics row"])
+                                    "probe step 99", "a NaN value", "energy.jsonl without a step"])
 def test_a_resume_refuses_in_one_line_and_leaves_the_run_as_it_was(runs: dict[str, Path], tmp_path: Path,
                                                                    damage: str) -> None:
     (stopped,) = copied(runs, tmp_path, "stopped")

@@ -44,7 +44,6 @@ from normgeo.paths import (
     remove_created,
     topmost_missing,
 )
-from normgeo.readers.metrics_csv import read_metrics
 from normgeo.run_folder import HYDRA_FILES, LOCK_FILE, PLAN_FILE, RUN_CONFIG_FILE, RunFolder
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.lock import RunLock, check_unlocked
@@ -264,7 +263,6 @@ def check_start(composed: DictConfig) -> Start:
     ckpt_path = session_checkpoint(cfg)
     if ckpt_path is not None:  # a resumed run adds to its records files: a damaged one is named now
         read_run_records(run_dir, resolved_run_config(cfg))
-        read_metrics(run_dir)
     probe_ids = None
     if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
         probe_ids = tiktoken_probe_ids(build(cfg.probe.source, "probe.source"), cfg.probe)
