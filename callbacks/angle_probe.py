@@ -21,7 +21,7 @@ from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references
 from normgeo.measure.records import recorded_steps, save_references, write_step
-from normgeo.run_folder import RunFolder
+from normgeo.run_folder import ANGLES_FILE, RunFolder
 from normgeo.signals import abandonable
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class AngleProbe(OptimizerStepCallback):
         self._announced = True
         if trainer.is_global_zero:
             save_references(self.folder.references, references)
-            for name, rows in records.files.items():
+            # angles.jsonl last: its steps are the probes done (a kill between the writes leaves others newer)
+            for name, rows in sorted(records.files.items(), key=lambda item: item[0] == ANGLES_FILE):
                 write_step(self.folder.record(name), rows)
             self._log(trainer, records.rows, step, records.intervention)
         return records.rows

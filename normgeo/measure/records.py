@@ -210,6 +210,8 @@ def record_problem(row: dict) -> str | None:
     step = row["step"]
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         return f"'step' is {step!r}, expected a whole number or null"
+    if step is not None and step < 0:
+        return f"'step' is {step}, expected 0 or more"
     for key, value in row.items():
         if key in TEXT_FIELDS:
             if value is not None and not isinstance(value, str):
@@ -219,17 +221,29 @@ def record_problem(row: dict) -> str | None:
                 return f"'layer' is {value!r}, expected a layer index or a site's name"
         elif isinstance(value, (str, dict)):
             return f"{key!r} is {value!r}, expected a number"
+        elif not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])
+                     if isinstance(v, float)):
+            return f"{key!r} is {value!r}, expected finite numbers (the probe writes null where none is)"
     return None
 
 
-def read_rows(path: str | Path) -> list[dict]:
+def record_key(row: dict) -> tuple:
+    """What tells one record from another in every records file: its fields that are not measured values
+    (the key, the layer, the site, the reference, the scope...)."""
+    return tuple((key, row[key]) for key in sorted(row) if key in KEY_FIELDS or key in TEXT_FIELDS
+                 or key == "layer")
+
+
+def read_rows(path: str | Path, last_step: int | None = None) -> list[dict]:
     """Every record of a ``.jsonl`` file ([] when it is absent or empty: a measurement with nothing to
     measure, such as DyT's ellipsoid, writes an empty file); raises :class:`DamagedRecords` at the first line
-    that is not a JSON object or whose fields are not what a record holds (:func:`record_problem`)."""
+    that is not a JSON object, whose fields are not what a record holds (:func:`record_problem`), that
+    repeats an earlier record (:func:`record_key`) or whose step is past ``last_step`` (the run's
+    max_steps)."""
     path = Path(path)
     if not path.exists():
         return []
-    rows = []
+    rows, lines = [], {}
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -243,6 +257,10 @@ def read_rows(path: str | Path) -> list[dict]:
             if not isinstance(row, dict):
                 raise DamagedRecords(path, number, f"a JSON {type(row).__name__}, not an object")
             problem = record_problem(row)
+            if problem is None and last_step is not None and (row["step"] or 0) > last_step:
+                problem = f"step {row['step']} is past the run's last step, max_steps={last_step}"
+            if problem is None and (first := lines.setdefault(record_key(row), number)) != number:
+                problem = f"the record of line {first} again (step {row['step']}, the same fields)"
             if problem is not None:
                 raise DamagedRecords(path, number, problem)
             rows.append(row)

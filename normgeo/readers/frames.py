@@ -105,13 +105,14 @@ def load_run(folder: str | Path) -> Run:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such run folder")
     damaged: list[DamagedRecords] = []
-    angles = read_or_name(lambda: read_record_file(folder, ANGLES_FILE), [], damaged)
+    config = read_or_name(lambda: read_run_config(folder), {}, damaged)
+    angles = read_or_name(lambda: read_record_file(folder, ANGLES_FILE, config=config), [], damaged)
     files = {name: angles if name == ANGLES_FILE
-             else read_or_name(lambda name=name: read_record_file(folder, name, angles), [], damaged)
+             else read_or_name(lambda name=name: read_record_file(folder, name, angles, config), [], damaged)
              for name in RECORD_FILES}
     return Run(folder=folder, files=files,
                metrics=read_or_name(lambda: read_metrics(folder), pd.DataFrame(columns=COLUMNS), damaged),
-               config=read_or_name(lambda: read_run_config(folder), {}, damaged),
+               config=config,
                summary=read_or_name(lambda: read_summary(folder), {}, damaged), damaged=damaged)
 
 

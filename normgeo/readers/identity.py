@@ -62,6 +62,10 @@ def read_run_config(run_dir: Path) -> dict:
                 )
             if not isinstance(config, dict):
                 raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
+            if name == HYDRA_CONFIG and RunFolder(run_dir).summary.is_file():
+                # train.py records its resolved config at every session's start; Hydra's is not (${size.lr})
+                raise DamagedRecords(RunFolder(run_dir).run_config, 1, "absent, while summary.json says the "
+                                     "run trained", "copy it again from where the run wrote it")
             return config
     return {}
 
@@ -80,7 +84,8 @@ def read_run_files(run_dir: Path) -> RunFiles:
     """Every file of ``run_dir`` that ``compare`` and ``report`` read, read whole before anything is drawn;
     raises :class:`DamagedRecords` for the first damaged one (the reader skips the run and names it)."""
     try:
-        return RunFiles(records=read_run_records(run_dir), config=read_run_config(run_dir),
+        config = read_run_config(run_dir)
+        return RunFiles(records=read_run_records(run_dir, config), config=config,
                         summary=read_summary(run_dir), metrics=read_metrics(run_dir))
     except DamagedRecords as err:  # a metrics.csv lies two folders down: the skipped run is named, not them
         err.run_dir = Path(run_dir)

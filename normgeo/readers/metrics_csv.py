@@ -16,6 +16,7 @@ import pandas as pd
 
 from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import METRICS_FILE, RunFolder
+from normgeo.runs.summary import read_summary
 
 COLUMNS = ["step", "metric", "value"]
 
@@ -33,9 +34,10 @@ def metrics_damage(path: Path, line: int, reason: str) -> DamagedRecords:
                           "that row to keep the others", what="metrics row")
 
 
-def read_metrics_file(path: Path) -> pd.DataFrame:
+def read_metrics_file(path: Path, last_step: int | None = None) -> pd.DataFrame:
     """One session's ``metrics.csv`` as logged (a column per metric, a row per step), every cell a number or
-    empty; raises :class:`DamagedRecords` naming the file, the row's line and what it expected."""
+    empty, each metric's steps increasing and none past ``last_step`` (the run's max_steps); raises
+    :class:`DamagedRecords` naming the file, the row's line and what it expected."""
     try:
         wide = pd.read_csv(path)
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as err:
@@ -53,20 +55,41 @@ def read_metrics_file(path: Path) -> pd.DataFrame:
             raise metrics_damage(path, first + 2, f"{column!r} is {wide[column].iloc[first]!r}, expected a "
                                  "number")
         wide[column] = numbers
+    for column in wide.columns.drop(["step", "epoch"], errors="ignore"):
+        steps = wide["step"][wide[column].notna()]
+        past = (steps < 0) | (steps > last_step if last_step is not None else False)
+        bad = steps[past | (steps.diff() <= 0)]  # a session logs a step once, in order
+        if not bad.empty:
+            step, before = bad.iloc[0], steps.shift()[bad.index[0]]
+            raise metrics_damage(path, int(bad.index[0]) + 2, f"{column!r} at step {step:g} " + (
+                f"after step {before:g}" if before >= step else f"outside the run's steps 0 to {last_step}"))
     return wide
 
 
 def read_metrics(run_dir: str | Path) -> pd.DataFrame:
     """Logged metrics (step, metric, value) of every session, the later session's value winning for a step;
-    raises :class:`DamagedRecords` naming a damaged file (:func:`read_metrics_file`)."""
-    frames = []
-    for version in sorted(RunFolder(run_dir).csv.glob("version_*"), key=session_number):
+    raises :class:`DamagedRecords` naming a damaged file (:func:`read_metrics_file`), also none at all from a
+    run whose summary.json says it trained (every session's end flushes them)."""
+    try:
+        summary = read_summary(Path(run_dir))
+    except DamagedRecords:  # named by the summary's reader; the rows are still checked for their shape
+        summary = {}
+    frames, empty = [], RunFolder(run_dir).csv  # the file (or folder) named when no session logged a row
+    for version in sorted(empty.glob("version_*"), key=session_number):
         path = version / METRICS_FILE
-        if not path.is_file() or path.stat().st_size == 0:  # a killed session never flushed its metrics
+        tidy = pd.DataFrame()
+        if path.is_file() and path.stat().st_size:  # a killed session never flushed its metrics
+            wide = read_metrics_file(path, summary.get("max_steps"))
+            wide = wide.drop(columns="epoch", errors="ignore").dropna(subset=["step"])
+            tidy = wide.melt(id_vars="step", var_name="metric", value_name="value").dropna(subset=["value"])
+        if tidy.empty:
+            empty = path if path.is_file() else empty
             continue
-        wide = read_metrics_file(path).drop(columns="epoch", errors="ignore").dropna(subset=["step"])
-        tidy = wide.melt(id_vars="step", var_name="metric", value_name="value").dropna(subset=["value"])
         frames.append(tidy.assign(session=session_number(version)))
+    if not frames and summary.get("step", 0) > 0:
+        raise DamagedRecords(empty, 1, f"{'no row' if empty.exists() else 'absent'}, while summary.json says "
+                             f"the run trained to step {summary['step']}", "copy it again from where the run "
+                             "wrote it", what="metrics")
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
     frame = pd.concat(frames, ignore_index=True).astype({"step": int, "value": float})

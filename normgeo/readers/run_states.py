@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import normgeo.config.compose  # noqa: F401  (registers the resolvers the config uses)
 from normgeo.measure.records import DamagedRecords
-from normgeo.measure.run_records import read_run_records
+from normgeo.measure.run_records import read_run_records, whole
 from normgeo.readers.identity import read_run_config
 from normgeo.readers.metrics_csv import last_value, read_metrics
 from normgeo.run_folder import ANGLES_FILE, CHECKPOINTS_DIR, CSV_DIR, FIGURES_DIR, HYDRA_DIR, RunFolder
@@ -71,10 +71,6 @@ def run_config(run_dir: Path) -> tuple[int | None, int | None]:
     """(max_steps, stop_at_step) from the run's config (the one reader: raises DamagedRecords naming a damaged
     file); None where it holds no whole number."""
     config = read_run_config(run_dir)
-
-    def whole(value: object) -> int | None:
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
     return whole(config.get("max_steps")), whole(config.get("stop_at_step")) or None
 
 
@@ -95,8 +91,11 @@ def last_loss(run_dir: Path) -> float | None:
 
 def last_probe_step(run_dir: Path) -> int | str | None:
     """The newest probed step; "pretrained" when the only records are of a published model (step null)."""
-    # every file; raises DamagedRecords
-    steps = {row.get("step") for row in read_run_records(run_dir)[ANGLES_FILE]}
+    try:
+        config = read_run_config(run_dir)
+    except DamagedRecords:  # named by run_config's read; the records are still checked for their shape
+        config = {}
+    steps = {row.get("step") for row in read_run_records(run_dir, config)[ANGLES_FILE]}  # raises Damaged...
     trained = [s for s in steps if s is not None]
     return max(trained) if trained else ("pretrained" if steps else None)
 

@@ -48,7 +48,7 @@ from normgeo.run_folder import HYDRA_FILES, LOCK_FILE, PLAN_FILE, RUN_CONFIG_FIL
 from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.lock import RunLock, check_unlocked
 from normgeo.runs.preflight import KeptPlan, preflight, write_kept_plan
-from normgeo.runs.run_config import OUTPUT_MARKERS, is_rank_zero
+from normgeo.runs.run_config import OUTPUT_MARKERS, is_rank_zero, resolved_run_config
 from normgeo.runs.session import (
     KEPT_ON_REPLACE,
     replace_diverged_run,
@@ -258,7 +258,7 @@ def check_start(composed: DictConfig) -> Start:
         check_unlocked(run_dir)  # before the slow checks; claim() decides
     ckpt_path = session_checkpoint(cfg)
     if ckpt_path is not None:  # a resumed run adds to its records files: a damaged one is named now
-        read_run_records(run_dir)
+        read_run_records(run_dir, resolved_run_config(cfg))
     probe_ids = None
     if cfg.probe.enabled:  # the tokens the probe will measure: never tokenized twice
         probe_ids = tiktoken_probe_ids(build(cfg.probe.source, "probe.source"), cfg.probe)
