@@ -242,12 +242,16 @@ def add_counts(hist: torch.Tensor, bins: torch.Tensor, counted: torch.Tensor | N
     bool of the same shape, is true).
 
     On the CPU one ``bincount`` of the counted entries (an ``index_add_`` of int64 ones costs several times
-    more there); on a GPU an ``index_add_``: ``bincount`` and a selection read a size back to the host.
+    more there), or an ``index_add_`` of a few entries into many bins; on a GPU an ``index_add_``:
+    ``bincount`` and a selection read a size back to the host.
     The counts are the same either way.
     """
     if reads_back(hist.device):
         flat = bins.reshape(-1) if counted is None else bins[counted.expand_as(bins)]
-        hist += torch.bincount(flat, minlength=hist.numel())
+        if 4 * flat.numel() < hist.numel():  # a few entries into many bins: no pass over all the bins
+            hist.index_add_(0, flat, torch.ones(1, dtype=hist.dtype).expand(flat.numel()))
+        else:
+            hist += torch.bincount(flat, minlength=hist.numel())
         return
     ones = (torch.ones(1, dtype=hist.dtype, device=hist.device).expand(bins.numel()) if counted is None
             else counted.expand_as(bins).reshape(-1).to(hist.dtype))
