@@ -163,7 +163,7 @@ class MeanSourcesStatistics:
             self.phi[site] += mu @ wide / dim
             if units is not None:
                 rows_of = units[number * CHUNK_TOKENS : number * CHUNK_TOKENS + len(chunk)]
-                self.unit_phi[site].index_add_(0, rows_of, wide.mul_((mu / dim).unsqueeze(-1)))
+                self.unit_phi[site].index_add_(0, rows_of, wide * (mu / dim).unsqueeze(-1))
             means.append(mu)
         square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
         if units is not None:
