@@ -62,9 +62,10 @@ class AngleMeasurement(Measurement):
         vectors = inputs.to(self.device)
         standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
         middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized else []
-        self.stats.update_sites(
-            self.first_site[index], [vectors, *middle, output.to(self.device)], self.sequence_ids
-        )
+        # An RMSNorm's standardized input points along its input: the input's angles serve for both.
+        rescaled = 1 if standardized and norm.kind == "rms" else None
+        self.stats.update_sites(self.first_site[index], [vectors, *middle, output.to(self.device)],
+                                self.sequence_ids, rescaled=rescaled)
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

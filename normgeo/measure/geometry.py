@@ -159,7 +159,7 @@ def angle_deg(
     measures against the same references many times). Computed in float64 for float64 input, else float32
     (bf16/fp16 are cast up). The one angle formula of the package (the statistics engine calls it too):
     ``atan2(sin, cos)`` of the unit vectors a, b, never ``arccos(cos)``, which loses half its digits near 0
-    and 180 degrees and is NaN for a rounded cosine above 1. ``cos = a . b`` comes from one matmul; ``sin``
+    and 180 degrees and is NaN for a rounded cosine above 1. ``cos = x . b / ||x||`` is one matmul; ``sin``
     is ``||a - cos b||`` (the perpendicular component, accurate near 0 and 180) where |cos| >
     ``NEAR_AXIS_COS`` and ``sqrt(1 - cos^2)`` elsewhere. A zero vector (or a zero ``ref``) has no
     direction: its angle is NaN, and callers count such vectors apart.
@@ -186,8 +186,8 @@ def _angle_deg(
         raise ValueError(f"references prepared for {refs.units.dtype}, not for {compute} inputs")
     b = refs.units
     x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    a = x / x_norm
-    cos = a @ b.T  # (..., D)
+    # (x b) / ||x||, not (x / ||x||) b: no (vectors x d) quotient; the unit vectors only where refined.
+    cos = (x @ b.T).div_(x_norm)  # (..., D)
     refs_count = b.shape[0]
     # One spare row past the sines: where the unused slots of a capacity's buffer are written.
     buffer = cos.new_empty(cos.numel() // refs_count + 1, refs_count) if refs_count else cos.new_empty(1, 0)
@@ -196,24 +196,26 @@ def _angle_deg(
     if reads_back(x.device):
         # The CPU waits on nothing to count the near-axis pairs: only theirs are computed, not every pair's
         # (a float64 (vectors x D x d) temporary costs more than the rest of the statistics).
-        sin = _refine_near_axis(buffer, near_axis, cos, a, b, near_axis_capacity)
+        sin = _refine_near_axis(buffer, near_axis, cos, x, x_norm, b, near_axis_capacity)
     elif near_axis_capacity is None:
         # a and cos b broadcast to (..., D, d): each pair's perpendicular by the same operations as alone
-        perpendicular = torch.linalg.vector_norm(a.unsqueeze(-2) - cos.unsqueeze(-1) * b, dim=-1)
+        a = (x / x_norm).unsqueeze(-2)
+        perpendicular = torch.linalg.vector_norm(a - cos.unsqueeze(-1) * b, dim=-1)
         sin = torch.where(near_axis, perpendicular, sin)
     elif min(cos.numel(), near_axis_capacity) > 0:
         capacity = min(cos.numel(), near_axis_capacity)
-        sin = _refine_near_axis(buffer, near_axis, cos, a, b, capacity, static=True)
+        sin = _refine_near_axis(buffer, near_axis, cos, x, x_norm, b, capacity, static=True)
     degrees = torch.rad2deg(torch.atan2(sin, cos))
     valid = (x_norm > 0) & refs.valid  # (..., D)
     degrees = torch.where(valid, degrees, math.nan)
     return degrees.squeeze(-1) if refs.single else degrees
 
 
-def _refine_near_axis(buffer: torch.Tensor, near_axis: torch.Tensor, cos: torch.Tensor, a: torch.Tensor,
-                      b: torch.Tensor, capacity: int | None, static: bool = False) -> torch.Tensor:
-    """The sines, ``buffer[:-1]``, with ``||a - cos b||`` at the first ``capacity`` pairs where ``near_axis``
-    (None: every one).
+def _refine_near_axis(buffer: torch.Tensor, near_axis: torch.Tensor, cos: torch.Tensor, x: torch.Tensor,
+                      x_norm: torch.Tensor, b: torch.Tensor, capacity: int | None, static: bool = False
+                      ) -> torch.Tensor:
+    """The sines, ``buffer[:-1]``, with ``||a - cos b||`` (``a = x / ||x||``) at the first ``capacity`` pairs
+    where ``near_axis`` (None: every one).
 
     ``static``: ``nonzero_static`` fills a buffer of fixed size with the (vector, reference) pairs, where
     ``nonzero`` and a branch on ``any()`` would each wait on a GPU for their number. Unused slots hold
@@ -228,6 +230,7 @@ def _refine_near_axis(buffer: torch.Tensor, near_axis: torch.Tensor, cos: torch.
     else:
         picked = torch.nonzero(near_axis.reshape(-1, refs))[:capacity]
     row, col = picked.unbind(1)
-    perpendicular = a.reshape(-1, a.shape[-1])[row] - cos_pairs[row, col].unsqueeze(-1) * b[col]
+    a = x.reshape(-1, x.shape[-1])[row] / x_norm.reshape(-1, 1)[row]
+    perpendicular = a - cos_pairs[row, col].unsqueeze(-1) * b[col]
     buffer.index_put_((row, col), torch.linalg.vector_norm(perpendicular, dim=-1))
     return buffer[:-1].view_as(cos)

@@ -163,7 +163,7 @@ class MeanSourcesStatistics:
             self.phi[site] += mu @ wide / dim
             if units is not None:
                 rows_of = units[number * CHUNK_TOKENS : number * CHUNK_TOKENS + len(chunk)]
-                self.unit_phi[site].index_add_(0, rows_of, mu.unsqueeze(-1) * wide / dim)
+                self.unit_phi[site].index_add_(0, rows_of, wide * (mu / dim).unsqueeze(-1))
             means.append(mu)
         square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
         if units is not None:
@@ -191,8 +191,10 @@ class MeanSourcesStatistics:
             self.band_started[site] = True
         offset = bins - self.band_start[site]
         inside = (offset >= 0) & (offset < MEDIAN_BAND)
-        slot = torch.where(inside, offset * FINE_BINS + fine, MEDIAN_BAND * FINE_BINS)
-        add_counts(self.band_hist[site], slot)
+        # The band's entries alone, and those outside in the last slot: no pass as long as the band.
+        band = self.band_hist[site]
+        add_counts(band[:-1], torch.where(inside, offset * FINE_BINS + fine, 0), inside)
+        band[-1] += inside.numel() - inside.sum()
 
     def merge(self, other: MeanSourcesStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank). The median bands add

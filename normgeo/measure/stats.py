@@ -33,7 +33,7 @@ from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import DescrStatsW
 from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
-from normgeo.measure.geometry import UnitReferences, angle_deg, reads_back, unit_references
+from normgeo.measure.geometry import angle_deg, reads_back, unit_references
 
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_FIELDS = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
@@ -242,12 +242,16 @@ def add_counts(hist: torch.Tensor, bins: torch.Tensor, counted: torch.Tensor | N
     bool of the same shape, is true).
 
     On the CPU one ``bincount`` of the counted entries (an ``index_add_`` of int64 ones costs several times
-    more there); on a GPU an ``index_add_``: ``bincount`` and a selection read a size back to the host.
+    more there), or an ``index_add_`` of a few entries into many bins; on a GPU an ``index_add_``:
+    ``bincount`` and a selection read a size back to the host.
     The counts are the same either way.
     """
     if reads_back(hist.device):
         flat = bins.reshape(-1) if counted is None else bins[counted.expand_as(bins)]
-        hist += torch.bincount(flat, minlength=hist.numel())
+        if 4 * flat.numel() < hist.numel():  # a few entries into many bins: no pass over all the bins
+            hist.index_add_(0, flat, torch.ones(1, dtype=hist.dtype).expand(flat.numel()))
+        else:
+            hist += torch.bincount(flat, minlength=hist.numel())
         return
     ones = (torch.ones(1, dtype=hist.dtype, device=hist.device).expand(bins.numel()) if counted is None
             else counted.expand_as(bins).reshape(-1).to(hist.dtype))
@@ -341,52 +345,69 @@ class AngleStatistics:
 
     @torch.no_grad()
     def update_sites(self, first_site: int, vectors: Sequence[torch.Tensor],
-                     sequence_ids: torch.Tensor | None = None) -> None:
+                     sequence_ids: torch.Tensor | None = None, rescaled: int | None = None) -> None:
         """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``,
-        the same rows at each (a norm's input, standardized input and output).
+        the same rows at each (a norm's input, standardized input and output). ``rescaled``: the index of
+        vectors that are positive multiples of the vectors before them (an RMSNorm's standardized input):
+        their angles are those, only their norms are computed.
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
         would, and the host never waits on the GPU: counts stay tensors, the histogram is an ``index_add_``
         (:func:`add_counts`), zero vectors are masked rather than branched on, ``angle_deg``
         picks its near-axis pairs into a buffer of fixed size, and ``sequence_ids`` should already be on the
         device (a copy from the host waits for the GPU; :class:`AngleMeasurement` copies them once a batch).
-        On the CPU the sites go one by one: the float64 copy of three sites (50 MB at 4,096 tokens,
-        d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
+        On the CPU the angles are taken site by site: the float64 copy of three sites (50 MB at 4,096
+        tokens, d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
         allocation over it faults in fresh pages (``bench/probe_cost.py``, 70m, 8,192 tokens: the angle
         probe took 6.65 s with three sites per pass, 5.43 s one by one).
         """
         per_pass = self.sites_per_pass or (len(vectors) if self.device.type == "cuda" else 1)
+        angled = [v for i, v in enumerate(vectors) if i != rescaled]
         with one_cpu_thread(self.device):
-            for start in range(0, len(vectors), per_pass):
-                part = vectors[start:start + per_pass]
-                self._update(slice(first_site + start, first_site + start + len(part)), part, sequence_ids)
+            parts = [self._directions(angled[start:start + per_pass])
+                     for start in range(0, len(angled), per_pass)]
+            norms, ref_degrees, null_degrees = (torch.cat(p) if len(p) > 1 and p[0] is not None else p[0]
+                                                for p in zip(*parts, strict=True))
+            if rescaled is not None:
+                take = [*range(rescaled), rescaled - 1, *range(rescaled, len(angled))]
+                ref_degrees = ref_degrees[take]
+                null_degrees = null_degrees[take] if null_degrees is not None else None
+                vector = vectors[rescaled].detach()
+                own = vector.reshape(1, -1, vector.shape[-1]).to(torch.float32).norm(dim=-1)
+                norms = torch.cat([norms[:rescaled], own, norms[rescaled:]])
+            self._update(slice(first_site, first_site + len(vectors)), norms, ref_degrees, null_degrees,
+                         sequence_ids)
 
-    def _update(
-        self, sites: slice, vectors: Sequence[torch.Tensor], sequence_ids: torch.Tensor | None
-    ) -> None:
-        S = len(vectors)
+    def _directions(self, vectors: Sequence[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(norms (S, n), angles with the references (S, n, R), with the null directions (S, n, K) or None)
+        of S sites' vectors, by the package's one formula (geometry.angle_deg: atan2, accurate near 0 and
+        180 deg); a zero vector's angles are NaN."""
         # (S, n, d) in float32 (bf16/fp16 cast up); one site is a view, several are stacked into one tensor.
         rows = [v.detach().reshape(1, -1, v.shape[-1]).to(torch.float32) for v in vectors]
-        x = rows[0] if S == 1 else torch.cat(rows)
-        norms = x.norm(dim=-1)  # (S, n)
+        x = rows[0] if len(rows) == 1 else torch.cat(rows)
+        # References in float64 (1 may sit far from 90 deg; the moments keep every digit), every near-axis
+        # pair refined; null directions in float32 (the K directions cost 10x more in float64 on CPU; ~1e-5
+        # deg), near-axis pairs refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is
+        # rarely near one).
+        null = (angle_deg(x, self.null_unit_references, NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1])
+                if self.num_null else None)
+        return x.norm(dim=-1), angle_deg(x.to(torch.float64), self.ref_unit_references), null
+
+    def _update(self, sites: slice, norms: torch.Tensor, ref_degrees: torch.Tensor,
+                null_degrees: torch.Tensor | None, sequence_ids: torch.Tensor | None) -> None:
+        S = norms.shape[0]
         self._update_norms(sites, norms.to(torch.float64))
         nonzero = norms > 0
         count = nonzero.sum(dim=1, dtype=torch.float64).unsqueeze(1)  # (S, 1): the vectors with a direction
-        self.zero_count[sites] += x.shape[1] - count.squeeze(1)
+        self.zero_count[sites] += norms.shape[1] - count.squeeze(1)
         safe_count = count.clamp(min=1)  # a site of zero vectors only adds nothing
         per_sequence = sequence_ids is not None and self.num_sequences > 0
         groups = len(sequence_ids) if per_sequence else 1  # rows summed together: one per sequence
         R = self.num_refs
-        # Every angle by the package's one formula (geometry.angle_deg: atan2, accurate near 0 and 180
-        # deg). A zero vector has none: it is set to 90 deg here (0 once centered), out of every sum.
+        # A zero vector has no angle: it is set to 90 deg here (0 once centered), out of every sum.
         directed = nonzero.unsqueeze(-1)  # (S, n, 1)
-
-        def angles(units: UnitReferences, rows: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-            return torch.where(directed, angle_deg(rows, units, capacity), CENTER_DEG)
-
-        # References in float64 (1 may sit far from 90 deg; the moments keep every digit), every near-axis
-        # pair refined.
-        ref_degrees = angles(self.ref_unit_references, x.to(torch.float64))  # (S, n, R)
+        ref_degrees = torch.where(directed, ref_degrees, CENTER_DEG)  # (S, n, R)
         batch_mean = torch.where(directed, ref_degrees, 0.0).sum(dim=1) / safe_count
         batch_m2 = torch.where(directed, ref_degrees - batch_mean.unsqueeze(1), 0.0).square().sum(dim=1)
         self.count[sites], self.mean[sites], self.m2[sites] = chan_merge(
@@ -403,12 +424,8 @@ class AngleStatistics:
 
         # Null directions: sums in float64 of (angle - 90): random directions in high dimension stay
         # within a few degrees of 90, so the sums of squares lose no digits to cancellation.
-        if self.num_null:
-            # float32 here (the K directions cost 10x more in float64 on CPU; ~1e-5 deg), near-axis pairs
-            # refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is rarely near one).
-            # zero: 0
-            capacity = NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1]
-            centered = angles(self.null_unit_references, x, capacity).sub_(CENTER_DEG)
+        if null_degrees is not None:
+            centered = torch.where(directed, null_degrees, CENTER_DEG).sub_(CENTER_DEG)  # zero: 0
             centered = centered.view(S, groups, -1, self.num_null)
             null_sum = centered.sum(dim=2, dtype=torch.float64)  # (S, groups, K)
             null_sumsq = centered.square().sum(dim=2, dtype=torch.float64)
@@ -422,7 +439,7 @@ class AngleStatistics:
             ids = sequence_ids.to(self.device)
             ref_centered = (ref_degrees - CENTER_DEG).view(S, groups, -1, R)  # zero vectors: 0
             sums = ref_centered.sum(dim=2)  # (S, groups, R)
-            if self.num_null:
+            if null_degrees is not None:
                 sums = torch.cat([sums, null_sum], dim=2)
             self.seq_count[sites].index_add_(
                 1, ids, nonzero.view(S, groups, -1).sum(dim=2, dtype=torch.float64)
