@@ -508,7 +508,7 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
             met = target_met("mfu_410m", result["mfu"])
             target = f" (target ≥ {TARGETS['mfu_410m']:.0%}: {met_word(met)})"
         details = [
-            f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (train.py's `train()` in "
+            f"- `python train.py {ctx.shown(' '.join(result['overrides']))}` (`callbacks.run.train()` in "
             f"`{ctx.shown(shown)}`)",
             f"- {result['steps']} optimizer steps; tokens/s and MFU: medians of the logged "
             "`perf/tokens_per_s` "

@@ -213,7 +213,8 @@ sys.path.insert(0, {root!r})
 from normgeo.measure.records import write_step
 step = 0
 while True:
-    rows = [{{"model": "m", "norm": "layer", "step": step, "i": i, "pad": [0.5] * 300}} for i in range(200)]
+    rows = [{{"model": "m", "norm": "layer", "step": step, "layer": i, "pad": [0.5] * 300}}
+            for i in range(200)]
     write_step({path!r}, rows)
     step += 1
 """
@@ -239,7 +240,8 @@ def test_kill_mid_write_leaves_only_whole_steps(tmp_path: Path) -> None:
 
 def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
     path = tmp_path / "angles.jsonl"
-    write_step(path, [{"model": "m", "norm": "rms", "step": s, "v": 1} for s in (0, 0, 1000)])
-    write_step(path, [{"model": "m", "norm": "rms", "step": 1000, "v": 2}])
+    write_step(path, [{"model": "m", "norm": "rms", "step": s, "layer": i, "v": 1}
+                      for i, s in enumerate((0, 0, 1000))])
+    write_step(path, [{"model": "m", "norm": "rms", "step": 1000, "layer": 2, "v": 2}])
     rows = read_rows(path)
     assert [(r["step"], r["v"]) for r in rows] == [(0, 1), (0, 1), (1000, 2)]
