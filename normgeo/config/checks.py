@@ -5,7 +5,6 @@ ones at the end. The checks themselves are the schema's (:mod:`normgeo.config.sc
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import traceback
@@ -99,10 +98,6 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
     return None
 
 
-FULL_ERROR = "HYDRA_FULL_ERROR"
-USER_ENVIRONMENT = frozenset(os.environ)  # as the process started: what the user set
-
-
 def config_errors_exit_2(hydra_main: Callable[[], Any],
                          config_dirs: Sequence[Path] = ()) -> Callable[[], Any]:
     """``hydra_main`` with Hydra's config errors exiting 2 (not 1) and unknown group options refused first."""
@@ -111,19 +106,14 @@ def config_errors_exit_2(hydra_main: Callable[[], Any],
         if refusal := unquoted_non_ascii(sys.argv[1:]) or unknown_group_option(sys.argv[1:], config_dirs):
             print(f"error: {refusal}", file=sys.stderr)
             raise SystemExit(CONFIG_ERROR_EXIT)
-        # Hydra then raises its config errors instead of printing them over several lines; a user who set
-        # HYDRA_FULL_ERROR gets Hydra's own account.
-        ours = os.environ.setdefault(FULL_ERROR, "1") == "1" and FULL_ERROR not in USER_ENVIRONMENT
         try:
             return hydra_main()
-        except Exception as err:
-            if ours and not raised_by_task(err):
-                print(f"error: {hydra_error_line(err)}", file=sys.stderr)
+        except SystemExit as done:
+            if done.code == 1 and not raised_by_task(done.__context__):
+                if done.__context__ is not None:  # Hydra's own last line is its HYDRA_FULL_ERROR advice
+                    print(f"error: {hydra_error_line(done.__context__)}", file=sys.stderr)
                 raise SystemExit(CONFIG_ERROR_EXIT) from None
-            raise  # a bug, with its whole traceback (exit 1)
-        finally:
-            if FULL_ERROR not in USER_ENVIRONMENT:
-                os.environ.pop(FULL_ERROR, None)
+            raise
 
     main.__doc__ = hydra_main.__doc__
     return main
