@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from normgeo.measure.records import read_rows
+from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.readers.run_states import last_loss
 from tests.conftest import step_losses
 from tests.wandb_log import wandb_media, wandb_records, wandb_runs, wandb_scalars
@@ -89,4 +89,5 @@ def test_status_reads_the_loss_from_the_csv_alone(logged_run: Path, tmp_path: Pa
     shutil.copytree(logged_run, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb", "tensorboard"))
     assert last_loss(copy) == pytest.approx(expected)
     shutil.rmtree(copy / "csv")
-    assert last_loss(copy) is None  # the wandb and TensorBoard logs are never read back
+    with pytest.raises(DamagedRecords, match="damaged metrics"):  # wandb's and TensorBoard's logs never read
+        last_loss(copy)
