@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import (
-    DictConfig,  # Hydra's composed config: start_session checks it into the typed one at once
-)
+from omegaconf import DictConfig  # Hydra's composed config: start_session checks it into the typed one
 
 from callbacks.run import Run, finished
 from corpus.refusal import Refusal
