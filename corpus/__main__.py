@@ -16,14 +16,13 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.prepare import META_FILE, load_prepared, prepare
 from corpus.refusal import Refusal
-from normgeo.config.checks import group_options, override_refusal, unknown_group_option
+from normgeo.config.checks import build, group_options, override_refusal, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
-from normgeo.config.schema import ConfigError, check_data_path
+from normgeo.config.schema import check_data_path
 from normgeo.paths import check_own_folder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
@@ -53,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         directory = str(data_cfg.directory)
         # The command that repairs this corpus: this very command, without ``verify``.
         repair = str(data_cfg.prepare_command or " ".join(["python -m corpus", *overrides]))
-        source = instantiate(data_cfg.source)
-    except (HydraException, OmegaConfBaseException, ConfigError) as err:
+        source = build(data_cfg.source, "data.source")  # a bug in a source keeps its traceback
+    except (HydraException, OmegaConfBaseException, Refusal) as err:
         print(f"{USAGE}\nerror: {err}", file=sys.stderr)
         return 2
     try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run

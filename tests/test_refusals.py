@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from corpus import __main__ as corpus_command
+from corpus.sources import LocalFilesSource
 from tests.conftest import FAST, ROOT, train_in_process
 
 # A bug injected where it is named, then train.py's main (a process of its own: each run its own patch).
@@ -58,3 +60,19 @@ def test_a_bad_config_key_is_still_one_line_and_exit_2(tmp_path: Path, capsys) -
     assert done.returncode == 2 and last.startswith("error: Could not override 'max_step'"), done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bug_in_a_corpus_source_keeps_its_traceback_a_missing_path_is_one_line(tmp_path: Path,
+                                                                               monkeypatch, capsys) -> None:
+    """python -m corpus builds its source through the same ``build`` as train.py: a source constructor's bug
+    was Hydra's one line with exit 2 (a HydraException), as if the config were wrong."""
+    args = ["data=local", f"data.source.path={tmp_path / 'nowhere'}", f"data_root={tmp_path / 'data'}"]
+    assert corpus_command.main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+
+    def bug(*args, **kwargs) -> None:
+        raise RuntimeError("a bug in the source")
+
+    monkeypatch.setattr(LocalFilesSource, "__init__", bug)
+    with pytest.raises(RuntimeError, match="a bug in the source"):
+        corpus_command.main(args)
