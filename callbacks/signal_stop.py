@@ -124,7 +124,7 @@ class StopOnSignal(L.Callback):
 
 def exit_if_interrupted(trainer: L.Trainer) -> None:
     """After fit: when an ``Interrupt`` stopped training, tell the user where it stopped and how to
-    continue (the resume command is the last line on stderr), then exit 128 + the signal number."""
+    continue (the resume command is the last line on stderr), then exit 128 + the signal number (rank 0)."""
     stop = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     if stop is None or stop.interrupt.stopped_at is None:
         return
@@ -145,4 +145,7 @@ def exit_if_interrupted(trainer: L.Trainer) -> None:
             print(f"interrupted by {interrupt.name}: stopped after step {interrupt.stopped_at}{abandoned} "
                   f"and saved {stop.last_checkpoint}; continue the run with:", file=sys.stderr)
         print(interrupt.continue_command(), file=sys.stderr, flush=True)
-    raise SystemExit(128 + (interrupt.signum or signal.SIGTERM))
+        raise SystemExit(128 + (interrupt.signum or signal.SIGTERM))
+    # The other ranks saved with rank 0 and exit 0: Lightning's launcher SIGKILLs every process, rank 0
+    # too, as soon as it sees a child exit non-zero, so 130 from rank 1 could turn rank 0's 130 into -9.
+    raise SystemExit(0)
