@@ -182,12 +182,13 @@ def test_a_non_ascii_value_outside_quotes_is_one_line_with_the_quoting_that_work
      ("train", "optim.lr=abc", "optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
      ("analyze", "probe.tokenz=5", "Could not override 'probe.tokenz'")],
 )
-def test_hydras_own_errors_end_with_one_line_naming_the_override(script: str, override: str, named: str,
-                                                                 capsys) -> None:
-    """Issue 64's walk: Hydra's last line was its HYDRA_FULL_ERROR advice, naming nothing."""
+def test_hydras_own_errors_are_one_line_naming_the_override(script: str, override: str, named: str,
+                                                            capsys) -> None:
+    """Issue 64's walk: Hydra's last line was its HYDRA_FULL_ERROR advice, naming nothing; issue 76: its
+    several lines of context came before ours."""
     code, stderr = call_entry_point(script, [override], capsys)
-    last = stderr.strip().splitlines()[-1]
-    assert code == 2 and last.startswith("error: ") and named in last, stderr
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], stderr
 
 
 

@@ -5,6 +5,7 @@ ones at the end. The checks themselves are the schema's (:mod:`normgeo.config.sc
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -100,23 +101,33 @@ def unknown_group_option(args: Sequence[str], config_dirs: Sequence[Path]) -> st
 
 def config_errors_exit_2(hydra_main: Callable[[], Any],
                          config_dirs: Sequence[Path] = ()) -> Callable[[], Any]:
-    """``hydra_main`` with Hydra's config errors exiting 2 (not 1) and unknown group options refused first."""
+    """``hydra_main`` with Hydra's config errors as one line and exit 2 (not Hydra's several lines and exit
+    1), and unknown group options refused first; an exception of the task itself is a bug, raised as it is."""
 
     def main() -> Any:
         if refusal := unquoted_non_ascii(sys.argv[1:]) or unknown_group_option(sys.argv[1:], config_dirs):
             print(f"error: {refusal}", file=sys.stderr)
             raise SystemExit(CONFIG_ERROR_EXIT)
+        before = os.environ.get(FULL_ERROR)
+        os.environ[FULL_ERROR] = "1"  # Hydra raises what it would print (its text, then sys.exit(1))
         try:
             return hydra_main()
-        except SystemExit as done:
-            if done.code == 1 and not raised_by_task(done.__context__):
-                if done.__context__ is not None:  # Hydra's own last line is its HYDRA_FULL_ERROR advice
-                    print(f"error: {hydra_error_line(done.__context__)}", file=sys.stderr)
-                raise SystemExit(CONFIG_ERROR_EXIT) from None
-            raise
+        except Exception as err:
+            if raised_by_task(err):
+                raise
+            print(f"error: {hydra_error_line(err)}", file=sys.stderr)
+            raise SystemExit(CONFIG_ERROR_EXIT) from None
+        finally:
+            if before is None:
+                os.environ.pop(FULL_ERROR, None)
+            else:
+                os.environ[FULL_ERROR] = before
 
     main.__doc__ = hydra_main.__doc__
     return main
+
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
 def hydra_error_line(error: BaseException) -> str:
