@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_status(run_dir, root, use_slurm=not args.no_slurm, active_s=args.active_minutes * 60)
             for run_dir in run_dirs]
     if not rows:
-        print(f"no runs under {root} (a run directory holds .hydra/config.yaml)", file=sys.stderr)
-        return 1
+        print(f"error: no runs under {root} (a run directory holds run_config.yaml or .hydra/config.yaml)",
+              file=sys.stderr)
+        return 2  # compare's and report's code for the same folder
     if args.json:
         for row in rows:
             print(json.dumps(asdict(row)))

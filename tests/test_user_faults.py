@@ -17,7 +17,7 @@ from normgeo.config.checks import check_config
 from normgeo.config.compose import CONF_DIR
 from normgeo.config.schema import ConfigError, launch_cost
 from normgeo.runs.start import check_trainer
-from tests.conftest import FAST, entry_point_here, run_entry_point, train_in_process
+from tests.conftest import FAST, entry_point_here, module_main, run_entry_point, train_in_process
 
 
 def tree(folder: Path) -> dict[str, tuple[int, bytes]] | None:
@@ -259,6 +259,25 @@ def test_compare_with_only_damaged_runs_exits_2_and_writes_nothing(tmp_path: Pat
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: no readable training runs") and f"{damaged}:" in last
     assert not (tmp_path / "compared").exists()
+
+
+@pytest.mark.parametrize("folder", ["empty", "a run's checkpoints", "an export"])
+def test_the_readers_refuse_a_folder_without_runs_with_one_line_and_exit_2(folder: str, tmp_path: Path,
+                                                                           capfd) -> None:
+    """Issue 75, class 9: status exited 1 where compare and report exit 2 for the same folder."""
+    root = {"empty": tmp_path / "empty", "a run's checkpoints": tmp_path / "run" / "checkpoints",
+            "an export": tmp_path / "hf"}[folder]
+    root.mkdir(parents=True)
+    if folder == "a run's checkpoints":
+        a_finished_run(root.parent)
+        (root / "last.ckpt").write_bytes(b"")
+    elif folder == "an export":
+        (root / "config.json").write_text("{}")
+    for command in ("status", "compare", "report"):
+        done = module_main(capfd, command, root)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (command, done)
+        assert str(root) in lines[0], (command, lines)
 
 
 def test_status_lists_a_run_with_a_damaged_angles_file_as_damaged_and_shows_the_others(tmp_path: Path,
