@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from corpus.atomic import TMP_SUFFIX
-from normgeo.figures.intervention import plot_intervention_steps
+from normgeo.figures.intervention_panels import plot_intervention_steps
 from normgeo.figures.norm_figures import NORM_FIGURES
 from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure
 from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table

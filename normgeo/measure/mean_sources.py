@@ -43,6 +43,7 @@ from normgeo.measure.stats import (
     QUANTILE_FIELDS,
     add_counts,
     block_bootstrap_means,
+    distributed,
     json_number,
     one_cpu_thread,
 )
@@ -226,7 +227,7 @@ class MeanSourcesStatistics:
     def all_reduce(self) -> None:
         """Every rank's sums and maxima into every rank (no-op outside torch.distributed)."""
         self.buckets.all_reduce()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed():
             return
         for field in self._SUMMED:
             dist.all_reduce(getattr(self, field))

@@ -10,9 +10,17 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from normgeo.figures.intervention import plot_intervention_layers
-from normgeo.figures.mean_sources import plot_mean_sources_layers
-from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
+from normgeo.figures.intervention_panels import plot_intervention_layers
+from normgeo.figures.mean_source_panels import plot_mean_sources_layers
+from normgeo.figures.style import (
+    REF_LABELS,
+    SITE_STYLE,
+    norm_label,
+    save_figure,
+    sorted_steps,
+    step_tag,
+    step_title,
+)
 from normgeo.measure.records import read_rows
 from normgeo.paths import slug
 from normgeo.run_folder import (
@@ -31,10 +39,6 @@ def _layer_position(layer, n_layers: int) -> float:
     return float(layer)
 
 
-def _title_step(step) -> str:
-    return "pretrained" if step is None else f"step {step:,}"
-
-
 def _dress_layer_axes(ax, title: str, xlabel: str) -> None:
     """A per-layer panel: its title and x label, integer layers, the 90-degree line and a light grid."""
     ax.axhline(90, color="gray", lw=0.8, ls="--")
@@ -47,8 +51,8 @@ def _dress_layer_axes(ax, title: str, xlabel: str) -> None:
 def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
     """:func:`layers_figure` written to ``out_dir``."""
     model, norm = rows[0]["model"], rows[0]["norm"]
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(layers_figure(rows, step, roles), out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
+    figure = layers_figure(rows, step, roles)
+    return save_figure(figure, out_dir, f"layers_{slug(model)}_{norm}_{step_tag(step)}")[0]
 
 
 def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = None) -> Figure:
@@ -83,7 +87,7 @@ def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = Non
     fig.legend(
         handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0)
     )
-    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
+    fig.suptitle(f"{model} · {norm_label(norm)} · {step_title(step)}")
     return fig
 
 
@@ -136,7 +140,7 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
                 )
         norm = chosen[0]["norm"] if chosen else "?"
         model = chosen[0]["model"] if chosen else name
-        _dress_layer_axes(ax, f"{model} · {norm_label(norm)} · {_title_step(step)}", "layer")
+        _dress_layer_axes(ax, f"{model} · {norm_label(norm)} · {step_title(step)}", "layer")
         names.append(norm)
     axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
     axes[0][-1].legend(fontsize=8)
@@ -183,9 +187,8 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
         handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0)
     )
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
-    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}: is 1 a typical direction?")
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"null_layers_{slug(model)}_{norm}_{tag}")[0]
+    fig.suptitle(f"{model} · {norm_label(norm)} · {step_title(step)}: is 1 a typical direction?")
+    return save_figure(fig, out_dir, f"null_layers_{slug(model)}_{norm}_{step_tag(step)}")[0]
 
 
 def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -226,44 +229,34 @@ def write_run_figures(
     run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None
 ) -> list[Path]:
     """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
-    run_dir = Path(run_dir)
-    rows = read_rows(RunFolder(run_dir).angles)
-    if not rows:
+    folder = RunFolder(run_dir)
+    if not read_rows(folder.angles):
         return []
-    out_dir = out_dir or RunFolder(run_dir).figures
+    out_dir = out_dir or folder.figures
     figures = []
-    by_model = defaultdict(list)
-    for row in rows:
-        by_model[(row["model"], row["norm"])].append(row)
-    for model_rows in by_model.values():
-        steps = sorted({r["step"] for r in model_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_layers(model_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            figures.append(plot_layers(model_rows, out_dir, step=trained[0]))
-            layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_steps(model_rows, out_dir, chosen))
-    null_by_model = defaultdict(list)
-    for row in read_rows(RunFolder(run_dir).record(NULL_FILE)):
-        null_by_model[(row["model"], row["norm"])].append(row)
-    for null_rows in null_by_model.values():
-        steps = sorted({r["step"] for r in null_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_null_layers(null_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_null_steps(null_rows, out_dir, chosen))
-    changes = read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
-    for step in sorted({r["step"] for r in changes}, key=lambda s: -1 if s is None else s)[-1:]:
-        figure = plot_intervention_layers(changes, out_dir, step=step)
-        if figure is not None:
-            figures.append(figure)
-    sources = read_rows(RunFolder(run_dir).record(MEAN_SOURCES_FILE))
-    for step in sorted({r["step"] for r in sources}, key=lambda s: -1 if s is None else s)[-1:]:
-        figure = plot_mean_sources_layers(sources, out_dir, step=step)
-        if figure is not None:
-            figures.append(figure)
+    # (records file, figure at a step, figure over the steps, whether the first trained step is drawn too)
+    for path, plot_at_step, plot_over_steps, first_too in (
+            (folder.angles, plot_layers, plot_steps, True),
+            (folder.record(NULL_FILE), plot_null_layers, plot_null_steps, False)):
+        by_model = defaultdict(list)
+        for row in read_rows(path):
+            by_model[(row["model"], row["norm"])].append(row)
+        for model_rows in by_model.values():
+            steps = sorted_steps(model_rows)
+            figures.append(plot_at_step(model_rows, out_dir, step=steps[-1]))
+            trained = [s for s in steps if s is not None]
+            if len(trained) > 1:
+                if first_too:
+                    figures.append(plot_at_step(model_rows, out_dir, step=trained[0]))
+                layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
+                chosen = layer if layer is not None else layers[len(layers) // 2]
+                figures.append(plot_over_steps(model_rows, out_dir, chosen))
+    for name, plot in ((INTERVENTION_FILE, plot_intervention_layers),
+                       (MEAN_SOURCES_FILE, plot_mean_sources_layers)):
+        records = read_rows(folder.record(name))
+        for step in sorted_steps(records)[-1:]:  # the last step's figure, where it has one
+            figure = plot(records, out_dir, step=step)
+            if figure is not None:
+                figures.append(figure)
     return figures
 

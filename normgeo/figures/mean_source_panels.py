@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from normgeo.figures.style import norm_label, save_figure
+from normgeo.figures.style import norm_label, save_figure, step_tag, step_title
 from normgeo.paths import slug
 
 
@@ -52,8 +52,6 @@ def plot_mean_sources_layers(rows: Sequence[dict], out_dir: Path, step: int | No
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8, loc="best")
     model, norm = dims[0]["model"], dims[0]["norm"]
-    step_text = "pretrained" if step is None else f"step {step:,}"
-    fig.suptitle(f"{model} · {norm_label(norm)} · where the mean lives · {step_text}")
+    fig.suptitle(f"{model} · {norm_label(norm)} · where the mean lives · {step_title(step)}")
     fig.tight_layout()
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"mean_sources_{slug(model)}_{norm}_{tag}", formats)[0]
+    return save_figure(fig, out_dir, f"mean_sources_{slug(model)}_{norm}_{step_tag(step)}", formats)[0]

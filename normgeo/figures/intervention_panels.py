@@ -15,7 +15,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, save_figure
+from normgeo.figures.style import (
+    arm_color,
+    arm_label,
+    layer_key,
+    norm_label,
+    save_figure,
+    step_tag,
+    step_title,
+)
 from normgeo.figures.tables import print_table
 from normgeo.paths import slug
 
@@ -118,13 +126,10 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
     right.set_ylabel(f"mean {what.split(' (')[0]}")
     right.grid(alpha=0.3)
     model, norm = source["model"], source["norm"]
-    step_text = "pretrained" if step is None else f"step {step:,}"
-    fig.suptitle(
-        f"{model} · {norm_label(norm)} · {ACTION_TEXT.get(source['action'], source['action'])} · {step_text}"
-    )
+    action = ACTION_TEXT.get(source["action"], source["action"])
+    fig.suptitle(f"{model} · {norm_label(norm)} · {action} · {step_title(step)}")
     fig.tight_layout()
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"intervention_{slug(model)}_{norm}_{tag}", formats)[0]
+    return save_figure(fig, out_dir, f"intervention_{slug(model)}_{norm}_{step_tag(step)}", formats)[0]
 
 
 def plot_intervention_steps(runs: Sequence[tuple[str, list[dict]]], out_dir: Path,
