@@ -68,6 +68,20 @@ def sorted_steps(rows: Iterable[dict]) -> list[int | None]:
     return sorted({r["step"] for r in rows}, key=lambda s: -1 if s is None else s)
 
 
+def finish_axes(ax, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None, *,
+                line: float | None = None, legend: int | None = None) -> None:
+    """An axes finished the one way: a dashed reference line at ``line`` (grey at 90 degrees, else black),
+    its labels and title, a light grid, and a legend of font size ``legend`` (None: no legend)."""
+    if line is not None:
+        ax.axhline(line, color="gray" if line == 90 else "black", lw=0.8, ls="--")
+    for setter, text in ((ax.set_xlabel, xlabel), (ax.set_ylabel, ylabel), (ax.set_title, title)):
+        if text is not None:
+            setter(text)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(fontsize=legend)
+
+
 def check_formats(formats: Sequence[str]) -> list[str]:
     """The figure formats asked for (``--formats``), or ValueError naming those matplotlib cannot write:
     checked before anything is written."""

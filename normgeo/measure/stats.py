@@ -672,13 +672,10 @@ def block_bootstrap(
     """Percentile block-bootstrap intervals over probe sequences, from per-sequence sufficient statistics.
 
     ``seq_count`` (S, N) and ``seq_sum`` (S, N, D) hold, per site and sequence, the number of token
-    vectors and the sum of (angle - 90 deg) with each direction. Blocks of ``block`` consecutive
-    sequences (a document longer than a sequence continues in the next) are drawn with replacement,
-    as many as there are blocks; a replicate's mean is its total sum over its total count (the
-    token-weighted mean, like the point estimate). Returns per site (S,) arrays: ``mean`` and the
-    interval ``mean_low``/``mean_high`` for reference ``ref``; with ``null`` (the columns of the null
-    directions), ``diff`` = mean - median of the null directions' means and ``diff_low``/``diff_high``.
-    The same ``seed`` gives the same intervals.
+    vectors and the sum of (angle - 90 deg) with each direction; the draw is :func:`block_weights`'s and a
+    replicate's mean is token-weighted, like the point estimate. Returns per site (S,) arrays: ``mean`` and
+    ``mean_low``/``mean_high`` for reference ``ref``; with ``null`` (the null directions' columns), ``diff``
+    = mean - median of the null directions' means and ``diff_low``/``diff_high``.
     """
     sites, sequences = seq_count.shape
     if sequences == 0:
