@@ -34,7 +34,7 @@ from normgeo.config.compose import (
     close_file_logs,
     write_hydra_files,
 )
-from normgeo.figures.intervention import print_intervention
+from normgeo.figures.intervention_panels import print_intervention
 from normgeo.figures.model_summary import print_summary
 from normgeo.measure.pipeline import probe_ids
 from normgeo.measure.probe_config import ProbeConfig

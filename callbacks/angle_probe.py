@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from callbacks.checkpointing import CheckpointSchedule
 from callbacks.optimizer_step import OptimizerStepCallback
 from normgeo.config.schema import TrainProbeSchema
-from normgeo.figures.angles import plot_layers
+from normgeo.figures.angle_panels import plot_layers
 from normgeo.figures.logged_figures import log_figures
 from normgeo.measure.pipeline import measure_records, tiktoken_probe_ids, tiktoken_separator
 from normgeo.measure.probe import make_references

@@ -42,7 +42,7 @@ from normgeo.config.schema import (
     training_device_type,
     unmeasured_values,
 )
-from normgeo.figures.angles import write_run_figures
+from normgeo.figures.angle_panels import write_run_figures
 from normgeo.figures.logged_figures import figure_key, log_figures
 from normgeo.measure.records import DamagedRecords
 from normgeo.run_folder import CSV_DIR, RunFolder

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from normgeo.figures.intervention import interval_text
+from normgeo.figures.intervention_panels import interval_text
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
 from normgeo.run_folder import INTERVENTION_FILE, RunFolder

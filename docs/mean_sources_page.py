@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from normgeo.figures.intervention import interval_text
+from normgeo.figures.intervention_panels import interval_text
 from normgeo.measure.mean_sources import DOC_START, MASSIVE_RATIO
 from normgeo.measure.records import read_rows
 from normgeo.paths import repo_relative
@@ -187,7 +187,7 @@ class Folder:
             "dims for 90% | massive (top dims) | massive share |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        # The run's figure (normgeo/figures/mean_sources.py), where docs/make_mean_sources.sh copied it.
+        # The run's figure (normgeo/figures/mean_source_panels.py), where docs/make_mean_sources.sh copied it.
         figures = sorted(p.name for p in RunFolder(self.folder).figures.glob("mean_sources_*.png")
                          if (DOCS_FIGURES / p.name).is_file())
         lines[2:2] = [*(f"![where the mean lives in {self.model}](figures/{name})" for name in figures),

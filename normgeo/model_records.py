@@ -20,7 +20,7 @@ from torch import nn
 
 from corpus.atomic import atomic_write_json
 from models.pretrained import max_positions
-from normgeo.figures.angles import layers_figure, write_run_figures
+from normgeo.figures.angle_panels import layers_figure, write_run_figures
 from normgeo.figures.model_summary import summarize, write_summary
 from normgeo.measure.norm_sites import NormSite, find_norm_sites
 from normgeo.measure.pipeline import AnalysisError, Records, measure_records, norm_kind

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from normgeo.figures.angles import plot_compare, write_run_figures
+from normgeo.figures.angle_panels import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import DamagedRecords
 from normgeo.paths import FolderError, check_own_folder, check_writable_folder

@@ -11,9 +11,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from corpus.atomic import TMP_SUFFIX
-from normgeo.figures.intervention import plot_intervention_steps
+from normgeo.figures.intervention_panels import plot_intervention_steps
 from normgeo.figures.norm_figures import NORM_FIGURES
-from normgeo.figures.style import REF_LABELS, arm_color, arm_label, layer_key, save_figure
+from normgeo.figures.style import REF_LABELS, arm_color, arm_label, finish_axes, layer_key, save_figure
 from normgeo.figures.sweep import Comparison, load, markdown, records_frame, summary_table
 from normgeo.figures.verdict import write_verdict
 from normgeo.measure.records import DamagedRecords
@@ -53,15 +53,8 @@ def overlay_figures(comparison: Comparison, out_dir: Path, formats: Sequence[str
         layers = sorted(group.index.get_level_values("layer").unique(), key=layer_key)
         ncols = min(4, len(layers))
         nrows = -(-len(layers) // ncols)
-        fig, axes = plt.subplots(
-            nrows,
-            ncols,
-            figsize=(3.6 * ncols, 2.8 * nrows),
-            sharex=True,
-            sharey=True,
-            layout="constrained",
-            squeeze=False,
-        )
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), sharex=True, sharey=True,
+                                 layout="constrained", squeeze=False)
         for ax, layer in zip(axes.flat, layers, strict=False):
             for index, arm in enumerate(arms):
                 try:
@@ -72,9 +65,8 @@ def overlay_figures(comparison: Comparison, out_dir: Path, formats: Sequence[str
                 label = arm_label(arm) + (f" ({seeds[arm]} seeds)" if seeds.get(arm, 1) > 1 else "")
                 ax.plot(series["step"], series["mean_deg"], "o-", ms=3, lw=1.2, color=color, label=label)
                 ax.fill_between(series["step"], series["p05"], series["p95"], color=color, alpha=0.18, lw=0)
-            ax.axhline(90, color="gray", lw=0.8, ls="--")
             ax.set_title(f"layer {layer}" if layer != "final" else "final norm", fontsize=9)
-            ax.grid(alpha=0.3)
+            finish_axes(ax, line=90)
         for ax in axes.flat[len(layers):]:
             ax.set_visible(False)
         for ax in axes[-1]:
@@ -107,14 +99,10 @@ def loss_figure(comparison: Comparison, out_dir: Path, formats: Sequence[str]) -
             ax.plot(mean.index, mean.values, color=color, lw=1.5, label=f"{arm_label(arm)} train")
         val = of_arm[of_arm["metric"] == "val/loss"].groupby("step")["value"].mean()
         if not val.empty:
-            ax.plot(
-                val.index, val.values, "s--", color=color, ms=5, lw=1, label=f"{arm_label(arm)} validation"
-            )
-    ax.set_xlabel("training step")
-    ax.set_ylabel("cross-entropy loss (nats)")
-    ax.set_title("train and validation loss per arm")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            ax.plot(val.index, val.values, "s--", color=color, ms=5, lw=1,
+                    label=f"{arm_label(arm)} validation")
+    finish_axes(ax, "training step", "cross-entropy loss (nats)", "train and validation loss per arm",
+                legend=8)
     return save_figure(fig, out_dir, "loss", formats)
 
 
@@ -179,7 +167,6 @@ def write_comparison(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {name: [out_dir / p.name for p in paths] for name, paths in written.items()}, comparison.damaged
-
 
 
 # The norm factorial's figures (ellipsoid, energy along 1, all arms' angle with 1): same path, own module.

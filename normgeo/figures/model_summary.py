@@ -55,12 +55,8 @@ def pool(rows: Iterable[dict]) -> dict:
     count, mean, m2 = (float(m) for m in moments)
     empty = count == 0
     return {
-        "sites": sites,
-        "tokens": tokens,
-        "vectors": int(count),
-        "mean_deg": math.nan if empty else mean,
-        "std_deg": math.nan if empty else math.sqrt(m2 / count),
-        "min_deg": math.nan if empty else low,
+        "sites": sites, "tokens": tokens, "vectors": int(count), "mean_deg": math.nan if empty else mean,
+        "std_deg": math.nan if empty else math.sqrt(m2 / count), "min_deg": math.nan if empty else low,
         "max_deg": math.nan if empty else high,
     }
 
@@ -128,11 +124,7 @@ def summarize(rows: Sequence[dict], null_rows: Sequence[dict] | None = None) -> 
 
     return [
         {
-            "model": key[0],
-            "norm": key[1],
-            "step": key[2],
-            "site": key[3],
-            "ref": key[4],
+            "model": key[0], "norm": key[1], "step": key[2], "site": key[3], "ref": key[4],
             **pool(groups[key]),
             **per_norm(groups[key]),
             **(null_pooled(null_groups[key]) if key in null_groups else empty_null),
@@ -157,15 +149,8 @@ def _wide(summary: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
         key = (row["model"], row["norm"], row["step"], row["site"])
         if key not in lines:
             step = [str(row["step"]) if row["step"] is not None else "-"] if with_step else []
-            lines[key] = [
-                row["model"],
-                row["norm"],
-                *step,
-                row["site"],
-                str(row["sites"]),
-                f"{row['tokens']:,}",
-            ]
-            lines[key] += ["-"] * (len(refs) + 4)
+            lines[key] = [row["model"], row["norm"], *step, row["site"], str(row["sites"]),
+                          f"{row['tokens']:,}", *["-"] * (len(refs) + 4)]
         lines[key][first_ref - len(refs) + refs.index(row["ref"])] = (
             f"{row['mean_deg']:.2f} ± {row['std_deg']:.2f}"
         )

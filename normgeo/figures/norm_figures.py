@@ -19,7 +19,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from normgeo.figures.style import POST_SUFFIX, SITE_STYLE, arm_color, arm_label, layer_key, save_figure
+from normgeo.figures.style import (
+    POST_SUFFIX,
+    SITE_STYLE,
+    arm_color,
+    arm_label,
+    finish_axes,
+    layer_key,
+    save_figure,
+)
 from normgeo.figures.sweep import Comparison, load, records_frame
 from normgeo.readers.metrics_csv import last_value
 from normgeo.run_folder import ELLIPSOID_FILE, ENERGY_FILE
@@ -88,16 +96,11 @@ def ellipsoid_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
     frame = records_frame(comparison, ELLIPSOID_FILE)
     if frame.empty:
         return []
+    condition = (None, "condition", "condition number\n(largest / smallest semi-axis)")
     return _per_arm_panels(
-        comparison,
-        frame,
-        [(None, "condition", "condition number\n(largest / smallest semi-axis)")],
-        "ellipsoid",
+        comparison, frame, [condition], "ellipsoid",
         "Each norm's output ellipsoid (from its gain; LayerNorm: Riechers' (d−1)-dim hyperellipsoid)",
-        out_dir,
-        formats,
-        log=False,
-    )
+        out_dir, formats, log=False)
 
 
 def energy_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[Path]:
@@ -117,9 +120,8 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
         return []
     kinds = angles["site"].str.rpartition(".")[2]
     suffixes = [s for s in SITE_STYLE if (kinds == s).any()]
-    fig, axes = plt.subplots(
-        1, len(suffixes), figsize=(5.4 * len(suffixes), 4), squeeze=False, layout="constrained"
-    )
+    fig, axes = plt.subplots(1, len(suffixes), figsize=(5.4 * len(suffixes), 4), squeeze=False,
+                             layout="constrained")
     for ax, suffix in zip(axes[0], suffixes, strict=True):
         of_kind = angles[kinds == suffix]
         for index, arm in enumerate(sorted(of_kind["arm"].unique())):
@@ -127,22 +129,11 @@ def factorial_figure(comparison, out_dir: Path, formats: Sequence[str]) -> list[
             curve = of_kind[of_kind["arm"] == arm].groupby("step")[["mean_deg", "p05", "p95"]].mean()
             # Post-LN dashed
             color, style = arm_color(arm, index), "s--" if arm.endswith(POST_SUFFIX) else "o-"
-            ax.plot(
-                curve.index,
-                curve["mean_deg"],
-                style,
-                ms=3,
-                lw=1.3,
-                color=color,
-                label=_arm_title(comparison, arm),
-            )
+            ax.plot(curve.index, curve["mean_deg"], style, ms=3, lw=1.3, color=color,
+                    label=_arm_title(comparison, arm))
             ax.fill_between(curve.index, curve["p05"], curve["p95"], color=color, alpha=0.1, lw=0)
-        ax.axhline(90, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{SITE_STYLE[suffix][1]} (mean over the norms)")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("angle with 1 (degrees)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        finish_axes(ax, "training step", "angle with 1 (degrees)",
+                    f"{SITE_STYLE[suffix][1]} (mean over the norms)", line=90, legend=7)
     fig.suptitle("The norm factorial: angle with the uniform vector 1 · band: mean of the per-norm p05–p95")
     return save_figure(fig, out_dir, "factorial_ones", formats)
 

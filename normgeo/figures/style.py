@@ -6,7 +6,7 @@ way in every figure without touching this package.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -51,6 +51,35 @@ def arm_color(arm: str, index: int) -> str:
 def layer_key(layer: str) -> float:
     """Sort key of a layer label: block indices in order, then "final" and other named layers."""
     return float(layer) if layer.lstrip("-").isdigit() else float("inf")
+
+
+def step_title(step: int | None) -> str:
+    """A step in a figure's title: "step 1,000", or "pretrained" (a released model, no step)."""
+    return "pretrained" if step is None else f"step {step:,}"
+
+
+def step_tag(step: int | None) -> str:
+    """A step in a figure's file name: "step0001000", or "pretrained"."""
+    return "pretrained" if step is None else f"step{step:07d}"
+
+
+def sorted_steps(rows: Iterable[dict]) -> list[int | None]:
+    """The steps of ``rows``, the pretrained one (None) first."""
+    return sorted({r["step"] for r in rows}, key=lambda s: -1 if s is None else s)
+
+
+def finish_axes(ax, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None, *,
+                line: float | None = None, legend: int | None = None) -> None:
+    """An axes finished the one way: a dashed reference line at ``line`` (grey at 90 degrees, else black),
+    its labels and title, a light grid, and a legend of font size ``legend`` (None: no legend)."""
+    if line is not None:
+        ax.axhline(line, color="gray" if line == 90 else "black", lw=0.8, ls="--")
+    for setter, text in ((ax.set_xlabel, xlabel), (ax.set_ylabel, ylabel), (ax.set_title, title)):
+        if text is not None:
+            setter(text)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(fontsize=legend)
 
 
 def check_formats(formats: Sequence[str]) -> list[str]:

@@ -75,23 +75,12 @@ def load(paths: Sequence[Path]) -> Comparison:
         rows, config, summaries[str(run_dir)] = files.records[ANGLES_FILE], files.config, files.summary
         identity = identity_from_config(config, rows[0]["norm"])
         norm, placement = identity.norm, identity.placement
-        info = {
-            "run": config.get("run_name") or run_dir.name,
-            "arm": norm + (POST_SUFFIX if placement == "post" else ""),
-            "placement": placement,
-            "seed": identity.seed,
-            "size": identity.size,
-        }
+        info = {"run": config.get("run_name") or run_dir.name,
+                "arm": norm + (POST_SUFFIX if placement == "post" else ""), "placement": placement,
+                "seed": identity.seed, "size": identity.size}
         tokens_per_step = (config.get("global_batch") or 0) * (config.get("seq_len") or 0) or None
-        runs.append(
-            {
-                **info,
-                "norm": norm,
-                "max_steps": config.get("max_steps"),
-                "tokens_per_step": tokens_per_step,
-                "run_dir": str(run_dir),
-            }
-        )
+        runs.append({**info, "norm": norm, "max_steps": config.get("max_steps"),
+                     "tokens_per_step": tokens_per_step, "run_dir": str(run_dir)})
         angles = pd.DataFrame(rows)
         angles = angles[angles["step"].notna()]  # a run's own records all have steps
         angles["layer"] = angles["layer"].astype(str)  # block indices and "final" in one column
@@ -101,9 +90,8 @@ def load(paths: Sequence[Path]) -> Comparison:
             metric_frames.append(metrics_as_today(metrics, config, tokens_per_step).assign(**info))
     if not runs:
         unread = f" ({len(damaged)} with damaged records: {'; '.join(map(str, damaged))})" if damaged else ""
-        raise FileNotFoundError(
-            f"no readable training runs with {ANGLES_FILE} under {', '.join(map(str, paths))}{unread}"
-        )
+        raise FileNotFoundError(f"no readable training runs with {ANGLES_FILE} under "
+                                f"{', '.join(map(str, paths))}{unread}")
     runs_frame = pd.DataFrame(runs)
     if runs_frame["size"].nunique() > 1:  # arms of several sizes: the size is part of the arm
         for frame in (runs_frame, *angle_frames, *metric_frames):
@@ -132,15 +120,10 @@ def summary_table(comparison: Comparison) -> pd.DataFrame:
         metrics = comparison.metrics[comparison.metrics["run"] == run.run]
         end = comparison.summaries.get(run.run_dir, {})
         record = {
-            "arm": run.arm,
-            "seed": run.seed,
-            "run": run.run,
-            "final_step": final,
+            "arm": run.arm, "seed": run.seed, "run": run.run, "final_step": final,
             "tokens": final * run.tokens_per_step if run.tokens_per_step else None,
-            "train_loss": final_train_loss(end, metrics),
-            "val_loss": last_value(metrics, "val/loss"),
-            "wall_s": end.get("wall_s"),
-            "tokens_per_s": end.get("tokens_per_s"),
+            "train_loss": final_train_loss(end, metrics), "val_loss": last_value(metrics, "val/loss"),
+            "wall_s": end.get("wall_s"), "tokens_per_s": end.get("tokens_per_s"),
         }
         at_final = angles[(angles["step"] == final) & (angles["ref"] == "ones")]
         for site, mean in at_final.groupby("site", sort=False)["mean_deg"].mean().items():

@@ -26,6 +26,8 @@ from normgeo.measure.stats import (
     QUANTILES,
     add_counts,
     chan_merge,
+    distributed,
+    histogram_position,
     json_number,
     one_cpu_thread,
 )
@@ -117,7 +119,7 @@ class EnergyStatistics:
 
     def all_reduce(self) -> None:
         """Merge every rank's statistics into every rank, in rank order (no-op outside torch.distributed)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed():
             return
         packed = torch.stack([getattr(self, field) for field in self._MOMENTS])
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
@@ -138,16 +140,8 @@ class EnergyStatistics:
     def quantiles(self, quantiles: Sequence[float] = QUANTILES) -> torch.Tensor:
         """(S, 2, Q) quantiles, interpolated log-linearly inside a bin and clamped into the exact
         [min, max]."""
-        hist = self.hist.to(torch.float64)
-        cumulative = hist.cumsum(dim=-1)
-        total = cumulative[..., -1:]
-        targets = torch.tensor(quantiles, dtype=torch.float64, device=self.device) * total
-        index = torch.searchsorted(cumulative.contiguous(), targets.contiguous()).clamp(max=self.num_bins - 1)
-        below = torch.where(
-            index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets)
-        )
-        fraction = ((targets - below) / hist.gather(-1, index).clamp(min=1)).clamp(0, 1)
-        logs = self.low.view(1, -1, 1) + (index.to(torch.float64) + fraction) / BINS_PER_DECADE
+        position, total = histogram_position(self.hist, quantiles)
+        logs = self.low.view(1, -1, 1) + position / BINS_PER_DECADE
         values = torch.maximum(torch.minimum(10.0**logs, self.max.unsqueeze(-1)), self.min.unsqueeze(-1))
         return torch.where(total > 0, values, torch.full_like(values, math.nan))
 

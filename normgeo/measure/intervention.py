@@ -1,41 +1,27 @@
 """The centering intervention: does LayerNorm's mean subtraction change what the model predicts?
 
-The geometry (``angles.jsonl``, ``energy.jsonl``) says how far the norm inputs are from the uniform vector 1;
-this module asks whether that component matters. It swaps one operation inside chosen norms, with each
-module's own gain, bias and eps, and compares the model's predictions with and without the swap:
+The geometry says how far the norm inputs are from the uniform vector 1; this module asks whether that
+component matters, by swapping one operation inside chosen norms (each module's own gain, bias and eps):
 
-- at a LayerNorm site (kind ``layer``) it **removes** the centering: ``g * x / rms(x) + b`` instead of
-  ``g * (x - mean x) / std(x) + b`` (a forward hook replaces the output);
-- at an RMSNorm site (kind ``rms``) it **adds** it: the module runs on ``x - mean(x)`` (a forward pre-hook
-  replaces the input), which is exactly ``g * (x - mean x) / std(x) (+ b)`` with the module's own code;
-- a DyT site (kind ``tanh``) has no centering to remove or add and is never intervened on.
+- a LayerNorm site (kind ``layer``) **removes** the centering: ``g * x / rms(x) + b`` (a forward hook
+  replaces the output);
+- an RMSNorm site (kind ``rms``) **adds** it: the module runs on ``x - mean(x)`` (a forward pre-hook);
+- a DyT site (kind ``tanh``) has no centering and is never intervened on.
 
-Scopes (:func:`intervention_scopes`): every norm at once (``all``), each block's norms one
-block at a time (``layers``: blocks 0..L-1, then ``final``, and ``embed`` where a model has
-one), or each site class across blocks (``site_classes``: ``ln1``, ``ln2``, ``final``). Each
-scope costs one extra no-grad forward over the first ``probe.intervention_tokens`` probe tokens
-(:class:`CenteringIntervention`), the intact forward being the probe's own; a scope in one
-block resumes at that block from the intact forward's residual stream (:class:`BlockReplay`),
-so the per-block scopes together cost about (L + 1) / 2 forwards of the blocks, not L + 1.
+Scopes (:func:`intervention_scopes`): every norm at once (``all``), each block's norms (``layers``), or each
+site class across blocks (``site_classes``). Each scope costs one extra no-grad forward over the first
+``probe.intervention_tokens`` probe tokens; a scope in one block resumes at that block from the intact
+forward's residual stream (:class:`BlockReplay`), so the per-block scopes cost about (L + 1) / 2 forwards.
 
-Measured per scope, on next-token prediction over the probe text: the mean change of the loss
-(nats, intervened - intact), the mean KL(intact || intervened) and the top-1 agreement, each with
-a 95% block bootstrap interval over probe sequences (the draw of ``null.jsonl``:
-:func:`normgeo.measure.stats.block_weights`), and the same per bin of the token's energy fraction
-along 1 at the intervened norm inputs (the intact forward's, averaged over the scope's sites), so
-that one can see whether the tokens with a component along 1 are the ones that change. A model
-without a language-model head (an encoder such as MiniLM) gets the cosine between its intact and
-intervened output vectors instead, and its rows say so (``output: "embedding"``).
+Per scope, on next-token prediction: the mean loss change (nats, intervened - intact), KL(intact ||
+intervened) and top-1 agreement, with 95% block-bootstrap intervals over probe sequences (the draw of
+``null.jsonl``), and the same per bin of the tokens' energy fraction along 1 at the intervened inputs. A model
+without a language-model head gets the cosine of its intact and intervened outputs (``output: "embedding"``).
+The same by the predicting token's position bucket (and at document starts, ``doc_start``, which overlap the
+buckets) go to ``intervention_positions.jsonl``.
 
-The same changes by the position of the predicting token in its probe window (the buckets of
-``mean_sources.jsonl``: 0, 1-3, 4-15, ...) go to ``intervention_positions.jsonl``, from the same forwards:
-how much of a scope's loss change comes from the first position, where attention sinks and the massive
-activations that carry the mean sit. One more row (``doc_start``) holds the predictions made at the first
-token of each document of the packed probe stream, wherever it falls in its window: it overlaps the
-position buckets, whose shares alone sum to 1.
-
-Nothing is stored per token beyond one batch: per scope, per-sequence sums (O(scopes x sequences)) and
-per-bin sums. Hooks are removed whatever happens, so the model is left bitwise as it was.
+Only per-sequence and per-bin sums are kept; hooks are removed whatever happens, so the model is left as it
+was.
 """
 
 from __future__ import annotations
@@ -54,7 +40,7 @@ from torch import nn
 from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
-from normgeo.measure.stats import block_bootstrap_means, json_number
+from normgeo.measure.stats import block_bootstrap_means, distributed, json_number
 from normgeo.run_folder import INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE
 
 log = logging.getLogger(__name__)
@@ -75,6 +61,7 @@ ENERGY_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 # Per-token quantities summed per sequence and per bin, by output kind.
 NEXT_TOKEN_FIELDS = ("delta_loss", "kl", "top1_agreement", "loss_intact")
 EMBEDDING_FIELDS = ("cosine",)
+CHANGES = ("delta_loss", "kl", "top1_agreement", "cosine")  # the quantities with intervals in the rows
 
 
 @dataclass(frozen=True)
@@ -110,19 +97,11 @@ def intervention_scopes(norms: Sequence[NormSite], kinds: Sequence[str] = DEFAUL
     if "all" in kinds:
         scopes.append(Scope("all", "all", None, None, tuple(sites)))
     if "layers" in kinds:
-        layers: list[int | str] = []
-        for site in sites:
-            if site.layer not in layers:
-                layers.append(site.layer)
-        for layer in layers:
+        for layer in dict.fromkeys(site.layer for site in sites):
             members = tuple(site for site in sites if site.layer == layer)
             scopes.append(Scope("layer", f"layer {layer}", layer, None, members))
     if "site_classes" in kinds:
-        roles: list[str] = []
-        for site in sites:
-            if site.role not in roles:
-                roles.append(site.role)
-        for role in roles:
+        for role in dict.fromkeys(site.role for site in sites):
             scopes.append(Scope("site_class", role, None, role, tuple(s for s in sites if s.role == role)))
     return scopes
 
@@ -391,11 +370,6 @@ class BlockReplay:
         finally:
             for i, block in enumerate(originals):
                 self.stack[i] = block
-
-
-def distributed() -> bool:
-    """Whether this process is one of several in torch.distributed."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def eager() -> contextlib.AbstractContextManager:
@@ -674,18 +648,8 @@ def intervention_rows(
     fields = probe.fields
     for index, scope in enumerate(probe.scopes):
         measured = probe.seq_count[index] > 0
-        interval = block_bootstrap_means(
-            probe.seq_count[index],
-            probe.seq_sum[index],
-            replicates=replicates,
-            block=block,
-            seed=seed,
-            level=level,
-        )
-        estimate = {
-            name: (interval["mean"][f], interval["low"][f], interval["high"][f])
-            for f, name in enumerate(fields)
-        }
+        interval = block_bootstrap_means(probe.seq_count[index], probe.seq_sum[index], replicates=replicates,
+                                         block=block, seed=seed, level=level)
         row: dict = {
             "model": model,
             "norm": norm,
@@ -703,13 +667,8 @@ def intervention_rows(
             "intervention_tokens": probe.token_budget,
             "tokens": int(probe.seq_count[index].sum()),
             "sequences": int(measured.sum()),
+            **estimates(fields, interval),
         }
-        for name in ("delta_loss", "kl", "top1_agreement", "cosine"):
-            mean, low, high = estimate.get(name, (None, None, None))
-            row[name] = json_number(mean) if mean is not None else None
-            row[f"{name}_ci_low"] = json_number(low) if low is not None else None
-            row[f"{name}_ci_high"] = json_number(high) if high is not None else None
-        row["loss_intact"] = json_number(estimate["loss_intact"][0]) if "loss_intact" in estimate else None
         bins = []
         for b in range(len(ENERGY_EDGES) - 1):
             count = probe.bin_count[index, b]
@@ -724,11 +683,24 @@ def intervention_rows(
                     entry[name] = json_number(probe.bin_sum[index, b, f] / count) if count else None
             bins.append(entry)
         row["energy_bins"] = bins
-        row.update(
-            ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed
-        )
+        row.update(ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block,
+                   bootstrap_seed=seed)
         rows.append({name: row[name] for name in INTERVENTION_FIELDS})
     return rows
+
+
+def estimates(fields: Sequence[str], interval: dict | None, bounds: bool = True) -> dict:
+    """Each change's mean and interval (``*_ci_low``/``*_ci_high``) and the intact loss's mean, null where
+    the output kind has no such field or nothing was measured; ``bounds=False``: null intervals."""
+    row: dict = {}
+    for quantity in (*CHANGES, "loss_intact"):
+        f = fields.index(quantity) if quantity in fields and interval is not None else None
+        row[quantity] = json_number(interval["mean"][f]) if f is not None else None
+        if quantity != "loss_intact":
+            bounded = f is not None and bounds
+            row[f"{quantity}_ci_low"] = json_number(interval["low"][f]) if bounded else None
+            row[f"{quantity}_ci_high"] = json_number(interval["high"][f]) if bounded else None
+    return row
 
 
 POSITION_FIELDS = (
@@ -785,23 +757,14 @@ def position_rows(
             # Tokens in one resampled block only (a few document starts): every replicate that draws them
             # draws the same tokens, so the interval would have width 0; it is null instead.
             varies = len(np.unique(np.flatnonzero(count) // block)) >= 2
-            for quantity in ("delta_loss", "kl", "top1_agreement", "cosine"):
-                f = fields.index(quantity) if quantity in fields and interval is not None else None
-                row[quantity] = json_number(interval["mean"][f]) if f is not None else None
-                bounds = f is not None and varies
-                row[f"{quantity}_ci_low"] = json_number(interval["low"][f]) if bounds else None
-                row[f"{quantity}_ci_high"] = json_number(interval["high"][f]) if bounds else None
-            intact = fields.index("loss_intact") if "loss_intact" in fields else None
-            row["loss_intact"] = (json_number(interval["mean"][intact])
-                                  if intact is not None and interval is not None else None)
+            row.update(estimates(fields, interval, bounds=varies))
             # A position bucket past the windows has share 0; no document start (no separator): unknown.
             known = name != DOC_START or row["tokens"] > 0
             for quantity in ("delta_loss", "kl"):
                 f = fields.index(quantity) if quantity in fields else None
                 total = totals[f] if f is not None and known else 0.0
                 row[f"{quantity}_share"] = json_number(sums[:, f].sum() / total) if total else None
-            row.update(
-                ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block, bootstrap_seed=seed
-            )
+            row.update(ci_level=level, bootstrap_replicates=replicates, bootstrap_block=block,
+                       bootstrap_seed=seed)
             rows.append({key: row[key] for key in POSITION_FIELDS})
     return rows

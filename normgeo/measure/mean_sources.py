@@ -12,11 +12,10 @@ norm input, like the energy:
 - by feature dimension, the exact decomposition of E[mu^2]: phi_i = E[mu x_i / d] sums over i to E[mu^2]
   (sum_i mu x_i / d = mu^2 for every token), accumulated in float64;
 - massive dimensions (Sun et al. 2024): the per-dimension max |x_i| over the probed tokens against 100x the
-  exact median |x| over all entries of the site. A histogram of |x| binned by the float32 exponent and
-  leading mantissa bits (log-spaced bins, 3% wide) finds the median's bin; the bins around the first
-  batch's median (MEDIAN_BAND of them) also count every float32 value apart (the remaining mantissa bits),
-  so the median is the exact order statistic when it lands in them (``median_exact``; else the bin's middle,
-  within 1.6%, and a warning): a dimension near the 100x cut is no longer classed by the bin's width.
+  exact median |x| over all entries of the site: a histogram of |x| by the float32 exponent and leading
+  mantissa bits finds the median's bin, and the MEDIAN_BAND bins around the first batch's median count every
+  float32 value apart, so the median is exact when it lands in them (``median_exact``; else the bin's middle,
+  within 1.6%, and a warning).
 - per document of the probe stream (:attr:`ProbeBatch.documents`; more than MAX_UNITS documents fold into
   MAX_UNITS groups, document k in group k mod MAX_UNITS), the sums of mu^2, of mu^2 at position 0 and of
   phi_i: the headline shares (position 0, top 8, massive) get 95% intervals from a bootstrap over documents
@@ -43,6 +42,7 @@ from normgeo.measure.stats import (
     QUANTILE_FIELDS,
     add_counts,
     block_bootstrap_means,
+    distributed,
     json_number,
     one_cpu_thread,
 )
@@ -226,7 +226,7 @@ class MeanSourcesStatistics:
     def all_reduce(self) -> None:
         """Every rank's sums and maxima into every rank (no-op outside torch.distributed)."""
         self.buckets.all_reduce()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed():
             return
         for field in self._SUMMED:
             dist.all_reduce(getattr(self, field))

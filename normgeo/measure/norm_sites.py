@@ -20,21 +20,11 @@ from normgeo.measure.geometry import STANDARDIZABLE_KINDS
 _NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "RmsNorm")
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 # Classes that transformers calls "LayerNorm" but that normalize T5-style: no mean subtraction, no bias.
-_RMS_STYLE_LAYERNORMS = frozenset(
-    {
-        "T5LayerNorm",
-        "MT5LayerNorm",
-        "UMT5LayerNorm",
-        "LongT5LayerNorm",
-        "SwitchTransformersLayerNorm",
-        "Pix2StructLayerNorm",
-        "Pop2PianoLayerNorm",
-        "UdopLayerNorm",
-        "Kosmos2_5LayerNorm",
-        "CpmAntLayerNorm",
-        "ImageGPTLayerNorm",
-    }
-)
+_RMS_STYLE_LAYERNORMS = frozenset({
+    "T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm", "LongT5LayerNorm", "SwitchTransformersLayerNorm",
+    "Pix2StructLayerNorm", "Pop2PianoLayerNorm", "UdopLayerNorm", "Kosmos2_5LayerNorm", "CpmAntLayerNorm",
+    "ImageGPTLayerNorm",
+})
 # eps hard-coded in forward() rather than stored on the module.
 _CLASS_EPS = {"OlmoLayerNorm": 1e-5}
 
@@ -148,12 +138,8 @@ def _block_position(name: str, modules: dict[str, nn.Module]) -> tuple[int, str,
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit() and isinstance(modules[".".join(parts[:i])], nn.ModuleList):
-            return (
-                int(part),
-                ".".join(parts[: i + 1]),
-                ".".join(parts[i + 1 :]),
-                ".".join(parts[: max(i - 1, 0)]),
-            )
+            inner, owner = ".".join(parts[i + 1 :]), ".".join(parts[: max(i - 1, 0)])
+            return int(part), ".".join(parts[: i + 1]), inner, owner
     return None
 
 
@@ -175,10 +161,9 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
         classes = sorted({type(m).__name__ for m in modules.values()})
         raise NoNormFoundError(
             f"no normalization module found in {type(model).__name__} (its module classes: {classes}). "
-            "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name "
-            "ends with "
-            "LayerNorm/RMSNorm/RmsNorm; if this model normalizes with another class, build the NormSite list "
-            "by hand and pass it as `norms=` to normgeo.measure.pipeline.measure_records"
+            "find_norm_sites recognizes torch.nn.LayerNorm, torch.nn.RMSNorm and classes whose name ends "
+            "with LayerNorm/RMSNorm/RmsNorm; if this model normalizes with another class, build the NormSite "
+            "list by hand and pass it as `norms=` to normgeo.measure.pipeline.measure_records"
         )
 
     positions = [_block_position(name, modules) for name, _ in found]
@@ -222,15 +207,8 @@ def find_norm_sites(model: nn.Module) -> list[NormSite]:
             level[i] = min(level[i] + 1, len(candidates[i]) - 1)
 
     return [
-        NormSite(
-            name=name,
-            layer=layers[i],
-            role=candidates[i][level[i]],
-            kind=_norm_kind(module),
-            eps=_norm_eps(name, module) if _norm_kind(module) in STANDARDIZABLE_KINDS else 0.0,
-            dim=_norm_dim(name, module),
-            module=module,
-            block=blocks[i],
-        )
+        NormSite(name=name, layer=layers[i], role=candidates[i][level[i]], kind=_norm_kind(module),
+                 eps=_norm_eps(name, module) if _norm_kind(module) in STANDARDIZABLE_KINDS else 0.0,
+                 dim=_norm_dim(name, module), module=module, block=blocks[i])
         for i, (name, module) in enumerate(found)
     ]

@@ -40,7 +40,6 @@ from normgeo.measure.probe_config import ProbeConfig
 from normgeo.measure.stats import AngleStatistics
 from normgeo.run_folder import (
     ANGLES_FILE,
-    ELLIPSOID_FILE,
     ENERGY_FILE,
     INTERVENTION_FILE,
     MEAN_SOURCES_FILE,
@@ -207,14 +206,16 @@ def run_probe(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     call = forward or (lambda batch: model(batch))
     batches = probe_batches(parts, batch_size, rank, world_size)
-    # On the device once for the whole probe (a byte a token), so a batch's mask is a slice there: no copy
-    # from the host per batch.
-    starts = ([mask for _, mask, _ in probe_batches([p.to(device) for p in document_starts], batch_size,
-                                                        rank, world_size)]
-              if document_starts is not None else [None] * len(batches))
-    numbers = ([rows for _, rows, _ in probe_batches([p.to(device) for p in documents], batch_size, rank,
-                                                     world_size)]
-               if documents is not None else [None] * len(batches))
+
+    def on_device(masks: Sequence[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """Per batch, ``masks`` cut like the tokens, on the device once for the whole probe (a batch's
+        slice there: no copy from the host per batch)."""
+        if masks is None:
+            return [None] * len(batches)
+        cut = probe_batches([m.to(device) for m in masks], batch_size, rank, world_size)
+        return [rows for _, rows, _ in cut]
+
+    starts, numbers = on_device(document_starts), on_device(documents)
     total = sum(1.0 + sum(m.forwards_per_batch(lead_id) for m in measurements) for _, _, lead_id in batches)
     current: list[ProbeBatch | None] = [None]  # the batch being measured; None while other forwards run
 
@@ -231,16 +232,10 @@ def run_probe(
 
     handles = [norm.module.register_forward_hook(make_hook(i, norm)) for i, norm in enumerate(norms)]
     # Redrawn at every forward (a few hundred per probe at most), so a slow model's bar moves within a batch.
-    bar = tqdm(
-        total=round(total, 2),
-        desc="probe",
-        unit="fwd",
-        disable=not progress,
-        mininterval=0,
-        miniters=1,
-        # The time left is in forwards, the intervention's counted: it holds over the whole probe.
-        bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}{postfix}]",
-    )
+    # The time left is in forwards, the intervention's counted: it holds over the whole probe.
+    bar = tqdm(total=round(total, 2), desc="probe", unit="fwd", disable=not progress, mininterval=0,
+               miniters=1,
+               bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} forwards [{elapsed}<{remaining}{postfix}]")
     started = time.perf_counter()
     measured = 0  # this rank's probe tokens whose batches (intervention included) are done
     try:
@@ -307,10 +302,6 @@ class Records:
         return self.files[ENERGY_FILE]
 
     @property
-    def ellipsoid(self) -> list[dict]:
-        return self.files[ELLIPSOID_FILE]
-
-    @property
     def intervention(self) -> list[dict]:
         return self.files.get(INTERVENTION_FILE, [])
 
@@ -334,21 +325,11 @@ def announce(parts: Sequence[torch.Tensor], batch_size: int, world_size: int,
     intervened = sum(1 for cost in extra if cost)
     resumed = sum(1 for scope in intervention.scopes if intervention.resume_layer(scope) is not None)
     log.info(
-        "probe: %s tokens, %d batch(es) of up to %d x %d per rank; the centering intervention on the "
-        "first %s "
-        "tokens (%d batch(es)): %d scope forward(s) per batch (%d resumed mid-stack), about %.1f "
-        "forwards per "
-        "batch there; %.1f forwards in all, %.1fx the angle probe alone",
-        f"{tokens:,}",
-        len(batches),
-        batch_size,
-        parts[0].shape[1],
-        f"{intervention.token_budget:,}",
-        intervened,
-        len(intervention.scopes),
-        resumed,
-        1 + max(extra),
-        len(batches) + sum(extra),
+        "probe: %s tokens, %d batch(es) of up to %d x %d per rank; the centering intervention on the first "
+        "%s tokens (%d batch(es)): %d scope forward(s) per batch (%d resumed mid-stack), about %.1f forwards "
+        "per batch there; %.1f forwards in all, %.1fx the angle probe alone",
+        f"{tokens:,}", len(batches), batch_size, parts[0].shape[1], f"{intervention.token_budget:,}",
+        intervened, len(intervention.scopes), resumed, 1 + max(extra), len(batches) + sum(extra),
         (len(batches) + sum(extra)) / len(batches),
     )
 
@@ -401,21 +382,12 @@ def measure_records(
     norms = residual_norms(list(norms) if norms is not None else find_norm_sites(model))
     where = torch.device(device) if device is not None else next(model.parameters()).device
     angles = AngleMeasurement(
-        norms,
-        references,
-        num_sequences=num_sequences,
-        device=where,
-        include_standardized=probe.include_standardized,
-        with_null=with_null,
-        bootstrap_replicates=probe.bootstrap.replicates,
-        bootstrap_block=probe.bootstrap.block,
-        seed=probe.seed,
-    )
-    measurements: list[Measurement] = [
-        angles,
-        EnergyMeasurement(norms, device=where),
-        EllipsoidMeasurement(norms),
-    ]
+        norms, references, num_sequences=num_sequences, device=where,
+        include_standardized=probe.include_standardized, with_null=with_null,
+        bootstrap_replicates=probe.bootstrap.replicates, bootstrap_block=probe.bootstrap.block,
+        seed=probe.seed)
+    measurements: list[Measurement] = [angles, EnergyMeasurement(norms, device=where),
+                                       EllipsoidMeasurement(norms)]
     if probe.mean_sources:
         measurements.append(MeanSourcesMeasurement(
             norms, device=where, documents=int(index[-1]) + 1 if index is not None else 0,
@@ -436,30 +408,14 @@ def measure_records(
         measurements.append(intervention)
     if announce_cost:
         announce(parts, batch_size, world_size, intervention)
-    run_probe(
-        model,
-        parts,
-        measurements,
-        norms=norms,
-        document_starts=start_parts,
-        documents=document_parts,
-        forward=forward,
-        batch_size=batch_size,
-        autocast=autocast,
-        device=device,
-        progress=progress,
-        rank=rank,
-        world_size=world_size,
-    )
+    run_probe(model, parts, measurements, norms=norms, document_starts=start_parts, documents=document_parts,
+              forward=forward, batch_size=batch_size, autocast=autocast, device=device, progress=progress,
+              rank=rank, world_size=world_size)
     for measurement in measurements:
         measurement.all_reduce()
     norm = record_norm_label(model, angles.sites)
-    keys = {
-        "model": model_name,
-        "norm": norm,
-        "step": step,
-        "tokens_seen": tokens_seen(step, tokens_per_step),
-    }
+    keys = {"model": model_name, "norm": norm, "step": step,
+            "tokens_seen": tokens_seen(step, tokens_per_step)}
     files: dict[str, list[dict]] = {}
     for measurement in measurements:
         files.update(measurement.records(keys))

@@ -53,19 +53,10 @@ def statistics_rows(
         root_d = math.sqrt(site.dim)
         for r, ref in enumerate(REFERENCE_NAMES):
             row = {
-                "model": model,
-                "norm": norm,
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "layer": site.layer,
-                "site": site.site,
-                "ref": ref,
-                "count": int(count[s, r]),
-                "zero_count": int(zero[s]),
-                "mean_deg": json_number(mean[s, r]),
-                "std_deg": json_number(std[s, r]),
-                "min_deg": json_number(low[s, r]),
-                "max_deg": json_number(high[s, r]),
+                "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
+                "site": site.site, "ref": ref, "count": int(count[s, r]), "zero_count": int(zero[s]),
+                "mean_deg": json_number(mean[s, r]), "std_deg": json_number(std[s, r]),
+                "min_deg": json_number(low[s, r]), "max_deg": json_number(high[s, r]),
             }
             row.update({name: json_number(quantiles[s, r, q]) for q, name in enumerate(QUANTILE_FIELDS)})
             row.update(
@@ -77,17 +68,6 @@ def statistics_rows(
             )
             rows.append(row)
     return rows
-
-
-NULL_FIELDS = (
-    "model", "norm", "step", "tokens_seen", "layer", "site", "dim", "count", "sequences", "null_k",
-    "mean_deg", "mean_ci_low", "mean_ci_high",
-    "null_mean_p05", "null_mean_p50", "null_mean_p95", "mean_rank_pct", "mean_z", "in_null_band",
-    "diff_deg", "diff_ci_low", "diff_ci_high",
-    "std_deg", "null_std_p05", "null_std_p50", "null_std_p95", "std_rank_pct", "std_z",
-    "ci_level", "bootstrap_replicates", "bootstrap_block", "bootstrap_seed",
-    "null_means", "null_stds",
-)
 
 
 def null_rows(
@@ -114,16 +94,9 @@ def null_rows(
     boot: dict[str, np.ndarray] = {}
     if stats.num_sequences:
         R = stats.num_refs
-        boot = block_bootstrap(
-            stats.seq_count.cpu().numpy(),
-            stats.seq_sum.cpu().numpy(),
-            ref=0,
-            null=slice(R, R + stats.num_null),
-            replicates=replicates,
-            block=block,
-            seed=seed,
-            level=level,
-        )
+        boot = block_bootstrap(stats.seq_count.cpu().numpy(), stats.seq_sum.cpu().numpy(), ref=0,
+                               null=slice(R, R + stats.num_null), replicates=replicates, block=block,
+                               seed=seed, level=level)
     count = stats.count.cpu()
     measured = (stats.seq_count.cpu() > 0).sum(dim=1) if stats.num_sequences else None
     rows = []
@@ -132,21 +105,13 @@ def null_rows(
         low, mid, high = (float(v) for v in where["mean_null_q"][s])
         std_q = [float(v) for v in where["std_null_q"][s]]
         row = {
-            "model": model,
-            "norm": norm,
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "layer": site.layer,
-            "site": site.site,
-            "dim": site.dim,
-            "count": int(count[s, 0]),
-            "sequences": int(measured[s]) if measured is not None else None,
-            "null_k": stats.num_null,
+            "model": model, "norm": norm, "step": step, "tokens_seen": tokens_seen, "layer": site.layer,
+            "site": site.site, "dim": site.dim, "count": int(count[s, 0]),
+            "sequences": int(measured[s]) if measured is not None else None, "null_k": stats.num_null,
             "mean_deg": json_number(mean),
             "mean_ci_low": json_number(boot["mean_low"][s]) if boot else None,
             "mean_ci_high": json_number(boot["mean_high"][s]) if boot else None,
-            "null_mean_p05": json_number(low),
-            "null_mean_p50": json_number(mid),
+            "null_mean_p05": json_number(low), "null_mean_p50": json_number(mid),
             "null_mean_p95": json_number(high),
             "mean_rank_pct": json_number(where["mean_rank"][s]),
             "mean_z": json_number(where["mean_z"][s]),
@@ -155,8 +120,7 @@ def null_rows(
             "diff_ci_low": json_number(boot["diff_low"][s]) if boot else None,
             "diff_ci_high": json_number(boot["diff_high"][s]) if boot else None,
             "std_deg": json_number(where["std"][s]),
-            "null_std_p05": json_number(std_q[0]),
-            "null_std_p50": json_number(std_q[1]),
+            "null_std_p05": json_number(std_q[0]), "null_std_p50": json_number(std_q[1]),
             "null_std_p95": json_number(std_q[2]),
             "std_rank_pct": json_number(where["std_rank"][s]),
             "std_z": json_number(where["std_z"][s]),

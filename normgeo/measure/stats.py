@@ -20,7 +20,7 @@ import contextlib
 import gc
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +45,11 @@ CENTER_DEG = 90.0
 # update: a fixed buffer, so the GPU is not waited on for their number. In d dimensions a random direction is
 # within 60 deg of a vector with probability ~exp(-d / 8); pairs beyond keep sqrt(1 - cos^2) (<= 0.03 deg).
 NULL_NEAR_AXIS_PER_VECTOR = 1
+
+
+def distributed() -> bool:
+    """Whether this process is one of several in torch.distributed (else every all-reduce is a no-op)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def json_number(value: float) -> float | None:
@@ -133,16 +138,21 @@ def seeds_for_difference(sd: float, margin: float, power: float = 0.8, alpha: fl
         raise ValueError(f"more than {most} seeds to detect {margin} at SD {sd}")
     if math.isfinite(n):
         return max(2, math.ceil(n - 1e-9))
-    low, high = 2, 2  # power grows with n: double, then bisect
-    while difference_power(high, sd, margin, alpha) < power:
+    return fewest_seeds(lambda k: difference_power(k, sd, margin, alpha) >= power, most,
+                        f"more than {most} seeds to detect {margin} at SD {sd}")
+
+
+def fewest_seeds(enough: Callable[[int], bool], most: int, too_many: str) -> int:
+    """The smallest n >= 2 that is ``enough`` (which only ever turns true as n grows): doubling, then
+    bisection; ValueError ``too_many`` past ``most``."""
+    low, high = 2, 2
+    while not enough(high):
         low, high = high + 1, high * 2
         if high > most:
-            raise ValueError(f"more than {most} seeds to detect {margin} at SD {sd}")
+            raise ValueError(too_many)
     while low < high:
         middle = (low + high) // 2
-        low, high = (
-            (low, middle) if difference_power(middle, sd, margin, alpha) >= power else (middle + 1, high)
-        )
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
     return high
 
 
@@ -189,20 +199,8 @@ def seeds_for_equivalence(sd: float, margin: float, power: float = 0.8, alpha: f
     probability ``power`` when the true difference is ``true_difference`` (default: none)."""
     if abs(true_difference) >= margin:
         raise ValueError(f"true difference {true_difference} is not inside the margin ±{margin}")
-
-    def enough(n: int) -> bool:
-        return tost_power(n, sd, margin, true_difference, alpha) >= power
-
-    low, high = 2, 2
-    while not enough(high):  # power grows with n: double, then bisect
-        low, high = high + 1, high * 2
-        if high > most:
-            raise ValueError(f"more than {most} seeds for ±{margin} at SD {sd}")
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if enough(middle) else (middle + 1, high)
-    return high
-
+    return fewest_seeds(lambda n: tost_power(n, sd, margin, true_difference, alpha) >= power, most,
+                        f"more than {most} seeds for ±{margin} at SD {sd}")
 
 
 def smallest_decidable_margin(n: int, sd: float, power: float = 0.8, alpha: float = 0.05) -> float:
@@ -222,6 +220,7 @@ def smallest_decidable_margin(n: int, sd: float, power: float = 0.8, alpha: floa
         else:
             low = middle
     return high
+
 
 def chan_merge(
     count_a: torch.Tensor, mean_a: torch.Tensor, m2_a: torch.Tensor,
@@ -275,6 +274,19 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def histogram_position(hist: torch.Tensor, quantiles: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., Q) where each quantile falls in the histograms ``hist`` (..., bins), in bins (the bin's index
+    plus the linearly interpolated fraction of it), and each histogram's total (..., 1)."""
+    hist = hist.to(torch.float64)
+    cumulative = hist.cumsum(dim=-1)
+    total = cumulative[..., -1:]
+    targets = torch.tensor(quantiles, dtype=torch.float64, device=hist.device) * total
+    index = torch.searchsorted(cumulative.contiguous(), targets.contiguous()).clamp(max=hist.shape[-1] - 1)
+    below = torch.where(index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets))
+    fraction = ((targets - below) / hist.gather(-1, index).clamp(min=1)).clamp(0, 1)
+    return index.to(torch.float64) + fraction, total
 
 
 class AngleStatistics:
@@ -494,7 +506,7 @@ class AngleStatistics:
         Chan's formula, so all ranks hold the same numbers, equal to a single process's up to float
         rounding; histograms and per-sequence sums (each sequence lives on one rank) are summed exactly.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed():
             return
         packed = torch.cat([getattr(self, f).reshape(-1) for f in self._MOMENT_FIELDS])
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
@@ -543,18 +555,8 @@ class AngleStatistics:
         The error is at most one bin width (1 / bins_per_degree degrees); the result is clamped into
         the exact [min, max] so a narrow distribution is not widened to the bin edges.
         """
-        hist = self.hist.to(torch.float64)
-        cumulative = hist.cumsum(dim=-1)
-        total = cumulative[..., -1:]
-        q = torch.tensor(quantiles, dtype=torch.float64, device=self.device)
-        targets = q * total  # (S, R, Q)
-        index = torch.searchsorted(cumulative.contiguous(), targets.contiguous()).clamp(max=self.num_bins - 1)
-        below = torch.where(
-            index > 0, cumulative.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(targets)
-        )
-        in_bin = hist.gather(-1, index).clamp(min=1)
-        fraction = ((targets - below) / in_bin).clamp(0, 1)
-        degrees = (index.to(torch.float64) + fraction) / self.bins_per_degree
+        position, total = histogram_position(self.hist, quantiles)
+        degrees = position / self.bins_per_degree
         degrees = torch.maximum(torch.minimum(degrees, self.max.unsqueeze(-1)), self.min.unsqueeze(-1))
         return torch.where(total > 0, degrees, torch.full_like(degrees, math.nan))
 
@@ -670,13 +672,10 @@ def block_bootstrap(
     """Percentile block-bootstrap intervals over probe sequences, from per-sequence sufficient statistics.
 
     ``seq_count`` (S, N) and ``seq_sum`` (S, N, D) hold, per site and sequence, the number of token
-    vectors and the sum of (angle - 90 deg) with each direction. Blocks of ``block`` consecutive
-    sequences (a document longer than a sequence continues in the next) are drawn with replacement,
-    as many as there are blocks; a replicate's mean is its total sum over its total count (the
-    token-weighted mean, like the point estimate). Returns per site (S,) arrays: ``mean`` and the
-    interval ``mean_low``/``mean_high`` for reference ``ref``; with ``null`` (the columns of the null
-    directions), ``diff`` = mean - median of the null directions' means and ``diff_low``/``diff_high``.
-    The same ``seed`` gives the same intervals.
+    vectors and the sum of (angle - 90 deg) with each direction; the draw is :func:`block_weights`'s and a
+    replicate's mean is token-weighted, like the point estimate. Returns per site (S,) arrays: ``mean`` and
+    ``mean_low``/``mean_high`` for reference ``ref``; with ``null`` (the null directions' columns), ``diff``
+    = mean - median of the null directions' means and ``diff_low``/``diff_high``.
     """
     sites, sequences = seq_count.shape
     if sequences == 0:

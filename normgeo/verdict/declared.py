@@ -126,11 +126,8 @@ def load_verdict_config(path: Path | None = None, overrides: Sequence[str] = ())
             checked[key] = math.nan
         if not checked[key] > 0 or math.isinf(checked[key]):
             raise MarginsError(f"{where}={value}: expected a positive number (a margin), e.g. {key}=0.01")
-    primary = _endpoint(
-        {"arm": "layer", "other": "rms", "metric": "val_loss/tail", **(raw.get("primary") or {})},
-        "primary",
-        path,
-    )
+    declared = {"arm": "layer", "other": "rms", "metric": "val_loss/tail", **(raw.get("primary") or {})}
+    primary = _endpoint(declared, "primary", path)
     listed = raw.get("secondary") or []
     if len(listed) > MOST_SECONDARY:
         raise MarginsError(f"{path}: secondary: a list of at most {MOST_SECONDARY} endpoints (Holm within "

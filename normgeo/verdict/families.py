@@ -143,8 +143,7 @@ def pairings(measures: pd.DataFrame) -> tuple[list[Pairing], pd.DataFrame]:
     found: list[Pairing] = []
     paired_runs: set[str] = set()
     measures = _sized(measures)
-    # One run per arm and seed, by the readers' one rule: duplicates raise DuplicateRuns naming each folder
-    # (before: the first of them was paired without a word, or a Series ended in pandas' "truth value").
+    # One run per arm and seed, by the readers' one rule: duplicates raise DuplicateRuns naming each folder.
     check_unique(
         (row.get("run_dir") or row["run"], measured_identity(row)) for row in measures.to_dict("records")
     )
@@ -249,20 +248,10 @@ def intervention_estimates(measures: pd.DataFrame, config: VerdictConfig) -> lis
         for name in INTERVENTION_METRICS:
             kept = rows.dropna(subset=[name]).sort_values("seed")
             values = [float(v) for v in kept[name]]
-            estimates.append(
-                Estimate(
-                    norm,
-                    INTACT,
-                    isolates,
-                    size,
-                    placement,
-                    name,
-                    tuple(int(s) for s in kept["seed"]),
-                    tuple(values),
-                    paired_test(values, config.margin(name), config.alpha),
-                    alpha=config.alpha,
-                )
-            )
+            test = paired_test(values, config.margin(name), config.alpha)
+            seeds = tuple(int(s) for s in kept["seed"])
+            estimates.append(Estimate(norm, INTACT, isolates, size, placement, name, seeds, tuple(values),
+                                      test, alpha=config.alpha))
     return estimates
 
 

@@ -74,11 +74,8 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
             share = band.groupby("step")["in_null_band"].mean().sort_index()
             out.update({"first_step": int(share.index[0]), "in_band_first": float(share.iloc[0]),
                         "in_band_last": float(share.iloc[-1])})
-    energy = [
-        r
-        for r in read_rows(RunFolder(run_dir).record(ENERGY_FILE))
-        if r.get("step") is not None and r.get("quantity") == "ones_fraction" and r.get("mean") is not None
-    ]
+    energy = [r for r in read_rows(RunFolder(run_dir).record(ENERGY_FILE)) if r.get("step") is not None
+              and r.get("quantity") == "ones_fraction" and r.get("mean") is not None]
     if energy:
         per_step["ones_energy"] = pd.DataFrame(energy).groupby("step")["mean"].mean().sort_index()
     for kind, series in per_step.items():
@@ -90,14 +87,9 @@ def geometry_measures(run_dir: Path) -> dict[str, float | None]:
 def intervention_measures(run_dir: Path) -> dict[str, float | str | None]:
     """A run's centering intervention, every norm at once: its loss change at the last probe and over the
     last 30% of probe steps, and what was done (remove: LayerNorm; add: RMSNorm)."""
-    rows = sorted(
-        (
-            r
-            for r in read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
-            if r.get("scope") == "all" and r.get("step") is not None and r.get("delta_loss") is not None
-        ),
-        key=lambda r: r["step"],
-    )
+    rows = [r for r in read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
+            if r.get("scope") == "all" and r.get("step") is not None and r.get("delta_loss") is not None]
+    rows.sort(key=lambda r: r["step"])
     out: dict[str, float | str | None] = {name: None for name in INTERVENTION_METRICS}
     out["intervention_action"] = rows[-1]["action"] if rows else None
     if rows:
@@ -134,17 +126,10 @@ def run_measures(tables: RunTables) -> pd.DataFrame:
         last = int(angles["step"].max())
         at_last = angles[angles["step"] == last]
         metrics = tables.metrics[tables.metrics["run"] == run.run]
-        row = {
-            "run": run.run,
-            "run_dir": run.run_dir,
-            "norm": run.norm,
-            "size": run.size,
-            "placement": run.placement,
-            "seed": run.seed,
-            "last_step": last,
-            "val_loss": last_value(metrics, "val/loss"),
-            "val_loss/tail": tail_mean(validation_curve(metrics), VAL_TAIL),
-        }
+        row = {"run": run.run, "run_dir": run.run_dir, "norm": run.norm, "size": run.size,
+               "placement": run.placement, "seed": run.seed, "last_step": last,
+               "val_loss": last_value(metrics, "val/loss"),
+               "val_loss/tail": tail_mean(validation_curve(metrics), VAL_TAIL)}
         for site in SITE_CLASSES:
             of_site = at_last[at_last["site"] == site]["mean_deg"].dropna()
             row[f"ones_dev/{site}"] = float((of_site - 90).abs().mean()) if len(of_site) else None

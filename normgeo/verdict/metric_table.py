@@ -46,63 +46,21 @@ def _windowed(kind: str, text: str, unit: str, spec: str, direction: str, higher
 _LOSS = "{arm} reaches the lower validation loss"
 _ORTHOGONAL = "1 is closer to orthogonal under {arm}"
 TABLE: tuple[Metric, ...] = (
-    Metric(
-        "val_loss/tail",
-        "validation loss, mean of the last 20% of the curve",
-        "val_loss",
-        " nats",
-        "+.4f",
-        _LOSS,
-        False,
-    ),
+    Metric("val_loss/tail", "validation loss, mean of the last 20% of the curve", "val_loss", " nats", "+.4f",
+           _LOSS, False),
     Metric("val_loss", "final validation loss", "val_loss", " nats", "+.4f", _LOSS, False),
-    Metric(
-        "ones_dev/all",
-        "|angle with 1 - 90°|, mean over the 6 site classes",
-        "ones_dev",
-        "°",
-        "+.2f",
-        _ORTHOGONAL,
-        False,
-    ),
-    *(
-        Metric(
-            f"ones_dev/{site}", f"|angle with 1 - 90°| at {site}", "ones_dev", "°", "+.2f", _ORTHOGONAL, False
-        )
-        for site in SITE_CLASSES
-    ),
-    *_windowed(
-        "rank_pct",
-        "1's rank among random directions",
-        " percentile points",
-        "+.1f",
-        "1 ranks higher among the random directions under {arm}",
-        True,
-    ),
-    *_windowed(
-        "band_margin",
-        "1's distance inside the 5–95% band",
-        " percentile points",
-        "+.1f",
-        "1 sits deeper inside the band of random directions under {arm}",
-        True,
-    ),
-    *_windowed(
-        "ones_energy",
-        "energy along 1 at the norm inputs",
-        "",
-        "+.4f",
-        "more of the energy lies along 1 under {arm}",
-        True,
-    ),
-    *_windowed(
-        INTERVENTION,
-        "Δ loss of the centering intervention, all norms",
-        " nats",
-        "+.4f",
-        "the intervention changes {arm}'s loss more",
-        True,
-    ),
+    Metric("ones_dev/all", "|angle with 1 - 90°|, mean over the 6 site classes", "ones_dev", "°", "+.2f",
+           _ORTHOGONAL, False),
+    *(Metric(f"ones_dev/{site}", f"|angle with 1 - 90°| at {site}", "ones_dev", "°", "+.2f", _ORTHOGONAL,
+             False) for site in SITE_CLASSES),
+    *_windowed("rank_pct", "1's rank among random directions", " percentile points", "+.1f",
+               "1 ranks higher among the random directions under {arm}", True),
+    *_windowed("band_margin", "1's distance inside the 5–95% band", " percentile points", "+.1f",
+               "1 sits deeper inside the band of random directions under {arm}", True),
+    *_windowed("ones_energy", "energy along 1 at the norm inputs", "", "+.4f",
+               "more of the energy lies along 1 under {arm}", True),
+    *_windowed(INTERVENTION, "Δ loss of the centering intervention, all norms", " nats", "+.4f",
+               "the intervention changes {arm}'s loss more", True),
     Metric(MEAN_FIRST, "share of E[μ²] at each probe window's first position, mean over the norm inputs "
            "(last probe)", "mean_sources", "", "+.3f",
            "more of the mean sits at the first position under {arm}", True),

@@ -126,14 +126,12 @@ def verdict_markdown(estimates: Sequence[Estimate], measures: pd.DataFrame, unpa
         "# Verdict",
         "",
         f"{len(measures)} run{'' if len(measures) == 1 else 's'}, paired by seed within each size and "
-        "placement; differences are arm − other, with 90% Student-t intervals over seeds. Declared "
-        "before the "
-        f"runs (`{source}`): the primary question, tested alone, and the secondary endpoints, "
-        f"Holm-adjusted within their family; each is tested at {alpha:g} for a difference (paired "
-        "t-test) and "
-        "for equivalence within its margin (TOST); power at the observed SD and Holm's first-step "
-        "level. Every "
-        "other row is described, not tested. Raw and adjusted p-values, per-seed values: `verdict.csv`.",
+        "placement; differences are arm − other, with 90% Student-t intervals over seeds. Declared before "
+        f"the runs (`{source}`): the primary question, tested alone, and the secondary endpoints, "
+        f"Holm-adjusted within their family; each is tested at {alpha:g} for a difference (paired t-test) "
+        "and for equivalence within its margin (TOST); power at the observed SD and Holm's first-step "
+        "level. Every other row is described, not tested. Raw and adjusted p-values, per-seed values: "
+        "`verdict.csv`.",
         "",
     ]
     if estimates and max(e.n for e in estimates) < 2:
@@ -182,9 +180,8 @@ def per_arm_lines(measures: pd.DataFrame) -> list[str]:
         "energy along 1, window | 1 in band, first / last |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (norm, size, placement), rows in measures.groupby(
-        ["norm", "size", "placement"], sort=True, dropna=False
-    ):
+    by_arm = measures.groupby(["norm", "size", "placement"], sort=True, dropna=False)
+    for (norm, size, placement), rows in by_arm:
         lines.append(
             f"| {arm_label(norm)} | {size} | {placement} | {len(rows)} | "
             f"{_mean(rows['val_loss/tail'], '.4f')} | "
@@ -197,13 +194,18 @@ def per_arm_lines(measures: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _numbers(values: pd.Series | None) -> pd.Series:
+    """A column's numbers (none for an absent column)."""
+    return pd.to_numeric(values, errors="coerce").dropna() if values is not None else pd.Series(dtype=float)
+
+
 def _mean(values: pd.Series | None, spec: str) -> str:
-    values = pd.to_numeric(values, errors="coerce").dropna() if values is not None else pd.Series(dtype=float)
+    values = _numbers(values)
     return "-" if values.empty else format(float(values.mean()), spec)
 
 
 def _interval(values: pd.Series | None, spec: str) -> str:
-    values = pd.to_numeric(values, errors="coerce").dropna() if values is not None else pd.Series(dtype=float)
+    values = _numbers(values)
     if values.empty:
         return "-"
     mean, low, high = mean_t_interval(list(values))
@@ -216,35 +218,16 @@ def verdict_table(estimates: Sequence[Estimate]) -> pd.DataFrame:
     rows = []
     for e in estimates:
         ci95, ci90 = e.ci95 or (None, None), e.ci90 or (None, None)
-        rows.append(
-            {
-                "arm": e.arm,
-                "other": e.other,
-                "isolates": e.isolates,
-                "size": e.size,
-                "placement": e.placement,
-                "metric": e.metric,
-                "primary": e.primary,
-                "family": e.family,
-                "family_size": e.family_size,
-                "n_seeds": e.n,
-                "seeds": " ".join(map(str, e.seeds)),
-                "per_seed": " ".join(f"{v:.6g}" for v in e.values),
-                "mean": e.mean,
-                "sd": e.sd,
-                "margin": e.margin,
-                "ci95_low": ci95[0],
-                "ci95_high": ci95[1],
-                "ci90_low": ci90[0],
-                "ci90_high": ci90[1],
-                "p_diff": e.test.p_diff if e.tested else None,
-                "p_diff_holm": e.p_diff_holm,
-                "p_tost": e.test.p_tost if e.tested else None,
-                "p_tost_holm": e.p_tost_holm,
-                "power_diff": e.power_diff,
-                "power_tost": e.power_tost,
-                "outcome": e.outcome(),
-                "sentence": sentence(e),
-            }
-        )
+        rows.append({
+            "arm": e.arm, "other": e.other, "isolates": e.isolates, "size": e.size, "placement": e.placement,
+            "metric": e.metric, "primary": e.primary, "family": e.family, "family_size": e.family_size,
+            "n_seeds": e.n, "seeds": " ".join(map(str, e.seeds)),
+            "per_seed": " ".join(f"{v:.6g}" for v in e.values),
+            "mean": e.mean, "sd": e.sd, "margin": e.margin,
+            "ci95_low": ci95[0], "ci95_high": ci95[1], "ci90_low": ci90[0], "ci90_high": ci90[1],
+            "p_diff": e.test.p_diff if e.tested else None, "p_diff_holm": e.p_diff_holm,
+            "p_tost": e.test.p_tost if e.tested else None, "p_tost_holm": e.p_tost_holm,
+            "power_diff": e.power_diff, "power_tost": e.power_tost, "outcome": e.outcome(),
+            "sentence": sentence(e),
+        })
     return pd.DataFrame(rows)

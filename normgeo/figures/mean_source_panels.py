@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from normgeo.figures.style import norm_label, save_figure
+from normgeo.figures.style import finish_axes, norm_label, save_figure, step_tag, step_title
 from normgeo.paths import slug
 
 
@@ -48,12 +48,8 @@ def plot_mean_sources_layers(rows: Sequence[dict], out_dir: Path, step: int | No
     right.set_title("which dimensions carry the mean", fontsize=10)
     for axis in (left, right):
         axis.set_xticks(x, labels, rotation=90, fontsize=7 if len(x) > 20 else 8)
-        axis.set_xlabel("norm input (block · norm)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8, loc="best")
+        finish_axes(axis, "norm input (block · norm)", legend=8)
     model, norm = dims[0]["model"], dims[0]["norm"]
-    step_text = "pretrained" if step is None else f"step {step:,}"
-    fig.suptitle(f"{model} · {norm_label(norm)} · where the mean lives · {step_text}")
+    fig.suptitle(f"{model} · {norm_label(norm)} · where the mean lives · {step_title(step)}")
     fig.tight_layout()
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"mean_sources_{slug(model)}_{norm}_{tag}", formats)[0]
+    return save_figure(fig, out_dir, f"mean_sources_{slug(model)}_{norm}_{step_tag(step)}", formats)[0]

@@ -15,7 +15,16 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from normgeo.figures.style import arm_color, arm_label, layer_key, norm_label, save_figure
+from normgeo.figures.style import (
+    arm_color,
+    arm_label,
+    finish_axes,
+    layer_key,
+    norm_label,
+    save_figure,
+    step_tag,
+    step_title,
+)
 from normgeo.figures.tables import print_table
 from normgeo.paths import slug
 
@@ -99,12 +108,8 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
             low, high, color="tab:gray", alpha=0.25, label=f"all norms: {value:.4f} [{low:.4f}, {high:.4f}]"
         )
         left.axhline(value, color="tab:gray", lw=1)
-    left.axhline(0, color="black", lw=0.8, ls="--")
     left.set_xticks(positions, [str(r["layer"]) for r in layers])
-    left.set_xlabel("block whose norms are intervened on")
-    left.set_ylabel(what)
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8, loc="best")
+    finish_axes(left, "block whose norms are intervened on", what, line=0, legend=8)
     source = every or layers[0]
     bins = [b for b in source["energy_bins"] if b["tokens"]]
     key = "cosine" if source["output"] == "embedding" else "delta_loss"
@@ -113,18 +118,13 @@ def plot_intervention_layers(rows: Sequence[dict], out_dir: Path, step: int | No
     )
     right.set_xticks(range(len(bins)), [f"{b['fraction_low']:g}–{b['fraction_high']:g}\n{b['tokens']:,} tok"
                                         for b in bins], fontsize=7)
-    right.axhline(0, color="black", lw=0.8, ls="--")
-    right.set_xlabel(f"token's energy fraction along 1 at the intervened inputs ({source['scope_name']})")
-    right.set_ylabel(f"mean {what.split(' (')[0]}")
-    right.grid(alpha=0.3)
+    finish_axes(right, f"token's energy fraction along 1 at the intervened inputs ({source['scope_name']})",
+                f"mean {what.split(' (')[0]}", line=0)
     model, norm = source["model"], source["norm"]
-    step_text = "pretrained" if step is None else f"step {step:,}"
-    fig.suptitle(
-        f"{model} · {norm_label(norm)} · {ACTION_TEXT.get(source['action'], source['action'])} · {step_text}"
-    )
+    action = ACTION_TEXT.get(source["action"], source["action"])
+    fig.suptitle(f"{model} · {norm_label(norm)} · {action} · {step_title(step)}")
     fig.tight_layout()
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"intervention_{slug(model)}_{norm}_{tag}", formats)[0]
+    return save_figure(fig, out_dir, f"intervention_{slug(model)}_{norm}_{step_tag(step)}", formats)[0]
 
 
 def plot_intervention_steps(runs: Sequence[tuple[str, list[dict]]], out_dir: Path,
@@ -155,10 +155,6 @@ def plot_intervention_steps(runs: Sequence[tuple[str, list[dict]]], out_dir: Pat
         steps = sorted(by_arm[arm])
         ax.plot(steps, [float(np.mean(by_arm[arm][s])) for s in steps], color=color, lw=2, marker="o", ms=3,
                 label=f"{arm_label(arm)}: {ACTION_TEXT.get(actions[arm], actions[arm])}")
-    ax.axhline(0, color="black", lw=0.8, ls="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("Δ loss of the intervention, all norms (nats)")
-    ax.set_title("What the centering changes in the model's predictions")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    finish_axes(ax, "training step", "Δ loss of the intervention, all norms (nats)",
+                "What the centering changes in the model's predictions", line=0, legend=8)
     return save_figure(fig, out_dir, stem, formats)

@@ -10,9 +10,18 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from normgeo.figures.intervention import plot_intervention_layers
-from normgeo.figures.mean_sources import plot_mean_sources_layers
-from normgeo.figures.style import REF_LABELS, SITE_STYLE, norm_label, save_figure
+from normgeo.figures.intervention_panels import plot_intervention_layers
+from normgeo.figures.mean_source_panels import plot_mean_sources_layers
+from normgeo.figures.style import (
+    REF_LABELS,
+    SITE_STYLE,
+    finish_axes,
+    norm_label,
+    save_figure,
+    sorted_steps,
+    step_tag,
+    step_title,
+)
 from normgeo.measure.records import read_rows
 from normgeo.paths import slug
 from normgeo.run_folder import (
@@ -31,24 +40,38 @@ def _layer_position(layer, n_layers: int) -> float:
     return float(layer)
 
 
-def _title_step(step) -> str:
-    return "pretrained" if step is None else f"step {step:,}"
+def _block_count(rows: list[dict]) -> int:
+    """How many blocks the rows' integer layers number (the final norm is drawn at that position)."""
+    return 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
+
+
+def _layer_errorbars(ax, rows: list[dict], n_layers: int, offset: float, **style) -> None:
+    """Mean ± std of ``rows`` (one site's) at their layers' positions shifted by ``offset``; none: nothing."""
+    series = sorted(rows, key=lambda r: _layer_position(r["layer"], n_layers))
+    if series:
+        ax.errorbar([_layer_position(r["layer"], n_layers) + offset for r in series],
+                    [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series], **style)
+
+
+def _legend_below(fig, ax, columns: int) -> None:
+    """``ax``'s legend under the panels: inside one, "best" still covered the points of a model with many
+    layers (SmolLM2)."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), columns),
+               bbox_to_anchor=(0.5, 0.0))
 
 
 def _dress_layer_axes(ax, title: str, xlabel: str) -> None:
     """A per-layer panel: its title and x label, integer layers, the 90-degree line and a light grid."""
-    ax.axhline(90, color="gray", lw=0.8, ls="--")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
+    finish_axes(ax, xlabel, title=title, line=90)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
 
 
 def plot_layers(rows: list[dict], out_dir: Path, step=None, roles: Sequence[str] | None = None) -> Path:
     """:func:`layers_figure` written to ``out_dir``."""
     model, norm = rows[0]["model"], rows[0]["norm"]
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(layers_figure(rows, step, roles), out_dir, f"layers_{slug(model)}_{norm}_{tag}")[0]
+    figure = layers_figure(rows, step, roles)
+    return save_figure(figure, out_dir, f"layers_{slug(model)}_{norm}_{step_tag(step)}")[0]
 
 
 def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = None) -> Figure:
@@ -57,33 +80,19 @@ def layers_figure(rows: list[dict], step=None, roles: Sequence[str] | None = Non
     rows = [r for r in rows if r["step"] == step]
     model, norm = rows[0]["model"], rows[0]["norm"]
     refs = list(dict.fromkeys(r["ref"] for r in rows))
-    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
+    n_layers = _block_count(rows)
     roles = roles or list(dict.fromkeys(r["site"].split(".")[0] for r in rows))
     fig, axes = plt.subplots(1, len(refs), figsize=(5.2 * len(refs), 4), sharey=True, squeeze=False)
     for ax, ref in zip(axes[0], refs, strict=True):
         for role_index, role in enumerate(roles):
             for suffix, (marker, label) in SITE_STYLE.items():
-                series = sorted(
-                    (r for r in rows if r["ref"] == ref and r["site"] == f"{role}.{suffix}"),
-                    key=lambda r: _layer_position(r["layer"], n_layers),
-                )
-                if not series:
-                    continue
                 offset = (role_index * len(SITE_STYLE) + list(SITE_STYLE).index(suffix)) * 0.06
-                ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) + offset for r in series],
-                    [r["mean_deg"] for r in series],
-                    yerr=[r["std_deg"] for r in series],
-                    fmt=marker, ms=4, capsize=2, lw=1, label=f"{role} {label}",
-                )
+                _layer_errorbars(ax, [r for r in rows if r["ref"] == ref and r["site"] == f"{role}.{suffix}"],
+                                 n_layers, offset, fmt=marker, ms=4, capsize=2, lw=1, label=f"{role} {label}")
         _dress_layer_axes(ax, f"angle with {REF_LABELS.get(ref, ref)}", f"layer (final norm at {n_layers})")
     axes[0][0].set_ylabel("angle (degrees), mean ± std over tokens")
-    # Below the panels: inside one, "best" still covered the points of a model with many layers (SmolLM2).
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 4), bbox_to_anchor=(0.5, 0.0)
-    )
-    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}")
+    _legend_below(fig, axes[0][0], columns=4)
+    fig.suptitle(f"{model} · {norm_label(norm)} · {step_title(step)}")
     return fig
 
 
@@ -98,11 +107,8 @@ def plot_steps(rows: list[dict], out_dir: Path, layer: int | str, site: str = "l
             [r["step"] for r in series], [r["mean_deg"] for r in series], yerr=[r["std_deg"] for r in series],
             fmt="o-", ms=3, capsize=2, lw=1, label=REF_LABELS.get(ref, ref),
         )
-    _dress_step_axes(
-        ax,
-        "angle (degrees), mean ± std over tokens",
-        f"{model} · {norm_label(norm)} · layer {layer} · {site}",
-    )
+    finish_axes(ax, "training step", "angle (degrees), mean ± std over tokens",
+                f"{model} · {norm_label(norm)} · layer {layer} · {site}", line=90, legend=8)
     return save_figure(fig, out_dir, f"steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
 
 
@@ -114,29 +120,15 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, site: str = "ln1.in
         steps = [r["step"] for r in rows if r["step"] is not None]
         step = max(steps) if steps else None
         chosen = [r for r in rows if r["step"] == step and r["ref"] == ref]
-        n_layers = 1 + max((r["layer"] for r in chosen if isinstance(r["layer"], int)), default=-1)
+        n_layers = _block_count(chosen)
         for suffix, (marker, label) in SITE_STYLE.items():
-            series = sorted(
-                (r for r in chosen if r["site"] == f"{site.split('.')[0]}.{suffix}"),
-                key=lambda r: _layer_position(r["layer"], n_layers),
-            )
-            if series:
-                # Side by side, after-markers hollow: in the RMSNorm
-                # arm after equals before and would hide it.
-                offset = list(SITE_STYLE).index(suffix) * 0.12
-                ax.errorbar(
-                    [_layer_position(r["layer"], n_layers) + offset for r in series],
-                    [r["mean_deg"] for r in series],
-                    yerr=[r["std_deg"] for r in series],
-                    fmt=marker,
-                    ms=4,
-                    capsize=2,
-                    label=label,
-                    mfc="none" if suffix != "in" else None,
-                )
+            # Side by side, after-markers hollow: in the RMSNorm arm after equals before and would hide it.
+            of_site = [r for r in chosen if r["site"] == f"{site.split('.')[0]}.{suffix}"]
+            _layer_errorbars(ax, of_site, n_layers, list(SITE_STYLE).index(suffix) * 0.12, fmt=marker, ms=4,
+                             capsize=2, label=label, mfc="none" if suffix != "in" else None)
         norm = chosen[0]["norm"] if chosen else "?"
         model = chosen[0]["model"] if chosen else name
-        _dress_layer_axes(ax, f"{model} · {norm_label(norm)} · {_title_step(step)}", "layer")
+        _dress_layer_axes(ax, f"{model} · {norm_label(norm)} · {step_title(step)}", "layer")
         names.append(norm)
     axes[0][0].set_ylabel(f"angle with {REF_LABELS.get(ref, ref)} (degrees)")
     axes[0][-1].legend(fontsize=8)
@@ -160,7 +152,7 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
     """Per layer: 1's mean angle (95% CI) over the random directions' 5-95% band, before/after each norm."""
     rows = [r for r in null_rows if r["step"] == step]
     model, norm, k = rows[0]["model"], rows[0]["norm"], rows[0]["null_k"]
-    n_layers = 1 + max((r["layer"] for r in rows if isinstance(r["layer"], int)), default=-1)
+    n_layers = _block_count(rows)
     suffixes = [s for s in SITE_STYLE if any(r["site"].endswith(f".{s}") for r in rows)]
     fig, axes = plt.subplots(1, len(suffixes), figsize=(5.6 * len(suffixes), 4), sharey=False, squeeze=False)
     for ax, suffix in zip(axes[0], suffixes, strict=True):
@@ -178,14 +170,10 @@ def plot_null_layers(null_rows: list[dict], out_dir: Path, step=None) -> Path:
                         label=f"{role}: 1 (95% CI)" if has_ci else f"{role}: 1")
             band.set_label(f"{role}: {k} random directions, 5–95% (tick: median)")
         _dress_layer_axes(ax, SITE_STYLE[suffix][1], f"layer (final norm at {n_layers})")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles, labels, fontsize=7, loc="upper center", ncol=min(len(labels), 3), bbox_to_anchor=(0.5, 0.0)
-    )
+    _legend_below(fig, axes[0][0], columns=3)
     axes[0][0].set_ylabel("mean angle over tokens (degrees)")
-    fig.suptitle(f"{model} · {norm_label(norm)} · {_title_step(step)}: is 1 a typical direction?")
-    tag = "pretrained" if step is None else f"step{step:07d}"
-    return save_figure(fig, out_dir, f"null_layers_{slug(model)}_{norm}_{tag}")[0]
+    fig.suptitle(f"{model} · {norm_label(norm)} · {step_title(step)}: is 1 a typical direction?")
+    return save_figure(fig, out_dir, f"null_layers_{slug(model)}_{norm}_{step_tag(step)}")[0]
 
 
 def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site: str = "ln1.in") -> Path:
@@ -206,64 +194,43 @@ def plot_null_steps(null_rows: list[dict], out_dir: Path, layer: int | str, site
            [r["mean_ci_high"] - m for m, r in zip(y, rows, strict=True)]] if has_ci else None
     ax.errorbar(steps, y, yerr=err, fmt="o-", color="C3", ms=3, capsize=2, lw=1,
                 label="uniform vector 1 (95% CI)" if has_ci else "uniform vector 1")
-    _dress_step_axes(
-        ax, "mean angle over tokens (degrees)", f"{model} · {norm_label(norm)} · layer {layer} · {site}"
-    )
+    finish_axes(ax, "training step", "mean angle over tokens (degrees)",
+                f"{model} · {norm_label(norm)} · layer {layer} · {site}", line=90, legend=8)
     return save_figure(fig, out_dir, f"null_steps_{slug(model)}_{norm}_layer{layer}_{site}")[0]
-
-
-def _dress_step_axes(ax, ylabel: str, title: str) -> None:
-    """The angle-against-training-step axes: the 90° line, labels, title, grid, legend."""
-    ax.axhline(90, color="gray", lw=0.8, ls="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
 
 
 def write_run_figures(
     run_dir: str | Path, layer: int | str | None = None, out_dir: Path | None = None
 ) -> list[Path]:
     """All figures for one run directory, written to ``out_dir`` (default ``<run_dir>/figures``)."""
-    run_dir = Path(run_dir)
-    rows = read_rows(RunFolder(run_dir).angles)
-    if not rows:
+    folder = RunFolder(run_dir)
+    if not read_rows(folder.angles):
         return []
-    out_dir = out_dir or RunFolder(run_dir).figures
+    out_dir = out_dir or folder.figures
     figures = []
-    by_model = defaultdict(list)
-    for row in rows:
-        by_model[(row["model"], row["norm"])].append(row)
-    for model_rows in by_model.values():
-        steps = sorted({r["step"] for r in model_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_layers(model_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            figures.append(plot_layers(model_rows, out_dir, step=trained[0]))
-            layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_steps(model_rows, out_dir, chosen))
-    null_by_model = defaultdict(list)
-    for row in read_rows(RunFolder(run_dir).record(NULL_FILE)):
-        null_by_model[(row["model"], row["norm"])].append(row)
-    for null_rows in null_by_model.values():
-        steps = sorted({r["step"] for r in null_rows}, key=lambda s: -1 if s is None else s)
-        figures.append(plot_null_layers(null_rows, out_dir, step=steps[-1]))
-        trained = [s for s in steps if s is not None]
-        if len(trained) > 1:
-            layers = sorted({r["layer"] for r in null_rows if isinstance(r["layer"], int)})
-            chosen = layer if layer is not None else layers[len(layers) // 2]
-            figures.append(plot_null_steps(null_rows, out_dir, chosen))
-    changes = read_rows(RunFolder(run_dir).record(INTERVENTION_FILE))
-    for step in sorted({r["step"] for r in changes}, key=lambda s: -1 if s is None else s)[-1:]:
-        figure = plot_intervention_layers(changes, out_dir, step=step)
-        if figure is not None:
-            figures.append(figure)
-    sources = read_rows(RunFolder(run_dir).record(MEAN_SOURCES_FILE))
-    for step in sorted({r["step"] for r in sources}, key=lambda s: -1 if s is None else s)[-1:]:
-        figure = plot_mean_sources_layers(sources, out_dir, step=step)
-        if figure is not None:
-            figures.append(figure)
+    # (records file, figure at a step, figure over the steps, whether the first trained step is drawn too)
+    for path, plot_at_step, plot_over_steps, first_too in (
+            (folder.angles, plot_layers, plot_steps, True),
+            (folder.record(NULL_FILE), plot_null_layers, plot_null_steps, False)):
+        by_model = defaultdict(list)
+        for row in read_rows(path):
+            by_model[(row["model"], row["norm"])].append(row)
+        for model_rows in by_model.values():
+            steps = sorted_steps(model_rows)
+            figures.append(plot_at_step(model_rows, out_dir, step=steps[-1]))
+            trained = [s for s in steps if s is not None]
+            if len(trained) > 1:
+                if first_too:
+                    figures.append(plot_at_step(model_rows, out_dir, step=trained[0]))
+                layers = sorted({r["layer"] for r in model_rows if isinstance(r["layer"], int)})
+                chosen = layer if layer is not None else layers[len(layers) // 2]
+                figures.append(plot_over_steps(model_rows, out_dir, chosen))
+    for name, plot in ((INTERVENTION_FILE, plot_intervention_layers),
+                       (MEAN_SOURCES_FILE, plot_mean_sources_layers)):
+        records = read_rows(folder.record(name))
+        for step in sorted_steps(records)[-1:]:  # the last step's figure, where it has one
+            figure = plot(records, out_dir, step=step)
+            if figure is not None:
+                figures.append(figure)
     return figures
 
