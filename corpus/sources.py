@@ -183,10 +183,8 @@ class LocalFilesSource:
         except UnicodeDecodeError as err:
             raise SourceError(
                 f"{file}: not valid {self.encoding} at byte {err.start} "
-                f"({data[err.start : err.start + 4].hex(' ')}); "
-                "convert the file (e.g. iconv -f latin1 -t utf-8) or set "
-                f"{self.config_node}.encoding=latin-1 "
-                "(its real encoding)"
+                f"({data[err.start : err.start + 4].hex(' ')}); convert the file (e.g. iconv -f latin1 -t "
+                f"utf-8) or set {self.config_node}.encoding=latin-1 (its real encoding)"
             ) from None
 
     def documents(self) -> Iterator[str]:
@@ -290,8 +288,7 @@ class HubParquetSource:
 
         offline_hint = (
             "On a machine without internet, prepare the data on one with internet (python -m corpus "
-            "data=...) "
-            "and copy the prepared folder."
+            "data=...) and copy the prepared folder."
         )
         _, pattern, _ = self.matched(offline_hint)
         try:

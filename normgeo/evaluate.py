@@ -122,10 +122,9 @@ def evaluate_run(
             scores[task]["truncated"] = count  # examples the model saw cut to its context (from the left)
             if count:
                 print(
-                    f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples "
-                    "are longer "
-                    f"than the model's {context}-token context; lm-eval cut them from the left, so the "
-                    "score is of truncated examples (eval.json records the count)",
+                    f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples are "
+                    f"longer than the model's {context}-token context; lm-eval cut them from the left, so "
+                    "the score is of truncated examples (eval.json records the count)",
                     file=sys.stderr,
                 )
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
@@ -230,9 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (full := full_disk_cause(exc)) is None:
                 raise
             print(
-                f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is "
-                "as it was; "
-                "free some space and run the same command again",
+                f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as it "
+                "was; free some space and run the same command again",
                 file=sys.stderr,
             )
             return 2

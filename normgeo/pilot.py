@@ -317,20 +317,16 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
             f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g})."
             if s.n_fp
             else "- The floating-point order: no pair of runs with another thread count here (the study "
-            "re-trains "
-            "two of its runs with 2 threads: `docs/make_threads_check.sh`)."
+            "re-trains two of its runs with 2 threads: `docs/make_threads_check.sh`)."
         ),
-        f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the "
-        f"{len(runs)} runs; "
-        f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
+        f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the {len(runs)} "
+        "runs; the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
         f"smoothing) is {_n(s.unigram, '.3f')}.",
-        "- Check: the checkpoints scored on the validation windows differ from the logged final "
-        "difference by "
-        f"{_n(s.checkpoint_gap, '+.5f')} nats.",
-        f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds "
-        "per arm to "
-        f"show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference of "
-        f"{s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
+        "- Check: the checkpoints scored on the validation windows differ from the logged final difference "
+        f"by {_n(s.checkpoint_gap, '+.5f')} nats.",
+        f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds per arm "
+        f"to show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference "
+        f"of {s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
         f"--sd {_n(s.sd_study)}`.",
         "",
         "| run | arm | seed | data.seed | threads | " + s.metric + " | largest rise of train/loss above its "

@@ -223,9 +223,8 @@ def print_report(report: dict) -> None:
     delta = f["counted"] / f["analytic"] - 1
     print(
         f"FLOPs per token: {f['counted']:.4g} counted (FlopCounterMode) · {f['analytic']:.4g} = 6N + "
-        "12·L·T·d "
-        f"with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's backward "
-        f"recomputes the scores)"
+        f"12·L·T·d with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's "
+        "backward recomputes the scores)"
         + (
             f" · {f['counted_ac']:.4g} with activation checkpointing"
             if "counted_ac" in f and not c["activation_checkpointing"]
@@ -271,12 +270,11 @@ def print_report(report: dict) -> None:
         )
     print_table(gpu_header, gpu_lines, left=("GPU",))
     print(
-        f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA "
-        "context, NCCL) "
-        "<= the card; largest micro_batch: peaks traced at micro_batch "
-        f"{report['measured_at_micro_batch']} and "
-        f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
-        "dense bf16 peak (models/step_cost.py GPUS), probes and validation not included"
+        f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA context, "
+        "NCCL) <= the card; largest micro_batch: peaks traced at micro_batch "
+        f"{report['measured_at_micro_batch']} and extrapolated linearly, among those dividing global_batch / "
+        f"GPUs; time at {c['mfu']:.0%} MFU of the dense bf16 peak (models/step_cost.py GPUS), probes and "
+        "validation not included"
     )
     d = report["disk"]
     print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "
@@ -366,22 +364,18 @@ def print_seeds(seeds: dict) -> None:
     margin = about.margin_text(seeds["margin"])
     pair = f"{norm_label(seeds['arm'])} vs {norm_label(seeds['other'])}"
     print(
-        f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
-        f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, "
-        f"{seeds['power']:.0%} "
-        f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true "
-        "difference of "
+        f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} ({seeds['sd_from']}): "
+        f"equivalence within {margin} (TOST at {seeds['alpha']:g}, {seeds['power']:.0%} power if the true "
+        f"difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true difference of "
         f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "
-        f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this "
-        "plan's GPU-hours "
-        "per run (its FLOPs at plan.mfu; probes and validation not included)."
+        f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this plan's "
+        "GPU-hours per run (its FLOPs at plan.mfu; probes and validation not included)."
     )
     for row in seeds["gpus"]:
         print(
             f"{pair} at {seeds['size']} to {margin}: {seeds['seeds_equivalence']} seeds per arm, "
-            f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} "
-            f"(2 x {seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a "
-            "difference of "
+            f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} (2 x "
+            f"{seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a difference of "
             f"{margin.lstrip('±')}: {seeds['seeds_difference']} seeds per arm, "
             f"{row['gpu_hours_difference']:,.0f} GPU-hours)"
         )
