@@ -45,6 +45,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.refusal import Refusal, refused
 from normgeo.figures.arm_overlay import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
@@ -74,9 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals("during the comparison", "--out is as it was; run the same command again")
     try:
         verdict_config = load_verdict_config(args.margins, args.margin)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except Refusal as err:
+        return refused(err)
     first = args.paths[0]
     out_dir = args.out or (
         first if len(args.paths) == 1 and not RunFolder(first).angles.exists() else first.parent
@@ -86,9 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         formats = check_formats(args.formats.split(","))
         check_writable_folder(out_dir, "--out")
         check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside="compare")  # not in a run
-    except ValueError as err:  # FolderError is one
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a FolderError, or check_formats' ValueError
+        return refused(err)
     try:
         written, damaged = write_comparison(
             args.paths, out_dir, formats=formats, refs=args.refs.split(",") if args.refs else None,
@@ -98,14 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refused(err)
     except PermissionError as err:  # a folder inside out_dir, or a file in it, that this user cannot write
-        print(
-            f"error: --out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another --out=...",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another "
+                       "--out=...")
     for name, paths in written.items():
         print(f"{name}: {len(paths)} file(s)")
     print(f"summary:\n{(out_dir / 'summary.md').read_text()}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from corpus.atomic import atomic_write_json, full_disk_cause
 from corpus.next_sentence import TASK_NAME, write_task
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
@@ -168,19 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:  # a folder of its own: never inside a run or another command's outputs
             check_own_folder(args.make_task, "--make-task", OUTPUT_MARKERS, own=None, beside="tasks")
         except FolderError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return refused(exc)
         try:
             config = write_task(args.make_task, args.corpus, args.examples)
         except (SourceError, ValueError) as exc:
-            print(f"error: --corpus {args.corpus}: {exc}", file=sys.stderr)
-            return 2
+            return refused(f"--corpus {args.corpus}: {exc}")
         print(f"wrote {config} and its data: add --include-path {args.make_task} --tasks {TASK_NAME}")
         return 0
     if not args.run_dirs:
         parser.print_usage(sys.stderr)
-        print("error: give run directories to evaluate (or --make-task DIR)", file=sys.stderr)
-        return 2
+        return refused("give run directories to evaluate (or --make-task DIR)")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     # Every refusal before the first (slow) evaluation: the options, the checkpoints, the run folders
     # (eval.json is written into each after its evaluation), the include path, the task names.
@@ -190,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"--batch-size {args.batch_size}: give at least 1" if args.batch_size < 1 else
                missing_cuda("--device", args.device, "--device cpu"))
     if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return refused(refusal)
     try:
         for run_dir in args.run_dirs:
             choose_checkpoint(run_dir, args.step)
@@ -202,38 +198,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "the evaluation (chmod u+w it, or evaluate a copy)"
                 )
     except (Refusal, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refused(exc)
     if args.include_path is not None and not args.include_path.is_dir():
-        print(
-            f"error: --include-path {args.include_path}: no such folder (build it with --make-task)",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--include-path {args.include_path}: no such folder (build it with --make-task)")
     manager = task_manager(args.include_path)
     unknown = sorted(set(tasks) - set(manager.all_tasks))
     if unknown:
         hint = (" (build the local task with --make-task DIR and add --include-path DIR)"
                 if TASK_NAME in unknown else "")
-        print(f"error: --tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}", file=sys.stderr)
-        return 2
+        return refused(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}")
     for run_dir in args.run_dirs:
         try:
             record = evaluate_run(
                 run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device
             )
         except Refusal as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
-            print(f"error: {run_dir}: {exc}", file=sys.stderr)
-            return 2
+            return refused(f"{run_dir}: {exc}")
         except OSError as exc:
             if (full := full_disk_cause(exc)) is None:
                 raise
-            print(
-                f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as it "
-                "was; free some space and run the same command again",
-                file=sys.stderr,
-            )
-            return 2
+            return refused(f"{run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as "
+                           "it was; free some space and run the same command again")
         scores = "; ".join(
             f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items()
         )

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from corpus.atomic import atomic_write_json, atomic_write_text, full_disk_cause, give_usual_file_modes
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from corpus.stream import tokens_per_step
 from models.export.hf import (
     RmsParity,
@@ -411,8 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint, args.as_norm)
     except Refusal as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refused(exc)
     if (diverged := divergence(args.run_dir)) is not None:
         print(
             f"warning: {args.run_dir} diverged at step {diverged.get('step')} (its summary.json): the export "

@@ -101,22 +101,19 @@ class ModelRecords(RecordFrames):
         save_references(run.references, self.references)
         for name, file_rows in self.records.files.items():
             write_step(run.record(name), file_rows)
-        stale = [run.record(INTERVENTION_FILE), run.record(INTERVENTION_POSITIONS_FILE),
-                 *run.figures.glob("intervention_*")]
-        if not self.records.intervention and any(path.exists() for path in stale):
-            # An earlier analysis's intervention (its records and
-            # figures) would read as this one's: it measured none.
-            for path in stale:
-                path.unlink(missing_ok=True)
-            log.warning("removed %s and its figures from an earlier analysis: this run measured no "
-                        "intervention (probe.intervention=[])", INTERVENTION_FILE)
-        unmeasured = [run.record(MEAN_SOURCES_FILE), *run.figures.glob("mean_sources_*")]
-        if MEAN_SOURCES_FILE not in self.records.files and any(path.exists() for path in unmeasured):
-            # The same for an earlier analysis's mean sources: this run measured none.
-            for path in unmeasured:
-                path.unlink(missing_ok=True)
-            log.warning("removed %s and its figures from an earlier analysis: this run measured no mean "
-                        "sources (probe.mean_sources=false)", MEAN_SOURCES_FILE)
+        # An earlier analysis's intervention or mean sources (records and figures) would read as this one's.
+        for measured, names, figures, what in (
+            (bool(self.records.intervention), (INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE),
+             "intervention_*", "intervention (probe.intervention=[])"),
+            (MEAN_SOURCES_FILE in self.records.files, (MEAN_SOURCES_FILE,), "mean_sources_*",
+             "mean sources (probe.mean_sources=false)"),
+        ):
+            stale = [*map(run.record, names), *run.figures.glob(figures)]
+            if not measured and any(path.exists() for path in stale):
+                for path in stale:
+                    path.unlink(missing_ok=True)
+                log.warning("removed %s and its figures from an earlier analysis: this run measured no %s",
+                            names[0], what)
         figures = write_run_figures(out_dir)
         write_summary(out_dir, self.summary)
         atomic_write_json(run.run_info, self.info)

@@ -39,7 +39,7 @@ import torch
 
 from corpus.atomic import atomic_write_text
 from corpus.prepare import PreparedData, load_prepared
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from corpus.stream import TokenWindows
 from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
@@ -357,9 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="pilot")
         split, runs = split_variance(args.folder)
         out.mkdir(parents=True, exist_ok=True)
-    except (PilotError, ValueError, FileNotFoundError, OSError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except (Refusal, OSError) as err:
+        return refused(str(err).splitlines()[0])
     text = pilot_markdown(split, runs)
     atomic_write_text(out / PILOT_MD, text)
     atomic_write_text(out / PILOT_CSV, runs.drop(columns=["run_dir"]).to_csv(index=False))

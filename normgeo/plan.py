@@ -47,6 +47,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.atomic import atomic_open
+from corpus.refusal import refused
 from models.step_cost import (
     GIB,
     GPUS,
@@ -73,7 +74,6 @@ from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import run_measures
 from normgeo.verdict.metric_table import METRICS, metric
 
-CONFIG_ERROR_EXIT = 2
 # The peaks measured on GPUs, one place: docs/plan.md's table and tests/test_plan.py read them, --record adds.
 MEASURED_PEAKS = Path(__file__).resolve().parents[1] / "docs" / "measured_peaks.json"
 
@@ -426,19 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, report = plan_config(cfg, measure=args.measure)
     except DuplicateRuns as err:  # --sweep holding two folders of one run: each named, as compare names them
         print(err, file=sys.stderr)
-        return CONFIG_ERROR_EXIT
-    except Exception as err:  # Hydra's override/composition errors, ConfigError, a plan's ValueError
-        if not (_is_input_error(err) or isinstance(err, FileNotFoundError)):
-            raise
-        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return 2
+    # Hydra's override/composition errors, ConfigError, and models.step_cost's and measure.stats' ValueErrors
+    except (ValueError, HydraException, OmegaConfBaseException, FileNotFoundError) as err:
+        return refused(str(err).splitlines()[0] if str(err) else type(err).__name__)
     if seeds_for is not None:
         try:
             report["seeds"] = seeds_report(*seeds_for, sd, source, report)
-        except ValueError as err:  # more seeds than the planners search: say so, not a traceback
-            print(f"error: --seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer",
-                  file=sys.stderr)
-            return CONFIG_ERROR_EXIT
+        except ValueError as err:  # more seeds than the planners search (measure.stats): not a traceback
+            return refused(f"--seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer")
     if args.record and "peak" in (report["measured"] or {}):
         row = record_measurement(report)
         print(f"recorded in {MEASURED_PEAKS}: {row}", file=sys.stderr)
@@ -449,10 +445,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print_report(report)
     return 0
-
-
-def _is_input_error(err: Exception) -> bool:
-    return isinstance(err, ValueError | HydraException | OmegaConfBaseException)
 
 
 if __name__ == "__main__":
