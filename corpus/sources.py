@@ -307,10 +307,9 @@ class HubParquetSource:
     def sampled_documents(self, seed: int) -> Iterator[str]:
         """Documents spread over the whole dataset, without reading all of it.
 
-        The row groups of every matched parquet file (from their footers) are visited in a seeded
-        random order, and ``docs_per_group`` seeded random rows of each are taken: a million probe tokens
-        of English Wikipedia (one article per row) touch ~100 row groups all over the dump instead of
-        its first file.
+        The row groups of every matched parquet file (from their footers) are visited in a seeded random
+        order, and ``docs_per_group`` seeded random rows of each are taken: a million probe tokens of English
+        Wikipedia (one article per row) touch ~100 row groups all over the dump instead of its first file.
         """
         # Only for parquet sources (pyarrow is heavy to import).
         import pyarrow.parquet as pq

@@ -1,26 +1,12 @@
 """The arms side by side: ``python -m normgeo.compare outputs/`` (a sweep folder or run directories).
 
-Loads every run's ``angles.jsonl``, logged metrics (the CSV every run writes) and config into tidy tables
-and writes, to ``--out`` (default ``<folder>/compare``):
-
-- ``angles.parquet`` / ``angles.csv``: one row per (run, step, layer, site, reference), with the run's
-  arm (norm), seed and size;
-- ``metrics.parquet`` / ``metrics.csv``: one row per (run, step, metric);
-- ``summary.csv`` / ``summary.md``: per arm and seed the final step, tokens, final train and validation
-  loss, wall time, tokens/s and the mean angle with 1 at every site at the final step (mean over layers);
-- ``overlay_<site>_<ref>.{png,pdf}``: the arms over training steps, one panel per layer, the mean over
-  tokens as a line and the p05-p95 band of the tokens' angles shaded (seeds: mean of the seeds' values);
-- ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
-- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial
-  (:mod:`normgeo.figures.norm_figures`);
-- ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
-  per-seed differences, their mean with 95% and 90% t-intervals (:mod:`normgeo.verdict`). The primary question
-  and at most 6 secondary endpoints, declared in the margins file, are tested for a difference and for
-  equivalence within their margins (TOST), Holm-adjusted within the secondary family, with their power at the
-  observed SD, and say what they support: "equivalent", "different" or "inconclusive"; every other row is
-  described (intervals and per-seed values, no test). ``verdict.md`` is one table per family;
-  ``val_curve_diff.{png,pdf}``: per contrast the paired difference of the validation curves with its
-  pointwise 95% interval (:mod:`normgeo.figures.verdict`).
+Reads every run's ``angles.jsonl``, logged metrics and config and writes to ``--out`` (default
+``<folder>/compare``) the tidy tables (``angles``, ``metrics``: parquet and csv), ``summary.csv``/``.md`` (per
+arm and seed), the figures (per-layer overlays of the arms over steps, ``loss``, the norm factorial:
+:mod:`normgeo.figures.norm_figures`; others plug in with :func:`normgeo.figures.arm_overlay.register_figure`)
+and the verdict (``verdict.md``/``.csv``/figure and ``val_curve_diff``: :mod:`normgeo.verdict`): the arms
+paired by seed, the declared primary question and secondary endpoints tested for a difference and for
+equivalence within their margins. docs/compare.md says what each file holds and how to read it.
 
 Margins: ``conf/compare/margins.yaml`` (the primary question and the secondary endpoints are declared there
 too); ``--margins FILE`` reads another file, ``--margin val_loss=0.01`` overrides one key (repeatable). A bad
@@ -34,8 +20,6 @@ stderr with the file and line, the other runs are compared and written, and the 
 
 Two folders holding the same run (arm keys and seed: a backup copy, two sweeps under one folder) are refused
 before anything is read: each folder on a line of stderr, exit status 2 (:mod:`normgeo.readers.identity`).
-
-Figures of other kinds plug in with :func:`register_figure`.
 """
 
 from __future__ import annotations

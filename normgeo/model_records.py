@@ -139,10 +139,9 @@ def measure_model(
     separator: int | None = None,
 ) -> ModelRecords:
     """Every measurement ``probe`` asks for on the token stream ``ids`` in windows of ``setup.seq_len``
-    (forwards of ``batch_size`` of them)
-    (:func:`normgeo.measure.pipeline.measure_records`), the records' ``model`` field ``name``; ``info``
-    holds what ``run_info.json`` says of the model (loaded from ``source``) and the probe (its text from
-    ``probe_source``)."""
+    (forwards of ``batch_size`` of them) (:func:`normgeo.measure.pipeline.measure_records`), the records'
+    ``model`` field ``name``; ``info`` holds what ``run_info.json`` says of the model (loaded from ``source``)
+    and the probe (its text from ``probe_source``)."""
     started = time.perf_counter()
     references = make_references(setup.dim, probe.seed, probe.null_directions)
     records = measure_records(

@@ -1,5 +1,5 @@
-"""What a GPU run will cost, before it runs: ``python -m
-normgeo.plan <train.py overrides>`` (``normgeo-plan``).
+"""What a GPU run will cost, before it runs: ``python -m normgeo.plan <train.py overrides>``
+(``normgeo-plan``).
 
 Composes the config exactly as ``train.py`` would (same overrides, same schema check), writing nothing, and
 prints the parameter counts, FLOPs, the peak memory per GPU by category (with and without activation
