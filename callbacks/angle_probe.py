@@ -52,16 +52,8 @@ class AngleProbe(OptimizerStepCallback):
     RMSNorm, per scope of ``intervention``) and the logger entries.
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        schedule: CheckpointSchedule,
-        source,
-        model_name: str,
-        probe: TrainProbeSchema,
-        *,
-        ids: np.ndarray | None = None,
-    ) -> None:
+    def __init__(self, run_dir: str, schedule: CheckpointSchedule, source, model_name: str,
+                 probe: TrainProbeSchema, *, ids: np.ndarray | None = None) -> None:
         self.folder = RunFolder(run_dir)
         self.schedule = schedule
         self.source = source

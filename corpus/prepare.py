@@ -110,18 +110,9 @@ def split_documents(documents: Iterable[np.ndarray], val_fraction: float) -> Ite
         yield ("val" if period and index % period == 0 else "train"), ids
 
 
-def prepare(
-    source,
-    directory: str | os.PathLike,
-    *,
-    tokenizer: str = "gpt2",
-    val_fraction: float = 0.005,
-    threads: int | None = None,
-    progress: bool = True,
-    verify: str = "fast",
-    repair: bool = False,
-    prepare_hint: str = "",
-) -> PreparedData:
+def prepare(source, directory: str | os.PathLike, *, tokenizer: str = "gpt2", val_fraction: float = 0.005,
+            threads: int | None = None, progress: bool = True, verify: str = "fast", repair: bool = False,
+            prepare_hint: str = "") -> PreparedData:
     """Prepare ``source`` into ``directory`` unless an identical prepare already finished there.
 
     Its files are checked against ``meta.json`` (``verify='full'`` re-hashes every byte); files that do

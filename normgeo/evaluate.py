@@ -76,15 +76,8 @@ def task_manager(include_path: Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def evaluate_run(
-    run_dir: Path,
-    tasks: Sequence[str],
-    manager,
-    step: int | None = None,
-    limit: int | None = None,
-    batch_size: int = 8,
-    device: str = "cpu",
-) -> dict:
+def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None,
+                 limit: int | None = None, batch_size: int = 8, device: str = "cpu") -> dict:
     """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json
     content."""
     # lm-eval takes seconds to import: only once every option has been checked (main).
@@ -101,18 +94,9 @@ def evaluate_run(
         truncated = {name: truncated_examples(task, context, limit, encode)
                      for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items()
                      if isinstance(name, str)}
-        output = lm_eval.simple_evaluate(
-            model=model,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            log_samples=False,
-            bootstrap_iters=1000,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-        )
+        output = lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
+                                         log_samples=False, bootstrap_iters=1000, random_seed=0,
+                                         numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
                 "context": context, "lm_eval_version": lm_eval.__version__}

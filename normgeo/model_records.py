@@ -120,24 +120,11 @@ class ModelRecords(RecordFrames):
         return figures
 
 
-def measure_model(
-    model: nn.Module,
-    ids: np.ndarray,
-    setup: ProbeSetup,
-    probe: ProbeConfig,
-    *,
-    batch_size: int,
-    name: str,
-    source: str,
-    probe_source: str,
-    step: int | None = None,
-    tokens_per_step: int | None = None,
-    forward: Callable[[torch.Tensor], object] | None = None,
-    device: torch.device | None = None,
-    progress: bool = False,
-    announce_cost: bool = False,
-    separator: int | None = None,
-) -> ModelRecords:
+def measure_model(model: nn.Module, ids: np.ndarray, setup: ProbeSetup, probe: ProbeConfig, *,
+                  batch_size: int, name: str, source: str, probe_source: str, step: int | None = None,
+                  tokens_per_step: int | None = None, forward: Callable[[torch.Tensor], object] | None = None,
+                  device: torch.device | None = None, progress: bool = False, announce_cost: bool = False,
+                  separator: int | None = None) -> ModelRecords:
     """Every measurement ``probe`` asks for on the token stream ``ids`` in windows of ``setup.seq_len``
     (forwards of ``batch_size`` of them) (:func:`normgeo.measure.pipeline.measure_records`), the records'
     ``model`` field ``name``; ``info`` holds what ``run_info.json`` says of the model (loaded from ``source``)

@@ -174,13 +174,8 @@ def validation_windows(run_dir: Path) -> tuple[PreparedData, TokenWindows, int, 
     micro = int(config["micro_batch"])
     count = max(micro, int(config["val_sequences"]) // micro * micro)
     seed = config.get("val_seed")
-    windows = TokenWindows(
-        str(prepared.path("val")),
-        prepared.num_tokens("val"),
-        int(config["seq_len"]),
-        count,
-        int(data["seed"] if seed is None else seed),
-    )
+    windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(config["seq_len"]),
+                           count, int(data["seed"] if seed is None else seed))
     return prepared, windows, count, micro
 
 

@@ -105,13 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_figures(
-    runs: dict[str, list[dict]],
-    run_out: dict[str, Path],
-    out_dir: Path,
-    layer: int | str | None,
-    said_where: bool,
-) -> None:
+def write_figures(runs: dict[str, list[dict]], run_out: dict[str, Path], out_dir: Path,
+                  layer: int | str | None, said_where: bool) -> None:
     """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into
     ``out_dir``."""
     for run_dir, folder in run_out.items():

@@ -126,12 +126,10 @@ def recorded_norm(run_dir: Path) -> str | None:
 def identity_from_config(config: Mapping, norm: str | None = None) -> RunIdentity:
     """A run's identity from its config; ``norm`` stands in where the config has none (a copied run)."""
     seed = config.get("seed")
-    return RunIdentity(
-        norm=(config.get("norm") or {}).get("name") or norm,
-        placement=recorded_value(config, "placement.name"),
-        size=(config.get("size") or {}).get("name"),
-        seed=int(seed) if seed is not None else None,
-    )
+    return RunIdentity(norm=(config.get("norm") or {}).get("name") or norm,
+                       placement=recorded_value(config, "placement.name"),
+                       size=(config.get("size") or {}).get("name"),
+                       seed=int(seed) if seed is not None else None)
 
 
 def run_identity(run_dir: Path) -> RunIdentity:
