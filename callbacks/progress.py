@@ -210,11 +210,8 @@ class StepProgressBar(ProgressBar):
                 smoothing=0,
             )
             self._redirect = contextlib.ExitStack()
-            loggers = [
-                logging.root,
-                logging.getLogger("lightning.pytorch"),
-                logging.getLogger("lightning.fabric"),
-            ]
+            loggers = [logging.root, logging.getLogger("lightning.pytorch"),
+                       logging.getLogger("lightning.fabric")]
             loggers = [lg for lg in loggers if any(_is_console_handler(h) for h in lg.handlers)]
             if loggers:
                 self._redirect.enter_context(logging_redirect_tqdm(loggers=loggers))
@@ -315,11 +312,8 @@ NOISE_WARNINGS = (
     # untrue here: corpus.stream.StepSampler starts the batch stream at the restored global step
     (r"You're resuming from a checkpoint that ended before the epoch ended", Warning),
 )
-RANK_ZERO_LOGGERS = (
-    "lightning.pytorch.utilities.rank_zero",
-    "lightning.fabric.utilities.rank_zero",
-    "lightning_utilities.core.rank_zero",
-)
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero")
 
 
 class _DropLines(logging.Filter):

@@ -202,24 +202,12 @@ def _prepare_locked(
     for split in SPLITS:
         final = directory / f"{split}.bin"
         os.replace(tmp_paths[split], final)
-        splits[split] = {
-            "tokens": counts[split],
-            "documents": documents[split],
-            "bytes": final.stat().st_size,
-            "sha256": full_checksum(final),
-            "fingerprint": fingerprint(final),
-        }
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "source": source.describe(),
-        "tokenizer": tokenizer,
-        "vocab_size": vocab_size,
-        "eot_token": eot_id,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
-        "val_fraction": val_fraction,
-        "splits": splits,
-        "seconds": round(time.time() - started, 2),
-    }
+        splits[split] = {"tokens": counts[split], "documents": documents[split],
+                         "bytes": final.stat().st_size, "sha256": full_checksum(final),
+                         "fingerprint": fingerprint(final)}
+    meta = {"format_version": FORMAT_VERSION, "source": source.describe(), "tokenizer": tokenizer,
+            "vocab_size": vocab_size, "eot_token": eot_id, "dtype": np.dtype(TOKEN_DTYPE).name,
+            "val_fraction": val_fraction, "splits": splits, "seconds": round(time.time() - started, 2)}
     atomic_write_json(directory / META_FILE, meta)
     return PreparedData(directory, meta)
 

@@ -52,12 +52,8 @@ def special_file_kind(path: Path) -> str | None:
         mode = path.stat().st_mode
     except OSError:
         return None
-    kinds = {
-        stat.S_ISFIFO: "a FIFO (named pipe)",
-        stat.S_ISCHR: "a character device",
-        stat.S_ISBLK: "a block device",
-        stat.S_ISSOCK: "a socket",
-    }
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
     return next((name for test, name in kinds.items() if test(mode)), None)
 
 

@@ -110,20 +110,12 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
             continue
         data = config.get("data") or {}
         values = {"val_loss": float(curve.iloc[-1]), "val_loss/tail": tail_mean(curve, VAL_TAIL)}
-        rows.append(
-            {
-                "run": run_dir.name,
-                "run_dir": str(run_dir),
-                "norm": (config.get("norm") or {}).get("name"),
-                "seed": int(config.get("seed", 0)),
-                "data_seed": int(data.get("seed", config.get("seed", 0))),
-                "threads": config.get("threads"),
-                "val_seed": data.get("val_seed"),
-                "metric": values[metric],
-                "final": values["val_loss"],
-                "rise": largest_rise(metrics),
-            }
-        )
+        seed = int(config.get("seed", 0))
+        norm = (config.get("norm") or {}).get("name")
+        rows.append({"run": run_dir.name, "run_dir": str(run_dir), "norm": norm, "seed": seed,
+                     "data_seed": int(data.get("seed", seed)), "threads": config.get("threads"),
+                     "val_seed": data.get("val_seed"), "metric": values[metric], "final": values["val_loss"],
+                     "rise": largest_rise(metrics)})
     return pd.DataFrame(rows, columns=["run", "run_dir", "norm", "seed", "data_seed", "threads", "val_seed",
                                        "metric", "final", "rise"])
 

@@ -171,19 +171,11 @@ def plan_config(cfg: TrainSchema, *, both_checkpointing: bool = True, probe: boo
     with quiet_plan():
         plan = make_plan(setup, both_checkpointing=both_checkpointing, probe=probe)
     report = {
-        "config": {
-            "size": cfg.size.name,
-            "norm": cfg.norm.name,
-            "precision": setup.precision,
-            "strategy": setup.strategy,
-            "world_size": setup.world_size,
-            "micro_batch": setup.micro_batch,
-            "global_batch": setup.global_batch,
-            "seq_len": setup.seq_len,
-            "max_steps": int(cfg.max_steps),
-            "activation_checkpointing": setup.activation_checkpointing,
-            "mfu": cfg.plan.mfu,
-        },
+        "config": {"size": cfg.size.name, "norm": cfg.norm.name, "precision": setup.precision,
+                   "strategy": setup.strategy, "world_size": setup.world_size,
+                   "micro_batch": setup.micro_batch, "global_batch": setup.global_batch,
+                   "seq_len": setup.seq_len, "max_steps": int(cfg.max_steps),
+                   "activation_checkpointing": setup.activation_checkpointing, "mfu": cfg.plan.mfu},
         "counts": asdict(plan.counts),
         "flops_per_token": {
             "counted": plan.configured.flops_per_token,
@@ -234,10 +226,8 @@ def print_report(report: dict) -> None:
     print(f"per optimizer step: {report['flops_per_step']:.4g} FLOPs, {report['tokens_per_step']:,} tokens · "
           f"whole run: {report['total_tokens']:,} tokens")
     columns = list(report["memory"])
-    header = [
-        "GiB per GPU",
-        *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns],
-    ]
+    header = ["GiB per GPU",
+              *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns]]
     if report["probe_memory"]:
         header.append("at a probe")
     rows = []
@@ -253,21 +243,10 @@ def print_report(report: dict) -> None:
     h = report["headroom"]
     gpu_header = ["GPU", "GiB", "fits", "largest micro_batch", "fits (AC)", "largest micro_batch (AC)",
                   "s / step", "run hours", "GPU-hours"]
-    gpu_lines = []
-    for r in report["gpus"]:
-        gpu_lines.append(
-            [
-                r["name"],
-                f"{r['memory_gib']:.1f}",
-                _yes(r.get("fits_no_ac")),
-                _mb(r.get("largest_micro_batch_no_ac")),
-                _yes(r.get("fits_ac")),
-                _mb(r.get("largest_micro_batch_ac")),
-                f"{r['step_s']:.2f}",
-                f"{r['run_hours']:.1f}",
-                f"{r['gpu_hours']:.0f}",
-            ]
-        )
+    gpu_lines = [[r["name"], f"{r['memory_gib']:.1f}", _yes(r.get("fits_no_ac")),
+                  _mb(r.get("largest_micro_batch_no_ac")), _yes(r.get("fits_ac")),
+                  _mb(r.get("largest_micro_batch_ac")), f"{r['step_s']:.2f}", f"{r['run_hours']:.1f}",
+                  f"{r['gpu_hours']:.0f}"] for r in report["gpus"]]
     print_table(gpu_header, gpu_lines, left=("GPU",))
     print(
         f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA context, "
