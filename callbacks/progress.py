@@ -131,9 +131,8 @@ class StepProgressBar(ProgressBar):
     lines every ``log_interval_s`` seconds. ``file``: where the bar goes (default stderr).
     """
 
-    def __init__(
-        self, *, log_interval_s: float = 30.0, interactive: bool | None = None, file: TextIO | None = None
-    ):
+    def __init__(self, *, log_interval_s: float = 30.0, interactive: bool | None = None,
+                 file: TextIO | None = None):
         super().__init__()
         self.log_interval_s = log_interval_s
         self._interactive = interactive

@@ -61,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if verify_only:
             data = load_prepared(directory, tokenizer=data_cfg.tokenizer, prepare_hint=repair, verify="full")
         else:
-            data = prepare(
-                source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
-                verify="full", repair=True,
-            )
+            data = prepare(source, directory, tokenizer=data_cfg.tokenizer,
+                           val_fraction=data_cfg.val_fraction, verify="full", repair=True)
     except Refusal as err:
         return refused(err)
     splits = data.meta["splits"]

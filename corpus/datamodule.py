@@ -44,10 +44,8 @@ class TokenDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Runs on one process per node (Lightning's rule); the others wait at a barrier."""
         if self.auto_prepare:
-            prepare(
-                self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction,
-                prepare_hint=self.prepare_command,
-            )
+            prepare(self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction,
+                    prepare_hint=self.prepare_command)
         else:
             self.load()
 
@@ -77,9 +75,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         data = self.load()
-        dataset = TokenWindows(
-            str(data.path("train")), data.num_tokens("train"), self.seq_len, self.global_batch, self.seed
-        )
+        dataset = TokenWindows(str(data.path("train")), data.num_tokens("train"), self.seq_len,
+                               self.global_batch, self.seed)
         trainer = self.trainer
         sampler = StepSampler(global_batch=self.global_batch, micro_batch=self.micro_batch,
                               rank=trainer.global_rank, world_size=trainer.world_size,
@@ -96,7 +93,6 @@ class TokenDataModule(L.LightningDataModule):
         if count != self.val_sequences and self.trainer.is_global_zero:
             log.warning("val_sequences=%d: %d validation windows, a multiple of the %d devices",
                         self.val_sequences, count, world)
-        dataset = TokenWindows(
-            str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed
-        )
+        dataset = TokenWindows(str(data.path("val")), data.num_tokens("val"), self.seq_len, count,
+                               self.val_seed)
         return self._loader(dataset, ShardSampler(count, self.trainer.global_rank, world))

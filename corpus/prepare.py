@@ -135,9 +135,8 @@ def prepare(source, directory: str | os.PathLike, *, tokenizer: str = "gpt2", va
     lock = FileLock(directory / ".prepare.lock")
     try:
         with lock:
-            return _prepare_locked(
-                source, directory, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
-            )
+            return _prepare_locked(source, directory, tokenizer, val_fraction, threads, progress, verify,
+                                   repair, prepare_hint)
     except BaseException:
         if created:  # a failed first prepare leaves no folder behind (nor the data_root it created)
             (directory / ".prepare.lock").unlink(missing_ok=True)
@@ -147,9 +146,8 @@ def prepare(source, directory: str | os.PathLike, *, tokenizer: str = "gpt2", va
         raise
 
 
-def _prepare_locked(
-    source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
-) -> PreparedData:
+def _prepare_locked(source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair,
+                    prepare_hint) -> PreparedData:
     existing = _read_meta(directory)
     if existing is None and (directory / META_FILE).exists():  # damaged: its data may be read by other runs
         hint = f" Prepare (or repair) it with: {prepare_hint}" if prepare_hint else ""
@@ -222,10 +220,8 @@ def _read_meta(directory: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def load_prepared(
-    directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "", verify: str = "fast",
-    val_fraction: float | None = None,
-) -> PreparedData:
+def load_prepared(directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "",
+                  verify: str = "fast", val_fraction: float | None = None) -> PreparedData:
     """Open prepared data after checking it is complete and ours; ``verify='full'`` re-hashes every byte;
     ``val_fraction``, where given, is the split the caller will record as its own."""
     directory = Path(directory)

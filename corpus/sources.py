@@ -288,9 +288,8 @@ class HubParquetSource:
         )
         _, pattern, _ = self.matched(offline_hint)
         try:
-            dataset = datasets.load_dataset(
-                "parquet", data_files=pattern, split="train", num_proc=self.num_proc
-            )
+            dataset = datasets.load_dataset("parquet", data_files=pattern, split="train",
+                                            num_proc=self.num_proc)
         except Exception as err:
             raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
         if self.text_field not in dataset.column_names:

@@ -16,9 +16,8 @@ from normgeo.runs.run_config import OUTPUT_MARKERS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m normgeo.analysis", description="Cross-model summary (Table 1) of analyze.py outputs."
-    )
+    parser = argparse.ArgumentParser(prog="python -m normgeo.analysis",
+                                     description="Cross-model summary (Table 1) of analyze.py outputs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="summary")  # named when missing
     summary_parser = commands.add_parser("summary",
                                          help="pool angles.jsonl of one or more output directories")

@@ -42,9 +42,8 @@ from normgeo.verdict.declared import load_verdict_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="a sweep folder (outputs/) or run directories")
     parser.add_argument(
         "--out", type=Path, default=None, help="output folder (default: <first path>/compare)"
@@ -73,10 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:  # a FolderError, or check_formats' ValueError
         return refused(err)
     try:
-        written, damaged = write_comparison(
-            args.paths, out_dir, formats=formats, refs=args.refs.split(",") if args.refs else None,
-            verdict_config=verdict_config,
-        )
+        written, damaged = write_comparison(args.paths, out_dir, formats=formats,
+                                            refs=args.refs.split(",") if args.refs else None,
+                                            verdict_config=verdict_config)
     except DuplicateRuns as err:  # its message names each folder on a line and ends with the error line
         print(err, file=sys.stderr)
         return 2

@@ -33,13 +33,7 @@ from normgeo.run_folder import RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
-DEFAULT_CORPUS = (
-    Path(__file__).resolve().parent.parent.parent
-    / "shared"
-    / "corpora"
-    / "wikipedia"
-    / "enwiki-wikiextractor"
-)
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared/corpora/wikipedia/enwiki-wikiextractor"
 
 
 def _scores(results: dict, samples: dict, task: str) -> dict:
@@ -120,15 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="*", type=Path, help="train.py run directories")
-    parser.add_argument(
-        "--tasks", default=TASK_NAME, help=f"comma-separated lm-eval tasks (default {TASK_NAME})"
-    )
-    parser.add_argument(
-        "--include-path", type=Path, default=None, help="a folder of task YAMLs (--make-task's)"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="evaluate checkpoints/step-<N>.ckpt of every run"
-    )
+    parser.add_argument("--tasks", default=TASK_NAME,
+                        help=f"comma-separated lm-eval tasks (default {TASK_NAME})")
+    parser.add_argument("--include-path", type=Path, default=None,
+                        help="a folder of task YAMLs (--make-task's)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="evaluate checkpoints/step-<N>.ckpt of every run")
     parser.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0, ...")
@@ -139,9 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help=f"build the offline task {TASK_NAME} into DIR (then --include-path DIR) and exit",
     )
-    parser.add_argument(
-        "--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder"
-    )
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="--make-task's WikiExtractor folder")
     parser.add_argument("--examples", type=int, default=500, help="--make-task's number of examples")
     args = parser.parse_args(argv)
     # The temporary export is removed and eval.json keeps

@@ -326,12 +326,9 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
     if as_norm is not None and (refusal := rms_conversion_refusal(gpt)):
         raise ExportError(f"--as {as_norm}: {refusal}")
     tokenizer = gpt2_tokenizer(gpt.config.block_size)
-    model_class = (
-        "HookedTransformer"
-        if target == "transformer-lens"
-        else hf_class_name(gpt, as_rms=as_norm is not None)
-    )
-    conversion = check_conversion(gpt, parity_ids(gpt)) if as_norm is not None else None
+    as_rms = as_norm is not None
+    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt, as_rms=as_rms)
+    conversion = check_conversion(gpt, parity_ids(gpt)) if as_rms else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
@@ -341,7 +338,7 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         if target == "transformer-lens":
             save_transformer_lens(gpt, partial)
         else:
-            save_hf(gpt, partial, as_rms=as_norm is not None)
+            save_hf(gpt, partial, as_rms=as_rms)
         tokenizer.save_pretrained(partial)
         atomic_write_text(
             partial / "README.md",

@@ -131,12 +131,10 @@ def measure_model(model: nn.Module, ids: np.ndarray, setup: ProbeSetup, probe: P
     and the probe (its text from ``probe_source``)."""
     started = time.perf_counter()
     references = make_references(setup.dim, probe.seed, probe.null_directions)
-    records = measure_records(
-        model, ids, setup.seq_len, references, probe, batch_size=batch_size,
-        model_name=name, step=step, tokens_per_step=tokens_per_step,
-        forward=forward, norms=setup.norms, device=device, progress=progress, announce_cost=announce_cost,
-        separator=separator,
-    )
+    records = measure_records(model, ids, setup.seq_len, references, probe, batch_size=batch_size,
+                              model_name=name, step=step, tokens_per_step=tokens_per_step, forward=forward,
+                              norms=setup.norms, device=device, progress=progress,
+                              announce_cost=announce_cost, separator=separator)
     seconds = time.perf_counter() - started
     parameter = next(model.parameters())
     info = {

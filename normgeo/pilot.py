@@ -248,9 +248,8 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     sd_val, windows, gap = None, 0, None
     base = at_base[(at_base["seed"] == base_seed) & (at_base["data_seed"] == base_data)]
     if score_windows and not base.empty:
-        sd_val, windows, mean_diff = validation_sd(
-            Path(base["arm_run"].iloc[0]), Path(base["other_run"].iloc[0])
-        )
+        sd_val, windows, mean_diff = validation_sd(Path(base["arm_run"].iloc[0]),
+                                                   Path(base["other_run"].iloc[0]))
         final = runs.set_index("run_dir")["final"]
         gap = mean_diff - (final[base["arm_run"].iloc[0]] - final[base["other_run"].iloc[0]])
     sd_arm, sd_other = sd_of(list(weights["arm"])), sd_of(list(weights["other"]))
@@ -332,9 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-pilot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the pilot sweep's folder (docs/make_pilot.sh's output)")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="where pilot.md/.csv/.json go (default: the folder)"
-    )
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where pilot.md/.csv/.json go (default: the folder)")
     args = parser.parse_args(argv)
     out = args.out or args.folder
     try:

@@ -361,9 +361,8 @@ def print_seeds(seeds: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train.py overrides (no -m: plan one run at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     parser.add_argument("--measure", action="store_true",

@@ -37,9 +37,8 @@ from normgeo.signals import stop_on_signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
     parser.add_argument(

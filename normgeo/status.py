@@ -63,9 +63,8 @@ def print_status(rows: list[RunStatus]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-status", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory"
-    )
+    parser.add_argument("root", nargs="?", default="outputs",
+                        help="a sweep folder (outputs/) or one run directory")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")
     parser.add_argument(
