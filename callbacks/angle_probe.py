@@ -42,27 +42,18 @@ class AngleProbe(OptimizerStepCallback):
     """Angles of the hidden vectors before/after every norm
     with 1, ``rand_a``, ``rand_b`` and K null directions.
 
-    The measurement is :func:`normgeo.measure.pipeline.measure_records`, the very one of
-    ``analyze.py``: the same checkpoint and tokens give the same records. Every rank probes
-    its own round-robin share of the probe windows; the statistics are merged across ranks
-    (no rank-0-only forward pass, which would deadlock DDP/FSDP), and rank 0 writes
-    ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions, with block-bootstrap
-    intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's energy along 1
-    and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and bias),
-    ``intervention.jsonl`` (the loss change when the centering is taken out of LayerNorm or put into
+    The measurement is :func:`normgeo.measure.pipeline.measure_records`, the very one of ``analyze.py``: the
+    same checkpoint and tokens give the same records. Every rank probes its own round-robin share of the probe
+    windows; the statistics are merged across ranks (no rank-0-only forward pass, which would deadlock
+    DDP/FSDP), and rank 0 writes ``angles.jsonl``, ``null.jsonl`` (where 1 stands among the null directions,
+    with block-bootstrap intervals over probe sequences), ``energy.jsonl`` (the fraction of each norm input's
+    energy along 1 and sqrt(d)/||x||), ``ellipsoid.jsonl`` (each norm's output ellipsoid, from its gain and
+    bias), ``intervention.jsonl`` (the loss change when the centering is taken out of LayerNorm or put into
     RMSNorm, per scope of ``intervention``) and the logger entries.
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        schedule: CheckpointSchedule,
-        source,
-        model_name: str,
-        probe: TrainProbeSchema,
-        *,
-        ids: np.ndarray | None = None,
-    ) -> None:
+    def __init__(self, run_dir: str, schedule: CheckpointSchedule, source, model_name: str,
+                 probe: TrainProbeSchema, *, ids: np.ndarray | None = None) -> None:
         self.folder = RunFolder(run_dir)
         self.schedule = schedule
         self.source = source

@@ -30,8 +30,7 @@ class ResumedAccumulation(L.Callback):
     micro-batches before Lightning restores them. Left in the old unit, the next optimizer step would close
     after the wrong number of micro-batches, mixing two steps' windows, and validations would move."""
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict) -> None:
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         step = checkpoint.get("global_step", 0)
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
         progress = loop.get("epoch_loop.batch_progress")

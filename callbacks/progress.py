@@ -131,9 +131,8 @@ class StepProgressBar(ProgressBar):
     lines every ``log_interval_s`` seconds. ``file``: where the bar goes (default stderr).
     """
 
-    def __init__(
-        self, *, log_interval_s: float = 30.0, interactive: bool | None = None, file: TextIO | None = None
-    ):
+    def __init__(self, *, log_interval_s: float = 30.0, interactive: bool | None = None,
+                 file: TextIO | None = None):
         super().__init__()
         self.log_interval_s = log_interval_s
         self._interactive = interactive
@@ -210,11 +209,8 @@ class StepProgressBar(ProgressBar):
                 smoothing=0,
             )
             self._redirect = contextlib.ExitStack()
-            loggers = [
-                logging.root,
-                logging.getLogger("lightning.pytorch"),
-                logging.getLogger("lightning.fabric"),
-            ]
+            loggers = [logging.root, logging.getLogger("lightning.pytorch"),
+                       logging.getLogger("lightning.fabric")]
             loggers = [lg for lg in loggers if any(_is_console_handler(h) for h in lg.handlers)]
             if loggers:
                 self._redirect.enter_context(logging_redirect_tqdm(loggers=loggers))
@@ -315,11 +311,8 @@ NOISE_WARNINGS = (
     # untrue here: corpus.stream.StepSampler starts the batch stream at the restored global step
     (r"You're resuming from a checkpoint that ended before the epoch ended", Warning),
 )
-RANK_ZERO_LOGGERS = (
-    "lightning.pytorch.utilities.rank_zero",
-    "lightning.fabric.utilities.rank_zero",
-    "lightning_utilities.core.rank_zero",
-)
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero")
 
 
 class _DropLines(logging.Filter):

@@ -55,13 +55,7 @@ from normgeo.runs.run_config import (
     record_run_config,
     resolved_run_config,
 )
-from normgeo.runs.session import (
-    DIVERGED,
-    RunFinished,
-    continue_command,
-    disk_full_refusal,
-    mark_diverged,
-)
+from normgeo.runs.session import DIVERGED, RunFinished, continue_command, disk_full_refusal, mark_diverged
 from normgeo.runs.start import Start, finish_wandb_run, instantiate_trainer, open_run_files
 from normgeo.runs.summary import disk_use, format_summary, read_summary, write_summary
 from normgeo.signals import (

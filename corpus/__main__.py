@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.prepare import META_FILE, load_prepared, prepare
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from normgeo.config.checks import build, group_options, override_refusal, unknown_group_option
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import check_data_path
@@ -61,13 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         if verify_only:
             data = load_prepared(directory, tokenizer=data_cfg.tokenizer, prepare_hint=repair, verify="full")
         else:
-            data = prepare(
-                source, directory, tokenizer=data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
-                verify="full", repair=True,
-            )
+            data = prepare(source, directory, tokenizer=data_cfg.tokenizer,
+                           val_fraction=data_cfg.val_fraction, verify="full", repair=True)
     except Refusal as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refused(err)
     splits = data.meta["splits"]
     print(
         f"{data.directory}: {'verified, ' if verify_only else ''}train {splits['train']['tokens']:,} tokens, "

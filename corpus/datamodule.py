@@ -19,25 +19,10 @@ class TokenDataModule(L.LightningDataModule):
     """The data keys (normgeo.config.schema.DataSchema, their defaults there) with the run's batch geometry
     (normgeo.runs.build.make_datamodule)."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        source,
-        directory: str,
-        seq_len: int,
-        global_batch: int,
-        micro_batch: int,
-        max_steps: int,
-        seed: int,
-        tokenizer: str,
-        val_fraction: float,
-        val_sequences: int,
-        val_seed: int | None,
-        auto_prepare: bool,
-        num_workers: int,
-        prepare_command: str,
-    ) -> None:
+    def __init__(self, *, name: str, source, directory: str, seq_len: int, global_batch: int,
+                 micro_batch: int, max_steps: int, seed: int, tokenizer: str, val_fraction: float,
+                 val_sequences: int, val_seed: int | None, auto_prepare: bool, num_workers: int,
+                 prepare_command: str) -> None:
         super().__init__()
         self.name = name
         self.source = source
@@ -59,10 +44,8 @@ class TokenDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Runs on one process per node (Lightning's rule); the others wait at a barrier."""
         if self.auto_prepare:
-            prepare(
-                self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction,
-                prepare_hint=self.prepare_command,
-            )
+            prepare(self.source, self.directory, tokenizer=self.tokenizer, val_fraction=self.val_fraction,
+                    prepare_hint=self.prepare_command)
         else:
             self.load()
 
@@ -87,29 +70,17 @@ class TokenDataModule(L.LightningDataModule):
         self.load()
 
     def _loader(self, dataset: TokenWindows, sampler) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.micro_batch,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-        )
+        return DataLoader(dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.num_workers,
+                          pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         data = self.load()
-        dataset = TokenWindows(
-            str(data.path("train")), data.num_tokens("train"), self.seq_len, self.global_batch, self.seed
-        )
+        dataset = TokenWindows(str(data.path("train")), data.num_tokens("train"), self.seq_len,
+                               self.global_batch, self.seed)
         trainer = self.trainer
-        sampler = StepSampler(
-            global_batch=self.global_batch,
-            micro_batch=self.micro_batch,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            max_steps=self.max_steps,
-            start_step=lambda: trainer.global_step,
-        )
+        sampler = StepSampler(global_batch=self.global_batch, micro_batch=self.micro_batch,
+                              rank=trainer.global_rank, world_size=trainer.world_size,
+                              max_steps=self.max_steps, start_step=lambda: trainer.global_step)
         return self._loader(dataset, sampler)
 
     def val_dataloader(self) -> DataLoader:
@@ -122,7 +93,6 @@ class TokenDataModule(L.LightningDataModule):
         if count != self.val_sequences and self.trainer.is_global_zero:
             log.warning("val_sequences=%d: %d validation windows, a multiple of the %d devices",
                         self.val_sequences, count, world)
-        dataset = TokenWindows(
-            str(data.path("val")), data.num_tokens("val"), self.seq_len, count, self.val_seed
-        )
+        dataset = TokenWindows(str(data.path("val")), data.num_tokens("val"), self.seq_len, count,
+                               self.val_seed)
         return self._loader(dataset, ShardSampler(count, self.trainer.global_rank, world))

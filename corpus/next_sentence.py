@@ -1,12 +1,11 @@
 """A small offline multiple-choice task built from a local corpus: choose a paragraph's true next sentence.
 
-Each example is the opening sentences of a Wikipedia paragraph (the context) and four endings:
-the sentence that follows in the article and three sentences drawn from other articles, of
-similar length in tokens (each at most ``MAX_ENDING_TOKENS``), in a seeded random order. A
-language model scores each ending's log-likelihood after the context (lm-evaluation-harness'
-``multiple_choice``); chance is 25%. :func:`write_task` writes the examples (``next_sentence.jsonl``) and
-an lm-evaluation-harness task YAML whose ``data_files`` point at them, so ``--include_path <folder>``
-makes the task available with no network.
+Each example is the opening sentences of a Wikipedia paragraph (the context) and four endings: the sentence
+that follows in the article and three sentences drawn from other articles, of similar length in tokens (each
+at most ``MAX_ENDING_TOKENS``), in a seeded random order. A language model scores each ending's log-likelihood
+after the context (lm-evaluation-harness' ``multiple_choice``); chance is 25%. :func:`write_task` writes the
+examples (``next_sentence.jsonl``) and an lm-evaluation-harness task YAML whose ``data_files`` point at them,
+so ``--include_path <folder>`` makes the task available with no network.
 """
 
 from __future__ import annotations

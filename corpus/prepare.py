@@ -110,18 +110,9 @@ def split_documents(documents: Iterable[np.ndarray], val_fraction: float) -> Ite
         yield ("val" if period and index % period == 0 else "train"), ids
 
 
-def prepare(
-    source,
-    directory: str | os.PathLike,
-    *,
-    tokenizer: str = "gpt2",
-    val_fraction: float = 0.005,
-    threads: int | None = None,
-    progress: bool = True,
-    verify: str = "fast",
-    repair: bool = False,
-    prepare_hint: str = "",
-) -> PreparedData:
+def prepare(source, directory: str | os.PathLike, *, tokenizer: str = "gpt2", val_fraction: float = 0.005,
+            threads: int | None = None, progress: bool = True, verify: str = "fast", repair: bool = False,
+            prepare_hint: str = "") -> PreparedData:
     """Prepare ``source`` into ``directory`` unless an identical prepare already finished there.
 
     Its files are checked against ``meta.json`` (``verify='full'`` re-hashes every byte); files that do
@@ -144,9 +135,8 @@ def prepare(
     lock = FileLock(directory / ".prepare.lock")
     try:
         with lock:
-            return _prepare_locked(
-                source, directory, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
-            )
+            return _prepare_locked(source, directory, tokenizer, val_fraction, threads, progress, verify,
+                                   repair, prepare_hint)
     except BaseException:
         if created:  # a failed first prepare leaves no folder behind (nor the data_root it created)
             (directory / ".prepare.lock").unlink(missing_ok=True)
@@ -156,9 +146,8 @@ def prepare(
         raise
 
 
-def _prepare_locked(
-    source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair, prepare_hint
-) -> PreparedData:
+def _prepare_locked(source, directory: Path, tokenizer, val_fraction, threads, progress, verify, repair,
+                    prepare_hint) -> PreparedData:
     existing = _read_meta(directory)
     if existing is None and (directory / META_FILE).exists():  # damaged: its data may be read by other runs
         hint = f" Prepare (or repair) it with: {prepare_hint}" if prepare_hint else ""
@@ -211,24 +200,12 @@ def _prepare_locked(
     for split in SPLITS:
         final = directory / f"{split}.bin"
         os.replace(tmp_paths[split], final)
-        splits[split] = {
-            "tokens": counts[split],
-            "documents": documents[split],
-            "bytes": final.stat().st_size,
-            "sha256": full_checksum(final),
-            "fingerprint": fingerprint(final),
-        }
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "source": source.describe(),
-        "tokenizer": tokenizer,
-        "vocab_size": vocab_size,
-        "eot_token": eot_id,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
-        "val_fraction": val_fraction,
-        "splits": splits,
-        "seconds": round(time.time() - started, 2),
-    }
+        splits[split] = {"tokens": counts[split], "documents": documents[split],
+                         "bytes": final.stat().st_size, "sha256": full_checksum(final),
+                         "fingerprint": fingerprint(final)}
+    meta = {"format_version": FORMAT_VERSION, "source": source.describe(), "tokenizer": tokenizer,
+            "vocab_size": vocab_size, "eot_token": eot_id, "dtype": np.dtype(TOKEN_DTYPE).name,
+            "val_fraction": val_fraction, "splits": splits, "seconds": round(time.time() - started, 2)}
     atomic_write_json(directory / META_FILE, meta)
     return PreparedData(directory, meta)
 
@@ -243,10 +220,8 @@ def _read_meta(directory: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def load_prepared(
-    directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "", verify: str = "fast",
-    val_fraction: float | None = None,
-) -> PreparedData:
+def load_prepared(directory: str | os.PathLike, *, tokenizer: str = "gpt2", prepare_hint: str = "",
+                  verify: str = "fast", val_fraction: float | None = None) -> PreparedData:
     """Open prepared data after checking it is complete and ours; ``verify='full'`` re-hashes every byte;
     ``val_fraction``, where given, is the split the caller will record as its own."""
     directory = Path(directory)

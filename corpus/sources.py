@@ -52,12 +52,8 @@ def special_file_kind(path: Path) -> str | None:
         mode = path.stat().st_mode
     except OSError:
         return None
-    kinds = {
-        stat.S_ISFIFO: "a FIFO (named pipe)",
-        stat.S_ISCHR: "a character device",
-        stat.S_ISBLK: "a block device",
-        stat.S_ISSOCK: "a socket",
-    }
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
     return next((name for test, name in kinds.items() if test(mode)), None)
 
 
@@ -183,10 +179,8 @@ class LocalFilesSource:
         except UnicodeDecodeError as err:
             raise SourceError(
                 f"{file}: not valid {self.encoding} at byte {err.start} "
-                f"({data[err.start : err.start + 4].hex(' ')}); "
-                "convert the file (e.g. iconv -f latin1 -t utf-8) or set "
-                f"{self.config_node}.encoding=latin-1 "
-                "(its real encoding)"
+                f"({data[err.start : err.start + 4].hex(' ')}); convert the file (e.g. iconv -f latin1 -t "
+                f"utf-8) or set {self.config_node}.encoding=latin-1 (its real encoding)"
             ) from None
 
     def documents(self) -> Iterator[str]:
@@ -290,14 +284,12 @@ class HubParquetSource:
 
         offline_hint = (
             "On a machine without internet, prepare the data on one with internet (python -m corpus "
-            "data=...) "
-            "and copy the prepared folder."
+            "data=...) and copy the prepared folder."
         )
         _, pattern, _ = self.matched(offline_hint)
         try:
-            dataset = datasets.load_dataset(
-                "parquet", data_files=pattern, split="train", num_proc=self.num_proc
-            )
+            dataset = datasets.load_dataset("parquet", data_files=pattern, split="train",
+                                            num_proc=self.num_proc)
         except Exception as err:
             raise SourceError(f"could not load {pattern}: {err}. {offline_hint}") from err
         if self.text_field not in dataset.column_names:
@@ -310,10 +302,9 @@ class HubParquetSource:
     def sampled_documents(self, seed: int) -> Iterator[str]:
         """Documents spread over the whole dataset, without reading all of it.
 
-        The row groups of every matched parquet file (from their footers) are visited in a seeded
-        random order, and ``docs_per_group`` seeded random rows of each are taken: a million probe tokens
-        of English Wikipedia (one article per row) touch ~100 row groups all over the dump instead of
-        its first file.
+        The row groups of every matched parquet file (from their footers) are visited in a seeded random
+        order, and ``docs_per_group`` seeded random rows of each are taken: a million probe tokens of English
+        Wikipedia (one article per row) touch ~100 row groups all over the dump instead of its first file.
         """
         # Only for parquet sources (pyarrow is heavy to import).
         import pyarrow.parquet as pq

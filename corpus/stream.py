@@ -78,16 +78,8 @@ class StepSampler(Sampler[int]):
     micro-batches in order: micro-step ``a`` of rank ``r`` takes windows ``[(a*world + r)*micro, +micro)``.
     """
 
-    def __init__(
-        self,
-        *,
-        global_batch: int,
-        micro_batch: int,
-        rank: int,
-        world_size: int,
-        max_steps: int,
-        start_step: Callable[[], int],
-    ) -> None:
+    def __init__(self, *, global_batch: int, micro_batch: int, rank: int, world_size: int, max_steps: int,
+                 start_step: Callable[[], int]) -> None:
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.rank = rank

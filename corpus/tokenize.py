@@ -56,9 +56,8 @@ def tiktoken_batch_encoder(name: str = "gpt2", threads: int | None = None) -> tu
     return encode_batch, encoding.eot_token, encoding.n_vocab
 
 
-def iter_document_tokens(
-    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, batch_docs: int = 256
-) -> Iterator[np.ndarray]:
+def iter_document_tokens(documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None,
+                         batch_docs: int = 256) -> Iterator[np.ndarray]:
     """One int64 array per document, each followed by the end-of-text token (if the tokenizer has one)."""
     pending: list[str] = []
 
@@ -78,10 +77,8 @@ def iter_document_tokens(
         yield from flush()
 
 
-def first_tokens(
-    documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int | None,
-    min_tokens: int = 0, max_tokens: int | None = None,
-) -> np.ndarray:
+def first_tokens(documents: Iterable[str], encode_batch: EncodeBatch, eot_id: int | None, count: int | None,
+                 min_tokens: int = 0, max_tokens: int | None = None) -> np.ndarray:
     """The first ``count`` tokens of the concatenated documents (None: all of them); raises if the corpus
     is shorter.
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.refusal import refused
 from normgeo.figures.model_summary import print_summary, summarize, write_summary
 from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.paths import FolderError, check_own_folder
@@ -15,13 +16,11 @@ from normgeo.runs.run_config import OUTPUT_MARKERS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m normgeo.analysis", description="Cross-model summary (Table 1) of analyze.py outputs."
-    )
+    parser = argparse.ArgumentParser(prog="python -m normgeo.analysis",
+                                     description="Cross-model summary (Table 1) of analyze.py outputs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="summary")  # named when missing
-    summary_parser = commands.add_parser(
-        "summary", help="pool angles.jsonl of one or more output directories"
-    )
+    summary_parser = commands.add_parser("summary",
+                                         help="pool angles.jsonl of one or more output directories")
     summary_parser.add_argument("run_dirs", nargs="+", type=Path, help="directories holding angles.jsonl")
     summary_parser.add_argument("--out", type=Path, default=None, help="also write summary.csv/md here")
     args = parser.parse_args(argv)
@@ -32,14 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="summary")
         for run_dir in args.run_dirs:
             if not RunFolder(run_dir).angles.is_file():
-                print(f"error: {RunFolder(run_dir).angles} not found (is {run_dir} an analyze.py output "
-                      "directory?)", file=sys.stderr)
-                return 2
+                return refused(f"{RunFolder(run_dir).angles} not found (is {run_dir} an analyze.py output "
+                               "directory?)")
             rows += read_rows(RunFolder(run_dir).angles)
             null += read_rows(RunFolder(run_dir).record(NULL_FILE))
     except (FolderError, DamagedRecords) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refused(err)
     summary = summarize(rows, null)
     print_summary(summary)
     if args.out is not None:

@@ -26,12 +26,7 @@ from corpus.sources import TextsSource, probe_documents
 from corpus.tokenize import first_tokens, tiktoken_batch_encoder
 from models.gpt import GPT
 from models.pretrained import Loaded, hf_encoder, hf_forward, load_our_checkpoint
-from normgeo.config.schema import (
-    AnalyzeModelSchema,
-    ConfigError,
-    check_intervention,
-    check_types,
-)
+from normgeo.config.schema import AnalyzeModelSchema, ConfigError, check_intervention, check_types
 from normgeo.measure.pipeline import AnalysisError
 from normgeo.measure.probe_config import ProbeConfig
 from normgeo.model_records import ModelRecords, measure_model, probe_setup

@@ -1,26 +1,12 @@
 """The arms side by side: ``python -m normgeo.compare outputs/`` (a sweep folder or run directories).
 
-Loads every run's ``angles.jsonl``, logged metrics (the CSV every run writes) and config into tidy tables
-and writes, to ``--out`` (default ``<folder>/compare``):
-
-- ``angles.parquet`` / ``angles.csv``: one row per (run, step, layer, site, reference), with the run's
-  arm (norm), seed and size;
-- ``metrics.parquet`` / ``metrics.csv``: one row per (run, step, metric);
-- ``summary.csv`` / ``summary.md``: per arm and seed the final step, tokens, final train and validation
-  loss, wall time, tokens/s and the mean angle with 1 at every site at the final step (mean over layers);
-- ``overlay_<site>_<ref>.{png,pdf}``: the arms over training steps, one panel per layer, the mean over
-  tokens as a line and the p05-p95 band of the tokens' angles shaded (seeds: mean of the seeds' values);
-- ``loss.{png,pdf}``: every arm's train loss (line) and validation loss (markers) on one figure;
-- ``ellipsoid``, ``energy``, ``factorial_ones`` ``.{png,pdf}``: the norm factorial
-  (:mod:`normgeo.figures.norm_figures`);
-- ``verdict.md`` / ``verdict.csv`` / ``verdict.{png,pdf}``: the arms paired by seed, each contrast's
-  per-seed differences, their mean with 95% and 90% t-intervals (:mod:`normgeo.verdict`). The primary question
-  and at most 6 secondary endpoints, declared in the margins file, are tested for a difference and for
-  equivalence within their margins (TOST), Holm-adjusted within the secondary family, with their power at the
-  observed SD, and say what they support: "equivalent", "different" or "inconclusive"; every other row is
-  described (intervals and per-seed values, no test). ``verdict.md`` is one table per family;
-  ``val_curve_diff.{png,pdf}``: per contrast the paired difference of the validation curves with its
-  pointwise 95% interval (:mod:`normgeo.figures.verdict`).
+Reads every run's ``angles.jsonl``, logged metrics and config and writes to ``--out`` (default
+``<folder>/compare``) the tidy tables (``angles``, ``metrics``: parquet and csv), ``summary.csv``/``.md`` (per
+arm and seed), the figures (per-layer overlays of the arms over steps, ``loss``, the norm factorial:
+:mod:`normgeo.figures.norm_figures`; others plug in with :func:`normgeo.figures.arm_overlay.register_figure`)
+and the verdict (``verdict.md``/``.csv``/figure and ``val_curve_diff``: :mod:`normgeo.verdict`): the arms
+paired by seed, the declared primary question and secondary endpoints tested for a difference and for
+equivalence within their margins. docs/compare.md says what each file holds and how to read it.
 
 Margins: ``conf/compare/margins.yaml`` (the primary question and the secondary endpoints are declared there
 too); ``--margins FILE`` reads another file, ``--margin val_loss=0.01`` overrides one key (repeatable). A bad
@@ -34,8 +20,6 @@ stderr with the file and line, the other runs are compared and written, and the 
 
 Two folders holding the same run (arm keys and seed: a backup copy, two sweeps under one folder) are refused
 before anything is read: each folder on a line of stderr, exit status 2 (:mod:`normgeo.readers.identity`).
-
-Figures of other kinds plug in with :func:`register_figure`.
 """
 
 from __future__ import annotations
@@ -45,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.refusal import Refusal, refused
 from normgeo.figures.arm_overlay import write_comparison
 from normgeo.figures.style import check_formats
 from normgeo.figures.verdict import VERDICT_MD
@@ -57,9 +42,8 @@ from normgeo.verdict.declared import load_verdict_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="a sweep folder (outputs/) or run directories")
     parser.add_argument(
         "--out", type=Path, default=None, help="output folder (default: <first path>/compare)"
@@ -74,9 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals("during the comparison", "--out is as it was; run the same command again")
     try:
         verdict_config = load_verdict_config(args.margins, args.margin)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except Refusal as err:
+        return refused(err)
     first = args.paths[0]
     out_dir = args.out or (
         first if len(args.paths) == 1 and not RunFolder(first).angles.exists() else first.parent
@@ -86,26 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         formats = check_formats(args.formats.split(","))
         check_writable_folder(out_dir, "--out")
         check_own_folder(out_dir, "--out", OUTPUT_MARKERS, own=None, beside="compare")  # not in a run
-    except ValueError as err:  # FolderError is one
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a FolderError, or check_formats' ValueError
+        return refused(err)
     try:
-        written, damaged = write_comparison(
-            args.paths, out_dir, formats=formats, refs=args.refs.split(",") if args.refs else None,
-            verdict_config=verdict_config,
-        )
+        written, damaged = write_comparison(args.paths, out_dir, formats=formats,
+                                            refs=args.refs.split(",") if args.refs else None,
+                                            verdict_config=verdict_config)
     except DuplicateRuns as err:  # its message names each folder on a line and ends with the error line
         print(err, file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refused(err)
     except PermissionError as err:  # a folder inside out_dir, or a file in it, that this user cannot write
-        print(
-            f"error: --out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another --out=...",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--out={out_dir}: cannot write {err.filename} ({err.strerror}); choose another "
+                       "--out=...")
     for name, paths in written.items():
         print(f"{name}: {len(paths)} file(s)")
     print(f"summary:\n{(out_dir / 'summary.md').read_text()}")

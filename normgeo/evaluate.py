@@ -22,7 +22,7 @@ from pathlib import Path
 
 from corpus.atomic import atomic_write_json, full_disk_cause
 from corpus.next_sentence import TASK_NAME, write_task
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from corpus.sources import SourceError
 from corpus.tokenize import tiktoken_encoding
 from models.hardware import missing_cuda
@@ -33,13 +33,7 @@ from normgeo.run_folder import RunFolder
 from normgeo.runs.run_config import OUTPUT_MARKERS
 from normgeo.signals import stop_on_signals
 
-DEFAULT_CORPUS = (
-    Path(__file__).resolve().parent.parent.parent
-    / "shared"
-    / "corpora"
-    / "wikipedia"
-    / "enwiki-wikiextractor"
-)
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared/corpora/wikipedia/enwiki-wikiextractor"
 
 
 def _scores(results: dict, samples: dict, task: str) -> dict:
@@ -76,15 +70,8 @@ def task_manager(include_path: Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def evaluate_run(
-    run_dir: Path,
-    tasks: Sequence[str],
-    manager,
-    step: int | None = None,
-    limit: int | None = None,
-    batch_size: int = 8,
-    device: str = "cpu",
-) -> dict:
+def evaluate_run(run_dir: Path, tasks: Sequence[str], manager, step: int | None = None,
+                 limit: int | None = None, batch_size: int = 8, device: str = "cpu") -> dict:
     """Evaluate one run's checkpoint on ``tasks`` (known to ``manager``); write and return its eval.json
     content."""
     # lm-eval takes seconds to import: only once every option has been checked (main).
@@ -101,18 +88,9 @@ def evaluate_run(
         truncated = {name: truncated_examples(task, context, limit, encode)
                      for name, task in lm_eval.tasks.get_task_dict(list(tasks), manager).items()
                      if isinstance(name, str)}
-        output = lm_eval.simple_evaluate(
-            model=model,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            log_samples=False,
-            bootstrap_iters=1000,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-        )
+        output = lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
+                                         log_samples=False, bootstrap_iters=1000, random_seed=0,
+                                         numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     samples = output.get("n-samples", {})
     measured = {"step": exported.step, "checkpoint": str(exported.checkpoint.resolve()), "limit": limit,
                 "context": context, "lm_eval_version": lm_eval.__version__}
@@ -122,10 +100,9 @@ def evaluate_run(
             scores[task]["truncated"] = count  # examples the model saw cut to its context (from the left)
             if count:
                 print(
-                    f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples "
-                    "are longer "
-                    f"than the model's {context}-token context; lm-eval cut them from the left, so the "
-                    "score is of truncated examples (eval.json records the count)",
+                    f"warning: {run_dir}: {task}: {count} of {scores[task].get('examples')} examples are "
+                    f"longer than the model's {context}-token context; lm-eval cut them from the left, so "
+                    "the score is of truncated examples (eval.json records the count)",
                     file=sys.stderr,
                 )
     record = merged_eval(read_eval(run_dir), measured, scores)  # earlier tasks' scores are kept
@@ -137,15 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="*", type=Path, help="train.py run directories")
-    parser.add_argument(
-        "--tasks", default=TASK_NAME, help=f"comma-separated lm-eval tasks (default {TASK_NAME})"
-    )
-    parser.add_argument(
-        "--include-path", type=Path, default=None, help="a folder of task YAMLs (--make-task's)"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, help="evaluate checkpoints/step-<N>.ckpt of every run"
-    )
+    parser.add_argument("--tasks", default=TASK_NAME,
+                        help=f"comma-separated lm-eval tasks (default {TASK_NAME})")
+    parser.add_argument("--include-path", type=Path, default=None,
+                        help="a folder of task YAMLs (--make-task's)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="evaluate checkpoints/step-<N>.ckpt of every run")
     parser.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0, ...")
@@ -156,9 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help=f"build the offline task {TASK_NAME} into DIR (then --include-path DIR) and exit",
     )
-    parser.add_argument(
-        "--corpus", type=Path, default=DEFAULT_CORPUS, help="--make-task's WikiExtractor folder"
-    )
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="--make-task's WikiExtractor folder")
     parser.add_argument("--examples", type=int, default=500, help="--make-task's number of examples")
     args = parser.parse_args(argv)
     # The temporary export is removed and eval.json keeps
@@ -169,19 +142,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:  # a folder of its own: never inside a run or another command's outputs
             check_own_folder(args.make_task, "--make-task", OUTPUT_MARKERS, own=None, beside="tasks")
         except FolderError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return refused(exc)
         try:
             config = write_task(args.make_task, args.corpus, args.examples)
         except (SourceError, ValueError) as exc:
-            print(f"error: --corpus {args.corpus}: {exc}", file=sys.stderr)
-            return 2
+            return refused(f"--corpus {args.corpus}: {exc}")
         print(f"wrote {config} and its data: add --include-path {args.make_task} --tasks {TASK_NAME}")
         return 0
     if not args.run_dirs:
         parser.print_usage(sys.stderr)
-        print("error: give run directories to evaluate (or --make-task DIR)", file=sys.stderr)
-        return 2
+        return refused("give run directories to evaluate (or --make-task DIR)")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     # Every refusal before the first (slow) evaluation: the options, the checkpoints, the run folders
     # (eval.json is written into each after its evaluation), the include path, the task names.
@@ -191,8 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"--batch-size {args.batch_size}: give at least 1" if args.batch_size < 1 else
                missing_cuda("--device", args.device, "--device cpu"))
     if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return refused(refusal)
     try:
         for run_dir in args.run_dirs:
             choose_checkpoint(run_dir, args.step)
@@ -203,39 +172,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "the evaluation (chmod u+w it, or evaluate a copy)"
                 )
     except (Refusal, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refused(exc)
     if args.include_path is not None and not args.include_path.is_dir():
-        print(
-            f"error: --include-path {args.include_path}: no such folder (build it with --make-task)",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--include-path {args.include_path}: no such folder (build it with --make-task)")
     manager = task_manager(args.include_path)
     unknown = sorted(set(tasks) - set(manager.all_tasks))
     if unknown:
         hint = (" (build the local task with --make-task DIR and add --include-path DIR)"
                 if TASK_NAME in unknown else "")
-        print(f"error: --tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}", file=sys.stderr)
-        return 2
+        return refused(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}{hint}")
     for run_dir in args.run_dirs:
         try:
             record = evaluate_run(
                 run_dir, tasks, manager, args.step, args.limit, args.batch_size, args.device
             )
         except Refusal as exc:  # e.g. a truncated checkpoint: the runs before it keep their scores
-            print(f"error: {run_dir}: {exc}", file=sys.stderr)
-            return 2
+            return refused(f"{run_dir}: {exc}")
         except OSError as exc:
             if (full := full_disk_cause(exc)) is None:
                 raise
-            print(
-                f"error: {run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is "
-                "as it was; "
-                "free some space and run the same command again",
-                file=sys.stderr,
-            )
-            return 2
+            return refused(f"{run_dir}: the disk is full ({full.filename or run_dir}): its eval.json is as "
+                           "it was; free some space and run the same command again")
         scores = "; ".join(
             f"{task} acc {values.get('acc', float('nan')):.4f}" for task, values in record["tasks"].items()
         )

@@ -27,13 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corpus.atomic import (
-    atomic_write_json,
-    atomic_write_text,
-    full_disk_cause,
-    give_usual_file_modes,
-)
-from corpus.refusal import Refusal
+from corpus.atomic import atomic_write_json, atomic_write_text, full_disk_cause, give_usual_file_modes
+from corpus.refusal import Refusal, refused
 from corpus.stream import tokens_per_step
 from models.export.hf import (
     RmsParity,
@@ -169,15 +164,12 @@ def _validation_loss(run_dir: Path, step: int | None) -> tuple[float, int] | Non
 # tokenizer is loaded by its class (AutoTokenizer reads
 # config.json first, finds custom code and asks about it).
 CUSTOM_CODE = (
-    "`trust_remote_code=True` is needed for the model only: `{cls}` (a norm or placement "
-    "transformers has no class "
-    "for) is defined in `modeling_normgeo.py` beside the weights, which transformers runs. The "
-    "tokenizer is GPT-2's "
-    "and needs no code: `GPT2TokenizerFast.from_pretrained` loads it without asking. "
+    "`trust_remote_code=True` is needed for the model only: `{cls}` (a norm or placement transformers has no "
+    "class for) is defined in `modeling_normgeo.py` beside the weights, which transformers runs. The "
+    "tokenizer is GPT-2's and needs no code: `GPT2TokenizerFast.from_pretrained` loads it without asking. "
     "`AutoTokenizer.from_pretrained` reads `config.json` first, finds the model's custom code there and asks "
     "whether to run it; `AutoTokenizer.from_pretrained(DIR, trust_remote_code=False)` loads the same "
-    "tokenizer "
-    "without asking."
+    "tokenizer without asking."
 )
 HOW_TO_LOAD = {
     "hf": """```python
@@ -218,32 +210,26 @@ def conversion_section(gpt: GPT, check: ConversionCheck) -> list[str]:
     return [
         f"## Converted from {arm_label(cfg.norm)} to RMSNorm",
         "",
-        f"This is the Pre-LN `{cfg.norm}` arm converted to an RMSNorm model with the same logits "
-        "(`--as rms`, `models/export/hf.py`): every weight that writes into the residual stream (token and "
-        "position embeddings, each attention and MLP output projection and its bias) is centred across the "
-        f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an "
-        "RMSNorm on it "
-        f"(same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear "
-        "layer it feeds "
-        "(ln1 into the attention's qkv, ln2 into the MLP's first layer, the final norm into the LM "
-        "head), and "
-        "every RMSNorm has gain 1.",
+        f"This is the Pre-LN `{cfg.norm}` arm converted to an RMSNorm model with the same logits (`--as "
+        "rms`, `models/export/hf.py`): every weight that writes into the residual stream (token and position "
+        "embeddings, each attention and MLP output projection and its bias) is centred across the "
+        f"{cfg.n_embd} channels, so the residual stream is mean-zero and each LayerNorm equals an RMSNorm on "
+        f"it (same eps, {cfg.norm_eps:g}); each LayerNorm's gain and bias are folded into the linear layer "
+        "it feeds (ln1 into the attention's qkv, ln2 into the MLP's first layer, the final norm into the LM "
+        "head), and every RMSNorm has gain 1.",
         "",
-        "- The LM head is **untied** from the input embedding: it holds the final norm's gain (and "
-        "the embedding "
-        "is centred)"
+        "- The LM head is **untied** from the input embedding: it holds the final norm's gain (and the "
+        "embedding is centred)"
         + (" and was tied in training." if cfg.tie_embeddings else "; it was untied in training too."),
         (
-            "- The LM head has a **bias**: the final LayerNorm's bias, folded into it "
-            "(`lm_head_bias: true` in "
-            "`config.json`)."
+            "- The LM head has a **bias**: the final LayerNorm's bias, folded into it (`lm_head_bias: true` "
+            "in `config.json`)."
             if lm_head_bias(cfg)
             else "- The LM head has no bias (the arm's LayerNorms have none)."
         ),
         "- The residual stream is the original's minus its mean at every position: the angle with **1** that "
-        "normgeo measures reads 90° here by construction. Measure the original export (without "
-        "`--as`) for the "
-        "trained geometry.",
+        "normgeo measures reads 90° here by construction. Measure the original export (without `--as`) for "
+        "the trained geometry.",
         "",
         f"Measured at export on {sequences} x {tokens} seeded token ids:",
         "",
@@ -251,9 +237,8 @@ def conversion_section(gpt: GPT, check: ConversionCheck) -> list[str]:
         "|---|---|",
         f"| logit parity, float64 | {check.parity.float64_relative:.1e} (max abs difference / max "
         "abs logit) |",
-        f"| logit parity, float32 (these weights) | {check.parity.float32_max_abs:.1e} (max abs "
-        "difference; the "
-        f"original's own float32 logits are {check.parity.float32_rounding:.1e} from its float64 ones) |",
+        f"| logit parity, float32 (these weights) | {check.parity.float32_max_abs:.1e} (max abs difference; "
+        f"the original's own float32 logits are {check.parity.float32_rounding:.1e} from its float64 ones) |",
         f"| energy along 1 at the norm inputs, float64 | {check.ones_energy:.1e} (largest fraction) |",
         '| centering intervention "add centering" (every norm), float64 | Δloss '
         f"{check.add_centering_delta_loss:.1e} "
@@ -341,12 +326,9 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
     if as_norm is not None and (refusal := rms_conversion_refusal(gpt)):
         raise ExportError(f"--as {as_norm}: {refusal}")
     tokenizer = gpt2_tokenizer(gpt.config.block_size)
-    model_class = (
-        "HookedTransformer"
-        if target == "transformer-lens"
-        else hf_class_name(gpt, as_rms=as_norm is not None)
-    )
-    conversion = check_conversion(gpt, parity_ids(gpt)) if as_norm is not None else None
+    as_rms = as_norm is not None
+    model_class = "HookedTransformer" if target == "transformer-lens" else hf_class_name(gpt, as_rms=as_rms)
+    conversion = check_conversion(gpt, parity_ids(gpt)) if as_rms else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
@@ -356,7 +338,7 @@ def export_run(run_dir: Path, target: str, out_dir: Path, step: int | None = Non
         if target == "transformer-lens":
             save_transformer_lens(gpt, partial)
         else:
-            save_hf(gpt, partial, as_rms=as_norm is not None)
+            save_hf(gpt, partial, as_rms=as_rms)
         tokenizer.save_pretrained(partial)
         atomic_write_text(
             partial / "README.md",
@@ -426,8 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         exported = export_run(args.run_dir, args.to, args.out, args.step, args.checkpoint, args.as_norm)
     except Refusal as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refused(exc)
     if (diverged := divergence(args.run_dir)) is not None:
         print(
             f"warning: {args.run_dir} diverged at step {diverged.get('step')} (its summary.json): the export "

@@ -101,59 +101,40 @@ class ModelRecords(RecordFrames):
         save_references(run.references, self.references)
         for name, file_rows in self.records.files.items():
             write_step(run.record(name), file_rows)
-        stale = [run.record(INTERVENTION_FILE), run.record(INTERVENTION_POSITIONS_FILE),
-                 *run.figures.glob("intervention_*")]
-        if not self.records.intervention and any(path.exists() for path in stale):
-            # An earlier analysis's intervention (its records and
-            # figures) would read as this one's: it measured none.
-            for path in stale:
-                path.unlink(missing_ok=True)
-            log.warning("removed %s and its figures from an earlier analysis: this run measured no "
-                        "intervention (probe.intervention=[])", INTERVENTION_FILE)
-        unmeasured = [run.record(MEAN_SOURCES_FILE), *run.figures.glob("mean_sources_*")]
-        if MEAN_SOURCES_FILE not in self.records.files and any(path.exists() for path in unmeasured):
-            # The same for an earlier analysis's mean sources: this run measured none.
-            for path in unmeasured:
-                path.unlink(missing_ok=True)
-            log.warning("removed %s and its figures from an earlier analysis: this run measured no mean "
-                        "sources (probe.mean_sources=false)", MEAN_SOURCES_FILE)
+        # An earlier analysis's intervention or mean sources (records and figures) would read as this one's.
+        for measured, names, figures, what in (
+            (bool(self.records.intervention), (INTERVENTION_FILE, INTERVENTION_POSITIONS_FILE),
+             "intervention_*", "intervention (probe.intervention=[])"),
+            (MEAN_SOURCES_FILE in self.records.files, (MEAN_SOURCES_FILE,), "mean_sources_*",
+             "mean sources (probe.mean_sources=false)"),
+        ):
+            stale = [*map(run.record, names), *run.figures.glob(figures)]
+            if not measured and any(path.exists() for path in stale):
+                for path in stale:
+                    path.unlink(missing_ok=True)
+                log.warning("removed %s and its figures from an earlier analysis: this run measured no %s",
+                            names[0], what)
         figures = write_run_figures(out_dir)
         write_summary(out_dir, self.summary)
         atomic_write_json(run.run_info, self.info)
         return figures
 
 
-def measure_model(
-    model: nn.Module,
-    ids: np.ndarray,
-    setup: ProbeSetup,
-    probe: ProbeConfig,
-    *,
-    batch_size: int,
-    name: str,
-    source: str,
-    probe_source: str,
-    step: int | None = None,
-    tokens_per_step: int | None = None,
-    forward: Callable[[torch.Tensor], object] | None = None,
-    device: torch.device | None = None,
-    progress: bool = False,
-    announce_cost: bool = False,
-    separator: int | None = None,
-) -> ModelRecords:
+def measure_model(model: nn.Module, ids: np.ndarray, setup: ProbeSetup, probe: ProbeConfig, *,
+                  batch_size: int, name: str, source: str, probe_source: str, step: int | None = None,
+                  tokens_per_step: int | None = None, forward: Callable[[torch.Tensor], object] | None = None,
+                  device: torch.device | None = None, progress: bool = False, announce_cost: bool = False,
+                  separator: int | None = None) -> ModelRecords:
     """Every measurement ``probe`` asks for on the token stream ``ids`` in windows of ``setup.seq_len``
-    (forwards of ``batch_size`` of them)
-    (:func:`normgeo.measure.pipeline.measure_records`), the records' ``model`` field ``name``; ``info``
-    holds what ``run_info.json`` says of the model (loaded from ``source``) and the probe (its text from
-    ``probe_source``)."""
+    (forwards of ``batch_size`` of them) (:func:`normgeo.measure.pipeline.measure_records`), the records'
+    ``model`` field ``name``; ``info`` holds what ``run_info.json`` says of the model (loaded from ``source``)
+    and the probe (its text from ``probe_source``)."""
     started = time.perf_counter()
     references = make_references(setup.dim, probe.seed, probe.null_directions)
-    records = measure_records(
-        model, ids, setup.seq_len, references, probe, batch_size=batch_size,
-        model_name=name, step=step, tokens_per_step=tokens_per_step,
-        forward=forward, norms=setup.norms, device=device, progress=progress, announce_cost=announce_cost,
-        separator=separator,
-    )
+    records = measure_records(model, ids, setup.seq_len, references, probe, batch_size=batch_size,
+                              model_name=name, step=step, tokens_per_step=tokens_per_step, forward=forward,
+                              norms=setup.norms, device=device, progress=progress,
+                              announce_cost=announce_cost, separator=separator)
     seconds = time.perf_counter() - started
     parameter = next(model.parameters())
     info = {

@@ -66,10 +66,8 @@ def check_writable_folder(folder: Path, key: str) -> None:
         raise FolderError(f"{key}={folder}: {existing} is {what}, so the folder cannot be created there; "
                           f"choose another {key}=...")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise FolderError(
-            f"{key}={folder}: {existing} is not writable (permissions or a read-only filesystem); "
-            f"choose another {key}=..."
-        )
+        raise FolderError(f"{key}={folder}: {existing} is not writable (permissions or a read-only "
+                          f"filesystem); choose another {key}=...")
 
 
 def folder_owner(folder: Path, markers: Mapping[str, str]) -> tuple[Path, str] | None:

@@ -39,7 +39,7 @@ import torch
 
 from corpus.atomic import atomic_write_text
 from corpus.prepare import PreparedData, load_prepared
-from corpus.refusal import Refusal
+from corpus.refusal import Refusal, refused
 from corpus.stream import TokenWindows
 from corpus.unigram import unigram_cross_entropy
 from models.norms import arm_label
@@ -110,20 +110,12 @@ def run_table(root: Path, metric: str) -> pd.DataFrame:
             continue
         data = config.get("data") or {}
         values = {"val_loss": float(curve.iloc[-1]), "val_loss/tail": tail_mean(curve, VAL_TAIL)}
-        rows.append(
-            {
-                "run": run_dir.name,
-                "run_dir": str(run_dir),
-                "norm": (config.get("norm") or {}).get("name"),
-                "seed": int(config.get("seed", 0)),
-                "data_seed": int(data.get("seed", config.get("seed", 0))),
-                "threads": config.get("threads"),
-                "val_seed": data.get("val_seed"),
-                "metric": values[metric],
-                "final": values["val_loss"],
-                "rise": largest_rise(metrics),
-            }
-        )
+        seed = int(config.get("seed", 0))
+        norm = (config.get("norm") or {}).get("name")
+        rows.append({"run": run_dir.name, "run_dir": str(run_dir), "norm": norm, "seed": seed,
+                     "data_seed": int(data.get("seed", seed)), "threads": config.get("threads"),
+                     "val_seed": data.get("val_seed"), "metric": values[metric], "final": values["val_loss"],
+                     "rise": largest_rise(metrics)})
     return pd.DataFrame(rows, columns=["run", "run_dir", "norm", "seed", "data_seed", "threads", "val_seed",
                                        "metric", "final", "rise"])
 
@@ -174,13 +166,8 @@ def validation_windows(run_dir: Path) -> tuple[PreparedData, TokenWindows, int, 
     micro = int(config["micro_batch"])
     count = max(micro, int(config["val_sequences"]) // micro * micro)
     seed = config.get("val_seed")
-    windows = TokenWindows(
-        str(prepared.path("val")),
-        prepared.num_tokens("val"),
-        int(config["seq_len"]),
-        count,
-        int(data["seed"] if seed is None else seed),
-    )
+    windows = TokenWindows(str(prepared.path("val")), prepared.num_tokens("val"), int(config["seq_len"]),
+                           count, int(data["seed"] if seed is None else seed))
     return prepared, windows, count, micro
 
 
@@ -261,9 +248,8 @@ def split_variance(root: Path, score_windows: bool = True) -> tuple[Split, pd.Da
     sd_val, windows, gap = None, 0, None
     base = at_base[(at_base["seed"] == base_seed) & (at_base["data_seed"] == base_data)]
     if score_windows and not base.empty:
-        sd_val, windows, mean_diff = validation_sd(
-            Path(base["arm_run"].iloc[0]), Path(base["other_run"].iloc[0])
-        )
+        sd_val, windows, mean_diff = validation_sd(Path(base["arm_run"].iloc[0]),
+                                                   Path(base["other_run"].iloc[0]))
         final = runs.set_index("run_dir")["final"]
         gap = mean_diff - (final[base["arm_run"].iloc[0]] - final[base["other_run"].iloc[0]])
     sd_arm, sd_other = sd_of(list(weights["arm"])), sd_of(list(weights["other"]))
@@ -317,20 +303,16 @@ def pilot_markdown(split: Split, runs: pd.DataFrame) -> str:
             f"(the margin: ±{s.margin:g}; a quarter of it: {s.margin / 4:g})."
             if s.n_fp
             else "- The floating-point order: no pair of runs with another thread count here (the study "
-            "re-trains "
-            "two of its runs with 2 threads: `docs/make_threads_check.sh`)."
+            "re-trains two of its runs with 2 threads: `docs/make_threads_check.sh`)."
         ),
-        f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the "
-        f"{len(runs)} runs; "
-        f"the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
+        f"- What the runs learned: mean final validation loss {s.mean_final:.3f} nats over the {len(runs)} "
+        "runs; the validation text's unigram cross-entropy (the training split's token frequencies, add-half "
         f"smoothing) is {_n(s.unigram, '.3f')}.",
-        "- Check: the checkpoints scored on the validation windows differ from the logged final "
-        "difference by "
-        f"{_n(s.checkpoint_gap, '+.5f')} nats.",
-        f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds "
-        "per arm to "
-        f"show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference of "
-        f"{s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
+        "- Check: the checkpoints scored on the validation windows differ from the logged final difference "
+        f"by {_n(s.checkpoint_gap, '+.5f')} nats.",
+        f"- At the study's SD, ±{s.margin:g} nats at 80% power: {s.seeds_equivalence or '-'} seeds per arm "
+        f"to show equivalence (TOST, true difference 0), {s.seeds_difference or '-'} to detect a difference "
+        f"of {s.margin:g}: `python -m normgeo.plan experiment=study_cpu --seeds-for {s.metric}={s.margin:g} "
         f"--sd {_n(s.sd_study)}`.",
         "",
         "| run | arm | seed | data.seed | threads | " + s.metric + " | largest rise of train/loss above its "
@@ -349,9 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-pilot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the pilot sweep's folder (docs/make_pilot.sh's output)")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="where pilot.md/.csv/.json go (default: the folder)"
-    )
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where pilot.md/.csv/.json go (default: the folder)")
     args = parser.parse_args(argv)
     out = args.out or args.folder
     try:
@@ -361,9 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_own_folder(args.out, "--out", OUTPUT_MARKERS, own=None, beside="pilot")
         split, runs = split_variance(args.folder)
         out.mkdir(parents=True, exist_ok=True)
-    except (PilotError, ValueError, FileNotFoundError, OSError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except (Refusal, OSError) as err:
+        return refused(str(err).splitlines()[0])
     text = pilot_markdown(split, runs)
     atomic_write_text(out / PILOT_MD, text)
     atomic_write_text(out / PILOT_CSV, runs.drop(columns=["run_dir"]).to_csv(index=False))

@@ -1,5 +1,5 @@
-"""What a GPU run will cost, before it runs: ``python -m
-normgeo.plan <train.py overrides>`` (``normgeo-plan``).
+"""What a GPU run will cost, before it runs: ``python -m normgeo.plan <train.py overrides>``
+(``normgeo-plan``).
 
 Composes the config exactly as ``train.py`` would (same overrides, same schema check), writing nothing, and
 prints the parameter counts, FLOPs, the peak memory per GPU by category (with and without activation
@@ -47,6 +47,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from corpus.atomic import atomic_open
+from corpus.refusal import refused
 from models.step_cost import (
     GIB,
     GPUS,
@@ -73,7 +74,6 @@ from normgeo.verdict.families import paired_estimates
 from normgeo.verdict.measures import run_measures
 from normgeo.verdict.metric_table import METRICS, metric
 
-CONFIG_ERROR_EXIT = 2
 # The peaks measured on GPUs, one place: docs/plan.md's table and tests/test_plan.py read them, --record adds.
 MEASURED_PEAKS = Path(__file__).resolve().parents[1] / "docs" / "measured_peaks.json"
 
@@ -171,19 +171,11 @@ def plan_config(cfg: TrainSchema, *, both_checkpointing: bool = True, probe: boo
     with quiet_plan():
         plan = make_plan(setup, both_checkpointing=both_checkpointing, probe=probe)
     report = {
-        "config": {
-            "size": cfg.size.name,
-            "norm": cfg.norm.name,
-            "precision": setup.precision,
-            "strategy": setup.strategy,
-            "world_size": setup.world_size,
-            "micro_batch": setup.micro_batch,
-            "global_batch": setup.global_batch,
-            "seq_len": setup.seq_len,
-            "max_steps": int(cfg.max_steps),
-            "activation_checkpointing": setup.activation_checkpointing,
-            "mfu": cfg.plan.mfu,
-        },
+        "config": {"size": cfg.size.name, "norm": cfg.norm.name, "precision": setup.precision,
+                   "strategy": setup.strategy, "world_size": setup.world_size,
+                   "micro_batch": setup.micro_batch, "global_batch": setup.global_batch,
+                   "seq_len": setup.seq_len, "max_steps": int(cfg.max_steps),
+                   "activation_checkpointing": setup.activation_checkpointing, "mfu": cfg.plan.mfu},
         "counts": asdict(plan.counts),
         "flops_per_token": {
             "counted": plan.configured.flops_per_token,
@@ -223,9 +215,8 @@ def print_report(report: dict) -> None:
     delta = f["counted"] / f["analytic"] - 1
     print(
         f"FLOPs per token: {f['counted']:.4g} counted (FlopCounterMode) · {f['analytic']:.4g} = 6N + "
-        "12·L·T·d "
-        f"with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's backward "
-        f"recomputes the scores)"
+        f"12·L·T·d with N = {n['matmul_parameters']:,} matmul weights ({delta:+.1%}: flash attention's "
+        "backward recomputes the scores)"
         + (
             f" · {f['counted_ac']:.4g} with activation checkpointing"
             if "counted_ac" in f and not c["activation_checkpointing"]
@@ -235,10 +226,8 @@ def print_report(report: dict) -> None:
     print(f"per optimizer step: {report['flops_per_step']:.4g} FLOPs, {report['tokens_per_step']:,} tokens · "
           f"whole run: {report['total_tokens']:,} tokens")
     columns = list(report["memory"])
-    header = [
-        "GiB per GPU",
-        *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns],
-    ]
+    header = ["GiB per GPU",
+              *[("activation checkpointing" if k == "ac" else "no checkpointing") for k in columns]]
     if report["probe_memory"]:
         header.append("at a probe")
     rows = []
@@ -254,29 +243,17 @@ def print_report(report: dict) -> None:
     h = report["headroom"]
     gpu_header = ["GPU", "GiB", "fits", "largest micro_batch", "fits (AC)", "largest micro_batch (AC)",
                   "s / step", "run hours", "GPU-hours"]
-    gpu_lines = []
-    for r in report["gpus"]:
-        gpu_lines.append(
-            [
-                r["name"],
-                f"{r['memory_gib']:.1f}",
-                _yes(r.get("fits_no_ac")),
-                _mb(r.get("largest_micro_batch_no_ac")),
-                _yes(r.get("fits_ac")),
-                _mb(r.get("largest_micro_batch_ac")),
-                f"{r['step_s']:.2f}",
-                f"{r['run_hours']:.1f}",
-                f"{r['gpu_hours']:.0f}",
-            ]
-        )
+    gpu_lines = [[r["name"], f"{r['memory_gib']:.1f}", _yes(r.get("fits_no_ac")),
+                  _mb(r.get("largest_micro_batch_no_ac")), _yes(r.get("fits_ac")),
+                  _mb(r.get("largest_micro_batch_ac")), f"{r['step_s']:.2f}", f"{r['run_hours']:.1f}",
+                  f"{r['gpu_hours']:.0f}"] for r in report["gpus"]]
     print_table(gpu_header, gpu_lines, left=("GPU",))
     print(
-        f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA "
-        "context, NCCL) "
-        "<= the card; largest micro_batch: peaks traced at micro_batch "
-        f"{report['measured_at_micro_batch']} and "
-        f"extrapolated linearly, among those dividing global_batch / GPUs; time at {c['mfu']:.0%} MFU of the "
-        "dense bf16 peak (models/step_cost.py GPUS), probes and validation not included"
+        f"fits: planned peak x {1 + h['fragmentation']:g} (fragmentation) + {h['gib']:g} GiB (CUDA context, "
+        "NCCL) <= the card; largest micro_batch: peaks traced at micro_batch "
+        f"{report['measured_at_micro_batch']} and extrapolated linearly, among those dividing global_batch / "
+        f"GPUs; time at {c['mfu']:.0%} MFU of the dense bf16 peak (models/step_cost.py GPUS), probes and "
+        "validation not included"
     )
     d = report["disk"]
     print(f"disk: {d['checkpoints']} scheduled checkpoints x {d['scheduled_bytes'] / 1e9:.2f} GB + last.ckpt "
@@ -366,31 +343,26 @@ def print_seeds(seeds: dict) -> None:
     margin = about.margin_text(seeds["margin"])
     pair = f"{norm_label(seeds['arm'])} vs {norm_label(seeds['other'])}"
     print(
-        f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} "
-        f"({seeds['sd_from']}): equivalence within {margin} (TOST at {seeds['alpha']:g}, "
-        f"{seeds['power']:.0%} "
-        f"power if the true difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true "
-        "difference of "
+        f"seeds for {about.text} (`{seeds['metric']}`), paired SD {seeds['sd']:.4g} ({seeds['sd_from']}): "
+        f"equivalence within {margin} (TOST at {seeds['alpha']:g}, {seeds['power']:.0%} power if the true "
+        f"difference is 0): {seeds['seeds_equivalence']} seeds per arm; a true difference of "
         f"{margin.lstrip('±')} (paired t-test at {seeds['alpha']:g}, {seeds['power']:.0%} power): "
-        f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this "
-        "plan's GPU-hours "
-        "per run (its FLOPs at plan.mfu; probes and validation not included)."
+        f"{seeds['seeds_difference']} seeds per arm. GPU-hours: both arms, every seed, at this plan's "
+        "GPU-hours per run (its FLOPs at plan.mfu; probes and validation not included)."
     )
     for row in seeds["gpus"]:
         print(
             f"{pair} at {seeds['size']} to {margin}: {seeds['seeds_equivalence']} seeds per arm, "
-            f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} "
-            f"(2 x {seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a "
-            "difference of "
+            f"{row['gpu_hours_equivalence']:,.0f} GPU-hours on {row['gpu']} (2 x "
+            f"{seeds['seeds_equivalence']} runs x {row['gpu_hours_per_run']:.2f}; to detect a difference of "
             f"{margin.lstrip('±')}: {seeds['seeds_difference']} seeds per arm, "
             f"{row['gpu_hours_difference']:,.0f} GPU-hours)"
         )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train.py overrides (no -m: plan one run at a time)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     parser.add_argument("--measure", action="store_true",
@@ -432,19 +404,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, report = plan_config(cfg, measure=args.measure)
     except DuplicateRuns as err:  # --sweep holding two folders of one run: each named, as compare names them
         print(err, file=sys.stderr)
-        return CONFIG_ERROR_EXIT
-    except Exception as err:  # Hydra's override/composition errors, ConfigError, a plan's ValueError
-        if not (_is_input_error(err) or isinstance(err, FileNotFoundError)):
-            raise
-        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return 2
+    # Hydra's override/composition errors, ConfigError, and models.step_cost's and measure.stats' ValueErrors
+    except (ValueError, HydraException, OmegaConfBaseException, FileNotFoundError) as err:
+        return refused(str(err).splitlines()[0] if str(err) else type(err).__name__)
     if seeds_for is not None:
         try:
             report["seeds"] = seeds_report(*seeds_for, sd, source, report)
-        except ValueError as err:  # more seeds than the planners search: say so, not a traceback
-            print(f"error: --seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer",
-                  file=sys.stderr)
-            return CONFIG_ERROR_EXIT
+        except ValueError as err:  # more seeds than the planners search (measure.stats): not a traceback
+            return refused(f"--seeds-for {seeds_for[0]}={seeds_for[1]:g}: {err}; a wider margin needs fewer")
     if args.record and "peak" in (report["measured"] or {}):
         row = record_measurement(report)
         print(f"recorded in {MEASURED_PEAKS}: {row}", file=sys.stderr)
@@ -455,10 +423,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print_report(report)
     return 0
-
-
-def _is_input_error(err: Exception) -> bool:
-    return isinstance(err, ValueError | HydraException | OmegaConfBaseException)
 
 
 if __name__ == "__main__":

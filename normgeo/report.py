@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from corpus.refusal import refused
 from normgeo.figures.angle_panels import plot_compare, write_run_figures
 from normgeo.figures.norm_figures import write_norm_figures
 from normgeo.measure.records import DamagedRecords
@@ -36,9 +37,8 @@ from normgeo.signals import stop_on_signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="normgeo-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="normgeo-report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding angles.jsonl")
     parser.add_argument("--layer", default=None, help="layer for the angle-vs-step figure (default: middle)")
     parser.add_argument(
@@ -61,11 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped: list[DamagedRecords] = []
     for run_dir in args.run_dirs:
         if not RunFolder(run_dir).angles.exists():
-            print(
-                f"error: {RunFolder(run_dir).angles} not found (is {run_dir} a normgeo run directory?)",
-                file=sys.stderr,
-            )
-            return 2
+            return refused(f"{RunFolder(run_dir).angles} not found (is {run_dir} a normgeo run directory?)")
         try:
             # every file of the run by its one reader (compare's and status's): a damaged one skips the run
             runs[str(run_dir)] = read_run_files(run_dir).records[ANGLES_FILE]
@@ -73,25 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipped {run_dir}: {err}", file=sys.stderr)
             skipped.append(err)
     if not runs:
-        print(
-            f"error: no readable run among {', '.join(map(str, args.run_dirs))} (damaged records, "
-            "listed above)",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"no readable run among {', '.join(map(str, args.run_dirs))} (damaged records, listed "
+                       "above)")
     if layer is not None:
         held = {row["layer"] for rows in runs.values() for row in rows}
         if layer not in held:
             blocks = sorted(x for x in held if isinstance(x, int))
             named = sorted(str(x) for x in held if not isinstance(x, int))
             span = f"0 to {blocks[-1]}" if blocks else "none"
-            print(
-                f"error: --layer={args.layer}: no such layer in "
-                f"{'these runs' if len(runs) > 1 else 'this run'} "
-                f"(blocks {span}{', or ' + ', '.join(named) if named else ''})",
-                file=sys.stderr,
-            )
-            return 2
+            these = "these runs" if len(runs) > 1 else "this run"
+            return refused(f"--layer={args.layer}: no such layer in {these} (blocks {span}"
+                           f"{', or ' + ', '.join(named) if named else ''})")
     run_out = {run: (args.out / Path(run).name if args.out else RunFolder(run).figures) for run in runs}
     out_dir = args.out or RunFolder(next(iter(runs))).figures
     try:
@@ -102,15 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_own_folder(folder, "--out", OUTPUT_MARKERS, own=None, own_subfolders=(FIGURES_DIR,),
                              beside="figures", owners=[Path(run) for run in runs])
     except FolderError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refused(err)
     try:
         write_figures(runs, run_out, out_dir, layer, said_where=args.out is not None)
     except PermissionError as err:  # what os.access could not tell (a filesystem refusing even root)
-        print(
-            f"error: cannot write {err.filename} ({err.strerror}); choose another --out=...", file=sys.stderr
-        )
-        return 2
+        return refused(f"cannot write {err.filename} ({err.strerror}); choose another --out=...")
     if skipped:
         print(
             f"error: {len(skipped)} run(s) skipped for damaged records (listed above); the others are drawn",
@@ -120,13 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_figures(
-    runs: dict[str, list[dict]],
-    run_out: dict[str, Path],
-    out_dir: Path,
-    layer: int | str | None,
-    said_where: bool,
-) -> None:
+def write_figures(runs: dict[str, list[dict]], run_out: dict[str, Path], out_dir: Path,
+                  layer: int | str | None, said_where: bool) -> None:
     """Each run's figures into its folder of ``run_out``; with several runs, those comparing them into
     ``out_dir``."""
     for run_dir, folder in run_out.items():

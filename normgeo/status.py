@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from corpus.refusal import refused
 from normgeo.figures.tables import print_table
 from normgeo.readers.identity import DuplicateRuns, check_unique_runs
 from normgeo.readers.run_states import RunStatus, find_runs, is_analysis, run_status
@@ -62,9 +63,8 @@ def print_status(rows: list[RunStatus]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="normgeo-status", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "root", nargs="?", default="outputs", help="a sweep folder (outputs/) or one run directory"
-    )
+    parser.add_argument("root", nargs="?", default="outputs",
+                        help="a sweep folder (outputs/) or one run directory")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     parser.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct")
     parser.add_argument(
@@ -73,15 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not 0 <= args.active_minutes < float("inf"):  # NaN fails too
-        print(
-            f"error: --active-minutes={args.active_minutes}: expected a number of minutes >= 0",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--active-minutes={args.active_minutes}: expected a number of minutes >= 0")
     root = Path(args.root).resolve()
     if not root.is_dir():
-        print(f"error: {root} is not a directory", file=sys.stderr)
-        return 2
+        return refused(f"{root} is not a directory")
     run_dirs = list(find_runs(root))
     try:  # the same rule as compare and report: two folders of one arm and seed are refused, each named
         check_unique_runs(run_dir for run_dir in run_dirs if not is_analysis(run_dir))
@@ -107,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
-
 
 
 if __name__ == "__main__":

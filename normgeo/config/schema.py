@@ -440,10 +440,9 @@ def unmeasured_values(cfg: TrainSchema) -> list[str]:
     scopes = cfg.probe.intervention
     if not (cfg.probe.enabled and scopes and arm is not None and arm.site_kind not in INTERVENABLE_KINDS):
         return []
-    return [f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take "
-            f"out or put in (its norms are {arm.site_kind} sites, not "
-            f"{' or '.join(INTERVENABLE_KINDS)}), so no intervention is measured and no "
-            "intervention.jsonl written; probe.intervention=[] says so"]
+    return [f"probe.intervention=[{','.join(scopes)}]: norm={arm.name} has no centering to take out or put "
+            f"in (its norms are {arm.site_kind} sites, not {' or '.join(INTERVENABLE_KINDS)}), so no "
+            "intervention is measured and no intervention.jsonl written; probe.intervention=[] says so"]
 
 
 def training_device_type(trainer: dict[str, Any]) -> str:

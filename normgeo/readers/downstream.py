@@ -27,23 +27,21 @@ def read_eval(run_dir: Path) -> dict:
     path = RunFolder(run_dir).eval
     if not path.is_file():
         return {}
+
+    def damaged(what: str) -> ValueError:
+        return ValueError(f"{path}: {what}; move it away and evaluate again")
+
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{path}: damaged ({err.msg} at line {err.lineno}); move it away and evaluate again"
-        ) from err
+        raise damaged(f"damaged ({err.msg} at line {err.lineno})") from err
     except UnicodeDecodeError as err:  # bytes, not text (a binary file in its place)
-        raise ValueError(f"{path}: damaged (not utf-8 text at byte {err.start}); move it away and evaluate "
-                         "again") from err
+        raise damaged(f"damaged (not utf-8 text at byte {err.start})") from err
     if not isinstance(record, dict) or not isinstance(record.get("tasks", {}), dict):
-        raise ValueError(f"{path}: not an eval.json (no tasks mapping); move it away and evaluate again")
+        raise damaged("not an eval.json (no tasks mapping)")
     for task, values in record.get("tasks", {}).items():
         if not isinstance(values, dict):
-            raise ValueError(
-                f"{path}: task {task!r} holds {values!r}, not a mapping of its scores; move it away and "
-                "evaluate again"
-            )
+            raise damaged(f"task {task!r} holds {values!r}, not a mapping of its scores")
     return eval_as_today(record)
 
 

@@ -57,9 +57,8 @@ def read_run_config(run_dir: Path) -> dict:
                 raise DamagedRecords(path, mark.line + 1 if mark else 1,
                                      f"not YAML: {getattr(err, 'problem', err)}") from None
             if config is None:
-                raise DamagedRecords(
-                    path, 1, "empty: no setting in it", "copy it again from where the run wrote it"
-                )
+                raise DamagedRecords(path, 1, "empty: no setting in it",
+                                     "copy it again from where the run wrote it")
             if not isinstance(config, dict):
                 raise DamagedRecords(path, 1, f"a YAML {type(config).__name__}, not a mapping")
             if name == HYDRA_CONFIG and RunFolder(run_dir).summary.is_file():
@@ -126,20 +125,17 @@ def recorded_norm(run_dir: Path) -> str | None:
 def identity_from_config(config: Mapping, norm: str | None = None) -> RunIdentity:
     """A run's identity from its config; ``norm`` stands in where the config has none (a copied run)."""
     seed = config.get("seed")
-    return RunIdentity(
-        norm=(config.get("norm") or {}).get("name") or norm,
-        placement=recorded_value(config, "placement.name"),
-        size=(config.get("size") or {}).get("name"),
-        seed=int(seed) if seed is not None else None,
-    )
+    return RunIdentity(norm=(config.get("norm") or {}).get("name") or norm,
+                       placement=recorded_value(config, "placement.name"),
+                       size=(config.get("size") or {}).get("name"),
+                       seed=int(seed) if seed is not None else None)
 
 
 def run_identity(run_dir: Path) -> RunIdentity:
     """The identity of the run in ``run_dir``; raises :class:`DamagedRecords` when its config is damaged."""
     config = read_run_config(run_dir)
-    return identity_from_config(
-        config, None if (config.get("norm") or {}).get("name") else recorded_norm(run_dir)
-    )
+    return identity_from_config(config,
+                                None if (config.get("norm") or {}).get("name") else recorded_norm(run_dir))
 
 
 class DuplicateRuns(Refusal, ValueError):

@@ -111,10 +111,8 @@ def slurm_job(run_dir: Path) -> str | None:
 
 def slurm_state(job: str) -> str | None:
     """squeue's state while SLURM remembers the job, else sacct's (accounting on), else None."""
-    for command in (
-        ["squeue", "-h", "--states=all", "-j", job, "-o", "%T"],
-        ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"],
-    ):
+    for command in (["squeue", "-h", "--states=all", "-j", job, "-o", "%T"],
+                    ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"]):
         try:
             out = subprocess.run(command, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
@@ -145,16 +143,8 @@ def newest_mtime(run_dir: Path) -> float | None:
     return newest
 
 
-def infer_state(
-    *,
-    step: int | None,
-    max_steps: int | None,
-    stop_at_step: int | None,
-    slurm: str | None,
-    requeue_logged: bool,
-    updated_s_ago: float | None,
-    active_s: float,
-) -> str:
+def infer_state(*, step: int | None, max_steps: int | None, stop_at_step: int | None, slurm: str | None,
+                requeue_logged: bool, updated_s_ago: float | None, active_s: float) -> str:
     if step is not None and max_steps is not None and step >= max_steps:
         return "finished"
     if slurm in ACTIVE:
@@ -206,30 +196,15 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
     state_from_slurm = slurm_state(job) if (job and use_slurm) else None
     mtime = newest_mtime(run_dir)
     updated = None if mtime is None else max(0.0, time.time() - mtime)
-    state = infer_state(
-        step=step,
-        max_steps=max_steps,
-        stop_at_step=stop_at_step,
-        slurm=state_from_slurm,
-        requeue_logged=asked_to_requeue(summary),
-        updated_s_ago=updated,
-        active_s=active_s,
-    )
+    state = infer_state(step=step, max_steps=max_steps, stop_at_step=stop_at_step, slurm=state_from_slurm,
+                        requeue_logged=asked_to_requeue(summary), updated_s_ago=updated, active_s=active_s)
     if state == "failed":
         state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
     if step is None and finished_step is not None:
         state, step = "finished", finished_step  # its checkpoints deleted since (to save space)
     elif summary_damaged and state != "finished" and state_from_slurm is None:
         state = "unknown"  # a recent file change is no sign of running when the run's own account is damaged
-    return RunStatus(
-        run=name,
-        state=state,
-        step=step,
-        max_steps=max_steps,
-        loss=loss,
-        probe_step=probe_step,
-        slurm_job=job,
-        slurm_state=state_from_slurm,
-        updated_s_ago=None if updated is None else round(updated, 1),
-        damaged="; ".join(problems) or None,
-    )
+    return RunStatus(run=name, state=state, step=step, max_steps=max_steps, loss=loss, probe_step=probe_step,
+                     slurm_job=job, slurm_state=state_from_slurm,
+                     updated_s_ago=None if updated is None else round(updated, 1),
+                     damaged="; ".join(problems) or None)

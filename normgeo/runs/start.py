@@ -49,12 +49,7 @@ from normgeo.runs.build import make_datamodule, trainer_arguments
 from normgeo.runs.lock import RunLock, check_unlocked
 from normgeo.runs.preflight import KeptPlan, preflight, write_kept_plan
 from normgeo.runs.run_config import OUTPUT_MARKERS, is_rank_zero, resolved_run_config
-from normgeo.runs.session import (
-    KEPT_ON_REPLACE,
-    replace_diverged_run,
-    session_checkpoint,
-    slurm_requeued,
-)
+from normgeo.runs.session import KEPT_ON_REPLACE, replace_diverged_run, session_checkpoint, slurm_requeued
 from normgeo.signals import OWNER, UNDO, Phase
 
 log = logging.getLogger(__name__)
