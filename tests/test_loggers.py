@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from normgeo.measure.records import DamagedRecords, read_rows
 from normgeo.readers.run_states import last_loss
-from tests.conftest import step_losses
+from tests.conftest import step_losses, train_here
 from tests.wandb_log import wandb_media, wandb_records, wandb_runs, wandb_scalars
 
 pytestmark = pytest.mark.slow  # trained runs shared by the module (the quick tier skips them)
@@ -91,3 +91,15 @@ def test_status_reads_the_loss_from_the_csv_alone(logged_run: Path, tmp_path: Pa
     shutil.rmtree(copy / "csv")
     with pytest.raises(DamagedRecords, match="damaged metrics"):  # wandb's and TensorBoard's logs never read
         last_loss(copy)
+
+
+def test_the_last_steps_loss_is_logged_where_log_every_skips_it(tmp_path: Path) -> None:
+    """Issue 75, class 5: Lightning writes its loggers every log_every steps, so a run of 5 steps logging every
+    2 left step 5's loss, the summary's, out of its log: status showed step 4's."""
+    run_dir = tmp_path / "run"
+    train_here(run_dir, "max_steps=5", "log_every=2")
+    losses = step_losses(run_dir)
+    assert sorted(losses) == [2, 4, 5]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert losses[5] == pytest.approx(summary["train_loss"], rel=1e-6)
+    assert last_loss(run_dir) == losses[5]
