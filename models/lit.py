@@ -213,8 +213,8 @@ class LitGPT(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
         every = self.trainer.log_every_n_steps
         if step == self.trainer.max_steps and every > 0 and step % every and not self.trainer.should_stop:
-            # Lightning writes to its loggers every log_every_n_steps (or at a stop) only: the last step's loss,
-            # the one summary.json and compare report, would be missing from the log and from status.
+            # Lightning writes to its loggers every log_every_n_steps (or at a stop) only: the last step's
+            # loss, the one summary.json and compare report, would be missing from the log and from status.
             written = {key: float(value) for key, value in metrics.items() if key != "step"}
             for logger in self.trainer.loggers:
                 logger.log_metrics(written, step=step)

@@ -94,8 +94,8 @@ def test_status_reads_the_loss_from_the_csv_alone(logged_run: Path, tmp_path: Pa
 
 
 def test_the_last_steps_loss_is_logged_where_log_every_skips_it(tmp_path: Path) -> None:
-    """Issue 75, class 5: Lightning writes its loggers every log_every steps, so a run of 5 steps logging every
-    2 left step 5's loss, the summary's, out of its log: status showed step 4's."""
+    """Issue 75, class 5: Lightning writes its loggers every log_every steps, so a run of 5 steps logging
+    every 2 left step 5's loss, the summary's, out of its log: status showed step 4's."""
     run_dir = tmp_path / "run"
     train_here(run_dir, "max_steps=5", "log_every=2")
     losses = step_losses(run_dir)

@@ -254,10 +254,10 @@ def next_token_changes(
     loss.
 
     With d = z' - z, the intervened logits less the intact ones, up to any constant per token:
-    KL(p || q) = log E_p e^d - E_p d, and the loss change is log E_p e^d - d[target]. Both are computed from d,
-    of the size of the change (z' - z is exact in float32 where the logits are close), centred by its mean:
-    the difference of O(10) float32 sums over the vocabulary that they were had an error of ~1e-5 nats, 2% of
-    a random-weight GPT's KL, set by the CPU's summation order. Per chunk of tokens (:func:`vocab_chunks`)."""
+    KL(p || q) = log E_p e^d - E_p d, and the loss change is log E_p e^d - d[target]. Both are computed
+    from d, of the size of the change (z' - z is exact in float32 where the logits are close), centred by
+    its mean: as differences of O(10) float32 sums over the vocabulary they were off by ~1e-5 nats, 2% of a
+    random-weight GPT's KL, set by the CPU's summation order. Per chunk of tokens (:func:`vocab_chunks`)."""
     rows, length = intervened_logits.shape[0], intervened_logits.shape[1] - 1
     changes = torch.empty((rows, length, 4), dtype=intact.probs.dtype, device=intervened_logits.device)
     for row, chunk in vocab_chunks(rows, length, intervened_logits.device):
