@@ -257,7 +257,9 @@ def run_summary(trainer: L.Trainer, timer: Timer, run_dir: Path, start_step: int
         "train_loss": _metric(trainer, "train/loss"), "val_loss": _metric(trainer, "val/loss"),
         "val_step": getattr(trainer.lightning_module, "validated_at", None),  # the validation it is from
         "tokens_seen": step * tokens_per_step, "wall_s": round(timer.time_elapsed(), 3),
-        "sessions": int(previous.get("sessions") or 0) + 1, "session_wall_s": round(session_s, 3),
+        # A killed session wrote no summary, but its CSV log (csv/version_<n>, one per session) is there.
+        "sessions": max(int(previous.get("sessions") or 0) + 1, len(list(folder.csv.glob("version_*")))),
+        "session_wall_s": round(session_s, 3),
         # One entry per session that wrote a summary (read_summary gives an older summary an empty list).
         "session_log": [*previous.get("session_log", []), this_session],
         "tokens_per_s": round(session_tokens / session_s, 1) if session_s > 0 else None,

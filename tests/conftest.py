@@ -11,6 +11,7 @@ import io
 import os
 import subprocess
 import sys
+import traceback
 from collections import OrderedDict
 from pathlib import Path
 
@@ -156,6 +157,9 @@ def main_exit_code(script: str, args: list[str]) -> int:
         return 0
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else 1
+    except Exception:  # a bug: the interpreter would print its traceback and exit 1
+        traceback.print_exc()
+        return 1
     finally:
         sys.argv = argv
         GlobalHydra.instance().clear()

@@ -146,6 +146,7 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_the_uninterrupted_run(
     assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))
     assert all_step_losses(run_dir, "val/loss") == all_step_losses(uninterrupted, "val/loss")
     assert not list(run_dir.rglob(f"*{TMP_SUFFIX}"))  # whatever a kill interrupted, nothing is left behind
+    assert json.loads((run_dir / "summary.json").read_text())["sessions"] == 3  # two killed, one finished
 
 
 def test_kill_during_validation_then_damaged_last_ckpt_loses_no_validation(
@@ -241,3 +242,4 @@ def test_a_killed_sessions_time_up_to_its_last_checkpoint_counts_in_wall_s(tmp_p
     [session] = summary["session_log"]
     assert session["steps"] == [saved["global_step"], 6]
     assert summary["wall_s"] == pytest.approx(trained_s + session["wall_s"], abs=2e-3)
+    assert summary["sessions"] == 2  # issue 75, class 5: the killed one counted by its CSV log (it was 1)
