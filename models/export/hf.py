@@ -29,13 +29,15 @@ from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHead
 
 from models.export import modeling_normgeo
 from models.export.modeling_normgeo import NORM_CLASSES, NormGeoConfig, NormGeoForCausalLM, NormGeoModel
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from models.norms import NORM_ARMS, ROLES
 
 CONVERTED_NORM = "rms"
 MODEL_CODE_FILE = Path(modeling_normgeo.__file__).name
 # Each residual norm, and the linear layer (in models.gpt's names) its output feeds.
 FOLDS = {"ln1": "attn.c_attn", "ln2": "mlp.c_fc"}
+# The models.gpt classes modeling_normgeo imports: the saved copy holds their source instead.
+GPT_CLASSES = (CausalSelfAttention, MLP)
 
 
 def convertible_arms() -> tuple[str, ...]:
@@ -275,11 +277,15 @@ def class_source(cls: type) -> str:
 
 
 def model_code(norm: str) -> str:
-    """The saved model code of arm ``norm``: :mod:`models.export.modeling_normgeo` and, appended, the arm's
-    class (its source and its own bases', or torch's import) added to ``NORM_CLASSES``."""
+    """The saved model code of arm ``norm``: :mod:`models.export.modeling_normgeo` with the source of the
+    ``models.gpt`` classes it imports in place of that import and, appended, the arm's class (its source and
+    its own bases', or torch's import) added to ``NORM_CLASSES``."""
     cls = NORM_ARMS[norm].module_type
     own = own_classes(cls)
-    parts = [Path(modeling_normgeo.__file__).read_text(),
+    code = Path(modeling_normgeo.__file__).read_text()
+    gpt_import = next(line for line in code.splitlines() if line.startswith("from models.gpt import "))
+    gpt_classes = "\n\n".join(map(class_source, GPT_CLASSES))
+    parts = [code.replace(gpt_import, f"# models/gpt.py's, written from its source.\n{gpt_classes}"),
              f"# The norm of arm {norm!r}, written from its registration (normgeo's models.norms.NORM_ARMS).",
              *map(class_source, own)]
     if not own:

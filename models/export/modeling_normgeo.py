@@ -1,11 +1,12 @@
 """normgeo's GPT as a Hugging Face model, for the arms no built-in transformers class holds exactly.
 
-Self-contained (torch and transformers only): :mod:`models.export.hf` saves this file beside the exported
-weights, with the arm's norm class appended, and ``AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)`` runs it without normgeo installed. It mirrors ``models/gpt.py`` operation for
-operation, so the logits are the harness model's; every norm is ``NORM_CLASSES[norm_class](**norm_arguments
-[role])``, as the arm's registration builds it. ``lm_head_bias``: the LM head bias of a LayerNorm arm
-converted to RMSNorm (``--as rms``).
+Self-contained once saved (torch and transformers only): :mod:`models.export.hf` saves this file beside the
+exported weights with the source of ``models/gpt.py``'s attention and MLP in place of their import and the
+arm's norm class appended, and ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` runs it
+without normgeo installed. The blocks are ``models/gpt.py``'s operation for operation, so the logits are the
+harness model's; every norm is ``NORM_CLASSES[norm_class](**norm_arguments[role])``, as the arm's
+registration builds it. ``lm_head_bias``: the LM head bias of a LayerNorm arm converted to RMSNorm
+(``--as rms``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
+from models.gpt import MLP, CausalSelfAttention  # the saved copy: their source (models.export.hf.model_code)
+
 
 class NormGeoConfig(PretrainedConfig):
     model_type = "normgeo"
+    dropout = 0.0  # read by models.gpt's attention and MLP; a class attribute, so not in config.json
 
     def __init__(
         self,
@@ -64,31 +68,6 @@ def make_norm(config: NormGeoConfig, role: str) -> nn.Module:
     if config.norm_class not in NORM_CLASSES:
         raise ValueError(f"unknown norm class {config.norm_class!r}: one of {', '.join(NORM_CLASSES)}")
     return NORM_CLASSES[config.norm_class](**config.norm_arguments[role])
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: NormGeoConfig) -> None:
-        super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: NormGeoConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
