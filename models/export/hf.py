@@ -57,31 +57,22 @@ def rms_conversion_refusal(gpt: GPT) -> str | None:
         return (f"the {cfg.norm!r} arm {what}: only the Pre-LN LayerNorm arms "
                 f"({', '.join(convertible_arms())}) convert to RMSNorm")
     if cfg.placement != "pre":
-        return (
-            f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
-            "norm's output "
-            "(not mean-zero after the bias) and the sublayers read it un-normalized, so no RMSNorm "
-            "model has its "
-            "logits; only Pre-LN arms convert"
-        )
+        return (f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
+                "norm's output (not mean-zero after the bias) and the sublayers read it un-normalized, so no "
+                "RMSNorm model has its logits; only Pre-LN arms convert")
     if gpt.training and cfg.dropout > 0:
-        return (
-            f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single "
-            "channels of the "
-            "residual writes, which are then not mean-zero; call .eval() first"
-        )
+        return (f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single channels "
+                "of the residual writes, which are then not mean-zero; call .eval() first")
     return None
 
 
 def centred_rows(weight: torch.Tensor) -> torch.Tensor:
-    """Each row made mean-zero across its last dimension (an embedding row: one vector written to the
-    stream)."""
+    """Each row (an embedding row: one vector written to the stream) made mean-zero."""
     return weight - weight.mean(dim=-1, keepdim=True)
 
 
 def centred_outputs(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's (out, in) weight whose every output (column) is mean-zero across the ``out``
-    channels."""
+    """A linear layer's (out, in) weight with every column mean-zero across the ``out`` channels."""
     return weight - weight.mean(dim=0, keepdim=True)
 
 
@@ -174,44 +165,33 @@ def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
+def common_config(cfg: GPTConfig) -> dict:
+    """The keyword arguments GPT2Config and NormGeoConfig share (the padded vocabulary, EOS as BOS)."""
+    return dict(vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                n_layer=cfg.n_layer, n_head=cfg.n_head, tie_word_embeddings=cfg.tie_embeddings,
+                bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1)
+
+
 def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
     cfg = gpt.config
-    config = GPT2Config(
-        vocab_size=cfg.padded_vocab_size,
-        n_positions=cfg.block_size,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_inner=4 * cfg.n_embd,
-        activation_function="gelu_pytorch_tanh",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        layer_norm_epsilon=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=cfg.vocab_size - 1,
-        eos_token_id=cfg.vocab_size - 1,
-    )
+    config = GPT2Config(**common_config(cfg), n_inner=4 * cfg.n_embd, activation_function="gelu_pytorch_tanh",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps)
     model = GPT2LMHeadModel(config).to(dtype)
     model.load_state_dict(_gpt2_state_dict(gpt, dtype), strict=not cfg.tie_embeddings)
     return model
 
 
 def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
-    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one
-    dtype)."""
+    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names)."""
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     arm = NORM_ARMS[cfg.norm]
     # In this process the model code builds the arm's own class; the saved copy defines it (model_code).
     NORM_CLASSES[arm.module_type.__name__] = arm.module_type
     config = NormGeoConfig(
-        vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, norm=cfg.norm, norm_class=arm.module_type.__name__,
+        **common_config(cfg), norm=cfg.norm, norm_class=arm.module_type.__name__,
         norm_arguments={role: arm.arguments(cfg.n_embd, cfg.norm_eps, role) for role in ROLES},
         placement=cfg.placement, bias=cfg.bias, lm_head_bias=lm_head_bias,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
-        eos_token_id=cfg.vocab_size - 1,
     )
     model = NormGeoForCausalLM(config).to(next(iter(weights.values())).dtype)
     # save_pretrained records the saved class only; AutoModel (the base model analyze.py measures) is added.
@@ -235,11 +215,8 @@ def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
         model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))
     else:
         cfg = gpt.config
-        model = (
-            _gpt2(gpt, dtype)
-            if holds_as_gpt2(gpt) and not model_code
-            else _normgeo(cfg, _weights(gpt, dtype))
-        )
+        gpt2 = holds_as_gpt2(gpt) and not model_code
+        model = _gpt2(gpt, dtype) if gpt2 else _normgeo(cfg, _weights(gpt, dtype))
     if cfg.tie_embeddings:
         model.tie_weights()
     if cfg.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
@@ -248,8 +225,7 @@ def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
 
 
 def own_classes(cls: type) -> list[type]:
-    """``cls`` and its bases that are not torch's (nor Python's), base first: what the saved model code
-    defines."""
+    """``cls`` and its bases that are not torch's (nor Python's), base first: what the saved code defines."""
     return [c for c in reversed(cls.__mro__) if c.__module__.partition(".")[0] not in ("torch", "builtins")]
 
 
@@ -315,8 +291,7 @@ class RmsParity:
 
 @torch.no_grad()
 def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
-    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it
-    was."""
+    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is unchanged."""
     reference64 = copy.deepcopy(gpt).double().eval()(ids)
     diff64 = (to_hf(gpt, as_rms=True, dtype=torch.float64)(ids).logits - reference64).abs().max()
     reference32 = copy.deepcopy(gpt).float().eval()(ids)

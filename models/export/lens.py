@@ -35,16 +35,19 @@ NO_PROCESSING = {"fold_ln": False, "center_writing_weights": False, "center_unem
 def transformer_lens_refusal(config: GPTConfig) -> str | None:
     """Why TransformerLens cannot hold this arm exactly, or None if it can."""
     if config.placement != "pre":
-        return (
-            "TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the "
-            f"{config.placement}-LN "
-            f"arm {config.norm!r} (export it with --to hf or --to nnsight)"
-        )
+        return ("TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the "
+                f"{config.placement}-LN arm {config.norm!r} (export it with --to hf or --to nnsight)")
     arm = NORM_ARMS[config.norm]
     if arm.transformer_lens is None:
         return (f"TransformerLens cannot hold the {config.norm!r} arm exactly: {arm.transformer_lens_lacks} "
                 "(export it with --to hf or --to nnsight)")
     return None
+
+
+def held_by_transformer_lens(config: GPTConfig) -> None:
+    """ValueError with :func:`transformer_lens_refusal`'s reason for an arm TransformerLens cannot hold."""
+    if refusal := transformer_lens_refusal(config):
+        raise ValueError(refusal)
 
 
 def transformer_lens_config(config: GPTConfig) -> dict:
@@ -74,7 +77,7 @@ def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
             state[f"{theirs}.b"] = source.get(f"{ours}.bias", zeros(width))
 
     for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"blocks.{i}."
+        ours = theirs = f"blocks.{i}."  # the same prefix in both
         norm(f"{ours}ln1", f"{theirs}ln1")
         norm(f"{ours}ln2", f"{theirs}ln2")
         qkv_w = source[f"{ours}attn.c_attn.weight"]
@@ -116,18 +119,14 @@ def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bo
 def to_transformer_lens(gpt: GPT, process: bool = False, tokenizer=None):
     """The arm as a TransformerLens ``HookedTransformer`` (processing off); ValueError for an arm it cannot
     hold."""
-    refusal = transformer_lens_refusal(gpt.config)
-    if refusal:
-        raise ValueError(refusal)
+    held_by_transformer_lens(gpt.config)
     return hooked_transformer(transformer_lens_config(gpt.config), transformer_lens_state_dict(gpt), process,
                               tokenizer)
 
 
 def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
     """``tl_config.json`` (HookedTransformerConfig's arguments) and ``model.safetensors`` (its state dict)."""
-    refusal = transformer_lens_refusal(gpt.config)
-    if refusal:
-        raise ValueError(refusal)
+    held_by_transformer_lens(gpt.config)
     (out_dir / TL_CONFIG_FILE).write_text(json.dumps(transformer_lens_config(gpt.config), indent=2) + "\n")
     save_file(transformer_lens_state_dict(gpt), str(out_dir / TL_WEIGHTS_FILE))
 
