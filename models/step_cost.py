@@ -114,12 +114,10 @@ class TrainSetup:
     compiled: bool = False          # the run is compiled (compile resolved): the compiled step is planned
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision {self.precision!r} cannot be planned: one of {', '.join(PRECISIONS)}"
-            )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r} cannot be planned: one of {', '.join(STRATEGIES)}")
+        for key, value, allowed in (("precision", self.precision, PRECISIONS),
+                                    ("strategy", self.strategy, STRATEGIES)):
+            if value not in allowed:
+                raise ValueError(f"{key} {value!r} cannot be planned: one of {', '.join(allowed)}")
         for name in (self.fsdp_param_dtype, self.fsdp_reduce_dtype):
             if name is not None and name not in DTYPES:
                 raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)} or null")
@@ -320,12 +318,21 @@ def training_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup
         optimizer.zero_grad(set_to_none=True)
 
 
-def run_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
-             tracker: MemTracker, flops: FlopCounterMode) -> None:
-    """One :func:`training_step` on a random batch inside ``tracker``."""
+def traced_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
+                checkpointing: bool) -> StepTrace:
+    """One :func:`training_step` on a random batch inside a tracker and a FLOP counter (the optimizer's
+    state tracked where there is one); ``checkpointing``: each block checkpointed as FSDP2Strategy does."""
+    if checkpointing:
+        for block in module.model.blocks:
+            checkpoint(block)  # composable, names unchanged
+    tracker = PeakMemTracker()
+    if optimizer is not None:
+        tracker.track_external(module.model, optimizer)
+    counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
     inputs = random_batch(setup, batch)
     with tracker:
-        training_step(module, optimizer, setup, inputs, flops)
+        training_step(module, optimizer, setup, inputs, counter)
+    return StepTrace(snapshot(tracker), counter.get_total_flops())
 
 
 def snapshot(tracker: MemTracker) -> dict[str, int]:
@@ -343,14 +350,7 @@ def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool
         if setup.accumulating:  # a later micro-step: the earlier ones' gradients are there (summed into)
             for p in module.parameters():
                 p.grad = torch.zeros_like(p)
-        if checkpointing:
-            for block in module.model.blocks:
-                checkpoint(block)  # what FSDP2Strategy applies (composable, names unchanged)
-        tracker = PeakMemTracker()
-        tracker.track_external(module.model, optimizer)
-        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
-        run_step(module, optimizer, setup, batch, tracker, counter)
-        return StepTrace(snapshot(tracker), counter.get_total_flops())
+        return traced_step(module, optimizer, setup, batch, checkpointing)
 
 
 def trace_compiled_step(setup: TrainSetup, batch: int) -> StepTrace:
@@ -376,13 +376,7 @@ def trace_sharded_compute(setup: TrainSetup, batch: int, *, checkpointing: bool)
         module = build_module(setup, DTYPES[setup.fsdp_param_dtype] if setup.fsdp_param_dtype else None)
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
-        if checkpointing:
-            for block in module.model.blocks:
-                checkpoint(block)
-        tracker = PeakMemTracker()
-        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
-        run_step(module, None, setup, batch, tracker, counter)
-        return StepTrace(snapshot(tracker), counter.get_total_flops())
+        return traced_step(module, None, setup, batch, checkpointing)
 
 
 def trace_probe(setup: TrainSetup) -> StepTrace:
@@ -439,26 +433,31 @@ def per_gpu(setup: TrainSetup, counts: ModelCounts, trace: StepTrace, compute: S
         return Memory(trace.get("Parameter"), counts.parameter_bytes + new, trace.get("Optstate"),
                       trace.get("Activation"), rest)
     assert compute is not None
-    ranks = setup.world_size
-    low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
+    low = fsdp_param_bytes(setup)
     reduce = DTYPES[setup.fsdp_reduce_dtype].itemsize if setup.fsdp_reduce_dtype else low
-    # The root (embeddings, head) stays gathered from its forward to the end of the backward (FSDP2 never
-    # reshards the root after forward); a block is gathered while the next one is prefetched.
-    gathered = (counts.root_parameters + 2 * counts.block_parameters) * low
-    shard = math.ceil(counts.parameter_bytes / ranks)
+    shard = math.ceil(counts.parameter_bytes / setup.world_size)
     # A block's unsharded gradient is cast to reduce_dtype for the reduce-scatter (when that differs).
     reduce_copy = counts.block_parameters * reduce if reduce != low else 0
     return Memory(
-        parameters=shard + gathered,
+        parameters=shard + fsdp_gathered_bytes(setup, counts),
         gradients=shard + compute.get("Gradient") + reduce_copy,
-        optimizer=math.ceil(counts.optimizer_bytes / ranks),
+        optimizer=math.ceil(counts.optimizer_bytes / setup.world_size),
         activations=compute.get("Activation"),
         temporaries=compute.get("Temp") + compute.get("Buffer") + compute.get("Other"),
     )
 
 
-def _storage_bytes(setup: TrainSetup) -> int:
-    return PRECISIONS[setup.precision][0].itemsize
+def fsdp_param_bytes(setup: TrainSetup) -> int:
+    """Bytes of one gathered parameter element under FSDP2: its param_dtype, else the storage dtype."""
+    dtype = DTYPES[setup.fsdp_param_dtype] if setup.fsdp_param_dtype else PRECISIONS[setup.precision][0]
+    return dtype.itemsize
+
+
+def fsdp_gathered_bytes(setup: TrainSetup, counts: ModelCounts) -> int:
+    """The unsharded parameters FSDP2 holds at once: the root (embeddings, head) stays gathered from its
+    forward to the end of the backward (never resharded after forward), a block while the next is
+    prefetched."""
+    return (counts.root_parameters + 2 * counts.block_parameters) * fsdp_param_bytes(setup)
 
 
 def second_batch(micro_batch: int) -> int:
@@ -509,12 +508,10 @@ class MeasuredStep:
 
 
 def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
-    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, each of
-    global_batch / micro_batch micro-steps (the gradients accumulate as training accumulates them), compiled
-    as ``compile=true`` trains (``model.compile()``). The first steps create the optimizer state and,
-    compiled, generate the kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over
-    a training run is. One device without sharding: DDP's buckets and FSDP2's shards stay the trace's
-    (:func:`per_gpu`)."""
+    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, accumulating
+    over global_batch / micro_batch micro-steps, compiled as ``compile=true`` trains; over all steps (the
+    first create the optimizer state and the kernels), as over a training run. No sharding: DDP's buckets
+    and FSDP2's shards stay the trace's (:func:`per_gpu`)."""
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
     compiled = setup.compiled
@@ -560,9 +557,7 @@ def probe_memory(setup: TrainSetup, counts: ModelCounts, trace: StepTrace) -> Me
     """At a probe the step is over: parameters, optimizer state (and DDP's buckets) stay; the probe's
     forward adds its activations. Under FSDP2 the shards stay and the forward gathers as in training."""
     if setup.strategy == "fsdp2":
-        low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
-        params = math.ceil(counts.parameter_bytes / setup.world_size)
-        params += (counts.root_parameters + 2 * counts.block_parameters) * low
+        params = math.ceil(counts.parameter_bytes / setup.world_size) + fsdp_gathered_bytes(setup, counts)
         grads, optim = 0, math.ceil(counts.optimizer_bytes / setup.world_size)
     else:
         params, optim = counts.parameter_bytes, counts.optimizer_bytes
@@ -620,10 +615,16 @@ def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
 
 
 def gate_plan(plan: Plan) -> GatePlan:
-    chosen, setup = plan.configured, plan.setup
-    return GatePlan(chosen.memory.total, lower_bound(setup, plan.counts), chosen.peak.fixed,
-                    chosen.peak.per_sample, chosen.compiled, setup.micro_batch, setup.global_batch,
-                    setup.world_size, chosen.memory.as_dict(), accumulated_gradients(setup, plan.counts))
+    chosen = plan.configured
+    planned = line_free_gate_plan(plan.setup, plan.counts, chosen.memory, chosen.compiled)
+    return replace(planned, fixed=chosen.peak.fixed, per_sample=chosen.peak.per_sample)
+
+
+def line_free_gate_plan(setup: TrainSetup, counts: ModelCounts, memory: Memory, compiled: bool) -> GatePlan:
+    """The gate's plan of one traced micro_batch (no line through a second one)."""
+    return GatePlan(memory.total, lower_bound(setup, counts), None, None, compiled, setup.micro_batch,
+                    setup.global_batch, setup.world_size, memory.as_dict(),
+                    accumulated_gradients(setup, counts))
 
 
 def traced_gate_plan(setup: TrainSetup, total_memory: int, headroom_gib: float) -> GatePlan:
@@ -632,9 +633,7 @@ def traced_gate_plan(setup: TrainSetup, total_memory: int, headroom_gib: float) 
     context does not fit the card. A run that fits, the common start, waits for one trace, not two."""
     counts, checkpointing = model_counts(setup), setup.activation_checkpointing
     memory, _ = trace_memory(setup, counts, setup.micro_batch, checkpointing)
-    planned = GatePlan(memory.total, lower_bound(setup, counts), None, None,
-                       plans_compiled(setup, checkpointing), setup.micro_batch, setup.global_batch,
-                       setup.world_size, memory.as_dict(), accumulated_gradients(setup, counts))
+    planned = line_free_gate_plan(setup, counts, memory, plans_compiled(setup, checkpointing))
     if planned.peak_fits(total_memory, headroom_gib):
         return planned
     second = second_batch(setup.micro_batch)
