@@ -15,6 +15,11 @@ from normgeo.paths import repo_relative
 from normgeo.run_folder import INTERVENTION_FILE, RunFolder
 
 
+def ci(row: dict, name: str, digits: int = 4) -> str:
+    """A row's estimate of ``name`` with its 95% interval."""
+    return interval_text(row[name], row[f"{name}_ci_low"], row[f"{name}_ci_high"], digits)
+
+
 def model_section(folder: Path) -> list[str]:
     rows = read_rows(folder / INTERVENTION_FILE)
     info = json.loads(RunFolder(folder).run_info.read_text())
@@ -26,16 +31,15 @@ def model_section(folder: Path) -> list[str]:
     ]
     if embedding:
         lines += [
-            "An encoder without a language-model head: the cosine of each token's intact and "
-            "intervened output "
-            "vector, 95% block-bootstrap interval over probe windows.",
+            "An encoder without a language-model head: the cosine of each token's intact and intervened "
+            "output vector, 95% block-bootstrap interval over probe windows.",
             "",
             "| scope | norms | action | tokens | cosine |",
             "| --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             lines.append(f"| {r['scope_name']} | {len(r['sites'])} | {r['action']} | {r['tokens']:,} | "
-                         f"{interval_text(r['cosine'], r['cosine_ci_low'], r['cosine_ci_high'], 5)} |")
+                         f"{ci(r, 'cosine', 5)} |")
     else:
         lines += [
             f"Next-token prediction (intact loss {rows[0]['loss_intact']:.3f} nats); 95% block-bootstrap "
@@ -45,15 +49,8 @@ def model_section(folder: Path) -> list[str]:
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
-            lines.append(
-                f"| {r['scope_name']} | {len(r['sites'])} | {r['action']} | {r['tokens']:,} | "
-                f"{interval_text(r['delta_loss'], r['delta_loss_ci_low'], r['delta_loss_ci_high'])} | "
-                f"{interval_text(r['kl'], r['kl_ci_low'], r['kl_ci_high'], 5)} | "
-                f"""{interval_text(
-                    r['top1_agreement'], r['top1_agreement_ci_low'], r['top1_agreement_ci_high'], 3
-                )} """
-                "|"
-            )
+            lines.append(f"| {r['scope_name']} | {len(r['sites'])} | {r['action']} | {r['tokens']:,} | "
+                         f"{ci(r, 'delta_loss')} | {ci(r, 'kl', 5)} | {ci(r, 'top1_agreement', 3)} |")
     every = next(r for r in rows if r["scope"] == "all")
     key = "cosine" if embedding else "delta_loss"
     lines += [

@@ -55,12 +55,8 @@ PLAN_GPUS = ("H100 SXM 80 GB", "A100 80 GB")  # of normgeo.plan's GPU table
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
     """Per run: the process's RSS now and its peak at the first probe after training began (step > 0, when the
     optimizer state exists) and at the last probe, and the peak's growth between them (MiB)."""
-    lines = [
-        "| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first "
-        "trained probe | "
-        "at last probe | peak growth |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = ["| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first trained "
+             "probe | at last probe | peak growth |", "|---|---|---|---|---|---|---|"]
     worst = 0.0
     trained = metrics[metrics["step"] > 0]
     for run, rows in trained.groupby("run", sort=True):
@@ -83,17 +79,10 @@ def downstream_section(out: Path, summary: pd.DataFrame) -> str:
     rows = []
     for run in summary.itertuples():
         record = read_eval(out / run.run)
-        rows += [
-            {
-                "arm": run.arm,
-                "seed": run.seed,
-                "task": task,
-                "step": scores.get("step", record.get("step")),
-                "examples": scores.get("examples"),
-                "acc": scores.get("acc"),
-            }
-            for task, scores in record.get("tasks", {}).items()
-        ]
+        rows += [{"arm": run.arm, "seed": run.seed, "task": task,
+                  "step": scores.get("step", record.get("step")), "examples": scores.get("examples"),
+                  "acc": scores.get("acc")}
+                 for task, scores in record.get("tasks", {}).items()]
     if not rows:
         return ""
     frame = pd.DataFrame(rows)
@@ -138,14 +127,11 @@ def answer_text(primary: Estimate) -> str:
         "margin, and no difference is resolved)",
     }[primary.outcome()]
     return (
-        f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss "
-        "over the last "
-        f"20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to "
-        f"{high:+.4f}: "
-        f"**{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} seeds decide "
-        f"equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); "
-        f"±{primary.margin:g} "
-        f"nats would take {needed} seeds, about {2 * needed} runs."
+        f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss over the "
+        f"last 20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to "
+        f"{high:+.4f}: **{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} "
+        f"seeds decide equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); "
+        f"±{primary.margin:g} nats would take {needed} seeds, about {2 * needed} runs."
     )
 
 
@@ -159,17 +145,11 @@ def gpu_plan_text(sd: float, margin: float) -> str:
         _, report = plan_config(compose([f"experiment={experiment}"]), both_checkpointing=False, probe=False)
         seeds = seeds_report(PRIMARY_METRIC, margin, sd, "this study", report)
         by_gpu = {row["gpu"]: row for row in seeds["gpus"]}
-        for gpu in PLAN_GPUS:
-            row = by_gpu[gpu]
-            rows.append(
-                {
-                    "size": seeds["size"],
-                    "GPU": gpu,
-                    f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
-                    "GPU-hours per run": f"{row['gpu_hours_per_run']:.2f}",
-                    "GPU-hours, both arms": f"{row['gpu_hours_equivalence']:,.0f}",
-                }
-            )
+        rows += [{"size": seeds["size"], "GPU": gpu,
+                  f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
+                  "GPU-hours per run": f"{by_gpu[gpu]['gpu_hours_per_run']:.2f}",
+                  "GPU-hours, both arms": f"{by_gpu[gpu]['gpu_hours_equivalence']:,.0f}"}
+                 for gpu in PLAN_GPUS]
     return f"""**On GPUs (a plan from this CPU study's paired SD, not a measurement).** The same decision at
 ±{margin:g} nats with `python -m normgeo.plan experiment=paper_70m --seeds-for \
 {PRIMARY_METRIC}={margin:g} --sd
@@ -262,8 +242,8 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
     learned = (
         f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
         f"average over the {len(primary_arms)} runs of the primary question's arms "
-        f"({primary_arms['val_loss'].min():.3f} "
-        f"to {primary_arms['val_loss'].max():.3f}), against {unigram:.3f} for the validation text's unigram "
+        f"({primary_arms['val_loss'].min():.3f} to {primary_arms['val_loss'].max():.3f}), against "
+        f"{unigram:.3f} for the validation text's unigram "
         "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
         f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give."
     )
