@@ -145,12 +145,10 @@ def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "s
     ``kind`` and ``impl`` as models.gpt.GPTConfig checked them."""
     module = NORM_ARMS[kind].build(dim, eps, role)
     if impl == "compiled":
-        # The forward only, on the same module object: its type (the probe's site kind), parameter names
-        # (checkpoints) and forward hooks (the probe's, which run around forward in Module.__call__) stay
-        # the stock module's. The class's forward is compiled and bound to this instance, so a deepcopy
-        # binds it to the copy and the module pickles; instances of one class share the compiled graph
-        # (the module is an input, guarded on shapes, not identity). dynamic=False: one specialised kernel
-        # per input shape, as a hand-written kernel would be.
+        # The forward only, on the same module: its type (the probe's site kind), parameter names and
+        # forward hooks stay the stock module's. The class's forward, bound to this instance, deep-copies
+        # and pickles with it and is shared by the class's instances (guarded on shapes, not identity).
+        # dynamic=False: one specialised kernel per input shape, as a hand-written kernel would be.
         module.forward = types.MethodType(torch.compile(type(module).forward, dynamic=False), module)
     return module
 
@@ -174,9 +172,8 @@ def compile_refusal(device_type: str) -> str | None:
     try:
         get_cpp_compiler()
     except InvalidCxxCompiler:
-        return (
-            "torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or set CXX)"
-        )
+        return ("torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or "
+                "set CXX)")
     return None
 
 

@@ -84,8 +84,8 @@ SDPA_FLOPS: dict = {
 
 
 class PeakMemTracker(MemTracker):
-    """MemTracker without its per-module peaks: those cost a pass over every module for every operator (10x
-    the time of the step at 1B); the per-device peak and its breakdown are kept as MemTracker has them."""
+    """MemTracker without its per-module peaks, which cost a pass over every module for every operator (10x
+    the step's time at 1B); the per-device peak and its breakdown are MemTracker's."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -180,8 +180,7 @@ class ModelCounts:
 
 @dataclass(frozen=True)
 class Linear:
-    """A peak that grows linearly with micro_batch, measured at two batch sizes:
-    peak(b) = fixed + per_sample*b."""
+    """A peak linear in micro_batch, measured at two: peak(b) = fixed + per_sample * b."""
 
     fixed: float
     per_sample: float
@@ -261,8 +260,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_module(setup: TrainSetup, dtype: torch.dtype | None = None) -> LitGPT:
-    """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's
-    storage)."""
+    """The LightningModule as training builds it, parameters in ``dtype`` (default: the storage's)."""
     with default_dtype(dtype or PRECISIONS[setup.precision][0]):
         return LitGPT(setup.model, setup.optim, seed=0, max_steps=1, global_batch=setup.global_batch,
                       compile=setup.compiled)
@@ -303,9 +301,8 @@ def autocast_of(setup: TrainSetup, device_type: str = "cpu"):
 
 def training_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup,
                   batch: tuple[torch.Tensor, torch.Tensor], flops: FlopCounterMode | None = None) -> None:
-    """One micro-step as training takes it: forward under autocast, backward; with an optimizer also
-    clipping and the AdamW step. The one step the fake trace and the measured step both run; ``flops``
-    sees the forward and backward only."""
+    """One micro-step as training takes it, for the fake trace and the measured step alike: forward under
+    autocast, backward (what ``flops`` sees); with an optimizer also clipping and the AdamW step."""
     inputs, targets = batch
     with flops if flops is not None else nullcontext():
         with autocast_of(setup, inputs.device.type):
@@ -354,10 +351,9 @@ def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool
 
 
 def trace_compiled_step(setup: TrainSetup, batch: int) -> StepTrace:
-    """Peak memory and FLOPs of one steady-state compiled micro-step of one device
-    (:mod:`models.compiled_plan`), in MemTracker's categories: the static state counted here (parameters,
-    AdamW state, and with accumulation the gradients of the earlier micro-steps), the graphs' buffers
-    at their peak there."""
+    """Peak memory and FLOPs of one steady-state compiled micro-step of one device in MemTracker's
+    categories: the static state counted here, the graphs' buffers at their peak
+    (:mod:`models.compiled_plan`)."""
     with FakeTensorMode():
         module = build_module(setup)
         graphs = trace_compiled(module, random_batch(setup, batch), lambda: autocast_of(setup))
@@ -541,8 +537,7 @@ def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
 
 
 def make_plan(setup: TrainSetup, *, both_checkpointing: bool = True, probe: bool = True) -> Plan:
-    """The plan of ``setup``: counts, FLOPs, and the peak per GPU with (and without) activation
-    checkpointing."""
+    """The plan of ``setup``: counts, FLOPs, the peak per GPU with and without activation checkpointing."""
     counts = model_counts(setup)
     plan = Plan(setup, counts, analytic_flops_per_token(setup, counts))
     choices = (False, True) if both_checkpointing else (setup.activation_checkpointing,)
@@ -628,9 +623,8 @@ def line_free_gate_plan(setup: TrainSetup, counts: ModelCounts, memory: Memory, 
 
 
 def traced_gate_plan(setup: TrainSetup, total_memory: int, headroom_gib: float) -> GatePlan:
-    """The gate's plan with the fewest traces: the configured step's, and a second micro_batch's (the peak's
-    slope, from which the gate names the largest micro_batch that fits) only when the first peak + the CUDA
-    context does not fit the card. A run that fits, the common start, waits for one trace, not two."""
+    """The gate's plan with the fewest traces: the configured step's, and a second micro_batch's (the slope
+    that names the largest micro_batch that fits) only when the first peak + the CUDA context does not fit."""
     counts, checkpointing = model_counts(setup), setup.activation_checkpointing
     memory, _ = trace_memory(setup, counts, setup.micro_batch, checkpointing)
     planned = line_free_gate_plan(setup, counts, memory, plans_compiled(setup, checkpointing))
@@ -655,12 +649,9 @@ class GateDecision:
 
 def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib: float,
          fragmentation: float) -> GateDecision:
-    """The launch gate: refuse only what cannot fit, never a run that fits.
-
-    Refused when even the lower bound (:func:`lower_bound`) + the CUDA context (headroom_gib) exceeds
-    the card; warned when the planned peak + the context does (the plan may overstate what the allocator
-    holds); else nothing. Fragmentation is not counted in either; the largest micro_batch named does count
-    it (what to launch)."""
+    """The launch gate: refused when even the lower bound (:func:`lower_bound`) + the CUDA context
+    (headroom_gib) exceeds the card, warned when the planned peak + the context does (the plan may overstate
+    what the allocator holds). Fragmentation is counted only in the largest micro_batch named."""
     context = headroom_gib * GIB
     if planned.peak_fits(total_memory, headroom_gib):
         return GateDecision(None, None)
