@@ -237,15 +237,14 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
         if source.is_file():
             shutil.copyfile(source, figures_dir / target)
     primary = load_verdict_config().primary
-    primary_arms = summary[summary["arm"].isin([primary.arm, primary.other])]
+    val_loss = summary[summary["arm"].isin([primary.arm, primary.other])]["val_loss"]
     unigram = unigram_baseline(runs[0])  # every run validates on the same windows (val_seed)
     learned = (
-        f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
-        f"average over the {len(primary_arms)} runs of the primary question's arms "
-        f"({primary_arms['val_loss'].min():.3f} to {primary_arms['val_loss'].max():.3f}), against "
-        f"{unigram:.3f} for the validation text's unigram "
-        "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
-        f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give."
+        f"**What the models learned.** Final validation loss {val_loss.mean():.3f} nats on average over the "
+        f"{len(val_loss)} runs of the primary question's arms ({val_loss.min():.3f} to {val_loss.max():.3f}),"
+        f" against {unigram:.3f} for the validation text's unigram cross-entropy (the training split's token "
+        f"frequencies, add-half smoothing; `corpus/unigram.py`): {unigram - val_loss.mean():.2f} nats below "
+        "what the frequencies alone give."
     )
     lanes = most_concurrent(runs)
     lanes_text = ("one after another" if lanes == 1 else f"{lanes} at a time (`STUDY_JOBS={lanes}`)")
@@ -255,12 +254,9 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
     every = trained_probes[1] - trained_probes[0] if len(trained_probes) > 1 else steps
     tokens = int(summary["tokens"].max())
     columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s"]
-    processes = (
-        "Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run starts "
-        "from the earlier runs' peak."
-        if " -m " in commands
-        else "Each run is a process of its own."
-    )
+    processes = ("Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run "
+                 "starts from the earlier runs' peak." if " -m " in commands
+                 else "Each run is a process of its own.")
     shutil.copyfile(compare / "verdict.csv", details_dir / DETAILS_CSV)
     atomic_write_text(details_dir / DETAILS_MD, repo_relative(f"""# The CPU study: the rest of its verdict, \
 every run, memory

@@ -24,31 +24,16 @@ class NormGeoConfig(PretrainedConfig):
     model_type = "normgeo"
     dropout = 0.0  # read by models.gpt's attention and MLP; a class attribute, so not in config.json
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        n_positions: int = 1024,
-        n_embd: int = 128,
-        n_layer: int = 2,
-        n_head: int = 2,
-        norm: str = "layer",
-        norm_class: str = "LayerNorm",
-        norm_arguments: dict[str, dict] | None = None,
-        placement: str = "pre",
-        bias: bool = True,
-        lm_head_bias: bool = False,
-        tie_word_embeddings: bool = True,
-        **kwargs,
-    ) -> None:
+    def __init__(self, vocab_size: int = 50304, n_positions: int = 1024, n_embd: int = 128, n_layer: int = 2,
+                 n_head: int = 2, norm: str = "layer", norm_class: str = "LayerNorm",
+                 norm_arguments: dict[str, dict] | None = None, placement: str = "pre", bias: bool = True,
+                 lm_head_bias: bool = False, tie_word_embeddings: bool = True, **kwargs) -> None:
         self.vocab_size = vocab_size
-        self.n_positions = n_positions
-        self.max_position_embeddings = n_positions
-        self.n_embd = n_embd
-        self.hidden_size = n_embd
-        self.n_layer = n_layer
-        self.num_hidden_layers = n_layer
-        self.n_head = n_head
-        self.num_attention_heads = n_head
+        # Each size under transformers' generic name too.
+        self.n_positions = self.max_position_embeddings = n_positions
+        self.n_embd = self.hidden_size = n_embd
+        self.n_layer = self.num_hidden_layers = n_layer
+        self.n_head = self.num_attention_heads = n_head
         self.norm = norm  # the arm's name, for the reader
         self.norm_class = norm_class
         self.norm_arguments = norm_arguments or {}  # the class's keyword arguments, per role
