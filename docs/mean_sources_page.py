@@ -217,12 +217,9 @@ class Folder:
                     continue
                 where = "document starts (any position)" if r["bucket"] == DOC_START else r["bucket"]
                 if next_token:
-                    lines.append(
-                        f"| {where} | {r['tokens']:,} | "
-                        f"{ci(r, 'delta_loss', 4)} | "
-                        f"{percent(r['delta_loss_share'])} | {r['kl']:.2e} | {percent(r['kl_share'])} | "
-                        f"{percent(r['top1_agreement'], 2)} |"
-                    )
+                    lines.append(f"| {where} | {r['tokens']:,} | {ci(r, 'delta_loss', 4)} | "
+                                 f"{percent(r['delta_loss_share'])} | {r['kl']:.2e} | "
+                                 f"{percent(r['kl_share'])} | {percent(r['top1_agreement'], 2)} |")
                 else:
                     lines.append(f"| {where} | {r['tokens']:,} | {ci(r, 'cosine', 5)} |")
         return [*lines, ""]

@@ -249,12 +249,9 @@ class LitGPT(L.LightningModule):
             return False
         return fused
 
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
         # Lightning's mixed precision refuses to clip before any fused optimizer's step, for fp16's sake (that
         # step unscales the gradients). bf16-mixed has no scaler, the gradients are already true: clip them.
         plugin = self.trainer.precision_plugin

@@ -1,17 +1,14 @@
 """What a training step costs on a GPU, planned on any machine without running it.
 
-The model (:class:`models.lit.LitGPT`, exactly as training builds it) and its AdamW are built under
-``FakeTensorMode``; one training step (forward, backward, clipping, AdamW step) runs on those fake tensors
-inside ``MemTracker``, which attributes the peak to parameters, gradients, optimizer state, activations and
-temporaries, and ``FlopCounterMode`` counts its FLOPs, with CPU autocast (the same casts as CUDA's for this
-model). DDP adds its gradient buckets; FSDP2 is derived from the trace analytically. A compiled run is
-planned as it runs (:mod:`models.compiled_plan`); the eager trace stays for ``compile=false``, activation
-checkpointing and FSDP2's compute. Accumulated gradients of earlier micro-steps are counted by both.
+The model (:class:`models.lit.LitGPT`, as training builds it) and its AdamW are built under
+``FakeTensorMode``; one training step runs on those fake tensors inside ``MemTracker`` (the peak by
+category) and ``FlopCounterMode``, with CPU autocast (the same casts as CUDA's for this model). DDP adds its
+gradient buckets; FSDP2 is derived from the trace analytically; a compiled run is planned as it runs
+(:mod:`models.compiled_plan`). The launch gate (:func:`gate`) refuses only what cannot fit even its lower
+bound (:func:`lower_bound`); between that and the planned peak it warns and the run starts. docs/plan.md
+says what is modelled.
 
-The launch gate (:func:`gate`) refuses only what cannot fit even its lower bound (:func:`lower_bound`: the
-exact static state and the logits); between that and the planned peak it warns and the run starts.
-
-Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). ``normgeo/plan.py`` prints the plan;
+Floor: ``models/`` (imports models/ only). ``normgeo/plan.py`` prints the plan;
 ``train.py``'s pre-flight check (``normgeo/runs/preflight.py``) calls :func:`gate`.
 """
 

@@ -1,16 +1,11 @@
 """normgeo's GPT -> a Hugging Face ``transformers`` model, with the same logits.
 
-Which class holds which arm exactly follows each arm's registration in :mod:`models.norms`: a Pre-LN arm
-whose registration names GPT-2's ``LayerNorm`` -> ``GPT2LMHeadModel`` (a LayerNorm without bias is GPT-2's
-with a zero bias; ``Conv1D`` holds ``nn.Linear``'s weight transposed); every other arm and every Post-LN arm
--> :mod:`models.export.modeling_normgeo`, saved beside the weights with the source of the arm's own class
-appended (:func:`model_code`), loaded with ``trust_remote_code=True``.
-
-``to_hf(gpt, as_rms=True)`` converts a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (Jiang
-et al. 2023, arXiv 2305.14858): centre every weight that writes into the residual stream, so that LayerNorm
-becomes RMSNorm on the mean-zero stream, then fold each norm's gain and bias into the linear layer it feeds
-(the final norm's into an untied LM head and its bias). Post-LN does not convert. The vocabulary keeps the
-harness's padded size (50304). docs/export.md gives the algebra and why each class holds its arms.
+A Pre-LN arm whose registration (:mod:`models.norms`) names GPT-2's ``LayerNorm`` -> ``GPT2LMHeadModel``;
+every other arm and every Post-LN arm -> :mod:`models.export.modeling_normgeo`, saved with the source it
+needs (:func:`model_code`) and loaded with ``trust_remote_code=True``. ``to_hf(gpt, as_rms=True)`` converts
+a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (Jiang et al. 2023, arXiv 2305.14858):
+centre every weight that writes into the residual stream, then fold each norm's gain and bias into the
+linear layer it feeds. docs/export.md gives the algebra and why each class holds its arms.
 """
 
 from __future__ import annotations
