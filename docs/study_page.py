@@ -37,15 +37,9 @@ from normgeo.verdict.families import Estimate, paired_estimates
 from normgeo.verdict.measures import run_measures
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = {
-    "verdict": "study-verdict.png",
-    "loss": "study-loss.png",
-    "factorial_ones": "study-factorial_ones.png",
-    "energy": "study-energy.png",
-    "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
-    "val_curve_diff": "study-val_curve_diff.png",
-    "intervention": "study-intervention.png",
-}
+# compare's figures the page shows, copied to docs/figures/study-<name>.png
+FIGURES = ("verdict", "loss", "factorial_ones", "energy", "overlay_ln1.in_ones", "val_curve_diff",
+           "intervention")
 PAGE_SECTIONS = ("The primary question", "Declared secondary questions")  # the rest: study_details.md
 DETAILS_MD, DETAILS_CSV = "study_details.md", "study_verdict.csv"
 PRIMARY_METRIC = "val_loss/tail"
@@ -232,10 +226,9 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
     run_disk = [json.loads(RunFolder(run).summary.read_text()).get("disk_bytes") or {} for run in runs]
     checkpoint_mb = sum(d.get("checkpoints", 0) for d in run_disk) / 1e6
     records_mb = sum(d.get("records", 0) for d in run_disk) / 1e6
-    for name, target in FIGURES.items():
-        source = compare / f"{name}.png"
-        if source.is_file():
-            shutil.copyfile(source, figures_dir / target)
+    for name in FIGURES:
+        if (compare / f"{name}.png").is_file():
+            shutil.copyfile(compare / f"{name}.png", figures_dir / f"study-{name}.png")
     primary = load_verdict_config().primary
     val_loss = summary[summary["arm"].isin([primary.arm, primary.other])]["val_loss"]
     unigram = unigram_baseline(runs[0])  # every run validates on the same windows (val_seed)
