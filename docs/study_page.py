@@ -3,15 +3,9 @@
     python docs/study_page.py outputs/study [outputs/pilot] > docs/study.md
 
 The page stays under 150 lines: the described rows of the verdict, the per-arm geometry, every run and the
-memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Paths are
-written relative to the repository (``../shared/...``).
-
-Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the per-run
-summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``), each run's
-``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``; after
-``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
-The verdict's words (equivalent / different / inconclusive, the families, the primary question) are
-``normgeo.compare``'s, taken as they are.
+memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Every number
+is read from the study's own files (``compare/``, each run's, the scripts'); the verdict's words are
+``normgeo.compare``'s, taken as they are. Paths are written relative to the repository (``../shared/...``).
 """
 
 from __future__ import annotations
@@ -101,8 +95,7 @@ seed by seed (`downstream/wiki_next_sentence/acc`).
 
 
 def primary_estimate(paths: list[Path]) -> Estimate | None:
-    """The primary question's estimate, recomputed from the study folder (or its runs) as normgeo.compare
-    does."""
+    """The primary question's estimate, recomputed from the study folder (or its runs) as compare does."""
     estimates, _ = paired_estimates(run_measures(load(paths)), load_verdict_config())
     return next((e for e in estimates if e.primary and e.n >= 2), None)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.lit import LitGPT
@@ -110,11 +110,7 @@ def tensor_bytes(value: Any) -> int:
 
 
 def tensors_of(value: Any) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in tensors_of(v)]
-    return []
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,7 @@
 """A non-finite loss, with one owner: noticed on the device at every optimizer step without a host wait
-(:meth:`Divergence.note`), read back where the host waits anyway (:meth:`Divergence.check`: the reporting
-steps, before a validation or a probe reads the weights, at the end of training), the weights checked before
-a checkpoint could keep them (:meth:`Divergence.check_weights`), and said in one message
-(:class:`NonFiniteError`, raised on every rank at once). What the run then records and prints, and how a
-corrected command replaces it, is normgeo.runs.session's (``mark_diverged``, ``divergence``)."""
+(:meth:`Divergence.note`), read back where the host waits anyway (:meth:`Divergence.check`), the weights
+checked before a checkpoint could keep them (:meth:`Divergence.check_weights`), said in one message raised on
+every rank at once (:class:`NonFiniteError`). What the run then records is normgeo.runs.session's."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The one registry of norm arms: what each arm builds, how figures name and colour it, what it isolates.
 
 An arm is its class, one :class:`NormArm` entry and its YAML in ``conf/train/norm/``. The model
-(:func:`make_norm`), the config check, the probe (which modules are norms, of which kind), the figures,
-the verdict and the exports all read the arms from :data:`NORM_ARMS`; a new arm needs nothing else. The
-entry states what other code asks about an arm: whether it centres (:attr:`NormArm.centres`) and has a bias
-(:attr:`NormArm.has_bias`), and which module of GPT-2 or TransformerLens computes it exactly, or what
-TransformerLens lacks for it; the Hugging Face export copies the class's own source into its saved model
-code (:mod:`models.export.hf`). docs/probe.md tabulates the arms (the norm factorial).
+(:func:`make_norm`), the config check, the probe, the figures, the verdict and the exports all read the arms
+from :data:`NORM_ARMS`; a new arm needs nothing else. docs/probe.md tabulates the arms (the norm factorial).
 
 Every arm runs in one of :data:`NORM_IMPLS` (``norm.impl``): ``stock``, the module as built, or
 ``compiled``, the same module with its forward compiled by ``torch.compile``, so that a cost comparison

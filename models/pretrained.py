@@ -161,13 +161,10 @@ def load_pretrained(
     revision: str | None = None,
     lm_head: bool = False,
 ) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """The base model (in eval mode, no gradients) and tokenizer of a Hub id or local directory; with
-    ``lm_head``, the causal language model with its head where the checkpoint is one (:func:`is_causal_lm`),
-    so that its next-token predictions can be compared (the centering intervention).
-
-    ``gguf_file`` is a file name inside ``path`` or an absolute path to a .gguf file; ``path`` itself may
-    also be a .gguf file. Every failure is a :class:`ModelLoadError` whose message says what to do.
-    """
+    """The base model (eval mode, no gradients) and tokenizer of a Hub id or local directory; ``lm_head``:
+    the causal LM with its head where the checkpoint is one (:func:`is_causal_lm`), for the centering
+    intervention's next-token predictions. ``gguf_file``: a file name inside ``path`` or an absolute path
+    (``path`` may be the .gguf file itself). Each failure is a :class:`ModelLoadError` saying what to do."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     source, gguf_name = _resolve(path, gguf_file)

@@ -1,13 +1,10 @@
 """normgeo's GPT in the interpretability tools: TransformerLens and nnsight.
 
 TransformerLens 3.9's ``HookedTransformer`` holds the Pre-LN arms whose registration (:mod:`models.norms`)
-names its norm (``LN``, ``RMS``); :func:`transformer_lens_refusal` says what it lacks for the others and for
-Post-LN (its blocks are pre-norm only), and the export refuses. The weights are loaded with its processing
-OFF (``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``): its defaults keep
-the log-probs but rewrite the geometry this project measures (docs/export.md, "The TransformerLens trap").
-
-nnsight wraps any ``nn.Module``: :func:`to_nnsight` wraps the exported Hugging Face model, so every arm and
-placement traces with the module names of :mod:`models.export.hf`.
+names its norm (``LN``, ``RMS``); for the others the export refuses (:func:`transformer_lens_refusal`). The
+weights are loaded with its processing OFF: its defaults keep the log-probs but rewrite the geometry this
+project measures (docs/export.md, "The TransformerLens trap"). :func:`to_nnsight` wraps any module, such as
+the exported Hugging Face model (every arm and placement).
 """
 
 from __future__ import annotations
@@ -106,13 +103,9 @@ def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bo
 
     with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0: the version targeted
         warnings.simplefilter("ignore", DeprecationWarning)
-        model = HookedTransformer(
-            HookedTransformerConfig(**config), tokenizer=tokenizer, move_to_device=False
-        )
-    if process:
-        model.load_and_process_state_dict(dict(state))
-    else:
-        model.load_and_process_state_dict(dict(state), **NO_PROCESSING)
+        model = HookedTransformer(HookedTransformerConfig(**config), tokenizer=tokenizer,
+                                  move_to_device=False)
+    model.load_and_process_state_dict(dict(state), **({} if process else NO_PROCESSING))
     return model.eval()
 
 

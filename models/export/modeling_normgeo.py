@@ -85,9 +85,8 @@ class NormGeoPreTrainedModel(PreTrainedModel):
 def _check_mask(attention_mask: torch.Tensor | None) -> None:
     # Causal attention without a padding mask, as in training: right padding is harmless, left padding is not.
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "NormGeoModel attends causally without a padding mask: pad on the right, not the left"
-        )
+        raise ValueError("NormGeoModel attends causally without a padding mask: pad on the right, not the "
+                         "left")
 
 
 class NormGeoModel(NormGeoPreTrainedModel):
@@ -140,7 +139,6 @@ class NormGeoForCausalLM(NormGeoPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
