@@ -69,8 +69,7 @@ class Folder:
                            if r["kind"] == "position" and r["bucket"] == DOC_START and r["count"]}
         info_file = RunFolder(folder).run_info
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        self.model, self.norm = rows[0]["model"], rows[0]["norm"]
-        self.step = rows[0]["step"]
+        self.model, self.norm, self.step = rows[0]["model"], rows[0]["norm"], rows[0]["step"]
         self.documents = self.dimensions[0].get("documents") if self.dimensions else None
         spans = f"{self.documents:,} documents" if self.documents else "documents unknown"
         cap = info.get("probe_max_doc_tokens")

@@ -346,8 +346,7 @@ def run_case(case: Case, scratch: Path, refs: dict[str, Path]) -> Outcome:
     if case.copy:
         shutil.copytree(refs[case.copy], copy, symlinks=True)
     damage(folder, case.damage)
-    fill = {"run": refs["run"], "sweep": refs["sweep"], "data": refs["data"], "case": folder, "copy": copy,
-            "root": ROOT}
+    fill = {**refs, "case": folder, "copy": copy, "root": ROOT}  # refs: the run, sweep and data folders
     args = [a.format(**fill) for a in case.args]
     keys = {a.split("=")[0].lstrip("+") for a in args}
     if case.entry == "train.py":

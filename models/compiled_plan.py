@@ -173,10 +173,9 @@ class Sweep:
             if name in VIEWS or name == "getitem":
                 values[node] = self.view(node, values)
             elif name in EXTERN or name in WRITES_BUFFER:
-                if name in EXTERN:  # an extern kernel reads buffers: its fused inputs are written out
-                    reads = [self.realize(a, values, "temporary") for a in arguments]
-                else:
-                    reads = [values[a] for a in arguments]
+                # An extern kernel reads buffers: its fused inputs are written out.
+                reads = ([self.realize(a, values, "temporary") for a in arguments] if name in EXTERN
+                         else [values[a] for a in arguments])
                 self.use(i for value in reads for i in value.reads)
                 parts = [self.new(tensor_bytes(t), "temporary", node.name, t.dtype)
                          for t in tensors_of(node.meta.get("val"))]
