@@ -24,10 +24,6 @@ def row(rows: list[dict], **match) -> dict:
     return found[0]
 
 
-def fmt(r: dict) -> str:
-    return f"{r['mean_deg']:.4f} ± {r['std_deg']:.4f}°"
-
-
 def smoke(out: Path) -> list[str]:
     lines = ["## Smoke runs (`experiment=smoke`, 100 steps, 4,096 pydoc probe tokens)", ""]
     arms = {norm: read_rows(out / f"smoke-{norm}-s0" / ANGLES_FILE) for norm in ("layer", "rms")}
@@ -48,7 +44,8 @@ def smoke(out: Path) -> list[str]:
         ("layer", 100, "final", "final.in", "ones"),
     ):
         r = row(arms[norm], step=step, layer=layer, site=site, ref=ref)
-        lines.append(f"| {norm} | {step} | {layer} | {site} | {ref} | {fmt(r)} |")
+        lines.append(f"| {norm} | {step} | {layer} | {site} | {ref} | "
+                     f"{r['mean_deg']:.4f} ± {r['std_deg']:.4f}° |")
     lines += ["", "Where 1 stands among the K = 64 random directions (null.jsonl):", ""]
     lines += null_table([r for norm in ("layer", "rms") for r in nulls[norm]
                          if r["step"] == 100 or (r["layer"] == 1 and r["site"] == "ln1.in")])

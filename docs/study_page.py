@@ -203,10 +203,9 @@ def verdict_sections(verdict: str) -> tuple[str, str]:
 
 def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | None = None,
          details_dir: Path = ROOT / "docs", threads: Path | None = None) -> str:
-    """The page's markdown (at most 150 lines); the study's figures are copied into ``figures_dir``, the rest
-    (the described rows, per arm, every run, memory) goes to ``study_details.md`` and ``study_verdict.csv`` in
-    ``details_dir``. ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page; ``threads``: a
-    ``docs/make_threads_check.sh`` folder (two runs re-trained with 2 threads)."""
+    """The page's markdown; the figures are copied into ``figures_dir``, the rest goes to ``details_dir``
+    (module docstring). ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page; ``threads``:
+    a ``docs/make_threads_check.sh`` folder (two runs re-trained with 2 threads)."""
     compare = out / "compare"
     verdict, rest = verdict_sections((compare / "verdict.md").read_text())
     summary = pd.read_csv(compare / "summary.csv")

@@ -54,10 +54,9 @@ class Divergence:
                              lr=self.lr)
 
     def check_weights(self, parameters: Iterable[torch.Tensor], strategy, step: int, kept: str) -> None:
-        """Before a checkpoint is written: :meth:`check`, then the parameters themselves, so that a good
-        checkpoint is never overwritten by weights that diverged (``kept``: what is left, for the message).
-        Each rank checks what it holds (an FSDP2 DTensor's local shard), read back in one wait; the decision
-        is all-reduced (``strategy``: Lightning's)."""
+        """Before a checkpoint is written: :meth:`check`, then the parameters, so that a good checkpoint is
+        never overwritten by weights that diverged (``kept``: what is left, for the message). Each rank checks
+        what it holds in one wait; the decision is all-reduced (``strategy``: Lightning's)."""
         self.check()
         finite = bool(torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
                                    for p in parameters]).all())

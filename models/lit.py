@@ -119,10 +119,9 @@ class LitGPT(L.LightningModule):
         self.device_step_flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size
 
     def step_rates(self, step: int, now: float) -> dict[str, float]:
-        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` since the previous call of this session (data
-        loading and logging included; none at its first), by Lightning's Throughput per optimizer step (its
-        ThroughputMonitor counts micro-batches, under its own names). Called at reporting steps, after the
-        host waited for the device, so that the time spans exactly the steps between."""
+        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` since this session's previous call (none at
+        its first), by Lightning's Throughput per optimizer step; called at reporting steps, after the host
+        waited for the device, so that the time spans exactly the steps between."""
         world_size = self.throughput.world_size
         sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
         steps = step - (self._rated_step if self._rated_step is not None else step - 1)
@@ -279,12 +278,9 @@ class LitGPT(L.LightningModule):
             checkpoint["run_config"] = self.run_config  # checked when the run is resumed
 
     def _key_optimizer_state_by_parameter_index(self, state: dict) -> None:
-        """Key a saved optimizer state by each parameter's index in ``self.parameters()``, in place.
-
-        FSDP2 full checkpoints are keyed that way (Lightning rekeys them); a plain optimizer numbers its
-        parameters group after group (matrices first). One convention makes every checkpoint resumable
-        under every strategy: DDP maps states by position within each group, FSDP2 by model order.
-        """
+        """Key a saved optimizer state by each parameter's index in ``self.parameters()``, in place, as FSDP2
+        full checkpoints are (a plain optimizer numbers its parameters group after group): one convention
+        makes every checkpoint resumable under every strategy."""
         if not state or not self.trainer.optimizers:
             return  # FSDP2 ranks other than 0 hold an empty state
         index = {id(p): i for i, p in enumerate(self.parameters())}

@@ -150,10 +150,8 @@ def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "s
 
 
 def compile_refusal(device_type: str) -> str | None:
-    """Why ``torch.compile`` cannot generate kernels for ``device_type`` ("cpu" or "cuda") here, or None.
-
-    Cheap checks of what inductor needs (no compilation): a supported Python, Triton for CUDA, a working
-    C++ compiler for CPU (``$CXX`` or g++)."""
+    """Why ``torch.compile`` cannot generate kernels for ``device_type`` ("cpu" or "cuda") here, or None:
+    cheap checks (no compilation) of a supported Python, Triton for CUDA, a C++ compiler for CPU."""
     # The compiler's modules load only when compile=true is checked.
     import torch._dynamo
 
@@ -183,13 +181,11 @@ def site_kind_of(module: nn.Module) -> str | None:
 
 
 def arm_label(name: str) -> str:
-    arm = NORM_ARMS.get(name)
-    return arm.label if arm is not None else name
+    return NORM_ARMS[name].label if name in NORM_ARMS else name
 
 
 def arm_color(name: str) -> str | None:
-    arm = NORM_ARMS.get(name)
-    return arm.color if arm is not None else None
+    return NORM_ARMS[name].color if name in NORM_ARMS else None
 
 
 def contrasts() -> list[tuple[str, str, str]]:

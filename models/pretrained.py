@@ -232,14 +232,11 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
             checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # torch adds paragraphs
-        raise ModelLoadError(
-            f"model.checkpoint={file}: not a train.py checkpoint ({type(exc).__name__}: {first})"
-        ) from exc
+        raise ModelLoadError(f"model.checkpoint={file}: not a train.py checkpoint "
+                             f"({type(exc).__name__}: {first})") from exc
     if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
-        raise ModelLoadError(
-            f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "
-            "Hugging Face model use model=hub model.path=..."
-        )
+        raise ModelLoadError(f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or "
+                             "'state_dict'); for a Hugging Face model use model=hub model.path=...")
     try:
         # Measured with the stock norms whichever norm.impl trained it: same weights, and no compiler needed.
         model = GPT(GPTConfig(**{**checkpoint["gpt_config"], "norm_impl": "stock"}))
@@ -347,10 +344,8 @@ def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
 def load_our_checkpoint(spec: DictConfig) -> Loaded:
     """A train.py checkpoint from analyze.py's ``model=checkpoint`` config, tokenized with tiktoken."""
     if OmegaConf.is_missing(spec, "checkpoint") or not spec.checkpoint:
-        raise ModelLoadError(
-            "model.checkpoint is required with model=checkpoint: "
-            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)"
-        )
+        raise ModelLoadError("model.checkpoint is required with model=checkpoint: "
+                             "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)")
     model, step, hparams = load_checkpoint(spec.checkpoint)
     if DTYPES[spec.dtype] != "auto":
         model.to(DTYPES[spec.dtype])

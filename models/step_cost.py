@@ -270,9 +270,8 @@ def build_optimizer(module: LitGPT, fused: bool) -> torch.optim.Optimizer:
         return optimizer
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     defaults = optimizer.defaults
-    return torch.optim.AdamW(
-        groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], fused=True
-    )
+    return torch.optim.AdamW(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                             fused=True)
 
 
 def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:
@@ -501,10 +500,9 @@ class MeasuredStep:
 
 
 def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
-    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, accumulating
-    over global_batch / micro_batch micro-steps, compiled as ``compile=true`` trains; over all steps (the
-    first create the optimizer state and the kernels), as over a training run. No sharding: DDP's buckets
-    and FSDP2's shards stay the trace's (:func:`per_gpu`)."""
+    """The peak over ``steps`` real optimizer steps of one device at the configured micro_batch (accumulating,
+    compiled as ``compile=true`` trains), as over a training run; DDP's buckets and FSDP2's shards stay the
+    trace's (:func:`per_gpu`)."""
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
     compiled = setup.compiled
@@ -593,9 +591,8 @@ class GatePlan:
 
 def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
     """Bytes that certainly live at once on a GPU during a step, whatever a compiler keeps: the exact static
-    state (parameters, AdamW state, DDP's gradient buckets or the gradients accumulated over micro-steps;
-    under FSDP2 their shards) plus the logits of one micro-batch in the autocast dtype (the head's
-    matmul writes them whole while that state lives)."""
+    state (parameters, AdamW state, persistent gradients; under FSDP2 their shards) plus one micro-batch's
+    logits in the autocast dtype (the head's matmul writes them whole while that state lives)."""
     low = PRECISIONS[setup.precision][1] or PRECISIONS[setup.precision][0]
     logits = setup.micro_batch * setup.seq_len * setup.model.padded_vocab_size * low.itemsize
     persistent_gradients = setup.strategy == "ddp" or setup.accumulating or setup.strategy == "fsdp2"
@@ -649,7 +646,6 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
     """The launch gate: refused when even the lower bound (:func:`lower_bound`) + the CUDA context
     (headroom_gib) exceeds the card, warned when the planned peak + the context does (the plan may overstate
     what the allocator holds). Fragmentation is counted only in the largest micro_batch named."""
-    context = headroom_gib * GIB
     if planned.peak_fits(total_memory, headroom_gib):
         return GateDecision(None, None)
     best = largest_micro_batch(planned.line, total_memory, planned.global_batch, planned.world_size,
@@ -665,7 +661,7 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
     card = f"the {total_memory / GIB:.1f} GiB of {device_name}"
     planned_text = (f"the {planned.kind} plan's peak {planned.peak / GIB:.1f} GiB per GPU at micro_batch="
                     f"{planned.micro_batch} ({parts})")
-    if planned.lower_bound + context > total_memory:
+    if planned.lower_bound + headroom_gib * GIB > total_memory:
         return GateDecision(
             f"micro_batch={planned.micro_batch} cannot fit: even the least it needs, "
             f"{planned.lower_bound / GIB:.1f} GiB (the static state and the logits) + {headroom_gib:g} GiB "

@@ -200,11 +200,10 @@ def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: boo
 
 def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
           model_code: bool = False) -> nn.Module:
-    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s.
-
-    ``as_rms``: a Pre-LN LayerNorm arm converted to an RMSNorm model (the module docstring's algebra), in the
-    saved model code (ValueError for an arm that does not convert). ``model_code``: the saved model code even
-    where ``GPT2LMHeadModel`` holds the arm (to time it beside its conversion with the same code)."""
+    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s. ``as_rms``: a Pre-LN
+    LayerNorm arm converted to an RMSNorm model in the saved model code (ValueError for an arm that does not
+    convert). ``model_code``: the saved model code even where ``GPT2LMHeadModel`` holds the arm (to time it
+    beside its conversion with the same code)."""
     if as_rms:
         cfg = rms_config(gpt.config)
         model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))

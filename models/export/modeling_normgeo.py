@@ -78,8 +78,7 @@ class NormGeoPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Block"]
 
     def _init_weights(self, module: nn.Module) -> None:
-        # Exported weights overwrite every parameter; nothing to initialize.
-        return None
+        """Nothing to initialize: exported weights overwrite every parameter."""
 
 
 def _check_mask(attention_mask: torch.Tensor | None) -> None:
