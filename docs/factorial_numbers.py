@@ -11,13 +11,10 @@ import json
 import sys
 from pathlib import Path
 
+from normgeo.measure.records import read_rows
 from normgeo.run_folder import ELLIPSOID_FILE, ENERGY_FILE, RunFolder
 
 RUNS = ("layer", "layer_nobias", "rms", "rms_bias", "layer-post", "rms-post")
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main(root: Path) -> None:
@@ -26,11 +23,11 @@ def main(root: Path) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for name in RUNS:
         run = RunFolder(root / f"smoke-{name}-s0")
-        energy = [r for r in rows(run.record(ENERGY_FILE)) if r["layer"] == 1 and r["site"] == "ln1.in"]
+        energy = [r for r in read_rows(run.record(ENERGY_FILE)) if r["layer"] == 1 and r["site"] == "ln1.in"]
         last = max(r["step"] for r in energy)
         at = {(r["step"], r["quantity"]): r for r in energy}
         ones, jac0, jac = at[last, "ones_fraction"], at[0, "jacobian_proxy"], at[last, "jacobian_proxy"]
-        ellipsoid = rows(run.record(ELLIPSOID_FILE))
+        ellipsoid = read_rows(run.record(ELLIPSOID_FILE))
         condition = max(r["condition"] for r in ellipsoid)
         normal = max((r["normal_ones_deg"] or 0.0) for r in ellipsoid)
         val_loss = json.loads(run.summary.read_text())["val_loss"]

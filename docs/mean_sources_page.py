@@ -69,8 +69,7 @@ class Folder:
                            if r["kind"] == "position" and r["bucket"] == DOC_START and r["count"]}
         info_file = RunFolder(folder).run_info
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        self.model, self.norm = rows[0]["model"], rows[0]["norm"]
-        self.step = rows[0]["step"]
+        self.model, self.norm, self.step = rows[0]["model"], rows[0]["norm"], rows[0]["step"]
         self.documents = self.dimensions[0].get("documents") if self.dimensions else None
         spans = f"{self.documents:,} documents" if self.documents else "documents unknown"
         cap = info.get("probe_max_doc_tokens")
@@ -217,12 +216,9 @@ class Folder:
                     continue
                 where = "document starts (any position)" if r["bucket"] == DOC_START else r["bucket"]
                 if next_token:
-                    lines.append(
-                        f"| {where} | {r['tokens']:,} | "
-                        f"{ci(r, 'delta_loss', 4)} | "
-                        f"{percent(r['delta_loss_share'])} | {r['kl']:.2e} | {percent(r['kl_share'])} | "
-                        f"{percent(r['top1_agreement'], 2)} |"
-                    )
+                    lines.append(f"| {where} | {r['tokens']:,} | {ci(r, 'delta_loss', 4)} | "
+                                 f"{percent(r['delta_loss_share'])} | {r['kl']:.2e} | "
+                                 f"{percent(r['kl_share'])} | {percent(r['top1_agreement'], 2)} |")
                 else:
                     lines.append(f"| {where} | {r['tokens']:,} | {ci(r, 'cosine', 5)} |")
         return [*lines, ""]

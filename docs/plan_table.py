@@ -31,10 +31,8 @@ def main() -> None:
           "dividing 64 / GPUs that fits (peaks traced at two micro-batches, extrapolated linearly); "
           f"GPU-hours at 40% MFU of the dense bf16 peak; disk: the checkpoint schedule (weights-only "
           f"checkpoints + the full `last.ckpt`). GPUs: {names}.\n")
-    header = ["run", "GPUs", "micro_batch", "planned", "peak GiB/GPU"]
-    for key in GPUS:
-        header += [f"{key} fits", f"{key} largest", f"{key} GPU-h"]
-    header.append("disk GB")
+    header = ["run", "GPUs", "micro_batch", "planned", "peak GiB/GPU",
+              *(f"{key} {column}" for key in GPUS for column in ("fits", "largest", "GPU-h")), "disk GB"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     totals = dict.fromkeys(GPUS, 0.0)

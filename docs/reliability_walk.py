@@ -271,11 +271,9 @@ def needs(case: Case) -> set[str]:
     wanted = {name for name in ("run", "sweep", "data") if "{" + name + "}" in text}
     if case.copy:
         wanted.add(case.copy)
-    if case.entry == "train.py" or case.entry == "analyze.py":
-        wanted |= {"data", "run"} if case.entry == "analyze.py" else {"data"}
-    if "run" in wanted or "sweep" in wanted:
-        wanted.add("data")
-    return wanted
+    if case.entry == "analyze.py":
+        wanted.add("run")
+    return wanted | {"data"} if case.entry == "train.py" or wanted & {"run", "sweep"} else wanted
 
 
 def environment() -> dict[str, str]:
@@ -348,11 +346,10 @@ def run_case(case: Case, scratch: Path, refs: dict[str, Path]) -> Outcome:
     if case.copy:
         shutil.copytree(refs[case.copy], copy, symlinks=True)
     damage(folder, case.damage)
-    fill = {"run": refs["run"], "sweep": refs["sweep"], "data": refs["data"], "case": folder, "copy": copy,
-            "root": ROOT}
+    fill = {**refs, "case": folder, "copy": copy, "root": ROOT}  # refs: the run, sweep and data folders
     args = [a.format(**fill) for a in case.args]
+    keys = {a.split("=")[0].lstrip("+") for a in args}
     if case.entry == "train.py":
-        keys = {a.split("=")[0].lstrip("+") for a in args}
         base = [] if case.interrupt else FAST
         if "data_root" not in keys:
             base = [*base, f"data_root={refs['data']}"]
@@ -360,7 +357,6 @@ def run_case(case: Case, scratch: Path, refs: dict[str, Path]) -> Outcome:
             base = [*base, f"run_dir={folder / 'run'}"]
         args = [*base, *args]
     elif case.entry == "analyze.py":
-        keys = {a.split("=")[0].lstrip("+") for a in args}
         base = [a.format(**fill) for a in ANALYZE if a.split("=")[0] not in keys]
         if "out_dir" not in keys:
             base.append(f"out_dir={folder / 'out'}")

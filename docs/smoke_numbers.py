@@ -42,11 +42,8 @@ def du_bytes(*paths: Path) -> int:
 
 def run_disk(run_dir: Path) -> dict[str, int]:
     folder = RunFolder(run_dir)
-    parts = {
-        "checkpoints": du_bytes(folder.checkpoints),
-        "records": du_bytes(*run_dir.glob("*.jsonl"), folder.references),
-        "figures": du_bytes(folder.figures),
-    }
+    parts = {"checkpoints": du_bytes(folder.checkpoints), "figures": du_bytes(folder.figures),
+             "records": du_bytes(*run_dir.glob("*.jsonl"), folder.references)}
     total = du_bytes(run_dir)
     parts["logs"] = total - sum(parts.values())  # the rest: csv/, train.log, .hydra/, summary, run config
     return {**parts, "total": total}
@@ -61,12 +58,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "smoke_numbers.md")
     parser.add_argument("--keep", type=Path, default=None, help="run into this folder and keep it")
     args = parser.parse_args()
-    env = {
-        **os.environ,
-        "TIKTOKEN_CACHE_DIR": os.environ.get("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken")),
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "offline",
-    }
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": os.environ.get("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken")),
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     folder = args.keep or Path(tempfile.mkdtemp(prefix="smoke-numbers-"))
     output_root, data_root = folder / "outputs", folder / "data"
     rows = []

@@ -3,15 +3,9 @@
     python docs/study_page.py outputs/study [outputs/pilot] > docs/study.md
 
 The page stays under 150 lines: the described rows of the verdict, the per-arm geometry, every run and the
-memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Paths are
-written relative to the repository (``../shared/...``).
-
-Every number on the page is read from the study's own files: the verdict (``compare/verdict.md``), the per-run
-summary (``compare/summary.csv``), the logged peak RSS at each probe (``compare/metrics.parquet``), each run's
-``summary.json`` (disk use), and the script's ``commands.txt``, ``wall_s.txt``, ``disk_bytes.txt``; after
-``bash docs/export_study.sh``, each run's ``eval.json`` (downstream scores) and ``export_eval_wall_s.txt``.
-The verdict's words (equivalent / different / inconclusive, the families, the primary question) are
-``normgeo.compare``'s, taken as they are.
+memory table go to ``docs/study_details.md``, every verdict row to ``docs/study_verdict.csv``. Every number
+is read from the study's own files (``compare/``, each run's, the scripts'); the verdict's words are
+``normgeo.compare``'s, taken as they are. Paths are written relative to the repository (``../shared/...``).
 """
 
 from __future__ import annotations
@@ -37,15 +31,9 @@ from normgeo.verdict.families import Estimate, paired_estimates
 from normgeo.verdict.measures import run_measures
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = {
-    "verdict": "study-verdict.png",
-    "loss": "study-loss.png",
-    "factorial_ones": "study-factorial_ones.png",
-    "energy": "study-energy.png",
-    "overlay_ln1.in_ones": "study-overlay_ln1.in_ones.png",
-    "val_curve_diff": "study-val_curve_diff.png",
-    "intervention": "study-intervention.png",
-}
+# compare's figures the page shows, copied to docs/figures/study-<name>.png
+FIGURES = ("verdict", "loss", "factorial_ones", "energy", "overlay_ln1.in_ones", "val_curve_diff",
+           "intervention")
 PAGE_SECTIONS = ("The primary question", "Declared secondary questions")  # the rest: study_details.md
 DETAILS_MD, DETAILS_CSV = "study_details.md", "study_verdict.csv"
 PRIMARY_METRIC = "val_loss/tail"
@@ -55,12 +43,8 @@ PLAN_GPUS = ("H100 SXM 80 GB", "A100 80 GB")  # of normgeo.plan's GPU table
 def memory_table(metrics: pd.DataFrame) -> tuple[str, float]:
     """Per run: the process's RSS now and its peak at the first probe after training began (step > 0, when the
     optimizer state exists) and at the last probe, and the peak's growth between them (MiB)."""
-    lines = [
-        "| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first "
-        "trained probe | "
-        "at last probe | peak growth |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = ["| run | probes | RSS at first trained probe (MiB) | at last probe | peak RSS at first trained "
+             "probe | at last probe | peak growth |", "|---|---|---|---|---|---|---|"]
     worst = 0.0
     trained = metrics[metrics["step"] > 0]
     for run, rows in trained.groupby("run", sort=True):
@@ -83,17 +67,10 @@ def downstream_section(out: Path, summary: pd.DataFrame) -> str:
     rows = []
     for run in summary.itertuples():
         record = read_eval(out / run.run)
-        rows += [
-            {
-                "arm": run.arm,
-                "seed": run.seed,
-                "task": task,
-                "step": scores.get("step", record.get("step")),
-                "examples": scores.get("examples"),
-                "acc": scores.get("acc"),
-            }
-            for task, scores in record.get("tasks", {}).items()
-        ]
+        rows += [{"arm": run.arm, "seed": run.seed, "task": task,
+                  "step": scores.get("step", record.get("step")), "examples": scores.get("examples"),
+                  "acc": scores.get("acc")}
+                 for task, scores in record.get("tasks", {}).items()]
     if not rows:
         return ""
     frame = pd.DataFrame(rows)
@@ -118,8 +95,7 @@ seed by seed (`downstream/wiki_next_sentence/acc`).
 
 
 def primary_estimate(paths: list[Path]) -> Estimate | None:
-    """The primary question's estimate, recomputed from the study folder (or its runs) as normgeo.compare
-    does."""
+    """The primary question's estimate, recomputed from the study folder (or its runs) as compare does."""
     estimates, _ = paired_estimates(run_measures(load(paths)), load_verdict_config())
     return next((e for e in estimates if e.primary and e.n >= 2), None)
 
@@ -138,14 +114,11 @@ def answer_text(primary: Estimate) -> str:
         "margin, and no difference is resolved)",
     }[primary.outcome()]
     return (
-        f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss "
-        "over the last "
-        f"20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to "
-        f"{high:+.4f}: "
-        f"**{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} seeds decide "
-        f"equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); "
-        f"±{primary.margin:g} "
-        f"nats would take {needed} seeds, about {2 * needed} runs."
+        f"**The answer.** {norm_label(primary.arm)} − {norm_label(primary.other)}, validation loss over the "
+        f"last 20% of training, {primary.n} seeds: {primary.mean:+.4f} nats, 90% interval {low:+.4f} to "
+        f"{high:+.4f}: **{words}**. At the observed paired SD ({primary.sd:.4f} nats) these {primary.n} "
+        f"seeds decide equivalence within ±{reachable:.3f} nats with 80% power (TOST, no true difference); "
+        f"±{primary.margin:g} nats would take {needed} seeds, about {2 * needed} runs."
     )
 
 
@@ -159,17 +132,11 @@ def gpu_plan_text(sd: float, margin: float) -> str:
         _, report = plan_config(compose([f"experiment={experiment}"]), both_checkpointing=False, probe=False)
         seeds = seeds_report(PRIMARY_METRIC, margin, sd, "this study", report)
         by_gpu = {row["gpu"]: row for row in seeds["gpus"]}
-        for gpu in PLAN_GPUS:
-            row = by_gpu[gpu]
-            rows.append(
-                {
-                    "size": seeds["size"],
-                    "GPU": gpu,
-                    f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
-                    "GPU-hours per run": f"{row['gpu_hours_per_run']:.2f}",
-                    "GPU-hours, both arms": f"{row['gpu_hours_equivalence']:,.0f}",
-                }
-            )
+        rows += [{"size": seeds["size"], "GPU": gpu,
+                  f"seeds per arm (±{margin:g})": seeds["seeds_equivalence"],
+                  "GPU-hours per run": f"{by_gpu[gpu]['gpu_hours_per_run']:.2f}",
+                  "GPU-hours, both arms": f"{by_gpu[gpu]['gpu_hours_equivalence']:,.0f}"}
+                 for gpu in PLAN_GPUS]
     return f"""**On GPUs (a plan from this CPU study's paired SD, not a measurement).** The same decision at
 ±{margin:g} nats with `python -m normgeo.plan experiment=paper_70m --seeds-for \
 {PRIMARY_METRIC}={margin:g} --sd
@@ -236,10 +203,9 @@ def verdict_sections(verdict: str) -> tuple[str, str]:
 
 def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | None = None,
          details_dir: Path = ROOT / "docs", threads: Path | None = None) -> str:
-    """The page's markdown (at most 150 lines); the study's figures are copied into ``figures_dir``, the rest
-    (the described rows, per arm, every run, memory) goes to ``study_details.md`` and ``study_verdict.csv`` in
-    ``details_dir``. ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page; ``threads``: a
-    ``docs/make_threads_check.sh`` folder (two runs re-trained with 2 threads)."""
+    """The page's markdown; the figures are copied into ``figures_dir``, the rest goes to ``details_dir``
+    (module docstring). ``pilot``: a ``docs/make_pilot.sh`` folder whose split goes on the page; ``threads``:
+    a ``docs/make_threads_check.sh`` folder (two runs re-trained with 2 threads)."""
     compare = out / "compare"
     verdict, rest = verdict_sections((compare / "verdict.md").read_text())
     summary = pd.read_csv(compare / "summary.csv")
@@ -252,20 +218,18 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
     run_disk = [json.loads(RunFolder(run).summary.read_text()).get("disk_bytes") or {} for run in runs]
     checkpoint_mb = sum(d.get("checkpoints", 0) for d in run_disk) / 1e6
     records_mb = sum(d.get("records", 0) for d in run_disk) / 1e6
-    for name, target in FIGURES.items():
-        source = compare / f"{name}.png"
-        if source.is_file():
-            shutil.copyfile(source, figures_dir / target)
+    for name in FIGURES:
+        if (compare / f"{name}.png").is_file():
+            shutil.copyfile(compare / f"{name}.png", figures_dir / f"study-{name}.png")
     primary = load_verdict_config().primary
-    primary_arms = summary[summary["arm"].isin([primary.arm, primary.other])]
+    val_loss = summary[summary["arm"].isin([primary.arm, primary.other])]["val_loss"]
     unigram = unigram_baseline(runs[0])  # every run validates on the same windows (val_seed)
     learned = (
-        f"**What the models learned.** Final validation loss {primary_arms['val_loss'].mean():.3f} nats on "
-        f"average over the {len(primary_arms)} runs of the primary question's arms "
-        f"({primary_arms['val_loss'].min():.3f} "
-        f"to {primary_arms['val_loss'].max():.3f}), against {unigram:.3f} for the validation text's unigram "
-        "cross-entropy (the training split's token frequencies, add-half smoothing; `corpus/unigram.py`): "
-        f"{unigram - primary_arms['val_loss'].mean():.2f} nats below what the frequencies alone give."
+        f"**What the models learned.** Final validation loss {val_loss.mean():.3f} nats on average over the "
+        f"{len(val_loss)} runs of the primary question's arms ({val_loss.min():.3f} to {val_loss.max():.3f}),"
+        f" against {unigram:.3f} for the validation text's unigram cross-entropy (the training split's token "
+        f"frequencies, add-half smoothing; `corpus/unigram.py`): {unigram - val_loss.mean():.2f} nats below "
+        "what the frequencies alone give."
     )
     lanes = most_concurrent(runs)
     lanes_text = ("one after another" if lanes == 1 else f"{lanes} at a time (`STUDY_JOBS={lanes}`)")
@@ -275,12 +239,9 @@ def main(out: Path, figures_dir: Path = ROOT / "docs/figures", pilot: Path | Non
     every = trained_probes[1] - trained_probes[0] if len(trained_probes) > 1 else steps
     tokens = int(summary["tokens"].max())
     columns = ["arm", "seed", "final_step", "tokens", "train_loss", "val_loss", "wall_s"]
-    processes = (
-        "Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run starts "
-        "from the earlier runs' peak."
-        if " -m " in commands
-        else "Each run is a process of its own."
-    )
+    processes = ("Runs of one sweep (`train.py -m`) share a process (Hydra's basic launcher), so a later run "
+                 "starts from the earlier runs' peak." if " -m " in commands
+                 else "Each run is a process of its own.")
     shutil.copyfile(compare / "verdict.csv", details_dir / DETAILS_CSV)
     atomic_write_text(details_dir / DETAILS_MD, repo_relative(f"""# The CPU study: the rest of its verdict, \
 every run, memory

@@ -1,13 +1,10 @@
 """The memory of a compiled training step (``compile=true``), planned on the CPU without a GPU.
 
-``torch.compile`` keeps for the backward only what Inductor's partition of the joint forward-backward graph
-saves, and fuses pointwise chains into kernels that never write their intermediates: the eager trace of
-:mod:`models.step_cost` overstates both. Here the model's forward and loss (what ``LitGPT`` compiles) is
-traced on fake tensors with AOT autograd and Inductor's decompositions, partitioned by Inductor's own
-partition function, and the peak is a liveness sweep over the buffers Inductor materializes (extern
-kernels' outputs and inputs, reductions, scatters, graph outputs; pointwise chains fused; in-place writes
-into buffers read for the last time), plus the static state (parameters, AdamW state, the gradients of
-earlier micro-steps when accumulating). docs/plan.md lists what is modelled and what is not.
+``torch.compile`` keeps for the backward only what Inductor's partition of the joint graph saves, and fuses
+pointwise chains into kernels that never write their intermediates: the eager trace of
+:mod:`models.step_cost` overstates both. Here the model's forward and loss is traced on fake tensors with AOT
+autograd and Inductor's decompositions and partition function; the peak is a liveness sweep over the buffers
+Inductor materializes, plus the static state. docs/plan.md lists what is modelled and what is not.
 
 Floor: ``models/`` (imports ``models.lit`` only); :mod:`models.step_cost` calls :func:`compiled_peak`.
 """
@@ -25,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.lit import LitGPT
@@ -113,11 +110,7 @@ def tensor_bytes(value: Any) -> int:
 
 
 def tensors_of(value: Any) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in tensors_of(v)]
-    return []
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -159,8 +152,8 @@ class Sweep:
 
     def graph(self, graph: fx.Graph, inputs: Callable[[fx.Node], Value],
               output_kind: str) -> dict[str, Value]:
-        """Walk ``graph``: ``inputs`` gives a placeholder's value; returns the outputs' values by node
-        name, written out (kept alive: their ``last_use`` is set by whoever reads them)."""
+        """Walk ``graph`` (``inputs``: a placeholder's value); the outputs' values by node name, written out
+        (their ``last_use`` is set by whoever reads them)."""
         values: dict[fx.Node, Value] = {}
         outputs: dict[str, Value] = {}
         for node in graph.nodes:
@@ -180,10 +173,9 @@ class Sweep:
             if name in VIEWS or name == "getitem":
                 values[node] = self.view(node, values)
             elif name in EXTERN or name in WRITES_BUFFER:
-                if name in EXTERN:  # an extern kernel reads buffers: its fused inputs are written out
-                    reads = [self.realize(a, values, "temporary") for a in arguments]
-                else:
-                    reads = [values[a] for a in arguments]
+                # An extern kernel reads buffers: its fused inputs are written out.
+                reads = ([self.realize(a, values, "temporary") for a in arguments] if name in EXTERN
+                         else [values[a] for a in arguments])
                 self.use(i for value in reads for i in value.reads)
                 parts = [self.new(tensor_bytes(t), "temporary", node.name, t.dtype)
                          for t in tensors_of(node.meta.get("val"))]
@@ -274,8 +266,8 @@ class CompiledGraphs:
 
 def trace_compiled(module: LitGPT, batch: tuple[torch.Tensor, torch.Tensor],
                    autocast: Callable[[], Any] = nullcontext) -> CompiledGraphs:
-    """The forward and backward graphs Inductor would compile for ``module.model(inputs, targets)``, on the
-    (fake) tensors given, partitioned as Inductor partitions them."""
+    """The forward and backward graphs Inductor would compile for ``module.model(inputs, targets)`` on the
+    (fake) tensors given, partitioned as Inductor does."""
     model = module.model
     params = dict(model.named_parameters())
     graphs: dict[str, fx.GraphModule] = {}
@@ -299,8 +291,8 @@ def trace_compiled(module: LitGPT, batch: tuple[torch.Tensor, torch.Tensor],
 
 
 def graph_flops(graphs: CompiledGraphs, custom_mapping: dict | None = None) -> int:
-    """FLOPs of the forward and backward graphs, node by node with ``FlopCounterMode``'s formulas (and
-    ``custom_mapping``'s, as it takes them) on the nodes' shapes: what running them would count."""
+    """FLOPs of the forward and backward graphs by ``FlopCounterMode``'s formulas (and ``custom_mapping``'s)
+    on each node's shapes: what running them would count."""
     registry = FlopCounterMode(display=False, custom_mapping=custom_mapping).flop_registry
     total = 0
     for graph in (graphs.forward.graph, graphs.backward.graph):

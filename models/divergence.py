@@ -1,9 +1,7 @@
 """A non-finite loss, with one owner: noticed on the device at every optimizer step without a host wait
-(:meth:`Divergence.note`), read back where the host waits anyway (:meth:`Divergence.check`: the reporting
-steps, before a validation or a probe reads the weights, at the end of training), the weights checked before
-a checkpoint could keep them (:meth:`Divergence.check_weights`), and said in one message
-(:class:`NonFiniteError`, raised on every rank at once). What the run then records and prints, and how a
-corrected command replaces it, is normgeo.runs.session's (``mark_diverged``, ``divergence``)."""
+(:meth:`Divergence.note`), read back where the host waits anyway (:meth:`Divergence.check`), the weights
+checked before a checkpoint could keep them (:meth:`Divergence.check_weights`), said in one message raised on
+every rank at once (:class:`NonFiniteError`). What the run then records is normgeo.runs.session's."""
 
 from __future__ import annotations
 
@@ -56,10 +54,9 @@ class Divergence:
                              lr=self.lr)
 
     def check_weights(self, parameters: Iterable[torch.Tensor], strategy, step: int, kept: str) -> None:
-        """Before a checkpoint is written: :meth:`check`, then the parameters themselves, so that a good
-        checkpoint is never overwritten by weights that diverged (``kept``: what is left, for the message).
-        Each rank checks what it holds (an FSDP2 DTensor's local shard), read back in one wait; the decision
-        is all-reduced (``strategy``: Lightning's)."""
+        """Before a checkpoint is written: :meth:`check`, then the parameters, so that a good checkpoint is
+        never overwritten by weights that diverged (``kept``: what is left, for the message). Each rank checks
+        what it holds in one wait; the decision is all-reduced (``strategy``: Lightning's)."""
         self.check()
         finite = bool(torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
                                    for p in parameters]).all())

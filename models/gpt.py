@@ -55,17 +55,13 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        """The one check of the architecture's choices (train.py's config check asks it too, naming its
-        keys)."""
+        """The one check of the architecture's choices (train.py's config check asks it, naming its keys)."""
         for name, ok, expected in (
             ("norm", self.norm in NORM_ARMS, f"one of {', '.join(NORM_ARMS)}"),
             ("norm_impl", self.norm_impl in NORM_IMPLS, " or ".join(NORM_IMPLS)),
             ("placement", self.placement in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"),
-            (
-                "n_head",
-                self.n_head > 0 and self.n_embd % self.n_head == 0,
-                f"a divisor of n_embd={self.n_embd}",
-            ),
+            ("n_head", self.n_head > 0 and self.n_embd % self.n_head == 0,
+             f"a divisor of n_embd={self.n_embd}"),
         ):
             if not ok:
                 raise ArchitectureError(name, getattr(self, name), expected)

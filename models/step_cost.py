@@ -1,17 +1,14 @@
 """What a training step costs on a GPU, planned on any machine without running it.
 
-The model (:class:`models.lit.LitGPT`, exactly as training builds it) and its AdamW are built under
-``FakeTensorMode``; one training step (forward, backward, clipping, AdamW step) runs on those fake tensors
-inside ``MemTracker``, which attributes the peak to parameters, gradients, optimizer state, activations and
-temporaries, and ``FlopCounterMode`` counts its FLOPs, with CPU autocast (the same casts as CUDA's for this
-model). DDP adds its gradient buckets; FSDP2 is derived from the trace analytically. A compiled run is
-planned as it runs (:mod:`models.compiled_plan`); the eager trace stays for ``compile=false``, activation
-checkpointing and FSDP2's compute. Accumulated gradients of earlier micro-steps are counted by both.
+The model (:class:`models.lit.LitGPT`, as training builds it) and its AdamW are built under
+``FakeTensorMode``; one training step runs on those fake tensors inside ``MemTracker`` (the peak by
+category) and ``FlopCounterMode``, with CPU autocast (the same casts as CUDA's for this model). DDP adds its
+gradient buckets; FSDP2 is derived from the trace analytically; a compiled run is planned as it runs
+(:mod:`models.compiled_plan`). The launch gate (:func:`gate`) refuses only what cannot fit even its lower
+bound (:func:`lower_bound`); between that and the planned peak it warns and the run starts. docs/plan.md
+says what is modelled.
 
-The launch gate (:func:`gate`) refuses only what cannot fit even its lower bound (:func:`lower_bound`: the
-exact static state and the logits); between that and the planned peak it warns and the run starts.
-
-Floor: ``models/`` (imports ``models.lit`` and ``models.gpt`` only). ``normgeo/plan.py`` prints the plan;
+Floor: ``models/`` (imports models/ only). ``normgeo/plan.py`` prints the plan;
 ``train.py``'s pre-flight check (``normgeo/runs/preflight.py``) calls :func:`gate`.
 """
 
@@ -84,8 +81,8 @@ SDPA_FLOPS: dict = {
 
 
 class PeakMemTracker(MemTracker):
-    """MemTracker without its per-module peaks: those cost a pass over every module for every operator (10x
-    the time of the step at 1B); the per-device peak and its breakdown are kept as MemTracker has them."""
+    """MemTracker without its per-module peaks, which cost a pass over every module for every operator (10x
+    the step's time at 1B); the per-device peak and its breakdown are MemTracker's."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -114,12 +111,10 @@ class TrainSetup:
     compiled: bool = False          # the run is compiled (compile resolved): the compiled step is planned
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision {self.precision!r} cannot be planned: one of {', '.join(PRECISIONS)}"
-            )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r} cannot be planned: one of {', '.join(STRATEGIES)}")
+        for key, value, allowed in (("precision", self.precision, PRECISIONS),
+                                    ("strategy", self.strategy, STRATEGIES)):
+            if value not in allowed:
+                raise ValueError(f"{key} {value!r} cannot be planned: one of {', '.join(allowed)}")
         for name in (self.fsdp_param_dtype, self.fsdp_reduce_dtype):
             if name is not None and name not in DTYPES:
                 raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)} or null")
@@ -182,8 +177,7 @@ class ModelCounts:
 
 @dataclass(frozen=True)
 class Linear:
-    """A peak that grows linearly with micro_batch, measured at two batch sizes:
-    peak(b) = fixed + per_sample*b."""
+    """A peak linear in micro_batch, measured at two: peak(b) = fixed + per_sample * b."""
 
     fixed: float
     per_sample: float
@@ -263,8 +257,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_module(setup: TrainSetup, dtype: torch.dtype | None = None) -> LitGPT:
-    """The LightningModule as training builds it, parameters in ``dtype`` (default: the precision's
-    storage)."""
+    """The LightningModule as training builds it, parameters in ``dtype`` (default: the storage's)."""
     with default_dtype(dtype or PRECISIONS[setup.precision][0]):
         return LitGPT(setup.model, setup.optim, seed=0, max_steps=1, global_batch=setup.global_batch,
                       compile=setup.compiled)
@@ -277,9 +270,8 @@ def build_optimizer(module: LitGPT, fused: bool) -> torch.optim.Optimizer:
         return optimizer
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     defaults = optimizer.defaults
-    return torch.optim.AdamW(
-        groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], fused=True
-    )
+    return torch.optim.AdamW(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                             fused=True)
 
 
 def warm_optimizer(module: LitGPT, optimizer: torch.optim.Optimizer) -> None:
@@ -305,9 +297,8 @@ def autocast_of(setup: TrainSetup, device_type: str = "cpu"):
 
 def training_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup,
                   batch: tuple[torch.Tensor, torch.Tensor], flops: FlopCounterMode | None = None) -> None:
-    """One micro-step as training takes it: forward under autocast, backward; with an optimizer also
-    clipping and the AdamW step. The one step the fake trace and the measured step both run; ``flops``
-    sees the forward and backward only."""
+    """One micro-step as training takes it, for the fake trace and the measured step alike: forward under
+    autocast, backward (what ``flops`` sees); with an optimizer also clipping and the AdamW step."""
     inputs, targets = batch
     with flops if flops is not None else nullcontext():
         with autocast_of(setup, inputs.device.type):
@@ -320,12 +311,21 @@ def training_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup
         optimizer.zero_grad(set_to_none=True)
 
 
-def run_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
-             tracker: MemTracker, flops: FlopCounterMode) -> None:
-    """One :func:`training_step` on a random batch inside ``tracker``."""
+def traced_step(module: LitGPT, optimizer: torch.optim.Optimizer | None, setup: TrainSetup, batch: int,
+                checkpointing: bool) -> StepTrace:
+    """One :func:`training_step` on a random batch inside a tracker and a FLOP counter (the optimizer's
+    state tracked where there is one); ``checkpointing``: each block checkpointed as FSDP2Strategy does."""
+    if checkpointing:
+        for block in module.model.blocks:
+            checkpoint(block)  # composable, names unchanged
+    tracker = PeakMemTracker()
+    if optimizer is not None:
+        tracker.track_external(module.model, optimizer)
+    counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
     inputs = random_batch(setup, batch)
     with tracker:
-        training_step(module, optimizer, setup, inputs, flops)
+        training_step(module, optimizer, setup, inputs, counter)
+    return StepTrace(snapshot(tracker), counter.get_total_flops())
 
 
 def snapshot(tracker: MemTracker) -> dict[str, int]:
@@ -343,21 +343,13 @@ def trace_step(setup: TrainSetup, batch: int, *, checkpointing: bool, fake: bool
         if setup.accumulating:  # a later micro-step: the earlier ones' gradients are there (summed into)
             for p in module.parameters():
                 p.grad = torch.zeros_like(p)
-        if checkpointing:
-            for block in module.model.blocks:
-                checkpoint(block)  # what FSDP2Strategy applies (composable, names unchanged)
-        tracker = PeakMemTracker()
-        tracker.track_external(module.model, optimizer)
-        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
-        run_step(module, optimizer, setup, batch, tracker, counter)
-        return StepTrace(snapshot(tracker), counter.get_total_flops())
+        return traced_step(module, optimizer, setup, batch, checkpointing)
 
 
 def trace_compiled_step(setup: TrainSetup, batch: int) -> StepTrace:
-    """Peak memory and FLOPs of one steady-state compiled micro-step of one device
-    (:mod:`models.compiled_plan`), in MemTracker's categories: the static state counted here (parameters,
-    AdamW state, and with accumulation the gradients of the earlier micro-steps), the graphs' buffers
-    at their peak there."""
+    """Peak memory and FLOPs of one steady-state compiled micro-step of one device in MemTracker's
+    categories: the static state counted here, the graphs' buffers at their peak
+    (:mod:`models.compiled_plan`)."""
     with FakeTensorMode():
         module = build_module(setup)
         graphs = trace_compiled(module, random_batch(setup, batch), lambda: autocast_of(setup))
@@ -376,13 +368,7 @@ def trace_sharded_compute(setup: TrainSetup, batch: int, *, checkpointing: bool)
         module = build_module(setup, DTYPES[setup.fsdp_param_dtype] if setup.fsdp_param_dtype else None)
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
-        if checkpointing:
-            for block in module.model.blocks:
-                checkpoint(block)
-        tracker = PeakMemTracker()
-        counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
-        run_step(module, None, setup, batch, tracker, counter)
-        return StepTrace(snapshot(tracker), counter.get_total_flops())
+        return traced_step(module, None, setup, batch, checkpointing)
 
 
 def trace_probe(setup: TrainSetup) -> StepTrace:
@@ -439,26 +425,31 @@ def per_gpu(setup: TrainSetup, counts: ModelCounts, trace: StepTrace, compute: S
         return Memory(trace.get("Parameter"), counts.parameter_bytes + new, trace.get("Optstate"),
                       trace.get("Activation"), rest)
     assert compute is not None
-    ranks = setup.world_size
-    low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
+    low = fsdp_param_bytes(setup)
     reduce = DTYPES[setup.fsdp_reduce_dtype].itemsize if setup.fsdp_reduce_dtype else low
-    # The root (embeddings, head) stays gathered from its forward to the end of the backward (FSDP2 never
-    # reshards the root after forward); a block is gathered while the next one is prefetched.
-    gathered = (counts.root_parameters + 2 * counts.block_parameters) * low
-    shard = math.ceil(counts.parameter_bytes / ranks)
+    shard = math.ceil(counts.parameter_bytes / setup.world_size)
     # A block's unsharded gradient is cast to reduce_dtype for the reduce-scatter (when that differs).
     reduce_copy = counts.block_parameters * reduce if reduce != low else 0
     return Memory(
-        parameters=shard + gathered,
+        parameters=shard + fsdp_gathered_bytes(setup, counts),
         gradients=shard + compute.get("Gradient") + reduce_copy,
-        optimizer=math.ceil(counts.optimizer_bytes / ranks),
+        optimizer=math.ceil(counts.optimizer_bytes / setup.world_size),
         activations=compute.get("Activation"),
         temporaries=compute.get("Temp") + compute.get("Buffer") + compute.get("Other"),
     )
 
 
-def _storage_bytes(setup: TrainSetup) -> int:
-    return PRECISIONS[setup.precision][0].itemsize
+def fsdp_param_bytes(setup: TrainSetup) -> int:
+    """Bytes of one gathered parameter element under FSDP2: its param_dtype, else the storage dtype."""
+    dtype = DTYPES[setup.fsdp_param_dtype] if setup.fsdp_param_dtype else PRECISIONS[setup.precision][0]
+    return dtype.itemsize
+
+
+def fsdp_gathered_bytes(setup: TrainSetup, counts: ModelCounts) -> int:
+    """The unsharded parameters FSDP2 holds at once: the root (embeddings, head) stays gathered from its
+    forward to the end of the backward (never resharded after forward), a block while the next is
+    prefetched."""
+    return (counts.root_parameters + 2 * counts.block_parameters) * fsdp_param_bytes(setup)
 
 
 def second_batch(micro_batch: int) -> int:
@@ -509,12 +500,9 @@ class MeasuredStep:
 
 
 def measure_step(setup: TrainSetup, device: torch.device, *, steps: int = 3) -> MeasuredStep:
-    """The peak of ``steps`` real optimizer steps of one device at the configured micro_batch, each of
-    global_batch / micro_batch micro-steps (the gradients accumulate as training accumulates them), compiled
-    as ``compile=true`` trains (``model.compile()``). The first steps create the optimizer state and,
-    compiled, generate the kernels; the peak is over all of them, as ``torch.cuda.max_memory_allocated`` over
-    a training run is. One device without sharding: DDP's buckets and FSDP2's shards stay the trace's
-    (:func:`per_gpu`)."""
+    """The peak over ``steps`` real optimizer steps of one device at the configured micro_batch (accumulating,
+    compiled as ``compile=true`` trains), as over a training run; DDP's buckets and FSDP2's shards stay the
+    trace's (:func:`per_gpu`)."""
     if device.type != "cuda":
         raise ValueError(f"measuring a step needs a CUDA device (allocator statistics), not {device}")
     compiled = setup.compiled
@@ -544,8 +532,7 @@ def analytic_flops_per_token(setup: TrainSetup, counts: ModelCounts) -> float:
 
 
 def make_plan(setup: TrainSetup, *, both_checkpointing: bool = True, probe: bool = True) -> Plan:
-    """The plan of ``setup``: counts, FLOPs, and the peak per GPU with (and without) activation
-    checkpointing."""
+    """The plan of ``setup``: counts, FLOPs, the peak per GPU with and without activation checkpointing."""
     counts = model_counts(setup)
     plan = Plan(setup, counts, analytic_flops_per_token(setup, counts))
     choices = (False, True) if both_checkpointing else (setup.activation_checkpointing,)
@@ -560,9 +547,7 @@ def probe_memory(setup: TrainSetup, counts: ModelCounts, trace: StepTrace) -> Me
     """At a probe the step is over: parameters, optimizer state (and DDP's buckets) stay; the probe's
     forward adds its activations. Under FSDP2 the shards stay and the forward gathers as in training."""
     if setup.strategy == "fsdp2":
-        low = DTYPES[setup.fsdp_param_dtype].itemsize if setup.fsdp_param_dtype else _storage_bytes(setup)
-        params = math.ceil(counts.parameter_bytes / setup.world_size)
-        params += (counts.root_parameters + 2 * counts.block_parameters) * low
+        params = math.ceil(counts.parameter_bytes / setup.world_size) + fsdp_gathered_bytes(setup, counts)
         grads, optim = 0, math.ceil(counts.optimizer_bytes / setup.world_size)
     else:
         params, optim = counts.parameter_bytes, counts.optimizer_bytes
@@ -606,9 +591,8 @@ class GatePlan:
 
 def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
     """Bytes that certainly live at once on a GPU during a step, whatever a compiler keeps: the exact static
-    state (parameters, AdamW state, DDP's gradient buckets or the gradients accumulated over micro-steps;
-    under FSDP2 their shards) plus the logits of one micro-batch in the autocast dtype (the head's
-    matmul writes them whole while that state lives)."""
+    state (parameters, AdamW state, persistent gradients; under FSDP2 their shards) plus one micro-batch's
+    logits in the autocast dtype (the head's matmul writes them whole while that state lives)."""
     low = PRECISIONS[setup.precision][1] or PRECISIONS[setup.precision][0]
     logits = setup.micro_batch * setup.seq_len * setup.model.padded_vocab_size * low.itemsize
     persistent_gradients = setup.strategy == "ddp" or setup.accumulating or setup.strategy == "fsdp2"
@@ -620,21 +604,24 @@ def lower_bound(setup: TrainSetup, counts: ModelCounts) -> int:
 
 
 def gate_plan(plan: Plan) -> GatePlan:
-    chosen, setup = plan.configured, plan.setup
-    return GatePlan(chosen.memory.total, lower_bound(setup, plan.counts), chosen.peak.fixed,
-                    chosen.peak.per_sample, chosen.compiled, setup.micro_batch, setup.global_batch,
-                    setup.world_size, chosen.memory.as_dict(), accumulated_gradients(setup, plan.counts))
+    chosen = plan.configured
+    planned = line_free_gate_plan(plan.setup, plan.counts, chosen.memory, chosen.compiled)
+    return replace(planned, fixed=chosen.peak.fixed, per_sample=chosen.peak.per_sample)
+
+
+def line_free_gate_plan(setup: TrainSetup, counts: ModelCounts, memory: Memory, compiled: bool) -> GatePlan:
+    """The gate's plan of one traced micro_batch (no line through a second one)."""
+    return GatePlan(memory.total, lower_bound(setup, counts), None, None, compiled, setup.micro_batch,
+                    setup.global_batch, setup.world_size, memory.as_dict(),
+                    accumulated_gradients(setup, counts))
 
 
 def traced_gate_plan(setup: TrainSetup, total_memory: int, headroom_gib: float) -> GatePlan:
-    """The gate's plan with the fewest traces: the configured step's, and a second micro_batch's (the peak's
-    slope, from which the gate names the largest micro_batch that fits) only when the first peak + the CUDA
-    context does not fit the card. A run that fits, the common start, waits for one trace, not two."""
+    """The gate's plan with the fewest traces: the configured step's, and a second micro_batch's (the slope
+    that names the largest micro_batch that fits) only when the first peak + the CUDA context does not fit."""
     counts, checkpointing = model_counts(setup), setup.activation_checkpointing
     memory, _ = trace_memory(setup, counts, setup.micro_batch, checkpointing)
-    planned = GatePlan(memory.total, lower_bound(setup, counts), None, None,
-                       plans_compiled(setup, checkpointing), setup.micro_batch, setup.global_batch,
-                       setup.world_size, memory.as_dict(), accumulated_gradients(setup, counts))
+    planned = line_free_gate_plan(setup, counts, memory, plans_compiled(setup, checkpointing))
     if planned.peak_fits(total_memory, headroom_gib):
         return planned
     second = second_batch(setup.micro_batch)
@@ -656,13 +643,9 @@ class GateDecision:
 
 def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib: float,
          fragmentation: float) -> GateDecision:
-    """The launch gate: refuse only what cannot fit, never a run that fits.
-
-    Refused when even the lower bound (:func:`lower_bound`) + the CUDA context (headroom_gib) exceeds
-    the card; warned when the planned peak + the context does (the plan may overstate what the allocator
-    holds); else nothing. Fragmentation is not counted in either; the largest micro_batch named does count
-    it (what to launch)."""
-    context = headroom_gib * GIB
+    """The launch gate: refused when even the lower bound (:func:`lower_bound`) + the CUDA context
+    (headroom_gib) exceeds the card, warned when the planned peak + the context does (the plan may overstate
+    what the allocator holds). Fragmentation is counted only in the largest micro_batch named."""
     if planned.peak_fits(total_memory, headroom_gib):
         return GateDecision(None, None)
     best = largest_micro_batch(planned.line, total_memory, planned.global_batch, planned.world_size,
@@ -678,7 +661,7 @@ def gate(planned: GatePlan, total_memory: int, device_name: str, *, headroom_gib
     card = f"the {total_memory / GIB:.1f} GiB of {device_name}"
     planned_text = (f"the {planned.kind} plan's peak {planned.peak / GIB:.1f} GiB per GPU at micro_batch="
                     f"{planned.micro_batch} ({parts})")
-    if planned.lower_bound + context > total_memory:
+    if planned.lower_bound + headroom_gib * GIB > total_memory:
         return GateDecision(
             f"micro_batch={planned.micro_batch} cannot fit: even the least it needs, "
             f"{planned.lower_bound / GIB:.1f} GiB (the static state and the logits) + {headroom_gib:g} GiB "

@@ -81,16 +81,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
         # The root holds the embeddings, the final norm and the head; its forward is the one called.
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
-        log.info(
-            "FSDP2: %d blocks + root sharded over %d processes (param dtype %s, reduce dtype %s, "
-            "activation checkpointing %s)",
-            len(model.blocks), mesh.size(), _name(self.param_dtype), _name(self.reduce_dtype),
-            self.activation_checkpointing,
-        )
+        log.info("FSDP2: %d blocks + root sharded over %d processes (param dtype %s, reduce dtype %s, "
+                 "activation checkpointing %s)", len(model.blocks), mesh.size(), _name(self.param_dtype),
+                 _name(self.reduce_dtype), self.activation_checkpointing)
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each block's forward, leaving FSDP2's hooks (in ``Module.__call__``) outside the
-    graphs."""
+    """torch.compile each block's forward, leaving FSDP2's hooks (in ``Module.__call__``) outside graphs."""
     for block in model.blocks:
         block.forward = torch.compile(block.forward)

@@ -1,16 +1,11 @@
 """normgeo's GPT -> a Hugging Face ``transformers`` model, with the same logits.
 
-Which class holds which arm exactly follows each arm's registration in :mod:`models.norms`: a Pre-LN arm
-whose registration names GPT-2's ``LayerNorm`` -> ``GPT2LMHeadModel`` (a LayerNorm without bias is GPT-2's
-with a zero bias; ``Conv1D`` holds ``nn.Linear``'s weight transposed); every other arm and every Post-LN arm
--> :mod:`models.export.modeling_normgeo`, saved beside the weights with the source of the arm's own class
-appended (:func:`model_code`), loaded with ``trust_remote_code=True``.
-
-``to_hf(gpt, as_rms=True)`` converts a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (Jiang
-et al. 2023, arXiv 2305.14858): centre every weight that writes into the residual stream, so that LayerNorm
-becomes RMSNorm on the mean-zero stream, then fold each norm's gain and bias into the linear layer it feeds
-(the final norm's into an untied LM head and its bias). Post-LN does not convert. The vocabulary keeps the
-harness's padded size (50304). docs/export.md gives the algebra and why each class holds its arms.
+A Pre-LN arm whose registration (:mod:`models.norms`) names GPT-2's ``LayerNorm`` -> ``GPT2LMHeadModel``;
+every other arm and every Post-LN arm -> :mod:`models.export.modeling_normgeo`, saved with the source it
+needs (:func:`model_code`) and loaded with ``trust_remote_code=True``. ``to_hf(gpt, as_rms=True)`` converts
+a Pre-LN LayerNorm arm to an RMSNorm model with the same logits (Jiang et al. 2023, arXiv 2305.14858):
+centre every weight that writes into the residual stream, then fold each norm's gain and bias into the
+linear layer it feeds. docs/export.md gives the algebra and why each class holds its arms.
 """
 
 from __future__ import annotations
@@ -29,13 +24,15 @@ from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHead
 
 from models.export import modeling_normgeo
 from models.export.modeling_normgeo import NORM_CLASSES, NormGeoConfig, NormGeoForCausalLM, NormGeoModel
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from models.norms import NORM_ARMS, ROLES
 
 CONVERTED_NORM = "rms"
 MODEL_CODE_FILE = Path(modeling_normgeo.__file__).name
 # Each residual norm, and the linear layer (in models.gpt's names) its output feeds.
 FOLDS = {"ln1": "attn.c_attn", "ln2": "mlp.c_fc"}
+# The models.gpt classes modeling_normgeo imports: the saved copy holds their source instead.
+GPT_CLASSES = (CausalSelfAttention, MLP)
 
 
 def convertible_arms() -> tuple[str, ...]:
@@ -55,31 +52,22 @@ def rms_conversion_refusal(gpt: GPT) -> str | None:
         return (f"the {cfg.norm!r} arm {what}: only the Pre-LN LayerNorm arms "
                 f"({', '.join(convertible_arms())}) convert to RMSNorm")
     if cfg.placement != "pre":
-        return (
-            f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
-            "norm's output "
-            "(not mean-zero after the bias) and the sublayers read it un-normalized, so no RMSNorm "
-            "model has its "
-            "logits; only Pre-LN arms convert"
-        )
+        return (f"the {cfg.placement}-LN {cfg.norm!r} arm does not convert: its residual stream is the "
+                "norm's output (not mean-zero after the bias) and the sublayers read it un-normalized, so no "
+                "RMSNorm model has its logits; only Pre-LN arms convert")
     if gpt.training and cfg.dropout > 0:
-        return (
-            f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single "
-            "channels of the "
-            "residual writes, which are then not mean-zero; call .eval() first"
-        )
+        return (f"the model is in training mode with dropout {cfg.dropout}: dropout zeroes single channels "
+                "of the residual writes, which are then not mean-zero; call .eval() first")
     return None
 
 
 def centred_rows(weight: torch.Tensor) -> torch.Tensor:
-    """Each row made mean-zero across its last dimension (an embedding row: one vector written to the
-    stream)."""
+    """Each row (an embedding row: one vector written to the stream) made mean-zero."""
     return weight - weight.mean(dim=-1, keepdim=True)
 
 
 def centred_outputs(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's (out, in) weight whose every output (column) is mean-zero across the ``out``
-    channels."""
+    """A linear layer's (out, in) weight with every column mean-zero across the ``out`` channels."""
     return weight - weight.mean(dim=0, keepdim=True)
 
 
@@ -172,44 +160,33 @@ def _gpt2_state_dict(gpt: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
+def common_config(cfg: GPTConfig) -> dict:
+    """The keyword arguments GPT2Config and NormGeoConfig share (the padded vocabulary, EOS as BOS)."""
+    return dict(vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                n_layer=cfg.n_layer, n_head=cfg.n_head, tie_word_embeddings=cfg.tie_embeddings,
+                bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1)
+
+
 def _gpt2(gpt: GPT, dtype: torch.dtype) -> nn.Module:
     cfg = gpt.config
-    config = GPT2Config(
-        vocab_size=cfg.padded_vocab_size,
-        n_positions=cfg.block_size,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_inner=4 * cfg.n_embd,
-        activation_function="gelu_pytorch_tanh",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        layer_norm_epsilon=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=cfg.vocab_size - 1,
-        eos_token_id=cfg.vocab_size - 1,
-    )
+    config = GPT2Config(**common_config(cfg), n_inner=4 * cfg.n_embd, activation_function="gelu_pytorch_tanh",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps)
     model = GPT2LMHeadModel(config).to(dtype)
     model.load_state_dict(_gpt2_state_dict(gpt, dtype), strict=not cfg.tie_embeddings)
     return model
 
 
 def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: bool = False) -> nn.Module:
-    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names, one
-    dtype)."""
+    """The saved model code holding ``cfg``'s arm, loaded with ``weights`` (``models.gpt``'s names)."""
     NormGeoConfig.register_for_auto_class()
     NormGeoForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     arm = NORM_ARMS[cfg.norm]
     # In this process the model code builds the arm's own class; the saved copy defines it (model_code).
     NORM_CLASSES[arm.module_type.__name__] = arm.module_type
     config = NormGeoConfig(
-        vocab_size=cfg.padded_vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, norm=cfg.norm, norm_class=arm.module_type.__name__,
+        **common_config(cfg), norm=cfg.norm, norm_class=arm.module_type.__name__,
         norm_arguments={role: arm.arguments(cfg.n_embd, cfg.norm_eps, role) for role in ROLES},
         placement=cfg.placement, bias=cfg.bias, lm_head_bias=lm_head_bias,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=cfg.vocab_size - 1,
-        eos_token_id=cfg.vocab_size - 1,
     )
     model = NormGeoForCausalLM(config).to(next(iter(weights.values())).dtype)
     # save_pretrained records the saved class only; AutoModel (the base model analyze.py measures) is added.
@@ -223,21 +200,17 @@ def _normgeo(cfg: GPTConfig, weights: dict[str, torch.Tensor], lm_head_bias: boo
 
 def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
           model_code: bool = False) -> nn.Module:
-    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s.
-
-    ``as_rms``: a Pre-LN LayerNorm arm converted to an RMSNorm model (the module docstring's algebra), in the
-    saved model code (ValueError for an arm that does not convert). ``model_code``: the saved model code even
-    where ``GPT2LMHeadModel`` holds the arm (to time it beside its conversion with the same code)."""
+    """The ``transformers`` causal LM (``dtype``, eval mode) whose logits are ``gpt``'s. ``as_rms``: a Pre-LN
+    LayerNorm arm converted to an RMSNorm model in the saved model code (ValueError for an arm that does not
+    convert). ``model_code``: the saved model code even where ``GPT2LMHeadModel`` holds the arm (to time it
+    beside its conversion with the same code)."""
     if as_rms:
         cfg = rms_config(gpt.config)
         model = _normgeo(cfg, rms_weights(gpt, dtype), lm_head_bias=lm_head_bias(gpt.config))
     else:
         cfg = gpt.config
-        model = (
-            _gpt2(gpt, dtype)
-            if holds_as_gpt2(gpt) and not model_code
-            else _normgeo(cfg, _weights(gpt, dtype))
-        )
+        gpt2 = holds_as_gpt2(gpt) and not model_code
+        model = _gpt2(gpt, dtype) if gpt2 else _normgeo(cfg, _weights(gpt, dtype))
     if cfg.tie_embeddings:
         model.tie_weights()
     if cfg.tie_embeddings != (model.lm_head.weight is model.get_input_embeddings().weight):
@@ -246,8 +219,7 @@ def to_hf(gpt: GPT, *, as_rms: bool = False, dtype: torch.dtype = torch.float32,
 
 
 def own_classes(cls: type) -> list[type]:
-    """``cls`` and its bases that are not torch's (nor Python's), base first: what the saved model code
-    defines."""
+    """``cls`` and its bases that are not torch's (nor Python's), base first: what the saved code defines."""
     return [c for c in reversed(cls.__mro__) if c.__module__.partition(".")[0] not in ("torch", "builtins")]
 
 
@@ -275,11 +247,15 @@ def class_source(cls: type) -> str:
 
 
 def model_code(norm: str) -> str:
-    """The saved model code of arm ``norm``: :mod:`models.export.modeling_normgeo` and, appended, the arm's
-    class (its source and its own bases', or torch's import) added to ``NORM_CLASSES``."""
+    """The saved model code of arm ``norm``: :mod:`models.export.modeling_normgeo` with the source of the
+    ``models.gpt`` classes it imports in place of that import and, appended, the arm's class (its source and
+    its own bases', or torch's import) added to ``NORM_CLASSES``."""
     cls = NORM_ARMS[norm].module_type
     own = own_classes(cls)
-    parts = [Path(modeling_normgeo.__file__).read_text(),
+    code = Path(modeling_normgeo.__file__).read_text()
+    gpt_import = next(line for line in code.splitlines() if line.startswith("from models.gpt import "))
+    gpt_classes = "\n\n".join(map(class_source, GPT_CLASSES))
+    parts = [code.replace(gpt_import, f"# models/gpt.py's, written from its source.\n{gpt_classes}"),
              f"# The norm of arm {norm!r}, written from its registration (normgeo's models.norms.NORM_ARMS).",
              *map(class_source, own)]
     if not own:
@@ -309,8 +285,7 @@ class RmsParity:
 
 @torch.no_grad()
 def rms_parity(gpt: GPT, ids: torch.Tensor) -> RmsParity:
-    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is left as it
-    was."""
+    """The conversion's logit parity on ``ids`` (batch, seq), in float64 and float32; ``gpt`` is unchanged."""
     reference64 = copy.deepcopy(gpt).double().eval()(ids)
     diff64 = (to_hf(gpt, as_rms=True, dtype=torch.float64)(ids).logits - reference64).abs().max()
     reference32 = copy.deepcopy(gpt).float().eval()(ids)

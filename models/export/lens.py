@@ -1,13 +1,10 @@
 """normgeo's GPT in the interpretability tools: TransformerLens and nnsight.
 
 TransformerLens 3.9's ``HookedTransformer`` holds the Pre-LN arms whose registration (:mod:`models.norms`)
-names its norm (``LN``, ``RMS``); :func:`transformer_lens_refusal` says what it lacks for the others and for
-Post-LN (its blocks are pre-norm only), and the export refuses. The weights are loaded with its processing
-OFF (``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``): its defaults keep
-the log-probs but rewrite the geometry this project measures (docs/export.md, "The TransformerLens trap").
-
-nnsight wraps any ``nn.Module``: :func:`to_nnsight` wraps the exported Hugging Face model, so every arm and
-placement traces with the module names of :mod:`models.export.hf`.
+names its norm (``LN``, ``RMS``); for the others the export refuses (:func:`transformer_lens_refusal`). The
+weights are loaded with its processing OFF: its defaults keep the log-probs but rewrite the geometry this
+project measures (docs/export.md, "The TransformerLens trap"). :func:`to_nnsight` wraps any module, such as
+the exported Hugging Face model (every arm and placement).
 """
 
 from __future__ import annotations
@@ -35,16 +32,19 @@ NO_PROCESSING = {"fold_ln": False, "center_writing_weights": False, "center_unem
 def transformer_lens_refusal(config: GPTConfig) -> str | None:
     """Why TransformerLens cannot hold this arm exactly, or None if it can."""
     if config.placement != "pre":
-        return (
-            "TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the "
-            f"{config.placement}-LN "
-            f"arm {config.norm!r} (export it with --to hf or --to nnsight)"
-        )
+        return ("TransformerLens' HookedTransformer has pre-norm blocks only: it cannot hold the "
+                f"{config.placement}-LN arm {config.norm!r} (export it with --to hf or --to nnsight)")
     arm = NORM_ARMS[config.norm]
     if arm.transformer_lens is None:
         return (f"TransformerLens cannot hold the {config.norm!r} arm exactly: {arm.transformer_lens_lacks} "
                 "(export it with --to hf or --to nnsight)")
     return None
+
+
+def held_by_transformer_lens(config: GPTConfig) -> None:
+    """ValueError with :func:`transformer_lens_refusal`'s reason for an arm TransformerLens cannot hold."""
+    if refusal := transformer_lens_refusal(config):
+        raise ValueError(refusal)
 
 
 def transformer_lens_config(config: GPTConfig) -> dict:
@@ -74,7 +74,7 @@ def transformer_lens_state_dict(gpt: GPT) -> dict[str, torch.Tensor]:
             state[f"{theirs}.b"] = source.get(f"{ours}.bias", zeros(width))
 
     for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"blocks.{i}."
+        ours = theirs = f"blocks.{i}."  # the same prefix in both
         norm(f"{ours}ln1", f"{theirs}ln1")
         norm(f"{ours}ln2", f"{theirs}ln2")
         qkv_w = source[f"{ours}attn.c_attn.weight"]
@@ -103,31 +103,23 @@ def hooked_transformer(config: dict, state: dict[str, torch.Tensor], process: bo
 
     with warnings.catch_warnings():  # 3.9 announces HookedTransformer's removal in 4.0: the version targeted
         warnings.simplefilter("ignore", DeprecationWarning)
-        model = HookedTransformer(
-            HookedTransformerConfig(**config), tokenizer=tokenizer, move_to_device=False
-        )
-    if process:
-        model.load_and_process_state_dict(dict(state))
-    else:
-        model.load_and_process_state_dict(dict(state), **NO_PROCESSING)
+        model = HookedTransformer(HookedTransformerConfig(**config), tokenizer=tokenizer,
+                                  move_to_device=False)
+    model.load_and_process_state_dict(dict(state), **({} if process else NO_PROCESSING))
     return model.eval()
 
 
 def to_transformer_lens(gpt: GPT, process: bool = False, tokenizer=None):
     """The arm as a TransformerLens ``HookedTransformer`` (processing off); ValueError for an arm it cannot
     hold."""
-    refusal = transformer_lens_refusal(gpt.config)
-    if refusal:
-        raise ValueError(refusal)
+    held_by_transformer_lens(gpt.config)
     return hooked_transformer(transformer_lens_config(gpt.config), transformer_lens_state_dict(gpt), process,
                               tokenizer)
 
 
 def save_transformer_lens(gpt: GPT, out_dir: Path) -> None:
     """``tl_config.json`` (HookedTransformerConfig's arguments) and ``model.safetensors`` (its state dict)."""
-    refusal = transformer_lens_refusal(gpt.config)
-    if refusal:
-        raise ValueError(refusal)
+    held_by_transformer_lens(gpt.config)
     (out_dir / TL_CONFIG_FILE).write_text(json.dumps(transformer_lens_config(gpt.config), indent=2) + "\n")
     save_file(transformer_lens_state_dict(gpt), str(out_dir / TL_WEIGHTS_FILE))
 

@@ -1,11 +1,12 @@
 """normgeo's GPT as a Hugging Face model, for the arms no built-in transformers class holds exactly.
 
-Self-contained (torch and transformers only): :mod:`models.export.hf` saves this file beside the exported
-weights, with the arm's norm class appended, and ``AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)`` runs it without normgeo installed. It mirrors ``models/gpt.py`` operation for
-operation, so the logits are the harness model's; every norm is ``NORM_CLASSES[norm_class](**norm_arguments
-[role])``, as the arm's registration builds it. ``lm_head_bias``: the LM head bias of a LayerNorm arm
-converted to RMSNorm (``--as rms``).
+Self-contained once saved (torch and transformers only): :mod:`models.export.hf` saves this file beside the
+exported weights with the source of ``models/gpt.py``'s attention and MLP in place of their import and the
+arm's norm class appended, and ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` runs it
+without normgeo installed. The blocks are ``models/gpt.py``'s operation for operation, so the logits are the
+harness model's; every norm is ``NORM_CLASSES[norm_class](**norm_arguments[role])``, as the arm's
+registration builds it. ``lm_head_bias``: the LM head bias of a LayerNorm arm converted to RMSNorm
+(``--as rms``).
 """
 
 from __future__ import annotations
@@ -16,35 +17,23 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
+from models.gpt import MLP, CausalSelfAttention  # the saved copy: their source (models.export.hf.model_code)
+
 
 class NormGeoConfig(PretrainedConfig):
     model_type = "normgeo"
+    dropout = 0.0  # read by models.gpt's attention and MLP; a class attribute, so not in config.json
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        n_positions: int = 1024,
-        n_embd: int = 128,
-        n_layer: int = 2,
-        n_head: int = 2,
-        norm: str = "layer",
-        norm_class: str = "LayerNorm",
-        norm_arguments: dict[str, dict] | None = None,
-        placement: str = "pre",
-        bias: bool = True,
-        lm_head_bias: bool = False,
-        tie_word_embeddings: bool = True,
-        **kwargs,
-    ) -> None:
+    def __init__(self, vocab_size: int = 50304, n_positions: int = 1024, n_embd: int = 128, n_layer: int = 2,
+                 n_head: int = 2, norm: str = "layer", norm_class: str = "LayerNorm",
+                 norm_arguments: dict[str, dict] | None = None, placement: str = "pre", bias: bool = True,
+                 lm_head_bias: bool = False, tie_word_embeddings: bool = True, **kwargs) -> None:
         self.vocab_size = vocab_size
-        self.n_positions = n_positions
-        self.max_position_embeddings = n_positions
-        self.n_embd = n_embd
-        self.hidden_size = n_embd
-        self.n_layer = n_layer
-        self.num_hidden_layers = n_layer
-        self.n_head = n_head
-        self.num_attention_heads = n_head
+        # Each size under transformers' generic name too.
+        self.n_positions = self.max_position_embeddings = n_positions
+        self.n_embd = self.hidden_size = n_embd
+        self.n_layer = self.num_hidden_layers = n_layer
+        self.n_head = self.num_attention_heads = n_head
         self.norm = norm  # the arm's name, for the reader
         self.norm_class = norm_class
         self.norm_arguments = norm_arguments or {}  # the class's keyword arguments, per role
@@ -64,31 +53,6 @@ def make_norm(config: NormGeoConfig, role: str) -> nn.Module:
     if config.norm_class not in NORM_CLASSES:
         raise ValueError(f"unknown norm class {config.norm_class!r}: one of {', '.join(NORM_CLASSES)}")
     return NORM_CLASSES[config.norm_class](**config.norm_arguments[role])
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: NormGeoConfig) -> None:
-        super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: NormGeoConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -114,16 +78,14 @@ class NormGeoPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Block"]
 
     def _init_weights(self, module: nn.Module) -> None:
-        # Exported weights overwrite every parameter; nothing to initialize.
-        return None
+        """Nothing to initialize: exported weights overwrite every parameter."""
 
 
 def _check_mask(attention_mask: torch.Tensor | None) -> None:
     # Causal attention without a padding mask, as in training: right padding is harmless, left padding is not.
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "NormGeoModel attends causally without a padding mask: pad on the right, not the left"
-        )
+        raise ValueError("NormGeoModel attends causally without a padding mask: pad on the right, not the "
+                         "left")
 
 
 class NormGeoModel(NormGeoPreTrainedModel):
@@ -176,7 +138,6 @@ class NormGeoForCausalLM(NormGeoPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)

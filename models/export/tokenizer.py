@@ -1,9 +1,7 @@
 """The GPT-2 tokenizer the harness trained with, as a ``transformers`` tokenizer.
 
-Built from tiktoken's loaded ``gpt2`` encoding (the BPE files in ``TIKTOKEN_CACHE_DIR``) through
-transformers' own ``TikTokenConverter`` (byte-level vocabulary and merges recovered from the ranks, the
-encoding's split pattern, ``<|endoftext|>`` as its special token), wrapped as ``GPT2TokenizerFast``. No
-network and no Hub download: the ids are tiktoken's (checked in tests/test_export.py on the probe text).
+Built from tiktoken's loaded ``gpt2`` encoding (the BPE files in ``TIKTOKEN_CACHE_DIR``) by transformers'
+own ``TikTokenConverter``, wrapped as ``GPT2TokenizerFast``: no network, no Hub download, tiktoken's ids.
 """
 
 from __future__ import annotations
