@@ -91,3 +91,25 @@ def test_a_run_without_its_hydra_folder_is_still_listed_by_status(stopped_and_fi
     shutil.rmtree(RunFolder(run_dir).hydra)
     done = module_main(capfd, "status", tmp_path)
     assert done.returncode == 0 and run_dir.name in done.stdout and "finished" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("damage", ["an empty last.ckpt", "no checkpoints", "a garbage run_config.yaml"])
+def test_a_finished_run_without_its_checkpoint_or_config_is_still_finished(
+        damage: str, stopped_and_finished: tuple[Path, Path], tmp_path: Path, capfd) -> None:
+    """Issue 75, class 5: a finished run with an empty last.ckpt (or its checkpoints deleted to save space)
+    was told to start again under another run_name; one with a damaged config showed as "running 4/?"."""
+    run_dir = copied(stopped_and_finished[1], tmp_path)
+    folder = RunFolder(run_dir)
+    if damage == "an empty last.ckpt":
+        folder.last_checkpoint.write_bytes(b"")
+    elif damage == "no checkpoints":
+        shutil.rmtree(folder.checkpoints)
+    else:
+        folder.run_config.write_bytes(b"{{{ not: [yaml\n")
+    listed = module_main(capfd, "status", run_dir, "--no-slurm")
+    row = next(line for line in listed.stdout.splitlines() if run_dir.name in line)
+    assert "finished" in row and "4/4" in row, listed.stdout
+    if damage != "a garbage run_config.yaml":
+        done = train_here(run_dir, *COMMON, "resume=auto")
+        assert f"{run_dir}: already finished at step 4, as its summary.json says" in done.stdout, done.stdout
+        assert "Traceback" not in done.stdout + done.stderr

@@ -183,13 +183,16 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
     if is_analysis(run_dir):
         return RunStatus(name, "analyzed", None, None, None, probe_step, None, None, None,
                          "; ".join(problems) or None)
-    max_steps, stop_at_step = read(run_config, (None, None))
     known = len(problems)
+    max_steps, stop_at_step = read(run_config, (None, None))
+    config_damaged = len(problems) > known
     # the one summary reader, normgeo.readers.identity, not normgeo.runs.summary, which imports Lightning:
     # status stays quick; a damaged summary.json is named in ``problems``
     summary = read(read_summary, {})
-    summary_damaged = len(problems) > known
+    summary_damaged = len(problems) > known + config_damaged
     finished_step = finished_by_summary(summary)
+    if config_damaged and isinstance(summary.get("max_steps"), int):
+        max_steps = summary["max_steps"]  # the run's own account of its length (it was "running 6/?")
     loss = read(last_loss, None)
     step = checkpoint_step(run_dir)
     job = slurm_job(run_dir)
@@ -202,7 +205,7 @@ def run_status(run_dir: Path, root: Path, *, use_slurm: bool = True, active_s: f
         state = "diverged" if divergence(run_dir) is not None else state  # its summary says so (train.py)
     if step is None and finished_step is not None:
         state, step = "finished", finished_step  # its checkpoints deleted since (to save space)
-    elif summary_damaged and state != "finished" and state_from_slurm is None:
+    elif (summary_damaged or config_damaged) and state != "finished" and state_from_slurm is None:
         state = "unknown"  # a recent file change is no sign of running when the run's own account is damaged
     return RunStatus(run=name, state=state, step=step, max_steps=max_steps, loss=loss, probe_step=probe_step,
                      slurm_job=job, slurm_state=state_from_slurm,

@@ -165,6 +165,16 @@ def fresh_command(run_dir: Path) -> str:
     return pinned_command(free)
 
 
+def finished_by_its_summary(run_dir: Path, cfg: TrainSchema) -> int | None:
+    """The step at which the run's readable summary says it finished this session's max_steps, else None."""
+    try:
+        summary = read_summary(run_dir)
+    except DamagedRecords:
+        return None
+    finished = summary.get("finished") is True and summary.get("step") == summary.get("max_steps")
+    return cfg.max_steps if finished and summary.get("max_steps") == cfg.max_steps else None
+
+
 def finished_message(ckpt_path: str, cfg: TrainSchema) -> str | None:
     """The one line for a resume whose checkpoint reached the step this session trains to, else None."""
     info = checkpoint_info(Path(ckpt_path))
@@ -235,7 +245,17 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
         check_diverged_start(cfg, run_dir, record, resume)
         if resume is None:
             return None  # replaces the diverged run: nothing of it is compared or continued
-    ckpt_path = resume_checkpoint(run_dir, resume)
+    try:
+        ckpt_path = resume_checkpoint(run_dir, resume)
+    except RunDirectoryError as err:
+        if resume == "auto" and (step := finished_by_its_summary(run_dir, cfg)) is not None:
+            # Its checkpoints damaged or deleted (to save space): a finished run is still finished, as status
+            # says, not a run to start again.
+            raise RunFinished(
+                f"{run_dir}: already finished at step {step}, as its summary.json says; nothing to do (it "
+                f"has no readable full-state checkpoint: restore {RunFolder(run_dir).last_checkpoint} from a "
+                "copy to train it further or export it)") from err
+        raise
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
     if ckpt_path and (done := finished_message(ckpt_path, cfg)):
         # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
