@@ -50,3 +50,23 @@ def test_a_run_named_like_its_data_folder_is_refused(tmp_path: Path, capfd) -> N
     assert code == 2 and "would share a folder" in err.strip().splitlines()[-1], err
     assert not (tmp_path / "data").exists()
 
+
+
+def test_a_resume_from_another_runs_checkpoint_says_so(two_runs: tuple[Path, Path], tmp_path: Path,
+                                                       capfd) -> None:
+    """resume=<another run's last.ckpt> run_dir=<new> said "already finished" of a folder that held nothing,
+    or started a run whose records begin mid-way without a word."""
+    last, data = RunFolder(two_runs[0]).last_checkpoint, f"data_root={two_runs[0].parent / 'data'}"
+    new = tmp_path / "branch"
+    capfd.readouterr()
+    code = main_exit_code("train", [*FAST, *COMMON, f"run_dir={new}", data, f"resume={last}"])
+    out = capfd.readouterr().out
+    said = f"resume={last} is another run's checkpoint at step 2, max_steps=2: nothing to train here"
+    assert code == 0 and said in out, out
+    assert not new.exists()
+    stopped = tmp_path / "stopped"
+    train_here(stopped, "max_steps=4", "checkpoint.steps=[4]", "probe.tokens=512", "stop_at_step=2")
+    last = RunFolder(stopped).last_checkpoint
+    done = train_here(new, "max_steps=4", "checkpoint.steps=[4]", "probe.tokens=512", f"resume={last}")
+    assert f"resume={last} is another run's checkpoint: {new} continues it" in done.stdout + done.stderr
+    assert RunFolder(new).summary.is_file()

@@ -257,7 +257,15 @@ def session_checkpoint(cfg: TrainSchema) -> str | None:
                 "copy to train it further or export it)") from err
         raise
     verify_run_config(run_dir, ckpt_path, resolved_run_config(cfg))
-    if ckpt_path and (done := finished_message(ckpt_path, cfg)):
+    if ckpt_path and not Path(ckpt_path).resolve().is_relative_to(run_dir.resolve()):
+        info = checkpoint_info(Path(ckpt_path))
+        if isinstance(info, CheckpointInfo) and info.step >= int(cfg.max_steps):
+            raise RunFinished(f"{run_dir}: resume={ckpt_path} is another run's checkpoint at step "
+                              f"{info.step}, max_steps={cfg.max_steps}: nothing to train here; raise "
+                              "max_steps to train on")
+        log.warning("resume=%s is another run's checkpoint: %s continues it from its step, and its records "
+                    "begin there (the earlier steps are that run's)", ckpt_path, run_dir)
+    elif ckpt_path and (done := finished_message(ckpt_path, cfg)):
         # A resume never retrains a finished run nor rewrites its logs; it draws what its end left undrawn.
         try:
             summary = read_summary(run_dir)
