@@ -17,8 +17,6 @@ every size and mode runs on a CPU in seconds: it says that the measurement runs,
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import json
 import math
@@ -26,15 +24,14 @@ import platform
 import re
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
+from benchlib import per_call_seconds, refused, rotated, script_parser, synchronize, utc_stamp
 from hydra import compose, initialize_config_dir
-from norm_cost import TOP_KERNELS, kernel_shares, synchronize
-from torch.profiler import ProfilerActivity, profile
+from norm_cost import TOP_KERNELS, profiled_kernels
 from train_throughput import autocast
 
 from corpus.atomic import atomic_write_text
@@ -110,16 +107,10 @@ class Arm:
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-
-def profile_step(step: Callable[[], None], device: torch.device) -> dict:
-    """One step under torch.profiler: the device time of its kernels (CPU: aten ops' self time), the norm's
-    share and the top kernels."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        synchronize(device)
-    events = [e for e in prof.events() if not e.is_async]
-    return kernel_shares(events, cuda=device.type == "cuda")
+    def steps(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], indices: range) -> None:
+        """A step per index, on the batches in turn."""
+        for index in indices:
+            self.step(*batches[index % len(batches)])
 
 
 def log_ratio_interval(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
@@ -166,26 +157,15 @@ def measure(
     result["precision"] = precision
     peak = peak_flops(device, compute_dtype(precision))
     for arm, run in built.items():
-        synchronize(device)
-        start = time.perf_counter()
-        run.step(*batches[0])
-        synchronize(device)
-        first_step = time.perf_counter() - start
-        for index in range(1, warmup):
-            run.step(*batches[index % 2])
+        first_step = per_call_seconds(lambda run=run: run.step(*batches[0]), 1, device)
+        run.steps(batches, range(1, warmup))
         synchronize(device)
         result["arms"][arm] = {"first_step_s": first_step, "seconds": [], "fused_adamw": run.fused}
     before = compile_counts()
     for repeat in range(repeats):
-        order = list(arms[repeat % len(arms) :]) + list(arms[: repeat % len(arms)])
-        for arm in order:
-            run = built[arm]
-            synchronize(device)
-            start = time.perf_counter()
-            for index in range(steps):
-                run.step(*batches[index % 2])
-            synchronize(device)
-            result["arms"][arm]["seconds"].append((time.perf_counter() - start) / steps)
+        for arm in rotated(arms, repeat):
+            seconds = per_call_seconds(lambda run=built[arm]: run.steps(batches, range(steps)), 1, device)
+            result["arms"][arm]["seconds"].append(seconds / steps)
     after = compile_counts()
     result["compile"] = {"before_timing": before, "during_timing": {k: after[k] - before[k] for k in after}}
     for arm, run in built.items():
@@ -195,7 +175,7 @@ def measure(
             median_s=median,
             tokens_per_s=run.tokens / median,
             mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
-            profile=profile_step(lambda run=run: run.step(*batches[0]), device),
+            profile=profiled_kernels(lambda run=run: run.step(*batches[0]), 1, device),
         )
     if REFERENCE in built:
         reference = result["arms"][REFERENCE]["seconds"]
@@ -396,51 +376,37 @@ def short_name(name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm per repeat")
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="interleaved repeats (at least 3 for an interval)"
-    )
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved repeats (at least 3 for an interval)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (the compilation)")
-    parser.add_argument(
-        "--standin", action="store_true", help="a tiny model per size (CPU: seconds per size)"
-    )
+    parser.add_argument("--standin", action="store_true",
+                        help="a tiny model per size (CPU: seconds per size)")
     parser.add_argument("--json", type=Path, default=None, help="write the results there (one JSON object)")
-    parser.add_argument(
-        "--page",
-        type=Path,
-        default=None,
-        help="write the markdown page there from the JSON files given after it (no measuring)",
-    )
+    parser.add_argument("--page", type=Path, default=None,
+                        help="write the markdown page there from the JSON files given after it "
+                        "(no measuring)")
     parser.add_argument("results", nargs="*", type=Path, help="with --page: the JSON files of earlier runs")
     args = parser.parse_args(argv)
     if args.page is not None:
         return write_page(args.page, args.results)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if reason := missing_cuda("--device", device.type, "--device cpu --standin"):
-        print(f"bench/efficiency.py: {reason}", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", reason)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for name, given, allowed in (("--sizes", sizes, SIZES), ("--modes", modes, MODES)):
         if bad := [x for x in given if x not in allowed]:
-            print(
-                f"bench/efficiency.py: {name}: unknown {', '.join(map(repr, bad))}; "
-                f"choose from {', '.join(allowed)}",
-                file=sys.stderr,
-            )
-            return 2
+            return refused("efficiency.py", f"{name}: unknown {', '.join(map(repr, bad))}; "
+                           f"choose from {', '.join(allowed)}")
     if args.steps < 1 or args.repeats < 1 or args.warmup < 1:
-        print("bench/efficiency.py: --steps, --repeats and --warmup must be at least 1", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", "--steps, --repeats and --warmup must be at least 1")
     if "compiled" in modes and (reason := compile_refusal(device.type)):
-        print(f"bench/efficiency.py: --modes compiled: {reason}; or --modes eager", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", f"--modes compiled: {reason}; or --modes eager")
     # As the page shows it: what was measured, without where the results were written.
     given = list(argv if argv is not None else sys.argv[1:])
     if "--json" in given:
@@ -449,15 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for size in sizes:
         for mode in modes:
-            result = measure(
-                size,
-                mode,
-                device=device,
-                standin=args.standin,
-                steps=args.steps,
-                repeats=args.repeats,
-                warmup=args.warmup,
-            )
+            result = measure(size, mode, device=device, standin=args.standin, steps=args.steps,
+                             repeats=args.repeats, warmup=args.warmup)
             result.update(steps=args.steps, warmup=args.warmup, command=command)
             results.append(result)
             ratio = result.get("ratios", {}).get("layer")
@@ -467,11 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + (f"; layer/rms {interval_text(ratio)}" if ratio else ""),
                 flush=True,
             )
-    report = {
-        "machine": machine(device),
-        "stamp": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-        "results": results,
-    }
+    report = {"machine": machine(device), "stamp": utc_stamp(), "results": results}
     if args.json is not None:
         atomic_write_text(args.json, json.dumps(report))
     return 0
@@ -498,14 +453,12 @@ def write_page(out: Path, files: Sequence[Path]) -> int:
     """The page of the results in ``files`` (one machine's), sizes in order, to ``out`` (atomically). Where
     two runs measured the same size and mode, the newer one's result is shown and the older one named."""
     if not files:
-        print("bench/efficiency.py: --page needs the JSON files of earlier runs after it", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", "--page needs the JSON files of earlier runs after it")
     reports = [json.loads(path.read_text()) for path in files]
     machines = {report["machine"].get("gpu") or report["machine"].get("cpu") for report in reports}
     if len(machines) > 1:
-        print(f"bench/efficiency.py: --page takes one machine's runs, these come from {sorted(machines)}: "
-              "give each machine its own page", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", f"--page takes one machine's runs, these come from "
+                       f"{sorted(machines)}: give each machine its own page")
     results, replaced = newest_results(reports)
     stamps = sorted({r["stamp"] for r in results})
     text = page(

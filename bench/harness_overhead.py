@@ -15,18 +15,17 @@ docs/benchmarks.md ("The harness's own cost per optimizer step") explains the me
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gc
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
+from benchlib import script_parser
 from efficiency import STANDIN, Arm
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -150,15 +149,8 @@ def listing(values: Sequence[float], scale: float = 1e3) -> str:
     return ", ".join(f"{v * scale:.3f}" for v in values)
 
 
-@contextlib.contextmanager
-def working_folder() -> Iterator[Path]:
-    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as folder:
-        yield folder
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--sync-steps", type=int, default=24, help="optimizer steps of the profiled run")
     parser.add_argument("--log-every", type=int, default=10, help="log_every of the runs (train.py's)")
     parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per run")
@@ -170,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("every count must be at least 1")
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(args.threads)
-    with working_folder() as work:
+    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as work:
         shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
                   f"data_root={work / 'data'}"]
         make_datamodule(check_config("train", compose_run(shared))).prepare_data()  # tokenized before any run

@@ -13,7 +13,6 @@ bests. With ``--arms`` the harness trains each norm arm instead, with each arm's
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import os
@@ -28,8 +27,8 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from benchlib import markdown_table, rotated, script_parser, synchronize
 from hydra import compose, initialize_config_dir
-from norm_cost import synchronize
 from omegaconf import DictConfig
 
 from callbacks.run import train
@@ -161,9 +160,12 @@ def minimal_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> f
     return timed_steps(cfg, skip, device, step)
 
 
+def listing(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
 def summary(values: list[float]) -> str:
-    return (f"median {statistics.median(values):9.1f}   best {max(values):9.1f}   "
-            f"all {', '.join(f'{v:.1f}' for v in values)}")
+    return f"median {statistics.median(values):9.1f}   best {max(values):9.1f}   all {listing(values)}"
 
 
 def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
@@ -172,19 +174,14 @@ def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
 
 
 def markdown(results: dict[str, list[float]], reference: str) -> str:
-    lines = [
-        f"| variant | tokens/s median | best | all repeats | / {reference} (medians) | / {reference} "
-        "(bests) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
     ref = results[reference]
-    for name, values in results.items():
-        lines.append(
-            f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} | "
-            f"{', '.join(f'{v:.1f}' for v in values)} "
-            f"| {statistics.median(values) / statistics.median(ref):.3f} | {max(values) / max(ref):.3f} |"
-        )
-    return "\n".join(lines)
+    header = ["variant", "tokens/s median", "best", "all repeats", f"/ {reference} (medians)",
+              f"/ {reference} (bests)"]
+    return markdown_table(header, [
+        [name, f"{statistics.median(values):.1f}", f"{max(values):.1f}", listing(values),
+         f"{statistics.median(values) / statistics.median(ref):.3f}", f"{max(values) / max(ref):.3f}"]
+        for name, values in results.items()
+    ])
 
 
 @contextlib.contextmanager
@@ -198,19 +195,13 @@ def scratch(folder: Path) -> Iterator[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps not timed")
     parser.add_argument("--repeats", type=int, default=3, help="interleave the variants this many times")
-    parser.add_argument(
-        "--arms",
-        nargs="?",
-        const=",".join(NORM_ARMS),
-        default=None,
-        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_ARMS)",
-    )
+    parser.add_argument("--arms", nargs="?", const=",".join(NORM_ARMS), default=None,
+                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of "
+                        "NORM_ARMS)")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args()
@@ -221,31 +212,18 @@ def main() -> None:
         parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_ARMS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
     workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
-    overrides = [
-        "size=tiny",
-        "seq_len=256",
-        "global_batch=16",
-        "micro_batch=8",
-        "logger=none",
-        "probe.enabled=false",
-        "checkpoint.steps=[]",
-        "checkpoint.last_every=0",
-        "val_every=100000",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
-        f"max_steps={args.steps}",
-        "optim.warmup_steps=0",
-        f"data_root={workdir / 'data'}",
-        *args.overrides,
-    ]
+    overrides = ["size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "logger=none",
+                 "probe.enabled=false", "checkpoint.steps=[]", "checkpoint.last_every=0", "val_every=100000",
+                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                 f"max_steps={args.steps}", "optim.warmup_steps=0", f"data_root={workdir / 'data'}",
+                 *args.overrides]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = arms or list(VARIANTS)
     results: dict[str, list[float]] = {name: [] for name in names}
     run = 0
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch(workdir):
         for repeat in range(args.repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in rotated(names, repeat):
                 extra = [f"norm={name}"] if arms else []
                 run_dir = f"run_dir={workdir / f'run{run}'}"
                 composed = compose("train", overrides=[*overrides, *extra, run_dir])
