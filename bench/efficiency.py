@@ -53,10 +53,8 @@ STANDIN = ["size=tiny", "size.n_layer=1", "size.n_embd=32", "size.n_head=2", "se
 def compile_counts() -> dict[str, int]:
     """Graphs Dynamo has compiled and graph breaks it has taken in this process so far."""
     counters = torch._dynamo.utils.counters
-    return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-    }
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 class Arm:
@@ -65,12 +63,8 @@ class Arm:
     def __init__(self, size: str, arm: str, mode: str, device: torch.device, standin: bool,
                  extra: Sequence[str] = ()) -> None:
         """``extra``: Hydra overrides after the size's (bench/harness_overhead.py's: its run's own shape)."""
-        overrides = [
-            f"size={size}",
-            f"norm={arm}",
-            f"compile={mode == 'compiled'}",
-            f"trainer={'gpu' if device.type == 'cuda' else 'cpu'}",
-        ]
+        overrides = [f"size={size}", f"norm={arm}", f"compile={mode == 'compiled'}",
+                     f"trainer={'gpu' if device.type == 'cuda' else 'cpu'}"]
         if standin:
             overrides = [*overrides[1:], *STANDIN]
         overrides = [*overrides, *extra]
@@ -117,25 +111,13 @@ def log_ratio_interval(numerator: Sequence[float], denominator: Sequence[float])
     """Per-repeat ratios of paired times, their geometric mean and 95% t interval (on the logs)."""
     logs = [math.log(a / b) for a, b in zip(numerator, denominator, strict=True)]
     mean, low, high = mean_t_interval(logs)
-    return {
-        "ratios": [math.exp(x) for x in logs],
-        "ratio": math.exp(mean),
-        "low": math.exp(low) if low is not None else None,
-        "high": math.exp(high) if high is not None else None,
-    }
+    return {"ratios": [math.exp(x) for x in logs], "ratio": math.exp(mean),
+            "low": math.exp(low) if low is not None else None,
+            "high": math.exp(high) if high is not None else None}
 
 
-def measure(
-    size: str,
-    mode: str,
-    *,
-    device: torch.device,
-    standin: bool,
-    steps: int,
-    repeats: int,
-    warmup: int,
-    arms: Sequence[str] = ARMS,
-) -> dict:
+def measure(size: str, mode: str, *, device: torch.device, standin: bool, steps: int, repeats: int,
+            warmup: int, arms: Sequence[str] = ARMS) -> dict:
     """Every arm at ``size`` in ``mode``: warm-up, interleaved timed repeats, one profiled step."""
     torch._dynamo.reset()
     gc.collect()
@@ -144,15 +126,10 @@ def measure(
     built = {arm: Arm(size, arm, mode, device, standin) for arm in arms}
     first = next(iter(built.values()))
     batches = first.batches()  # the same for every arm
-    result: dict = {
-        "size": size,
-        "mode": mode,
-        "arms": {},
-        "micro_batch": first.cfg.micro_batch,
-        "annotations_excluded": True,  # kernel totals without the device's annotation ranges
-        "seq_len": first.cfg.seq_len,
-        "tokens_per_step": first.tokens,
-    }
+    # annotations_excluded: the kernel totals without the device's annotation ranges
+    result: dict = {"size": size, "mode": mode, "arms": {}, "micro_batch": first.cfg.micro_batch,
+                    "annotations_excluded": True, "seq_len": first.cfg.seq_len,
+                    "tokens_per_step": first.tokens}
     precision = str(first.cfg.trainer.get("precision") or default_precision())  # as trainer_arguments does
     result["precision"] = precision
     peak = peak_flops(device, compute_dtype(precision))
@@ -171,19 +148,13 @@ def measure(
     for arm, run in built.items():
         entry = result["arms"][arm]
         median = statistics.median(entry["seconds"])
-        entry.update(
-            median_s=median,
-            tokens_per_s=run.tokens / median,
-            mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
-            profile=profiled_kernels(lambda run=run: run.step(*batches[0]), 1, device),
-        )
+        entry.update(median_s=median, tokens_per_s=run.tokens / median,
+                     mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
+                     profile=profiled_kernels(lambda run=run: run.step(*batches[0]), 1, device))
     if REFERENCE in built:
         reference = result["arms"][REFERENCE]["seconds"]
-        result["ratios"] = {
-            arm: log_ratio_interval(result["arms"][arm]["seconds"], reference)
-            for arm in arms
-            if arm != REFERENCE
-        }
+        result["ratios"] = {arm: log_ratio_interval(result["arms"][arm]["seconds"], reference)
+                            for arm in arms if arm != REFERENCE}
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     del built
@@ -191,13 +162,8 @@ def measure(
 
 
 def machine(device: torch.device) -> dict:
-    info = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": L.__version__,
-        "python": platform.python_version(),
-        "device": device.type,
-    }
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "lightning": L.__version__,
+            "python": platform.python_version(), "device": device.type}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["peak_flops"] = peak_flops(device, torch.bfloat16)
@@ -217,6 +183,13 @@ def interval_text(ratio: dict) -> str:
     return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
 
 
+def medians_text(result: dict) -> str:
+    """Each arm's median step, and layer/rms with its interval."""
+    text = ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in result["arms"].items())
+    ratio = result.get("ratios", {}).get("layer")
+    return text + (f"; layer/rms {interval_text(ratio)}" if ratio else "")
+
+
 def faster_text(ratio: dict) -> str:
     """How much faster RMSNorm's step is than the other arm's (the step-time ratio - 1), with its interval."""
     change = ratio["ratio"] - 1
@@ -228,23 +201,13 @@ def faster_text(ratio: dict) -> str:
 
 def answer_lines(results: Sequence[dict], where: str) -> list[str]:
     """One line per size and mode: how much faster a step of RMSNorm is than one of LayerNorm."""
-    lines = []
-    for result in results:
-        if "layer" in result.get("ratios", {}):
-            lines.append(
-                f"- {result['size']}, {result['mode']}: RMSNorm is {faster_text(result['ratios']['layer'])} "
-                f"per optimizer step than LayerNorm on {where}"
-            )
-    return lines
+    return [f"- {r['size']}, {r['mode']}: RMSNorm is {faster_text(r['ratios']['layer'])} per optimizer step "
+            f"than LayerNorm on {where}" for r in results if "layer" in r.get("ratios", {})]
 
 
-def page(
-    results: Sequence[dict], info: dict, command: str, stamp: str, replaced: Sequence[dict] = ()
-) -> str:
+def page(results: Sequence[dict], info: dict, command: str, stamp: str, replaced: Sequence[dict] = ()) -> str:
     standin = info.get("gpu") is None
-    where = (
-        info["gpu"] if not standin else f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)"
-    )
+    where = f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)" if standin else info["gpu"]
     lines = [
         "# Is RMSNorm cheaper? Optimizer-step time of the norm arms",
         "",
@@ -342,29 +305,20 @@ def page(
     for result in results:
         arms = result["arms"]
         mark = "" if result.get("annotations_excluded") else " †"
+        memory = result.get("peak_memory_bytes")
         lines.append(
             f"- {result['size']} {result['mode']}{mark}: micro-batch {result['micro_batch']} × "
-            f"{result['seq_len']} tokens; {len(arms[REFERENCE]['seconds'])} repeats of "
-            f"{result['steps']} steps per arm after "
-            f"{result['warmup']} warm-up steps; "
-            f"fused AdamW {all(a['fused_adamw'] for a in arms.values())}"
-            + (
-                f"; peak memory (all arms held) {result['peak_memory_bytes'] / 2**30:.1f} GiB"
-                if "peak_memory_bytes" in result
-                else ""
-            )
+            f"{result['seq_len']} tokens; {len(arms[REFERENCE]['seconds'])} repeats of {result['steps']} "
+            f"steps per arm after {result['warmup']} warm-up steps; fused AdamW "
+            f"{all(a['fused_adamw'] for a in arms.values())}"
+            + (f"; peak memory (all arms held) {memory / 2**30:.1f} GiB" if memory is not None else "")
             + (f"; {result['stamp']}" if "stamp" in result else "")
             + f"; `{result['command']}`"
         )
     if replaced:
         lines += ["", "Replaced by a newer run of the same size and mode (not shown above):", ""]
-        lines += [
-            f"- {r['size']} {r['mode']}, {r['stamp']}: "
-            + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in r["arms"].items())
-            + (f"; layer/rms {interval_text(r['ratios']['layer'])}" if "layer" in r.get("ratios", {}) else "")
-            + f" over {len(r['arms'][REFERENCE]['seconds'])} repeats; `{r['command']}`"
-            for r in replaced
-        ]
+        lines += [f"- {r['size']} {r['mode']}, {r['stamp']}: {medians_text(r)} over "
+                  f"{len(r['arms'][REFERENCE]['seconds'])} repeats; `{r['command']}`" for r in replaced]
     return "\n".join(lines) + "\n"
 
 
@@ -419,13 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              repeats=args.repeats, warmup=args.warmup)
             result.update(steps=args.steps, warmup=args.warmup, command=command)
             results.append(result)
-            ratio = result.get("ratios", {}).get("layer")
-            print(
-                f"{size} {mode}: "
-                + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in result["arms"].items())
-                + (f"; layer/rms {interval_text(ratio)}" if ratio else ""),
-                flush=True,
-            )
+            print(f"{size} {mode}: {medians_text(result)}", flush=True)
     report = {"machine": machine(device), "stamp": utc_stamp(), "results": results}
     if args.json is not None:
         atomic_write_text(args.json, json.dumps(report))

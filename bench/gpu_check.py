@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import lightning as L
 import torch
@@ -188,6 +189,16 @@ class Outcome:
 Parts = dict[str, Callable[[], Outcome | list[Outcome]]]  # per part's name, what runs it
 
 
+class Ran(NamedTuple):
+    """A command's process (None: out of time), the command as shown, its seconds, why it failed (None: it
+    exited 0)."""
+
+    done: subprocess.CompletedProcess | None
+    shown: str
+    seconds: float
+    reason: str | None
+
+
 class Context:
     """The run's folders and how paths and commands appear on the page (relative, never absolute)."""
 
@@ -203,26 +214,25 @@ class Context:
             text = text.replace(path, name)  # the work folder first: it may lie inside the repository
         return text
 
-    def run(self, args: Sequence[str], budget: int) -> tuple[subprocess.CompletedProcess | None, str, float]:
-        """Run a command in the repository with at most ``budget`` s (less if the whole run's time is short).
-        Returns the process (None: out of time), the command as shown, and its seconds."""
+    def run(self, args: Sequence[str], budget: int) -> Ran:
+        """A command run in the repository, at most ``budget`` s (less if the whole run's time is short)."""
         shown = self.shown(" ".join(args))
-        left = self.deadline - time.monotonic()
-        timeout = min(budget, left)
+        timeout = min(budget, self.deadline - time.monotonic())
         if timeout < 5:
-            return None, shown, 0.0
+            return Ran(None, shown, 0.0, failure(None, 0.0, self))
         start = time.monotonic()
         # Its own process group: at the budget, torchrun's workers and the compiler's go too, freeing the GPU.
         process = subprocess.Popen(list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=self.env, start_new_session=True)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
+            done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-            return None, shown, time.monotonic() - start
-        done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-        return done, shown, time.monotonic() - start
+            done = None
+        seconds = time.monotonic() - start
+        return Ran(done, shown, seconds, failure(done, seconds, self))
 
 
 def failure(done: subprocess.CompletedProcess | None, seconds: float, ctx: Context) -> str | None:
@@ -271,9 +281,8 @@ def child_result(done: subprocess.CompletedProcess) -> dict:
 def child(ctx: Context, name: str, *args: str, budget: int) -> tuple[dict | None, str | None, str, float]:
     """``python bench/gpu_check.py --child NAME ...``: its result, or why it failed."""
     standin = ["--cpu-standin"] if ctx.mode.standin else []
-    done, shown, seconds = ctx.run([sys.executable, str(Path(__file__)), "--child", name, *standin, *args],
-                                   budget)
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, str(Path(__file__)), "--child", name, *standin, *args]
+    done, shown, seconds, reason = ctx.run(command, budget)
     if reason is not None:
         return None, reason, shown, seconds
     try:
@@ -478,9 +487,8 @@ def plan(ctx: Context, size: str) -> Outcome:
     """``python -m normgeo.plan <the train part's overrides> --measure --json``: the planned peak per GPU, the
     eager trace and the compiled step measured on the device (on the CPU stand-in: the reason it is not)."""
     overrides = [*ctx.mode.train_sizes()[size], *ctx.mode.trainer(), *QUIET]
-    done, shown, seconds = ctx.run([sys.executable, "-m", "normgeo.plan", *overrides, "--measure", "--json"],
-                                   ctx.mode.budget(240))
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, "-m", "normgeo.plan", *overrides, "--measure", "--json"]
+    done, shown, seconds, reason = ctx.run(command, ctx.mode.budget(240))
     if reason is not None:
         return Outcome(f"plan {size}", False, reason, seconds, [f"`{shown}`"])
     report = json.loads(done.stdout)
@@ -539,10 +547,10 @@ def resume(ctx: Context, strategy: str) -> Outcome:
                 "train.py"]
     details, seconds = [], 0.0
     for run_dir, extra in ((full, []), (resumed, [f"resume={RunFolder(full).checkpoint(2)}"])):
-        done, shown, took = ctx.run([*torchrun, *common, f"run_dir={run_dir}", *extra], ctx.mode.budget(150))
+        command = [*torchrun, *common, f"run_dir={run_dir}", *extra]
+        done, shown, took, reason = ctx.run(command, ctx.mode.budget(150))
         seconds += took
         details.append(f"- `{shown}` ({took:.0f} s)")
-        reason = failure(done, took, ctx)
         if reason is not None:
             return Outcome(path, False, reason, seconds, details)
     by_step = [logged_losses(run_dir) for run_dir in (full, resumed)]
@@ -576,9 +584,8 @@ def probe_cost(ctx: Context) -> Outcome:
         if ctx.mode.standin
         else ["--size", "70m", "--tokens", "32768", "--batch-size", "8", "--repeats", "2"]
     )
-    done, shown, seconds = ctx.run([sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args,
-                                    "--memory-tokens"], ctx.mode.budget(150))
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args, "--memory-tokens"]
+    done, shown, seconds, reason = ctx.run(command, ctx.mode.budget(150))
     if reason is not None:
         return Outcome("probe cost", False, reason, seconds, [f"`{shown}`"])
     default = re.search(r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout,
@@ -601,14 +608,13 @@ def probe_reference(ctx: Context) -> Outcome:
     run_dir = ctx.work / "agreement-run"
     size = (["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=4", "micro_batch=4"]
             if ctx.mode.standin else ["size=70m", "seq_len=256", "global_batch=2", "micro_batch=2"])
-    done, shown, seconds = ctx.run(
+    done, shown, seconds, reason = ctx.run(
         [sys.executable, "train.py", *size, "trainer=cpu", *QUIET, "max_steps=1", "log_every=1",
          "optim.warmup_steps=0", "probe.enabled=false", "checkpoint.steps=[1]", "checkpoint.last_every=0",
          f"run_dir={run_dir}", f"data_root={ctx.work / 'data'}"],
         ctx.mode.budget(240),
     )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("probe reference", False, reason, seconds, details)
     checkpoint = RunFolder(run_dir).checkpoint(1)
@@ -622,14 +628,13 @@ def probe_reference(ctx: Context) -> Outcome:
 def analyze_checkpoint(ctx: Context, checkpoint: Path, device: str, label: str) -> Outcome:
     out = ctx.work / f"agreement-{label}"
     tokens = 512 if ctx.mode.standin else 4096
-    done, shown, seconds = ctx.run(
+    done, shown, seconds, reason = ctx.run(
         [sys.executable, "analyze.py", "model=checkpoint", f"model.checkpoint={checkpoint}",
          "model.dtype=float32", "probe=pydoc", f"probe.tokens={tokens}", f"device={device}", "progress=false",
          f"out_dir={out}"],
         ctx.mode.budget(180),
     )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome(f"analyze on {device}", False, reason, seconds, details)
     return Outcome(f"analyze on {device}", True, "", seconds, details,
@@ -670,10 +675,9 @@ def norm_cost(ctx: Context) -> Outcome:
     cells, details, seconds, missed = [], [], 0.0, False
     for dtype in ("float32", "bfloat16"):
         command = [sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"]
-        done, shown, took = ctx.run(command, ctx.mode.budget(150))
+        done, shown, took, reason = ctx.run(command, ctx.mode.budget(150))
         seconds += took
         details.append(f"- `{shown}`")
-        reason = failure(done, took, ctx)
         if reason is not None:
             return Outcome("norm cost", False, reason, seconds, details)
         found = re.findall(r"^d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms.*?kernels\s+([0-9.na]+) ms\s+"
@@ -723,8 +727,8 @@ def efficiency(ctx: Context, sizes: Sequence[str]) -> list[Outcome]:
     standin = ["--standin", "--device", "cpu", *STANDIN_EFFICIENCY] if ctx.mode.standin else []
     command = [sys.executable, "bench/efficiency.py", "--sizes", ",".join(sizes), *standin, "--json",
                str(result_file)]
-    done, shown, seconds = ctx.run(command, ctx.mode.budget(sum(EFFICIENCY_BUDGETS[size] for size in sizes)))
-    reason = failure(done, seconds, ctx)
+    budget = ctx.mode.budget(sum(EFFICIENCY_BUDGETS[size] for size in sizes))
+    done, shown, seconds, reason = ctx.run(command, budget)
     if reason is not None:
         return [Outcome(f"efficiency {size}", False, reason, seconds, [f"- `{shown}`"]) for size in sizes]
     results = json.loads(result_file.read_text())["results"]
@@ -766,12 +770,11 @@ def analyze_smollm2(ctx: Context) -> Outcome:
     # intervention.
     tokens, extra = ((256, ["model.seq_len=128", "probe.null_directions=0", "probe.intervention=[]"])
                      if ctx.mode.standin else (16384, []))
-    done, shown, seconds = ctx.run(
+    done, shown, seconds, reason = ctx.run(
         [sys.executable, "analyze.py", "model=smollm2-135m", *extra, "probe=pydoc", f"probe.tokens={tokens}",
          f"device={ctx.mode.device}", "progress=false", f"out_dir={out}"],
         ctx.mode.budget(180),
     )
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("analyze smollm2", False, reason, seconds, [f"`{shown}`"])
     rows = read_rows(out / ANGLES_FILE)
