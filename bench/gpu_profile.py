@@ -5,10 +5,8 @@ forward, and a `norm.impl=compiled` norm's forward + backward against the stock 
 host-device synchronizations (``probe_cost.HOST_SYNC_OPS``, which the CPU's profile counts as a GPU would wait
 for them) and the wall time against the summed kernel time: far above it, the GPU waits on the host.
 
-    python bench/gpu_profile.py --out docs/gpu_profile.md
-        # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
-    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256
-        # the same on the CPU, printed
+    python bench/gpu_profile.py --out docs/gpu_profile.md      # a GPU: 70m probe, 32768 tokens; norms at 2048
+    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256           # the CPU, printed
     python bench/gpu_profile.py --device cpu --size 70m --tokens 8192 --batch-size 4 --probe-only
         # the probe's ops on the CPU: the host syncs it would make on a GPU, and its aten ops
 """

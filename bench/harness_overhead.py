@@ -1,11 +1,9 @@
 """What the harness adds to an optimizer step: its host syncs, and its host time against the bare step.
 
-- **host syncs**: counted per optimizer step over a real ``train()`` run under torch.profiler, with
-  ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`); the logging steps
-  (``LitGPT.reports_at``) read the loss back on purpose, the others should read nothing.
-- **host time**: on the smallest model, the harness's time per optimizer step against the bare step of
-  ``bench/efficiency.py`` (``efficiency.Arm``) of the same config, the two alternating step by step
-  (:class:`PairedBare`); over ``--repeats`` runs their medians and ratio, wall and CPU time.
+- **host syncs**: per optimizer step of a real ``train()`` run, counted by :func:`probe_cost.op_counts`; the
+  logging steps (``LitGPT.reports_at``) read the loss back on purpose, the others should read nothing.
+- **host time**: on the smallest model, a harness step against the bare step (``efficiency.Arm``) of the same
+  config, alternated step by step; over ``--repeats`` runs their medians and ratio, wall and CPU time.
 
 docs/benchmarks.md ("The harness's own cost per optimizer step") explains the method.
 
@@ -31,7 +29,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from probe_cost import op_counts
 from torch.profiler import ProfilerActivity, profile, record_function
-from train_throughput import scratch
 
 from callbacks.run import train
 from normgeo.config.checks import check_config
@@ -139,12 +136,6 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
             for name, values in paired.times.items()}
 
 
-def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
-    arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
-    return arm, arm.batches()
-
-
 def listing(values: Sequence[float], scale: float = 1e3) -> str:
     return ", ".join(f"{v * scale:.3f}" for v in values)
 
@@ -162,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("every count must be at least 1")
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(args.threads)
-    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as work:
+    with tempfile.TemporaryDirectory(prefix="normgeo-harness-", ignore_cleanup_errors=True) as folder:
+        work = Path(folder)
         shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
                   f"data_root={work / 'data'}"]
         make_datamodule(check_config("train", compose_run(shared))).prepare_data()  # tokenized before any run
@@ -180,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"SYNCS OUTSIDE LOGGING STEPS: {outside} in {len(other)} steps "
               f"({outside / max(len(other), 1):.2f} per step); at logging steps "
               f"{statistics.median(counts[s]['syncs'] for s in logging):.0f} per step (median)")
-        arm, batches = bare_arm(shared)
+        # The bare step of the harness's config, and two fixed batches of its shape.
+        arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=shared)
+        batches = arm.batches()
         times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
         for repeat in range(args.repeats):
             gc.collect()

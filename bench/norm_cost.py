@@ -1,12 +1,10 @@
 """Forward + backward time of each norm arm's module alone, per implementation, against the memory floor.
 
-For every width ``d`` each arm of ``NORM_ARMS`` (``models.norms.make_norm``) runs ``y = norm(x)`` on
-``(tokens, d)`` and its backward for a fixed ``dy``, in each implementation: ``stock`` (the module as
-torch builds it), ``compiled`` (its forward compiled by ``torch.compile``: equal kernel quality) and
-``liger`` (CUDA, where ``liger_kernel`` is installed). The pairs are interleaved, their order rotated per
-repeat; the table gives medians, the LayerNorm/RMSNorm ratios, and the share of the floor: the bytes a norm
-must move over the copy bandwidth measured in the same run. docs/benchmarks.md explains the method. fp32
-unless ``--dtype``.
+Per width ``d`` each arm of ``NORM_ARMS`` runs ``y = norm(x)`` on ``(tokens, d)`` and its backward for a
+fixed ``dy``, per implementation: ``stock``, ``compiled`` (``torch.compile``: equal kernel quality) and
+``liger`` (CUDA, where ``liger_kernel`` is installed); interleaved, the order rotated per repeat. Medians, the
+LayerNorm/RMSNorm ratios, and the share of the floor (the bytes a norm must move over the copy bandwidth of
+the same run). docs/benchmarks.md explains the method. fp32 unless ``--dtype``.
 
     python bench/norm_cost.py                   # d = 512, 768, 1024, 2048 over 8,192 tokens, stock + compiled
     python bench/norm_cost.py --repeats 9 --markdown

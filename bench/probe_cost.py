@@ -1,20 +1,13 @@
 """Cost of the probe next to a plain eval forward pass over the same tokens, and its peak memory.
 
-Every probe variant is the pipeline the training probe and ``analyze.py`` run
-(:func:`normgeo.measure.pipeline.measure_records`, records included); the baseline is the same model in eval
-mode under no_grad with no hooks. Two token counts:
-
-- ``--tokens`` (a probe larger than the intervention's budget, as the paper's 1M-token probes are): the angle
-  probe alone (K = 0; K = 64 + energy, as trained), the **default probe**: K = 64 + energy + the centering
-  intervention's default scope (all norms at once) on the first ``probe.intervention_tokens``, and the same
-  with the per-block breakdown (all + one block at a time);
-- ``--budget-tokens`` (the whole probe intervened on): the all-norms scope, and the breakdown resumed
-  mid-stack (as it runs) and re-run from the embeddings (``resume_mid_stack=False``), so that the scopes'
-  own cost reads in plain forwards.
-
-Variants are interleaved within each repeat so that machine noise hits them alike; the load average is
-printed with the numbers. Peak memory (ru_maxrss, the default probe) is measured in a fresh process per token
-count, to show it does not grow with N.
+Every variant is the pipeline the training probe and ``analyze.py`` run (``measure_records``, records
+included); the baseline is the same model in eval mode under no_grad with no hooks. Over ``--tokens`` (more
+than the intervention's budget): the angle probe alone (K = 0; K = 64 + energy), the **default probe** (K = 64
++ energy + the intervention's default scope on the first ``probe.intervention_tokens``), and it with the
+per-block breakdown; over ``--budget-tokens`` (all intervened on): the all-norms scope, and the breakdown
+resumed mid-stack and re-run from the embeddings, so that the scopes' own cost reads in plain forwards.
+Variants are interleaved within each repeat; the load average is printed. Peak memory (ru_maxrss, the default
+probe) is measured in a fresh process per token count, to show it does not grow with N.
 
 ``--table``: the variants of issue 73 (:data:`TABLE`) over ``--tokens``, every token intervened on, each
 against the plain forward over the same tokens, medians of the interleaved repeats. ``--model`` takes an

@@ -13,14 +13,12 @@ bests. With ``--arms`` the harness trains each norm arm instead, with each arm's
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -184,16 +182,6 @@ def markdown(results: dict[str, list[float]], reference: str) -> str:
     ])
 
 
-@contextlib.contextmanager
-def scratch(folder: Path) -> Iterator[Path]:
-    """``folder`` removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at
-    70m)."""
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
@@ -211,7 +199,9 @@ def main() -> None:
     if arms and (unknown := set(arms) - set(NORM_ARMS)):
         parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_ARMS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
-    workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
+    # Removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at 70m).
+    scratch = tempfile.TemporaryDirectory(prefix="normgeo-bench-", ignore_cleanup_errors=True)
+    workdir = Path(scratch.name)
     overrides = ["size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "logger=none",
                  "probe.enabled=false", "checkpoint.steps=[]", "checkpoint.last_every=0", "val_every=100000",
                  "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -221,7 +211,7 @@ def main() -> None:
     names = arms or list(VARIANTS)
     results: dict[str, list[float]] = {name: [] for name in names}
     run = 0
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch(workdir):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch:
         for repeat in range(args.repeats):
             for name in rotated(names, repeat):
                 extra = [f"norm={name}"] if arms else []
@@ -239,12 +229,10 @@ def main() -> None:
                 else:
                     results[name].append(minimal_tokens_per_s(cfg, args.skip, device))
     threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
-    print(
-        f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, "
-        f"global_batch={cfg.global_batch}, "
-        f"micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip} of {args.steps}, "
-        f"{args.repeats} interleaved repeats, order rotated"
-    )
+    timed = args.steps - args.skip
+    print(f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, "
+          f"global_batch={cfg.global_batch}, micro_batch={cfg.micro_batch}, steps timed={timed} "
+          f"of {args.steps}, {args.repeats} interleaved repeats, order rotated")
     width = max(len(name) for name in names)
     for name, values in results.items():
         print(f"{name:{width}s} tokens/s: {summary(values)}")
