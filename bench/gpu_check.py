@@ -139,9 +139,7 @@ class Mode:
         }
 
     def trainer(self) -> list[str]:
-        if self.standin:
-            return ["trainer=cpu", "compile=false"]
-        return ["trainer=gpu", "compile=true"]
+        return ["trainer=cpu", "compile=false"] if self.standin else ["trainer=gpu", "compile=true"]
 
     def tiny(self) -> list[str]:
         """The model of the DDP and FSDP2 parts."""
@@ -187,6 +185,7 @@ class Outcome:
 
 
 Parts = dict[str, Callable[[], Outcome | list[Outcome]]]  # per part's name, what runs it
+Results = tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]  # rows per part, plan per size
 
 
 class Ran(NamedTuple):
@@ -902,12 +901,10 @@ def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER,
     results, planned = (standin_parts if mode.standin else device_parts)(ctx, timed, chosen, sizes)
     outcomes: list[Outcome] = []
     for name in (n for n in ORDER if n in results):  # the page's order, whatever the order of the runs
-        result = results[name]
-        outcomes += result if isinstance(result, list) else [result]
+        rows = results[name] if isinstance(results[name], list) else [results[name]]
+        outcomes += rows
         if name.startswith("train "):
-            size = name.split()[1]
-            trained = result if isinstance(result, list) else [result]
-            outcomes.append(memory(ctx, size, trained, planned[size]))
+            outcomes.append(memory(ctx, name.split()[1], rows, planned[name.split()[1]]))
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
     if not mode.standin:  # the stand-in's efficiency part wrote the page (efficiency_parts)
         efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
@@ -934,13 +931,10 @@ def untimed_parts(ctx: Context, reference: Future | None) -> dict[str, Callable[
     }
 
 
-def device_parts(
-    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
-) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
-    """On a GPU: the timed parts take the device one at a time, while the host lane (no GPU: the CPU
-    reference) runs beside them; then the untimed parts share the device, side by side, and the plans (each
-    measures its step on the device) follow the timed parts in the host lane. Per part its outcome, and per
-    size its plan."""
+def device_parts(ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]) -> Results:
+    """On a GPU: the timed parts take the device one at a time, the host lane (the CPU reference) beside them;
+    then the untimed parts share the device, side by side, and the plans (each measures its step on the
+    device) follow the timed parts in the host lane."""
     with ThreadPoolExecutor(1) as host:
         reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
         results = {name: guarded(name, fn) for name, fn in timed.items()}
@@ -953,14 +947,11 @@ def device_parts(
     return results, planned
 
 
-def standin_parts(
-    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
-) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
-    """On the CPU stand-in nothing is timed: the parts, the plans and the CPU reference all run side by side,
-    STANDIN_LANES at a time, roughly the longest first so that the lanes end together: the efficiency sizes'
-    one process and its page, the CPU reference, the untimed parts (two runs each, or the SmolLM2 weights'
-    conversion), the other parts, the plans; the probe agreement last, as it waits for the reference. Per
-    part its outcome, and per size its plan."""
+def standin_parts(ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]) -> Results:
+    """On the CPU stand-in nothing is timed: the parts, the plans and the CPU reference run STANDIN_LANES at a
+    time, roughly the longest first so that the lanes end together (the efficiency sizes' one process, the CPU
+    reference, the untimed parts, the other parts, the plans); the probe agreement last: it waits for the
+    reference."""
     with ThreadPoolExecutor(STANDIN_LANES) as lanes:
         first = {name: fn for name, fn in timed.items() if name.startswith("efficiency ")}
         futures = {name: lanes.submit(guarded, name, fn) for name, fn in first.items()}
@@ -978,8 +969,7 @@ def standin_parts(
 
 
 def guarded(name: str, fn: Callable[[], Outcome | list[Outcome]]) -> Outcome | list[Outcome]:
-    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts still
-    run."""
+    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts run on."""
     start = time.monotonic()
     try:
         return fn()

@@ -19,6 +19,7 @@ code, eager and ``torch.compile``'d, interleaved as above.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import statistics
@@ -42,8 +43,7 @@ from models.norms import NORM_ARMS, NORM_IMPLS, compile_refusal, make_norm
 REFERENCE = "rms"
 EPS = 1e-5
 LIGER = "liger"
-# The ratios that answer "is RMSNorm cheaper": the paper's
-# two arms, and mean subtraction alone (no bias in either).
+# The ratios that answer "is RMSNorm cheaper": the paper's two arms, and mean subtraction alone (no bias).
 RATIOS = (("layer", REFERENCE), ("layer_nobias", REFERENCE))
 BENCHED_DTYPES = ("float32", "bfloat16")  # of models.hardware.DTYPES
 SIZES = Path(__file__).resolve().parent.parent / "conf" / "train" / "size"
@@ -85,14 +85,11 @@ def liger_builders() -> dict[str, Callable[[int], nn.Module]]:
 
 def available_impls(device: torch.device) -> list[str]:
     """stock and compiled everywhere; liger on CUDA where liger_kernel imports."""
-    impls = list(NORM_IMPLS)
     if device.type == "cuda":
-        try:
+        with contextlib.suppress(ImportError):
             liger_builders()
-            impls.append(LIGER)
-        except ImportError:
-            pass
-    return impls
+            return [*NORM_IMPLS, LIGER]
+    return list(NORM_IMPLS)
 
 
 def build(impl: str, kind: str, dim: int) -> nn.Module | None:
@@ -104,9 +101,8 @@ def build(impl: str, kind: str, dim: int) -> nn.Module | None:
 
 
 def floor_bytes(norm: nn.Module, tokens: int, dim: int, dtype: torch.dtype) -> int:
-    """Bytes a forward + backward must move at least: x, y, x again, dy, dx; params twice, their grads
-    once."""
-    activation = tokens * dim * torch.tensor([], dtype=dtype).element_size()
+    """Bytes a forward + backward must move at least: x, y, x again, dy, dx; params twice, grads once."""
+    activation = tokens * dim * dtype.itemsize
     parameters = sum(p.numel() * p.element_size() for p in norm.parameters())
     return 5 * activation + 3 * parameters
 
@@ -199,9 +195,7 @@ def measure(
     device: torch.device, dtype: torch.dtype,
 ) -> tuple[list[ArmResult], list[float]]:
     generator = torch.Generator(device=device).manual_seed(0)
-    src = torch.empty(
-        copy_mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device
-    )
+    src = torch.empty(copy_mib * 2**20 // dtype.itemsize, dtype=dtype, device=device)
     dst = torch.empty_like(src)
     src.normal_(generator=generator)
     copy = partial(dst.copy_, src)
@@ -233,8 +227,7 @@ def measure(
 
 
 def rows(results: list[ArmResult], bandwidth: float) -> list[dict]:
-    """Per (d, implementation, arm): median, ratio to the same width's and implementation's rms, ratio to the
-    floor."""
+    """Per (d, implementation, arm): median, ratio to that width's and implementation's rms, to the floor."""
     reference = {(r.dim, r.impl): r.median for r in results if r.kind == REFERENCE}
     return [
         {
@@ -278,17 +271,14 @@ def convert_cost(size: str, seq: int, impls: list[str], repeats: int, device: to
     preset = OmegaConf.load(SIZES / f"{size}.yaml")
     gpt = GPT(GPTConfig(n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd, block_size=seq,
                         norm="layer", tie_embeddings=False)).eval()
-    ids = torch.randint(0, gpt.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(
-        device
-    )
-    built = {
-        "original": to_hf(gpt, model_code=True).to(device),
-        "converted": to_hf(gpt, as_rms=True).to(device),
-    }
+    ids = torch.randint(0, gpt.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    built = {"original": to_hf(gpt, model_code=True), "converted": to_hf(gpt, as_rms=True)}
     calls: dict[tuple[str, str], Callable[[], object]] = {}
     for impl in impls:
         for name in CONVERT_MODELS:
-            model = torch.compile(built[name], dynamic=False) if impl == "compiled" else built[name]
+            model = built[name].to(device)
+            model = torch.compile(model, dynamic=False) if impl == "compiled" else model
 
             def forward(model: nn.Module = model) -> object:
                 with torch.inference_mode():
@@ -364,9 +354,8 @@ def main(argv: list[str] | None = None) -> None:
             refuse(f"--impls compiled: {refusal}; or run with --impls stock")
         # Every compiled nn forward shares one dynamo cache (torch wraps it in one function), one entry per
         # (arm, width): room for all, and an error rather than a silent eager fallback if that is not enough.
-        torch._dynamo.config.recompile_limit = max(
-            torch._dynamo.config.recompile_limit, 2 * len(dims) * len(NORM_ARMS)
-        )
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * len(dims) * len(NORM_ARMS))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     if args.convert:
         if not (SIZES / f"{args.convert}.yaml").is_file():
@@ -386,20 +375,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if device.type == "cuda":
         fused = hasattr(torch.ops.aten, "_fused_rms_norm")
-        print(
-            "stock rms on CUDA: "
-            f"{'torch fused RMSNorm kernel (aten._fused_rms_norm)' if fused else 'composite ops'}"
-        )
+        kernel = "torch fused RMSNorm kernel (aten._fused_rms_norm)" if fused else "composite ops"
+        print(f"stock rms on CUDA: {kernel}")
     print(f"copy bandwidth (read + write, {args.copy_mib} MiB copy): median {bandwidth / 1e9:.2f} GB/s, "
           f"all {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)}")
     for row in table:
-        print(
-            f"d={row['dim']:<5d} {row['impl']:9s} {row['kind']:13s} median {row['median_ms']:8.3f} ms   "
-            f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor "
-            f"{row['to_floor']:6.2f}   "
-            f"kernels {row['kernel_ms']:8.3f} ms   kernels to floor {row['kernel_to_floor']:6.2f}   "
-            f"all {', '.join(f'{v:.3f}' for v in row['all_ms'])}"
-        )
+        print(f"d={row['dim']:<5d} {row['impl']:9s} {row['kind']:13s} median {row['median_ms']:8.3f} ms   "
+              f"to rms {row['to_rms']:6.3f}   floor {row['floor_ms']:7.3f} ms   to floor "
+              f"{row['to_floor']:6.2f}   kernels {row['kernel_ms']:8.3f} ms   kernels to floor "
+              f"{row['kernel_to_floor']:6.2f}   "
+              f"all {', '.join(f'{v:.3f}' for v in row['all_ms'])}")
     names = [f"{a} / {b}" for a, b in RATIOS]
     for pair in pairs:
         print(f"d={pair['dim']:<5d} {pair['impl']:9s} " + "   ".join(
