@@ -398,9 +398,7 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
                     for m in ("perf/tokens_per_s", "perf/mfu", "train/loss")}
         optimizer = trainer.optimizers[0]
         results[arm] = {
-            "overrides": overrides,
-            "steps": int(trainer.global_step),
-            "precision": str(trainer.precision),
+            "overrides": overrides, "steps": int(trainer.global_step), "precision": str(trainer.precision),
             "compile": bool(trainer.lightning_module.hparams["compile"]),
             "fused_adamw": bool(optimizer.defaults.get("fused")),
             "tokens_per_s": statistics.median(steady(per_step["perf/tokens_per_s"])),
@@ -423,11 +421,9 @@ def environment(ctx: Context) -> Outcome:
     if info is None:
         return Outcome("environment", False, reason or "", seconds, [f"`{shown}`"])
     packages = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in info["packages"].items())
-    where = (
-        f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {info.get('driver')})"
-        if info["gpu"]
-        else f"CPU stand-in: {info['cpu']}, {info['threads']} threads"
-    )
+    driver = info.get("driver")
+    where = (f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {driver})"
+             if info["gpu"] else f"CPU stand-in: {info['cpu']}, {info['threads']} threads")
     peak = f"{info['peak_flops'] / 1e12:.1f} TFLOP/s" if info["peak_flops"] else "none (no MFU)"
     summary = (f"{where}; torch {info['torch']} (CUDA {info['cuda']}), lightning {info['lightning']}, "
                f"python {info['python']}; bf16 {info['bf16']}, flash SDPA {info['flash_sdpa']}")
@@ -459,11 +455,10 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
             rows.append(Outcome(path, False, ctx.shown(why), seconds, [f"`{shown}`"], data={}))
             continue
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "none (no peak FLOP/s on this device)"
-        summary = (
-            f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step {result['first_step_s']:.1f} s "
-            f"(median step {result['step_s'] * 1e3:.0f} ms), {result['precision']}, "
-            f"compile {result['compile']}, fused AdamW {result['fused_adamw']}"
-        )
+        summary = (f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step "
+                   f"{result['first_step_s']:.1f} s (median step {result['step_s'] * 1e3:.0f} ms), "
+                   f"{result['precision']}, "
+                   f"compile {result['compile']}, fused AdamW {result['fused_adamw']}")
         target, met = "", True
         if size == "410m" and result["mfu"] is not None:
             met = target_met("mfu_410m", result["mfu"])

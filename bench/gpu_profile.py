@@ -39,8 +39,8 @@ def sync_summary(counts: dict[str, int]) -> str:
     return f"{counts['syncs']}" + (f" ({', '.join(named)})" if named else "")
 
 
-def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int, probe_scope: bool = False
-             ) -> str:
+def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int,
+             probe_scope: bool = False) -> str:
     """One warm-up call, then one profiled call: wall time, device time, the top operators, the syncs.
     ``probe_scope``: the call is a probe; its ops inside ``run_probe`` (the batches) are counted apart."""
     fn()
@@ -58,34 +58,22 @@ def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: in
     launches = sum(e.count for e in events if e.key == "cudaLaunchKernel")
     syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
     every = op_counts(prof.events(), scope=None)
-    ops = [
-        f"- aten ops: {every['aten']} ({every['aten_outermost']} called from Python); host-sync aten ops "
-        f"(a wait for the GPU each, there): {sync_summary(every)}"
-    ]
+    ops = [f"- aten ops: {every['aten']} ({every['aten_outermost']} called from Python); host-sync aten ops "
+           f"(a wait for the GPU each, there): {sync_summary(every)}"]
     if probe_scope:
         batches = op_counts(prof.events())
         ops.append(f"- in the probe's batches (run_probe, without the records): aten ops {batches['aten']} "
                    f"({batches['aten_outermost']} called from Python); host-sync aten ops: "
                    f"{sync_summary(batches)}")
-    lines = [
-        f"## {name}",
-        "",
-        f"- wall {wall * 1e3:.1f} ms (profiled); kernels {device_us / 1e3:.1f} ms on the device, "
-        f"{kernels} of them ({launches} launches)",
-        "- host-device syncs and copies: "
-        + (", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"),
-        *ops,
-    ]
+    copies = ", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"
+    lines = [f"## {name}", "",
+             f"- wall {wall * 1e3:.1f} ms (profiled); kernels {device_us / 1e3:.1f} ms on the device, "
+             f"{kernels} of them ({launches} launches)",
+             f"- host-device syncs and copies: {copies}", *ops]
     tables = [("self device time", "self_cuda_time_total")] if device.type == "cuda" else []
     for title, key in [*tables, ("self CPU time", "self_cpu_time_total")]:
-        lines += [
-            "",
-            f"By {title}:",
-            "",
-            "```",
-            events.table(sort_by=key, row_limit=rows, max_name_column_width=60),
-            "```",
-        ]
+        table = events.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        lines += ["", f"By {title}:", "", "```", table, "```"]
     return "\n".join(lines) + "\n"
 
 
