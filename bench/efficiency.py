@@ -231,20 +231,12 @@ def page(results: Sequence[dict], info: dict, command: str, stamp: str, replaced
             "runs, not what a GPU does.",
             "",
         ]
-    missing = [
-        f"{size} {mode}"
-        for size in SIZES
-        for mode in MODES
-        if not any(r["size"] == size and r["mode"] == mode for r in results)
-    ]
+    measured = {(r["size"], r["mode"]) for r in results}
+    missing = [f"{size} {mode}" for size in SIZES for mode in MODES if (size, mode) not in measured]
     lines += [
-        "## The answer",
-        "",
-        *answer_lines(results, where),
-        "",
+        "## The answer", "", *answer_lines(results, where), "",
         *([f"Not measured in these runs: {', '.join(missing)}.", ""] if missing else []),
-        "## Per size and mode",
-        "",
+        "## Per size and mode", "",
         "| size | mode | arm | step (median) | tokens/s | MFU | first step | ratio to rms [95% interval] | "
         "norm share of kernel time |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -252,18 +244,14 @@ def page(results: Sequence[dict], info: dict, command: str, stamp: str, replaced
     for result in results:
         for arm, entry in result["arms"].items():
             ratio = result.get("ratios", {}).get(arm)
-            share = entry["profile"]["norm_share"]
+            norm_share = entry["profile"]["norm_share"]
+            share = f"{norm_share:.1%}" if norm_share is not None else "-"
             mfu = f"{entry['mfu']:.1%}" if entry.get("mfu") is not None else "-"
-            lines.append(
-                f"| {result['size']} | {result['mode']} | {arm} | {entry['median_s'] * 1e3:.2f} ms | "
-                f"{entry['tokens_per_s']:,.0f} | {mfu} | {entry['first_step_s']:.1f} s | "
-                f"{interval_text(ratio) if ratio else 'reference'} | "
-                f"{f'{share:.1%}' if share is not None else '-'} |"
-            )
+            lines.append(f"| {result['size']} | {result['mode']} | {arm} | {entry['median_s'] * 1e3:.2f} ms "
+                         f"| {entry['tokens_per_s']:,.0f} | {mfu} | {entry['first_step_s']:.1f} s | "
+                         f"{interval_text(ratio) if ratio else 'reference'} | {share} |")
     lines += [
-        "",
-        "## Compilation during the timing",
-        "",
+        "", "## Compilation during the timing", "",
         "Graphs Dynamo compiled and graph breaks, before the timed repeats (all arms' warm-up) and during "
         "them: a graph compiled during the timing would put the compiler in a step's time.",
         "",
@@ -277,9 +265,7 @@ def page(results: Sequence[dict], info: dict, command: str, stamp: str, replaced
                 f"graphs, {c['during_timing']['graph_breaks']} graph breaks"
             )
     lines += [
-        "",
-        "## Where a step's kernel time goes",
-        "",
+        "", "## Where a step's kernel time goes", "",
         f"The profiled step's top {TOP_KERNELS} kernels (on the CPU: aten ops by self time) per size, mode "
         "and arm, with their share of the step's kernel time.",
         "",

@@ -1,10 +1,8 @@
 """Every GPU path of the harness in one command, each in its own subprocess and time budget, on one page.
 
-On a CUDA machine it runs the parts of ``ORDER`` (the environment, training at 70m and 410m and its memory
-against the plan, bench/efficiency.py per size, DDP and FSDP2 resume, bench/probe_cost.py, the probe's
-GPU/CPU agreement, bench/norm_cost.py, analyze.py on SmolLM2) and writes ``docs/gpu_numbers.md``;
-``--parts`` runs some again, the page keeping the other rows. docs/benchmarks.md ("On a lent GPU") says what
-each part measures. Exit status 1 names each path that failed; 2: bad input (one line).
+On a CUDA machine it runs the parts of ``ORDER`` and writes ``docs/gpu_numbers.md``; ``--parts`` runs some
+again, the page keeping the other rows. docs/benchmarks.md ("On a lent GPU") says what each part measures.
+Exit status 1 names each path that failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU

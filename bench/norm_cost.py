@@ -107,9 +107,8 @@ def floor_bytes(norm: nn.Module, tokens: int, dim: int, dtype: torch.dtype) -> i
     return 5 * activation + 3 * parameters
 
 
-def forward_backward(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor):
-    """One training-time use of the norm; autograd.grad, not backward(), so nothing accumulates across
-    calls."""
+def forward_backward(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], tuple]:
+    """One training-time use of the norm; autograd.grad, not backward(): nothing accumulates across calls."""
     inputs = (x, *norm.parameters())
 
     def run() -> tuple[torch.Tensor, ...]:
@@ -183,8 +182,7 @@ def kernel_seconds(fn: Callable[[], object], number: int, device: torch.device) 
 
 
 def calls_for(fn: Callable[[], object], target_s: float, device: torch.device) -> int:
-    """Warm up (compilation, allocator, first-call dispatch), then the calls per measurement of about
-    ``target_s``."""
+    """Warm up (compilation, allocator, dispatch); the calls per measurement of about ``target_s``."""
     per_call_seconds(fn, 2, device)
     once = per_call_seconds(fn, 1, device)
     return max(1, round(target_s / max(once, 1e-9)))

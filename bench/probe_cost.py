@@ -191,16 +191,16 @@ def peak_rss_child(subject: Subject, tokens: int, batch_size: int, device: torch
 
 
 def timed(variants: dict, subject: Subject, batch_size: int, repeats: int) -> dict[str, list[float]]:
+    # Queued kernels are counted in the variant that queued them.
     cuda = next(subject.model.parameters()).device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else lambda: None
     timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
         for name, fn in variants.items():
-            if cuda:  # queued kernels are counted in the variant that queued them
-                torch.cuda.synchronize()
+            synchronize()
             start = time.perf_counter()
             fn(subject, batch_size)
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize()
             timings[name].append(time.perf_counter() - start)
     return timings
 
@@ -239,8 +239,7 @@ def table(subject: Subject, tokens: int, batch_size: int, repeats: int) -> None:
     medians = {name: statistics.median(values) for name, values in timings.items()}
     print(f"{subject.name}: {tokens} probe tokens, batches of {batch_size} x {subject.seq_len}, {repeats} "
           f"interleaved repeat(s), load average before {before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    print("| variant | probe (median) | / plain forward | all |")
-    print("| --- | --- | --- | --- |")
+    print("| variant | probe (median) | / plain forward | all |\n| --- | --- | --- | --- |")
     for name, values in timings.items():
         print(f"| {name} | {medians[name]:.2f} s | {medians[name] / medians['plain forward']:.2f} | "
               f"{', '.join(f'{v:.2f}' for v in values)} |")

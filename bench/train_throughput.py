@@ -89,20 +89,16 @@ def timed_steps(cfg: TrainSchema, skip: int, device: torch.device, step: Callabl
             start = time.perf_counter()
         step(index)
     synchronize(device)
-    return (
-        (cfg.max_steps - skip)
-        * tokens_per_step(cfg.global_batch, cfg.seq_len)
-        / (time.perf_counter() - start)
-    )
+    seconds = time.perf_counter() - start
+    return (cfg.max_steps - skip) * tokens_per_step(cfg.global_batch, cfg.seq_len) / seconds
 
 
 def plain_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> float:
     """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW,
     schedule."""
     data = load_prepared(cfg.data.directory)
-    windows = TokenWindows(
-        str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed
-    )
+    windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch,
+                           cfg.seed)
     module = make_module(cfg)
     model = module.model.to(device).train()
     # The harness's optimizer and schedule themselves, so that the loop is all that differs.
