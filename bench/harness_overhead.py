@@ -136,10 +136,6 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
             for name, values in paired.times.items()}
 
 
-def listing(values: Sequence[float], scale: float = 1e3) -> str:
-    return ", ".join(f"{v * scale:.3f}" for v in values)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--sync-steps", type=int, default=24, help="optimizer steps of the profiled run")
@@ -190,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, values in times.items():
             column = [value[index] for value in values]
             medians[name, clock] = statistics.median(column)
-            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {listing(column)}")
+            all_ms = ", ".join(f"{v * 1e3:.3f}" for v in column)
+            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {all_ms}")
     print("HARNESS / BARE (medians): "
           + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f} "
                       f"({(medians['harness', clock] - medians['bare', clock]) * 1e3:+.3f} ms a step)"
