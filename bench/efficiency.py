@@ -17,8 +17,6 @@ every size and mode runs on a CPU in seconds: it says that the measurement runs,
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import json
 import math
@@ -26,15 +24,14 @@ import platform
 import re
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
+from benchlib import per_call_seconds, refused, rotated, script_parser, synchronize, utc_stamp
 from hydra import compose, initialize_config_dir
-from norm_cost import TOP_KERNELS, kernel_shares, synchronize
-from torch.profiler import ProfilerActivity, profile
+from norm_cost import TOP_KERNELS, profiled_kernels
 from train_throughput import autocast
 
 from corpus.atomic import atomic_write_text
@@ -56,10 +53,8 @@ STANDIN = ["size=tiny", "size.n_layer=1", "size.n_embd=32", "size.n_head=2", "se
 def compile_counts() -> dict[str, int]:
     """Graphs Dynamo has compiled and graph breaks it has taken in this process so far."""
     counters = torch._dynamo.utils.counters
-    return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-    }
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 class Arm:
@@ -68,12 +63,8 @@ class Arm:
     def __init__(self, size: str, arm: str, mode: str, device: torch.device, standin: bool,
                  extra: Sequence[str] = ()) -> None:
         """``extra``: Hydra overrides after the size's (bench/harness_overhead.py's: its run's own shape)."""
-        overrides = [
-            f"size={size}",
-            f"norm={arm}",
-            f"compile={mode == 'compiled'}",
-            f"trainer={'gpu' if device.type == 'cuda' else 'cpu'}",
-        ]
+        overrides = [f"size={size}", f"norm={arm}", f"compile={mode == 'compiled'}",
+                     f"trainer={'gpu' if device.type == 'cuda' else 'cpu'}"]
         if standin:
             overrides = [*overrides[1:], *STANDIN]
         overrides = [*overrides, *extra]
@@ -110,41 +101,23 @@ class Arm:
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-
-def profile_step(step: Callable[[], None], device: torch.device) -> dict:
-    """One step under torch.profiler: the device time of its kernels (CPU: aten ops' self time), the norm's
-    share and the top kernels."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        synchronize(device)
-    events = [e for e in prof.events() if not e.is_async]
-    return kernel_shares(events, cuda=device.type == "cuda")
+    def steps(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], indices: range) -> None:
+        """A step per index, on the batches in turn."""
+        for index in indices:
+            self.step(*batches[index % len(batches)])
 
 
 def log_ratio_interval(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
     """Per-repeat ratios of paired times, their geometric mean and 95% t interval (on the logs)."""
     logs = [math.log(a / b) for a, b in zip(numerator, denominator, strict=True)]
     mean, low, high = mean_t_interval(logs)
-    return {
-        "ratios": [math.exp(x) for x in logs],
-        "ratio": math.exp(mean),
-        "low": math.exp(low) if low is not None else None,
-        "high": math.exp(high) if high is not None else None,
-    }
+    return {"ratios": [math.exp(x) for x in logs], "ratio": math.exp(mean),
+            "low": math.exp(low) if low is not None else None,
+            "high": math.exp(high) if high is not None else None}
 
 
-def measure(
-    size: str,
-    mode: str,
-    *,
-    device: torch.device,
-    standin: bool,
-    steps: int,
-    repeats: int,
-    warmup: int,
-    arms: Sequence[str] = ARMS,
-) -> dict:
+def measure(size: str, mode: str, *, device: torch.device, standin: bool, steps: int, repeats: int,
+            warmup: int, arms: Sequence[str] = ARMS) -> dict:
     """Every arm at ``size`` in ``mode``: warm-up, interleaved timed repeats, one profiled step."""
     torch._dynamo.reset()
     gc.collect()
@@ -153,57 +126,35 @@ def measure(
     built = {arm: Arm(size, arm, mode, device, standin) for arm in arms}
     first = next(iter(built.values()))
     batches = first.batches()  # the same for every arm
-    result: dict = {
-        "size": size,
-        "mode": mode,
-        "arms": {},
-        "micro_batch": first.cfg.micro_batch,
-        "annotations_excluded": True,  # kernel totals without the device's annotation ranges
-        "seq_len": first.cfg.seq_len,
-        "tokens_per_step": first.tokens,
-    }
+    # annotations_excluded: the kernel totals without the device's annotation ranges
+    result: dict = {"size": size, "mode": mode, "arms": {}, "micro_batch": first.cfg.micro_batch,
+                    "annotations_excluded": True, "seq_len": first.cfg.seq_len,
+                    "tokens_per_step": first.tokens}
     precision = str(first.cfg.trainer.get("precision") or default_precision())  # as trainer_arguments does
     result["precision"] = precision
     peak = peak_flops(device, compute_dtype(precision))
     for arm, run in built.items():
-        synchronize(device)
-        start = time.perf_counter()
-        run.step(*batches[0])
-        synchronize(device)
-        first_step = time.perf_counter() - start
-        for index in range(1, warmup):
-            run.step(*batches[index % 2])
+        first_step = per_call_seconds(lambda run=run: run.step(*batches[0]), 1, device)
+        run.steps(batches, range(1, warmup))
         synchronize(device)
         result["arms"][arm] = {"first_step_s": first_step, "seconds": [], "fused_adamw": run.fused}
     before = compile_counts()
     for repeat in range(repeats):
-        order = list(arms[repeat % len(arms) :]) + list(arms[: repeat % len(arms)])
-        for arm in order:
-            run = built[arm]
-            synchronize(device)
-            start = time.perf_counter()
-            for index in range(steps):
-                run.step(*batches[index % 2])
-            synchronize(device)
-            result["arms"][arm]["seconds"].append((time.perf_counter() - start) / steps)
+        for arm in rotated(arms, repeat):
+            seconds = per_call_seconds(lambda run=built[arm]: run.steps(batches, range(steps)), 1, device)
+            result["arms"][arm]["seconds"].append(seconds / steps)
     after = compile_counts()
     result["compile"] = {"before_timing": before, "during_timing": {k: after[k] - before[k] for k in after}}
     for arm, run in built.items():
         entry = result["arms"][arm]
         median = statistics.median(entry["seconds"])
-        entry.update(
-            median_s=median,
-            tokens_per_s=run.tokens / median,
-            mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
-            profile=profile_step(lambda run=run: run.step(*batches[0]), device),
-        )
+        entry.update(median_s=median, tokens_per_s=run.tokens / median,
+                     mfu=run.flops_per_token * run.tokens / median / peak if peak else None,
+                     profile=profiled_kernels(lambda run=run: run.step(*batches[0]), 1, device))
     if REFERENCE in built:
         reference = result["arms"][REFERENCE]["seconds"]
-        result["ratios"] = {
-            arm: log_ratio_interval(result["arms"][arm]["seconds"], reference)
-            for arm in arms
-            if arm != REFERENCE
-        }
+        result["ratios"] = {arm: log_ratio_interval(result["arms"][arm]["seconds"], reference)
+                            for arm in arms if arm != REFERENCE}
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     del built
@@ -211,13 +162,8 @@ def measure(
 
 
 def machine(device: torch.device) -> dict:
-    info = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": L.__version__,
-        "python": platform.python_version(),
-        "device": device.type,
-    }
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "lightning": L.__version__,
+            "python": platform.python_version(), "device": device.type}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["peak_flops"] = peak_flops(device, torch.bfloat16)
@@ -237,6 +183,13 @@ def interval_text(ratio: dict) -> str:
     return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
 
 
+def medians_text(result: dict) -> str:
+    """Each arm's median step, and layer/rms with its interval."""
+    text = ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in result["arms"].items())
+    ratio = result.get("ratios", {}).get("layer")
+    return text + (f"; layer/rms {interval_text(ratio)}" if ratio else "")
+
+
 def faster_text(ratio: dict) -> str:
     """How much faster RMSNorm's step is than the other arm's (the step-time ratio - 1), with its interval."""
     change = ratio["ratio"] - 1
@@ -248,23 +201,13 @@ def faster_text(ratio: dict) -> str:
 
 def answer_lines(results: Sequence[dict], where: str) -> list[str]:
     """One line per size and mode: how much faster a step of RMSNorm is than one of LayerNorm."""
-    lines = []
-    for result in results:
-        if "layer" in result.get("ratios", {}):
-            lines.append(
-                f"- {result['size']}, {result['mode']}: RMSNorm is {faster_text(result['ratios']['layer'])} "
-                f"per optimizer step than LayerNorm on {where}"
-            )
-    return lines
+    return [f"- {r['size']}, {r['mode']}: RMSNorm is {faster_text(r['ratios']['layer'])} per optimizer step "
+            f"than LayerNorm on {where}" for r in results if "layer" in r.get("ratios", {})]
 
 
-def page(
-    results: Sequence[dict], info: dict, command: str, stamp: str, replaced: Sequence[dict] = ()
-) -> str:
+def page(results: Sequence[dict], info: dict, command: str, stamp: str, replaced: Sequence[dict] = ()) -> str:
     standin = info.get("gpu") is None
-    where = (
-        info["gpu"] if not standin else f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)"
-    )
+    where = f"a CPU stand-in ({info.get('cpu')}, {info.get('threads')} threads)" if standin else info["gpu"]
     lines = [
         "# Is RMSNorm cheaper? Optimizer-step time of the norm arms",
         "",
@@ -288,20 +231,12 @@ def page(
             "runs, not what a GPU does.",
             "",
         ]
-    missing = [
-        f"{size} {mode}"
-        for size in SIZES
-        for mode in MODES
-        if not any(r["size"] == size and r["mode"] == mode for r in results)
-    ]
+    measured = {(r["size"], r["mode"]) for r in results}
+    missing = [f"{size} {mode}" for size in SIZES for mode in MODES if (size, mode) not in measured]
     lines += [
-        "## The answer",
-        "",
-        *answer_lines(results, where),
-        "",
+        "## The answer", "", *answer_lines(results, where), "",
         *([f"Not measured in these runs: {', '.join(missing)}.", ""] if missing else []),
-        "## Per size and mode",
-        "",
+        "## Per size and mode", "",
         "| size | mode | arm | step (median) | tokens/s | MFU | first step | ratio to rms [95% interval] | "
         "norm share of kernel time |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -309,18 +244,14 @@ def page(
     for result in results:
         for arm, entry in result["arms"].items():
             ratio = result.get("ratios", {}).get(arm)
-            share = entry["profile"]["norm_share"]
+            norm_share = entry["profile"]["norm_share"]
+            share = f"{norm_share:.1%}" if norm_share is not None else "-"
             mfu = f"{entry['mfu']:.1%}" if entry.get("mfu") is not None else "-"
-            lines.append(
-                f"| {result['size']} | {result['mode']} | {arm} | {entry['median_s'] * 1e3:.2f} ms | "
-                f"{entry['tokens_per_s']:,.0f} | {mfu} | {entry['first_step_s']:.1f} s | "
-                f"{interval_text(ratio) if ratio else 'reference'} | "
-                f"{f'{share:.1%}' if share is not None else '-'} |"
-            )
+            lines.append(f"| {result['size']} | {result['mode']} | {arm} | {entry['median_s'] * 1e3:.2f} ms "
+                         f"| {entry['tokens_per_s']:,.0f} | {mfu} | {entry['first_step_s']:.1f} s | "
+                         f"{interval_text(ratio) if ratio else 'reference'} | {share} |")
     lines += [
-        "",
-        "## Compilation during the timing",
-        "",
+        "", "## Compilation during the timing", "",
         "Graphs Dynamo compiled and graph breaks, before the timed repeats (all arms' warm-up) and during "
         "them: a graph compiled during the timing would put the compiler in a step's time.",
         "",
@@ -334,9 +265,7 @@ def page(
                 f"graphs, {c['during_timing']['graph_breaks']} graph breaks"
             )
     lines += [
-        "",
-        "## Where a step's kernel time goes",
-        "",
+        "", "## Where a step's kernel time goes", "",
         f"The profiled step's top {TOP_KERNELS} kernels (on the CPU: aten ops by self time) per size, mode "
         "and arm, with their share of the step's kernel time.",
         "",
@@ -362,29 +291,20 @@ def page(
     for result in results:
         arms = result["arms"]
         mark = "" if result.get("annotations_excluded") else " †"
+        memory = result.get("peak_memory_bytes")
         lines.append(
             f"- {result['size']} {result['mode']}{mark}: micro-batch {result['micro_batch']} × "
-            f"{result['seq_len']} tokens; {len(arms[REFERENCE]['seconds'])} repeats of "
-            f"{result['steps']} steps per arm after "
-            f"{result['warmup']} warm-up steps; "
-            f"fused AdamW {all(a['fused_adamw'] for a in arms.values())}"
-            + (
-                f"; peak memory (all arms held) {result['peak_memory_bytes'] / 2**30:.1f} GiB"
-                if "peak_memory_bytes" in result
-                else ""
-            )
+            f"{result['seq_len']} tokens; {len(arms[REFERENCE]['seconds'])} repeats of {result['steps']} "
+            f"steps per arm after {result['warmup']} warm-up steps; fused AdamW "
+            f"{all(a['fused_adamw'] for a in arms.values())}"
+            + (f"; peak memory (all arms held) {memory / 2**30:.1f} GiB" if memory is not None else "")
             + (f"; {result['stamp']}" if "stamp" in result else "")
             + f"; `{result['command']}`"
         )
     if replaced:
         lines += ["", "Replaced by a newer run of the same size and mode (not shown above):", ""]
-        lines += [
-            f"- {r['size']} {r['mode']}, {r['stamp']}: "
-            + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in r["arms"].items())
-            + (f"; layer/rms {interval_text(r['ratios']['layer'])}" if "layer" in r.get("ratios", {}) else "")
-            + f" over {len(r['arms'][REFERENCE]['seconds'])} repeats; `{r['command']}`"
-            for r in replaced
-        ]
+        lines += [f"- {r['size']} {r['mode']}, {r['stamp']}: {medians_text(r)} over "
+                  f"{len(r['arms'][REFERENCE]['seconds'])} repeats; `{r['command']}`" for r in replaced]
     return "\n".join(lines) + "\n"
 
 
@@ -396,51 +316,37 @@ def short_name(name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm per repeat")
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="interleaved repeats (at least 3 for an interval)"
-    )
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved repeats (at least 3 for an interval)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (the compilation)")
-    parser.add_argument(
-        "--standin", action="store_true", help="a tiny model per size (CPU: seconds per size)"
-    )
+    parser.add_argument("--standin", action="store_true",
+                        help="a tiny model per size (CPU: seconds per size)")
     parser.add_argument("--json", type=Path, default=None, help="write the results there (one JSON object)")
-    parser.add_argument(
-        "--page",
-        type=Path,
-        default=None,
-        help="write the markdown page there from the JSON files given after it (no measuring)",
-    )
+    parser.add_argument("--page", type=Path, default=None,
+                        help="write the markdown page there from the JSON files given after it "
+                        "(no measuring)")
     parser.add_argument("results", nargs="*", type=Path, help="with --page: the JSON files of earlier runs")
     args = parser.parse_args(argv)
     if args.page is not None:
         return write_page(args.page, args.results)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if reason := missing_cuda("--device", device.type, "--device cpu --standin"):
-        print(f"bench/efficiency.py: {reason}", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", reason)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for name, given, allowed in (("--sizes", sizes, SIZES), ("--modes", modes, MODES)):
         if bad := [x for x in given if x not in allowed]:
-            print(
-                f"bench/efficiency.py: {name}: unknown {', '.join(map(repr, bad))}; "
-                f"choose from {', '.join(allowed)}",
-                file=sys.stderr,
-            )
-            return 2
+            return refused("efficiency.py", f"{name}: unknown {', '.join(map(repr, bad))}; "
+                           f"choose from {', '.join(allowed)}")
     if args.steps < 1 or args.repeats < 1 or args.warmup < 1:
-        print("bench/efficiency.py: --steps, --repeats and --warmup must be at least 1", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", "--steps, --repeats and --warmup must be at least 1")
     if "compiled" in modes and (reason := compile_refusal(device.type)):
-        print(f"bench/efficiency.py: --modes compiled: {reason}; or --modes eager", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", f"--modes compiled: {reason}; or --modes eager")
     # As the page shows it: what was measured, without where the results were written.
     given = list(argv if argv is not None else sys.argv[1:])
     if "--json" in given:
@@ -449,29 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for size in sizes:
         for mode in modes:
-            result = measure(
-                size,
-                mode,
-                device=device,
-                standin=args.standin,
-                steps=args.steps,
-                repeats=args.repeats,
-                warmup=args.warmup,
-            )
+            result = measure(size, mode, device=device, standin=args.standin, steps=args.steps,
+                             repeats=args.repeats, warmup=args.warmup)
             result.update(steps=args.steps, warmup=args.warmup, command=command)
             results.append(result)
-            ratio = result.get("ratios", {}).get("layer")
-            print(
-                f"{size} {mode}: "
-                + ", ".join(f"{arm} {e['median_s'] * 1e3:.2f} ms" for arm, e in result["arms"].items())
-                + (f"; layer/rms {interval_text(ratio)}" if ratio else ""),
-                flush=True,
-            )
-    report = {
-        "machine": machine(device),
-        "stamp": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-        "results": results,
-    }
+            print(f"{size} {mode}: {medians_text(result)}", flush=True)
+    report = {"machine": machine(device), "stamp": utc_stamp(), "results": results}
     if args.json is not None:
         atomic_write_text(args.json, json.dumps(report))
     return 0
@@ -498,14 +387,12 @@ def write_page(out: Path, files: Sequence[Path]) -> int:
     """The page of the results in ``files`` (one machine's), sizes in order, to ``out`` (atomically). Where
     two runs measured the same size and mode, the newer one's result is shown and the older one named."""
     if not files:
-        print("bench/efficiency.py: --page needs the JSON files of earlier runs after it", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", "--page needs the JSON files of earlier runs after it")
     reports = [json.loads(path.read_text()) for path in files]
     machines = {report["machine"].get("gpu") or report["machine"].get("cpu") for report in reports}
     if len(machines) > 1:
-        print(f"bench/efficiency.py: --page takes one machine's runs, these come from {sorted(machines)}: "
-              "give each machine its own page", file=sys.stderr)
-        return 2
+        return refused("efficiency.py", f"--page takes one machine's runs, these come from "
+                       f"{sorted(machines)}: give each machine its own page")
     results, replaced = newest_results(reports)
     stamps = sorted({r["stamp"] for r in results})
     text = page(

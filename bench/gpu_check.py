@@ -1,10 +1,8 @@
 """Every GPU path of the harness in one command, each in its own subprocess and time budget, on one page.
 
-On a CUDA machine it runs the parts of ``ORDER`` (the environment, training at 70m and 410m and its memory
-against the plan, bench/efficiency.py per size, DDP and FSDP2 resume, bench/probe_cost.py, the probe's
-GPU/CPU agreement, bench/norm_cost.py, analyze.py on SmolLM2) and writes ``docs/gpu_numbers.md``;
-``--parts`` runs some again, the page keeping the other rows. docs/benchmarks.md ("On a lent GPU") says what
-each part measures. Exit status 1 names each path that failed; 2: bad input (one line).
+On a CUDA machine it runs the parts of ``ORDER`` and writes ``docs/gpu_numbers.md``; ``--parts`` runs some
+again, the page keeping the other rows. docs/benchmarks.md ("On a lent GPU") says what each part measures.
+Exit status 1 names each path that failed; 2: bad input (one line).
 
     python bench/gpu_check.py                              # on a GPU machine: docs/gpu_numbers.md
     python bench/gpu_check.py --cpu-standin --out DIR      # every part at the smallest sizes, on the CPU
@@ -39,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import lightning as L
 import torch
@@ -79,16 +78,17 @@ def target_met(name: str, value: float) -> bool:
 
 def met_word(met: bool) -> str:
     return "met" if met else "missed"
+
+
 WHOLE_BUDGET_S = 570  # under 10 minutes on one H100, page writing included
 STANDIN_BUDGET_S = 900
-# The stand-in times nothing, so its parts run side by side, this many at once: the 2 cores of the development
-# machine (and CI's) busy. Each child then computes on one thread: two children of two threads on two cores
-# fight over them (an efficiency step of 25 ms alone took 500 ms beside another child).
+# The stand-in times nothing, so its parts run side by side, this many at once (the 2 cores of the development
+# machine and CI's), each child on one thread: two children of two threads on two cores fight over them (an
+# efficiency step of 25 ms alone took 500 ms beside another child).
 STANDIN_LANES = 2
 STANDIN_THREADS = 1
-# bench/efficiency.py per size, each its own part, process and time budget:
-# three arms compiled dominate (on an H200 on 2026-11-27: 82 s at 70m, 115 s at
-# 160m, both modes; 410m compiled alone 158 s; 1b 72 s eager, 143 s compiled).
+# bench/efficiency.py per size, each its own part, process and time budget; three arms compiled dominate (an
+# H200 on 2026-11-27: 82 s at 70m, 115 s at 160m, both modes; 410m compiled alone 158 s; 1b 72 s + 143 s).
 EFFICIENCY_BUDGETS = {"70m": 110, "160m": 150, "410m": 240, "1b": 270}
 EFFICIENCY_PAGE = "efficiency.md"
 # The stand-in's timing (on a GPU bench/efficiency.py's defaults: 5 repeats of 10 steps after 3 warm-up
@@ -128,43 +128,22 @@ class Mode:
                          "micro_batch=4", "global_batch=4", "max_steps=4", "optim.warmup_steps=1", every],
             }
         return {
-            "70m": [
-                "size=70m",
-                "micro_batch=16",
-                "global_batch=16",
-                "max_steps=200",
-                "optim.warmup_steps=20",
-                every,
-            ],
+            "70m": ["size=70m", "micro_batch=16", "global_batch=16", "max_steps=200",
+                    "optim.warmup_steps=20", every],
             # 32 sequences per step: the step fills the GPU (a compiled 410m step at 8 held 14.4 GiB of an
             # H200's 140) and the loop's fixed per-step host time weighs a quarter as much as at 8.
-            "410m": [
-                "size=410m",
-                "micro_batch=32",
-                "global_batch=32",
-                "max_steps=100",
-                "optim.warmup_steps=10",
-                every,
-            ],
+            "410m": ["size=410m", "micro_batch=32", "global_batch=32", "max_steps=100",
+                     "optim.warmup_steps=10", every],
         }
 
     def trainer(self) -> list[str]:
-        if self.standin:
-            return ["trainer=cpu", "compile=false"]
-        return ["trainer=gpu", "compile=true"]
+        return ["trainer=cpu", "compile=false"] if self.standin else ["trainer=gpu", "compile=true"]
 
     def tiny(self) -> list[str]:
         """The model of the DDP and FSDP2 parts."""
         if self.standin:
-            return [
-                "size=tiny",
-                "size.n_embd=32",
-                "size.n_head=2",
-                "seq_len=64",
-                "global_batch=8",
-                "micro_batch=4",
-                "probe.tokens=512",
-            ]
+            return ["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=8",
+                    "micro_batch=4", "probe.tokens=512"]
         return ["size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "probe.tokens=4096"]
 
     def strategy(self, name: str) -> list[str]:
@@ -172,13 +151,8 @@ class Mode:
         if self.standin:
             if name == "ddp":
                 return ["trainer=ddp_cpu", "trainer.devices=1"]  # trainer=ddp's strategy over gloo
-            return [
-                "trainer=fsdp",
-                "trainer.accelerator=cpu",
-                "trainer.devices=1",
-                "trainer.precision=32-true",
-                "trainer.strategy.param_dtype=null",
-            ]
+            return ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
+                    "trainer.precision=32-true", "trainer.strategy.param_dtype=null"]
         return [f"trainer={name}", "trainer.devices=1"]
 
     def budget(self, seconds: int) -> int:
@@ -209,6 +183,17 @@ class Outcome:
 
 
 Parts = dict[str, Callable[[], Outcome | list[Outcome]]]  # per part's name, what runs it
+Results = tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]  # rows per part, plan per size
+
+
+class Ran(NamedTuple):
+    """A command's process (None: out of time), the command as shown, its seconds, why it failed (None: it
+    exited 0)."""
+
+    done: subprocess.CompletedProcess | None
+    shown: str
+    seconds: float
+    reason: str | None
 
 
 class Context:
@@ -226,42 +211,32 @@ class Context:
             text = text.replace(path, name)  # the work folder first: it may lie inside the repository
         return text
 
-    def run(self, args: Sequence[str], budget: int) -> tuple[subprocess.CompletedProcess | None, str, float]:
-        """Run a command in the repository with at most ``budget`` s (less if the whole run's time is short).
-        Returns the process (None: out of time), the command as shown, and its seconds."""
+    def run(self, args: Sequence[str], budget: int) -> Ran:
+        """A command run in the repository, at most ``budget`` s (less if the whole run's time is short)."""
         shown = self.shown(" ".join(args))
-        left = self.deadline - time.monotonic()
-        timeout = min(budget, left)
+        timeout = min(budget, self.deadline - time.monotonic())
         if timeout < 5:
-            return None, shown, 0.0
+            return Ran(None, shown, 0.0, failure(None, 0.0, self))
         start = time.monotonic()
-        # Its own process group: at the budget, torchrun's
-        # workers and the compiler's go with it, freeing the GPU.
-        process = subprocess.Popen(
-            list(args),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=self.env,
-            start_new_session=True,
-        )
+        # Its own process group: at the budget, torchrun's workers and the compiler's go too, freeing the GPU.
+        process = subprocess.Popen(list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=self.env, start_new_session=True)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
+            done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-            return None, shown, time.monotonic() - start
-        done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-        return done, shown, time.monotonic() - start
+            done = None
+        seconds = time.monotonic() - start
+        return Ran(done, shown, seconds, failure(done, seconds, self))
 
 
 def failure(done: subprocess.CompletedProcess | None, seconds: float, ctx: Context) -> str | None:
     """Why a command failed (its last error line), or None when it exited 0."""
     if done is None:
-        return (
-            f"out of time after {seconds:.0f} s" if seconds else "not run: the whole check's time was spent"
-        )
+        spent = "not run: the whole check's time was spent"
+        return f"out of time after {seconds:.0f} s" if seconds else spent
     if done.returncode == 0:
         return None
     return f"exit {done.returncode}: {ctx.shown(error_line(done.stderr + done.stdout))[:300]}"
@@ -287,6 +262,11 @@ def error_line(text: str) -> str:
     return (exceptions or rest or ["no output"])[-1].strip()
 
 
+def error_text(err: Exception) -> str:
+    """An exception as a row's one line: its type and the first line of its message."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
 def child_result(done: subprocess.CompletedProcess) -> dict:
     """The JSON a ``--child`` printed on its last result line."""
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
@@ -298,10 +278,8 @@ def child_result(done: subprocess.CompletedProcess) -> dict:
 def child(ctx: Context, name: str, *args: str, budget: int) -> tuple[dict | None, str | None, str, float]:
     """``python bench/gpu_check.py --child NAME ...``: its result, or why it failed."""
     standin = ["--cpu-standin"] if ctx.mode.standin else []
-    done, shown, seconds = ctx.run(
-        [sys.executable, str(Path(__file__)), "--child", name, *standin, *args], budget
-    )
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, str(Path(__file__)), "--child", name, *standin, *args]
+    done, shown, seconds, reason = ctx.run(command, budget)
     if reason is not None:
         return None, reason, shown, seconds
     try:
@@ -327,31 +305,20 @@ def environment_child(standin: bool) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(
-            gpu=props.name,
-            capability=f"{props.major}.{props.minor}",
-            memory_gib=props.total_memory / 2**30,
-            multiprocessors=props.multi_processor_count,
-            bf16=torch.cuda.is_bf16_supported(),
-        )
-        smi = shutil.which("nvidia-smi")
-        if smi:
-            query = subprocess.run(
-                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            info["driver"] = (
-                query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout else None
-            )
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count,
+                    bf16=torch.cuda.is_bf16_supported())
+        if smi := shutil.which("nvidia-smi"):
+            query = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+            found = query.returncode == 0 and query.stdout
+            info["driver"] = query.stdout.strip().splitlines()[0] if found else None
     else:
         info.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                     bf16=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info["peak_flops"] = peak_flops(device, dtype)
-    # The kernel train.py's attention asks for: flash, causal,
-    # in the training dtype; an error if it cannot run.
+    # The kernel train.py's attention asks for: flash, causal, in the training dtype; an error if it cannot.
     q = torch.randn(2, 4, 256, 64, device=device, dtype=dtype)
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -422,18 +389,14 @@ def train_child(size: str, work: Path, standin: bool) -> dict:
                 with start_session(cfg) as start:
                     trainer = train(start, extra_callbacks=[clock])
         except Exception as err:  # one arm's failure is its row's; the other arm still runs
-            results[arm] = {
-                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-            }
+            results[arm] = {"error": error_text(err)}
             continue
         frame = read_metrics(run_dir)
         per_step = {m: frame[frame["metric"] == m].sort_values("step")["value"].tolist()
                     for m in ("perf/tokens_per_s", "perf/mfu", "train/loss")}
         optimizer = trainer.optimizers[0]
         results[arm] = {
-            "overrides": overrides,
-            "steps": int(trainer.global_step),
-            "precision": str(trainer.precision),
+            "overrides": overrides, "steps": int(trainer.global_step), "precision": str(trainer.precision),
             "compile": bool(trainer.lightning_module.hparams["compile"]),
             "fused_adamw": bool(optimizer.defaults.get("fused")),
             "tokens_per_s": statistics.median(steady(per_step["perf/tokens_per_s"])),
@@ -456,11 +419,9 @@ def environment(ctx: Context) -> Outcome:
     if info is None:
         return Outcome("environment", False, reason or "", seconds, [f"`{shown}`"])
     packages = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in info["packages"].items())
-    where = (
-        f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {info.get('driver')})"
-        if info["gpu"]
-        else f"CPU stand-in: {info['cpu']}, {info['threads']} threads"
-    )
+    driver = info.get("driver")
+    where = (f"{info['gpu']} (sm {info['capability']}, {info['memory_gib']:.1f} GiB, driver {driver})"
+             if info["gpu"] else f"CPU stand-in: {info['cpu']}, {info['threads']} threads")
     peak = f"{info['peak_flops'] / 1e12:.1f} TFLOP/s" if info["peak_flops"] else "none (no MFU)"
     summary = (f"{where}; torch {info['torch']} (CUDA {info['cuda']}), lightning {info['lightning']}, "
                f"python {info['python']}; bf16 {info['bf16']}, flash SDPA {info['flash_sdpa']}")
@@ -475,14 +436,8 @@ def environment(ctx: Context) -> Outcome:
         f"- packages importable: {packages}",
     ]
     ok = info["bf16"] and info["flash_sdpa"] == "ran"
-    return Outcome(
-        "environment",
-        ok,
-        summary if ok else f"bf16 or flash SDPA missing: {summary}",
-        seconds,
-        details,
-        data=info,
-    )
+    return Outcome("environment", ok, summary if ok else f"bf16 or flash SDPA missing: {summary}", seconds,
+                   details, data=info)
 
 
 def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
@@ -498,11 +453,10 @@ def train_size(ctx: Context, size: str, budget: int) -> list[Outcome]:
             rows.append(Outcome(path, False, ctx.shown(why), seconds, [f"`{shown}`"], data={}))
             continue
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "none (no peak FLOP/s on this device)"
-        summary = (
-            f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step {result['first_step_s']:.1f} s "
-            f"(median step {result['step_s'] * 1e3:.0f} ms), {result['precision']}, "
-            f"compile {result['compile']}, fused AdamW {result['fused_adamw']}"
-        )
+        summary = (f"{result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, first step "
+                   f"{result['first_step_s']:.1f} s (median step {result['step_s'] * 1e3:.0f} ms), "
+                   f"{result['precision']}, "
+                   f"compile {result['compile']}, fused AdamW {result['fused_adamw']}")
         target, met = "", True
         if size == "410m" and result["mfu"] is not None:
             met = target_met("mfu_410m", result["mfu"])
@@ -525,21 +479,14 @@ def plan(ctx: Context, size: str) -> Outcome:
     """``python -m normgeo.plan <the train part's overrides> --measure --json``: the planned peak per GPU, the
     eager trace and the compiled step measured on the device (on the CPU stand-in: the reason it is not)."""
     overrides = [*ctx.mode.train_sizes()[size], *ctx.mode.trainer(), *QUIET]
-    done, shown, seconds = ctx.run([sys.executable, "-m", "normgeo.plan", *overrides, "--measure", "--json"],
-                                   ctx.mode.budget(240))
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, "-m", "normgeo.plan", *overrides, "--measure", "--json"]
+    done, shown, seconds, reason = ctx.run(command, ctx.mode.budget(240))
     if reason is not None:
         return Outcome(f"plan {size}", False, reason, seconds, [f"`{shown}`"])
     report = json.loads(done.stdout)
-    return Outcome(
-        f"plan {size}",
-        True,
-        "",
-        seconds,
-        [f"`{shown}`"],
-        data={"total": report["memory"]["no_ac"]["total"], "precision": report["config"]["precision"],
-              "measured": report["measured"]},
-    )
+    return Outcome(f"plan {size}", True, "", seconds, [f"`{shown}`"],
+                   data={"total": report["memory"]["no_ac"]["total"],
+                         "precision": report["config"]["precision"], "measured": report["measured"]})
 
 
 def memory(ctx: Context, size: str, trained: list[Outcome], planned: Outcome) -> Outcome:
@@ -585,63 +532,40 @@ def resume(ctx: Context, strategy: str) -> Outcome:
     checkpoint."""
     path = f"{strategy} resume"
     full, resumed = ctx.work / f"{strategy}-full", ctx.work / f"{strategy}-resumed"
-    common = [
-        *ctx.mode.tiny(),
-        *ctx.mode.strategy(strategy),
-        *QUIET,
-        "log_every=1",
-        "max_steps=4",
-        "optim.warmup_steps=0",
-        "checkpoint.steps=[2,4]",
-        "checkpoint.keep_optimizer=true",
-        "checkpoint.last_every=0",
-        "trainer.deterministic=true",
-        f"data_root={ctx.work / 'data'}",
-    ]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "1",
-        "train.py",
-    ]
+    common = [*ctx.mode.tiny(), *ctx.mode.strategy(strategy), *QUIET, "log_every=1", "max_steps=4",
+              "optim.warmup_steps=0", "checkpoint.steps=[2,4]", "checkpoint.keep_optimizer=true",
+              "checkpoint.last_every=0", "trainer.deterministic=true", f"data_root={ctx.work / 'data'}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "train.py"]
     details, seconds = [], 0.0
     for run_dir, extra in ((full, []), (resumed, [f"resume={RunFolder(full).checkpoint(2)}"])):
-        done, shown, took = ctx.run([*torchrun, *common, f"run_dir={run_dir}", *extra], ctx.mode.budget(150))
+        command = [*torchrun, *common, f"run_dir={run_dir}", *extra]
+        done, shown, took, reason = ctx.run(command, ctx.mode.budget(150))
         seconds += took
         details.append(f"- `{shown}` ({took:.0f} s)")
-        reason = failure(done, took, ctx)
         if reason is not None:
             return Outcome(path, False, reason, seconds, details)
-    losses = [read_metrics(run_dir) for run_dir in (full, resumed)]
-    by_step = [
-        dict(
-            zip(f[f["metric"] == "train/loss"]["step"], f[f["metric"] == "train/loss"]["value"], strict=True)
-        )
-        for f in losses
-    ]
+    by_step = [logged_losses(run_dir) for run_dir in (full, resumed)]
     steps = sorted(by_step[1])
     loss_equal = steps == [3, 4] and all(by_step[0].get(s) == by_step[1][s] for s in steps)
-    weights = [
-        torch.load(RunFolder(d).checkpoint(4), map_location="cpu", weights_only=False)[
-            "state_dict"
-        ]
-        for d in (full, resumed)
-    ]
+    weights = [torch.load(RunFolder(d).checkpoint(4), map_location="cpu", weights_only=False)["state_dict"]
+               for d in (full, resumed)]
     max_diff = max((weights[0][k].float() - weights[1][k].float()).abs().max().item() for k in weights[0])
     angles = [[r for r in read_rows(d / ANGLES_FILE) if r["step"] == 4] for d in (full, resumed)]
     angles_equal = bool(angles[0]) and angles[0] == angles[1]
     ok = loss_equal and max_diff == 0 and angles_equal
     loss_text = ", ".join(f"step {s}: {by_step[0].get(s)!r} vs {by_step[1][s]!r}" for s in steps)
-    summary = (
-        f"resumed from step 2: losses {'equal' if loss_equal else 'DIFFER'} ({loss_text}); "
-        f"step-4 weights max abs difference {max_diff:.3g}; probe angles at step 4 "
-        f"{'equal' if angles_equal else 'DIFFER'} "
-        f"({len(angles[0])} rows)"
-    )
+    summary = (f"resumed from step 2: losses {'equal' if loss_equal else 'DIFFER'} ({loss_text}); "
+               f"step-4 weights max abs difference {max_diff:.3g}; probe angles at step 4 "
+               f"{'equal' if angles_equal else 'DIFFER'} ({len(angles[0])} rows)")
     return Outcome(path, ok, summary, seconds, details)
+
+
+def logged_losses(run_dir: Path) -> dict:
+    """Per step, the ``train/loss`` a run logged."""
+    frame = read_metrics(run_dir)
+    loss = frame[frame["metric"] == "train/loss"]
+    return dict(zip(loss["step"], loss["value"], strict=True))
 
 
 def probe_cost(ctx: Context) -> Outcome:
@@ -652,26 +576,20 @@ def probe_cost(ctx: Context) -> Outcome:
         if ctx.mode.standin
         else ["--size", "70m", "--tokens", "32768", "--batch-size", "8", "--repeats", "2"]
     )
-    done, shown, seconds = ctx.run([sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args,
-                                    "--memory-tokens"], ctx.mode.budget(150))
-    reason = failure(done, seconds, ctx)
+    command = [sys.executable, "bench/probe_cost.py", "--device", ctx.mode.device, *args, "--memory-tokens"]
+    done, shown, seconds, reason = ctx.run(command, ctx.mode.budget(150))
     if reason is not None:
         return Outcome("probe cost", False, reason, seconds, [f"`{shown}`"])
-    default = re.search(
-        r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout, re.M
-    )
-    angles = re.search(
-        r"^\s*angle probe K=64 \+energy / plain forward \(best\): ([0-9.]+)$", done.stdout, re.M
-    )
+    default = re.search(r"^DEFAULT PROBE / PLAIN FORWARD at (\d+) probe tokens: ([0-9.]+)$", done.stdout,
+                        re.M)
+    angles = re.search(r"^\s*angle probe K=64 \+energy / plain forward \(best\): ([0-9.]+)$", done.stdout,
+                       re.M)
     if default is None or angles is None:
         return Outcome("probe cost", False, "no default-probe or angle-probe ratio in its output", seconds,
                        [f"`{shown}`"])
-    summary = (
-        "default probe (angles, K = 64, energy, intervention on its budget): "
-        f"{float(default.group(2)):.2f}× a "
-        f"plain forward over {int(default.group(1)):,} tokens; angles + energy alone: "
-        f"{float(angles.group(1)):.2f}×"
-    )
+    summary = ("default probe (angles, K = 64, energy, intervention on its budget): "
+               f"{float(default.group(2)):.2f}× a plain forward over {int(default.group(1)):,} tokens; "
+               f"angles + energy alone: {float(angles.group(1)):.2f}×")
     timings = [line.strip() for line in done.stdout.splitlines() if " best " in line and " median " in line]
     return Outcome("probe cost", True, summary, seconds,
                    [f"- `{shown}`", *[f"- `{ctx.shown(line)}`" for line in timings]])
@@ -682,26 +600,13 @@ def probe_reference(ctx: Context) -> Outcome:
     run_dir = ctx.work / "agreement-run"
     size = (["size=tiny", "size.n_embd=32", "size.n_head=2", "seq_len=64", "global_batch=4", "micro_batch=4"]
             if ctx.mode.standin else ["size=70m", "seq_len=256", "global_batch=2", "micro_batch=2"])
-    done, shown, seconds = ctx.run(
-        [
-            sys.executable,
-            "train.py",
-            *size,
-            "trainer=cpu",
-            *QUIET,
-            "max_steps=1",
-            "log_every=1",
-            "optim.warmup_steps=0",
-            "probe.enabled=false",
-            "checkpoint.steps=[1]",
-            "checkpoint.last_every=0",
-            f"run_dir={run_dir}",
-            f"data_root={ctx.work / 'data'}",
-        ],
+    done, shown, seconds, reason = ctx.run(
+        [sys.executable, "train.py", *size, "trainer=cpu", *QUIET, "max_steps=1", "log_every=1",
+         "optim.warmup_steps=0", "probe.enabled=false", "checkpoint.steps=[1]", "checkpoint.last_every=0",
+         f"run_dir={run_dir}", f"data_root={ctx.work / 'data'}"],
         ctx.mode.budget(240),
     )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("probe reference", False, reason, seconds, details)
     checkpoint = RunFolder(run_dir).checkpoint(1)
@@ -715,28 +620,17 @@ def probe_reference(ctx: Context) -> Outcome:
 def analyze_checkpoint(ctx: Context, checkpoint: Path, device: str, label: str) -> Outcome:
     out = ctx.work / f"agreement-{label}"
     tokens = 512 if ctx.mode.standin else 4096
-    done, shown, seconds = ctx.run(
-        [
-            sys.executable,
-            "analyze.py",
-            "model=checkpoint",
-            f"model.checkpoint={checkpoint}",
-            "model.dtype=float32",
-            "probe=pydoc",
-            f"probe.tokens={tokens}",
-            f"device={device}",
-            "progress=false",
-            f"out_dir={out}",
-        ],
+    done, shown, seconds, reason = ctx.run(
+        [sys.executable, "analyze.py", "model=checkpoint", f"model.checkpoint={checkpoint}",
+         "model.dtype=float32", "probe=pydoc", f"probe.tokens={tokens}", f"device={device}", "progress=false",
+         f"out_dir={out}"],
         ctx.mode.budget(180),
     )
     details = [f"- `{shown}` ({seconds:.0f} s)"]
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome(f"analyze on {device}", False, reason, seconds, details)
-    return Outcome(
-        f"analyze on {device}", True, "", seconds, details, data={"angles": str(out / ANGLES_FILE)}
-    )
+    return Outcome(f"analyze on {device}", True, "", seconds, details,
+                   data={"angles": str(out / ANGLES_FILE)})
 
 
 def probe_agreement(ctx: Context, reference: Future) -> Outcome:
@@ -744,9 +638,8 @@ def probe_agreement(ctx: Context, reference: Future) -> Outcome:
     degrees."""
     cpu: Outcome = reference.result()
     if not cpu.passed:
-        return Outcome(
-            "probe agreement", False, f"the CPU reference failed: {cpu.summary}", cpu.seconds, cpu.details
-        )
+        return Outcome("probe agreement", False, f"the CPU reference failed: {cpu.summary}", cpu.seconds,
+                       cpu.details)
     # The stand-in's "device" is the CPU again: a second process, so the comparison still runs end to end.
     there = analyze_checkpoint(ctx, Path(cpu.data["checkpoint"]), ctx.mode.device, "device")
     details = [*cpu.details, *there.details]
@@ -755,18 +648,14 @@ def probe_agreement(ctx: Context, reference: Future) -> Outcome:
     key = ("layer", "site", "ref")
     rows = [{tuple(r[k] for k in key): r for r in read_rows(Path(o.data["angles"]))} for o in (cpu, there)]
     if set(rows[0]) != set(rows[1]) or not rows[0]:
-        return Outcome(
-            "probe agreement", False, "the two analyses measured different sites", there.seconds, details
-        )
+        return Outcome("probe agreement", False, "the two analyses measured different sites", there.seconds,
+                       details)
     worst = max(((abs(rows[0][k][f] - rows[1][k][f]), k, f) for k in rows[0] for f in ANGLE_FIELDS),
                 key=lambda item: item[0])
     ok = worst[0] <= ANGLE_TOLERANCE_DEG
-    summary = (
-        f"{ctx.mode.device} vs cpu, float32, {len(rows[0])} rows × {len(ANGLE_FIELDS)} angle statistics: "
-        f"largest difference {worst[0]:.2e}° ({worst[2]} at layer {worst[1][0]} {worst[1][1]} vs "
-        f"{worst[1][2]}); "
-        f"tolerance {ANGLE_TOLERANCE_DEG:g}°"
-    )
+    summary = (f"{ctx.mode.device} vs cpu, float32, {len(rows[0])} rows × {len(ANGLE_FIELDS)} angle "
+               f"statistics: largest difference {worst[0]:.2e}° ({worst[2]} at layer {worst[1][0]} "
+               f"{worst[1][1]} vs {worst[1][2]}); tolerance {ANGLE_TOLERANCE_DEG:g}°")
     return Outcome("probe agreement", ok, summary, cpu.seconds + there.seconds, details)
 
 
@@ -777,13 +666,10 @@ def norm_cost(ctx: Context) -> Outcome:
              "--target-ms", "1"] if ctx.mode.standin else ["--dims", "2048,8192", "--repeats", "5"])
     cells, details, seconds, missed = [], [], 0.0, False
     for dtype in ("float32", "bfloat16"):
-        done, shown, took = ctx.run(
-            [sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"],
-            ctx.mode.budget(150),
-        )
+        command = [sys.executable, "bench/norm_cost.py", *base, "--dtype", dtype, "--markdown"]
+        done, shown, took, reason = ctx.run(command, ctx.mode.budget(150))
         seconds += took
         details.append(f"- `{shown}`")
-        reason = failure(done, took, ctx)
         if reason is not None:
             return Outcome("norm cost", False, reason, seconds, details)
         found = re.findall(r"^d=(\d+)\s+(\S+)\s+(\S+)\s+median\s+([0-9.]+) ms.*?kernels\s+([0-9.na]+) ms\s+"
@@ -802,9 +688,8 @@ def norm_cost(ctx: Context) -> Outcome:
                 met = target_met("floor_fraction", fraction)
                 missed = missed or not met
                 shares.append(f"{impl} {kind} {fraction:.0%} ({met_word(met)})")
-        cells.append(
-            f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: " + ", ".join(shares)
-        )
+        cells.append(f"{dtype}, d = {widest}, copy {float(bandwidth.group(1)):.4g} GB/s: "
+                     + ", ".join(shares))
         details.append(f"- {ctx.shown(done.stdout.splitlines()[0])}")
     summary = ("kernel time (torch.profiler) as a share of the floor, target ≥ "
                f"{TARGETS['floor_fraction']:.0%} for compiled or liger: " + "; ".join(cells))
@@ -813,10 +698,9 @@ def norm_cost(ctx: Context) -> Outcome:
 
 def efficiency_parts(ctx: Context, sizes: Sequence[str], out: Path) -> Parts:
     """The efficiency parts of ``sizes``: on a GPU each size its own part, process and time budget, their page
-    written once all have run (check()); on the stand-in (the same tiny model for every size) one process
-    measures them all, one row per size, as a train part trains both arms, and writes their page at once,
-    beside the other parts: a process's start-up (torch, Lightning) and its first compilation were most of
-    a size's time there."""
+    written once all have run (check()); on the stand-in (one tiny model for every size) one process measures
+    them all, a row per size, and writes their page: a process's start-up and first compilation were most of a
+    size's time there."""
     if ctx.mode.standin and sizes:
 
         def measured() -> list[Outcome]:
@@ -835,8 +719,8 @@ def efficiency(ctx: Context, sizes: Sequence[str]) -> list[Outcome]:
     standin = ["--standin", "--device", "cpu", *STANDIN_EFFICIENCY] if ctx.mode.standin else []
     command = [sys.executable, "bench/efficiency.py", "--sizes", ",".join(sizes), *standin, "--json",
                str(result_file)]
-    done, shown, seconds = ctx.run(command, ctx.mode.budget(sum(EFFICIENCY_BUDGETS[size] for size in sizes)))
-    reason = failure(done, seconds, ctx)
+    budget = ctx.mode.budget(sum(EFFICIENCY_BUDGETS[size] for size in sizes))
+    done, shown, seconds, reason = ctx.run(command, budget)
     if reason is not None:
         return [Outcome(f"efficiency {size}", False, reason, seconds, [f"- `{shown}`"]) for size in sizes]
     results = json.loads(result_file.read_text())["results"]
@@ -861,56 +745,35 @@ def efficiency_page(ctx: Context, rows: Sequence[Outcome], out: Path) -> None:
     files = list(dict.fromkeys(str(row.data["file"]) for row in rows if row.passed))
     if not files:
         return
-    done = subprocess.run(
-        [sys.executable, "bench/efficiency.py", "--page", str(out / EFFICIENCY_PAGE), *files],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=ctx.env,
-        timeout=120,
-    )
+    command = [sys.executable, "bench/efficiency.py", "--page", str(out / EFFICIENCY_PAGE), *files]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=ctx.env, timeout=120)
     for row in rows:
         if done.returncode == 0:
             row.details.append(f"- its rows on `{EFFICIENCY_PAGE}` beside this page")
         else:
             row.passed = False
-            row.details.append(
-                f"- `{EFFICIENCY_PAGE}` not written: {ctx.shown(error_line(done.stderr))[:300]}"
-            )
+            why = ctx.shown(error_line(done.stderr))[:300]
+            row.details.append(f"- `{EFFICIENCY_PAGE}` not written: {why}")
 
 
 def analyze_smollm2(ctx: Context) -> Outcome:
     out = ctx.work / "analyze-smollm2"
-    # The stand-in's CPU takes minutes over the GPU's settings:
-    # fewer tokens, no null directions, no intervention.
+    # The stand-in's CPU would take minutes over the GPU's settings: fewer tokens, no null directions or
+    # intervention.
     tokens, extra = ((256, ["model.seq_len=128", "probe.null_directions=0", "probe.intervention=[]"])
                      if ctx.mode.standin else (16384, []))
-    done, shown, seconds = ctx.run(
-        [
-            sys.executable,
-            "analyze.py",
-            "model=smollm2-135m",
-            *extra,
-            "probe=pydoc",
-            f"probe.tokens={tokens}",
-            f"device={ctx.mode.device}",
-            "progress=false",
-            f"out_dir={out}",
-        ],
+    done, shown, seconds, reason = ctx.run(
+        [sys.executable, "analyze.py", "model=smollm2-135m", *extra, "probe=pydoc", f"probe.tokens={tokens}",
+         f"device={ctx.mode.device}", "progress=false", f"out_dir={out}"],
         ctx.mode.budget(180),
     )
-    reason = failure(done, seconds, ctx)
     if reason is not None:
         return Outcome("analyze smollm2", False, reason, seconds, [f"`{shown}`"])
     rows = read_rows(out / ANGLES_FILE)
     ones = [r["mean_deg"] for r in rows if r["ref"] == "ones" and r["site"].endswith(".in")]
-    summary = (
-        f"{len(rows)} angle rows in {seconds:.0f} s ({tokens:,} "
-        f"tokens{'' if extra else ', the default probe'}); "
-        f"mean angle with 1 at the norm inputs {min(ones):.1f}°–{max(ones):.1f}°"
-        if ones
-        else f"{len(rows)} angle rows"
-    )
+    which = "" if extra else ", the default probe"
+    summary = (f"{len(rows)} angle rows in {seconds:.0f} s ({tokens:,} tokens{which}); mean angle with 1 at "
+               f"the norm inputs {min(ones):.1f}°–{max(ones):.1f}°" if ones else f"{len(rows)} angle rows")
     return Outcome("analyze smollm2", bool(ones), summary, seconds, [f"- `{shown}`"])
 
 
@@ -968,11 +831,9 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
         "# GPU check",
         "",
         f"Generated by `{command}` on {started:%Y-%m-%d %H:%M} UTC: {machine}; torch "
-        f"{info.get('torch', torch.__version__)}"
-        f" (CUDA {info.get('cuda', torch.version.cuda)}), lightning "
-        f"{info.get('lightning', L.__version__)}, python "
-        f"{info.get('python', platform.python_version())}. Whole run {wall_s:.0f} s. Do not edit: "
-        "run it again.",
+        f"{info.get('torch', torch.__version__)} (CUDA {info.get('cuda', torch.version.cuda)}), lightning "
+        f"{info.get('lightning', L.__version__)}, python {info.get('python', platform.python_version())}. "
+        f"Whole run {wall_s:.0f} s. Do not edit: run it again.",
         "",
     ]
     if ctx.mode.standin:
@@ -983,10 +844,9 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
         ]
     else:
         lines += [
-            f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; "
-            "measured peak "
-            "memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor; a row "
-            "that ran but missed its target has the status missed (FAILED: it did not run). "
+            f"Targets (reported against, not enforced): MFU at 410m ≥ {TARGETS['mfu_410m']:.0%}; measured "
+            "peak memory within 10% of the plan; compiled norm kernels ≥ 70% of the copy-bandwidth floor; a "
+            "row that ran but missed its target has the status missed (FAILED: it did not run). "
             "`<work>` is the check's scratch folder.",
             "",
         ]
@@ -1000,29 +860,20 @@ def page(outcomes: list[Outcome], ctx: Context, info: dict, started: datetime.da
     rows = sorted([*outcomes, *kept], key=lambda r: page_position(r.path))  # kept rows in their places
     for r in rows:
         lines.append(r.row if isinstance(r, KeptRow) else
-                     f"| {r.path} | {r.status} | {r.summary.replace('|', '/')} | "
-                     f"{r.seconds:.0f} |")
+                     f"| {r.path} | {r.status} | {r.summary.replace('|', '/')} | {r.seconds:.0f} |")
     for r in rows:
         if isinstance(r, KeptRow):
-            lines += [
-                "",
-                f"## {r.path}",
-                "",
-                f"_kept from the run of {r.generated} UTC_",
-                "",
-                *(r.section or ["-"]),
-            ]
+            lines += ["", f"## {r.path}", "", f"_kept from the run of {r.generated} UTC_", "",
+                      *(r.section or ["-"])]
         else:
             lines += ["", f"## {r.path}", "", *(r.details or ["-"])]
     return "\n".join(ctx.shown(line) for line in lines) + "\n"
 
 
-def check(
-    mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER, seconds: float | None = None
-) -> int:
-    """Run ``parts`` (all by default; the environment always) and write the
-    page. A page of some parts keeps the other parts' rows from the page
-    already in ``out``, each marked with the date of the run that made it."""
+def check(mode: Mode, out: Path, work_root: Path, parts: Sequence[str] = ORDER,
+          seconds: float | None = None) -> int:
+    """Run ``parts`` (all by default; the environment always) and write the page. A page of some parts keeps
+    the other parts' rows from the page already in ``out``, each marked with the date of its run."""
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
     work_root.mkdir(parents=True, exist_ok=True)
@@ -1043,13 +894,10 @@ def check(
     results, planned = (standin_parts if mode.standin else device_parts)(ctx, timed, chosen, sizes)
     outcomes: list[Outcome] = []
     for name in (n for n in ORDER if n in results):  # the page's order, whatever the order of the runs
-        result = results[name]
-        outcomes += result if isinstance(result, list) else [result]
+        rows = results[name] if isinstance(results[name], list) else [results[name]]
+        outcomes += rows
         if name.startswith("train "):
-            size = name.split()[1]
-            outcomes.append(
-                memory(ctx, size, result if isinstance(result, list) else [result], planned[size])
-            )
+            outcomes.append(memory(ctx, name.split()[1], rows, planned[name.split()[1]]))
     info = results["environment"].data if isinstance(results["environment"], Outcome) else {}
     if not mode.standin:  # the stand-in's efficiency part wrote the page (efficiency_parts)
         efficiency_page(ctx, [o for o in outcomes if o.path.startswith("efficiency ")], out)
@@ -1058,11 +906,8 @@ def check(
     atomic_write_text(out / PAGE, text)  # a page is replaced whole or not at all
     failed = [o.path for o in outcomes if not o.passed]
     missed = sum(o.status == "missed" for o in outcomes)
-    print(
-        f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} "
-        f"paths ran ({missed} of them missed a target) "
-        f"in {time.monotonic() - clock:.0f} s"
-    )
+    print(f"written {ctx.shown(str(out / PAGE))}: {len(outcomes) - len(failed)} of {len(outcomes)} paths ran "
+          f"({missed} of them missed a target) in {time.monotonic() - clock:.0f} s")
     if failed:
         print(f"bench/gpu_check.py: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -1079,13 +924,10 @@ def untimed_parts(ctx: Context, reference: Future | None) -> dict[str, Callable[
     }
 
 
-def device_parts(
-    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
-) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
-    """On a GPU: the timed parts take the device one at a time, while the host lane (no GPU: the CPU
-    reference) runs beside them; then the untimed parts share the device, side by side, and the plans (each
-    measures its step on the device) follow the timed parts in the host lane. Per part its outcome, and per
-    size its plan."""
+def device_parts(ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]) -> Results:
+    """On a GPU: the timed parts take the device one at a time, the host lane (the CPU reference) beside them;
+    then the untimed parts share the device, side by side, and the plans (each measures its step on the
+    device) follow the timed parts in the host lane."""
     with ThreadPoolExecutor(1) as host:
         reference = host.submit(probe_reference, ctx) if "probe agreement" in chosen else None
         results = {name: guarded(name, fn) for name, fn in timed.items()}
@@ -1098,14 +940,11 @@ def device_parts(
     return results, planned
 
 
-def standin_parts(
-    ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]
-) -> tuple[dict[str, Outcome | list[Outcome]], dict[str, Outcome]]:
-    """On the CPU stand-in nothing is timed: the parts, the plans and the CPU reference all run side by side,
-    STANDIN_LANES at a time, roughly the longest first so that the lanes end together: the efficiency sizes'
-    one process and its page, the CPU reference, the untimed parts (two runs each, or the SmolLM2 weights'
-    conversion), the other parts, the plans; the probe agreement last, as it waits for the reference. Per
-    part its outcome, and per size its plan."""
+def standin_parts(ctx: Context, timed: Parts, chosen: set[str], sizes: Sequence[str]) -> Results:
+    """On the CPU stand-in nothing is timed: the parts, the plans and the CPU reference run STANDIN_LANES at a
+    time, roughly the longest first so that the lanes end together (the efficiency sizes' one process, the CPU
+    reference, the untimed parts, the other parts, the plans); the probe agreement last: it waits for the
+    reference."""
     with ThreadPoolExecutor(STANDIN_LANES) as lanes:
         first = {name: fn for name, fn in timed.items() if name.startswith("efficiency ")}
         futures = {name: lanes.submit(guarded, name, fn) for name, fn in first.items()}
@@ -1123,48 +962,35 @@ def standin_parts(
 
 
 def guarded(name: str, fn: Callable[[], Outcome | list[Outcome]]) -> Outcome | list[Outcome]:
-    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts still
-    run."""
+    """A part that raises (a parse error, a missing file) becomes its failed row; the other parts run on."""
     start = time.monotonic()
     try:
         return fn()
     except Exception as err:
-        return Outcome(
-            name,
-            False,
-            f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
-            time.monotonic() - start,
-        )
+        return Outcome(name, False, error_text(err), time.monotonic() - start)
+
+
+def refused(message: str) -> int:
+    print(f"bench/gpu_check.py: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--cpu-standin", action="store_true", help="run every part at the smallest sizes on the CPU"
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-standin", action="store_true",
+                        help="run every part at the smallest sizes on the CPU")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"folder for {PAGE} (default: docs/; required with --cpu-standin)")
-    parser.add_argument(
-        "--work",
-        type=Path,
-        default=None,
-        help="scratch folder for the runs (default: outputs/gpu_check, or DIR/work with --out DIR)",
-    )
-    parser.add_argument(
-        "--parts",
-        default=None,
-        help=f"comma-separated parts to run again (of: {', '.join(ORDER)}); the page keeps the other "
-        "parts' rows from its earlier run, marked kept",
-    )
-    parser.add_argument(
-        "--seconds",
-        type=float,
-        default=None,
-        help=f"the whole run's time (default {WHOLE_BUDGET_S} on a GPU, {STANDIN_BUDGET_S} stand-in): "
-        "parts still running then fail as out of time, and the page is written",
-    )
+    parser.add_argument("--work", type=Path, default=None,
+                        help="scratch folder for the runs (default: outputs/gpu_check, or DIR/work with "
+                        "--out DIR)")
+    parser.add_argument("--parts", default=None,
+                        help=f"comma-separated parts to run again (of: {', '.join(ORDER)}); the page keeps "
+                        "the other parts' rows from its earlier run, marked kept")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"the whole run's time (default {WHOLE_BUDGET_S} on a GPU, {STANDIN_BUDGET_S} "
+                        "stand-in): parts still running then fail as out of time, and the page is written")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1178,29 +1004,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not mode.standin and (
         reason := missing_cuda("device", "cuda", "--cpu-standin --out DIR to check every path on the CPU")
     ):
-        print(f"bench/gpu_check.py: {reason}", file=sys.stderr)
-        return 2
+        return refused(reason)
     if mode.standin and args.out is None:
-        print(
-            "bench/gpu_check.py: --cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)",
-            file=sys.stderr,
-        )
-        return 2
-    parts = (
-        ORDER if args.parts is None else tuple(part.strip() for part in args.parts.split(",") if part.strip())
-    )
+        return refused("--cpu-standin needs --out DIR (its page never replaces docs/gpu_numbers.md)")
+    parts = ORDER if args.parts is None else tuple(p.strip() for p in args.parts.split(",") if p.strip())
     if unknown := [part for part in parts if part not in ORDER]:
-        print(f"bench/gpu_check.py: --parts: unknown part(s) {', '.join(map(repr, unknown))}; choose from: "
-              f"{', '.join(ORDER)}", file=sys.stderr)
-        return 2
+        return refused(f"--parts: unknown part(s) {', '.join(map(repr, unknown))}; choose from: "
+                       f"{', '.join(ORDER)}")
     out = args.out if args.out is not None else ROOT / "docs"
     work = args.work or (args.out / "work" if args.out is not None else ROOT / "outputs" / "gpu_check")
     if args.seconds is not None and args.seconds <= 0:
-        print(
-            f"bench/gpu_check.py: --seconds {args.seconds:g}: give a positive number of seconds",
-            file=sys.stderr,
-        )
-        return 2
+        return refused(f"--seconds {args.seconds:g}: give a positive number of seconds")
     return check(mode, out.resolve(), work.resolve(), parts, args.seconds)
 
 

@@ -5,18 +5,14 @@ forward, and a `norm.impl=compiled` norm's forward + backward against the stock 
 host-device synchronizations (``probe_cost.HOST_SYNC_OPS``, which the CPU's profile counts as a GPU would wait
 for them) and the wall time against the summed kernel time: far above it, the GPU waits on the host.
 
-    python bench/gpu_profile.py --out docs/gpu_profile.md
-        # on a GPU: 70m probe over 32768 tokens, norms at d = 2048
-    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256
-        # the same on the CPU, printed
+    python bench/gpu_profile.py --out docs/gpu_profile.md      # a GPU: 70m probe, 32768 tokens; norms at 2048
+    python bench/gpu_profile.py --device cpu --size tiny --tokens 1024 --dim 256           # the CPU, printed
     python bench/gpu_profile.py --device cpu --size 70m --tokens 8192 --batch-size 4 --probe-only
         # the probe's ops on the CPU: the host syncs it would make on a GPU, and its aten ops
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import shlex
 import sys
 import time
@@ -24,10 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-# The sibling scripts' own pieces (the script's folder is
-# on sys.path): the same probe and norm calls they time.
-from norm_cost import EPS, forward_backward, synchronize
+from benchlib import refused, script_parser, synchronize, utc_stamp
+from norm_cost import EPS, forward_backward
 from probe_cost import gpt_subject, op_counts, plain_forward, probe, token_ids
 from torch.profiler import ProfilerActivity, profile
 
@@ -45,8 +39,8 @@ def sync_summary(counts: dict[str, int]) -> str:
     return f"{counts['syncs']}" + (f" ({', '.join(named)})" if named else "")
 
 
-def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int, probe_scope: bool = False
-             ) -> str:
+def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: int,
+             probe_scope: bool = False) -> str:
     """One warm-up call, then one profiled call: wall time, device time, the top operators, the syncs.
     ``probe_scope``: the call is a probe; its ops inside ``run_probe`` (the batches) are counted apart."""
     fn()
@@ -64,42 +58,27 @@ def profiled(name: str, fn: Callable[[], object], device: torch.device, rows: in
     launches = sum(e.count for e in events if e.key == "cudaLaunchKernel")
     syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
     every = op_counts(prof.events(), scope=None)
-    ops = [
-        f"- aten ops: {every['aten']} ({every['aten_outermost']} called from Python); host-sync aten ops "
-        f"(a wait for the GPU each, there): {sync_summary(every)}"
-    ]
+    ops = [f"- aten ops: {every['aten']} ({every['aten_outermost']} called from Python); host-sync aten ops "
+           f"(a wait for the GPU each, there): {sync_summary(every)}"]
     if probe_scope:
         batches = op_counts(prof.events())
         ops.append(f"- in the probe's batches (run_probe, without the records): aten ops {batches['aten']} "
                    f"({batches['aten_outermost']} called from Python); host-sync aten ops: "
                    f"{sync_summary(batches)}")
-    lines = [
-        f"## {name}",
-        "",
-        f"- wall {wall * 1e3:.1f} ms (profiled); kernels {device_us / 1e3:.1f} ms on the device, "
-        f"{kernels} of them"
-        f" ({launches} launches)",
-        "- host-device syncs and copies: "
-        + (", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"),
-        *ops,
-    ]
+    copies = ", ".join(f"{k} ×{v}" for k, v in sorted(syncs.items())) or "none"
+    lines = [f"## {name}", "",
+             f"- wall {wall * 1e3:.1f} ms (profiled); kernels {device_us / 1e3:.1f} ms on the device, "
+             f"{kernels} of them ({launches} launches)",
+             f"- host-device syncs and copies: {copies}", *ops]
     tables = [("self device time", "self_cuda_time_total")] if device.type == "cuda" else []
     for title, key in [*tables, ("self CPU time", "self_cpu_time_total")]:
-        lines += [
-            "",
-            f"By {title}:",
-            "",
-            "```",
-            events.table(sort_by=key, row_limit=rows, max_name_column_width=60),
-            "```",
-        ]
+        table = events.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        lines += ["", f"By {title}:", "", "```", table, "```"]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="70m")
     parser.add_argument("--tokens", type=int, default=32768)
@@ -107,15 +86,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048, help="the norms' width")
     parser.add_argument("--norm-tokens", type=int, default=8192)
     parser.add_argument("--rows", type=int, default=15, help="operators listed per table")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="write the page there (markdown) as well as print it"
-    )
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the page there (markdown) as well as print it")
     parser.add_argument("--probe-only", action="store_true", help="profile the probe alone, not the norms")
     args = parser.parse_args()
     device = torch.device(args.device)
     if reason := missing_cuda("--device", args.device, "--device cpu"):
-        print(f"bench/gpu_profile.py: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(refused("gpu_profile.py", reason))
 
     subject = gpt_subject(args.size, device)
     ids = token_ids(args.tokens)
@@ -143,12 +120,8 @@ def main() -> None:
             sections.append(section(name, run))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = shlex.join(["python", "bench/gpu_profile.py", *sys.argv[1:]])
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    page = (
-        f"# Where the GPU time goes\n\nGenerated by `{command}` on {stamp}: {machine}, torch "
-        f"{torch.__version__}. "
-        "Do not edit: run it again.\n\n" + "\n".join(sections)
-    )
+    page = (f"# Where the GPU time goes\n\nGenerated by `{command}` on {utc_stamp()}: {machine}, torch "
+            f"{torch.__version__}. Do not edit: run it again.\n\n" + "\n".join(sections))
     print(page)
     if args.out is not None:
         args.out.write_text(page)

@@ -1,11 +1,9 @@
 """What the harness adds to an optimizer step: its host syncs, and its host time against the bare step.
 
-- **host syncs**: counted per optimizer step over a real ``train()`` run under torch.profiler, with
-  ``bench/probe_cost.py``'s counter (:func:`probe_cost.op_counts`); the logging steps
-  (``LitGPT.reports_at``) read the loss back on purpose, the others should read nothing.
-- **host time**: on the smallest model, the harness's time per optimizer step against the bare step of
-  ``bench/efficiency.py`` (``efficiency.Arm``) of the same config, the two alternating step by step
-  (:class:`PairedBare`); over ``--repeats`` runs their medians and ratio, wall and CPU time.
+- **host syncs**: per optimizer step of a real ``train()`` run, counted by :func:`probe_cost.op_counts`; the
+  logging steps (``LitGPT.reports_at``) read the loss back on purpose, the others should read nothing.
+- **host time**: on the smallest model, a harness step against the bare step (``efficiency.Arm``) of the same
+  config, alternated step by step; over ``--repeats`` runs their medians and ratio, wall and CPU time.
 
 docs/benchmarks.md ("The harness's own cost per optimizer step") explains the method.
 
@@ -15,24 +13,22 @@ docs/benchmarks.md ("The harness's own cost per optimizer step") explains the me
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gc
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
+from benchlib import script_parser
 from efficiency import STANDIN, Arm
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from probe_cost import op_counts
 from torch.profiler import ProfilerActivity, profile, record_function
-from train_throughput import scratch
 
 from callbacks.run import train
 from normgeo.config.checks import check_config
@@ -140,25 +136,8 @@ def paired_step_s(overrides: Sequence[str], arm: Arm, batches: list[tuple[torch.
             for name, values in paired.times.items()}
 
 
-def bare_arm(overrides: Sequence[str]) -> tuple[Arm, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The bare step of the harness's config (efficiency.Arm), and two fixed batches of its shape."""
-    arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=overrides)
-    return arm, arm.batches()
-
-
-def listing(values: Sequence[float], scale: float = 1e3) -> str:
-    return ", ".join(f"{v * scale:.3f}" for v in values)
-
-
-@contextlib.contextmanager
-def working_folder() -> Iterator[Path]:
-    with scratch(Path(tempfile.mkdtemp(prefix="normgeo-harness-"))) as folder:
-        yield folder
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--sync-steps", type=int, default=24, help="optimizer steps of the profiled run")
     parser.add_argument("--log-every", type=int, default=10, help="log_every of the runs (train.py's)")
     parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per run")
@@ -170,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("every count must be at least 1")
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(args.threads)
-    with working_folder() as work:
+    with tempfile.TemporaryDirectory(prefix="normgeo-harness-", ignore_cleanup_errors=True) as folder:
+        work = Path(folder)
         shared = [*SHAPE, *HARNESS, f"log_every={args.log_every}", f"threads={args.threads}",
                   f"data_root={work / 'data'}"]
         make_datamodule(check_config("train", compose_run(shared))).prepare_data()  # tokenized before any run
@@ -188,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"SYNCS OUTSIDE LOGGING STEPS: {outside} in {len(other)} steps "
               f"({outside / max(len(other), 1):.2f} per step); at logging steps "
               f"{statistics.median(counts[s]['syncs'] for s in logging):.0f} per step (median)")
-        arm, batches = bare_arm(shared)
+        # The bare step of the harness's config, and two fixed batches of its shape.
+        arm = Arm("tiny", "layer", "eager", torch.device("cpu"), standin=False, extra=shared)
+        batches = arm.batches()
         times: dict[str, list[tuple[float, float]]] = {"harness": [], "bare": []}
         for repeat in range(args.repeats):
             gc.collect()
@@ -204,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, values in times.items():
             column = [value[index] for value in values]
             medians[name, clock] = statistics.median(column)
-            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {listing(column)}")
+            all_ms = ", ".join(f"{v * 1e3:.3f}" for v in column)
+            print(f"  {name:7s} {clock:4s} median {medians[name, clock] * 1e3:8.3f}  all {all_ms}")
     print("HARNESS / BARE (medians): "
           + ", ".join(f"{clock} {medians['harness', clock] / medians['bare', clock]:.3f} "
                       f"({(medians['harness', clock] - medians['bare', clock]) * 1e3:+.3f} ms a step)"

@@ -1,27 +1,18 @@
 """Cost of the probe next to a plain eval forward pass over the same tokens, and its peak memory.
 
-Every probe variant is the pipeline the training probe and ``analyze.py`` run
-(:func:`normgeo.measure.pipeline.measure_records`, records included); the baseline is the same model in eval
-mode under no_grad with no hooks. Two token counts:
+Every variant is the pipeline the training probe and ``analyze.py`` run (``measure_records``, records
+included); the baseline is the same model in eval mode under no_grad with no hooks. Over ``--tokens`` (more
+than the intervention's budget): the angle probe alone (K = 0; K = 64 + energy), the **default probe** (K = 64
++ energy + the intervention's default scope on the first ``probe.intervention_tokens``), and it with the
+per-block breakdown; over ``--budget-tokens`` (all intervened on): the all-norms scope, and the breakdown
+resumed mid-stack and re-run from the embeddings, so that the scopes' own cost reads in plain forwards.
+Variants are interleaved within each repeat; the load average is printed. Peak memory (ru_maxrss, the default
+probe) is measured in a fresh process per token count, to show it does not grow with N.
 
-- ``--tokens`` (a probe larger than the intervention's budget, as the paper's 1M-token probes are): the angle
-  probe alone (K = 0; K = 64 + energy, as trained), the **default probe**: K = 64 + energy + the centering
-  intervention's default scope (all norms at once) on the first ``probe.intervention_tokens``, and the same
-  with the per-block breakdown (all + one block at a time);
-- ``--budget-tokens`` (the whole probe intervened on): the all-norms scope, and the breakdown resumed
-  mid-stack (as it runs) and re-run from the embeddings (``resume_mid_stack=False``), so that the scopes'
-  own cost reads in plain forwards.
-
-Variants are interleaved within each repeat so that machine noise hits them alike; the load average is
-printed with the numbers. Peak memory is measured in a fresh process per token count (ru_maxrss, the default
-probe), to show it does not grow with N.
-
-``--table``: the variants of issue 73 over ``--tokens`` (the intervention on every one of them), each against
-the plain forward of the same model over the same tokens, medians of the interleaved repeats: the angle probe
-alone (K = 0, no intervention, no mean sources), + 64 null directions, energy and mean sources, the default
-probe, and the default probe without ``mean_sources.jsonl``. ``--model`` takes any ``analyze.py`` preset
-(conf/analyze/model/) in place of a GPT size: the probe is then analyze.py's (the model's own forward, the LM
-head loaded only for the intervention, seeded random token ids with the model's separator every 97 tokens).
+``--table``: the variants of issue 73 (:data:`TABLE`) over ``--tokens``, every token intervened on, each
+against the plain forward over the same tokens, medians of the interleaved repeats. ``--model`` takes an
+``analyze.py`` preset (conf/analyze/model/) for a GPT size: the probe is then analyze.py's (the model's own
+forward, the LM head only for the intervention, seeded random token ids, the model's separator every 97).
 
     python bench/probe_cost.py                       # 70m, 32768 + 4096 tokens, memory at 4096 and 16384
     python bench/probe_cost.py --size 160m --tokens 65536 --memory-tokens 8192 65536
@@ -60,8 +51,8 @@ from normgeo.runs.build import make_module
 
 BREAKDOWN = ("all", "layers")  # the per-block breakdown a user asks for (probe.intervention=[all,layers])
 # The aten ops that hand a tensor's value (or its size) to the host: on a GPU each waits for every queued
-# kernel. On the CPU they cost nothing, but the profiler records them: counted there, they are the
-# syncs the same code makes on a GPU (a copy of a GPU tensor to the CPU is one too, invisible on the CPU).
+# kernel. The CPU's profiler records them too: counted there, they are the syncs the same code makes on a GPU
+# (a copy of a GPU tensor to the CPU is one too, invisible on the CPU).
 HOST_SYNC_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
     "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
@@ -72,13 +63,12 @@ CPU_KERNEL_READS = frozenset({"aten::_fused_adamw_", "aten::_fused_adam_"})
 
 
 def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> dict[str, int]:
-    """Among profiled CPU ``events`` (``prof.events()``), inside the ``scope`` label (run_probe's batches;
-    None: all): ``syncs``, the host-sync ops of :data:`HOST_SYNC_OPS` not inside another (``item`` calls
-    ``_local_scalar_dense``: one sync) nor inside an op of :data:`CPU_KERNEL_READS`, ``aten`` every aten op,
-    ``aten_outermost`` those called from Python (not from another aten op: about one kernel launch each on a
-    GPU), and each sync op's own count."""
-    # Per event, from its parent's: (inside the scope, inside an aten op, inside a host-sync op or a CPU
-    # kernel's own read).
+    """Among profiled CPU ``events`` (``prof.events()``) inside the ``scope`` label (run_probe's batches;
+    None: all): ``syncs``, the ops of :data:`HOST_SYNC_OPS` not inside another (``item`` calls
+    ``_local_scalar_dense``: one sync) nor inside one of :data:`CPU_KERNEL_READS`; ``aten``, every aten op;
+    ``aten_outermost``, those called from Python (about one kernel launch each on a GPU); each sync op's
+    count."""
+    # Per event, from its parent's: inside the scope, an aten op, a sync op or a CPU kernel's own read.
     flags: dict[int, tuple[bool, bool, bool]] = {}
 
     def of(event: FunctionEvent | None) -> tuple[bool, bool, bool]:
@@ -107,11 +97,9 @@ def op_counts(events: list[FunctionEvent], scope: str | None = PROBE_SCOPE) -> d
 
 
 class Subject(NamedTuple):
-    """The model a probe is timed on: a GPT of ours or an analyze.py preset, with what the probe needs.
-
-    ``model`` is what the probe measures (with the LM head where the intervention needs one), ``forward``
-    runs it on token ids (None: ``model(batch)``); ``base`` is the plain forward the probe is compared with
-    and that the probe without the intervention measures, as analyze.py loads no head then."""
+    """The model a probe is timed on, a GPT of ours or an analyze.py preset: ``model`` (with the LM head where
+    the intervention needs one), ``forward`` on token ids (None: ``model(batch)``), and ``base``, the plain
+    forward compared with (and that the probe without the intervention measures: analyze.py loads no head)."""
 
     name: str
     model: nn.Module
@@ -184,54 +172,35 @@ def probe(
     mean_sources: bool = True,
 ) -> None:
     """The pipeline's probe of ``ids``: angles with ``null`` null directions (and the energy, ellipsoid, mean
-    sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens; the
-    document starts found as the training probe finds them, after GPT-2's end-of-text."""
+    sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
     config = ProbeConfig(tokens=len(ids), null_directions=null, intervention=list(scopes),
                          intervention_tokens=budget, mean_sources=mean_sources)
     headless = subject.forward is not None and not scopes  # analyze.py loads no LM head without them
-    measure_records(
-        subject.model,
-        ids,
-        subject.seq_len,
-        make_references(subject.dim, config.seed, null),
-        config,
-        batch_size=batch_size,
-        model_name="bench",
-        step=0,
-        tokens_per_step=None,
-        with_null=energy_and_rows,
-        norms=subject.norms,
-        forward=subject.base if headless else subject.forward,
-        resume_mid_stack=resume,
-        separator=subject.separator,
-    )
+    references = make_references(subject.dim, config.seed, null)
+    measure_records(subject.model, ids, subject.seq_len, references, config, batch_size=batch_size,
+                    model_name="bench", step=0, tokens_per_step=None, with_null=energy_and_rows,
+                    norms=subject.norms, forward=subject.base if headless else subject.forward,
+                    resume_mid_stack=resume, separator=subject.separator)
 
 
 def peak_rss_child(subject: Subject, tokens: int, batch_size: int, device: torch.device) -> None:
     probe(subject, token_ids(tokens, subject), batch_size, scopes=DEFAULT_SCOPES)
     peak_gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    print(
-        json.dumps(
-            {
-                "tokens": tokens,
-                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "peak_gpu_mib": peak_gpu,
-            }
-        )
-    )
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"tokens": tokens, "peak_rss_mib": peak_rss, "peak_gpu_mib": peak_gpu}))
 
 
 def timed(variants: dict, subject: Subject, batch_size: int, repeats: int) -> dict[str, list[float]]:
+    # Queued kernels are counted in the variant that queued them.
     cuda = next(subject.model.parameters()).device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else lambda: None
     timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
         for name, fn in variants.items():
-            if cuda:  # queued kernels are counted in the variant that queued them
-                torch.cuda.synchronize()
+            synchronize()
             start = time.perf_counter()
             fn(subject, batch_size)
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize()
             timings[name].append(time.perf_counter() - start)
     return timings
 
@@ -270,23 +239,20 @@ def table(subject: Subject, tokens: int, batch_size: int, repeats: int) -> None:
     medians = {name: statistics.median(values) for name, values in timings.items()}
     print(f"{subject.name}: {tokens} probe tokens, batches of {batch_size} x {subject.seq_len}, {repeats} "
           f"interleaved repeat(s), load average before {before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    print("| variant | probe (median) | / plain forward | all |")
-    print("| --- | --- | --- | --- |")
+    print("| variant | probe (median) | / plain forward | all |\n| --- | --- | --- | --- |")
     for name, values in timings.items():
         print(f"| {name} | {medians[name]:.2f} s | {medians[name] / medians['plain forward']:.2f} | "
               f"{', '.join(f'{v:.2f}' for v in values)} |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="70m")
     parser.add_argument("--model", default=None,
                         help="an analyze.py preset (conf/analyze/model/: smollm2-135m, ...) for --size")
-    parser.add_argument(
-        "--tokens", type=int, default=32768, help="probe tokens of the default-probe comparison"
-    )
+    parser.add_argument("--tokens", type=int, default=32768,
+                        help="probe tokens of the default-probe comparison")
     parser.add_argument("--budget-tokens", type=int, default=4096,
                         help="probe tokens of the comparison that intervenes on all of them")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -333,10 +299,8 @@ def main() -> None:
         default: lambda m, b: probe(m, large, b, scopes=DEFAULT_SCOPES),
         f"{default} +layers": lambda m, b: probe(m, large, b, scopes=BREAKDOWN),
     }, subject, args.batch_size, args.repeats))
-    print(
-        f"DEFAULT PROBE / PLAIN FORWARD at {args.tokens} probe tokens: "
-        f"{best[default] / best['plain forward']:.3f}"
-    )
+    print(f"DEFAULT PROBE / PLAIN FORWARD at {args.tokens} probe tokens: "
+          f"{best[default] / best['plain forward']:.3f}")
     every = report(f"probe tokens={args.budget_tokens}, every one intervened on", timed({
         "plain forward": lambda m, b: plain_forward(m, small, b),
         "angle probe K=64 +energy": lambda m, b: probe(m, small, b),
@@ -352,40 +316,18 @@ def main() -> None:
                          ("+intervention all,layers resumed mid-stack", blocks + 2),
                          ("+intervention all,layers re-run from the embeddings", blocks + 2)):
         extra = (every[name] - angles) / every["plain forward"]
-        print(
-            f"  {name}: the {scopes} scope(s) cost {extra:.2f} plain forwards ({extra / scopes:.2f} "
-            "per scope)"
-        )
+        print(f"  {name}: the {scopes} scope(s) cost {extra:.2f} plain forwards ({extra / scopes:.2f} "
+              "per scope)")
     print(f"load average after={os.getloadavg()[0]:.2f}")
+    model = ["--model", args.model] if args.model else ["--size", args.size]
     for tokens in args.memory_tokens:
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                *(["--model", args.model] if args.model else ["--size", args.size]),
-                "--tokens",
-                str(tokens),
-                "--batch-size",
-                str(args.batch_size),
-                "--device",
-                args.device,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        child = [sys.executable, __file__, "--child", *model, "--tokens", str(tokens), "--batch-size",
+                 str(args.batch_size), "--device", args.device]
+        out = subprocess.run(child, capture_output=True, text=True, check=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        gpu = (
-            f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB"
-            if result["peak_gpu_mib"] is not None
-            else ""
-        )
-        print(
-            f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: "
-            f"{result['peak_rss_mib']:.0f} MiB"
-            f"{gpu}"
-        )
+        gpu = "" if result["peak_gpu_mib"] is None else f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB"
+        print(f"peak RSS of the default probe with probe.tokens={result['tokens']:>7d}: "
+              f"{result['peak_rss_mib']:.0f} MiB{gpu}")
 
 
 if __name__ == "__main__":

@@ -13,23 +13,20 @@ bests. With ``--arms`` the harness trains each norm arm instead, with each arm's
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gc
 import os
-import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
+from benchlib import markdown_table, rotated, script_parser, synchronize
 from hydra import compose, initialize_config_dir
-from norm_cost import synchronize
 from omegaconf import DictConfig
 
 from callbacks.run import train
@@ -92,20 +89,16 @@ def timed_steps(cfg: TrainSchema, skip: int, device: torch.device, step: Callabl
             start = time.perf_counter()
         step(index)
     synchronize(device)
-    return (
-        (cfg.max_steps - skip)
-        * tokens_per_step(cfg.global_batch, cfg.seq_len)
-        / (time.perf_counter() - start)
-    )
+    seconds = time.perf_counter() - start
+    return (cfg.max_steps - skip) * tokens_per_step(cfg.global_batch, cfg.seq_len) / seconds
 
 
 def plain_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> float:
     """The textbook loop on the harness's own parts: forward, backward (accumulated), clip, AdamW,
     schedule."""
     data = load_prepared(cfg.data.directory)
-    windows = TokenWindows(
-        str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch, cfg.seed
-    )
+    windows = TokenWindows(str(data.path("train")), data.num_tokens("train"), cfg.seq_len, cfg.global_batch,
+                           cfg.seed)
     module = make_module(cfg)
     model = module.model.to(device).train()
     # The harness's optimizer and schedule themselves, so that the loop is all that differs.
@@ -161,9 +154,12 @@ def minimal_tokens_per_s(cfg: TrainSchema, skip: int, device: torch.device) -> f
     return timed_steps(cfg, skip, device, step)
 
 
+def listing(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
 def summary(values: list[float]) -> str:
-    return (f"median {statistics.median(values):9.1f}   best {max(values):9.1f}   "
-            f"all {', '.join(f'{v:.1f}' for v in values)}")
+    return f"median {statistics.median(values):9.1f}   best {max(values):9.1f}   all {listing(values)}"
 
 
 def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
@@ -172,45 +168,24 @@ def ratio_line(name: str, top: list[float], bottom: list[float]) -> str:
 
 
 def markdown(results: dict[str, list[float]], reference: str) -> str:
-    lines = [
-        f"| variant | tokens/s median | best | all repeats | / {reference} (medians) | / {reference} "
-        "(bests) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
     ref = results[reference]
-    for name, values in results.items():
-        lines.append(
-            f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} | "
-            f"{', '.join(f'{v:.1f}' for v in values)} "
-            f"| {statistics.median(values) / statistics.median(ref):.3f} | {max(values) / max(ref):.3f} |"
-        )
-    return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def scratch(folder: Path) -> Iterator[Path]:
-    """``folder`` removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at
-    70m)."""
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    header = ["variant", "tokens/s median", "best", "all repeats", f"/ {reference} (medians)",
+              f"/ {reference} (bests)"]
+    return markdown_table(header, [
+        [name, f"{statistics.median(values):.1f}", f"{max(values):.1f}", listing(values),
+         f"{statistics.median(values) / statistics.median(ref):.3f}", f"{max(values) / max(ref):.3f}"]
+        for name, values in results.items()
+    ])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps not timed")
     parser.add_argument("--repeats", type=int, default=3, help="interleave the variants this many times")
-    parser.add_argument(
-        "--arms",
-        nargs="?",
-        const=",".join(NORM_ARMS),
-        default=None,
-        help="harness tokens/s per norm arm instead (comma-separated; alone: all of NORM_ARMS)",
-    )
+    parser.add_argument("--arms", nargs="?", const=",".join(NORM_ARMS), default=None,
+                        help="harness tokens/s per norm arm instead (comma-separated; alone: all of "
+                        "NORM_ARMS)")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args()
@@ -220,32 +195,21 @@ def main() -> None:
     if arms and (unknown := set(arms) - set(NORM_ARMS)):
         parser.error(f"unknown arm(s) {', '.join(sorted(unknown))}: choose among {', '.join(NORM_ARMS)}")
     os.environ.setdefault("WANDB_MODE", "offline")
-    workdir = Path(tempfile.mkdtemp(prefix="normgeo-bench-"))
-    overrides = [
-        "size=tiny",
-        "seq_len=256",
-        "global_batch=16",
-        "micro_batch=8",
-        "logger=none",
-        "probe.enabled=false",
-        "checkpoint.steps=[]",
-        "checkpoint.last_every=0",
-        "val_every=100000",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
-        f"max_steps={args.steps}",
-        "optim.warmup_steps=0",
-        f"data_root={workdir / 'data'}",
-        *args.overrides,
-    ]
+    # Removed when the timing ends: every harness run leaves a full-state last.ckpt (about 1 GB at 70m).
+    scratch = tempfile.TemporaryDirectory(prefix="normgeo-bench-", ignore_cleanup_errors=True)
+    workdir = Path(scratch.name)
+    overrides = ["size=tiny", "seq_len=256", "global_batch=16", "micro_batch=8", "logger=none",
+                 "probe.enabled=false", "checkpoint.steps=[]", "checkpoint.last_every=0", "val_every=100000",
+                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                 f"max_steps={args.steps}", "optim.warmup_steps=0", f"data_root={workdir / 'data'}",
+                 *args.overrides]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = arms or list(VARIANTS)
     results: dict[str, list[float]] = {name: [] for name in names}
     run = 0
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch(workdir):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), scratch:
         for repeat in range(args.repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in rotated(names, repeat):
                 extra = [f"norm={name}"] if arms else []
                 run_dir = f"run_dir={workdir / f'run{run}'}"
                 composed = compose("train", overrides=[*overrides, *extra, run_dir])
@@ -261,12 +225,10 @@ def main() -> None:
                 else:
                     results[name].append(minimal_tokens_per_s(cfg, args.skip, device))
     threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
-    print(
-        f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, "
-        f"global_batch={cfg.global_batch}, "
-        f"micro_batch={cfg.micro_batch}, steps timed={args.steps - args.skip} of {args.steps}, "
-        f"{args.repeats} interleaved repeats, order rotated"
-    )
+    timed = args.steps - args.skip
+    print(f"device: {device} ({threads}), size={cfg.size.name}, seq_len={cfg.seq_len}, "
+          f"global_batch={cfg.global_batch}, micro_batch={cfg.micro_batch}, steps timed={timed} "
+          f"of {args.steps}, {args.repeats} interleaved repeats, order rotated")
     width = max(len(name) for name in names)
     for name, values in results.items():
         print(f"{name:{width}s} tokens/s: {summary(values)}")
