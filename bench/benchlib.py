@@ -48,7 +48,7 @@ def rotated(items: Sequence[T], repeat: int) -> list[T]:
 
 
 def utc_stamp() -> str:
-    return f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
