@@ -68,7 +68,10 @@ def test_a_folder_with_logs_but_no_checkpoint_is_refused_and_untouched(finished_
                                                                       capsys) -> None:
     run_dir = tmp_path / "smoke-layer-s0"
     shutil.copytree(finished_smoke, run_dir)
-    shutil.rmtree(run_dir / "checkpoints")  # deleted, or a run killed before its first checkpoint
+    # A run killed before its first checkpoint: no checkpoints, no summary (with its summary, a finished run
+    # whose checkpoints were deleted is finished: tests/test_damaged_run_files.py).
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "summary.json").unlink()
     before = sha_tree(run_dir)
     result = train_in_process(run_dir, *SMOKE, "resume=auto", capsys=capsys)
     assert_refused(
