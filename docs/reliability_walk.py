@@ -171,8 +171,8 @@ CASES: tuple[Case, ...] = (
       "data.val_fraction"),
     c("t-run-name-data", "train.py", "run_name=data output_root={case}/o data_root={case}/o/data",
       "the run folder is data_root", 2, "would share a folder"),
-    c("t-costly-ckpt", "train.py", "max_steps=100000", "1,003 checkpoints", 130, "checkpoints of",
-      interrupt="checkpoints of"),
+    c("t-costly-steps", "train.py", "max_steps=100000", "500x the tiny preset's steps", 130,
+      "max_steps=100000", interrupt="max_steps=100000"),
     c("t-costly-null", "train.py", "probe.null_directions=50000", "a probe of 50,000 null directions", 130,
       "probe.null_directions", interrupt="probe.null_directions"),
     c("t-warmup", "train.py", "optim.warmup_steps=50 max_steps=2 probe.enabled=false", "warm-up past the end",
@@ -289,7 +289,8 @@ CASES: tuple[Case, ...] = (
     c("d-tokenizer", "corpus", "data=pydoc data.tokenizer=nosuch data_root={case}/d", "unknown encoding", 2,
       "data.tokenizer"),
     c("d-val-fraction", "corpus", "data=pydoc data_root={copy} data.val_fraction=0.5",
-      "another split than the prepared one", 2, "data.val_fraction", copy="data"),
+      "another split than the prepared one: prepared again, as asked", 0, "data.val_fraction=0.05, not 0.5",
+      copy="data", owns=("copy",)),
     c("d-key", "corpus", "data=pydoc data.val_fracton=0.1", "misspelled key", 2, "val_fracton"),
 )
 
