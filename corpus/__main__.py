@@ -20,7 +20,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from corpus.prepare import META_FILE, load_prepared, prepare
 from corpus.refusal import Refusal, refused
-from normgeo.config.checks import build, group_options, override_refusal, unknown_group_option
+from normgeo.config.checks import (
+    build,
+    group_options,
+    hydra_error_line,
+    override_refusal,
+    unknown_group_option,
+)
 from normgeo.config.compose import CONF_DIR, TRAIN_CONFIG_DIRS
 from normgeo.config.schema import check_data_path
 from normgeo.paths import check_own_folder
@@ -54,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         repair = str(data_cfg.prepare_command or " ".join(["python -m corpus", *overrides]))
         source = build(data_cfg.source, "data.source")  # a bug in a source keeps its traceback
     except (HydraException, OmegaConfBaseException, Refusal) as err:
-        print(f"{USAGE}\nerror: {err}", file=sys.stderr)
+        said = err if isinstance(err, Refusal) else hydra_error_line(err)  # Hydra's several lines in one
+        print(f"{USAGE}\nerror: {said}", file=sys.stderr)
         return 2
     try:  # a command writes only into a folder it owns (normgeo.paths.check_own_folder): not inside a run
         check_own_folder(Path(directory), "data.directory", OUTPUT_MARKERS, own=META_FILE, beside="data")
