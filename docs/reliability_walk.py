@@ -48,6 +48,7 @@ from normgeo.run_folder import (
     FIGURES_DIR,
     LAST_CHECKPOINT,
     METRICS_FILE,
+    NULL_FILE,
     RUN_CONFIG_FILE,
     SUMMARY_FILE,
 )
@@ -204,8 +205,8 @@ CASES: tuple[Case, ...] = (
       damage=(("garbage", f"copy/tiny-rms-s0/{CSV_DIR}/version_0/{METRICS_FILE}"),), owns=("copy/compare",)),
     c("c-config", "compare", "{copy} --formats=png", "run_config.yaml garbage", 1, RUN_CONFIG_FILE,
       copy="sweep", damage=(("garbage", f"copy/tiny-rms-s0/{RUN_CONFIG_FILE}"),), owns=("copy/compare",)),
-    c("c-null-empty", "compare", "{copy} --formats=png", "null.jsonl empty (64 null directions)", 1,
-      "null.jsonl", copy="sweep", damage=(("empty", "copy/tiny-rms-s0/null.jsonl"),), owns=("copy/compare",)),
+    c("c-null-empty", "compare", "{copy} --formats=png", f"{NULL_FILE} empty (64 null directions)", 1,
+      NULL_FILE, copy="sweep", damage=(("empty", f"copy/tiny-rms-s0/{NULL_FILE}"),), owns=("copy/compare",)),
     c("c-out-run", "compare", "{sweep} --out {run}", "a run's folder", 2, "--out"),
     c("c-out-data", "compare", "{sweep} --out {data}/pydoc", "prepared data's folder", 2, "prepared data"),
     c("c-missing", "compare", "/no/such", "missing folder", 2, "/no/such"),
