@@ -69,7 +69,7 @@ ABS_SHIFT = 23 - ABS_MANTISSA_BITS  # float32 bits below the bin's
 MEDIAN_BAND = 5
 FINE_BINS = 1 << ABS_SHIFT
 MAX_UNITS = 256  # resampling units of the bootstrap over documents (documents beyond fold into groups)
-CHUNK_TOKENS = 2048  # tokens per float64 copy in the decomposition
+CHUNK_TOKENS = 1024  # tokens per chunk of the passes over every entry (float64 copy: 4.5 MiB at d = 576)
 FRACTION = QUANTITIES.index("ones_fraction")
 
 
@@ -85,6 +85,13 @@ def bucket_names(starts: Sequence[int] = BUCKET_STARTS) -> list[str]:
 def empty_buckets(longest_window: int, starts: Sequence[int] = BUCKET_STARTS) -> list[str]:
     """The buckets that windows of at most ``longest_window`` tokens never reach (their rows hold count 0)."""
     return [name for name, start in zip(bucket_names(starts), starts, strict=True) if start >= longest_window]
+
+
+def magnitude_bits(vectors: torch.Tensor) -> torch.Tensor:
+    """|x| of every entry as its float32 bits (the sign bit cleared): the |x| histogram's bin is their top
+    bits (the exponent and ABS_MANTISSA_BITS of the mantissa), log-spaced bins by a shift where log10 would
+    cost passes more."""
+    return vectors.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
 
 
 class MeanSourcesStatistics:
@@ -151,13 +158,26 @@ class MeanSourcesStatistics:
             self.buckets.update_quantities(site * self.slots + self.num_buckets, values.view(-1, 2),
                                            (directed & starts.unsqueeze(-1)).view(-1, 1))
         flat = x.reshape(-1, dim)
-        # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu and phi are one sum.
-        # In chunks: one float64 copy of a whole batch would be over glibc's mmap threshold (stats.py).
         units = None
         if documents is not None and self.units:
             units = documents.to(self.device).reshape(-1).remainder(self.units)
+        if not self.band_started[site]:  # the band is centred on this first batch's median bin: counted first
+            for chunk in flat.split(CHUNK_TOKENS):
+                add_counts(self.abs_hist[site], magnitude_bits(chunk) >> ABS_SHIFT)
+            self.start_band(site)
+            counted = True
+        else:
+            counted = False
+        # Every pass over the entries goes chunk by chunk: each chunk's temporaries stay in the cache and
+        # under glibc's mmap threshold (a whole batch's faults in fresh pages at every pass; stats.py).
         means = []
+        band = self.band_hist[site]
+        # A value's slot in the band is its bits past the band's first value: (bin - start) * FINE_BINS plus
+        # its low mantissa bits. int32 bounds: a 0-d int64 one would send every comparison down a cast.
+        low = (self.band_start[site] << ABS_SHIFT).to(torch.int32)
+        high = low + MEDIAN_BAND * FINE_BINS
         for number, chunk in enumerate(flat.split(CHUNK_TOKENS)):
+            # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu, phi are one sum.
             wide = chunk.to(torch.float64)
             mu = wide.mean(dim=-1)
             self.phi[site] += mu @ wide / dim
@@ -165,6 +185,17 @@ class MeanSourcesStatistics:
                 rows_of = units[number * CHUNK_TOKENS : number * CHUNK_TOKENS + len(chunk)]
                 self.unit_phi[site].index_add_(0, rows_of, wide * (mu / dim).unsqueeze(-1))
             means.append(mu)
+            bits = magnitude_bits(chunk)
+            magnitude = bits.view(torch.float32).amax(dim=0).to(torch.float64)
+            self.max_abs[site] = torch.maximum(self.max_abs[site], magnitude)
+            if not counted:
+                add_counts(self.abs_hist[site], bits >> ABS_SHIFT)
+            inside = (bits >= low) & (bits < high)
+            # The band's entries alone, and those outside in the last slot: no pass as long as the band.
+            # Clamped into the band: a GPU's index_add_ weighs the entries outside by 0 but indexes them.
+            slots = bits.sub_(low).clamp_(0, MEDIAN_BAND * FINE_BINS - 1)
+            add_counts(band[:-1], slots.view(-1), inside.view(-1))
+            band[-1] += inside.numel() - inside.sum()
         square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
         if units is not None:
             self.unit_mean_sq[site].index_add_(0, units, square.reshape(-1))
@@ -175,26 +206,14 @@ class MeanSourcesStatistics:
         self.bucket_mean_sq[site, : self.num_buckets].index_add_(0, bucket, square.sum(dim=0))
         if starts is not None:
             self.bucket_mean_sq[site, self.num_buckets] += torch.where(starts, square, 0.0).sum()
-        # |x| in float32 by clearing the sign bit; its histogram's bin is its top bits (the exponent and
-        # ABS_MANTISSA_BITS of the mantissa): log-spaced bins by a shift, where log10 would cost passes more.
-        bits = flat.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
-        magnitude = bits.view(torch.float32).amax(dim=0).to(torch.float64)
-        self.max_abs[site] = torch.maximum(self.max_abs[site], magnitude)
-        fine = bits.bitwise_and(FINE_BINS - 1).reshape(-1)
-        bins = bits.bitwise_right_shift_(ABS_SHIFT).reshape(-1)
-        add_counts(self.abs_hist[site], bins)
-        if not self.band_started[site]:  # centred on this first batch's median bin, on the device (no sync)
-            middle = self.histogram_median_bin(self.abs_hist[site : site + 1])[0]
-            self.band_start[site] = (middle - MEDIAN_BAND // 2).clamp(0, ABS_BINS - MEDIAN_BAND)
-            self.band_low[site] = self.band_start[site]
-            self.band_high[site] = self.band_start[site] + MEDIAN_BAND
-            self.band_started[site] = True
-        offset = bins - self.band_start[site]
-        inside = (offset >= 0) & (offset < MEDIAN_BAND)
-        # The band's entries alone, and those outside in the last slot: no pass as long as the band.
-        band = self.band_hist[site]
-        add_counts(band[:-1], torch.where(inside, offset * FINE_BINS + fine, 0), inside)
-        band[-1] += inside.numel() - inside.sum()
+
+    def start_band(self, site: int) -> None:
+        """Centre ``site``'s median band on its histogram's median bin so far, on the device (no sync)."""
+        middle = self.histogram_median_bin(self.abs_hist[site : site + 1])[0]
+        self.band_start[site] = (middle - MEDIAN_BAND // 2).clamp(0, ABS_BINS - MEDIAN_BAND)
+        self.band_low[site] = self.band_start[site]
+        self.band_high[site] = self.band_start[site] + MEDIAN_BAND
+        self.band_started[site] = True
 
     def merge(self, other: MeanSourcesStatistics) -> None:
         """Fold in the statistics of a disjoint set of tokens (another batch or rank). The median bands add

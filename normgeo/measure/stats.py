@@ -45,6 +45,8 @@ CENTER_DEG = 90.0
 # update: a fixed buffer, so the GPU is not waited on for their number. In d dimensions a random direction is
 # within 60 deg of a vector with probability ~exp(-d / 8); pairs beyond keep sqrt(1 - cos^2) (<= 0.03 deg).
 NULL_NEAR_AXIS_PER_VECTOR = 1
+# Bytes of one float64 copy of vectors on the CPU: well under glibc's largest mmap threshold (32 MiB).
+F64_CHUNK_BYTES = 8 << 20
 
 
 def distributed() -> bool:
@@ -375,9 +377,9 @@ class AngleStatistics:
         """
         per_pass = self.sites_per_pass or (len(vectors) if self.device.type == "cuda" else 1)
         angled = [v for i, v in enumerate(vectors) if i != rescaled]
+        parts = [self._directions(angled[start:start + per_pass])
+                 for start in range(0, len(angled), per_pass)]
         with one_cpu_thread(self.device):
-            parts = [self._directions(angled[start:start + per_pass])
-                     for start in range(0, len(angled), per_pass)]
             norms, ref_degrees, null_degrees = (torch.cat(p) if len(p) > 1 and p[0] is not None else p[0]
                                                 for p in zip(*parts, strict=True))
             if rescaled is not None:
@@ -402,9 +404,18 @@ class AngleStatistics:
         # pair refined; null directions in float32 (the K directions cost 10x more in float64 on CPU; ~1e-5
         # deg), near-axis pairs refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is
         # rarely near one).
+        # The null directions with the caller's threads: their (n x d) by (d x K) product is the one op of
+        # the statistics large enough to gain from them (half its time on 2 idle cores).
         null = (angle_deg(x, self.null_unit_references, NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1])
                 if self.num_null else None)
-        return x.norm(dim=-1), angle_deg(x.to(torch.float64), self.ref_unit_references), null
+        # The float64 copy in chunks of rows on the CPU: a whole site's would be over glibc's largest mmap
+        # threshold at a few thousand tokens and fault in fresh pages at every call (a third of the probe's
+        # cost at 8,192 tokens, d = 576); a GPU takes it in one piece.
+        rows = max(1, F64_CHUNK_BYTES // (8 * x.shape[-1])) if reads_back(x.device) else x.shape[1]
+        with one_cpu_thread(self.device):
+            ref = [angle_deg(part.to(torch.float64), self.ref_unit_references)
+                   for part in x.split(rows, dim=1)]
+            return x.norm(dim=-1), ref[0] if len(ref) == 1 else torch.cat(ref, dim=1), null
 
     def _update(self, sites: slice, norms: torch.Tensor, ref_degrees: torch.Tensor,
                 null_degrees: torch.Tensor | None, sequence_ids: torch.Tensor | None) -> None:
