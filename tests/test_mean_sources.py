@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity
 from corpus.sources import LocalFilesSource
 from corpus.tokenize import tiktoken_batch_encoder
 from models.gpt import GPT, GPTConfig
+from normgeo.measure import mean_sources
 from normgeo.measure.energy import EnergyStatistics
 from normgeo.measure.geometry import gpu_code_path
 from normgeo.measure.mean_sources import (
@@ -530,3 +531,31 @@ def test_record_problem_accepts_the_rows_and_refuses_a_numeric_bucket() -> None:
     assert record_problem(row) is None
     assert "expected text" in record_problem({**row, "bucket": 0})
     assert not math.isnan(row["first_position"])
+
+
+def test_the_passes_in_chunks_give_the_whole_batch_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's chunks of tokens (mean_sources.CHUNK_TOKENS, uneven here) give the state of one pass over the
+    batch: the same |x| histogram, median band and maxima, the same sums to float64 rounding, over two batches
+    (the band is chosen from the first batch's whole histogram, not from its first chunk)."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randn(3, 40, 24, generator=generator) * torch.rand(24, generator=generator) * 4
+               for _ in range(2)]
+    batches[0][:, :5] *= 50  # the first tokens far from the rest: a first chunk's median is not the batch's
+    starts = torch.rand(3, 40, generator=generator) < 0.1
+    documents = torch.arange(120).view(3, 40) // 13
+
+    def state(chunk: int) -> MeanSourcesStatistics:
+        monkeypatch.setattr(mean_sources, "CHUNK_TOKENS", chunk)
+        stats = MeanSourcesStatistics([24], documents=10)
+        for x in batches:
+            stats.update(0, x, starts, documents)
+        return stats
+
+    whole, chunked = state(10**6), state(7)
+    for field in ("abs_hist", "band_hist", "band_start", "count"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
+    assert torch.equal(chunked.max_abs[0], whole.max_abs[0])
+    for field in ("mean_sq", "bucket_mean_sq", "unit_mean_sq", "unit_first_sq"):
+        torch.testing.assert_close(getattr(chunked, field), getattr(whole, field), rtol=1e-12, atol=0)
+    torch.testing.assert_close(chunked.phi[0], whole.phi[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(chunked.unit_phi[0], whole.unit_phi[0], rtol=1e-12, atol=1e-15)

@@ -69,7 +69,7 @@ ABS_SHIFT = 23 - ABS_MANTISSA_BITS  # float32 bits below the bin's
 MEDIAN_BAND = 5
 FINE_BINS = 1 << ABS_SHIFT
 MAX_UNITS = 256  # resampling units of the bootstrap over documents (documents beyond fold into groups)
-CHUNK_TOKENS = 1024  # tokens per chunk of the passes over every entry (float64 copy: 4.5 MiB at d = 576)
+CHUNK_TOKENS = 1024  # CPU: tokens per chunk of the passes over every entry (float64: 4.5 MiB at d = 576)
 FRACTION = QUANTITIES.index("ones_fraction")
 
 
@@ -158,11 +158,13 @@ class MeanSourcesStatistics:
             self.buckets.update_quantities(site * self.slots + self.num_buckets, values.view(-1, 2),
                                            (directed & starts.unsqueeze(-1)).view(-1, 1))
         flat = x.reshape(-1, dim)
+        # A GPU takes the batch in one piece: chunks would only multiply its launches.
+        chunk_tokens = CHUNK_TOKENS if self.device.type == "cpu" else len(flat)
         units = None
         if documents is not None and self.units:
             units = documents.to(self.device).reshape(-1).remainder(self.units)
         if not self.band_started[site]:  # the band is centred on this first batch's median bin: counted first
-            for chunk in flat.split(CHUNK_TOKENS):
+            for chunk in flat.split(chunk_tokens):
                 add_counts(self.abs_hist[site], magnitude_bits(chunk) >> ABS_SHIFT)
             self.start_band(site)
             counted = True
@@ -176,13 +178,13 @@ class MeanSourcesStatistics:
         # its low mantissa bits. int32 bounds: a 0-d int64 one would send every comparison down a cast.
         low = (self.band_start[site] << ABS_SHIFT).to(torch.int32)
         high = low + MEDIAN_BAND * FINE_BINS
-        for number, chunk in enumerate(flat.split(CHUNK_TOKENS)):
+        for number, chunk in enumerate(flat.split(chunk_tokens)):
             # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu, phi are one sum.
             wide = chunk.to(torch.float64)
             mu = wide.mean(dim=-1)
             self.phi[site] += mu @ wide / dim
             if units is not None:
-                rows_of = units[number * CHUNK_TOKENS : number * CHUNK_TOKENS + len(chunk)]
+                rows_of = units[number * chunk_tokens : number * chunk_tokens + len(chunk)]
                 self.unit_phi[site].index_add_(0, rows_of, wide * (mu / dim).unsqueeze(-1))
             means.append(mu)
             bits = magnitude_bits(chunk)
