@@ -25,7 +25,6 @@ from normgeo.measure.intervention import (
     INTERVENTION_FIELDS,
     POSITION_FIELDS,
     CenteringIntervention,
-    IntactPrediction,
     block_stack,
     intervened,
     intervention_scopes,
@@ -529,9 +528,7 @@ def test_the_vocabulary_work_matches_float64_for_large_logits(change: float) -> 
     intact_logits = 10 + 4 * torch.randn(2, 200, 5000, generator=generator)
     intervened_logits = intact_logits + change * torch.randn(2, 200, 5000, generator=generator)
     tokens = torch.randint(0, 5000, (2, 200), generator=generator)
-    changes = next_token_changes(
-        IntactPrediction.of(intact_logits, tokens), intervened_logits, tokens
-    ).double()
+    changes = next_token_changes(intact_logits, intervened_logits, tokens).double()
     p, q = (torch.log_softmax(x[:, :-1].double(), dim=-1) for x in (intact_logits, intervened_logits))
     targets = tokens[:, 1:].unsqueeze(-1)
     torch.testing.assert_close(changes[..., 1], (p.exp() * (p - q)).sum(-1), rtol=1e-4, atol=1e-9)

@@ -201,11 +201,12 @@ def energy_fraction(x: torch.Tensor) -> torch.Tensor:
     return (x.sum(dim=-1).square() / (x.shape[-1] * square)).nan_to_num(0.0)
 
 
-# Tokens per chunk of the vocabulary-sized work. On CPU 64 x 50,304 float32 logits
-# (13 MB) stay in cache across the max, exp-sum and dot passes (measured on 2
-# cores: 1.3-1.5x faster than whole-batch reductions); on a GPU larger chunks keep
-# the kernels big while bounding the exp temporary (1,024 x 50,304 x 4 B = 206 MB).
-VOCAB_CHUNK_TOKENS = {"cpu": 64, "cuda": 1024}
+# Tokens per chunk of the vocabulary-sized work. On CPU 32 x 49,152 float32 logits (6 MB) and the chunk's
+# temporaries stay in the L3 cache across the passes (measured on 2 cores: 2-3x faster than whole-batch
+# reductions); on a GPU larger chunks keep the kernels big while bounding the temporaries (1,024 x 50,304 x
+# 4 B = 206 MB each).
+VOCAB_CHUNK_TOKENS = {"cpu": 32, "cuda": 1024}
+ARGMAX_BLOCK = 64  # entries per block of row_argmax's first pass
 
 
 def vocab_chunks(rows: int, length: int, device: torch.device) -> list[tuple[int, slice]]:
@@ -219,60 +220,57 @@ def vocab_chunks(rows: int, length: int, device: torch.device) -> list[tuple[int
     ]
 
 
-@dataclass
-class IntactPrediction:
-    """What every scope's intervened forward is compared with, computed once per batch: the intact forward's
-    logits (rows, T, V) and next-token probabilities (rows, T - 1, V) with their sums (1 within float32
-    rounding), the loss on the true next tokens and the top-1 tokens."""
-
-    logits: torch.Tensor
-    probs: torch.Tensor
-    total: torch.Tensor
-    loss: torch.Tensor
-    top1: torch.Tensor
-
-    @classmethod
-    def of(cls, logits: torch.Tensor, batch: torch.Tensor) -> IntactPrediction:
-        logits = at_least_float32(logits)
-        rows, length, vocab = logits.shape[0], logits.shape[1] - 1, logits.shape[-1]
-        probs = torch.empty((rows, length, vocab), dtype=logits.dtype, device=logits.device)
-        total, loss = (torch.empty((rows, length), dtype=logits.dtype, device=logits.device) for _ in "tl")
-        top1 = torch.empty((rows, length), dtype=torch.long, device=logits.device)
-        for row, chunk in vocab_chunks(rows, length, logits.device):
-            log_probs = F.log_softmax(logits[row, chunk], dim=-1)
-            torch.exp(log_probs, out=probs[row, chunk])
-            total[row, chunk] = probs[row, chunk].sum(dim=-1)
-            loss[row, chunk] = -log_probs.gather(-1, batch[row, 1:][chunk].unsqueeze(-1)).squeeze(-1)
-            top1[row, chunk] = log_probs.argmax(dim=-1)
-        return cls(logits, probs, total, loss, top1)
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-d ``x``, the first maximal index as torch gives it (NaN counted as the
+    maximum), through the block maxima: a CPU's amax is vectorized and its argmax is not (25x slower over a
+    vocabulary), so only the first block that holds the maximum is searched by index."""
+    width = x.shape[-1]
+    whole = width // ARGMAX_BLOCK * ARGMAX_BLOCK
+    if x.device.type != "cpu" or whole == 0:
+        return x.argmax(dim=-1)
+    maxima = x[:, :whole].unflatten(-1, (-1, ARGMAX_BLOCK)).amax(dim=-1)
+    if whole < width:
+        maxima = torch.cat([maxima, x[:, whole:].amax(dim=-1, keepdim=True)], dim=-1)
+    first = maxima.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK  # the first block holding the maximum
+    # A short last block repeats the last index: a repeat comes after its first occurrence, never chosen.
+    index = (first + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=width - 1)
+    return index.gather(-1, x.gather(-1, index).argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def next_token_changes(
-    intact: IntactPrediction, intervened_logits: torch.Tensor, batch: torch.Tensor
+    intact_logits: torch.Tensor, intervened_logits: torch.Tensor, batch: torch.Tensor
 ) -> torch.Tensor:
     """(rows, T - 1, 4) per predicted token: loss change, KL(intact || intervened), top-1 agreement, intact
-    loss.
+    loss, from the two forwards' logits (rows, T, V) and the tokens (rows, T).
 
-    With d = z' - z, the intervened logits less the intact ones, up to any constant per token:
-    KL(p || q) = log E_p e^d - E_p d, and the loss change is log E_p e^d - d[target]. Both are computed
-    from d, of the size of the change (z' - z is exact in float32 where the logits are close), centred by
-    its mean: as differences of O(10) float32 sums over the vocabulary they were off by ~1e-5 nats, 2% of a
-    random-weight GPT's KL, set by the CPU's summation order. Per chunk of tokens (:func:`vocab_chunks`)."""
+    With p the intact next-token probabilities and d = z' - z, the intervened logits less the intact ones,
+    up to any constant per token: KL(p || q) = log E_p e^d - E_p d, and the loss change is
+    log E_p e^d - d[target]. Both are computed from d, of the size of the change (z' - z is exact in float32
+    where the logits are close), centred by its mean: as differences of O(10) float32 sums over the
+    vocabulary they were off by ~1e-5 nats, 2% of a random-weight GPT's KL, set by the CPU's summation
+    order. The intact loss is log-sum-exp minus the target's logit, the log-sum-exp read from the largest
+    probability (at least 1/V, so exact to float32 rounding). Chunk by chunk (:func:`vocab_chunks`), every
+    pass in the cache and no (rows, T, V) tensor made."""
     rows, length = intervened_logits.shape[0], intervened_logits.shape[1] - 1
-    changes = torch.empty((rows, length, 4), dtype=intact.probs.dtype, device=intervened_logits.device)
+    changes = torch.empty((rows, length, 4), dtype=at_least_float32(intact_logits[:0]).dtype,
+                          device=intervened_logits.device)
     for row, chunk in vocab_chunks(rows, length, intervened_logits.device):
-        probs, total = intact.probs[row, chunk], intact.total[row, chunk]
+        intact = at_least_float32(intact_logits[row, chunk])
         logits = at_least_float32(intervened_logits[row, chunk])
-        top1 = logits.argmax(dim=-1)
-        d = logits - intact.logits[row, chunk]
+        targets = batch[row, 1:][chunk].unsqueeze(-1)
+        probs = torch.softmax(intact, dim=-1)
+        total = probs.sum(dim=-1)  # 1 within float32 rounding: every expectation is divided by it
+        loss = intact.amax(dim=-1) - probs.amax(dim=-1).log() - intact.gather(-1, targets).squeeze(-1)
+        agree = row_argmax(logits) == row_argmax(intact)
+        d = logits - intact
         d -= (torch.linalg.vecdot(probs, d) / total).unsqueeze(-1)  # for precision only: constants cancel
+        mean_d = torch.linalg.vecdot(probs, d) / total
+        delta_target = d.gather(-1, targets).squeeze(-1)
         # log E_p e^d = log1p(E_p (e^d - 1)): a sum of terms of the change's size. e^80 keeps it finite; a
         # logit moved by more than 80 nats against the others would be taken as 80.
-        log_mean_exp = (torch.linalg.vecdot(probs, d.clamp(max=80.0).expm1()) / total).log1p()
-        kl = (log_mean_exp - torch.linalg.vecdot(probs, d) / total).clamp(min=0.0)
-        delta_loss = log_mean_exp - d.gather(-1, batch[row, 1:][chunk].unsqueeze(-1)).squeeze(-1)
-        changes[row, chunk] = torch.stack(
-            [delta_loss, kl, (top1 == intact.top1[row, chunk]).to(kl.dtype), intact.loss[row, chunk]], dim=-1)
+        log_mean_exp = (torch.linalg.vecdot(probs, d.clamp_(max=80.0).expm1_()) / total).log1p()
+        kl = (log_mean_exp - mean_d).clamp(min=0.0)
+        changes[row, chunk] = torch.stack([log_mean_exp - delta_target, kl, agree.to(kl.dtype), loss], dim=-1)
     return changes
 
 
@@ -528,9 +526,6 @@ class CenteringIntervention(Measurement):
         rows = int((batch.sequence_ids[: batch.rows] < self.num_sequences).sum())
         ids = batch.sequence_ids[:rows]
         intact = intact[:rows].detach()
-        reference = (
-            IntactPrediction.of(intact, batch.tokens[:rows]) if kind == "next_token" and rows else None
-        )
         fractions = {name: value[:rows] for name, value in fractions.items()}
         tokens = slice(0, -1) if kind == "next_token" else slice(None)  # the last token has no next token
         # The predicting tokens that begin a document; read back with the changes below (a few batches only).
@@ -547,7 +542,7 @@ class CenteringIntervention(Measurement):
             if rows == 0:
                 continue
             if kind == "next_token":
-                per_token = next_token_changes(reference, changed, batch.tokens[:rows])
+                per_token = next_token_changes(intact, changed, batch.tokens[:rows])
             else:
                 per_token = embedding_changes(intact, changed)
             # A norm the forward did not call (none in our models) adds nothing to the scope's energy.
