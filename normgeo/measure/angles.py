@@ -61,11 +61,12 @@ class AngleMeasurement(Measurement):
         # One update of the norm's consecutive sites, in probe_sites' order: in, std (where kept), out.
         vectors = inputs.to(self.device)
         standardized = self.include_standardized and norm.kind in STANDARDIZABLE_KINDS
-        middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized else []
-        # An RMSNorm's standardized input points along its input: the input's angles serve for both.
-        rescaled = 1 if standardized and norm.kind == "rms" else None
+        # An RMSNorm's standardized input points along its input: the input's angles serve for both, and
+        # its norms follow from the input's (it is never made).
+        rms = standardized and norm.kind == "rms"
+        middle = [standardize(vectors.float(), norm.kind, norm.eps)] if standardized and not rms else []
         self.stats.update_sites(self.first_site[index], [vectors, *middle, output.to(self.device)],
-                                self.sequence_ids, rescaled=rescaled)
+                                self.sequence_ids, rms_standardized=(1, norm.eps) if rms else None)
 
     def all_reduce(self) -> None:
         self.stats.all_reduce()

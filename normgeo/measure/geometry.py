@@ -150,7 +150,8 @@ def unit_references(ref: torch.Tensor, dtype: torch.dtype, device: torch.device 
 
 
 def angle_deg(
-    x: torch.Tensor, ref: torch.Tensor | UnitReferences, near_axis_capacity: int | None = None
+    x: torch.Tensor, ref: torch.Tensor | UnitReferences, near_axis_capacity: int | None = None,
+    x_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Angle in degrees, in [0, 180], between every vector ``x[..., :]`` and the reference ``ref``.
 
@@ -169,15 +170,17 @@ def angle_deg(
     work, for a few references) and kept where near the axis. Else the near-axis pairs are picked on the
     device into a buffer of that many pairs ((capacity x d) work, for many references); near-axis pairs past
     the first ``near_axis_capacity`` (in row-major order) keep ``sqrt(1 - cos^2)``: about 0.03 deg off right
-    at the axis in float32, 1e-5 deg at 10 deg from it.
+    at the axis in float32, 1e-5 deg at 10 deg from it. ``x_norm`` (..., 1): the vectors' norms where the
+    caller has them already (a pass over the vectors less), in the dtype computed in.
     """
     # Under autocast (the probe runs in the training precision) the matmul would round to bf16/fp16.
     with torch.autocast(x.device.type, enabled=False):
-        return _angle_deg(x, ref, near_axis_capacity)
+        return _angle_deg(x, ref, near_axis_capacity, x_norm)
 
 
 def _angle_deg(
-    x: torch.Tensor, ref: torch.Tensor | UnitReferences, near_axis_capacity: int | None
+    x: torch.Tensor, ref: torch.Tensor | UnitReferences, near_axis_capacity: int | None,
+    x_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     compute = _compute_dtype(x.dtype)
     x = x.to(compute)
@@ -185,7 +188,8 @@ def _angle_deg(
     if refs.units.dtype != compute:
         raise ValueError(f"references prepared for {refs.units.dtype}, not for {compute} inputs")
     b = refs.units
-    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    if x_norm is None:
+        x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     # (x b) / ||x||, not (x / ||x||) b: no (vectors x d) quotient; the unit vectors only where refined.
     cos = (x @ b.T).div_(x_norm)  # (..., D)
     refs_count = b.shape[0]

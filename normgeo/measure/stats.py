@@ -359,11 +359,13 @@ class AngleStatistics:
 
     @torch.no_grad()
     def update_sites(self, first_site: int, vectors: Sequence[torch.Tensor],
-                     sequence_ids: torch.Tensor | None = None, rescaled: int | None = None) -> None:
+                     sequence_ids: torch.Tensor | None = None,
+                     rms_standardized: tuple[int, float] | None = None) -> None:
         """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``,
-        the same rows at each (a norm's input, standardized input and output). ``rescaled``: the index of
-        vectors that are positive multiples of the vectors before them (an RMSNorm's standardized input):
-        their angles are those, only their norms are computed.
+        the same rows at each (a norm's input and output). ``rms_standardized`` (i, eps): site
+        ``first_site + i``, not in ``vectors``, is ``vectors[i - 1]`` standardized by RMSNorm (an RMSNorm's
+        standardized input, ``x / sqrt(mean(x^2) + eps)``): a positive multiple, so its angles are those,
+        and its norms ``sqrt(d) ||x|| / sqrt(||x||^2 + d eps)`` follow from theirs; it is never made.
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
         would, and the host never waits on the GPU: counts stay tensors, the histogram is an ``index_add_``
@@ -376,21 +378,21 @@ class AngleStatistics:
         probe took 6.65 s with three sites per pass, 5.43 s one by one).
         """
         per_pass = self.sites_per_pass or (len(vectors) if self.device.type == "cuda" else 1)
-        angled = [v for i, v in enumerate(vectors) if i != rescaled]
-        parts = [self._directions(angled[start:start + per_pass])
-                 for start in range(0, len(angled), per_pass)]
+        parts = [self._directions(vectors[start:start + per_pass])
+                 for start in range(0, len(vectors), per_pass)]
         with one_cpu_thread(self.device):
             norms, ref_degrees, null_degrees = (torch.cat(p) if len(p) > 1 and p[0] is not None else p[0]
                                                 for p in zip(*parts, strict=True))
-            if rescaled is not None:
-                take = [*range(rescaled), rescaled - 1, *range(rescaled, len(angled))]
+            if rms_standardized is not None:
+                index, eps = rms_standardized
+                take = [*range(index), index - 1, *range(index, len(vectors))]
                 ref_degrees = ref_degrees[take]
                 null_degrees = null_degrees[take] if null_degrees is not None else None
-                vector = vectors[rescaled].detach()
-                own = vector.reshape(1, -1, vector.shape[-1]).to(torch.float32).norm(dim=-1)
-                norms = torch.cat([norms[:rescaled], own, norms[rescaled:]])
-            self._update(slice(first_site, first_site + len(vectors)), norms, ref_degrees, null_degrees,
-                         sequence_ids)
+                length, dim = norms[index - 1 : index].double(), vectors[0].shape[-1]
+                own = (math.sqrt(dim) * length / (length.square() + dim * eps).sqrt()).to(norms.dtype)
+                norms = torch.cat([norms[:index], own, norms[index:]])
+            self._update(slice(first_site, first_site + len(vectors) + (rms_standardized is not None)),
+                         norms, ref_degrees, null_degrees, sequence_ids)
 
     def _directions(self, vectors: Sequence[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -401,21 +403,25 @@ class AngleStatistics:
         rows = [v.detach().reshape(1, -1, v.shape[-1]).to(torch.float32) for v in vectors]
         x = rows[0] if len(rows) == 1 else torch.cat(rows)
         # References in float64 (1 may sit far from 90 deg; the moments keep every digit), every near-axis
-        # pair refined; null directions in float32 (the K directions cost 10x more in float64 on CPU; ~1e-5
-        # deg), near-axis pairs refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is
-        # rarely near one).
-        # The null directions with the caller's threads: their (n x d) by (d x K) product is the one op of
-        # the statistics large enough to gain from them (half its time on 2 idle cores).
-        null = (angle_deg(x, self.null_unit_references, NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1])
-                if self.num_null else None)
-        # The float64 copy in chunks of rows on the CPU: a whole site's would be over glibc's largest mmap
-        # threshold at a few thousand tokens and fault in fresh pages at every call (measured: 20 ms a site
-        # at 8,192 tokens, d = 576, against 4 ms in chunks); a GPU takes it in one piece.
+        # pair refined; the norms once, in float64, for every use. The float64 copy in chunks of rows on the
+        # CPU: a whole site's would be over glibc's largest mmap threshold at a few thousand tokens and fault
+        # in fresh pages at every call (measured: 20 ms a site at 8,192 tokens, d = 576, against 4 ms in
+        # chunks); a GPU takes it in one piece.
         rows = max(1, F64_CHUNK_BYTES // (8 * x.shape[-1])) if x.device.type == "cpu" else x.shape[1]
+        ref, lengths = [], []
         with one_cpu_thread(self.device):
-            ref = [angle_deg(part.to(torch.float64), self.ref_unit_references)
-                   for part in x.split(rows, dim=1)]
-            return x.norm(dim=-1), ref[0] if len(ref) == 1 else torch.cat(ref, dim=1), null
+            for part in x.split(rows, dim=1):
+                wide = part.to(torch.float64)
+                lengths.append(torch.linalg.vector_norm(wide, dim=-1, keepdim=True))
+                ref.append(angle_deg(wide, self.ref_unit_references, x_norm=lengths[-1]))
+        norms = (lengths[0] if len(lengths) == 1 else torch.cat(lengths, dim=1)).to(torch.float32)
+        # Null directions in float32 (the K directions cost 10x more in float64 on CPU; ~1e-5 deg), near-axis
+        # pairs refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is rarely near one),
+        # with the caller's threads: their (n x d) by (d x K) product is the one op of the statistics large
+        # enough to gain from them (half its time on 2 idle cores).
+        null = (angle_deg(x, self.null_unit_references, NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1],
+                          x_norm=norms) if self.num_null else None)
+        return norms.squeeze(-1), ref[0] if len(ref) == 1 else torch.cat(ref, dim=1), null
 
     def _update(self, sites: slice, norms: torch.Tensor, ref_degrees: torch.Tensor,
                 null_degrees: torch.Tensor | None, sequence_ids: torch.Tensor | None) -> None:
