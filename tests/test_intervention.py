@@ -29,6 +29,7 @@ from normgeo.measure.intervention import (
     intervened,
     intervention_scopes,
     next_token_changes,
+    row_argmax,
 )
 from normgeo.measure.mean_sources import BUCKET_STARTS, DOC_START, bucket_names
 from normgeo.measure.norm_sites import find_norm_sites
@@ -532,5 +533,19 @@ def test_the_vocabulary_work_matches_float64_for_large_logits(change: float) -> 
     p, q = (torch.log_softmax(x[:, :-1].double(), dim=-1) for x in (intact_logits, intervened_logits))
     targets = tokens[:, 1:].unsqueeze(-1)
     torch.testing.assert_close(changes[..., 1], (p.exp() * (p - q)).sum(-1), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(changes[..., 3], -p.gather(-1, targets).squeeze(-1), rtol=0, atol=1e-5)
     torch.testing.assert_close(changes[..., 0], (p - q).gather(-1, targets).squeeze(-1), rtol=0, atol=1e-6)
     assert torch.equal(changes[..., 2], (p.argmax(-1) == q.argmax(-1)).double())
+
+
+@pytest.mark.parametrize("width", [5000, 4096, 40])
+def test_the_argmax_through_block_maxima_is_torchs_first_maximal_index(width: int) -> None:
+    """Ties (the first index wins, also across blocks), a NaN (counted as the maximum, the first one), a
+    maximum in a short last block or at the last index, and rows narrower than one block."""
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(0))
+    x[1, [7, 3, width - 1]] = 50.0  # a tie across blocks
+    x[2, :] = 1.0  # every entry the maximum
+    x[3, [width // 2, width - 2]] = math.nan
+    x[4, width - 1] = 60.0
+    x[5, width - width % 64 if width % 64 else width - 64] = 70.0  # the first entry of the last block
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))

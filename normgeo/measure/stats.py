@@ -362,10 +362,11 @@ class AngleStatistics:
                      sequence_ids: torch.Tensor | None = None,
                      rms_standardized: tuple[int, float] | None = None) -> None:
         """:meth:`update` of S consecutive sites at once: ``vectors[i]`` (..., d) is site ``first_site + i``,
-        the same rows at each (a norm's input and output). ``rms_standardized`` (i, eps): site
-        ``first_site + i``, not in ``vectors``, is ``vectors[i - 1]`` standardized by RMSNorm (an RMSNorm's
-        standardized input, ``x / sqrt(mean(x^2) + eps)``): a positive multiple, so its angles are those,
-        and its norms ``sqrt(d) ||x|| / sqrt(||x||^2 + d eps)`` follow from theirs; it is never made.
+        the same rows at each (a norm's input, standardized input and output). ``rms_standardized`` (i,
+        eps): site ``first_site + i`` is not in ``vectors`` (those from ``vectors[i]`` on are the sites after
+        it): it is ``vectors[i - 1]`` standardized by RMSNorm, ``x / sqrt(mean(x^2) + eps)``, a positive
+        multiple, so its angles are theirs and its norms ``sqrt(d) ||x|| / sqrt(||x||^2 + d eps)`` follow
+        from theirs; it is never made.
 
         On a GPU the S sites go in one pass, which launches about a third of the kernels that three passes
         would, and the host never waits on the GPU: counts stay tensors, the histogram is an ``index_add_``
