@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from normgeo.measure import stats as stats_module
-from normgeo.measure.geometry import angle_deg
+from normgeo.measure.geometry import angle_deg, rmsnorm_one_step
 from normgeo.measure.stats import (
     NULL_QUANTILES,
     QUANTILES,
@@ -334,3 +334,23 @@ def test_the_reference_angles_in_float64_chunks_equal_one_pass(monkeypatch: pyte
         assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
     for field in ("min", "max", "mean", "m2", "seq_sum", "seq_sumsq", "null_mean", "null_m2"):
         torch.testing.assert_close(getattr(chunked, field), getattr(whole, field), rtol=1e-12, atol=1e-12)
+
+
+def test_an_rms_standardized_site_from_its_inputs_norms_equals_the_standardized_vectors_measured() -> None:
+    """The RMSNorm-standardized input is never made: its angles are the input's and its norms come from the
+    input's. Against the standardized vectors measured as a site of their own, with vectors so short that eps
+    moves the norm by a third (a dropped or misplaced eps fails)."""
+    generator = torch.Generator().manual_seed(6)
+    references = torch.randn(3, 16, dtype=torch.float64, generator=generator)
+    nulls = torch.randn(8, 16, dtype=torch.float64, generator=generator)
+    x = 0.002 * torch.randn(2, 23, 16, generator=generator)
+    y = torch.randn(2, 23, 16, generator=generator)
+    eps = 2e-6
+    derived = AngleStatistics(3, references, null_directions=nulls, num_sequences=2)
+    derived.update_sites(0, [x, y], torch.arange(2), rms_standardized=(1, eps))
+    made = AngleStatistics(3, references, null_directions=nulls, num_sequences=2)
+    made.update_sites(0, [x, rmsnorm_one_step(x, eps=eps), y], torch.arange(2))
+    assert not torch.allclose(made.norm_mean[1], torch.tensor(4.0, dtype=torch.float64), rtol=0.1)
+    for field in ("norm_mean", "norm_m2", "mean", "m2", "min", "max", "null_mean", "null_m2", "seq_sum"):
+        torch.testing.assert_close(getattr(derived, field), getattr(made, field), rtol=1e-5, atol=1e-6)
+    assert torch.equal(derived.hist, made.hist)
