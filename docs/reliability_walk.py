@@ -44,6 +44,8 @@ from normgeo.run_folder import (
     ANGLES_FILE,
     CHECKPOINTS_DIR,
     CSV_DIR,
+    ELLIPSOID_FILE,
+    ENERGY_FILE,
     EVAL_FILE,
     FIGURES_DIR,
     LAST_CHECKPOINT,
@@ -80,7 +82,9 @@ class Case:
     """One row: ``entry`` is train.py, analyze.py, corpus or a normgeo module's name; ``args`` may hold
     {run}, {sweep}, {data} (the reference folders, read only), {case} (the case's folder) and {copy} (the
     case's copy of ``copy``: run, sweep or data); ``damage`` lists (op, path under {case}[, text]) applied
-    to the case's folder first (op: trunc, empty, garbage, rm, write); ``owns``: paths under {case}/copy the
+    to the case's folder first (op: trunc, empty, garbage, rm, write, mkdir; again: the last line appended
+    again, with the regex text[0] replaced by text[1] when given; sub: the first match of text[0] in the file
+    replaced by text[1]); ``owns``: paths under {case}/copy the
     command may write (its default output folder there)."""
 
     id: str
@@ -153,6 +157,9 @@ CASES: tuple[Case, ...] = (
       copy="run", damage=(("garbage", f"copy/{RUN_CONFIG_FILE}"),), owns=("copy",)),
     c("t-resume-angles", "train.py", "run_dir={copy} resume=auto " + RESUME,
       "angles.jsonl cut mid-line", 2, ANGLES_FILE, copy="run", damage=(("trunc", f"copy/{ANGLES_FILE}"),)),
+    c("t-resume-again", "train.py", "run_dir={copy} resume=auto " + RESUME,
+      "energy.jsonl's last record written twice", 2, ENERGY_FILE, copy="run",
+      damage=(("again", f"copy/{ENERGY_FILE}"),)),
     c("t-resume-last", "train.py", "run_dir={copy} resume=auto " + RESUME, "last.ckpt truncated", 2,
       LAST_CHECKPOINT, copy="run", damage=(("trunc", f"copy/{CHECKPOINTS_DIR}/{LAST_CHECKPOINT}"),)),
     c("t-data-meta", "train.py", "data_root={copy}", "meta.json garbage", 2, "meta.json", copy="data",
@@ -176,6 +183,9 @@ CASES: tuple[Case, ...] = (
       "max_steps=100000", interrupt="max_steps=100000"),
     c("t-costly-null", "train.py", "probe.null_directions=50000", "a probe of 50,000 null directions", 130,
       "probe.null_directions", interrupt="probe.null_directions"),
+    c("t-costly-bootstrap", "train.py", "probe.bootstrap.replicates=100000",
+      "100x the default bootstrap replicates", 130, "probe.bootstrap.replicates",
+      interrupt="probe.bootstrap.replicates"),
     c("t-warmup", "train.py", "optim.warmup_steps=50 max_steps=2 probe.enabled=false", "warm-up past the end",
       0, "odd:"),
     c("t-headline", "train.py", "norm=rms size=1b", "1B model on a CPU over a small corpus", 130,
@@ -207,6 +217,14 @@ CASES: tuple[Case, ...] = (
       copy="sweep", damage=(("garbage", f"copy/tiny-rms-s0/{RUN_CONFIG_FILE}"),), owns=("copy/compare",)),
     c("c-null-empty", "compare", "{copy} --formats=png", f"{NULL_FILE} empty (64 null directions)", 1,
       NULL_FILE, copy="sweep", damage=(("empty", f"copy/tiny-rms-s0/{NULL_FILE}"),), owns=("copy/compare",)),
+    c("c-angles-again", "compare", "{copy} --formats=png", "angles.jsonl's last record written twice", 1,
+      ANGLES_FILE, copy="sweep", damage=(("again", f"copy/tiny-rms-s0/{ANGLES_FILE}"),),
+      owns=("copy/compare",)),
+    c("c-metrics-again", "compare", "{copy} --formats=png", "metrics.csv's last row written twice", 1,
+      "damaged metrics row", copy="sweep", owns=("copy/compare",),
+      damage=(("again", f"copy/tiny-layer-s0/{CSV_DIR}/version_0/{METRICS_FILE}"),)),
+    c("c-ellipsoid-rm", "compare", "{copy} --formats=png", f"{ELLIPSOID_FILE} deleted", 1, ELLIPSOID_FILE,
+      copy="sweep", damage=(("rm", f"copy/tiny-rms-s0/{ELLIPSOID_FILE}"),), owns=("copy/compare",)),
     c("c-out-run", "compare", "{sweep} --out {run}", "a run's folder", 2, "--out"),
     c("c-out-data", "compare", "{sweep} --out {data}/pydoc", "prepared data's folder", 2, "prepared data"),
     c("c-missing", "compare", "/no/such", "missing folder", 2, "/no/such"),
@@ -221,6 +239,9 @@ CASES: tuple[Case, ...] = (
     c("r-layer", "report", "{run} --layer=99 --out {case}/figs", "no such layer", 2, "--layer=99"),
     c("r-angles-cut", "report", "{copy}", "angles.jsonl cut mid-line", 2, ANGLES_FILE, copy="run",
       damage=(("trunc", f"copy/{ANGLES_FILE}"),), owns=(f"copy/{FIGURES_DIR}",)),
+    c("r-null-nan", "report", "{copy}", "a NaN in null.jsonl", 2, NULL_FILE, copy="run",
+      damage=(("sub", f"copy/{NULL_FILE}", '"mean_deg": ', '"mean_deg": NaN, "was": '),),
+      owns=(f"copy/{FIGURES_DIR}",)),
     c("r-out-below", "report", "{run} --out {run}/checkpoints", "inside a run", 2, "inside"),
     c("r-data", "report", "{data}/pydoc --out {case}/figs", "a data folder, not a run", 2, ANGLES_FILE),
     c("r-out-other", "report", f"{{run}} --out {{sweep}}/tiny-layer-s0/{FIGURES_DIR}",
@@ -234,6 +255,10 @@ CASES: tuple[Case, ...] = (
     c("s-data", "status", "{data} --no-slurm", "a prepared-data folder", 2, "no runs under"),
     c("s-csv-rm", "status", "{copy} --no-slurm", "csv/ of a trained run deleted", 1, "metrics", copy="run",
       damage=(("rm", f"copy/{CSV_DIR}"),)),
+    c("s-energy-step", "status", "{copy} --no-slurm", "a record of step 99 in a 2-step run", 1, "step 99",
+      copy="sweep", damage=(("again", f"copy/tiny-layer-s0/{ENERGY_FILE}", r'"step": \d+', '"step": 99'),)),
+    c("s-energy-empty", "status", "{copy} --no-slurm", f"{ENERGY_FILE} of a probed run empty", 1, ENERGY_FILE,
+      copy="run", damage=(("empty", f"copy/{ENERGY_FILE}"),)),
     c("s-minutes", "status", "--active-minutes=-1 --no-slurm", "negative minutes", 2, "--active-minutes"),
     c("s-missing", "status", "/no/such --no-slurm", "missing folder", 2, "/no/such"),
     c("s-summary", "status", "{copy} --no-slurm", "summary.json truncated", 1, SUMMARY_FILE, copy="sweep",
@@ -364,6 +389,12 @@ def damage(folder: Path, ops: tuple[tuple[str, ...], ...]) -> None:
             path.write_text(text[0])
         elif op == "mkdir":
             path.mkdir()
+        elif op == "again":  # a record or row written twice, or (edited) one whose values mean nothing
+            last = path.read_text().splitlines()[-1]
+            path.write_text(path.read_text() + (re.sub(text[0], text[1], last, count=1) if text else last)
+                            + "\n")
+        elif op == "sub":
+            path.write_text(re.sub(text[0], text[1], path.read_text(), count=1))
 
 
 @dataclass
