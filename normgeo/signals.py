@@ -68,8 +68,9 @@ def say(text: str) -> None:
     os.write(2, (text + "\n").encode())  # not print: the signal may land inside a print to stderr
 
 
-class Abandoned(Exception):
-    """A stop signal in the end's figures (ABANDON_END); ``signum`` is the signal."""
+class Abandoned(BaseException):
+    """A stop signal in the end's figures (ABANDON_END); ``signum`` is the signal. A BaseException, as
+    KeyboardInterrupt is: raised from a handler, it may land inside any library's ``except Exception``."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -117,8 +118,10 @@ class FitPhase(Phase):
         (BEFORE_TRAINING if action == STOP else super()).act(action, signum)
 
 
-class SignalStop(Exception):
-    """A stop signal abandoned a validation or a probe (ABANDON): ``last.ckpt`` is saved at this step."""
+class SignalStop(BaseException):
+    """A stop signal abandoned a validation or a probe (ABANDON): ``last.ckpt`` is saved at this step. A
+    BaseException: raised from the handler, it landed inside ``inspect.getfullargspec`` in Lightning's
+    validation loop, whose ``except Exception`` turned it into a TypeError (exit 1, seen under load)."""
 
 
 class Interrupt(Phase):
