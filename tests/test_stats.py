@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from normgeo.measure import stats as stats_module
 from normgeo.measure.geometry import angle_deg, rmsnorm_one_step
 from normgeo.measure.stats import (
     NULL_QUANTILES,
@@ -312,28 +311,6 @@ def test_the_smallest_decidable_margin_inverts_the_seeds_a_margin_needs(n: int, 
     assert seeds_for_equivalence(sd, margin * 1.001) <= n < seeds_for_equivalence(sd, margin * 0.99)
     with pytest.raises(ValueError, match="at least 2 seeds"):
         smallest_decidable_margin(1, sd)
-
-
-def test_the_reference_angles_in_float64_chunks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's float64 copy in chunks of rows (stats.F64_CHUNK_BYTES, 5 rows here, uneven) gives the
-    statistics of one copy of the whole site to float64 rounding (BLAS rounds a product of 5 rows and one of
-    46 differently in the last bit): the same histograms and counts, every moment and extreme to rounding."""
-    generator = torch.Generator().manual_seed(5)
-    references = torch.randn(3, 16, dtype=torch.float64, generator=generator)
-    nulls = torch.randn(8, 16, dtype=torch.float64, generator=generator)
-    x = torch.randn(2, 23, 16, generator=generator) + 0.3
-
-    def update(chunk_bytes: int) -> stats_module.AngleStatistics:
-        monkeypatch.setattr(stats_module, "F64_CHUNK_BYTES", chunk_bytes)
-        statistics = stats_module.AngleStatistics(2, references, null_directions=nulls, num_sequences=2)
-        statistics.update_sites(0, [x, x * 2 - 1], torch.arange(2))
-        return statistics
-
-    whole, chunked = update(1 << 30), update(5 * 8 * 16)
-    for field in ("hist", "count"):
-        assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
-    for field in ("min", "max", "mean", "m2", "seq_sum", "seq_sumsq", "null_mean", "null_m2"):
-        torch.testing.assert_close(getattr(chunked, field), getattr(whole, field), rtol=1e-12, atol=1e-12)
 
 
 def test_an_rms_standardized_site_from_its_inputs_norms_equals_the_standardized_vectors_measured() -> None:

@@ -87,11 +87,11 @@ def empty_buckets(longest_window: int, starts: Sequence[int] = BUCKET_STARTS) ->
     return [name for name, start in zip(bucket_names(starts), starts, strict=True) if start >= longest_window]
 
 
-def magnitude_bits(vectors: torch.Tensor) -> torch.Tensor:
-    """|x| of every entry as its float32 bits (the sign bit cleared): the |x| histogram's bin is their top
-    bits (the exponent and ABS_MANTISSA_BITS of the mantissa), log-spaced bins by a shift where log10 would
-    cost passes more."""
-    return vectors.float().view(torch.int32).bitwise_and(0x7FFFFFFF)
+def magnitude_bits(vectors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """|x| of every entry as its float32 bits (the sign bit cleared), into ``out`` (int32, vectors' shape)
+    if given: the |x| histogram's bin is their top bits (the exponent and ABS_MANTISSA_BITS of the
+    mantissa), log-spaced bins by a shift where log10 would cost passes more."""
+    return torch.bitwise_and(vectors.float().view(torch.int32), 0x7FFFFFFF, out=out)
 
 
 class MeanSourcesStatistics:
@@ -130,6 +130,7 @@ class MeanSourcesStatistics:
         self.unit_mean_sq = torch.zeros((self.num_sites, self.units), **f64)  # per unit: sum of mu^2
         self.unit_first_sq = torch.zeros((self.num_sites, self.units), **f64)  # ... at position 0
         self.unit_phi = [torch.zeros((self.units, d), **f64) for d in self.dims]  # ... of mu x_i / d
+        self.buffers: dict[str, torch.Tensor] = {}  # scratch()'s
 
     @torch.no_grad()
     def update(self, site: int, vectors: torch.Tensor, document_starts: torch.Tensor | None = None,
@@ -170,8 +171,9 @@ class MeanSourcesStatistics:
             counted = True
         else:
             counted = False
-        # Every pass over the entries goes chunk by chunk: each chunk's temporaries stay in the cache and
-        # under glibc's mmap threshold (a whole batch's faults in fresh pages at every pass; stats.py).
+        # Every pass over the entries goes chunk by chunk into buffers that every chunk and site reuse: a
+        # chunk's temporaries stay in the cache, and no pass faults in fresh pages (a new temporary of a few
+        # MB often does: glibc maps it, or trims the heap it came from, when it is freed).
         means = []
         band = self.band_hist[site]
         # A value's slot in the band is its bits past the band's first value: (bin - start) * FINE_BINS plus
@@ -179,20 +181,23 @@ class MeanSourcesStatistics:
         low = (self.band_start[site] << ABS_SHIFT).to(torch.int32)
         high = low + MEDIAN_BAND * FINE_BINS
         for number, chunk in enumerate(flat.split(chunk_tokens)):
+            shape = chunk.shape
             # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu, phi are one sum.
-            wide = chunk.to(torch.float64)
+            wide = self.scratch("wide", shape, torch.float64).copy_(chunk)
             mu = wide.mean(dim=-1)
             self.phi[site] += mu @ wide / dim
             if units is not None:
                 rows_of = units[number * chunk_tokens : number * chunk_tokens + len(chunk)]
-                self.unit_phi[site].index_add_(0, rows_of, wide * (mu / dim).unsqueeze(-1))
+                self.unit_phi[site].index_add_(0, rows_of, wide.mul_((mu / dim).unsqueeze(-1)))
             means.append(mu)
-            bits = magnitude_bits(chunk)
+            bits = magnitude_bits(chunk, out=self.scratch("bits", shape, torch.int32))
             magnitude = bits.view(torch.float32).amax(dim=0).to(torch.float64)
             self.max_abs[site] = torch.maximum(self.max_abs[site], magnitude)
             if not counted:
-                add_counts(self.abs_hist[site], bits >> ABS_SHIFT)
-            inside = (bits >= low) & (bits < high)
+                bins = self.scratch("bins", shape, torch.int32)
+                add_counts(self.abs_hist[site], torch.bitwise_right_shift(bits, ABS_SHIFT, out=bins))
+            inside = torch.ge(bits, low, out=self.scratch("inside", shape, torch.bool))
+            inside &= torch.lt(bits, high, out=self.scratch("below", shape, torch.bool))
             # The band's entries alone, and those outside in the last slot: no pass as long as the band.
             # Clamped into the band: a GPU's index_add_ weighs the entries outside by 0 but indexes them.
             slots = bits.sub_(low).clamp_(0, MEDIAN_BAND * FINE_BINS - 1)
@@ -208,6 +213,15 @@ class MeanSourcesStatistics:
         self.bucket_mean_sq[site, : self.num_buckets].index_add_(0, bucket, square.sum(dim=0))
         if starts is not None:
             self.bucket_mean_sq[site, self.num_buckets] += torch.where(starts, square, 0.0).sum()
+
+    def scratch(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` for the chunk loop's ``name``d temporary, one allocation reused by every
+        chunk and site (as large as the largest chunk so far)."""
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return buffer[:size].view(shape)
 
     def start_band(self, site: int) -> None:
         """Centre ``site``'s median band on its histogram's median bin so far, on the device (no sync)."""

@@ -45,8 +45,6 @@ CENTER_DEG = 90.0
 # update: a fixed buffer, so the GPU is not waited on for their number. In d dimensions a random direction is
 # within 60 deg of a vector with probability ~exp(-d / 8); pairs beyond keep sqrt(1 - cos^2) (<= 0.03 deg).
 NULL_NEAR_AXIS_PER_VECTOR = 1
-# Bytes of one float64 copy of vectors on the CPU: well under glibc's largest mmap threshold (32 MiB).
-F64_CHUNK_BYTES = 8 << 20
 
 
 def distributed() -> bool:
@@ -248,7 +246,7 @@ def add_counts(hist: torch.Tensor, bins: torch.Tensor, counted: torch.Tensor | N
     The counts are the same either way.
     """
     if reads_back(hist.device):
-        flat = bins.reshape(-1) if counted is None else bins[counted.expand_as(bins)]
+        flat = bins.reshape(-1) if counted is None else torch.masked_select(bins, counted)
         if 4 * flat.numel() < hist.numel():  # a few entries into many bins: no pass over all the bins
             hist.index_add_(0, flat, torch.ones(1, dtype=hist.dtype).expand(flat.numel()))
         else:
@@ -310,19 +308,17 @@ class AngleStatistics:
         self.num_sites = num_sites
         self.bins_per_degree = bins_per_degree
         self.num_bins = 180 * bins_per_degree
-        refs = references.to(self.device, torch.float64)
-        self.ref_units = refs / refs.norm(dim=-1, keepdim=True)
+        refs = references.to(self.device, torch.float32)
         self.num_refs = refs.shape[0]
         nulls = (
-            torch.zeros((0, refs.shape[1]), dtype=torch.float64, device=self.device)
+            torch.zeros((0, refs.shape[1]), dtype=torch.float32, device=self.device)
             if null_directions is None
-            else null_directions.to(self.device, torch.float64)
+            else null_directions.to(self.device, torch.float32)
         )
         self.num_null = nulls.shape[0]
-        self.null_units = (nulls / nulls.norm(dim=-1, keepdim=True).clamp(min=1e-300)).to(torch.float32)
-        # What angle_deg would make of them at every update (the same bits), made once: fewer kernels a pass.
-        self.ref_unit_references = unit_references(self.ref_units, torch.float64, self.device)
-        self.null_unit_references = unit_references(self.null_units, torch.float32, self.device)
+        # Made ready for angle_deg once (the same bits it would make at every update): fewer kernels a pass.
+        self.ref_units = unit_references(refs, torch.float32, self.device)
+        self.null_units = unit_references(nulls, torch.float32, self.device)
         shape = (num_sites, self.num_refs)
         f64 = {"dtype": torch.float64, "device": self.device}
         null_shape = (num_sites, self.num_null)
@@ -373,10 +369,8 @@ class AngleStatistics:
         (:func:`add_counts`), zero vectors are masked rather than branched on, ``angle_deg``
         picks its near-axis pairs into a buffer of fixed size, and ``sequence_ids`` should already be on the
         device (a copy from the host waits for the GPU; :class:`AngleMeasurement` copies them once a batch).
-        On the CPU the angles are taken site by site: the float64 copy of three sites (50 MB at 4,096
-        tokens, d = 512) is over glibc's largest mmap threshold (32 MiB), one site's is under it, and every
-        allocation over it faults in fresh pages (``bench/probe_cost.py``, 70m, 8,192 tokens: the angle
-        probe took 6.65 s with three sites per pass, 5.43 s one by one).
+        On the CPU the angles are taken site by site: each site's vectors are then a view, where stacking
+        the sites would copy them all (a pass more, into fresh pages), for no fewer operations that matter.
         """
         per_pass = self.sites_per_pass or (len(vectors) if self.device.type == "cuda" else 1)
         parts = [self._directions(vectors[start:start + per_pass])
@@ -403,26 +397,17 @@ class AngleStatistics:
         # (S, n, d) in float32 (bf16/fp16 cast up); one site is a view, several are stacked into one tensor.
         rows = [v.detach().reshape(1, -1, v.shape[-1]).to(torch.float32) for v in vectors]
         x = rows[0] if len(rows) == 1 else torch.cat(rows)
-        # References in float64 (1 may sit far from 90 deg; the moments keep every digit), every near-axis
-        # pair refined; the norms once, in float64, for every use. The float64 copy in chunks of rows on the
-        # CPU: a whole site's would be over glibc's largest mmap threshold at a few thousand tokens and fault
-        # in fresh pages at every call (measured: 20 ms a site at 8,192 tokens, d = 576, against 4 ms in
-        # chunks); a GPU takes it in one piece.
-        rows = max(1, F64_CHUNK_BYTES // (8 * x.shape[-1])) if x.device.type == "cpu" else x.shape[1]
-        ref, lengths = [], []
-        with one_cpu_thread(self.device):
-            for part in x.split(rows, dim=1):
-                wide = part.to(torch.float64)
-                lengths.append(torch.linalg.vector_norm(wide, dim=-1, keepdim=True))
-                ref.append(angle_deg(wide, self.ref_unit_references, x_norm=lengths[-1]))
-        norms = (lengths[0] if len(lengths) == 1 else torch.cat(lengths, dim=1)).to(torch.float32)
-        # Null directions in float32 (the K directions cost 10x more in float64 on CPU; ~1e-5 deg), near-axis
-        # pairs refined up to NULL_NEAR_AXIS_PER_VECTOR per vector (a random direction is rarely near one),
-        # with the caller's threads: their (n x d) by (d x K) product is the one op of the statistics large
-        # enough to gain from them (half its time on 2 idle cores).
-        null = (angle_deg(x, self.null_unit_references, NULL_NEAR_AXIS_PER_VECTOR * x.shape[0] * x.shape[1],
-                          x_norm=norms) if self.num_null else None)
-        return norms.squeeze(-1), ref[0] if len(ref) == 1 else torch.cat(ref, dim=1), null
+        # In float32, the moments summed in float64: within 2e-5 deg near 0, 90 and 180 (tests/test_stats.py).
+        # The references' product apart from the null directions': their angles are the same bits whatever K.
+        # Every near-axis reference pair refined, and up to NULL_NEAR_AXIS_PER_VECTOR per vector of the null
+        # directions' (a random direction is rarely near one). With the caller's threads: the null product,
+        # (n x d) by (d x K), is the one op of the statistics large enough to gain from them.
+        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        vectors = x.shape[0] * x.shape[1]
+        ref = angle_deg(x, self.ref_units, self.num_refs * vectors, x_norm=norms)
+        null = (angle_deg(x, self.null_units, NULL_NEAR_AXIS_PER_VECTOR * vectors, x_norm=norms)
+                if self.num_null else None)
+        return norms.squeeze(-1), ref.double(), null
 
     def _update(self, sites: slice, norms: torch.Tensor, ref_degrees: torch.Tensor,
                 null_degrees: torch.Tensor | None, sequence_ids: torch.Tensor | None) -> None:
