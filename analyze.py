@@ -89,9 +89,8 @@ def analyze(cfg: DictConfig, probe: ProbeConfig) -> Path:
     tokenized_at = time.perf_counter()
     measured = measure_model(
         model, ids, setup, probe, batch_size=cfg.model.batch_size, name=cfg.model.name, source=loaded.source,
-        probe_source=source.describe(),
-        step=loaded.step,
-        tokens_per_step=loaded.tokens_per_step, forward=loaded.forward, device=device, progress=cfg.progress,
+        probe_source=source.describe(), step=loaded.step, tokens_per_step=loaded.tokens_per_step,
+        forward=loaded.forward, headless=loaded.headless, device=device, progress=cfg.progress,
         announce_cost=True, separator=loaded.separator,
     )
     records = measured.records

@@ -10,7 +10,8 @@ Variants are interleaved within each repeat; the load average is printed. Peak m
 probe) is measured in a fresh process per token count, to show it does not grow with N.
 
 ``--table``: the variants of issue 73 (:data:`TABLE`) over ``--tokens``, every token intervened on, each
-against the plain forward over the same tokens, medians of the interleaved repeats. ``--model`` takes an
+against the plain forward over the same tokens, medians of the interleaved repeats; ``--analyze``: the same
+for analyze.py's default probe alone (:data:`ANALYZE`). ``--model`` takes an
 ``analyze.py`` preset (conf/analyze/model/) for a GPT size: the probe is then analyze.py's (the model's own
 forward, the LM head only for the intervention, seeded random token ids, the model's separator every 97).
 
@@ -18,6 +19,7 @@ forward, the LM head only for the intervention, seeded random token ids, the mod
     python bench/probe_cost.py --size 160m --tokens 65536 --memory-tokens 8192 65536
     python bench/probe_cost.py --device cuda --batch-size 8 --memory-tokens      # on a GPU
     python bench/probe_cost.py --table --model smollm2-135m --tokens 8192 --batch-size 8 --repeats 3
+    python bench/probe_cost.py --analyze --model smollm2-135m --tokens 100000 --batch-size 8 --repeats 1
 """
 
 from __future__ import annotations
@@ -175,11 +177,10 @@ def probe(
     sources and every record row), plus the intervention's ``scopes`` on the first ``budget`` tokens."""
     config = ProbeConfig(tokens=len(ids), null_directions=null, intervention=list(scopes),
                          intervention_tokens=budget, mean_sources=mean_sources)
-    headless = subject.forward is not None and not scopes  # analyze.py loads no LM head without them
     references = make_references(subject.dim, config.seed, null)
     measure_records(subject.model, ids, subject.seq_len, references, config, batch_size=batch_size,
                     model_name="bench", step=0, tokens_per_step=None, with_null=energy_and_rows,
-                    norms=subject.norms, forward=subject.base if headless else subject.forward,
+                    norms=subject.norms, forward=subject.forward, headless=subject.base,
                     resume_mid_stack=resume, separator=subject.separator)
 
 
@@ -226,8 +227,14 @@ TABLE = (  # issue 73's variants: (name, probe options)
 )
 
 
-def table(subject: Subject, tokens: int, batch_size: int, repeats: int) -> None:
-    """The variants of :data:`TABLE` against the plain forward, interleaved: a markdown table of medians."""
+# analyze.py's own probe: the default, the intervention on its first probe.intervention_tokens only.
+ANALYZE = ((f"analyze.py's default (+the intervention on the first {DEFAULT_INTERVENTION_TOKENS:,} tokens)",
+            {"scopes": DEFAULT_SCOPES}),)
+
+
+def table(subject: Subject, tokens: int, batch_size: int, repeats: int,
+          variants: tuple[tuple[str, dict], ...] = TABLE) -> None:
+    """The ``variants`` against the plain forward, interleaved: a markdown table of medians."""
     ids = token_ids(tokens, subject)
 
     def variant(options: dict) -> Callable[[Subject, int], None]:
@@ -235,7 +242,7 @@ def table(subject: Subject, tokens: int, batch_size: int, repeats: int) -> None:
 
     before = os.getloadavg()
     timings = timed({"plain forward": lambda s, b: plain_forward(s, ids, b),
-                     **{name: variant(options) for name, options in TABLE}}, subject, batch_size, repeats)
+                     **{name: variant(options) for name, options in variants}}, subject, batch_size, repeats)
     medians = {name: statistics.median(values) for name, values in timings.items()}
     print(f"{subject.name}: {tokens} probe tokens, batches of {batch_size} x {subject.seq_len}, {repeats} "
           f"interleaved repeat(s), load average before {before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
@@ -263,6 +270,8 @@ def main() -> None:
                         help="only the default probe with and without mean_sources.jsonl, interleaved")
     parser.add_argument("--table", action="store_true",
                         help="only issue 73's variants over --tokens, every token intervened on, medians")
+    parser.add_argument("--analyze", action="store_true",
+                        help="only analyze.py's default probe over --tokens against the plain forward")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if reason := missing_cuda("--device", args.device, "--device cpu"):
@@ -278,8 +287,8 @@ def main() -> None:
           f"repeats={args.repeats} load average before={os.getloadavg()[0]:.2f} "
           f"intervention budget={DEFAULT_INTERVENTION_TOKENS} scopes={','.join(DEFAULT_SCOPES)}")
     probe(subject, token_ids(subject.seq_len, subject), 1)  # warm-up: allocator, kernels
-    if args.table:
-        return table(subject, args.tokens, args.batch_size, args.repeats)
+    if args.table or args.analyze:
+        return table(subject, args.tokens, args.batch_size, args.repeats, TABLE if args.table else ANALYZE)
     large, small = token_ids(args.tokens, subject), token_ids(args.budget_tokens, subject)
     default = f"default probe (+intervention on the first {min(DEFAULT_INTERVENTION_TOKENS, args.tokens)})"
     if args.mean_sources_cost:

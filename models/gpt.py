@@ -162,12 +162,10 @@ class GPT(nn.Module):
             values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
             param.copy_(values.to(param.dtype))
 
-    def num_parameters(self, exclude_positions: bool = False) -> int:
-        total = sum(p.numel() for p in self.parameters())  # a tied matrix counts once
-        return total - self.wpe.weight.numel() if exclude_positions else total
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for ``idx`` (batch, seq); with ``targets``, the mean cross-entropy instead."""
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final norm's output for ``idx`` (batch, seq): what the LM head reads (a probe that needs no
+        logits stops here). Call it on a model that is not sharded: FSDP2 gathers the root's weights in
+        ``forward``."""
         seq = idx.shape[1]
         if seq > self.config.block_size:
             raise ValueError(f"sequence of {seq} tokens exceeds block_size={self.config.block_size}")
@@ -175,7 +173,15 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def num_parameters(self, exclude_positions: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())  # a tied matrix counts once
+        return total - self.wpe.weight.numel() if exclude_positions else total
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``idx`` (batch, seq); with ``targets``, the mean cross-entropy instead."""
+        logits = self.lm_head(self.hidden(idx))
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

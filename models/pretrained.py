@@ -306,6 +306,9 @@ class Loaded:
     source: str  # what was loaded, for run_info.json
     step: int | None = None  # training step of our own checkpoints; None for released models
     tokens_per_step: int | None = None
+    # The forward without the LM head, for the probe's batches whose logits nothing reads (those past the
+    # centering intervention's budget); None: ``forward`` (no head, or none to leave out).
+    headless: Callable[[torch.Tensor], object] | None = None
 
 
 def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
@@ -337,8 +340,9 @@ def load_hf(spec: DictConfig, lm_head: bool = False) -> Loaded:
     )
     encode_batch, separator = hf_encoder(tokenizer)
     source = str(Path(path or "", gguf_file or ""))
+    base = getattr(model, "base_model", model)  # with lm_head: the model it heads
     return Loaded(model=model, forward=hf_forward(model), encode_batch=encode_batch, separator=separator,
-                  source=source)
+                  source=source, headless=hf_forward(base) if base is not model else None)
 
 
 def load_our_checkpoint(spec: DictConfig) -> Loaded:
@@ -356,7 +360,8 @@ def load_our_checkpoint(spec: DictConfig) -> Loaded:
     step_tokens = (tokens_per_step(hparams["global_batch"], model.config.block_size)
                    if "global_batch" in hparams else None)
     return Loaded(model=model, forward=model, encode_batch=encode_batch, separator=eot,
-                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens)
+                  source=str(Path(spec.checkpoint).resolve()), step=step, tokens_per_step=step_tokens,
+                  headless=model.hidden)
 
 
 def load_model(spec: DictConfig, lm_head: bool = False) -> Loaded:

@@ -90,7 +90,8 @@ def as_loaded(model: nn.Module | Loaded, tokenizer: Any = None) -> Loaded:
         loaded = model
     elif isinstance(model, GPT):
         encode, eot, _ = tiktoken_batch_encoder("gpt2")
-        loaded = Loaded(model=model, forward=model, encode_batch=encode, separator=eot, source="python")
+        loaded = Loaded(model=model, forward=model, encode_batch=encode, separator=eot, source="python",
+                        headless=model.hidden)
     elif is_transformer_lens(model):
         if refusal := processing_refusal(model):
             raise AnalysisError(refusal)
@@ -171,4 +172,4 @@ def measure(model: nn.Module | Loaded, texts_or_ids: Any, *, tokenizer: Any = No
     return measure_model(loaded.model, ids, setup, probe, batch_size=spec.batch_size, name=name,
                          source=loaded.source, probe_source=probe_source, step=loaded.step,
                          tokens_per_step=loaded.tokens_per_step, forward=loaded.forward,
-                         separator=loaded.separator)
+                         headless=loaded.headless, separator=loaded.separator)

@@ -123,6 +123,7 @@ class ModelRecords(RecordFrames):
 def measure_model(model: nn.Module, ids: np.ndarray, setup: ProbeSetup, probe: ProbeConfig, *,
                   batch_size: int, name: str, source: str, probe_source: str, step: int | None = None,
                   tokens_per_step: int | None = None, forward: Callable[[torch.Tensor], object] | None = None,
+                  headless: Callable[[torch.Tensor], object] | None = None,
                   device: torch.device | None = None, progress: bool = False, announce_cost: bool = False,
                   separator: int | None = None) -> ModelRecords:
     """Every measurement ``probe`` asks for on the token stream ``ids`` in windows of ``setup.seq_len``
@@ -133,7 +134,7 @@ def measure_model(model: nn.Module, ids: np.ndarray, setup: ProbeSetup, probe: P
     references = make_references(setup.dim, probe.seed, probe.null_directions)
     records = measure_records(model, ids, setup.seq_len, references, probe, batch_size=batch_size,
                               model_name=name, step=step, tokens_per_step=tokens_per_step, forward=forward,
-                              norms=setup.norms, device=device, progress=progress,
+                              headless=headless, norms=setup.norms, device=device, progress=progress,
                               announce_cost=announce_cost, separator=separator)
     seconds = time.perf_counter() - started
     parameter = next(model.parameters())

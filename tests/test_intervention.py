@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -492,6 +493,30 @@ def test_the_intervention_runs_on_its_token_budget_and_the_rows_say_so() -> None
     assert calls[0] == 3 * 2 + 2 * (4 * 2 + (2 + 1)) + 1
     whole, _ = scope_rows(model, ids[: 5 * SEQ], resume=True)
     assert_same_rows(rows, whole)  # the same windows measured alone give the same rows
+
+
+def test_past_the_budget_the_probe_runs_the_model_without_its_head_and_measures_the_same() -> None:
+    """The batches the intervention does not intervene on are measured through ``headless`` (the model up to
+    its last norm): the LM head runs only for the intervened batches, and every record is the same bits."""
+    model = tiny("layer", layers=2)
+    ids = token_ids(10 * SEQ)
+    heads = []
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: heads.append(len(output)))
+    probe = ProbeConfig(tokens=len(ids), seed=0, bootstrap=BootstrapConfig(replicates=50),
+                        intervention=["all"], intervention_tokens=3 * SEQ)
+    measured = {}
+    try:
+        for name, headless in (("with the head", None), ("headless", model.hidden)):
+            heads.clear()
+            measured[name] = measure_records(model, ids, SEQ, make_references(WIDTH), probe, batch_size=2,
+                                             model_name="t", step=0, tokens_per_step=None, headless=headless,
+                                             separator=VOCAB - 1).files
+            measured[name + " heads"] = list(heads)
+    finally:
+        handle.remove()
+    # 5 batches of 2 windows; the budget's 3 windows are in the first 2: their intact forwards, the scope's.
+    assert len(measured["with the head heads"]) == 5 + 2 and len(measured["headless heads"]) == 2 + 2
+    assert json.dumps(measured["headless"]) == json.dumps(measured["with the head"])  # NaN as NaN
 
 
 def test_the_progress_bar_counts_forwards_and_ends_at_its_total(capsys) -> None:

@@ -488,6 +488,9 @@ class CenteringIntervention(Measurement):
         blocks = len(self.replay.stack)
         return (blocks - layer + 1) / (blocks + 1)
 
+    def reads_output(self, lead_id: int) -> bool:
+        return self.intervenes(lead_id)
+
     def forwards_per_batch(self, lead_id: int) -> float:
         return sum(self.scope_cost(scope) for scope in self.scopes) if self.intervenes(lead_id) else 0.0
 

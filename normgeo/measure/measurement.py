@@ -75,6 +75,11 @@ class Measurement:
     def observe_batch(self, batch: ProbeBatch) -> None:
         """After the intact forward of ``batch``."""
 
+    def reads_output(self, lead_id: int) -> bool:
+        """Whether :meth:`observe_batch` reads the intact forward's ``output`` (the logits) of the batch whose
+        ``lead_id`` is given: where no measurement does, the probe may run the model without its head."""
+        return False
+
     def forwards_per_batch(self, lead_id: int) -> float:
         """Extra forwards (in units of one full forward) that :meth:`observe_batch` runs for the batch whose
         ``lead_id`` is given: the cost the probe announces before it starts and its progress bar counts."""

@@ -182,6 +182,7 @@ def run_probe(
     document_starts: Sequence[torch.Tensor] | None = None,
     documents: Sequence[torch.Tensor] | None = None,
     forward: Callable[[torch.Tensor], object] | None = None,
+    headless: Callable[[torch.Tensor], object] | None = None,
     batch_size: int = 8,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
@@ -196,9 +197,11 @@ def run_probe(
 
     Rank ``rank`` of ``world_size`` runs windows ``rank, rank + world_size, ...`` of each part, padded to as
     many forwards as the largest share (a sharded model's all-gathers are collective); padding rows are never
-    measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``autocast`` gives the
-    precision. ``progress``: a bar in forwards (the intervention's included), which moves within a batch,
-    with the time left over the whole probe and the probe tokens measured per second.
+    measured. Nothing is all-reduced here. ``forward`` defaults to ``model(batch)``; ``headless`` (None:
+    ``forward``) is the intact forward of the batches whose output no measurement reads
+    (:meth:`Measurement.reads_output`): the model without its LM head. ``autocast`` gives the precision.
+    ``progress``: a bar in forwards (the intervention's included), which moves within a batch, with the time
+    left over the whole probe and the probe tokens measured per second.
     ``document_starts``: bool windows of the shapes of ``parts`` (:func:`document_starts` cut by
     :func:`windows`), handed to every batch as :attr:`ProbeBatch.document_starts`; ``documents`` likewise
     (:func:`document_index` cut by :func:`windows`) as :attr:`ProbeBatch.documents`.
@@ -259,7 +262,8 @@ def run_probe(
                 for measurement in measurements:
                     measurement.before_batch(batch)
                 current[0] = batch
-                batch.output = call(batch.tokens)
+                read = headless is None or any(m.reads_output(lead_id) for m in measurements)
+                batch.output = (call if read else headless)(batch.tokens)
                 current[0] = None  # the measurements' own forwards are not observed
                 bar.update(1)
                 for measurement in measurements:
@@ -348,6 +352,7 @@ def measure_records(
     with_null: bool = True,
     norms: Sequence[NormSite] | None = None,
     forward: Callable[[torch.Tensor], object] | None = None,
+    headless: Callable[[torch.Tensor], object] | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: torch.device | str | None = None,
     progress: bool = False,
@@ -364,7 +369,8 @@ def measure_records(
     :func:`tokens_seen`. ``with_null=False`` skips the rows whose bootstrap costs (``null.jsonl``,
     ``intervention.jsonl``; only the rank that writes needs them). The centering intervention runs its
     ``probe.intervention`` scopes (none: not run) on the first ``probe.intervention_tokens`` probe tokens in
-    whole windows. ``announce_cost``: log the forwards the probe will run before it starts.
+    whole windows; ``headless`` (:func:`run_probe`) runs the other batches without the LM head.
+    ``announce_cost``: log the forwards the probe will run before it starts.
     ``resume_mid_stack=False`` re-runs every per-block scope's forward from the embeddings (what the resumed
     forwards are tested and benchmarked against). ``separator``: the token :func:`probe_ids` put between
     the documents of ``ids``, from which the document starts are found (:func:`document_starts`; None: not
@@ -409,8 +415,8 @@ def measure_records(
     if announce_cost:
         announce(parts, batch_size, world_size, intervention)
     run_probe(model, parts, measurements, norms=norms, document_starts=start_parts, documents=document_parts,
-              forward=forward, batch_size=batch_size, autocast=autocast, device=device, progress=progress,
-              rank=rank, world_size=world_size)
+              forward=forward, headless=headless, batch_size=batch_size, autocast=autocast, device=device,
+              progress=progress, rank=rank, world_size=world_size)
     for measurement in measurements:
         measurement.all_reduce()
     norm = record_norm_label(model, angles.sites)
