@@ -438,6 +438,17 @@ def test_probe_cost_table_gives_issue_73s_variants(capsys, monkeypatch, subject:
         assert low - 0.005 <= float(ratio) <= high + 0.005, name
 
 
+def test_probe_cost_analyze_times_analyze_pys_default_probe(capsys, monkeypatch) -> None:
+    """bench/probe_cost.py --analyze: the plain forward and analyze.py's default probe (the intervention on
+    its budget only), one row each."""
+    out = script_here(capsys, monkeypatch, "probe_cost", "--size", "tiny", "--analyze", "--tokens", "512",
+                      "--batch-size", "2", "--repeats", "1")
+    rows = [line.strip("|").split("|")[0].strip() for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith(("| variant", "| ---"))]
+    assert rows == ["plain forward", *(name for name, _ in bench_module("probe_cost").ANALYZE)], out
+    assert "intervention on the first 8,192 tokens" in rows[1]
+
+
 def test_probe_cost_refuses_cuda_without_a_gpu(capsys, monkeypatch) -> None:
     done = refused_here(capsys, monkeypatch, "probe_cost", "--device", "cuda")
     assert done.returncode == 2 and done.stdout == "", done.stderr
