@@ -24,6 +24,7 @@ from models.pretrained import load_model
 from normgeo.config.checks import check_config
 from normgeo.config.compose import ANALYZE_CONF_DIR, CONF_DIR
 from normgeo.measure.energy import BINS_PER_DECADE
+from normgeo.measure.mean_sources import DOC_START
 from normgeo.measure.norm_sites import find_norm_sites
 from normgeo.measure.pipeline import measure_records, tiktoken_separator
 from normgeo.measure.probe import make_references, residual_norms
@@ -39,6 +40,7 @@ RELATIVE, ABSOLUTE = 2e-4, 1e-5
 # the angles, 10^(1/100) for the energy fractions and the mean's shares.
 QUANTILE = re.compile(r"p\d\d")
 ANGLE_BIN, RATIO_BIN = 1 / DEFAULT_BINS_PER_DEGREE, 10 ** (1 / BINS_PER_DECADE) - 1
+SHARES = ("delta_loss", "kl")  # intervention_positions.jsonl's <quantity>_share
 
 
 def probe_tokens(count: int, separator: int, vocab: int, every: int = 97) -> torch.Tensor:
@@ -102,10 +104,39 @@ def differences(expected: object, actual: object, where: str) -> list[tuple[str,
     return [] if actual == expected else [(where, expected, actual)]
 
 
+def shares_as_changes(records: dict[str, list[dict]], means: dict[tuple, dict[str, float]]) -> None:
+    """Each ``<quantity>_share`` of intervention_positions.jsonl times its scope's mean change (from
+    ``means``, the reference's): the bucket's change per scope token, a sum as exact as the other means. The
+    share itself divides by the scope's total, which on the tiny GPT is ~1e-5 nats (buckets of -10x and +22x
+    the whole): there its float32 rounding across CPUs reaches 4e-4 relative."""
+    for row in records.get("intervention_positions.jsonl", []):
+        for quantity in SHARES:
+            if row[f"{quantity}_share"] is not None:
+                row[f"{quantity}_share"] *= means[row["scope"], row["scope_name"]][quantity]
+
+
+def scope_means(records: dict[str, list[dict]]) -> dict[tuple, dict[str, float]]:
+    """Per scope of intervention_positions.jsonl: the mean change per token over its position buckets."""
+    totals: dict[tuple, dict[str, float]] = {}
+    counts: dict[tuple, int] = {}
+    for row in records.get("intervention_positions.jsonl", []):
+        if row["bucket"] == DOC_START or not row["tokens"]:
+            continue
+        key = row["scope"], row["scope_name"]
+        counts[key] = counts.get(key, 0) + row["tokens"]
+        for quantity in SHARES:
+            sums = totals.setdefault(key, dict.fromkeys(SHARES, 0.0))
+            sums[quantity] += (row[quantity] or 0.0) * row["tokens"]
+    return {key: {q: total / counts[key] for q, total in sums.items()} for key, sums in totals.items()}
+
+
 def check(name: str) -> None:
     with gzip.open(fixture(name), "rt") as file:
         expected = json.load(file)
     actual = json.loads(json.dumps(MAKERS[name]()))  # as written: tuples are lists, NaN stays NaN
+    means = scope_means(expected)
+    shares_as_changes(expected, means)
+    shares_as_changes(actual, means)
     assert list(actual) == list(expected)
     different = differences(expected, actual, name)
     assert not different, f"{len(different)} field(s) differ, e.g. {different[:10]}"
