@@ -117,12 +117,12 @@ class MeanSourcesStatistics:
         self.max_abs = [torch.zeros(d, **f64) for d in self.dims]
         self.abs_hist = torch.zeros((self.num_sites, ABS_BINS), dtype=torch.int64, device=self.device)
         self.starts = torch.tensor(BUCKET_STARTS, device=self.device)  # once: no host copy per update
-        # Per site: the histogram bin that band_hist's counts per float32 value start at (its origin), with
-        # one last slot for the entries outside the band, and the bins [band_low, band_high) whose every
-        # entry they count (a merge keeps the bins both sides counted); -1: not yet chosen.
+        # Per site: the histogram bin that band_hist's counts per float32 value start at (its origin), and
+        # the bins [band_low, band_high) whose every entry they count (a merge keeps the bins both sides
+        # counted); -1: not yet chosen.
         self.band_start = torch.full((self.num_sites,), -1, dtype=torch.int64, device=self.device)
         self.band_low, self.band_high = self.band_start.clone(), self.band_start.clone()
-        self.band_hist = torch.zeros((self.num_sites, MEDIAN_BAND * FINE_BINS + 1), dtype=torch.int32,
+        self.band_hist = torch.zeros((self.num_sites, MEDIAN_BAND * FINE_BINS), dtype=torch.int32,
                                      device=self.device)
         self.band_started = [False] * self.num_sites
         self.documents = documents
@@ -198,11 +198,10 @@ class MeanSourcesStatistics:
                 add_counts(self.abs_hist[site], torch.bitwise_right_shift(bits, ABS_SHIFT, out=bins))
             inside = torch.ge(bits, low, out=self.scratch("inside", shape, torch.bool))
             inside &= torch.lt(bits, high, out=self.scratch("below", shape, torch.bool))
-            # The band's entries alone, and those outside in the last slot: no pass as long as the band.
-            # Clamped into the band: a GPU's index_add_ weighs the entries outside by 0 but indexes them.
+            # The band's entries alone: no pass as long as the band. Clamped into the band: a GPU's index_add_
+            # weighs the entries outside by 0 but indexes them.
             slots = bits.sub_(low).clamp_(0, MEDIAN_BAND * FINE_BINS - 1)
-            add_counts(band[:-1], slots.view(-1), inside.view(-1))
-            band[-1] += inside.numel() - inside.sum()
+            add_counts(band, slots.view(-1), inside.view(-1))
         square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
         if units is not None:
             self.unit_mean_sq[site].index_add_(0, units, square.reshape(-1))
@@ -286,7 +285,7 @@ class MeanSourcesStatistics:
     @staticmethod
     def rebased(hist: torch.Tensor, start: int, low: int, high: int, origin: int) -> torch.Tensor:
         """A site's band counts ``hist`` (origin bin ``start``) with only the bins [low, high), moved to
-        origin bin ``origin`` (the outside slot emptied)."""
+        origin bin ``origin``."""
         out = torch.zeros_like(hist)
         for bin_ in range(low, high):
             source, target = (bin_ - start) * FINE_BINS, (bin_ - origin) * FINE_BINS
@@ -319,7 +318,7 @@ class MeanSourcesStatistics:
                 continue
             # The rank of the median entry among the band's entries: those in bins below it come first.
             rank = (int(total[s]) + 1) // 2 - int(self.abs_hist[s, : int(self.band_low[s])].sum())
-            cumulative = self.band_hist[s, :-1].long().cumsum(dim=0)
+            cumulative = self.band_hist[s].long().cumsum(dim=0)
             value = int(torch.searchsorted(cumulative, torch.tensor([rank], device=self.device)))
             bits = torch.tensor([start * FINE_BINS + value], dtype=torch.int32)
             median[s] = float(bits.view(torch.float32))
