@@ -112,7 +112,11 @@ def shares_as_changes(records: dict[str, list[dict]], means: dict[tuple, dict[st
     for row in records.get("intervention_positions.jsonl", []):
         for quantity in SHARES:
             if row[f"{quantity}_share"] is not None:
-                row[f"{quantity}_share"] *= means[row["scope"], row["scope_name"]][quantity]
+                row[f"{quantity}_share"] *= means[scope_key(row)][quantity]
+
+
+def scope_key(row: dict) -> tuple:
+    return row["scope"], row["scope_name"], row["action"], row["output"]
 
 
 def scope_means(records: dict[str, list[dict]]) -> dict[tuple, dict[str, float]]:
@@ -122,7 +126,7 @@ def scope_means(records: dict[str, list[dict]]) -> dict[tuple, dict[str, float]]
     for row in records.get("intervention_positions.jsonl", []):
         if row["bucket"] == DOC_START or not row["tokens"]:
             continue
-        key = row["scope"], row["scope_name"]
+        key = scope_key(row)
         counts[key] = counts.get(key, 0) + row["tokens"]
         for quantity in SHARES:
             sums = totals.setdefault(key, dict.fromkeys(SHARES, 0.0))
