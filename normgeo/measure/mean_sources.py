@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from normgeo.measure.energy import QUANTITIES, EnergyStatistics
+from normgeo.measure.geometry import reads_back
 from normgeo.measure.measurement import Measurement, ProbeBatch, RecordKeys
 from normgeo.measure.norm_sites import NormSite
 from normgeo.measure.probe import ProbeSite, input_sites
@@ -68,6 +69,7 @@ ABS_SHIFT = 23 - ABS_MANTISSA_BITS  # float32 bits below the bin's
 # count per float32 value (their remaining ABS_SHIFT mantissa bits): MEDIAN_BAND * 2^18 int32, 5 MiB a site.
 MEDIAN_BAND = 5
 FINE_BINS = 1 << ABS_SHIFT
+BAND_SLOTS = MEDIAN_BAND * FINE_BINS  # one per float32 value of the band
 MAX_UNITS = 256  # resampling units of the bootstrap over documents (documents beyond fold into groups)
 CHUNK_TOKENS = 1024  # CPU: tokens per chunk of the passes over every entry (float64: 4.5 MiB at d = 576)
 FRACTION = QUANTITIES.index("ones_fraction")
@@ -122,7 +124,7 @@ class MeanSourcesStatistics:
         # counted); -1: not yet chosen.
         self.band_start = torch.full((self.num_sites,), -1, dtype=torch.int64, device=self.device)
         self.band_low, self.band_high = self.band_start.clone(), self.band_start.clone()
-        self.band_hist = torch.zeros((self.num_sites, MEDIAN_BAND * FINE_BINS), dtype=torch.int32,
+        self.band_hist = torch.zeros((self.num_sites, BAND_SLOTS), dtype=torch.int32,
                                      device=self.device)
         self.band_started = [False] * self.num_sites
         self.documents = documents
@@ -177,9 +179,8 @@ class MeanSourcesStatistics:
         means = []
         band = self.band_hist[site]
         # A value's slot in the band is its bits past the band's first value: (bin - start) * FINE_BINS plus
-        # its low mantissa bits. int32 bounds: a 0-d int64 one would send every comparison down a cast.
+        # its low mantissa bits. An int32 origin: a 0-d int64 one would send the subtraction down a cast.
         low = (self.band_start[site] << ABS_SHIFT).to(torch.int32)
-        high = low + MEDIAN_BAND * FINE_BINS
         for number, chunk in enumerate(flat.split(chunk_tokens)):
             shape = chunk.shape
             # float64 for the decomposition: sum_i phi_i = E[mu^2] to rounding only when mu, phi are one sum.
@@ -196,12 +197,19 @@ class MeanSourcesStatistics:
             if not counted:
                 bins = self.scratch("bins", shape, torch.int32)
                 add_counts(self.abs_hist[site], torch.bitwise_right_shift(bits, ABS_SHIFT, out=bins))
-            inside = torch.ge(bits, low, out=self.scratch("inside", shape, torch.bool))
-            inside &= torch.lt(bits, high, out=self.scratch("below", shape, torch.bool))
-            # The band's entries alone: no pass as long as the band. Clamped into the band: a GPU's index_add_
-            # weighs the entries outside by 0 but indexes them.
-            slots = bits.sub_(low).clamp_(0, MEDIAN_BAND * FINE_BINS - 1)
-            add_counts(band, slots.view(-1), inside.view(-1))
+            slots = bits.sub_(low)  # below the band: negative
+            if reads_back(self.device):
+                # One unsigned comparison (an entry below the band wraps past it) and numpy's selection: the
+                # band's entries alone, counted in a third of the time of two comparisons and masked_select.
+                entries = slots.numpy().reshape(-1)
+                inside = np.less(entries.view(np.uint32), BAND_SLOTS,
+                                 out=self.scratch("inside", shape, torch.bool).numpy().reshape(-1))
+                add_counts(band, torch.from_numpy(entries[inside]))
+            else:
+                inside = torch.ge(slots, 0, out=self.scratch("inside", shape, torch.bool))
+                inside &= torch.lt(slots, BAND_SLOTS, out=self.scratch("below", shape, torch.bool))
+                # Clamped into the band: a GPU's index_add_ weighs the entries outside by 0 but indexes them.
+                add_counts(band, slots.clamp_(0, BAND_SLOTS - 1).view(-1), inside.view(-1))
         square = torch.cat(means).view(x.shape[:2]).square()  # (rows, T)
         if units is not None:
             self.unit_mean_sq[site].index_add_(0, units, square.reshape(-1))
@@ -289,7 +297,7 @@ class MeanSourcesStatistics:
         out = torch.zeros_like(hist)
         for bin_ in range(low, high):
             source, target = (bin_ - start) * FINE_BINS, (bin_ - origin) * FINE_BINS
-            if 0 <= target < MEDIAN_BAND * FINE_BINS:
+            if 0 <= target < BAND_SLOTS:
                 out[target : target + FINE_BINS] = hist[source : source + FINE_BINS]
         return out
 
