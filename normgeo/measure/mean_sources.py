@@ -324,11 +324,13 @@ class MeanSourcesStatistics:
             start = int(self.band_start[s])
             if start < 0 or not int(self.band_low[s]) <= int(index[s]) < int(self.band_high[s]):
                 continue
-            # The rank of the median entry among the band's entries: those in bins below it come first.
-            rank = (int(total[s]) + 1) // 2 - int(self.abs_hist[s, : int(self.band_low[s])].sum())
-            cumulative = self.band_hist[s].long().cumsum(dim=0)
+            # The rank of the median entry within its histogram bin, whose every entry the band counted (the
+            # histogram's count of the bin is theirs): those in bins below it come first.
+            rank = (int(total[s]) + 1) // 2 - int(self.abs_hist[s, : int(index[s])].sum())
+            first = (int(index[s]) - start) * FINE_BINS
+            cumulative = self.band_hist[s, first : first + FINE_BINS].long().cumsum(dim=0)
             value = int(torch.searchsorted(cumulative, torch.tensor([rank], device=self.device)))
-            bits = torch.tensor([start * FINE_BINS + value], dtype=torch.int32)
+            bits = torch.tensor([start * FINE_BINS + first + value], dtype=torch.int32)
             median[s] = float(bits.view(torch.float32))
             exact[s] = True
         return median, exact

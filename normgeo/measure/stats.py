@@ -17,6 +17,7 @@ them, because tokens of one document are not independent draws.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import warnings
@@ -618,17 +619,19 @@ def null_comparison(stats: AngleStatistics, ref: int = 0) -> dict[str, torch.Ten
     return result
 
 
+@functools.lru_cache(maxsize=8)
 def block_weights(sequences: int, *, replicates: int, block: int, seed: int) -> tuple[int, np.ndarray]:
-    """(number of blocks, (replicates, blocks) resampling weights): the one block-bootstrap draw.
+    """(number of blocks, (replicates, blocks) resampling weights, read-only): the one block-bootstrap draw.
 
     Blocks of ``block`` consecutive probe sequences (a document longer than a sequence continues in the
     next) are drawn with replacement, as many as there are blocks. Every interval over probe sequences
     (``null.jsonl``'s, ``intervention.jsonl``'s) uses this draw: the same ``seed`` and number of sequences
-    give the same resamples.
+    give the same resamples. Drawn once per arguments (cached): every site of a probe asks for the same.
     """
     blocks = -(-sequences // block)
     rng = np.random.default_rng(seed)
     weights = rng.multinomial(blocks, np.full(blocks, 1.0 / blocks), size=replicates).astype(np.float64)
+    weights.flags.writeable = False
     return blocks, weights
 
 
